@@ -88,6 +88,10 @@ class Task(ABC):
         """Load the task's standard on-disk format."""
         raise NotImplementedError(f"task {self.name!r} has no file format")
 
+    def save(self, dataset: TokenDataset, path: str | Path) -> None:
+        """Write ``dataset`` in the task's standard on-disk format (the inverse of ``load``)."""
+        raise NotImplementedError(f"task {self.name!r} has no file format")
+
     @abstractmethod
     def check(self, inputs: np.ndarray, prediction: np.ndarray) -> bool:
         """Independent validity of one prediction (token arrays [T]); never compares with labels."""

@@ -1,0 +1,3 @@
+from loopformer.cli import main
+
+main()

