@@ -1,0 +1,244 @@
+"""Building blocks shared by every model family.
+
+- ``RMSNorm``: root-mean-square norm (no mean subtraction), learnable gain.
+- ``Rotary``: rotary position embeddings (RoFormer), cached per length.
+- ``Attention``: multi-head attention through ``F.scaled_dot_product_attention`` (causal or
+  bidirectional), so CUDA gets flash / memory-efficient kernels and CPU the math kernel;
+  no flash-attn dependency.
+- ``SwiGLU``: gated MLP, hidden width ``expansion * d * 2/3`` rounded up (TRM / FPRM sizing).
+- ``Block``: attention + MLP with the norm placement chosen by name (SYSTEMS.md 1, 4):
+  ``pre``  h = h (+) S(norm(h))            (GPT-2, FPRM, Attractor)
+  ``post`` h = norm(h (+) S(h))            (original Transformer, TRM, HRM, UT)
+  ``sandwich`` / ``peri``  h = h (+) norm(S(norm(h)))  (Huginn sandwich, Peri-LN; FPRM's "peri-norm")
+  where (+) is the residual update, ``h + u`` by default. FPRM replaces it with its tied
+  scaling ``a1 * h + b1 * u`` through the ``residual`` hook, without a separate block class.
+- ``DepthwiseConv1d`` (causal, kernel 4) and ``DepthwiseConv2d`` (grid, kernel 3): FPRM's optional
+  token-mixing convolutions.
+- ``trunc_normal_state``: FPRM's truncated-normal initial iterate (std 6).
+- ``autocast``: bf16 autocast on CUDA when asked, a no-op on CPU float32.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+ResidualFn = Callable[[Tensor, Tensor], Tensor]
+NORM_PLACEMENTS = ("pre", "post", "sandwich", "peri")
+
+
+def _add(h: Tensor, u: Tensor) -> Tensor:
+    return h + u
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6, learnable: bool = True) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim)) if learnable else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+class Rotary(nn.Module):
+    """Rotary position embedding applied to q and k of shape [B, H, T, Dh]."""
+
+    def __init__(self, head_dim: int, base: float = 10000.0) -> None:
+        super().__init__()
+        if head_dim % 2:
+            raise ValueError(f"rotary embeddings need an even head dimension, got {head_dim}")
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self._cache: tuple[int, torch.device, torch.dtype, Tensor, Tensor] | None = None
+
+    def cos_sin(self, T: int, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        c = self._cache
+        if c is None or c[0] < T or c[1] != device or c[2] != dtype:
+            t = torch.arange(T, device=device, dtype=torch.float32)
+            freqs = torch.outer(t, self.inv_freq.to(device))
+            self._cache = (T, device, dtype, freqs.cos().to(dtype), freqs.sin().to(dtype))
+            c = self._cache
+        return c[3][:T], c[4][:T]
+
+    def forward(self, x: Tensor) -> Tensor:
+        cos, sin = self.cos_sin(x.shape[-2], x.device, x.dtype)
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+        return out.flatten(-2)
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, n_heads: int, causal: bool = False, rope: bool = True) -> None:
+        super().__init__()
+        if dim % n_heads:
+            raise ValueError(f"d_model {dim} is not divisible by n_heads {n_heads}")
+        self.n_heads, self.head_dim, self.causal = n_heads, dim // n_heads, causal
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.proj = nn.Linear(dim, dim, bias=False)
+        self.rotary = Rotary(self.head_dim) if rope else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-2], shape[-1])  # any leading dims fold into the batch
+        B, T, D = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        if self.rotary is not None:
+            q, k = self.rotary(q), self.rotary(k)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+        return self.proj(y.transpose(1, 2).reshape(B, T, D)).reshape(shape)
+
+
+def swiglu_hidden(dim: int, expansion: float, multiple_of: int = 64) -> int:
+    h = round(expansion * dim * 2 / 3)
+    return multiple_of * math.ceil(h / multiple_of)
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, dim: int, expansion: float = 4.0, multiple_of: int = 64) -> None:
+        super().__init__()
+        hidden = swiglu_hidden(dim, expansion, multiple_of)
+        self.gate_up = nn.Linear(dim, 2 * hidden, bias=False)
+        self.down = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class MLPMixer(nn.Module):
+    """Token mixing by an MLP across positions (TRM's attention-free variant for fixed-size grids)."""
+
+    def __init__(self, seq_len: int, expansion: float = 4.0) -> None:
+        super().__init__()
+        self.mlp = SwiGLU(seq_len, expansion, multiple_of=8)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.mlp(x.transpose(-1, -2)).transpose(-1, -2)
+
+
+class Block(nn.Module):
+    """Token mixer (attention or MLP-mixer) + SwiGLU, with a chosen norm placement.
+
+    ``forward(h, residual=fn)`` applies ``fn(h, u)`` for each of the two sub-layer outputs ``u``
+    (default ``h + u``); FPRM passes its tied scaling ``a1 * h + b1 * u``.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        n_heads: int,
+        norm: str = "pre",
+        causal: bool = False,
+        rope: bool = True,
+        expansion: float = 4.0,
+        mixer: str = "attention",
+        seq_len: int | None = None,
+        out_init_scale: float = 1.0,
+    ) -> None:
+        super().__init__()
+        if norm not in NORM_PLACEMENTS:
+            raise ValueError(f"unknown norm placement {norm!r}; choose one of {NORM_PLACEMENTS}")
+        self.norm = "sandwich" if norm == "peri" else norm
+        if mixer == "attention":
+            self.mix: nn.Module = Attention(dim, n_heads, causal=causal, rope=rope)
+        elif mixer == "mlp":
+            if seq_len is None or causal:
+                raise ValueError("the MLP-mixer needs a fixed seq_len and bidirectional inputs")
+            self.mix = MLPMixer(seq_len, expansion)
+        else:
+            raise ValueError(f"unknown token mixer {mixer!r}; choose 'attention' or 'mlp'")
+        self.mlp = SwiGLU(dim, expansion)
+        self.norm1, self.norm2 = RMSNorm(dim), RMSNorm(dim)
+        if self.norm == "sandwich":
+            self.out_norm1, self.out_norm2 = RMSNorm(dim), RMSNorm(dim)
+        if out_init_scale != 1.0:  # e.g. LTG / GPT-2: output projections scaled near zero at init
+            with torch.no_grad():
+                for lin in self.output_projections():
+                    lin.weight.mul_(out_init_scale)
+
+    def output_projections(self) -> list[nn.Linear]:
+        outs = [self.mlp.down]
+        if isinstance(self.mix, Attention):
+            outs.append(self.mix.proj)
+        else:
+            outs.append(self.mix.mlp.down)
+        return outs
+
+    def sublayers(self) -> Iterator[tuple[nn.Module, RMSNorm, RMSNorm | None]]:
+        yield self.mix, self.norm1, getattr(self, "out_norm1", None)
+        yield self.mlp, self.norm2, getattr(self, "out_norm2", None)
+
+    def forward(self, h: Tensor, residual: ResidualFn = _add) -> Tensor:
+        for layer, norm, out_norm in self.sublayers():
+            if self.norm == "pre":
+                h = residual(h, layer(norm(h)))
+            elif self.norm == "post":
+                h = norm(residual(h, layer(h)))
+            else:
+                h = residual(h, out_norm(layer(norm(h))))
+        return h
+
+
+class DepthwiseConv1d(nn.Module):
+    """Causal depthwise convolution over the token axis of [B, T, d] (FPRM: kernel 4)."""
+
+    def __init__(self, dim: int, kernel: int = 4) -> None:
+        super().__init__()
+        self.kernel = kernel
+        self.conv = nn.Conv1d(dim, dim, kernel, groups=dim, bias=False)
+        nn.init.zeros_(self.conv.weight)  # starts as the identity map through the residual
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = F.pad(x.transpose(1, 2), (self.kernel - 1, 0))
+        return self.conv(y).transpose(1, 2)
+
+
+class DepthwiseConv2d(nn.Module):
+    """Depthwise convolution over tokens laid out as an H x W grid (FPRM Sudoku: kernel 3).
+
+    Tokens beyond H * W (e.g. prepended puzzle-embedding tokens) pass through unchanged (zero output).
+    """
+
+    def __init__(self, dim: int, grid: tuple[int, int], kernel: int = 3) -> None:
+        super().__init__()
+        self.grid = grid
+        self.conv = nn.Conv2d(dim, dim, kernel, padding=kernel // 2, groups=dim, bias=False)
+        nn.init.zeros_(self.conv.weight)
+
+    def forward(self, x: Tensor) -> Tensor:
+        H, W = self.grid
+        B, T, D = x.shape
+        n = H * W
+        if T < n:
+            raise ValueError(f"grid convolution expects at least {n} tokens ({H}x{W}), got {T}")
+        g = x[:, T - n :].transpose(1, 2).reshape(B, D, H, W)
+        y = self.conv(g).reshape(B, D, n).transpose(1, 2)
+        return F.pad(y, (0, 0, T - n, 0)) if T > n else y
+
+
+def trunc_normal_state(
+    shape: tuple[int, ...],
+    std: float,
+    device: torch.device | None = None,
+    dtype: torch.dtype = torch.float32,
+    generator: torch.Generator | None = None,
+) -> Tensor:
+    """A truncated-normal tensor (cut at +-2 std), FPRM's initial iterate (std 6.0)."""
+    z = torch.empty(shape, device=device, dtype=dtype)
+    if std == 0:
+        return z.zero_()
+    return nn.init.trunc_normal_(z, mean=0.0, std=std, a=-2 * std, b=2 * std, generator=generator)
+
+
+def autocast(device: torch.device | str, bf16: bool) -> contextlib.AbstractContextManager:
+    """bf16 autocast on CUDA when ``bf16``; otherwise a no-op (CPU runs in float32)."""
+    device_type = torch.device(device).type
+    if bf16 and device_type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
