@@ -1,0 +1,716 @@
+"""Sudoku of any box shape: exact solver, unique-solution generator, augmentations, Sudoku-Extreme CSV.
+
+Data conventions follow SYSTEMS.md section 5 (Sudoku-Extreme, HRM/TRM):
+- tokens: 0 = PAD (unused), 1 = blank, digit d -> d + 1; vocab = size + 2; seq_len = size * size;
+  labels are the full solution's tokens (HRM's ``arr + 1`` encoding).
+- CSV ``source,question,answer,rating``: ``question``/``answer`` are size*size characters row-major,
+  '.' (or '0') for blanks; digits are the symbols ``123456789ABCDEFG`` (so 16x16 writes 10..16 as
+  A..G, read case-insensitively).  ``rating`` in Sudoku-Extreme is the tdoku backtrack count; here
+  ``load`` puts the rating column into ``TokenDataset.difficulty`` and ``save`` writes ``difficulty``
+  as the rating, so the two are exact inverses.  Generated datasets use difficulty = number of blanks
+  and keep the solver's backtrack counts in ``meta["backtracks"]``.
+
+Solver: bitmask candidates, constraint propagation (naked + hidden singles), then depth-first search on
+the cell with fewest candidates (MRV).  ``backtracks`` counts branches that propagation refuted: 0 for
+puzzles that singles alone solve; a "rating"-like difficulty in the spirit of Sudoku-Extreme's.
+
+Generator: a random full grid (randomised search on the empty grid), then clues removed in random order
+while the solution stays unique.  Uniqueness after removing clue v at cell c is tested by asking the
+solver for any solution with c != v (one existence search instead of counting to two); a clue whose
+peers already exclude every other digit is removed without search.  Augmentations (SYSTEMS.md s5:
+digit permutation, band / row-in-band and stack / column-in-stack shuffles, transpose) have exact
+inverses; transpose is only offered for square boxes (it would swap a 2x3 box into a 3x2 box).
+"""
+
+from __future__ import annotations
+
+import csv
+import functools
+import random
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from loopformer.tasks.base import Task, TaskDataError, TokenDataset
+
+PAD_TOKEN = 0
+BLANK_TOKEN = 1
+SYMBOLS = "123456789ABCDEFG"
+DEFAULT_BOXES: dict[int, tuple[int, int]] = {4: (2, 2), 6: (2, 3), 9: (3, 3), 16: (4, 4)}
+CSV_COLUMNS = ("source", "question", "answer", "rating")
+
+
+# ----------------------------------------------------------------------------------------------------
+# geometry and solver
+# ----------------------------------------------------------------------------------------------------
+
+
+class SudokuGeometry:
+    """Cells, units (rows, columns, boxes) and peers of a size x size grid with box_r x box_c boxes."""
+
+    def __init__(self, size: int, box: tuple[int, int]) -> None:
+        box_r, box_c = box
+        if box_r * box_c != size or box_r < 1 or box_c < 1:
+            raise ValueError(f"box {box} does not tile a {size}x{size} grid (need rows * cols == {size})")
+        if size > len(SYMBOLS):
+            raise ValueError(f"size {size} > {len(SYMBOLS)} is not supported (symbols {SYMBOLS})")
+        self.size = size
+        self.box = (box_r, box_c)
+        self.cells = size * size
+        self.full = (1 << size) - 1
+        rows = [tuple(r * size + c for c in range(size)) for r in range(size)]
+        cols = [tuple(r * size + c for r in range(size)) for c in range(size)]
+        boxes = []
+        for br in range(0, size, box_r):
+            for bc in range(0, size, box_c):
+                boxes.append(tuple((br + i) * size + bc + j for i in range(box_r) for j in range(box_c)))
+        self.rows, self.cols, self.boxes = rows, cols, boxes
+        self.units: list[tuple[int, ...]] = rows + cols + boxes
+        peers: list[set[int]] = [set() for _ in range(self.cells)]
+        for unit in self.units:
+            for cell in unit:
+                peers[cell].update(unit)
+        self.peers: list[tuple[int, ...]] = [tuple(sorted(p - {cell})) for cell, p in enumerate(peers)]
+
+    def box_of(self, cell: int) -> int:
+        r, c = divmod(cell, self.size)
+        return (r // self.box[0]) * (self.size // self.box[1]) + c // self.box[1]
+
+
+@functools.lru_cache(maxsize=16)
+def _geometry(size: int, box: tuple[int, int]) -> SudokuGeometry:
+    return SudokuGeometry(size, box)
+
+
+def _propagate(geo: SudokuGeometry, cand: list[int], queue: list[int]) -> bool:
+    """Naked and hidden singles to a fixed point; ``queue`` holds newly fixed cells. False on contradiction."""
+    peers, units, full = geo.peers, geo.units, geo.full
+    while True:
+        while queue:
+            cell = queue.pop()
+            bit = cand[cell]
+            for p in peers[cell]:
+                m = cand[p]
+                if m & bit:
+                    m ^= bit
+                    if not m:
+                        return False
+                    cand[p] = m
+                    if not m & (m - 1):
+                        queue.append(p)
+        for unit in units:
+            once = twice = 0
+            for c in unit:
+                m = cand[c]
+                twice |= once & m
+                once |= m
+            if once != full:
+                return False
+            hidden = once & ~twice
+            if hidden:
+                for c in unit:
+                    m = cand[c]
+                    h = m & hidden
+                    if h and m != h:
+                        if h & (h - 1):
+                            return False  # two digits that must both go in this one cell
+                        cand[c] = h
+                        queue.append(c)
+        if not queue:
+            return True
+
+
+def _bits(mask: int) -> list[int]:
+    out = []
+    while mask:
+        low = mask & -mask
+        out.append(low)
+        mask ^= low
+    return out
+
+
+class _Search:
+    """Depth-first search with MRV; collects up to ``limit`` solutions and counts refuted branches."""
+
+    def __init__(self, geo: SudokuGeometry, limit: int, rng: random.Random | None = None) -> None:
+        self.geo, self.limit, self.rng = geo, limit, rng
+        self.solutions: list[list[int]] = []
+        self.backtracks = 0
+
+    def run(self, cand: list[int]) -> None:
+        best, best_count = -1, 1 << 30
+        for i, m in enumerate(cand):
+            if m & (m - 1):
+                k = m.bit_count()
+                if k < best_count:
+                    best, best_count = i, k
+                    if k == 2:
+                        break
+        if best < 0:
+            self.solutions.append(cand)
+            return
+        options = _bits(cand[best])
+        if self.rng is not None:
+            self.rng.shuffle(options)
+        for bit in options:
+            child = cand[:]
+            child[best] = bit
+            if _propagate(self.geo, child, [best]):
+                self.run(child)
+                if len(self.solutions) >= self.limit:
+                    return
+            else:
+                self.backtracks += 1
+
+
+def _initial_candidates(geo: SudokuGeometry, digits: Iterable[int]) -> list[int] | None:
+    """Candidate masks from digits (0 = blank); None when the givens contradict each other."""
+    cand, queue = [], []
+    for cell, d in enumerate(digits):
+        if d:
+            cand.append(1 << (d - 1))
+            queue.append(cell)
+        else:
+            cand.append(geo.full)
+    # explicit duplicate check: propagation alone would also catch it, but only via emptied peers
+    for unit in geo.units:
+        seen = 0
+        for c in unit:
+            m = cand[c]
+            if not m & (m - 1):
+                if seen & m:
+                    return None
+                seen |= m
+    if not _propagate(geo, cand, queue):
+        return None
+    return cand
+
+
+def _masks_to_digits(cand: list[int]) -> list[int]:
+    return [m.bit_length() for m in cand]
+
+
+# ----------------------------------------------------------------------------------------------------
+# augmentation
+# ----------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SudokuTransform:
+    """A validity-preserving relabelling: out = digit_map[transpose?(grid[rows][:, cols])].
+
+    digit_map[d - 1] is the new digit for digit d; rows / cols are the source row / column of each output
+    row / column (band and row-in-band / stack and column-in-stack shuffles); transpose applies last.
+    """
+
+    digit_map: tuple[int, ...]
+    rows: tuple[int, ...]
+    cols: tuple[int, ...]
+    transpose: bool
+
+
+# ----------------------------------------------------------------------------------------------------
+# the task
+# ----------------------------------------------------------------------------------------------------
+
+
+def _generate_one(geo: SudokuGeometry, seed: int, target_blanks: int) -> tuple[list[int], list[int], int]:
+    """One unique-solution puzzle: (givens digits, solution digits, blanks); blanks may fall short of target."""
+    rng = random.Random(seed)
+    search = _Search(geo, 1, rng)
+    search.run([geo.full] * geo.cells)
+    solution = _masks_to_digits(search.solutions[0])
+    givens = solution[:]
+    order = list(range(geo.cells))
+    rng.shuffle(order)
+    full, peers = geo.full, geo.peers
+    blanks = 0
+    for cell in order:
+        if blanks >= target_blanks:
+            break
+        v = givens[cell]
+        givens[cell] = 0
+        seen = 0
+        for p in peers[cell]:
+            d = givens[p]
+            if d:
+                seen |= 1 << (d - 1)
+        if full & ~seen != 1 << (v - 1):
+            # unique iff no solution puts another digit at this cell
+            cand = _initial_candidates(geo, givens)
+            assert cand is not None
+            cand[cell] &= ~(1 << (v - 1))
+            alt = cand[cell]
+            if alt and _propagate(geo, cand, [] if alt & (alt - 1) else [cell]):
+                probe = _Search(geo, 1)
+                probe.run(cand)
+                if probe.solutions:
+                    givens[cell] = v
+                    continue
+        blanks += 1
+    return givens, solution, blanks
+
+
+def _generate_worker(args: tuple[int, tuple[int, int], int, int, int, int]) -> tuple[list[int], list[int], int, int]:
+    size, box, sub_seed, min_blanks, max_blanks, min_backtracks = args
+    geo = _geometry(size, box)
+    rng = random.Random(sub_seed)
+    for _attempt in range(200):
+        target = rng.randint(min_blanks, max_blanks)
+        givens, solution, blanks = _generate_one(geo, rng.getrandbits(63), target)
+        if blanks < min_blanks:
+            continue
+        search = _Search(geo, 2)
+        search.run(_initial_candidates(geo, givens))  # type: ignore[arg-type]
+        if search.backtracks < min_backtracks:
+            continue
+        return givens, solution, blanks, search.backtracks
+    raise ValueError(
+        f"could not reach min_blanks={min_blanks} / min_backtracks={min_backtracks} on a {size}x{size} "
+        "sudoku in 200 attempts; lower the requirement"
+    )
+
+
+def _sub_seed(seed: int, index: int, attempt: int) -> int:
+    state = np.random.SeedSequence([seed, index, attempt]).generate_state(2, dtype=np.uint32)
+    return int(state[0]) << 32 | int(state[1])
+
+
+class SudokuTask(Task):
+    """size x size Sudoku with box_r x box_c boxes (4: 2x2, 6: 2x3, 9: 3x3, 16: 4x4 unless ``box`` given)."""
+
+    name = "sudoku"
+    causal = False
+
+    def __init__(self, size: int = 9, box: tuple[int, int] | list[int] | None = None) -> None:
+        if box is None:
+            if size not in DEFAULT_BOXES:
+                raise ValueError(f"no default box shape for size {size}; pass box=(rows, cols)")
+            box = DEFAULT_BOXES[size]
+        box_t = (int(box[0]), int(box[1]))
+        self.geometry = SudokuGeometry(size, box_t)
+        self.size = size
+        self.box = box_t
+        self.vocab_size = size + 2
+        self.seq_len = size * size
+        self.symbols = SYMBOLS[:size]
+
+    # ---------------------------------------------------------------- conversions
+    def _digits(self, grid: np.ndarray | list[int], what: str = "grid") -> list[int]:
+        """Token array [T] or [size, size] -> digits list (0 blank)."""
+        arr = np.asarray(grid).reshape(-1)
+        if arr.shape != (self.seq_len,):
+            raise TaskDataError(f"{what} has {arr.size} cells, expected {self.seq_len}")
+        if arr.min() < BLANK_TOKEN or arr.max() > self.size + 1:
+            raise TaskDataError(f"{what} has tokens outside [1, {self.size + 1}] (1 = blank, d + 1 = digit d)")
+        return [int(t) - 1 for t in arr]
+
+    def _tokens(self, digits: list[int]) -> np.ndarray:
+        return np.asarray(digits, dtype=np.int64) + 1
+
+    def parse_grid(self, text: str, what: str = "grid") -> np.ndarray:
+        """size*size characters row-major ('.' or '0' blank, symbols 1-9 A-G; whitespace ignored) -> tokens [T]."""
+        chars = "".join(text.split())
+        if len(chars) != self.seq_len:
+            raise TaskDataError(f"{what} has {len(chars)} characters, expected {self.seq_len}")
+        out = np.empty(self.seq_len, dtype=np.int64)
+        for i, ch in enumerate(chars.upper()):
+            if ch in ".0":
+                out[i] = BLANK_TOKEN
+            else:
+                d = self.symbols.find(ch)
+                if d < 0:
+                    raise TaskDataError(
+                        f"{what} has bad character {chars[i]!r} at position {i} "
+                        f"(allowed: '.', '0', {self.symbols!r})"
+                    )
+                out[i] = d + 2
+        return out
+
+    def format_grid(self, tokens: np.ndarray) -> str:
+        """Tokens [T] -> size*size characters, '.' for blanks (the CSV encoding)."""
+        return "".join("." if d == 0 else self.symbols[d - 1] for d in self._digits(tokens))
+
+    def find_conflict(self, tokens: np.ndarray) -> str | None:
+        """A description of the first duplicated digit in a row / column / box, or None."""
+        digits = self._digits(tokens)
+        geo = self.geometry
+        for kind, units in (("row", geo.rows), ("column", geo.cols), ("box", geo.boxes)):
+            for idx, unit in enumerate(units):
+                seen: dict[int, int] = {}
+                for cell in unit:
+                    d = digits[cell]
+                    if d:
+                        if d in seen:
+                            return f"digit {self.symbols[d - 1]} appears twice in {kind} {idx + 1}"
+                        seen[d] = cell
+        return None
+
+    # ---------------------------------------------------------------- solver
+    def solve(self, grid: np.ndarray) -> tuple[np.ndarray | None, int]:
+        """(solution tokens [T] or None if unsolvable, backtracks) for a token grid; the first solution found."""
+        cand = _initial_candidates(self.geometry, self._digits(grid))
+        if cand is None:
+            return None, 0
+        search = _Search(self.geometry, 1)
+        search.run(cand)
+        if not search.solutions:
+            return None, search.backtracks
+        return self._tokens(_masks_to_digits(search.solutions[0])), search.backtracks
+
+    def count_solutions(self, grid: np.ndarray, limit: int = 2) -> int:
+        """Number of solutions, counting stops at ``limit``."""
+        cand = _initial_candidates(self.geometry, self._digits(grid))
+        if cand is None:
+            return 0
+        search = _Search(self.geometry, limit)
+        search.run(cand)
+        return len(search.solutions)
+
+    def backtracks(self, grid: np.ndarray) -> int:
+        """Refuted branches of a full uniqueness search (solve to the second solution or exhaustion)."""
+        cand = _initial_candidates(self.geometry, self._digits(grid))
+        if cand is None:
+            return 0
+        search = _Search(self.geometry, 2)
+        search.run(cand)
+        return search.backtracks
+
+    # ---------------------------------------------------------------- generation
+    def generate(
+        self,
+        n: int,
+        seed: int,
+        min_blanks: int | None = None,
+        max_blanks: int | None = None,
+        min_backtracks: int = 0,
+        workers: int | None = None,
+        progress: Any = None,
+    ) -> TokenDataset:
+        """``n`` distinct puzzles with unique solutions, deterministic in ``seed`` (independent of workers).
+
+        Each puzzle draws a target blank count uniformly in [min_blanks, max_blanks] (defaults: half the
+        cells .. all cells; 60% of cells for 16x16) and removes clues in random order until the target is met or no clue can be
+        removed without losing uniqueness (a minimal puzzle); puzzles short of ``min_blanks`` or with fewer
+        than ``min_backtracks`` solver backtracks are redrawn.  difficulty = blanks; meta["backtracks"].
+        ``workers``: processes (default: all CPUs when n >= 200); ``progress(k)`` is called as puzzles finish.
+        """
+        cells = self.seq_len
+        lo = cells // 2 if min_blanks is None else int(min_blanks)
+        # 16x16 near-minimal puzzles cost seconds each to prove unique; default to 60% blanks there
+        hi = (cells if self.size <= 9 else int(0.6 * cells)) if max_blanks is None else int(max_blanks)
+        if not 0 <= lo <= hi <= cells:
+            raise ValueError(f"need 0 <= min_blanks ({lo}) <= max_blanks ({hi}) <= {cells}")
+        if n < 0:
+            raise ValueError(f"n must be >= 0, got {n}")
+        if workers is None:
+            import os
+
+            workers = (os.cpu_count() or 1) if n >= 200 else 1
+
+        results: list[tuple[list[int], list[int], int, int] | None] = [None] * n
+        attempts = [0] * n
+        seen: set[tuple[int, ...]] = set()
+        todo = list(range(n))
+        pool = None
+        if workers > 1:
+            import multiprocessing as mp
+
+            pool = mp.get_context("fork" if hasattr(__import__("os"), "fork") else "spawn").Pool(workers)
+        try:
+            while todo:
+                jobs = [
+                    (self.size, self.box, _sub_seed(seed, i, attempts[i]), lo, hi, int(min_backtracks))
+                    for i in todo
+                ]
+                if pool is not None:
+                    outs = pool.imap(_generate_worker, jobs, chunksize=max(1, min(64, len(jobs) // (8 * workers))))
+                else:
+                    outs = map(_generate_worker, jobs)
+                retry = []
+                for i, out in zip(todo, outs):
+                    key = tuple(out[0])
+                    if key in seen:
+                        attempts[i] += 1
+                        if attempts[i] > 50:
+                            raise ValueError(
+                                f"only {len(seen)} distinct {self.size}x{self.size} puzzles found for "
+                                f"min_blanks={lo}, max_blanks={hi}; ask for fewer than {n}"
+                            )
+                        retry.append(i)
+                        continue
+                    seen.add(key)
+                    results[i] = out
+                    if progress is not None:
+                        progress(1)
+                todo = retry
+        finally:
+            if pool is not None:
+                pool.close()
+                pool.join()
+
+        inputs = np.asarray([r[0] for r in results], dtype=np.int64).reshape(n, cells) + 1  # type: ignore[index]
+        labels = np.asarray([r[1] for r in results], dtype=np.int64).reshape(n, cells) + 1  # type: ignore[index]
+        blanks = np.asarray([r[2] for r in results], dtype=np.float64)  # type: ignore[index]
+        backtracks = [int(r[3]) for r in results]  # type: ignore[index]
+        meta = {
+            "task": self.name,
+            "size": self.size,
+            "box": list(self.box),
+            "seed": seed,
+            "min_blanks": lo,
+            "max_blanks": hi,
+            "min_backtracks": int(min_backtracks),
+            "difficulty": "blanks",
+            "backtracks": backtracks,
+        }
+        return TokenDataset(inputs, labels, blanks, None, meta)
+
+    # ---------------------------------------------------------------- augmentation
+    def random_transform(self, rng: np.random.Generator) -> SudokuTransform:
+        size, (box_r, box_c) = self.size, self.box
+        bands = rng.permutation(size // box_r)
+        rows = [int(b * box_r + r) for b in bands for r in rng.permutation(box_r)]
+        stacks = rng.permutation(size // box_c)
+        cols = [int(s * box_c + c) for s in stacks for c in rng.permutation(box_c)]
+        digit_map = tuple(int(d) + 1 for d in rng.permutation(size))
+        transpose = bool(box_r == box_c and rng.random() < 0.5)
+        return SudokuTransform(digit_map, tuple(rows), tuple(cols), transpose)
+
+    def _token_map(self, digit_map: tuple[int, ...]) -> np.ndarray:
+        table = np.arange(self.size + 2, dtype=np.int64)
+        table[2:] = np.asarray(digit_map, dtype=np.int64) + 1
+        return table
+
+    def apply_transform(self, grid: np.ndarray, transform: SudokuTransform) -> np.ndarray:
+        """Apply ``transform`` to a token grid ([T] or [size, size]; same shape back)."""
+        arr = np.asarray(grid, dtype=np.int64)
+        g = arr.reshape(self.size, self.size)[np.ix_(transform.rows, transform.cols)]
+        if transform.transpose:
+            if self.box[0] != self.box[1]:
+                raise ValueError(f"transpose does not preserve {self.box[0]}x{self.box[1]} boxes")
+            g = g.T
+        return self._token_map(transform.digit_map)[g].reshape(arr.shape)
+
+    def invert(self, grid: np.ndarray, transform: SudokuTransform) -> np.ndarray:
+        """Exact inverse of ``apply_transform``."""
+        arr = np.asarray(grid, dtype=np.int64)
+        inverse = np.empty(self.size + 2, dtype=np.int64)
+        inverse[self._token_map(transform.digit_map)] = np.arange(self.size + 2)
+        g = inverse[arr.reshape(self.size, self.size)]
+        if transform.transpose:
+            g = g.T
+        out = np.empty_like(g)
+        out[np.ix_(transform.rows, transform.cols)] = g
+        return out.reshape(arr.shape)
+
+    def augment(self, grid: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, SudokuTransform]:
+        """A random validity-preserving transform of ``grid``; apply the same transform to its label."""
+        transform = self.random_transform(rng)
+        return self.apply_transform(grid, transform), transform
+
+    def augment_dataset(self, ds: TokenDataset, copies: int, seed: int) -> TokenDataset:
+        """``ds`` followed by ``copies`` augmented copies of every puzzle (HRM's 1k x 1000 recipe).
+
+        Copies are relabelled versions of the same puzzles: isomorphic, not new (only 1 / (copies + 1)
+        of the result is independent).  meta["augmented_from"] gives each row's source row.
+        """
+        rng = np.random.default_rng(seed)
+        inputs, labels, source = [ds.inputs], [ds.labels], [np.arange(len(ds))]
+        for _ in range(copies):
+            ins, labs = np.empty_like(ds.inputs), np.empty_like(ds.labels)
+            for i in range(len(ds)):
+                t = self.random_transform(rng)
+                ins[i] = self.apply_transform(ds.inputs[i], t)
+                labs[i] = self.apply_transform(ds.labels[i], t)
+            inputs.append(ins)
+            labels.append(labs)
+            source.append(np.arange(len(ds)))
+        meta = dict(ds.meta, augmented_copies=copies, augmented_from=np.concatenate(source).tolist())
+        meta.pop("backtracks", None)  # augmentation can change the search order, hence the count
+        return TokenDataset(
+            np.concatenate(inputs), np.concatenate(labels), np.tile(ds.difficulty, copies + 1), None, meta
+        )
+
+    # ---------------------------------------------------------------- validity, difficulty, render
+    def check(self, inputs: np.ndarray, prediction: np.ndarray) -> bool:
+        """A complete valid grid that keeps every given of ``inputs`` (the labels are not consulted)."""
+        pred = np.asarray(prediction).reshape(-1)
+        given = np.asarray(inputs).reshape(-1)
+        if pred.shape != (self.seq_len,) or given.shape != (self.seq_len,):
+            return False
+        if pred.min() < 2 or pred.max() > self.size + 1:
+            return False
+        mask = given >= 2
+        if not np.array_equal(pred[mask], given[mask]):
+            return False
+        g = pred.reshape(self.size, self.size)
+        box_r, box_c = self.box
+        units = np.concatenate(
+            [
+                g,
+                g.T,
+                g.reshape(self.size // box_r, box_r, self.size // box_c, box_c)
+                .transpose(0, 2, 1, 3)
+                .reshape(self.size, self.size),
+            ]
+        )
+        return bool((np.sort(units, axis=1) == np.arange(2, self.size + 2)).all())
+
+    def difficulty(self, inputs: np.ndarray) -> float:
+        """Number of blank cells."""
+        return float(np.sum(np.asarray(inputs).reshape(-1) == BLANK_TOKEN))
+
+    def render(self, inputs: np.ndarray, prediction: np.ndarray | None = None, markup: bool = False) -> str:
+        """A boxed grid.  Givens plain, filled-in cells in parentheses ``(5)`` (or cyan with rich markup;
+        a filled cell that breaks a row / column / box rule or overwrites a given is red / ``!5!``)."""
+        given = np.asarray(inputs).reshape(-1)
+        shown = given if prediction is None else np.asarray(prediction).reshape(-1)
+        bad = np.zeros(self.seq_len, dtype=bool)
+        if prediction is not None:
+            bad |= (given >= 2) & (shown != given)
+            for unit in self.geometry.units:
+                vals = shown[list(unit)]
+                for k, cell in enumerate(unit):
+                    if vals[k] >= 2 and (vals == vals[k]).sum() > 1 and given[cell] < 2:
+                        bad[cell] = True
+        box_r, box_c = self.box
+
+        def cell_text(i: int) -> str:
+            t = int(shown[i])
+            sym = "." if t < 2 or t > self.size + 1 else self.symbols[t - 2]
+            if t < 2 or (given[i] >= 2 and not bad[i]):
+                return f" [bold]{sym}[/bold] " if markup and t >= 2 else f" {sym} "
+            if bad[i]:
+                return f"[bold red]!{sym}![/bold red]" if markup else f"!{sym}!"
+            return f" [cyan]{sym}[/cyan] " if markup else f"({sym})"
+
+        seg = "-" * (box_c * 4 + 1)
+        border = "+" + "+".join([seg] * (self.size // box_c)) + "+"
+        lines = [border]
+        for r in range(self.size):
+            parts = []
+            for s in range(self.size // box_c):
+                cells = [cell_text(r * self.size + s * box_c + c) for c in range(box_c)]
+                parts.append(" " + " ".join(cells) + " ")
+            lines.append("|" + "|".join(parts) + "|")
+            if (r + 1) % box_r == 0:
+                lines.append(border)
+        return "\n".join(lines)
+
+    # ---------------------------------------------------------------- files
+    @staticmethod
+    def infer_options(path: str | Path) -> dict[str, Any]:
+        """Constructor options for a CSV file: ``size`` from the first question's length."""
+        with open(path, newline="") as fh:
+            reader = csv.DictReader(fh)
+            for row in reader:
+                q = "".join((row.get("question") or "").split())
+                side = int(round(len(q) ** 0.5))
+                if side * side == len(q) and side in DEFAULT_BOXES:
+                    return {"size": side}
+                break
+        return {}
+
+    def load(self, path: str | Path) -> TokenDataset:
+        """Read a Sudoku-Extreme CSV (``source,question,answer,rating``); difficulty = rating column.
+
+        Every row is validated: length, characters, contradictory clues, the answer a complete valid grid
+        agreeing with the question.  An empty answer is filled in by the solver (the puzzle must then have a
+        unique solution); an empty rating becomes the blank count.  Errors name the file and line.
+        """
+        path = Path(path)
+        if not path.is_file():
+            raise TaskDataError(f"{path}: no such file")
+        inputs, labels, ratings, sources = [], [], [], []
+        with open(path, newline="") as fh:
+            reader = csv.reader(fh)
+            try:
+                header = next(reader)
+            except StopIteration:
+                raise TaskDataError(f"{path}: empty file (expected header {','.join(CSV_COLUMNS)})") from None
+            except csv.Error as exc:
+                raise TaskDataError(f"{path}: line 1: {exc}") from None
+            header = [h.strip() for h in header]
+            missing = [c for c in ("question", "answer") if c not in header]
+            if missing:
+                raise TaskDataError(f"{path}: header {header} lacks column(s) {missing}")
+            col = {name: header.index(name) for name in header}
+            while True:
+                try:
+                    row = next(reader)
+                except StopIteration:
+                    break
+                except csv.Error as exc:
+                    raise TaskDataError(f"{path}: line {reader.line_num}: {exc}") from None
+                line = reader.line_num
+                if not row:
+                    continue
+                where = f"{path}: line {line}"
+                if len(row) != len(header):
+                    raise TaskDataError(
+                        f"{where}: {len(row)} fields, expected {len(header)} ({','.join(header)}); truncated file?"
+                    )
+                q = self.parse_grid(row[col["question"]], f"{where}: question")
+                conflict = self.find_conflict(q)
+                if conflict:
+                    raise TaskDataError(f"{where}: contradictory clues: {conflict}")
+                answer_text = row[col["answer"]].strip()
+                if answer_text:
+                    a = self.parse_grid(answer_text, f"{where}: answer")
+                    if not self.check(q, a):
+                        mism = np.flatnonzero((q >= 2) & (a != q))
+                        if len(mism):
+                            r, c = divmod(int(mism[0]), self.size)
+                            why = f"answer changes the given at row {r + 1}, column {c + 1}"
+                        else:
+                            why = self.find_conflict(a) or "answer has blanks"
+                        raise TaskDataError(f"{where}: answer inconsistent with question: {why}")
+                else:
+                    if self.count_solutions(q, 2) != 1:
+                        raise TaskDataError(f"{where}: empty answer and the question has no unique solution")
+                    a, _ = self.solve(q)
+                rating_text = row[col["rating"]].strip() if "rating" in col else ""
+                if rating_text:
+                    try:
+                        rating = float(rating_text)
+                    except ValueError:
+                        raise TaskDataError(f"{where}: rating {rating_text!r} is not a number") from None
+                else:
+                    rating = self.difficulty(q)
+                inputs.append(q)
+                labels.append(a)
+                ratings.append(rating)
+                sources.append(row[col["source"]] if "source" in col else "")
+        n = len(inputs)
+        return TokenDataset(
+            np.asarray(inputs, dtype=np.int64).reshape(n, self.seq_len),
+            np.asarray(labels, dtype=np.int64).reshape(n, self.seq_len),
+            np.asarray(ratings, dtype=np.float64),
+            None,
+            {"task": self.name, "size": self.size, "box": list(self.box), "path": str(path), "source": sources,
+             "difficulty": "rating"},
+        )
+
+    def save(self, dataset: TokenDataset, path: str | Path) -> None:
+        """Write a Sudoku-Extreme CSV; rating = ``dataset.difficulty`` (integers written without '.0')."""
+        if dataset.inputs.shape[1:] != (self.seq_len,):
+            raise TaskDataError(f"dataset rows have {dataset.inputs.shape[1]} tokens, expected {self.seq_len}")
+        sources = dataset.meta.get("source")
+        if not (isinstance(sources, list) and len(sources) == len(dataset)):
+            default = f"loopformer-sudoku{self.size}"
+            if "seed" in dataset.meta:
+                default += f"-seed{dataset.meta['seed']}"
+            sources = [default] * len(dataset)
+        with open(path, "w", newline="") as fh:
+            writer = csv.writer(fh, lineterminator="\n")
+            writer.writerow(CSV_COLUMNS)
+            for i in range(len(dataset)):
+                d = float(dataset.difficulty[i])
+                rating = str(int(d)) if d.is_integer() else repr(d)
+                writer.writerow(
+                    [sources[i], self.format_grid(dataset.inputs[i]), self.format_grid(dataset.labels[i]), rating]
+                )
