@@ -1,0 +1,48 @@
+"""Per-sample residual and state norms used for halting and the loop trace.
+
+- ``rel_l2``: ``||f(z) - z|| / (||f(z)|| + 1e-8)`` over all non-batch dims (DEQ; Attractor,
+  SYSTEMS.md section 2).
+- ``rel_sup``: FPRM's relative sup norm (SYSTEMS.md section 1, Algorithm 1):
+  ``max over tokens t of ||z_t - f(z)_t||_inf / (||f(z)_t||_inf + 1e-8)``; channels are the last
+  dim, tokens every dim between batch and channels.
+- ``rms``: root-mean-square of the state per sample (logged every step, LESSONS.md).
+All are computed without gradient: they only drive halting decisions and logging.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+EPS = 1e-8
+
+
+@torch.no_grad()
+def residual_and_rms(z: Tensor, fz: Tensor, kind: str) -> tuple[Tensor, Tensor]:
+    """Return (residual [B], rms(fz) [B]) in at least float32; one pass over the state where possible."""
+    b = z.shape[0]
+    dtype = torch.promote_types(z.dtype, torch.float32)
+    fzf = fz.reshape(b, -1).to(dtype)
+    diff = fzf - z.reshape(b, -1).to(dtype)
+    fz_norm = torch.linalg.vector_norm(fzf, dim=1)
+    rms = fz_norm / math.sqrt(max(1, fzf.shape[1]))
+    if kind == "rel_l2":
+        res = torch.linalg.vector_norm(diff, dim=1) / (fz_norm + EPS)
+    elif kind == "rel_sup":
+        channels = z.shape[-1] if z.dim() > 1 else 1
+        num = diff.reshape(b, -1, channels).abs().amax(dim=2)
+        den = fzf.reshape(b, -1, channels).abs().amax(dim=2) + EPS
+        res = (num / den).amax(dim=1)
+    else:
+        raise ValueError(f"unknown residual norm {kind!r} (use 'rel_l2' or 'rel_sup')")
+    return res, rms
+
+
+@torch.no_grad()
+def rms(z: Tensor) -> Tensor:
+    """Root-mean-square of each sample's state, [B], in at least float32."""
+    b = z.shape[0]
+    flat = z.reshape(b, -1).to(torch.promote_types(z.dtype, torch.float32))
+    return torch.linalg.vector_norm(flat, dim=1) / math.sqrt(max(1, flat.shape[1]))

@@ -1,0 +1,94 @@
+"""Training-time loop-count samplers, seeded by (seed, global_step).
+
+Every draw uses a fresh ``numpy.random.Generator`` seeded from ``SeedSequence([seed, global_step])``,
+so every DDP rank loops the same number of times (no stragglers) and a resumed run replays the
+same counts (LESSONS.md).
+
+- ``fixed``: always ``n``.
+- ``poisson``: ``R ~ Poisson(mean)`` clipped to ``[low, high]`` (LTG dynamic recurrence,
+  SYSTEMS.md section 3: Poisson(4) clipped to [2, 8]).
+- ``lognormal_poisson``: Huginn (SYSTEMS.md section 4): ``tau ~ N(log(mean) - sigma^2 / 2, sigma)``,
+  ``R = Poisson(exp(tau)) + 1`` clipped to ``[low, high]``.
+The curriculum over task difficulty belongs to the trainer, not here.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+
+def _rng(seed: int, global_step: int) -> np.random.Generator:
+    if global_step < 0:
+        raise ValueError(f"global_step must be >= 0, got {global_step}")
+    return np.random.default_rng(np.random.SeedSequence([int(seed), int(global_step)]))
+
+
+def _check_range(low: int, high: int) -> None:
+    if low < 1 or high < low:
+        raise ValueError(f"sampler needs 1 <= low <= high, got low={low}, high={high}")
+
+
+@dataclass(frozen=True)
+class FixedSampler:
+    n: int = 4
+
+    def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ValueError(f"fixed sampler needs n >= 1, got {self.n}")
+
+    def sample(self, global_step: int) -> int:
+        return self.n
+
+
+@dataclass(frozen=True)
+class PoissonSampler:
+    mean: float = 4.0
+    low: int = 2
+    high: int = 8
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.mean > 0:
+            raise ValueError(f"poisson sampler needs mean > 0, got {self.mean}")
+        _check_range(self.low, self.high)
+
+    def sample(self, global_step: int) -> int:
+        r = int(_rng(self.seed, global_step).poisson(self.mean))
+        return min(max(r, self.low), self.high)
+
+
+@dataclass(frozen=True)
+class LogNormalPoissonSampler:
+    mean: float = 8.0
+    sigma: float = 0.5
+    low: int = 1
+    high: int = 32
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.mean > 0 or not self.sigma > 0:
+            raise ValueError(f"lognormal_poisson needs mean > 0 and sigma > 0, got {self.mean}, {self.sigma}")
+        _check_range(self.low, self.high)
+
+    def sample(self, global_step: int) -> int:
+        rng = _rng(self.seed, global_step)
+        tau = rng.normal(math.log(self.mean) - 0.5 * self.sigma**2, self.sigma)
+        r = int(rng.poisson(math.exp(tau))) + 1
+        return min(max(r, self.low), self.high)
+
+
+SAMPLERS = {"fixed": FixedSampler, "poisson": PoissonSampler, "lognormal_poisson": LogNormalPoissonSampler}
+Sampler = FixedSampler | PoissonSampler | LogNormalPoissonSampler
+
+
+def make_sampler(kind: str, **kw) -> Sampler:
+    """Build a loop-count sampler: ``make_sampler("poisson", mean=4, low=2, high=8, seed=0).sample(step)``."""
+    if kind not in SAMPLERS:
+        raise ValueError(f"unknown sampler {kind!r}; choose one of {', '.join(map(repr, SAMPLERS))}")
+    try:
+        return SAMPLERS[kind](**kw)
+    except TypeError as err:
+        raise ValueError(f"bad arguments for sampler {kind!r}: {err}") from err
