@@ -1,0 +1,159 @@
+"""Recurrent-depth transformer: Loop-Think-Generalize, Huginn and Parcae on one class.
+
+Equations (SYSTEMS.md 3 and 4):
+- prelude: ``e = P(E(x))`` with ``n_prelude`` distinct blocks (0 for LTG, a few for Huginn / Parcae);
+- core: ``n_layers`` blocks with shared weights, looped R times by the engine; the state update is
+  chosen by ``injection``:
+    ``none``    h <- core(h)                      h0 = e   (LTG without re-injection)
+    ``add``     h <- core(h + e)                  h0 = e   (LTG's optional additive re-injection)
+    ``concat``  h <- core(W [h; e])               h0 ~ N(0, init_std^2)  (Huginn; W: 2d -> d)
+    ``parcae``  h <- core(exp(-softplus(dt) * exp(A)) * h + softplus(dt) * B e)   h0 = 0
+               (Parcae's contractive diagonal injection: the decay is in (0, 1) per channel for
+               any parameters, so the injection alone is a contraction)
+  ``init`` overrides h0: ``embed`` (e), ``zeros``, ``random`` (normal, std ``init_std``, drawn with
+  the engine's generator).
+- coda: ``n_coda`` distinct blocks, then final RMSNorm + head (tied embeddings optional; LTG ties).
+  ``readout`` applies coda + norm + head to ANY state, so on intermediate states it is the logit
+  lens used to find bridge entities and to measure overthinking (SYSTEMS.md 3).
+
+Design choices:
+- Output projections of every block are multiplied by ``out_init_scale`` at init (LTG / GPT-2:
+  "scaled near zero"; default 0.1), so each loop starts close to the identity.
+- ``rope=False`` gives no positional encoding at all (LTG's setting; causal attention still
+  orders tokens).
+- ``concat``: W is initialised to ``[I, I]``, so at init ``W[h; e] = h + e`` and concat starts as
+  additive injection; it can then learn any linear mix.
+- ``parcae``: A (``injection_log_A``) initialised to 0 (exp(A) = 1), dt to 0 (softplus = ln 2, a
+  decay of 0.5), B to the identity; Parcae's output projection C before the coda is omitted.
+- Default loop: 4 Picard steps, fixed halting, BPTT. LTG's Poisson(4) loop counts in [2, 8] come
+  from the trainer's samplers; KL/entropy halting (``halting="kl_entropy"``) reads this readout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from loopformer.loop import LoopConfig
+from loopformer.models.base import LoopedModel, ModelConfig
+from loopformer.models.transformer import InputEmbedding, OutputHead, make_blocks
+
+INJECTIONS = ("none", "add", "concat", "parcae")
+INITS = ("auto", "embed", "zeros", "random")
+_AUTO_INIT = {"none": "embed", "add": "embed", "concat": "random", "parcae": "zeros"}
+
+
+def _default_loop() -> LoopConfig:
+    return LoopConfig(solver="picard", halting="fixed", max_steps=4, grad="bptt")
+
+
+@dataclass
+class RecurrentConfig(ModelConfig):
+    n_prelude: int = 0  # distinct blocks before the loop
+    n_coda: int = 0  # distinct blocks after the loop (part of the readout)
+    injection: str = "add"  # none | add | concat | parcae
+    init: str = "auto"  # auto | embed | zeros | random (auto: embed for none/add, random concat, zeros parcae)
+    init_std: float = 1.0  # std of the random initial state
+    norm: str = "pre"  # pre | post | sandwich | peri (Huginn uses sandwich)
+    out_init_scale: float = 0.1  # output projections scaled near zero at init (LTG)
+    loop: LoopConfig = field(default_factory=_default_loop)
+
+
+class RecurrentDepth(LoopedModel):
+    """Prelude -> looped core (shared weights) with input re-injection -> coda -> norm -> head."""
+
+    config: RecurrentConfig
+
+    def __init__(self, config: RecurrentConfig) -> None:
+        super().__init__(config)
+        if config.injection not in INJECTIONS:
+            raise ValueError(f"unknown injection {config.injection!r}; choose one of {INJECTIONS}")
+        if config.init not in INITS:
+            raise ValueError(f"unknown init {config.init!r}; choose one of {INITS}")
+        if config.n_layers < 1 or config.n_prelude < 0 or config.n_coda < 0:
+            raise ValueError(
+                f"need n_layers >= 1 and n_prelude, n_coda >= 0; got {config.n_layers}, "
+                f"{config.n_prelude}, {config.n_coda}"
+            )
+        d = config.d_model
+        self.embedding = InputEmbedding(config)
+        kw = dict(norm=config.norm, out_init_scale=config.out_init_scale)
+        self.prelude = make_blocks(config, config.n_prelude, **kw)  # type: ignore[arg-type]
+        self.core = make_blocks(config, config.n_layers, **kw)  # type: ignore[arg-type]
+        self.coda = make_blocks(config, config.n_coda, **kw)  # type: ignore[arg-type]
+        self.output = OutputHead(config, self.embedding)
+        if config.injection == "concat":
+            self.injection_proj = nn.Linear(2 * d, d, bias=False)
+            with torch.no_grad():
+                eye = torch.eye(d)
+                self.injection_proj.weight.copy_(torch.cat([eye, eye], dim=1))
+        elif config.injection == "parcae":
+            self.injection_log_A = nn.Parameter(torch.zeros(d))
+            self.injection_dt = nn.Parameter(torch.zeros(d))
+            self.injection_B = nn.Linear(d, d, bias=False)
+            with torch.no_grad():
+                self.injection_B.weight.copy_(torch.eye(d))
+        self.init_mode = _AUTO_INIT[config.injection] if config.init == "auto" else config.init
+
+    def no_weight_decay(self) -> set[str]:
+        """Parcae's diagonal dynamics parameters (A, dt) are excluded from weight decay."""
+        return {"injection_log_A", "injection_dt"} if self.config.injection == "parcae" else set()
+
+    def embed(self, inputs: Tensor, puzzle_ids: Tensor | None = None) -> tuple[Tensor, ...]:
+        e = self.embedding(inputs, puzzle_ids)
+        for block in self.prelude:
+            e = block(e)
+        return (e,)
+
+    def init_state(self, ctx: tuple[Tensor, ...], generator: torch.Generator | None = None) -> Tensor:
+        e = ctx[0]
+        if self.init_mode == "embed":
+            return e
+        if self.init_mode == "zeros":
+            return torch.zeros_like(e)
+        z = torch.randn(e.shape, generator=generator, device=e.device, dtype=e.dtype)
+        return z * self.config.init_std
+
+    def inject(self, h: Tensor, e: Tensor) -> Tensor:
+        """The core's input before the shared blocks (see the module docstring)."""
+        mode = self.config.injection
+        if mode == "none":
+            return h
+        if mode == "add":
+            return h + e
+        if mode == "concat":
+            return self.injection_proj(torch.cat([h, e], dim=-1))
+        dt = F.softplus(self.injection_dt)
+        decay = torch.exp(-dt * torch.exp(self.injection_log_A))
+        return decay * h + dt * self.injection_B(e)
+
+    def step(self, z: Tensor, *ctx: Tensor) -> Tensor:
+        h = self.inject(z, ctx[0])
+        for block in self.core:
+            h = block(h)
+        return h
+
+    def readout(self, z: Tensor, *ctx: Tensor) -> Tensor:
+        for block in self.coda:
+            z = block(z)
+        return self.output(z)
+
+
+def paper_config() -> RecurrentConfig:
+    """LTG (SYSTEMS.md 3): a 4-layer block, d 768, 12 heads, tied embeddings, no positional encoding,
+    causal; vocabulary of the depth-extrapolation graph (200 entities + 10 relations + 4 specials,
+    an assumption of this library's task encoding); SwiGLU x4 has GPT-2's MLP parameter count."""
+    return RecurrentConfig(
+        vocab_size=214,
+        seq_len=42,
+        d_model=768,
+        n_heads=12,
+        n_layers=4,
+        causal=True,
+        rope=False,
+        tie_embeddings=True,
+        injection="none",
+    )
