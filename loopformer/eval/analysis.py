@@ -1,0 +1,477 @@
+"""Analyses of the loop itself: logit lens, overthinking, signal propagation, Jacobian spectral radius.
+
+- Logit lens (SYSTEMS.md 3, "Loop, Think, & Generalize"): every intermediate state ``z_t`` is read
+  through the model's own readout (final norm + head), through the engine's
+  ``callback(t, z_active, active_idx)``; per loop: token / exact / validator accuracy and, for
+  knowledge-graph queries, the rank of the bridge entity's logit (0 = top) at a chosen position.
+- Overthinking (SYSTEMS.md 3): the logit margin (correct logit minus the best other logit) at the
+  answer positions and the accuracy vs inference loops, run past the training depth.
+- Signal propagation (SYSTEMS.md 1, FPRM's motivation): the state's RMS norm ``sqrt(mean z^2)`` and
+  the update norm ``||z_{t+1} - z_t||`` (absolute and relative to ``||z_t||``) per loop.
+- Spectral radius of ``J = d step / dz`` at the (approximate) fixed point by power iteration with
+  Jacobian-vector products (``torch.func.jvp``) or vector-Jacobian products (``J^T`` has the same
+  spectrum). SYSTEMS.md 1 (Theorem 3): damping matters when eigenvalues leave the unit circle.
+
+All per-loop readouts force the ``fixed`` halting rule by default, so every sample is read at every
+loop; a sample that halts earlier under another rule keeps its last readout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from loopformer.eval.evaluate import batch_tensors, iter_batches, model_device, score_predictions, with_budget
+from loopformer.loop import LoopConfig
+from loopformer.models.base import LoopedModel
+from loopformer.tasks.base import IGNORE_INDEX, Task, TokenDataset
+
+# A per-loop observer: (loop index t >= 1, full-batch state at loop t, full-batch logits at loop t)
+LoopObserver = Callable[[int, Tensor, Tensor], None]
+
+
+def _index_ctx(ctx: tuple[Tensor, ...], idx: Tensor, batch: int) -> tuple[Tensor, ...]:
+    if idx.numel() == batch and bool((idx == torch.arange(batch, device=idx.device)).all()):
+        return ctx
+    return tuple(c[idx] if isinstance(c, Tensor) and c.dim() > 0 and c.shape[0] == batch else c for c in ctx)
+
+
+@torch.no_grad()
+def trace_loops(
+    model: LoopedModel,
+    inputs: Tensor,
+    loop: LoopConfig,
+    observe: LoopObserver,
+    puzzle_ids: Tensor | None = None,
+    generator: torch.Generator | None = None,
+    z0: Tensor | None = None,
+    read: bool = True,
+) -> tuple[Tensor, Tensor]:
+    """Run ``model`` on one batch and call ``observe(t, z_t, logits_t)`` after every loop t = 1, 2, ...
+
+    States and logits are full-batch: rows of samples that already halted keep their last value.
+    With ``read=False`` no readout is taken and ``logits_t`` is passed as ``z_t``.
+    Returns ``(z0, final logits)``.
+    """
+    ctx = model.embed(inputs, puzzle_ids)
+    if z0 is None:
+        z0 = model.init_state(ctx, generator)
+    batch = inputs.shape[0]
+    current: dict[str, Any] = {"z": z0.clone(), "logits": None, "t": 0}
+
+    def callback(t: int, z_active: Tensor, active_idx: Tensor) -> None:
+        active_idx = active_idx.to(z_active.device).long().reshape(-1)
+        z_full = current["z"]
+        z_full[active_idx] = z_active.to(z_full.dtype)
+        current["t"] += 1
+        if not read:
+            observe(current["t"], z_full, z_full)
+            return
+        logits_active = model.readout(z_active, *_index_ctx(ctx, active_idx, batch))
+        if current["logits"] is None:
+            if active_idx.numel() != batch:  # a sample halted before the first loop: its z0 readout
+                current["logits"] = model.readout(z0, *ctx).to(logits_active.dtype)
+            else:
+                current["logits"] = torch.empty(
+                    (batch, *logits_active.shape[1:]), dtype=logits_active.dtype, device=logits_active.device
+                )
+        current["logits"][active_idx] = logits_active
+        observe(current["t"], z_full, current["logits"])
+
+    out = model(inputs, loop=loop, state=z0, puzzle_ids=puzzle_ids, callback=callback)
+    return z0, out.logits
+
+
+def _fixed(model: LoopedModel, loop: LoopConfig | None, loops: int, halting: str) -> LoopConfig:
+    base = loop if loop is not None else model.config.loop
+    return with_budget(base, loops, "fixed" if halting == "fixed" else "capped")
+
+
+# ------------------------------------------------------------------------------------------------
+# logit lens and overthinking
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class LoopCurve:
+    """Per-loop metrics (index 0 is loop 1)."""
+
+    loops: list[int]
+    token_accuracy: list[float]
+    exact_accuracy: list[float]
+    valid_accuracy: list[float]
+    margin: list[float]  # mean (correct logit - best other logit) at the labelled positions
+    bridge_rank: list[float] = field(default_factory=list)  # mean rank of the bridge token (0 = top)
+    bridge_top1: list[float] = field(default_factory=list)
+    train_depth: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @property
+    def best_loop(self) -> int:
+        return self.loops[int(np.argmax(self.valid_accuracy))]
+
+
+def logit_margin(logits: Tensor, labels: Tensor) -> Tensor:
+    """Correct logit minus the best other logit at every labelled position; [B, T], nan elsewhere."""
+    mask = labels != IGNORE_INDEX
+    safe = labels.clamp_min(0)
+    correct = logits.gather(-1, safe.unsqueeze(-1)).squeeze(-1)
+    others = logits.scatter(-1, safe.unsqueeze(-1), float("-inf"))
+    margin = correct - others.max(dim=-1).values
+    return torch.where(mask, margin, torch.full_like(margin, float("nan")))
+
+
+def token_rank(logits: Tensor, tokens: Tensor, positions: Tensor) -> Tensor:
+    """Rank (0 = highest logit) of ``tokens[i]`` at position ``positions[i]`` of row i; [B] float."""
+    rows = torch.arange(logits.shape[0], device=logits.device)
+    at = logits[rows, positions]  # [B, V]
+    target = at.gather(-1, tokens.unsqueeze(-1))
+    return (at > target).sum(-1).to(torch.float64)
+
+
+def _answer_positions(labels: np.ndarray) -> np.ndarray:
+    """The last labelled position of each row (the answer position of a query task)."""
+    mask = labels != IGNORE_INDEX
+    if not mask.any(axis=1).all():
+        raise ValueError("some rows have no labelled position to read the bridge token at")
+    return mask.shape[1] - 1 - np.argmax(mask[:, ::-1], axis=1)
+
+
+def logit_lens(
+    model: LoopedModel,
+    task: Task,
+    dataset: TokenDataset,
+    loops: int,
+    loop: LoopConfig | None = None,
+    halting: str = "fixed",
+    bridge_tokens: np.ndarray | None = None,
+    bridge_positions: np.ndarray | int | None = None,
+    batch_size: int = 64,
+    max_batches: int | None = None,
+    device: torch.device | str | None = None,
+    train_depth: int | None = None,
+    seed: int = 0,
+) -> LoopCurve:
+    """Read out every loop state through the model's head: per-loop accuracies and logit margins.
+
+    ``bridge_tokens`` ([N], -1 = skip that row) adds the bridge token's rank per loop, read at
+    ``bridge_positions`` (default: the last labelled position). When the task has a ``bridges(inputs)``
+    method (knowledge-graph queries) and no tokens are given, it is used.
+    """
+    if loops < 1:
+        raise ValueError(f"loops must be >= 1, got {loops}")
+    device = torch.device(device) if device is not None else model_device(model)
+    model.to(device)
+    was_training = model.training
+    model.eval()
+    cfg = _fixed(model, loop, loops, halting)
+    if bridge_tokens is None and hasattr(task, "bridges"):
+        bridge_tokens = np.asarray(task.bridges(dataset.inputs))
+    if bridge_tokens is not None:
+        bridge_tokens = np.asarray(bridge_tokens, dtype=np.int64).reshape(-1)
+        if len(bridge_tokens) != len(dataset):
+            raise ValueError(f"bridge_tokens has {len(bridge_tokens)} entries for {len(dataset)} examples")
+        if bridge_positions is None:
+            positions_all = _answer_positions(dataset.labels)
+        else:
+            positions_all = np.array(np.broadcast_to(np.asarray(bridge_positions, dtype=np.int64), (len(dataset),)))
+        if not (bridge_tokens >= 0).any():
+            bridge_tokens = None
+    sums = {k: np.zeros(loops) for k in ("right", "count", "exact", "valid", "margin", "margin_n", "rank",
+                                          "top1", "bridge_n")}
+    n_total = 0
+    generator = torch.Generator(device=device).manual_seed(seed)
+    try:
+        for index in iter_batches(dataset, batch_size, max_batches):
+            inputs, labels, puzzle_ids = batch_tensors(dataset, index, device)
+            x_np, y_np = dataset.inputs[index], dataset.labels[index]
+            n_total += len(x_np)
+            bt = bp = has_bridge = None
+            if bridge_tokens is not None:
+                bt = torch.as_tensor(bridge_tokens[index], device=device)
+                bp = torch.as_tensor(positions_all[index], device=device)
+                has_bridge = bt >= 0
+
+            def observe(
+                t: int, z: Tensor, logits: Tensor, x_np: np.ndarray = x_np, y_np: np.ndarray = y_np,
+                labels: Tensor = labels, bt: Tensor | None = bt, bp: Tensor | None = bp,
+                has_bridge: Tensor | None = has_bridge,
+            ) -> None:
+                if t > loops:
+                    return
+                k = t - 1
+                pred = logits.argmax(-1).cpu().numpy()
+                exact, valid, right, count = score_predictions(task, x_np, y_np, pred)
+                sums["right"][k] += right.sum()
+                sums["count"][k] += count.sum()
+                sums["exact"][k] += exact.sum()
+                sums["valid"][k] += valid.sum()
+                m = logit_margin(logits.double(), labels)
+                finite = ~torch.isnan(m)
+                sums["margin"][k] += float(m[finite].sum())
+                sums["margin_n"][k] += int(finite.sum())
+                if bt is not None and bp is not None and has_bridge is not None and bool(has_bridge.any()):
+                    ranks = token_rank(logits, bt.clamp_min(0), bp)[has_bridge]
+                    sums["rank"][k] += float(ranks.sum())
+                    sums["top1"][k] += float((ranks == 0).sum())
+                    sums["bridge_n"][k] += int(has_bridge.sum())
+
+            trace_loops(model, inputs, cfg, observe, puzzle_ids, generator)
+    finally:
+        model.train(was_training)
+
+    def ratio(a: np.ndarray, b: np.ndarray | float) -> list[float]:
+        b = np.broadcast_to(np.asarray(b, dtype=np.float64), a.shape)
+        return [float(x / y) if y else float("nan") for x, y in zip(a, b)]
+
+    curve = LoopCurve(
+        loops=list(range(1, loops + 1)),
+        token_accuracy=ratio(sums["right"], sums["count"]),
+        exact_accuracy=ratio(sums["exact"], n_total),
+        valid_accuracy=ratio(sums["valid"], n_total),
+        margin=ratio(sums["margin"], sums["margin_n"]),
+        train_depth=train_depth,
+    )
+    if bridge_tokens is not None:
+        curve.bridge_rank = ratio(sums["rank"], sums["bridge_n"])
+        curve.bridge_top1 = ratio(sums["top1"], sums["bridge_n"])
+    return curve
+
+
+def overthinking(
+    model: LoopedModel,
+    task: Task,
+    dataset: TokenDataset,
+    max_loops: int,
+    train_depth: int | None = None,
+    loop: LoopConfig | None = None,
+    batch_size: int = 64,
+    max_batches: int | None = None,
+    device: torch.device | str | None = None,
+    seed: int = 0,
+) -> LoopCurve:
+    """Logit margin and accuracy vs inference loops 1..max_loops (run past ``train_depth``).
+
+    The same per-loop readout as the logit lens, always with exactly ``max_loops`` fixed loops;
+    ``curve.train_depth`` marks the training depth for the plot."""
+    return logit_lens(
+        model, task, dataset, max_loops, loop=loop, halting="fixed", batch_size=batch_size,
+        max_batches=max_batches, device=device, train_depth=train_depth, seed=seed,
+        bridge_tokens=np.full(len(dataset), -1),
+    )
+
+
+# ------------------------------------------------------------------------------------------------
+# signal propagation
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class SignalCurve:
+    """Per-loop means over samples (index 0 is loop 1; ``state_rms0`` is the initial iterate's)."""
+
+    loops: list[int]
+    state_rms: list[float]
+    update_norm: list[float]  # ||z_t - z_{t-1}||_2 per sample
+    relative_update: list[float]  # ||z_t - z_{t-1}|| / ||z_{t-1}||
+    state_rms0: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def rms(z: Tensor) -> Tensor:
+    """Per-sample root-mean-square over every non-batch dimension; [B]."""
+    return z.flatten(1).double().pow(2).mean(dim=1).sqrt()
+
+
+def signal_propagation(
+    model: LoopedModel,
+    dataset: TokenDataset,
+    loops: int,
+    loop: LoopConfig | None = None,
+    batch_size: int = 64,
+    max_batches: int | None = 1,
+    device: torch.device | str | None = None,
+    seed: int = 0,
+) -> SignalCurve:
+    """State RMS norm and update norm per loop, over ``loops`` fixed loops."""
+    if loops < 1:
+        raise ValueError(f"loops must be >= 1, got {loops}")
+    device = torch.device(device) if device is not None else model_device(model)
+    model.to(device)
+    was_training = model.training
+    model.eval()
+    cfg = _fixed(model, loop, loops, "fixed")
+    sums = {k: np.zeros(loops) for k in ("rms", "upd", "rel")}
+    n_total, rms0 = 0, 0.0
+    generator = torch.Generator(device=device).manual_seed(seed)
+    try:
+        for index in iter_batches(dataset, batch_size, max_batches):
+            inputs, _, puzzle_ids = batch_tensors(dataset, index, device)
+            prev: dict[str, Tensor] = {}
+
+            def observe(t: int, z: Tensor, logits: Tensor, prev: dict[str, Tensor] = prev) -> None:
+                if t > loops:
+                    return
+                k = t - 1
+                d = (z - prev["z"]).flatten(1).double()
+                sums["rms"][k] += float(rms(z).sum())
+                sums["upd"][k] += float(d.norm(dim=1).sum())
+                sums["rel"][k] += float((d.norm(dim=1) / prev["z"].flatten(1).double().norm(dim=1).clamp_min(1e-30)).sum())
+                prev["z"] = z.clone()
+
+            ctx = model.embed(inputs, puzzle_ids)
+            z0 = model.init_state(ctx, generator)
+            prev["z"] = z0.clone()
+            rms0 += float(rms(z0).sum())
+            n_total += inputs.shape[0]
+            trace_loops(model, inputs, cfg, observe, puzzle_ids, z0=z0, read=False)
+    finally:
+        model.train(was_training)
+    return SignalCurve(
+        loops=list(range(1, loops + 1)),
+        state_rms=[float(x / n_total) for x in sums["rms"]],
+        update_norm=[float(x / n_total) for x in sums["upd"]],
+        relative_update=[float(x / n_total) for x in sums["rel"]],
+        state_rms0=rms0 / n_total,
+    )
+
+
+# ------------------------------------------------------------------------------------------------
+# spectral radius of the step's Jacobian
+# ------------------------------------------------------------------------------------------------
+
+
+def spectral_radius(
+    f: Callable[[Tensor], Tensor],
+    z: Tensor,
+    iters: int = 200,
+    tol: float = 1e-6,
+    method: str = "jvp",
+    generator: torch.Generator | None = None,
+    per_sample: bool = True,
+) -> Tensor:
+    """Spectral radius of ``J = df/dz`` at ``z`` by power iteration; [B] (per sample) or a scalar.
+
+    ``f`` must act on each sample independently (true of a transformer step), so ``J`` is block
+    diagonal and every sample is its own power iteration. ``method``: ``jvp`` iterates ``v <- J v``
+    (``torch.func.jvp``), ``vjp`` iterates ``v <- J^T v`` (autograd; same spectrum). The estimate is
+    the geometric mean of the growth ``||J v|| / ||v||`` over the second half of the iterations, which
+    also converges when the dominant eigenvalues are a complex pair. Stops early once two successive
+    windowed estimates agree to ``tol`` (relative).
+    """
+    if method not in ("jvp", "vjp"):
+        raise ValueError(f"unknown method {method!r} (jvp | vjp)")
+    z = z.detach()
+    batch = z.shape[0] if per_sample else 1
+    v = torch.randn(z.shape, generator=generator, dtype=z.dtype, device=z.device)
+
+    def norms(x: Tensor) -> Tensor:
+        flat = x.reshape(batch, -1)
+        return flat.norm(dim=1).clamp_min(torch.finfo(x.dtype).tiny)
+
+    def shape_b(n: Tensor) -> Tensor:
+        return n.reshape(batch, *([1] * (z.dim() - (1 if per_sample else 0))))
+
+    v = v / shape_b(norms(v))
+    if method == "vjp":
+        with torch.enable_grad():
+            z_req = z.clone().requires_grad_(True)
+            fz = f(z_req)
+
+        def apply(u: Tensor) -> Tensor:
+            (g,) = torch.autograd.grad(fz, z_req, u, retain_graph=True)
+            return g
+    else:
+
+        def apply(u: Tensor) -> Tensor:
+            return torch.func.jvp(f, (z,), (u,))[1]
+
+    logs: list[Tensor] = []
+    estimate = None
+    for k in range(iters):
+        w = apply(v).detach()
+        g = norms(w)
+        logs.append(g.log())
+        v = w / shape_b(g)
+        if k >= 9 and (k + 1) % 5 == 0:
+            window = torch.stack(logs[len(logs) // 2 :])
+            new = window.mean(0).exp()
+            if estimate is not None and bool(((new - estimate).abs() <= tol * estimate.abs().clamp_min(1e-12)).all()):
+                estimate = new
+                break
+            estimate = new
+    if estimate is None:
+        estimate = torch.stack(logs[len(logs) // 2 :]).mean(0).exp()
+    return estimate if per_sample else estimate.reshape(())
+
+
+@torch.no_grad()
+def spectral_radius_at_fixed_point(
+    model: LoopedModel,
+    inputs: Tensor,
+    loop: LoopConfig | None = None,
+    puzzle_ids: Tensor | None = None,
+    iters: int = 100,
+    tol: float = 1e-4,
+    method: str = "vjp",
+    seed: int = 0,
+) -> Tensor:
+    """Run the model's loop to its final (approximately fixed) state, then the spectral radius of the
+    step's Jacobian there, per sample [B]."""
+    was_training = model.training
+    model.eval()
+    try:
+        device = model_device(model)
+        inputs = inputs.to(device)
+        generator = torch.Generator(device=device).manual_seed(seed)
+        ctx = tuple(c.detach() if isinstance(c, Tensor) else c for c in model.embed(inputs, puzzle_ids))
+        z0 = model.init_state(ctx, generator)
+        out = model(inputs, loop=loop, state=z0, puzzle_ids=puzzle_ids)
+        z_star = out.state.detach()
+
+        def f(z: Tensor) -> Tensor:
+            return model.step(z, *ctx)
+
+        return spectral_radius(f, z_star, iters=iters, tol=tol, method=method, generator=generator)
+    finally:
+        model.train(was_training)
+
+
+def spectral_radius_summary(radii: Tensor) -> dict[str, float]:
+    r = radii.detach().double().cpu().numpy()
+    return {
+        "mean": float(r.mean()),
+        "median": float(np.median(r)),
+        "max": float(r.max()),
+        "fraction_below_1": float((r < 1).mean()),
+    }
+
+
+def finite_or_none(x: float) -> float | None:
+    return None if x is None or not math.isfinite(x) else float(x)
+
+
+__all__: Sequence[str] = (
+    "LoopCurve",
+    "SignalCurve",
+    "logit_lens",
+    "logit_margin",
+    "overthinking",
+    "signal_propagation",
+    "spectral_radius",
+    "spectral_radius_at_fixed_point",
+    "spectral_radius_summary",
+    "token_rank",
+    "trace_loops",
+)

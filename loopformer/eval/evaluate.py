@@ -1,0 +1,409 @@
+"""Evaluation of a looped model on a task: accuracies, loop steps, test-time compute, adaptivity.
+
+- ``evaluate``: one pass over a dataset. Three accuracies, from the weakest to the strictest claim:
+  token accuracy (labelled positions predicted right, pooled over the dataset), exact accuracy
+  (every labelled position right), and the headline *valid accuracy*: the task's independent
+  validator ``task.check(inputs_row, prediction_row)`` judges the whole predicted answer without
+  looking at the label (SYSTEMS.md 5: "a prediction counts only if it is a valid shortest path").
+  Per example it records difficulty, loop steps taken, convergence, exact and valid.
+- ``accuracy_vs_budget``: the test-time compute curve. The loop is run with ``max_steps`` set to
+  each budget, either with the halting rule forced to ``fixed`` (exactly ``b`` loops) or with the
+  model's own halting rule capped at ``b`` (SYSTEMS.md 1: FPRM halts at a fixed point or at the cap).
+- ``steps_vs_difficulty``: mean steps per difficulty bucket and the Spearman rank correlation
+  between difficulty and steps (SYSTEMS.md 1: "more iterations for puzzles with more blanks").
+- ``load_for_eval``: a trained model and its task from a checkpoint, with the EMA weights when the
+  checkpoint has them (the papers evaluate the EMA, SYSTEMS.md 1 and 4).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from scipy import stats
+from torch import Tensor
+
+from loopformer.loop import LoopConfig
+from loopformer.models.base import LoopedModel, ModelOutput
+from loopformer.tasks.base import IGNORE_INDEX, Task, TokenDataset
+
+BUDGET_MODES = ("fixed", "capped")
+
+
+@dataclass
+class ExampleRecord:
+    """One evaluated example."""
+
+    index: int
+    difficulty: float
+    steps: int
+    converged: bool
+    exact: bool  # every labelled position equals the label
+    valid: bool  # the task's independent validator accepts the prediction
+    token_accuracy: float  # labelled positions right / labelled positions (nan when none)
+
+
+@dataclass
+class EvalResult:
+    """Metrics of one evaluation pass; ``records`` keeps one entry per example."""
+
+    task: str
+    n: int
+    exact_accuracy: float
+    token_accuracy: float
+    valid_accuracy: float
+    mean_steps: float
+    steps_histogram: dict[int, int]
+    converged_fraction: float
+    loop: dict[str, Any]
+    records: list[ExampleRecord] = field(default_factory=list)
+
+    @property
+    def steps(self) -> np.ndarray:
+        return np.asarray([r.steps for r in self.records], dtype=np.int64)
+
+    @property
+    def difficulty(self) -> np.ndarray:
+        return np.asarray([r.difficulty for r in self.records], dtype=np.float64)
+
+    @property
+    def valid(self) -> np.ndarray:
+        return np.asarray([r.valid for r in self.records], dtype=bool)
+
+    @property
+    def exact(self) -> np.ndarray:
+        return np.asarray([r.exact for r in self.records], dtype=bool)
+
+    def to_dict(self, records: bool = False) -> dict[str, Any]:
+        out = {
+            "task": self.task,
+            "n": self.n,
+            "valid_accuracy": self.valid_accuracy,
+            "exact_accuracy": self.exact_accuracy,
+            "token_accuracy": self.token_accuracy,
+            "mean_steps": self.mean_steps,
+            "converged_fraction": self.converged_fraction,
+            "steps_histogram": {str(k): v for k, v in sorted(self.steps_histogram.items())},
+            "loop": self.loop,
+        }
+        if records:
+            out["records"] = [dataclasses.asdict(r) for r in self.records]
+        return out
+
+
+def loop_summary(cfg: LoopConfig | None) -> dict[str, Any]:
+    """A JSON-friendly view of a loop configuration."""
+    if cfg is None:
+        return {}
+    if dataclasses.is_dataclass(cfg):
+        return {k: v for k, v in dataclasses.asdict(cfg).items() if isinstance(v, str | int | float | bool)}
+    return {"repr": repr(cfg)}
+
+
+def with_budget(cfg: LoopConfig, budget: int, mode: str = "fixed") -> LoopConfig:
+    """``cfg`` with the step cap set to ``budget``; ``fixed`` also forces exactly ``budget`` loops."""
+    if budget < 1:
+        raise ValueError(f"a step budget must be >= 1, got {budget}")
+    if mode not in BUDGET_MODES:
+        raise ValueError(f"unknown budget mode {mode!r} (known: {', '.join(BUDGET_MODES)})")
+    changes: dict[str, Any] = {"max_steps": int(budget)}
+    if mode == "fixed":
+        changes["halting"] = "fixed"
+    if hasattr(cfg, "min_steps") and getattr(cfg, "min_steps", 0) and cfg.min_steps > budget:  # type: ignore[attr-defined]
+        changes["min_steps"] = int(budget)
+    return dataclasses.replace(cfg, **changes)
+
+
+def iter_batches(dataset: TokenDataset, batch_size: int, max_batches: int | None = None) -> Iterator[slice]:
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    n_batches = math.ceil(len(dataset) / batch_size)
+    if max_batches is not None:
+        n_batches = min(n_batches, max_batches)
+    for b in range(n_batches):
+        yield slice(b * batch_size, min(len(dataset), (b + 1) * batch_size))
+
+
+def batch_tensors(
+    dataset: TokenDataset, index: slice, device: torch.device | str
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    inputs = torch.as_tensor(dataset.inputs[index], device=device)
+    labels = torch.as_tensor(dataset.labels[index], device=device)
+    puzzle_ids = None if dataset.puzzle_ids is None else torch.as_tensor(dataset.puzzle_ids[index], device=device)
+    return inputs, labels, puzzle_ids
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+class _Progress:
+    """A rich progress bar when asked for and there is more than one batch; otherwise nothing."""
+
+    def __init__(self, enabled: bool, total: int, description: str) -> None:
+        self.bar = None
+        if enabled and total > 1:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self.bar = Progress(
+                TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                transient=True,
+            )
+            self.task = self.bar.add_task(description, total=total)
+
+    def __enter__(self) -> _Progress:
+        if self.bar is not None:
+            self.bar.start()
+        return self
+
+    def advance(self) -> None:
+        if self.bar is not None:
+            self.bar.advance(self.task)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+def score_predictions(
+    task: Task, inputs: np.ndarray, labels: np.ndarray, predictions: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Per row: (exact [N] bool, valid [N] bool, right labelled tokens [N], labelled tokens [N])."""
+    mask = labels != IGNORE_INDEX
+    right = ((predictions == labels) & mask).sum(axis=1)
+    count = mask.sum(axis=1)
+    exact = right == count
+    valid = np.asarray([bool(task.check(inputs[i], predictions[i])) for i in range(len(inputs))], dtype=bool)
+    return exact, valid, right, count
+
+
+@torch.no_grad()
+def evaluate(
+    model: LoopedModel,
+    task: Task,
+    dataset: TokenDataset,
+    loop: LoopConfig | None = None,
+    batch_size: int = 64,
+    max_batches: int | None = None,
+    device: torch.device | str | None = None,
+    progress: bool = False,
+    seed: int = 0,
+) -> EvalResult:
+    """Run ``model`` (with ``loop`` or its default loop) over ``dataset`` and score every prediction.
+
+    The initial iterate is drawn from a generator seeded with ``seed``, so an evaluation is repeatable.
+    """
+    if len(dataset) == 0:
+        raise ValueError("cannot evaluate on an empty dataset")
+    device = torch.device(device) if device is not None else model_device(model)
+    model.to(device)
+    was_training = model.training
+    model.eval()
+    cfg = loop if loop is not None else model.config.loop
+    generator = torch.Generator(device=device).manual_seed(seed)
+    batches = list(iter_batches(dataset, batch_size, max_batches))
+    records: list[ExampleRecord] = []
+    right_total = count_total = 0
+    try:
+        with _Progress(progress, len(batches), f"eval {task.name}") as bar:
+            for index in batches:
+                inputs, labels, puzzle_ids = batch_tensors(dataset, index, device)
+                out: ModelOutput = model(inputs, loop=cfg, puzzle_ids=puzzle_ids, generator=generator)
+                pred = out.logits.argmax(dim=-1).cpu().numpy()
+                steps, converged = _loop_stats(out, len(pred), cfg)
+                x_np, y_np = dataset.inputs[index], dataset.labels[index]
+                exact, valid, right, count = score_predictions(task, x_np, y_np, pred)
+                right_total += int(right.sum())
+                count_total += int(count.sum())
+                for j, i in enumerate(range(index.start, index.stop)):
+                    records.append(
+                        ExampleRecord(
+                            index=i,
+                            difficulty=float(dataset.difficulty[i]),
+                            steps=int(steps[j]),
+                            converged=bool(converged[j]),
+                            exact=bool(exact[j]),
+                            valid=bool(valid[j]),
+                            token_accuracy=float(right[j] / count[j]) if count[j] else float("nan"),
+                        )
+                    )
+                bar.advance()
+    finally:
+        model.train(was_training)
+    n = len(records)
+    steps_arr = np.asarray([r.steps for r in records])
+    return EvalResult(
+        task=task.name,
+        n=n,
+        exact_accuracy=float(np.mean([r.exact for r in records])),
+        token_accuracy=float(right_total / count_total) if count_total else float("nan"),
+        valid_accuracy=float(np.mean([r.valid for r in records])),
+        mean_steps=float(steps_arr.mean()),
+        steps_histogram=dict(sorted(Counter(int(s) for s in steps_arr).items())),
+        converged_fraction=float(np.mean([r.converged for r in records])),
+        loop=loop_summary(cfg),
+        records=records,
+    )
+
+
+def _loop_stats(out: ModelOutput, batch: int, cfg: LoopConfig) -> tuple[np.ndarray, np.ndarray]:
+    if out.loop is None:  # a model that bypasses the engine: one pass
+        return np.ones(batch, dtype=np.int64), np.zeros(batch, dtype=bool)
+    steps = out.loop.steps.detach().cpu().numpy().reshape(-1)
+    converged = out.loop.converged.detach().cpu().numpy().reshape(-1).astype(bool)
+    return steps, converged
+
+
+# ------------------------------------------------------------------------------------------------
+# test-time compute
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class BudgetPoint:
+    budget: int
+    valid_accuracy: float
+    exact_accuracy: float
+    token_accuracy: float
+    mean_steps: float
+    converged_fraction: float
+
+
+@dataclass
+class BudgetCurve:
+    mode: str
+    points: list[BudgetPoint]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"mode": self.mode, "points": [dataclasses.asdict(p) for p in self.points]}
+
+
+def accuracy_vs_budget(
+    model: LoopedModel,
+    task: Task,
+    dataset: TokenDataset,
+    budgets: Sequence[int],
+    mode: str = "fixed",
+    loop: LoopConfig | None = None,
+    batch_size: int = 64,
+    max_batches: int | None = None,
+    device: torch.device | str | None = None,
+    progress: bool = False,
+    seed: int = 0,
+) -> BudgetCurve:
+    """Accuracy at each inference step budget (``fixed``: exactly b loops; ``capped``: halting rule, cap b)."""
+    if not budgets:
+        raise ValueError("give at least one step budget")
+    base = loop if loop is not None else model.config.loop
+    points = []
+    for b in sorted({int(b) for b in budgets}):
+        res = evaluate(
+            model, task, dataset, loop=with_budget(base, b, mode), batch_size=batch_size,
+            max_batches=max_batches, device=device, progress=progress, seed=seed,
+        )
+        points.append(
+            BudgetPoint(b, res.valid_accuracy, res.exact_accuracy, res.token_accuracy, res.mean_steps,
+                        res.converged_fraction)
+        )
+    return BudgetCurve(mode, points)
+
+
+# ------------------------------------------------------------------------------------------------
+# adaptivity: steps vs difficulty
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class DifficultyBucket:
+    low: float
+    high: float
+    count: int
+    mean_steps: float
+    valid_accuracy: float
+
+
+@dataclass
+class DifficultyStats:
+    buckets: list[DifficultyBucket]
+    spearman_rho: float
+    spearman_p: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "spearman_rho": self.spearman_rho,
+            "spearman_p": self.spearman_p,
+            "buckets": [dataclasses.asdict(b) for b in self.buckets],
+        }
+
+    def mean_steps_by_difficulty(self) -> dict[str, float]:
+        """``{"low-high": mean steps}`` (``"d"`` when a bucket holds one difficulty value)."""
+        out = {}
+        for b in self.buckets:
+            key = _fmt(b.low) if b.low == b.high else f"{_fmt(b.low)}-{_fmt(b.high)}"
+            out[key] = b.mean_steps
+        return out
+
+
+def _fmt(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else f"{x:.3g}"
+
+
+def steps_vs_difficulty(
+    difficulty: Sequence[float] | np.ndarray,
+    steps: Sequence[float] | np.ndarray,
+    valid: Sequence[bool] | np.ndarray | None = None,
+    max_buckets: int = 8,
+) -> DifficultyStats:
+    """Mean steps per difficulty bucket (one per distinct value, or quantile buckets beyond
+    ``max_buckets`` values) and Spearman's rho between difficulty and steps (nan when either is constant)."""
+    d = np.asarray(difficulty, dtype=np.float64)
+    s = np.asarray(steps, dtype=np.float64)
+    v = np.zeros(len(d), dtype=bool) if valid is None else np.asarray(valid, dtype=bool)
+    if d.shape != s.shape or d.ndim != 1 or len(d) == 0:
+        raise ValueError(f"difficulty {d.shape} and steps {s.shape} must be equal non-empty 1-D arrays")
+    values = np.unique(d)
+    if len(values) <= max_buckets:
+        edges = [(x, x) for x in values]
+        members = [d == x for x in values]
+    else:
+        qs = np.unique(np.quantile(d, np.linspace(0, 1, max_buckets + 1)))
+        edges, members = [], []
+        for k in range(len(qs) - 1):
+            lo, hi = qs[k], qs[k + 1]
+            m = (d >= lo) & ((d < hi) if k < len(qs) - 2 else (d <= hi))
+            if m.any():
+                edges.append((float(d[m].min()), float(d[m].max())))
+                members.append(m)
+    buckets = [
+        DifficultyBucket(float(lo), float(hi), int(m.sum()), float(s[m].mean()), float(v[m].mean()))
+        for (lo, hi), m in zip(edges, members)
+    ]
+    if len(d) < 3 or np.all(d == d[0]) or np.all(s == s[0]):
+        rho, p = float("nan"), float("nan")
+    else:
+        r = stats.spearmanr(d, s)
+        rho, p = float(r.statistic), float(r.pvalue)
+    return DifficultyStats(buckets, rho, p)
+
+
+def easy_hard_steps(difficulty: np.ndarray, steps: np.ndarray) -> dict[str, float]:
+    """Mean steps on the easier and the harder half (split at the median difficulty)."""
+    d = np.asarray(difficulty, dtype=np.float64)
+    s = np.asarray(steps, dtype=np.float64)
+    med = float(np.median(d))
+    easy, hard = d <= med, d > med
+    if not hard.any():  # all at or below the median: split strictly below instead
+        easy, hard = d < med, d >= med
+    return {
+        "easy_mean_steps": float(s[easy].mean()) if easy.any() else float("nan"),
+        "hard_mean_steps": float(s[hard].mean()) if hard.any() else float("nan"),
+        "split_difficulty": med,
+    }

@@ -1,0 +1,155 @@
+"""Evaluation reports: ``report.md`` (tables, links to the PNG plots) and ``metrics.json``.
+
+``write_report(out_dir, title, results, ...)`` takes any of the result objects of
+``loopformer.eval`` (evaluations per model, a budget curve, difficulty statistics, loop curves,
+signal curves, spectral radii) and writes what it was given; missing pieces are skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from loopformer.eval.analysis import LoopCurve, SignalCurve
+from loopformer.eval.evaluate import BudgetCurve, DifficultyStats, EvalResult
+
+
+def _num(x: Any, pct: bool = False, digits: int = 2) -> str:
+    if x is None:
+        return "-"
+    try:
+        f = float(x)
+    except (TypeError, ValueError):
+        return str(x)
+    if not math.isfinite(f):
+        return "-"
+    return f"{100 * f:.1f}%" if pct else f"{f:.{digits}f}"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    out += ["| " + " | ".join(r) + " |" for r in rows]
+    return out + [""]
+
+
+def to_jsonable(x: Any) -> Any:
+    """Result objects, numpy scalars / arrays and non-finite floats -> plain JSON values (nan -> null)."""
+    if hasattr(x, "to_dict"):
+        return to_jsonable(x.to_dict())
+    if isinstance(x, Mapping):
+        return {str(k): to_jsonable(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [to_jsonable(v) for v in x]
+    if isinstance(x, np.ndarray):
+        return to_jsonable(x.tolist())
+    if isinstance(x, np.generic):
+        return to_jsonable(x.item())
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, Path):
+        return str(x)
+    return x
+
+
+def write_json(path: str | Path, data: Any) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(to_jsonable(data), indent=2) + "\n")
+    return path
+
+
+def write_report(
+    out_dir: str | Path,
+    title: str,
+    results: Mapping[str, EvalResult],
+    budget: Mapping[str, BudgetCurve] | None = None,
+    difficulty: Mapping[str, DifficultyStats] | None = None,
+    lens: LoopCurve | None = None,
+    signal: SignalCurve | None = None,
+    spectral: Mapping[str, float] | None = None,
+    plots: Mapping[str, str | Path] | None = None,
+    notes: list[str] | None = None,
+    extra: Mapping[str, Any] | None = None,
+) -> tuple[Path, Path]:
+    """Write ``out_dir/report.md`` and ``out_dir/metrics.json``; returns both paths.
+
+    ``results`` maps a model label (e.g. ``"fprm"``, ``"baseline transformer"``) to its evaluation.
+    ``plots`` maps a caption to a PNG path (linked relative to ``out_dir``).
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    lines = [f"# {title}", ""]
+    for note in notes or []:
+        lines += [note, ""]
+    if results:
+        lines += ["## Held-out accuracy", ""]
+        rows = [
+            [label, str(r.n), _num(r.valid_accuracy, True), _num(r.exact_accuracy, True),
+             _num(r.token_accuracy, True), _num(r.mean_steps), _num(r.converged_fraction, True)]
+            for label, r in results.items()
+        ]
+        lines += _table(["model", "examples", "valid (validator)", "exact", "token", "mean steps", "converged"], rows)
+        lines += ["`valid` is judged by the task's independent validator, not by the labels.", ""]
+    for label, stats in (difficulty or {}).items():
+        lines += [f"## Steps vs difficulty: {label}", ""]
+        rows = [
+            [_num(b.low, digits=0) if b.low == b.high else f"{_num(b.low, digits=0)}-{_num(b.high, digits=0)}",
+             str(b.count), _num(b.mean_steps), _num(b.valid_accuracy, True)]
+            for b in stats.buckets
+        ]
+        lines += _table(["difficulty", "examples", "mean steps", "valid"], rows)
+        lines += [f"Spearman rho = {_num(stats.spearman_rho, digits=3)} (p = {stats.spearman_p:.2g})", ""]
+    for label, curve in (budget or {}).items():
+        lines += [f"## Accuracy vs step budget: {label} ({curve.mode})", ""]
+        rows = [[str(p.budget), _num(p.valid_accuracy, True), _num(p.exact_accuracy, True), _num(p.mean_steps)]
+                for p in curve.points]
+        lines += _table(["budget", "valid", "exact", "mean steps"], rows)
+    if lens is not None:
+        lines += ["## Logit lens / overthinking (readout of every loop state)", ""]
+        has_bridge = bool(lens.bridge_rank)
+        header = ["loop", "valid", "token", "margin"] + (["bridge rank"] if has_bridge else [])
+        rows = []
+        for i, t in enumerate(lens.loops):
+            row = [str(t), _num(lens.valid_accuracy[i], True), _num(lens.token_accuracy[i], True), _num(lens.margin[i])]
+            if has_bridge:
+                row.append(_num(lens.bridge_rank[i]))
+            rows.append(row)
+        lines += _table(header, rows)
+        if lens.train_depth:
+            lines += [f"Training depth: {lens.train_depth} loops.", ""]
+    if signal is not None:
+        lines += ["## Signal propagation", ""]
+        rows = [[str(t), _num(signal.state_rms[i], digits=3), _num(signal.update_norm[i], digits=3),
+                 f"{signal.relative_update[i]:.2e}"] for i, t in enumerate(signal.loops)]
+        lines += _table(["loop", "state RMS", "update norm", "relative update"], rows)
+    if spectral:
+        lines += ["## Jacobian spectral radius at the final state", ""]
+        lines += _table(list(spectral), [[_num(v, digits=3) for v in spectral.values()]])
+    if plots:
+        lines += ["## Plots", ""]
+        for caption, p in plots.items():
+            rel = Path(p).resolve().relative_to(out.resolve()) if Path(p).resolve().is_relative_to(out.resolve()) else Path(p)
+            lines += [f"![{caption}]({rel.as_posix()})", ""]
+    report = out / "report.md"
+    report.write_text("\n".join(lines))
+    metrics: dict[str, Any] = {"title": title, "results": {k: v.to_dict() for k, v in results.items()}}
+    if budget:
+        metrics["budget"] = {k: v.to_dict() for k, v in budget.items()}
+    if difficulty:
+        metrics["difficulty"] = {k: v.to_dict() for k, v in difficulty.items()}
+    if lens is not None:
+        metrics["logit_lens"] = lens.to_dict()
+    if signal is not None:
+        metrics["signal"] = signal.to_dict()
+    if spectral:
+        metrics["spectral_radius"] = dict(spectral)
+    if plots:
+        metrics["plots"] = {k: str(v) for k, v in plots.items()}
+    if extra:
+        metrics.update(extra)
+    return report, write_json(out / "metrics.json", metrics)
