@@ -88,6 +88,21 @@ def validate_grid(grid: Any, where: str) -> np.ndarray:
     """A grid as int64 [H, W] after checking: list of lists of ints 0..9, rectangular, 1..30 per side."""
     if isinstance(grid, np.ndarray):
         grid = grid.tolist()
+    if isinstance(grid, list) and grid and all(isinstance(row, list) for row in grid):
+        try:  # fast path: a well-formed grid converts to a 2-D integer array
+            array = np.asarray(grid)
+        except ValueError:  # ragged: fall through to the cell-by-cell scan that names the row
+            array = None
+        if (
+            array is not None
+            and array.ndim == 2
+            and array.dtype.kind in "iu"
+            and 1 <= array.shape[0] <= MAX_GRID
+            and 1 <= array.shape[1] <= MAX_GRID
+            and array.min() >= 0
+            and array.max() < NUM_COLOURS
+        ):
+            return array.astype(np.int64)
     if not isinstance(grid, list) or not grid:
         raise TaskDataError(f"{where}: a grid must be a non-empty list of rows, got {type(grid).__name__}")
     if len(grid) > MAX_GRID:
