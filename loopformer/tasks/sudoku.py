@@ -399,9 +399,11 @@ class SudokuTask(Task):
         ``workers``: processes (default: all CPUs when n >= 200); ``progress(k)`` is called as puzzles finish.
         """
         cells = self.seq_len
-        lo = cells // 2 if min_blanks is None else int(min_blanks)
         # 16x16 near-minimal puzzles cost seconds each to prove unique; default to 60% blanks there
         hi = (cells if self.size <= 9 else int(0.6 * cells)) if max_blanks is None else int(max_blanks)
+        lo = min(cells // 2, hi) if min_blanks is None else int(min_blanks)
+        if max_blanks is None:
+            hi = max(hi, lo)
         if not 0 <= lo <= hi <= cells:
             raise ValueError(f"need 0 <= min_blanks ({lo}) <= max_blanks ({hi}) <= {cells}")
         if n < 0:
