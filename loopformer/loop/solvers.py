@@ -16,7 +16,8 @@ Each solver evaluates ``f`` exactly once per iteration (the engine does it) and 
   once residuals are small and makes Anderson slower than Picard (LESSONS.md).
   Next iterate ``sum a_i (beta f(X_i) + (1 - beta) X_i)``.
 - ``broyden``: limited-memory "good" Broyden on g(z) = f(z) - z with inverse-Jacobian estimate
-  ``H = -I + sum_i u_i v_i^T``, at most ``m`` rank-one terms (bounded memory: LESSONS.md, deq issue 28).
+  ``H = -I + sum_i u_i v_i^T``, at most ``m`` rank-one terms; when the memory is full it restarts
+  from ``H = -I`` (bounded memory, LESSONS.md / deq issue 28; dropping only the oldest term diverges).
 Mixing coefficients (Anderson a_i, Broyden u_i v_i, damping eta) are constants for autograd:
 under ``grad="bptt"`` gradients flow through the iterates, not through the coefficients.
 """
@@ -174,7 +175,9 @@ class Broyden(Solver):
                 ok = torch.isfinite(denom) & (denom.abs() > torch.finfo(dtype).tiny ** 0.5)
                 u = torch.where(ok, (dx - self._hv(us, vs, dg)) / torch.where(ok, denom, 1.0), 0.0)
                 u = torch.nan_to_num(u, nan=0.0, posinf=0.0, neginf=0.0)
-                us, vs = (us + [u])[-self.cfg.broyden_m:], (vs + [vt])[-self.cfg.broyden_m:]
+                if len(us) >= self.cfg.broyden_m:  # memory full: restart from H = -I (bounded memory)
+                    us, vs = [], []
+                us, vs = [*us, u], [*vs, vt]
             # z_next = z - H g = z + g - U (V^T g); the correction is a constant for autograd
             corr = torch.zeros_like(gf)
             for u, v in zip(us, vs):
