@@ -1,0 +1,397 @@
+"""Checkpoints: a folder of safetensors + JSON, written atomically, loaded without pickle.
+
+Layout of ``<run>/checkpoints/step_00001000/``:
+
+- ``model.safetensors``  the weights (tied tensors stored once, aliases in the file's metadata);
+- ``ema.safetensors``    the EMA weights, when the run keeps an EMA;
+- ``config.json``        the resolved ``RunConfig`` plus ``family`` (model registry name) and ``step``;
+- ``state.safetensors`` + ``state.json``  everything else a bit-exact resume needs: optimiser
+  state, data-stream and curriculum state, RNG states (torch / CUDA / numpy / python), the step,
+  and the deep-supervision carry (slot examples, carried states, segment counts). Any nested
+  structure of dicts, lists, numbers, strings and tensors is split by ``flatten_state`` into a
+  JSON skeleton and a flat tensor table, and joined back by ``unflatten_state``.
+
+A checkpoint is first written to a hidden temporary folder and then renamed into place; the
+``latest`` pointer file (the folder's name) is replaced atomically with ``os.replace``; only the
+newest ``keep`` checkpoints are kept. Nothing is ever unpickled: safetensors and JSON only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+
+from loopformer.config import RunConfig, config_to_json, load_config_file
+
+LATEST = "latest"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+class CheckpointError(RuntimeError):
+    """A missing, corrupt or mismatched checkpoint; the message names the file or parameter."""
+
+
+# --------------------------------------------------------------------------------------------
+# Nested state <-> (JSON skeleton, tensor table)
+# --------------------------------------------------------------------------------------------
+def flatten_state(obj: Any, tensors: dict[str, Tensor] | None = None, prefix: str = "s") -> tuple[Any, dict]:
+    """Replace every tensor in ``obj`` by ``{"__tensor__": key}``; returns (skeleton, tensors)."""
+    tensors = {} if tensors is None else tensors
+    if isinstance(obj, Tensor):
+        key = f"{prefix}"
+        tensors[key] = obj.detach().to("cpu", copy=True).contiguous()
+        return {"__tensor__": key}, tensors
+    if isinstance(obj, np.ndarray):
+        key = f"{prefix}"
+        tensors[key] = torch.from_numpy(np.ascontiguousarray(obj).copy())
+        return {"__ndarray__": key}, tensors
+    if isinstance(obj, dict):
+        if all(isinstance(k, str) for k in obj):
+            return {k: flatten_state(v, tensors, f"{prefix}.{k}")[0] for k, v in obj.items()}, tensors
+        if all(isinstance(k, int) and not isinstance(k, bool) for k in obj):
+            items = {str(k): flatten_state(v, tensors, f"{prefix}.{k}")[0] for k, v in obj.items()}
+            return {"__intdict__": items}, tensors
+        raise TypeError(f"cannot checkpoint a dict with keys {list(obj)[:5]} at {prefix}")
+    if isinstance(obj, list | tuple):
+        items = [flatten_state(v, tensors, f"{prefix}.{i}")[0] for i, v in enumerate(obj)]
+        return (items if isinstance(obj, list) else {"__tuple__": items}), tensors
+    if obj is None or isinstance(obj, bool | int | float | str):
+        return obj, tensors
+    if isinstance(obj, np.integer | np.floating | np.bool_):
+        return obj.item(), tensors
+    raise TypeError(f"cannot checkpoint a {type(obj).__name__} at {prefix} (tensors, numbers, strings only)")
+
+
+def unflatten_state(skeleton: Any, tensors: dict[str, Tensor]) -> Any:
+    """Inverse of ``flatten_state``."""
+    if isinstance(skeleton, dict):
+        if set(skeleton) == {"__tensor__"}:
+            return tensors[skeleton["__tensor__"]]
+        if set(skeleton) == {"__ndarray__"}:
+            return tensors[skeleton["__ndarray__"]].numpy()
+        if set(skeleton) == {"__intdict__"}:
+            return {int(k): unflatten_state(v, tensors) for k, v in skeleton["__intdict__"].items()}
+        if set(skeleton) == {"__tuple__"}:
+            return tuple(unflatten_state(v, tensors) for v in skeleton["__tuple__"])
+        return {k: unflatten_state(v, tensors) for k, v in skeleton.items()}
+    if isinstance(skeleton, list):
+        return [unflatten_state(v, tensors) for v in skeleton]
+    return skeleton
+
+
+# --------------------------------------------------------------------------------------------
+# RNG states
+# --------------------------------------------------------------------------------------------
+def rng_state() -> dict[str, Any]:
+    """torch (CPU and every CUDA device), numpy and python RNG states as tensors / lists."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    version, internal, gauss_next = random.getstate()
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                  "has_gauss": int(has_gauss), "cached": float(cached)},
+        "python": {"version": version, "internal": list(internal), "gauss_next": gauss_next},
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = list(torch.cuda.get_rng_state_all())
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"].to(torch.uint8))
+    n = state["numpy"]
+    np.random.set_state(
+        (n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached"])
+    )
+    p = state["python"]
+    random.setstate((p["version"], tuple(p["internal"]), p["gauss_next"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([t.to(torch.uint8) for t in state["cuda"]])
+
+
+# --------------------------------------------------------------------------------------------
+# Weights files
+# --------------------------------------------------------------------------------------------
+def save_weights(tensors: dict[str, Tensor], path: str | Path, metadata: dict[str, str] | None = None) -> None:
+    """safetensors file of ``tensors``; tensors sharing storage (tied weights) are stored once."""
+    unique: dict[str, Tensor] = {}
+    aliases: dict[str, str] = {}
+    seen: dict[tuple, str] = {}
+    for name, t in tensors.items():
+        key = (t.device, t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride())) if t.numel() else None
+        if key is not None and key in seen:
+            aliases[name] = seen[key]
+            continue
+        if key is not None:
+            seen[key] = name
+        unique[name] = t.detach().to("cpu", copy=True).contiguous()
+    meta = dict(metadata or {})
+    meta["aliases"] = json.dumps(aliases)
+    save_file(unique, str(path), metadata=meta)
+
+
+def load_weights(path: str | Path) -> dict[str, Tensor]:
+    """Tensors of a safetensors file (aliases restored); CheckpointError naming a bad file."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint file {path} does not exist")
+    try:
+        from safetensors import safe_open
+
+        tensors = load_file(str(path))
+        with safe_open(str(path), framework="pt") as handle:
+            meta = handle.metadata() or {}
+    except (SafetensorError, OSError, ValueError, RuntimeError) as err:
+        raise CheckpointError(f"checkpoint file {path} is corrupt or truncated: {err}") from None
+    for alias, target in json.loads(meta.get("aliases", "{}")).items():
+        tensors[alias] = tensors[target]
+    return tensors
+
+
+def model_family(model: nn.Module) -> str:
+    """The registry name of ``model``'s class (``loopformer.models.registry.MODELS``) or its class name."""
+    from loopformer.models.registry import MODELS
+
+    cls = type(getattr(model, "_orig_mod", model))
+    for name, spec in MODELS.items():
+        module, class_name, _ = spec.split(":")
+        if cls.__module__ == module and cls.__name__ == class_name:
+            return name
+    return cls.__name__
+
+
+def check_weights(weights: dict[str, Tensor], model: nn.Module, source: str) -> None:
+    """Names and shapes of ``weights`` against ``model.state_dict()``; CheckpointError on mismatch."""
+    expected = {k: v for k, v in model.state_dict().items()}
+    missing = [k for k in expected if k not in weights]
+    unexpected = [k for k in weights if k not in expected]
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{source} does not match {type(model).__name__}: missing parameters {missing[:8]}"
+            f"{' ...' if len(missing) > 8 else ''}, unexpected {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}"
+        )
+    for name, t in weights.items():
+        if tuple(t.shape) != tuple(expected[name].shape):
+            raise CheckpointError(
+                f"{source}: parameter {name!r} has shape {tuple(t.shape)} in the checkpoint "
+                f"but {tuple(expected[name].shape)} in the model"
+            )
+
+
+def load_weights_into(model: nn.Module, path: str | Path) -> None:
+    weights = load_weights(path)
+    check_weights(weights, model, str(path))
+    model.load_state_dict(weights, strict=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Checkpoint folders
+# --------------------------------------------------------------------------------------------
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _write_text_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def step_dirs(root: str | Path) -> list[Path]:
+    """Checkpoint folders under ``root`` sorted by step (oldest first)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _STEP_DIR.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def save_checkpoint(
+    root: str | Path,
+    step: int,
+    model: nn.Module,
+    config: RunConfig,
+    ema_state: dict[str, Tensor] | None = None,
+    training_state: dict[str, Any] | None = None,
+    keep: int = 0,
+) -> Path:
+    """Write ``root/step_{step:08d}`` atomically, point ``root/latest`` at it, keep the newest ``keep``."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    for stale in root.glob(".tmp-step_*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    name = f"step_{step:08d}"
+    tmp = root / f".tmp-{name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    base_model = getattr(model, "_orig_mod", model)
+    family = model_family(base_model)
+    save_weights(base_model.state_dict(), tmp / "model.safetensors", {"family": family, "step": str(step)})
+    if ema_state is not None:
+        save_weights(ema_state, tmp / "ema.safetensors", {"family": family, "step": str(step)})
+    (tmp / "config.json").write_text(config_to_json(config, family=family, step=step))
+    skeleton, tensors = flatten_state({"step": step, **(training_state or {})})
+    save_file(tensors, str(tmp / "state.safetensors"))
+    (tmp / "state.json").write_text(json.dumps(skeleton))
+    _fsync_dir(tmp)
+    final = root / name
+    if final.exists():  # re-saving a step (after a resume): swap the old folder out first
+        trash = root / f".tmp-{name}-old-{os.getpid()}"
+        os.replace(final, trash)
+        os.replace(tmp, final)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+    _write_text_atomic(root / LATEST, name + "\n")
+    _fsync_dir(root)
+    if keep > 0:
+        for old in step_dirs(root)[:-keep]:
+            if old != final:
+                shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    """The folder ``root/latest`` points to (or the newest step folder), None when there is none."""
+    root = Path(root)
+    pointer = root / LATEST
+    if pointer.is_file():
+        target = root / pointer.read_text().strip()
+        if target.is_dir():
+            return target
+    dirs = step_dirs(root)
+    return dirs[-1] if dirs else None
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A checkpoint folder from: the folder itself, a ``checkpoints/`` root, or a run folder."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    if (path / "model.safetensors").is_file():
+        return path
+    for root in (path, path / "checkpoints"):
+        found = latest_checkpoint(root)
+        if found is not None:
+            return found
+    raise CheckpointError(f"{path} holds no checkpoint (no model.safetensors, no step_* folders)")
+
+
+@dataclass
+class Checkpoint:
+    """A loaded checkpoint: the model (with the chosen weights), its config and metadata."""
+
+    path: Path
+    step: int
+    family: str
+    config: RunConfig
+    model: nn.Module
+    ema_state: dict[str, Tensor] | None
+    weights: str  # "model" or "ema": which weights ``model`` holds
+
+
+def read_checkpoint_config(path: str | Path, check: bool = False) -> tuple[RunConfig, str, int]:
+    """(RunConfig, family, step) from a checkpoint's ``config.json``."""
+    folder = resolve_checkpoint(path)
+    cfg_path = folder / "config.json"
+    if not cfg_path.is_file():
+        raise CheckpointError(f"checkpoint {folder} has no config.json")
+    try:
+        raw = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{cfg_path} is corrupt: {err}") from None
+    return load_config_file(cfg_path, check=check), str(raw.get("family", "")), int(raw.get("step", 0))
+
+
+def load_checkpoint(
+    path: str | Path,
+    model: nn.Module | None = None,
+    use_ema: bool = False,
+    device: torch.device | str = "cpu",
+) -> Checkpoint:
+    """Load a checkpoint (folder, ``checkpoints/`` root or run folder).
+
+    ``model``: load into this model (its family and every parameter shape must match); None
+    builds the model from the checkpoint's config. ``use_ema``: load the EMA weights when the
+    checkpoint has them. Raises CheckpointError naming the file or parameter at fault.
+    """
+    folder = resolve_checkpoint(path)
+    config, family, step = read_checkpoint_config(folder)
+    if model is None:
+        from loopformer.models.registry import MODELS, build_model
+
+        if family not in MODELS:
+            raise CheckpointError(
+                f"checkpoint {folder} holds a {family!r} model, which is not in the model registry; "
+                "pass the model to load into"
+            )
+        model = build_model(config.model.name, config=config.model_config())
+    else:
+        given = model_family(model)
+        if family and given != family:
+            raise CheckpointError(f"checkpoint {folder} holds a {family!r} model, but the given model is {given!r}")
+    model.to(device)
+    load_weights_into(model, folder / "model.safetensors")
+    ema_state = None
+    if (folder / "ema.safetensors").is_file():
+        ema_state = load_weights(folder / "ema.safetensors")
+        check_weights_subset(ema_state, model, str(folder / "ema.safetensors"))
+    weights = "model"
+    if use_ema and ema_state is not None:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name in ema_state:
+                    p.copy_(ema_state[name].to(p.device))
+        weights = "ema"
+    return Checkpoint(folder, step, family, config, model, ema_state, weights)
+
+
+def check_weights_subset(weights: dict[str, Tensor], model: nn.Module, source: str) -> None:
+    """EMA tables hold parameters only: every entry must be a parameter of matching shape."""
+    params = dict(model.named_parameters())
+    for name, t in weights.items():
+        if name not in params:
+            raise CheckpointError(f"{source}: {name!r} is not a parameter of {type(model).__name__}")
+        if tuple(t.shape) != tuple(params[name].shape):
+            raise CheckpointError(
+                f"{source}: parameter {name!r} has shape {tuple(t.shape)} in the checkpoint "
+                f"but {tuple(params[name].shape)} in the model"
+            )
+
+
+def load_training_state(path: str | Path) -> dict[str, Any]:
+    """The nested training state saved by ``save_checkpoint`` (tensors on CPU)."""
+    folder = resolve_checkpoint(path)
+    json_path, tensor_path = folder / "state.json", folder / "state.safetensors"
+    if not json_path.is_file():
+        raise CheckpointError(f"checkpoint {folder} has no state.json (not a training checkpoint?)")
+    try:
+        skeleton = json.loads(json_path.read_text())
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{json_path} is corrupt: {err}") from None
+    tensors = load_weights(tensor_path) if tensor_path.is_file() else {}
+    try:
+        return unflatten_state(skeleton, tensors)
+    except KeyError as err:
+        raise CheckpointError(f"{tensor_path} lacks tensor {err.args[0]!r} named in {json_path}") from None

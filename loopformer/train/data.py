@@ -1,0 +1,158 @@
+"""Training batches: a deterministic index stream and the difficulty curriculum.
+
+- ``IndexStream``: an endless stream of example indices. Epoch ``e`` is a permutation of the
+  eligible examples drawn from ``numpy.random.default_rng([seed, e])``, so the order is a pure
+  function of (seed, epoch, position) and a resumed run replays it exactly from the two
+  integers in ``state_dict()``. When the eligible set changes (the curriculum advanced), a new
+  epoch starts.
+- ``Curriculum``: Loop, Think & Generalize's schedule (SYSTEMS.md section 3): train on examples
+  whose difficulty <= level; start at ``start``; advance by ``step`` when the exact-match
+  accuracy on the current level reaches ``threshold`` (0.95); stop at ``max_level``.
+- ``Batch`` / ``make_batch``: tensors of a set of rows of a ``TokenDataset`` on a device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from loopformer.tasks.base import TokenDataset
+
+
+@dataclass
+class Batch:
+    inputs: Tensor  # [B, T] int64
+    labels: Tensor  # [B, T] int64, IGNORE_INDEX where no loss
+    puzzle_ids: Tensor | None  # [B] int64
+    index: Tensor  # [B] dataset row of each example (int64, CPU)
+
+
+def make_batch(dataset: TokenDataset, index: np.ndarray, device: torch.device | str = "cpu") -> Batch:
+    """Rows ``index`` of ``dataset`` as tensors on ``device``."""
+    index = np.asarray(index, dtype=np.int64)
+    puzzle_ids = None
+    if dataset.puzzle_ids is not None:
+        puzzle_ids = torch.from_numpy(dataset.puzzle_ids[index]).to(device)
+    return Batch(
+        inputs=torch.from_numpy(dataset.inputs[index]).to(device),
+        labels=torch.from_numpy(dataset.labels[index]).to(device),
+        puzzle_ids=puzzle_ids,
+        index=torch.from_numpy(index),
+    )
+
+
+class IndexStream:
+    """Endless, resumable stream of row indices over the eligible subset of a dataset."""
+
+    def __init__(self, n: int, seed: int, eligible: np.ndarray | None = None) -> None:
+        if n < 1:
+            raise ValueError("cannot draw batches from an empty dataset")
+        self.n = n
+        self.seed = seed
+        self.epoch = 0
+        self.position = 0
+        self._eligible = self._check(eligible)
+        self._order: np.ndarray | None = None
+
+    def _check(self, eligible: np.ndarray | None) -> np.ndarray:
+        if eligible is None:
+            return np.arange(self.n, dtype=np.int64)
+        eligible = np.asarray(eligible, dtype=np.int64)
+        if eligible.size == 0:
+            raise ValueError("no training example is eligible (curriculum level below every difficulty?)")
+        return eligible
+
+    def _permutation(self) -> np.ndarray:
+        if self._order is None:
+            rng = np.random.default_rng([self.seed, self.epoch])
+            self._order = self._eligible[rng.permutation(len(self._eligible))]
+        return self._order
+
+    def set_eligible(self, eligible: np.ndarray | None) -> None:
+        """Restrict to new rows; starts the next epoch (unless nothing was drawn from this one)."""
+        self._eligible = self._check(eligible)
+        if self.position > 0:
+            self.epoch += 1
+            self.position = 0
+        self._order = None
+
+    def take(self, k: int) -> np.ndarray:
+        """The next ``k`` indices (wrapping into new epochs)."""
+        out = []
+        while k > 0:
+            order = self._permutation()
+            chunk = order[self.position : self.position + k]
+            out.append(chunk)
+            k -= len(chunk)
+            self.position += len(chunk)
+            if self.position >= len(order):
+                self.epoch += 1
+                self.position = 0
+                self._order = None
+        return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"seed": self.seed, "epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.seed, self.epoch, self.position = int(state["seed"]), int(state["epoch"]), int(state["position"])
+        self._order = None
+
+
+class Curriculum:
+    """Difficulty levels: train on difficulty <= level, advance when the current level is solved."""
+
+    def __init__(
+        self,
+        difficulty: np.ndarray,
+        start: float = 2.0,
+        step: float = 1.0,
+        max_level: float | None = None,
+        threshold: float = 0.95,
+    ) -> None:
+        if step <= 0:
+            raise ValueError(f"curriculum step must be > 0, got {step}")
+        self.difficulty = np.asarray(difficulty, dtype=np.float64)
+        self.start = float(start)
+        self.step = float(step)
+        self.max_level = float(max_level) if max_level is not None else float(self.difficulty.max())
+        self.threshold = float(threshold)
+        self.level = min(self.start, self.max_level)
+        self.history: list[dict[str, float]] = []
+        if not (self.difficulty <= self.level).any():
+            raise ValueError(
+                f"curriculum start level {self.level} is below every training difficulty "
+                f"(min {self.difficulty.min()})"
+            )
+
+    @property
+    def done(self) -> bool:
+        return self.level >= self.max_level
+
+    def eligible(self) -> np.ndarray:
+        """Training rows with difficulty <= level."""
+        return np.flatnonzero(self.difficulty <= self.level)
+
+    def current_rows(self, difficulty: np.ndarray) -> np.ndarray:
+        """Rows of ``difficulty`` at the current level: in (level - step, level]."""
+        d = np.asarray(difficulty, dtype=np.float64)
+        return np.flatnonzero((d > self.level - self.step) & (d <= self.level))
+
+    def update(self, accuracy: float, global_step: int) -> bool:
+        """Record ``accuracy`` on the current level; advance one level when it passes the threshold."""
+        self.history.append({"step": float(global_step), "level": self.level, "accuracy": float(accuracy)})
+        if accuracy >= self.threshold and not self.done:
+            self.level = min(self.level + self.step, self.max_level)
+            return True
+        return False
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"level": self.level, "history": list(self.history)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.level = float(state["level"])
+        self.history = [dict(h) for h in state.get("history", [])]

@@ -1,0 +1,112 @@
+"""Training losses: token cross-entropy, stablemax cross-entropy, Q-head BCE, Jacobian penalty.
+
+- ``stablemax_cross_entropy``: TRM's stablemax (SYSTEMS.md section 4; used by FPRM, section 1):
+  ``s(x) = x + 1`` for ``x >= 0`` and ``1 / (1 - x)`` for ``x < 0``,
+  ``log p_i = log s(x_i) - log sum_j s(x_j)``, computed in float64 as TRM does.
+- ``sequence_loss``: per-sample mean over the positions that carry a label (``IGNORE_INDEX``
+  elsewhere), then the batch mean (TRM divides each sample's token loss by its label count).
+- ``q_halt_loss``: BCE of the Q / halting logit against "the whole answer is exactly right"
+  (TRM's ``q_halt``; FPRM weighs it 0.5).
+- ``jacobian_frobenius``: Hutchinson estimate of ``||J||_F^2`` at the final state,
+  ``E_v ||v^T J||^2`` with ``v ~ N(0, I)``, per sample and divided by the state size (the DEQ
+  Jacobian regulariser; FPRM ships it off by default).
+The ACT ponder cost is the model's own ``ModelOutput.aux_loss``; the trainer weighs it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from loopformer.tasks.base import IGNORE_INDEX
+
+
+def stablemax_log_probs(logits: Tensor, dim: int = -1) -> Tensor:
+    """Log stablemax in float64: ``log s(x_i) - log sum_j s(x_j)``."""
+    x = logits.to(torch.float64)
+    s = torch.where(x >= 0, x + 1.0, 1.0 / (1.0 - torch.clamp(x, max=0.0)))
+    return torch.log(s) - torch.log(s.sum(dim=dim, keepdim=True))
+
+
+def token_losses(logits: Tensor, labels: Tensor, kind: str = "ce") -> tuple[Tensor, Tensor]:
+    """Per-position losses ``[B, T]`` (zero where ignored) and the label mask ``[B, T]``.
+
+    ``kind``: "ce" (softmax cross-entropy in float32) or "stablemax" (float64).
+    """
+    if logits.shape[:-1] != labels.shape:
+        raise ValueError(f"logits {tuple(logits.shape)} do not match labels {tuple(labels.shape)} + [V]")
+    mask = labels != IGNORE_INDEX
+    safe = torch.where(mask, labels, torch.zeros_like(labels))
+    if kind == "ce":
+        logp = F.log_softmax(logits.float(), dim=-1)
+    elif kind == "stablemax":
+        logp = stablemax_log_probs(logits)
+    else:
+        raise ValueError(f"unknown loss {kind!r}; expected 'ce' or 'stablemax'")
+    nll = -logp.gather(-1, safe.unsqueeze(-1)).squeeze(-1)
+    return torch.where(mask, nll, torch.zeros_like(nll)), mask
+
+
+def sequence_loss(logits: Tensor, labels: Tensor, kind: str = "ce") -> Tensor:
+    """Mean over samples of each sample's mean token loss (float32 scalar)."""
+    losses, mask = token_losses(logits, labels, kind)
+    per_sample = losses.sum(-1) / mask.sum(-1).clamp(min=1)
+    return per_sample.mean().float()
+
+
+@dataclass
+class Accuracy:
+    token_correct: Tensor  # [B] correct labelled positions
+    token_count: Tensor  # [B] labelled positions
+    exact: Tensor  # [B] bool: every labelled position right
+
+    @property
+    def token_acc(self) -> float:
+        return float(self.token_correct.sum() / self.token_count.sum().clamp(min=1))
+
+    @property
+    def exact_acc(self) -> float:
+        return float(self.exact.float().mean()) if self.exact.numel() else 0.0
+
+
+def accuracy(logits: Tensor, labels: Tensor) -> Accuracy:
+    """Argmax accuracy against the labels (IGNORE_INDEX positions skipped)."""
+    with torch.no_grad():
+        mask = labels != IGNORE_INDEX
+        correct = (logits.argmax(-1) == labels) & mask
+        token_correct = correct.sum(-1)
+        token_count = mask.sum(-1)
+        return Accuracy(token_correct, token_count, token_correct == token_count)
+
+
+def q_halt_loss(q_logits: Tensor, exact: Tensor) -> Tensor:
+    """BCE-with-logits of the Q / halting head against ``exact`` (answer fully right), batch mean."""
+    return F.binary_cross_entropy_with_logits(q_logits.float().reshape(-1), exact.float().reshape(-1))
+
+
+def jacobian_frobenius(
+    step: Callable[..., Tensor],
+    z: Tensor,
+    ctx: tuple[Tensor, ...] = (),
+    generator: torch.Generator | None = None,
+    n_samples: int = 1,
+) -> Tensor:
+    """Hutchinson estimate of ``||dF/dz||_F^2 / dim`` at ``z``, averaged over the batch.
+
+    ``z`` is detached and re-entered, so the penalty trains the step's parameters (and ctx)
+    only; the graph is kept (``create_graph``) so it can be backpropagated.
+    """
+    z = z.detach().requires_grad_(True)
+    fz = step(z, *ctx)
+    per_sample_dim = z[0].numel() if z.dim() > 1 else 1
+    total = z.new_zeros(())
+    for _ in range(n_samples):
+        gen_device = generator.device if generator is not None else fz.device
+        v = torch.randn(fz.shape, generator=generator, device=gen_device, dtype=fz.dtype).to(fz.device)
+        (vj,) = torch.autograd.grad(fz, z, v, create_graph=True)
+        total = total + vj.float().pow(2).sum() / (z.shape[0] * per_sample_dim)
+    return total / n_samples

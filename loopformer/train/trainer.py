@@ -1,0 +1,709 @@
+"""The trainer: simple looped training and deep supervision, with exact resume.
+
+Two modes (``train.mode``):
+
+- ``simple`` (Loop, Think & Generalize, SYSTEMS.md section 3): every step draws a fresh batch,
+  a loop count ``R`` from ``loopformer.loop.make_sampler`` seeded by the global step (fixed,
+  Poisson(4) clipped to [2, 8], log-normal Poisson), runs one forward with ``max_steps = R``
+  and fixed halting (an ACT model keeps its learned halting with ``R`` as the cap), and steps.
+- ``deep_supervision`` (TRM / HRM / FPRM, SYSTEMS.md sections 1 and 4): a carried batch of
+  ``batch_size`` slots, each holding an example, its detached state and a segment count. Each
+  optimiser step runs ONE segment (``model.forward(state=carry.state)`` with the training loop
+  config), takes the loss on that segment's output (plus the Q-head BCE against "the answer is
+  exactly right"), steps, and carries ``out.state.detach()``. A slot halts when its segment count
+  reaches ``max_segments``, or (options) when its Q logit is > 0 (TRM, with exploration: with
+  probability ``halt_exploration`` a slot must first run a random 2..max_segments segments) or
+  when its loop converged (FPRM). Halted slots get new examples and fresh ``init_state`` rows.
+
+Around both: warm-up + constant / cosine lr, clipping, EMA, the difficulty curriculum, periodic
+evaluation (``loopformer.eval.evaluate`` when a task is known, else exact-match on the labels),
+metrics as JSONL (+ optional TensorBoard), a rich progress bar, divergence detection
+(``TrainingDivergedError`` before the bad update is applied, the last good checkpoint kept),
+and atomic checkpoints holding everything needed to resume bit-exactly (``train.resume``).
+Every random draw is a function of (seed, global step), so a resumed run replays exactly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import math
+import os
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from loopformer.config import RunConfig, save_config, to_dict
+from loopformer.loop import LoopConfig, make_sampler
+from loopformer.models.base import LoopedModel, ModelOutput
+from loopformer.nn import autocast
+from loopformer.tasks.base import Task, TokenDataset
+from loopformer.train.checkpoint import (
+    CheckpointError,
+    latest_checkpoint,
+    load_training_state,
+    load_weights,
+    load_weights_into,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
+from loopformer.train.data import Batch, Curriculum, IndexStream, make_batch
+from loopformer.train.losses import accuracy, jacobian_frobenius, q_halt_loss, sequence_loss
+from loopformer.train.optim import EMA, build_optimizer, clip_grad_norm, lr_at, set_lr
+
+log = logging.getLogger("loopformer.train")
+
+# salts that keep the per-step random streams independent
+_SALT_INIT, _SALT_EXPLORE, _SALT_JAC, _SALT_CURRICULUM = 11, 13, 17, 19
+
+
+class TrainingDivergedError(RuntimeError):
+    """Training produced a non-finite or exploding quantity; no update was applied for that step."""
+
+    def __init__(self, step: int, quantity: str, value: float, checkpoint: Path | None) -> None:
+        where = f"; the last good checkpoint is {checkpoint}" if checkpoint else "; no checkpoint was written"
+        super().__init__(f"training diverged at step {step}: {quantity} = {value}{where}")
+        self.step, self.quantity, self.value, self.checkpoint = step, quantity, value, checkpoint
+
+
+def physical_cores() -> int:
+    """Physical CPU cores available to this process (from /proc/cpuinfo; else os.cpu_count())."""
+    try:
+        pairs, phys = set(), None
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("physical id"):
+                    phys = line.split(":")[1].strip()
+                elif line.startswith("core id"):
+                    pairs.add((phys, line.split(":")[1].strip()))
+        if pairs:
+            return max(1, min(len(pairs), len(os.sched_getaffinity(0))))
+    except (OSError, AttributeError):
+        pass
+    return max(1, os.cpu_count() or 1)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device='cuda' was asked for but CUDA is not available")
+    return torch.device(name)
+
+
+def _seed_for(seed: int, step: int, salt: int) -> int:
+    return int(np.random.SeedSequence([seed, step, salt]).generate_state(1)[0])
+
+
+def _last_finite(rows: Tensor) -> Tensor:
+    """Per column, the last non-NaN value of a [steps, B] trace (NaN when none)."""
+    finite = ~torch.isnan(rows)
+    if rows.numel() == 0:
+        return rows.new_full(rows.shape[1:], float("nan"))
+    last = (finite.cumsum(0) == finite.sum(0, keepdim=True)) & finite
+    vals = torch.where(last, rows, torch.zeros_like(rows)).sum(0)
+    return torch.where(finite.any(0), vals, torch.full_like(vals, float("nan")))
+
+
+@dataclass
+class Carry:
+    """Deep-supervision slots: each row an example being refined over segments."""
+
+    index: Tensor  # [B] dataset rows (CPU int64)
+    inputs: Tensor  # [B, T]
+    labels: Tensor  # [B, T]
+    puzzle_ids: Tensor | None  # [B]
+    state: Tensor  # [B, ...] detached carried state
+    segments: Tensor  # [B] segments run so far (CPU int64)
+    halted: Tensor  # [B] bool (CPU): replace before the next segment
+
+    def state_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in ("index", "inputs", "labels", "puzzle_ids", "state", "segments", "halted")}
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any], device: torch.device) -> Carry:
+        def dev(t: Tensor | None) -> Tensor | None:
+            return None if t is None else t.to(device)
+
+        return cls(
+            index=state["index"].long(),
+            inputs=dev(state["inputs"]),
+            labels=dev(state["labels"]),
+            puzzle_ids=dev(state["puzzle_ids"]),
+            state=dev(state["state"]),
+            segments=state["segments"].long(),
+            halted=state["halted"].bool(),
+        )
+
+
+class Trainer:
+    """Train ``config``'s model on its task; ``fit()`` returns a summary dict.
+
+    ``model``, ``task``, ``train_data`` and ``eval_data`` override what the config would build
+    (tests pass tiny ones). The run folder ``config.out_dir`` receives ``config.yaml`` /
+    ``config.json``, ``metrics.jsonl``, ``checkpoints/`` and ``summary.json``.
+    """
+
+    def __init__(
+        self,
+        config: RunConfig,
+        model: LoopedModel | None = None,
+        task: Task | None = None,
+        train_data: TokenDataset | None = None,
+        eval_data: TokenDataset | None = None,
+    ) -> None:
+        self.config = config
+        tc = config.train
+        self.device = resolve_device(config.device)
+        if self.device.type == "cpu":
+            torch.set_flush_denormal(True)
+            torch.set_num_threads(tc.threads or physical_cores())
+        torch.manual_seed(config.seed)
+        np.random.seed(config.seed % 2**32)
+        random.seed(config.seed)
+
+        # -- task and data ----------------------------------------------------------------------
+        dc = config.data
+        if task is None and (train_data is None or model is None):  # given data + model: no task needed
+            from loopformer.tasks.registry import get_task
+
+            task = get_task(dc.task, **dc.options)
+        self.task = task
+        self.train_data = train_data if train_data is not None else self._dataset("train")
+        self.eval_data = eval_data if eval_data is not None else self._dataset("eval")
+        if len(self.train_data) == 0:
+            raise ValueError("the training set is empty")
+
+        # -- model ------------------------------------------------------------------------------
+        if model is None:
+            model = self._build_model()
+        self.model = model.to(self.device)
+        self.forward_model = torch.compile(self.model) if config.compile else self.model
+        self.loop_train: LoopConfig = config.loop_config(self.model.config.loop, "train")
+        self.loop_eval: LoopConfig = config.loop_config(self.model.config.loop, "eval")
+
+        # -- optimisation -----------------------------------------------------------------------
+        self.optimizer = build_optimizer(
+            self.model, tc.lr, tc.weight_decay, tuple(tc.betas), tc.eps, tc.decay_embeddings
+        )
+        self.params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        self.ema = EMA(self.model, tc.ema) if tc.ema > 0 else None
+        self.sampler = self._loop_sampler()
+
+        # -- data order and curriculum ----------------------------------------------------------
+        self.curriculum: Curriculum | None = None
+        cc = dc.curriculum
+        if cc.enabled:
+            self.curriculum = Curriculum(self.train_data.difficulty, cc.start, cc.step, cc.max_level, cc.threshold)
+        self.stream = IndexStream(
+            len(self.train_data), config.seed, self.curriculum.eligible() if self.curriculum else None
+        )
+        self.carry: Carry | None = None
+
+        # -- bookkeeping ------------------------------------------------------------------------
+        self.step = 0
+        self.elapsed_before = 0.0  # wall time spent before a resume
+        self.run_dir = Path(config.out_dir)
+        self.ckpt_dir = self.run_dir / "checkpoints"
+        self.last_checkpoint: Path | None = None
+        self.resumed_from: Path | None = None
+        self.last_metrics: dict[str, Any] = {}
+        self.last_eval: dict[str, Any] = {}
+        self._resume()
+
+    # ------------------------------------------------------------------------------------------
+    # construction helpers
+    # ------------------------------------------------------------------------------------------
+    def _dataset(self, split: str) -> TokenDataset | None:
+        dc = self.config.data
+        path = dc.train_path if split == "train" else dc.eval_path
+        size = dc.train_size if split == "train" else dc.eval_size
+        if self.task is None:
+            if split == "train":
+                raise ValueError("no training data: pass train_data or a task")
+            return None
+        if path:
+            return self.task.load(path)
+        if size <= 0:
+            return None
+        seed = dc.train_seed if split == "train" else dc.eval_seed
+        options = dc.train_generate if split == "train" else dc.eval_generate
+        return self.task.generate(size, seed, **options)
+
+    def _task_defaults(self) -> dict[str, Any]:
+        """Model fields the task determines, used where the recipe leaves them unset."""
+        out: dict[str, Any] = {}
+        task = self.task
+        if task is not None:
+            if task.vocab_size:
+                out["vocab_size"] = int(task.vocab_size)
+            out["causal"] = bool(task.causal)
+            out["num_puzzle_ids"] = int(getattr(task, "num_puzzle_ids", 0) or 0)
+            grid = getattr(task, "grid", None)
+            size = getattr(task, "size", None)
+            if grid is None and isinstance(size, int) and task.seq_len == size * size:
+                grid = (size, size)
+            if grid is not None:
+                out["grid"] = tuple(grid)
+        out["seq_len"] = int(self.train_data.inputs.shape[1])
+        if "vocab_size" not in out:
+            out["vocab_size"] = int(max(self.train_data.inputs.max(), self.train_data.labels.max()) + 1)
+        return out
+
+    def _build_model(self) -> LoopedModel:
+        from loopformer.models.registry import build_model, model_classes
+
+        _, config_cls = model_classes(self.config.model.name)
+        valid = {f.name for f in dataclasses.fields(config_cls)}
+        defaults = {k: v for k, v in self._task_defaults().items() if k in valid}
+        model_config = self.config.model_config(**defaults)
+        # the run folder records the fully resolved model config
+        self.config.model.fields = {
+            f.name: to_dict(getattr(model_config, f.name)) for f in dataclasses.fields(model_config)
+        }
+        return build_model(self.config.model.name, config=model_config)
+
+    def _loop_sampler(self) -> Any:
+        tc = self.config.train
+        options = dict(tc.loop_sampler_options)
+        if tc.loop_sampler == "fixed":
+            options.setdefault("n", self.loop_train.max_steps)
+        else:
+            options.setdefault("seed", self.config.seed)
+        return make_sampler(tc.loop_sampler, **options)
+
+    # ------------------------------------------------------------------------------------------
+    # checkpoints and resume
+    # ------------------------------------------------------------------------------------------
+    def training_state(self) -> dict[str, Any]:
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "stream": self.stream.state_dict(),
+            "curriculum": self.curriculum.state_dict() if self.curriculum else None,
+            "carry": self.carry.state_dict() if self.carry else None,
+            "rng": rng_state(),
+            "elapsed": self.elapsed_before + self._elapsed(),
+        }
+
+    def save(self) -> Path:
+        """Checkpoint the current step (atomic; keeps the newest ``train.keep_checkpoints``)."""
+        self.last_checkpoint = save_checkpoint(
+            self.ckpt_dir,
+            self.step,
+            self.model,
+            self.config,
+            ema_state=self.ema.state_dict() if self.ema else None,
+            training_state=self.training_state(),
+            keep=self.config.train.keep_checkpoints,
+        )
+        return self.last_checkpoint
+
+    def _resume(self) -> None:
+        resume = self.config.train.resume
+        if resume is False or resume == "":
+            return
+        if resume is True:
+            folder = latest_checkpoint(self.ckpt_dir)
+            if folder is None:
+                log.info("resume: no checkpoint in %s, starting from scratch", self.ckpt_dir)
+                return
+        else:
+            from loopformer.train.checkpoint import resolve_checkpoint
+
+            folder = resolve_checkpoint(resume)
+        self.load(folder)
+
+    def load(self, folder: Path) -> None:
+        """Restore weights, EMA, optimiser, data stream, curriculum, carry and RNG from ``folder``."""
+        load_weights_into(self.model, folder / "model.safetensors")
+        state = load_training_state(folder)
+        if self.ema is not None:
+            if not (folder / "ema.safetensors").is_file():
+                raise CheckpointError(f"{folder} has no ema.safetensors but this run keeps an EMA (train.ema > 0)")
+            self.ema.load_state_dict(load_weights(folder / "ema.safetensors"))
+        try:
+            self.optimizer.load_state_dict(state["optimizer"])
+        except (ValueError, KeyError) as err:
+            raise CheckpointError(f"optimizer state in {folder} does not fit this model: {err}") from None
+        if self.curriculum is not None and state.get("curriculum"):
+            self.curriculum.load_state_dict(state["curriculum"])
+            self.stream.set_eligible(self.curriculum.eligible())
+        self.stream.load_state_dict(state["stream"])
+        self.carry = Carry.from_state(state["carry"], self.device) if state.get("carry") else None
+        set_rng_state(state["rng"])
+        self.step = int(state["step"])
+        self.elapsed_before = float(state.get("elapsed", 0.0))
+        self.resumed_from = folder
+        self.last_checkpoint = folder
+        log.info("resumed from %s at step %d", folder, self.step)
+
+    # ------------------------------------------------------------------------------------------
+    # one optimiser step
+    # ------------------------------------------------------------------------------------------
+    def _generator(self, step: int, salt: int) -> torch.Generator:
+        return torch.Generator(device=self.device).manual_seed(_seed_for(self.config.seed, step, salt))
+
+    def _fresh_states(self, inputs: Tensor, puzzle_ids: Tensor | None, step: int) -> Tensor:
+        with torch.no_grad(), autocast(self.device, self.config.bf16):
+            ctx = self.model.embed(inputs, puzzle_ids)
+            return self.model.init_state(ctx, self._generator(step, _SALT_INIT)).detach()
+
+    def _refill(self) -> None:
+        """Deep supervision: give halted (or all, at the start) slots new examples and fresh states."""
+        B = self.config.train.batch_size
+        if self.carry is None:
+            batch = make_batch(self.train_data, self.stream.take(B), self.device)
+            self.carry = Carry(
+                index=batch.index,
+                inputs=batch.inputs,
+                labels=batch.labels,
+                puzzle_ids=batch.puzzle_ids,
+                state=self._fresh_states(batch.inputs, batch.puzzle_ids, self.step),
+                segments=torch.zeros(B, dtype=torch.long),
+                halted=torch.zeros(B, dtype=torch.bool),
+            )
+            return
+        c = self.carry
+        rows = torch.nonzero(c.halted).reshape(-1)
+        if rows.numel() == 0:
+            return
+        new = make_batch(self.train_data, self.stream.take(int(rows.numel())), self.device)
+        dev_rows = rows.to(self.device)
+        c.index = c.index.clone()
+        c.index[rows] = new.index
+        c.inputs = c.inputs.index_copy(0, dev_rows, new.inputs)
+        c.labels = c.labels.index_copy(0, dev_rows, new.labels)
+        if c.puzzle_ids is not None and new.puzzle_ids is not None:
+            c.puzzle_ids = c.puzzle_ids.index_copy(0, dev_rows, new.puzzle_ids)
+        fresh = self._fresh_states(new.inputs, new.puzzle_ids, self.step)
+        c.state = c.state.index_copy(0, dev_rows, fresh.to(c.state.dtype))
+        c.segments = c.segments.clone()
+        c.segments[rows] = 0
+        c.halted = torch.zeros_like(c.halted)
+
+    def _loss(self, out: ModelOutput, batch_inputs: Tensor, labels: Tensor, puzzle_ids: Tensor | None) -> tuple:
+        tc = self.config.train
+        task_loss = sequence_loss(out.logits, labels, tc.loss)
+        acc = accuracy(out.logits, labels)
+        parts = {"task_loss": task_loss}
+        total = task_loss
+        if out.q_logits is not None and tc.q_loss_weight > 0:
+            parts["q_loss"] = q_halt_loss(out.q_logits, acc.exact)
+            total = total + tc.q_loss_weight * parts["q_loss"]
+        if out.aux_loss is not None and tc.ponder_weight > 0:
+            parts["ponder"] = out.aux_loss.float()
+            total = total + tc.ponder_weight * parts["ponder"]
+        if tc.jacobian_weight > 0:
+            with autocast(self.device, self.config.bf16):
+                ctx = self.model.embed(batch_inputs, puzzle_ids)
+                parts["jacobian"] = jacobian_frobenius(
+                    self.model.step, out.state, ctx, self._generator(self.step, _SALT_JAC)
+                )
+            total = total + tc.jacobian_weight * parts["jacobian"]
+        return total, parts, acc
+
+    def _check(self, quantity: str, value: float, limit: float | None = None) -> None:
+        if not math.isfinite(value) or (limit is not None and value > limit):
+            self.optimizer.zero_grad(set_to_none=True)
+            self._write_metrics({"step": self.step, "diverged": quantity, "value": value})
+            raise TrainingDivergedError(self.step, quantity, value, self.last_checkpoint)
+
+    def train_step(self) -> dict[str, Any]:
+        """One optimiser step (one segment in deep supervision); returns its metrics."""
+        tc = self.config.train
+        self.model.train()
+        lr = lr_at(self.step, tc.lr, tc.warmup_steps, tc.steps, tc.schedule, tc.min_lr_ratio)
+        set_lr(self.optimizer, lr)
+        if tc.mode == "simple":
+            batch = make_batch(self.train_data, self.stream.take(tc.batch_size), self.device)
+            R = int(self.sampler.sample(self.step))
+            halting = "act" if self.loop_train.halting == "act" else "fixed"
+            loop = dataclasses.replace(
+                self.loop_train, max_steps=R, min_steps=min(self.loop_train.min_steps, R), halting=halting
+            )
+            inputs, labels, puzzle_ids, state = batch.inputs, batch.labels, batch.puzzle_ids, None
+        elif tc.mode == "deep_supervision":
+            self._refill()
+            c = self.carry
+            loop = self.loop_train
+            inputs, labels, puzzle_ids, state = c.inputs, c.labels, c.puzzle_ids, c.state
+        else:
+            raise ValueError(f"unknown train.mode {tc.mode!r}")
+
+        with autocast(self.device, self.config.bf16):
+            out = self.forward_model(
+                inputs, loop=loop, state=state, puzzle_ids=puzzle_ids, generator=self._generator(self.step, _SALT_INIT)
+            )
+        loss, parts, acc = self._loss(out, inputs, labels, puzzle_ids)
+        self._check("loss", float(loss.detach()), tc.max_loss)
+        state_rms = float(out.state.detach().float().pow(2).flatten(1).mean(1).sqrt().mean())
+        self._check("state norm", state_rms, tc.max_state_norm)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = clip_grad_norm(self.params, tc.grad_clip)
+        self._check("gradient norm", grad_norm)
+        self.optimizer.step()
+        if self.ema is not None:
+            self.ema.update(self.model)
+
+        metrics: dict[str, Any] = {
+            "step": self.step + 1,
+            "loss": float(loss.detach()),
+            **{k: float(v.detach()) for k, v in parts.items()},
+            "token_acc": acc.token_acc,
+            "exact_acc": acc.exact_acc,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "state_norm": state_rms,
+        }
+        if out.loop is not None:
+            metrics["loop_steps"] = float(out.loop.steps.float().mean())
+            if out.loop.residuals is not None and out.loop.residuals.numel():
+                metrics["residual"] = float(torch.nanmean(_last_finite(out.loop.residuals.detach().float())))
+            metrics["converged"] = float(out.loop.converged.float().mean())
+        if tc.mode == "simple":
+            metrics["loops"] = R
+        else:
+            self._advance_carry(out)
+            metrics["segments"] = float(self.carry.segments.float().mean())
+            metrics["halted"] = int(self.carry.halted.sum())
+        if self.curriculum is not None:
+            metrics["level"] = self.curriculum.level
+        return metrics
+
+    def _advance_carry(self, out: ModelOutput) -> None:
+        tc = self.config.train
+        c = self.carry
+        c.state = out.state.detach()
+        c.segments = c.segments + 1
+        halted = c.segments >= tc.max_segments
+        if tc.halt_on_q and out.q_logits is not None:
+            q_halt = (out.q_logits.detach().float().reshape(-1) > 0).cpu()
+            if tc.halt_exploration > 0:
+                g = torch.Generator().manual_seed(_seed_for(self.config.seed, self.step, _SALT_EXPLORE))
+                explore = torch.rand(len(c.segments), generator=g) < tc.halt_exploration
+                min_segments = torch.randint(2, tc.max_segments + 1, (len(c.segments),), generator=g)
+                q_halt = q_halt & (c.segments >= torch.where(explore, min_segments, torch.zeros_like(min_segments)))
+            halted = halted | q_halt
+        if tc.halt_on_converged and out.loop is not None:
+            halted = halted | out.loop.converged.detach().cpu().reshape(-1)
+        c.halted = halted
+
+    # ------------------------------------------------------------------------------------------
+    # evaluation
+    # ------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def exact_eval(self, dataset: TokenDataset, rows: np.ndarray | None = None, loop: LoopConfig | None = None) -> dict:
+        """Label-based accuracy of the current weights: token_acc, exact_acc, loop_steps, n.
+
+        Runs ``eval.segments`` chained forward calls (the state carried), as TRM / HRM evaluate.
+        """
+        ec = self.config.eval
+        loop = loop or self.loop_eval
+        rows = np.arange(len(dataset)) if rows is None else np.asarray(rows)
+        if ec.max_examples:
+            rows = rows[: ec.max_examples]
+        was_training = self.model.training
+        self.model.eval()
+        generator = torch.Generator(device=self.device).manual_seed(self.config.seed)
+        right = count = exact = steps = 0.0
+        try:
+            for start in range(0, len(rows), ec.batch_size):
+                b: Batch = make_batch(dataset, rows[start : start + ec.batch_size], self.device)
+                state = None
+                seg_steps = torch.zeros(len(b.index))
+                for _ in range(max(1, ec.segments)):
+                    with autocast(self.device, self.config.bf16):
+                        out = self.forward_model(
+                            b.inputs, loop=loop, state=state, puzzle_ids=b.puzzle_ids, generator=generator
+                        )
+                    state = out.state
+                    if out.loop is not None:
+                        seg_steps += out.loop.steps.float().cpu()
+                acc = accuracy(out.logits, b.labels)
+                right += float(acc.token_correct.sum())
+                count += float(acc.token_count.sum())
+                exact += float(acc.exact.sum())
+                steps += float(seg_steps.sum())
+        finally:
+            self.model.train(was_training)
+        n = len(rows)
+        return {
+            "n": n,
+            "token_acc": right / max(count, 1.0),
+            "exact_acc": exact / max(n, 1),
+            "loop_steps": steps / max(n, 1),
+        }
+
+    def evaluate(self) -> dict[str, Any]:
+        """Evaluate on the held-out set (EMA weights when ``eval.use_ema`` and an EMA exists)."""
+        if self.eval_data is None or len(self.eval_data) == 0:
+            return {}
+        ec = self.config.eval
+        use_ema = self.ema is not None and ec.use_ema
+        ctx = self.ema.applied(self.model) if use_ema else contextlib.nullcontext()
+        with ctx:
+            if self.task is not None and ec.check and ec.segments <= 1:
+                from loopformer.eval.evaluate import evaluate
+
+                data = self.eval_data
+                if ec.max_examples:
+                    data = data.subset(slice(0, ec.max_examples))
+                res = evaluate(
+                    self.model, self.task, data, loop=self.loop_eval, batch_size=ec.batch_size,
+                    device=self.device, seed=self.config.seed,
+                )
+                result = {
+                    "n": res.n,
+                    "token_acc": res.token_accuracy,
+                    "exact_acc": res.exact_accuracy,
+                    "valid_acc": res.valid_accuracy,
+                    "loop_steps": res.mean_steps,
+                    "converged": res.converged_fraction,
+                }
+            else:
+                result = self.exact_eval(self.eval_data)
+        result["weights"] = "ema" if use_ema else "model"
+        return result
+
+    def _curriculum_check(self) -> None:
+        cur, cc = self.curriculum, self.config.data.curriculum
+        dataset = None
+        if cc.source == "eval" and self.eval_data is not None:
+            rows = cur.current_rows(self.eval_data.difficulty)
+            dataset = self.eval_data if len(rows) else None
+        if dataset is None:
+            dataset = self.train_data
+            rows = cur.current_rows(self.train_data.difficulty)
+            if len(rows) == 0:
+                rows = cur.eligible()
+        if len(rows) > cc.sample:
+            rng = np.random.default_rng([self.config.seed, self.step, _SALT_CURRICULUM])
+            rows = np.sort(rng.choice(rows, size=cc.sample, replace=False))
+        acc = self.exact_eval(dataset, rows)["exact_acc"]
+        if cur.update(acc, self.step):
+            self.stream.set_eligible(cur.eligible())
+            log.info("curriculum: level %s passed (%.3f), now training up to %s", cur.level - cur.step, acc, cur.level)
+
+    # ------------------------------------------------------------------------------------------
+    # the loop
+    # ------------------------------------------------------------------------------------------
+    def _elapsed(self) -> float:
+        return time.perf_counter() - self._t0 if hasattr(self, "_t0") else 0.0
+
+    def _write_metrics(self, record: dict[str, Any]) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.run_dir / "metrics.jsonl", "a") as fh:
+            fh.write(json.dumps(record) + "\n")
+        if getattr(self, "_tb", None) is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, int | float) and not isinstance(value, bool):
+                    self._tb.add_scalar(key, value, record.get("step", self.step))
+
+    def _prepare_run_dir(self) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(self.config, self.run_dir)
+        metrics = self.run_dir / "metrics.jsonl"
+        if self.resumed_from is not None and metrics.is_file():  # drop lines the killed run wrote after it
+            kept = [
+                line for line in metrics.read_text().splitlines()
+                if line.strip() and json.loads(line).get("step", 0) <= self.step
+            ]
+            metrics.write_text("".join(line + "\n" for line in kept))
+        elif self.resumed_from is None and metrics.is_file():
+            metrics.unlink()
+        self._tb = None
+        if self.config.train.tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                log.warning("train.tensorboard is on but tensorboard is not installed (pip install tensorboard)")
+            else:
+                self._tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+
+    def fit(self) -> dict[str, Any]:
+        """Train to ``train.steps`` optimiser steps (continuing a resumed run); returns a summary."""
+        tc = self.config.train
+        self._prepare_run_dir()
+        self._t0 = time.perf_counter()
+        progress = _progress_bar(tc.progress, tc.steps, self.step)
+        try:
+            with progress as bar:
+                task_id = bar.add_task("train", total=tc.steps, completed=self.step, info="") if bar else None
+                while self.step < tc.steps:
+                    metrics = self.train_step()
+                    self.step += 1
+                    metrics["time"] = round(self.elapsed_before + self._elapsed(), 3)
+                    self.last_metrics = metrics
+                    if self.step % tc.log_every == 0 or self.step == tc.steps:
+                        self._write_metrics(metrics)
+                    cc = self.config.data.curriculum
+                    if self.curriculum is not None and not self.curriculum.done and self.step % cc.check_every == 0:
+                        self._curriculum_check()
+                    if tc.eval_every and self.step % tc.eval_every == 0 and self.step < tc.steps:
+                        self.last_eval = self.evaluate()
+                        self._write_metrics({"step": self.step, **{f"eval_{k}": v for k, v in self.last_eval.items()}})
+                    if tc.checkpoint_every and self.step % tc.checkpoint_every == 0 and self.step < tc.steps:
+                        self.save()
+                    if bar:
+                        bar.update(task_id, completed=self.step, info=_bar_info(metrics))
+            self.last_eval = self.evaluate()
+            if self.last_eval:
+                self._write_metrics({"step": self.step, **{f"eval_{k}": v for k, v in self.last_eval.items()}})
+            self.save()
+        finally:
+            if getattr(self, "_tb", None) is not None:
+                self._tb.close()
+        summary = {
+            "steps": self.step,
+            "run_dir": str(self.run_dir),
+            "checkpoint": str(self.last_checkpoint) if self.last_checkpoint else None,
+            "resumed_from": str(self.resumed_from) if self.resumed_from else None,
+            "train": self.last_metrics,
+            "eval": self.last_eval,
+            "curriculum_level": self.curriculum.level if self.curriculum else None,
+            "wall_time": round(self.elapsed_before + self._elapsed(), 3),
+            "parameters": self.model.num_parameters() if hasattr(self.model, "num_parameters") else None,
+        }
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        return summary
+
+
+def _bar_info(m: dict[str, Any]) -> str:
+    parts = [f"loss {m['loss']:.4f}", f"acc {m['token_acc']:.3f}/{m['exact_acc']:.3f}"]
+    if "loop_steps" in m:
+        parts.append(f"loops {m['loop_steps']:.1f}")
+    if "level" in m:
+        parts.append(f"level {m['level']:g}")
+    return "  ".join(parts)
+
+
+def _progress_bar(enabled: bool, total: int, start: int) -> Any:
+    if not enabled:
+        return _NoBar()
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.fields[info]}"),
+    )
+
+
+class _NoBar:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
