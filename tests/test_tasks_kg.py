@@ -69,6 +69,17 @@ def test_depth_test_paths_are_disjoint_from_training_and_distinct(depth):
         test = depth.generate(30, seed=100 + k, hops=k, split="test")
         assert len(as_tuples(train)) == 300 and len(as_tuples(test)) == 30
         assert not as_tuples(train) & as_tuples(test)
+        assert not depth.is_test_path(
+            train.inputs[:, 0], train.inputs[:, 1 : k + 1] - depth.num_entities
+        ).any()
+        assert depth.is_test_path(test.inputs[:, 0], test.inputs[:, 1 : k + 1] - depth.num_entities).all()
+    # the partition is a pure function of the task seed and the path
+    heads, rels = np.arange(50).repeat(20), np.random.default_rng(0).integers(0, 4, size=(1000, 3))
+    again = KGDepthTask(num_entities=50, num_relations=4, max_hops=8, seed=3)
+    assert np.array_equal(depth.is_test_path(heads, rels), again.is_test_path(heads, rels))
+    assert 0.0 < depth.is_test_path(heads, rels).mean() < 0.15
+    other = KGDepthTask(num_entities=50, num_relations=4, max_hops=8, seed=4)
+    assert not np.array_equal(depth.is_test_path(heads, rels), other.is_test_path(heads, rels))
     mix = depth.training_set(max_hops=4, paths_per_hop=200, seed=5)
     assert len(mix) == 200 + 3 * 200  # all atomic facts (50 x 4) + paths per hop
     tests = depth.generate(60, seed=9, min_hops=2, max_hops=4, split="test", pad_to=5)
