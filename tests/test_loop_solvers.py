@@ -72,8 +72,11 @@ def test_anderson_needs_fewer_iterations_than_picard():
         res = run_loop(linear_step(w), torch.zeros(b, d, dtype=DT), cfg, ctx=(x,))
         assert res.converged.all()
         counts[solver] = int(res.steps.max())
+    cfg = LoopConfig(solver="anderson", anderson_reg_relative=False, halting="residual", tol=tol, max_steps=5000)
+    counts["anderson_absolute_reg"] = int(run_loop(linear_step(w), torch.zeros(b, d, dtype=DT), cfg, ctx=(x,)).steps.max())
     print(f"rho 0.99 tol 1e-6 iterations: {counts}")
     assert counts["anderson"] * 2 < counts["picard"], counts
+    assert counts["anderson"] < counts["anderson_absolute_reg"], counts
 
 
 def test_anderson_per_sample_equals_single_sample_runs():

@@ -49,6 +49,7 @@ class LoopConfig:
     anderson_m: int = 5
     anderson_reg: float = 1e-4
     anderson_beta: float = 1.0
+    anderson_reg_relative: bool = True  # False: TorchDEQ's absolute regulariser (stalls at tight tol)
     # limited-memory Broyden
     broyden_m: int = 16
     # LTG halting

@@ -39,13 +39,18 @@ def _bcast(v: Tensor, like: Tensor) -> Tensor:
     return v.view(v.shape[0], *([1] * (like.dim() - 1))).to(like.dtype)
 
 
-def anderson_weights(g: Tensor, reg: float) -> Tensor:
-    """Per-sample type-II Anderson mixing weights a [B, n] (sum to 1) from residuals g [B, n, D]."""
+def anderson_weights(g: Tensor, reg: float, relative: bool = True) -> Tensor:
+    """Per-sample type-II Anderson mixing weights a [B, n] (sum to 1) from residuals g [B, n, D].
+
+    ``relative=False`` adds ``reg`` to the raw Gram matrix (TorchDEQ's absolute regulariser; kept
+    only to measure how it stalls at tight tolerances, LESSONS.md).
+    """
     gram = torch.bmm(g, g.transpose(1, 2))  # [B, n, n]
     n = gram.shape[-1]
-    scale = gram.diagonal(dim1=1, dim2=2).sum(-1) / n
-    scale = scale.clamp_min(torch.finfo(gram.dtype).tiny)
-    gram = gram / scale.view(-1, 1, 1)
+    if relative:
+        scale = gram.diagonal(dim1=1, dim2=2).sum(-1) / n
+        scale = scale.clamp_min(torch.finfo(gram.dtype).tiny)
+        gram = gram / scale.view(-1, 1, 1)
     eye = torch.eye(n, dtype=gram.dtype, device=gram.device)
     finite = torch.isfinite(gram).flatten(1).all(dim=1)
     gram = torch.where(finite.view(-1, 1, 1), gram, eye)  # a diverged row must not break the batch
@@ -129,7 +134,7 @@ class Anderson(Solver):
         with torch.no_grad():
             dtype = torch.promote_types(z.dtype, torch.float32)
             g = (fstack - xstack).reshape(b, len(xs), -1).to(dtype)
-            alpha = anderson_weights(g, cfg.anderson_reg).to(z.dtype)
+            alpha = anderson_weights(g, cfg.anderson_reg, cfg.anderson_reg_relative).to(z.dtype)
         a = alpha.view(b, len(xs), *([1] * (z.dim() - 1)))
         beta = cfg.anderson_beta
         mixed = (a * fstack).sum(1) if beta == 1.0 else (a * (beta * fstack + (1 - beta) * xstack)).sum(1)
