@@ -1,0 +1,1 @@
+"""Subcommands of the ``loopformer`` command line (attached in ``loopformer.cli``)."""

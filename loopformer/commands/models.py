@@ -1,0 +1,81 @@
+"""``loopformer models``: every registered family's parameter count at paper size and CPU size.
+
+Paper size comes from each model module's ``paper_config()`` (SYSTEMS.md sections 1-4); the CPU
+size is the family's config-class defaults (what a recipe starts from). Per-puzzle embedding
+tables are excluded, as the papers count.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import click
+
+DESCRIPTIONS = {
+    "transformer": "plain transformer, one pass (baseline)",
+    "recurrent": "recurrent-depth looped block (LTG, Huginn)",
+    "fprm": "fixed-point reasoner, damped solver",
+    "attractor": "backbone + attractor head, implicit gradient",
+    "ut_act": "Universal Transformer with ACT halting",
+    "trm": "tiny recursive model, deep supervision",
+    "hrm": "hierarchical reasoning model",
+}
+
+
+def _count(model_cls: type, config: Any) -> int:
+    import torch
+
+    with torch.device("meta"):  # no memory and no init cost for the 27M-parameter models
+        model = model_cls(config)
+    return int(model.num_parameters())
+
+
+def model_rows() -> list[dict[str, Any]]:
+    """One row per registered family: name, class, paper and CPU parameter counts (or an error)."""
+    from loopformer.models.registry import MODELS, model_classes
+
+    rows = []
+    for name, spec in MODELS.items():
+        row: dict[str, Any] = {"name": name, "class": spec.split(":")[1], "paper": None, "cpu": None, "note": ""}
+        try:
+            model_cls, config_cls = model_classes(name)
+            module = importlib.import_module(spec.split(":")[0])
+            row["note"] = DESCRIPTIONS.get(name, "")
+            if hasattr(module, "paper_config"):
+                row["paper"] = _count(model_cls, module.paper_config())
+            row["cpu"] = _count(model_cls, config_cls())
+        except Exception as err:  # one broken family must not hide the others
+            row["note"] = f"unavailable: {type(err).__name__}: {err}"
+        rows.append(row)
+    return rows
+
+
+def _fmt(n: int | None) -> str:
+    if n is None:
+        return "-"
+    return f"{n / 1e6:.2f}M" if n >= 1e6 else f"{n / 1e3:.1f}k"
+
+
+@click.command("models")
+@click.option("--json", "as_json", is_flag=True, help="print JSON instead of a table")
+def models(as_json: bool) -> None:
+    """Every registered model family with its parameter count at paper size and at the default CPU size."""
+    rows = model_rows()
+    if as_json:
+        import json
+
+        click.echo(json.dumps(rows, indent=2))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="loopformer models (parameters, per-puzzle embeddings excluded)")
+    table.add_column("name")
+    table.add_column("class")
+    table.add_column("paper size", justify="right")
+    table.add_column("CPU default", justify="right")
+    table.add_column("note")
+    for r in rows:
+        table.add_row(r["name"], r["class"], _fmt(r["paper"]), _fmt(r["cpu"]), r["note"])
+    Console().print(table)

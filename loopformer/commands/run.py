@@ -1,0 +1,271 @@
+"""``loopformer run``: the main job. Train the recipe's looped model and a plain-transformer baseline of
+equal parameters on the same budget, evaluate both on held-out examples with the task's independent
+validator, run the loop analyses, and write ``summary.json``, ``report.md`` and plots.
+
+A run recipe is an ordinary ``RunConfig`` recipe (``loopformer.config``) plus one extra table,
+``run:``, read here (strictly, unknown keys are errors):
+
+```yaml
+run:
+  baseline:                    # the comparison model, trained with the same data, steps and batch
+    enabled: true
+    label: plain transformer (equal parameters)
+    model: {name: transformer} # merged over the main model's shared fields (d_model, n_heads, n_layers...)
+    train: {mode: simple}      # merged over the main train table
+    loop_train: {}             # replaces the main model's loop overrides (the baseline has its own loop)
+    loop_eval: {}
+  budgets: [1, 2, 4, 8, 16]    # inference step budgets for the test-time compute curve
+  budget_mode: capped          # capped (halting rule, cap b) | fixed (exactly b loops)
+  lens_loops: 32               # logit lens / overthinking loops (0 = off)
+  signal_loops: 32
+  spectral: true
+  analysis_examples: 128
+```
+
+Overrides on the command line: ``key=value`` for the main config (also inherited by the baseline),
+``run.key=value`` for this table, ``baseline.key=value`` for the baseline's config only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import click
+
+from loopformer.commands.common import eval_dataset, load_run, training_depth
+from loopformer.commands.suite import ModelUnderTest, SuiteOptions, accuracy_table, run_suite
+
+DEFAULT_RECIPE = "default"
+# fields a plain transformer shares with the looped families (copied unless the baseline sets them)
+SHARED_MODEL_FIELDS = ("d_model", "n_heads", "n_layers", "expansion", "rope", "causal", "tie_embeddings",
+                       "vocab_size", "seq_len", "num_puzzle_ids", "puzzle_emb_len")
+
+
+@dataclass
+class BaselineSpec:
+    enabled: bool = True
+    label: str = "plain transformer (equal parameters)"
+    model: dict[str, Any] = field(default_factory=lambda: {"name": "transformer"})
+    train: dict[str, Any] = field(default_factory=lambda: {"mode": "simple"})
+    loop_train: dict[str, Any] = field(default_factory=dict)
+    loop_eval: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class RunSection:
+    baseline: BaselineSpec = field(default_factory=BaselineSpec)
+    budgets: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16])
+    budget_mode: str = "capped"
+    lens_loops: int = 32
+    signal_loops: int = 32
+    spectral: bool = True
+    analysis_examples: int = 128
+    title: str = ""
+
+
+def find_run_recipe(name: str | Path) -> Path:
+    """A recipe path: as given, ``recipes/<name>.yaml`` here, in the repository, or inside the package."""
+    from loopformer.config import RECIPE_DIR, ConfigError, find_recipe
+
+    try:
+        return find_recipe(name)
+    except ConfigError:
+        stem = str(name) if str(name).endswith((".yaml", ".yml")) else f"{name}.yaml"
+        packaged = Path(__file__).resolve().parent.parent / "recipes" / stem
+        if packaged.is_file():
+            return packaged
+        known = sorted(p.stem for p in RECIPE_DIR.glob("*.yaml")) if RECIPE_DIR.is_dir() else []
+        raise ConfigError(
+            f"no recipe {str(name)!r} (looked in ./recipes, {RECIPE_DIR} and the package)"
+            + (f"; known: {', '.join(known)}" if known else "")
+        ) from None
+
+
+def split_overrides(overrides: tuple[str, ...]) -> tuple[list[str], list[str], list[str]]:
+    """(main config overrides, ``run.*`` overrides, ``baseline.*`` overrides without the prefix)."""
+    main, run, base = [], [], []
+    for text in overrides:
+        key = text.split("=", 1)[0].strip()
+        if key.startswith("run."):
+            run.append(text[len("run."):])
+        elif key.startswith("baseline."):
+            base.append(text[len("baseline."):])
+        else:
+            main.append(text)
+    return main, run, base
+
+
+def build_run_configs(
+    recipe: str | Path, overrides: tuple[str, ...], out: Path
+) -> tuple[Any, Any | None, RunSection, str]:
+    """(main RunConfig, baseline RunConfig or None, the run table, baseline description)."""
+    from loopformer.config import (
+        ConfigError,
+        _merge,
+        apply_overrides,
+        build_config,
+        from_dict,
+        parse_override,
+        read_recipe,
+    )
+
+    raw = read_recipe(find_run_recipe(recipe))
+    run_raw = raw.pop("run", {}) or {}
+    main_over, run_over, base_over = split_overrides(overrides)
+    for text in run_over:  # run.* overrides: dotted paths inside the run table
+        parts, value = parse_override(text)
+        node = run_raw
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"run.{'.'.join(parts)}: {part!r} is a value, not a table")
+        node[parts[-1]] = value
+    section: RunSection = from_dict(RunSection, run_raw, "run")
+    if section.budget_mode not in ("capped", "fixed"):
+        raise ConfigError(f"run.budget_mode: {section.budget_mode!r} is not 'capped' or 'fixed'")
+    main_raw = apply_overrides(raw, main_over)
+    main_raw["out_dir"] = str(out / "model")
+    main_cfg = build_config(main_raw, ())
+
+    base_cfg = None
+    spec = section.baseline
+    description = ""
+    if spec.enabled:
+        from loopformer.models.registry import model_classes
+
+        base_raw = json.loads(json.dumps(main_raw))
+        base_model = dict(spec.model)
+        base_name = str(base_model.get("name", "transformer"))
+        _, config_cls = model_classes(base_name)
+        valid = {f.name for f in dataclasses.fields(config_cls)}
+        inherited = {k: v for k, v in main_cfg.model.fields.items() if k in SHARED_MODEL_FIELDS and k in valid}
+        base_raw["model"] = {**inherited, **base_model, "name": base_name}
+        base_raw["train"] = _merge(base_raw.get("train", {}), spec.train)
+        base_raw["loop_train"] = dict(spec.loop_train)
+        base_raw["loop_eval"] = dict(spec.loop_eval)
+        base_raw["out_dir"] = str(out / "baseline")
+        base_cfg = build_config(base_raw, base_over)
+        description = spec.label
+    return main_cfg, base_cfg, section, description
+
+
+def task_description(cfg: Any) -> str:
+    dc = cfg.data
+    opts = ", ".join(f"{k}={v}" for k, v in dc.options.items())
+    gen = ", ".join(f"{k}={v}" for k, v in dc.eval_generate.items())
+    text = dc.task + (f" ({opts})" if opts else "")
+    return text + (f", held-out set: {gen}" if gen else "")
+
+
+def _train(cfg: Any, label: str, echo: Any) -> dict[str, Any]:
+    from loopformer.train.trainer import Trainer
+
+    echo(f"[bold]training {label}[/bold]: {cfg.model.name}, {cfg.train.steps} steps of {cfg.train.batch_size} "
+         f"({cfg.train.mode}) -> {cfg.out_dir}")
+    t0 = time.perf_counter()
+    trainer = Trainer(cfg)
+    echo(f"  {trainer.model.num_parameters():,} parameters, {len(trainer.train_data)} training examples")
+    summary = trainer.fit()
+    summary["wall_time"] = round(time.perf_counter() - t0, 1)
+    return summary
+
+
+@click.command("run")
+@click.option("--recipe", "-r", default=DEFAULT_RECIPE, show_default=True, help="recipe name (in recipes/) or path")
+@click.option("--out", "-o", "out_dir", default=None, help="run folder (default runs/<timestamp>)")
+@click.argument("overrides", nargs=-1)
+def run(recipe: str, out_dir: str | None, overrides: tuple[str, ...]) -> None:
+    """Train the recipe's looped model and an equal-size plain transformer, evaluate both, report.
+
+    OVERRIDES are key=value pairs: train.steps=200 (both models), run.lens_loops=0, baseline.train.lr=1e-3.
+    """
+    from rich.console import Console
+
+    console = Console(highlight=False)
+    out = Path(out_dir) if out_dir else Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    main_cfg, base_cfg, section, base_desc = build_run_configs(recipe, overrides, out)
+    out.mkdir(parents=True, exist_ok=True)
+    t_start = time.perf_counter()
+    main_summary = _train(main_cfg, "the looped model", console.print)
+    base_summary = _train(base_cfg, "the baseline", console.print) if base_cfg is not None else None
+
+    main_run = load_run(main_summary["checkpoint"], use_ema=main_cfg.eval.use_ema)
+    dataset = eval_dataset(main_run.task, main_run.config)
+    main_label = main_cfg.model.name
+    main = ModelUnderTest(main_label, main_run.model, main_run.loop_eval, training_depth(main_run))
+    baselines = []
+    base_run = None
+    if base_summary is not None:
+        base_run = load_run(base_summary["checkpoint"], use_ema=base_cfg.eval.use_ema)
+        baselines.append(ModelUnderTest(f"baseline ({base_cfg.model.name})", base_run.model, base_run.loop_eval))
+    options = SuiteOptions(
+        budgets=section.budgets, budget_mode=section.budget_mode, lens_loops=section.lens_loops,
+        signal_loops=section.signal_loops, spectral=section.spectral, analysis_examples=section.analysis_examples,
+        batch_size=main_cfg.eval.batch_size,
+    )
+    params = {main_label: main_summary.get("parameters")}
+    if base_summary is not None:
+        params[baselines[0].label] = base_summary.get("parameters")
+    notes = [
+        *([f"Baseline: {base_desc}."] if base_desc else []),
+        f"Task: {task_description(main_cfg)}; {len(dataset)} held-out examples.",
+        "Parameters: " + ", ".join(f"{k} {v:,}" for k, v in params.items() if v is not None) + ".",
+        f"Training: {main_cfg.train.steps} steps of batch {main_cfg.train.batch_size} for each model "
+        f"(wall time: {main_label} {main_summary['wall_time']} s"
+        + (f", baseline {base_summary['wall_time']} s" if base_summary else "") + ").",
+    ]
+    suite = run_suite(
+        out, section.title or f"loopformer run: {main_label} vs {baselines[0].label if baselines else 'no baseline'} "
+        f"on {main_cfg.data.task}",
+        main_run.task, dataset, main, baselines, options, notes=notes, log=lambda m: console.print(f"  {m}"),
+    )
+    results = suite["results"]
+    r_main = results[main_label]
+    r_base = results[baselines[0].label] if baselines else None
+    stats = suite["difficulty"][main_label]
+    summary = {
+        "task": task_description(main_cfg),
+        "model": main_label,
+        "heldout_accuracy": r_main.valid_accuracy,
+        "heldout_exact_accuracy": r_main.exact_accuracy,
+        "heldout_token_accuracy": r_main.token_accuracy,
+        "baseline": base_desc or None,
+        "baseline_model": base_cfg.model.name if base_cfg is not None else None,
+        "baseline_accuracy": r_base.valid_accuracy if r_base else None,
+        "baseline_exact_accuracy": r_base.exact_accuracy if r_base else None,
+        "heldout_examples": len(dataset),
+        "parameters": params,
+        "mean_steps": r_main.mean_steps,
+        "mean_steps_by_difficulty": stats.mean_steps_by_difficulty(),
+        "steps_difficulty_spearman": {"rho": stats.spearman_rho, "p": stats.spearman_p},
+        "easy_hard_steps": suite["easy_hard"],
+        "checkpoint": str(main_run.path),
+        "baseline_checkpoint": str(base_run.path) if base_run else None,
+        "report": str(suite["report"]),
+        "metrics": str(suite["metrics"]),
+        "plots": {k: str(v) for k, v in suite["plots"].items()},
+        "train_wall_time": {main_label: main_summary["wall_time"],
+                            **({"baseline": base_summary["wall_time"]} if base_summary else {})},
+        "wall_time": round(time.perf_counter() - t_start, 1),
+        "recipe": str(find_run_recipe(recipe)),
+        "overrides": list(overrides),
+    }
+    from loopformer.eval.report import write_json
+
+    write_json(out / "summary.json", summary)
+    console.print()
+    console.print(accuracy_table(results))
+    eh = suite["easy_hard"]
+    console.print(f"[bold]held-out accuracy[/bold] (independent validator): {main_label} "
+                  f"{100 * r_main.valid_accuracy:.1f}%"
+                  + (f", baseline {100 * r_base.valid_accuracy:.1f}% ({base_desc})" if r_base else ""))
+    console.print(f"[bold]mean loop steps[/bold]: easy (difficulty <= {eh['split_difficulty']:g}) "
+                  f"{eh['easy_mean_steps']:.2f}, hard {eh['hard_mean_steps']:.2f}; Spearman rho "
+                  f"{stats.spearman_rho:.2f} (p={stats.spearman_p:.2g})")
+    console.print(f"checkpoint: {main_run.path}")
+    console.print(f"report: {suite['report']}   plots: {out / 'plots'}   summary: {out / 'summary.json'}")

@@ -1,0 +1,137 @@
+"""``loopformer solve TASK PUZZLE --checkpoint RUN``: watch a trained model think on one puzzle.
+
+The puzzle is read through the task's own parser (``parse_grid`` for Sudoku / maze: the CSV text,
+'.' for blanks) or, for other tasks, as whitespace / comma separated token ids. Every loop state
+is read out through the model's head (the engine callback, as in the logit lens) and printed
+when the predicted answer changes; the final answer is judged by the task's independent validator.
+``--json`` prints one JSON object instead.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import click
+import numpy as np
+import torch
+from torch import Tensor
+
+from loopformer.commands.common import load_run
+from loopformer.eval.analysis import trace_loops
+from loopformer.eval.evaluate import with_budget
+from loopformer.tasks.base import Task, TaskDataError
+
+
+def parse_puzzle(task: Task, text: str) -> np.ndarray:
+    """Input tokens [T] for one puzzle given as text."""
+    if hasattr(task, "parse_grid"):
+        return np.asarray(task.parse_grid(text, "puzzle"), dtype=np.int64).reshape(-1)
+    parts = text.replace(",", " ").split()
+    try:
+        tokens = np.asarray([int(p) for p in parts], dtype=np.int64)
+    except ValueError:
+        raise TaskDataError(
+            f"task {task.name!r} reads a puzzle as whitespace-separated token ids, got {text!r}"
+        ) from None
+    if tokens.size == 0:
+        raise TaskDataError("the puzzle is empty")
+    if task.vocab_size and (tokens.min() < 0 or tokens.max() >= task.vocab_size):
+        raise TaskDataError(f"puzzle tokens must lie in [0, {task.vocab_size - 1}] for task {task.name!r}")
+    if task.seq_len and tokens.size != task.seq_len:
+        raise TaskDataError(f"task {task.name!r} expects {task.seq_len} tokens, got {tokens.size}")
+    return tokens
+
+
+def format_answer(task: Task, tokens: np.ndarray) -> str | list[int]:
+    if hasattr(task, "format_grid"):
+        try:
+            return task.format_grid(tokens)
+        except (TaskDataError, ValueError, IndexError):
+            pass
+    return [int(t) for t in tokens]
+
+
+@click.command("solve")
+@click.argument("task_name", metavar="TASK")
+@click.argument("puzzle")
+@click.option("--checkpoint", "-c", required=True, help="run folder, checkpoints/ folder or checkpoint folder")
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object (solution, valid, steps, ...)")
+@click.option("--max-steps", type=int, default=None, help="cap on loops (default: the run's evaluation loop)")
+@click.option("--ema/--no-ema", default=True, show_default=True, help="use the EMA weights when the checkpoint has them")
+@click.option("--all-loops", is_flag=True, help="print every loop, not only those where the answer changed")
+def solve(task_name: str, puzzle: str, checkpoint: str, as_json: bool, max_steps: int | None, ema: bool,
+          all_loops: bool) -> None:
+    """Solve PUZZLE with a trained model, printing the answer as the loop refines it.
+
+    Example: loopformer solve sudoku "5...27..9..41......1..5.3...92.6.8...5......66..7..29.8...7...2.......8...9..36.." -c runs/x
+    """
+    run = load_run(checkpoint, use_ema=ema)
+    if run.config.data.task != task_name:
+        raise ValueError(
+            f"checkpoint {run.path} was trained on task {run.config.data.task!r}, not {task_name!r}"
+        )
+    task, model = run.task, run.model
+    tokens = parse_puzzle(task, puzzle)
+    if task.seq_len and tokens.size != task.seq_len:
+        raise TaskDataError(f"the puzzle has {tokens.size} tokens, the model's task expects {task.seq_len}")
+    loop = run.loop_eval if max_steps is None else with_budget(run.loop_eval, max_steps, "capped")
+    frames: list[np.ndarray] = []
+
+    def observe(t: int, z: Tensor, logits: Tensor) -> None:
+        frames.append(logits[0].argmax(-1).cpu().numpy())
+
+    inputs = torch.as_tensor(tokens[None])
+    with torch.no_grad():
+        generator = torch.Generator().manual_seed(run.config.seed)
+        _, final_logits = trace_loops(model, inputs, loop, observe, generator=generator)
+    final = final_logits[0].argmax(-1).cpu().numpy()
+    valid = bool(task.check(tokens, final))
+    steps = len(frames)
+    if as_json:
+        record: dict[str, Any] = {
+            "task": task.name,
+            "puzzle": format_answer(task, tokens),
+            "solution": format_answer(task, final),
+            "valid": valid,
+            "steps": steps,
+            "trajectory": [format_answer(task, f) for f in frames],
+            "checkpoint": str(run.path),
+            "weights": run.weights,
+        }
+        click.echo(json.dumps(record))
+        return
+    from rich.console import Console
+
+    console = Console(highlight=False)
+    render = _renderer(task)
+    console.print(f"[bold]{task.name}[/bold] puzzle, checkpoint {run.path} ({run.weights} weights)")
+    console.print(render(tokens, None))
+    previous: np.ndarray | None = None
+    for t, pred in enumerate(frames, start=1):
+        changed = int((pred != previous).sum()) if previous is not None else int(pred.size)
+        if previous is None or changed or all_loops or t == steps:
+            ok = task.check(tokens, pred)
+            console.print(f"\n[bold]loop {t}[/bold]: {changed} token(s) changed, {'valid' if ok else 'not yet valid'}")
+            console.print(render(tokens, pred))
+        previous = pred
+    verdict = "[bold green]VALID[/bold green]" if valid else "[bold red]INVALID[/bold red]"
+    console.print(f"\nanswer after {steps} loop(s): {verdict} (judged by the task's independent validator)")
+
+
+def _renderer(task: Task) -> Any:
+    import inspect
+
+    try:
+        takes_markup = "markup" in inspect.signature(task.render).parameters
+    except (TypeError, ValueError):
+        takes_markup = False
+
+    def render(inputs: np.ndarray, prediction: np.ndarray | None) -> str:
+        if takes_markup:
+            return task.render(inputs, prediction, markup=True)  # type: ignore[call-arg]
+        from rich.markup import escape
+
+        return escape(task.render(inputs, prediction))
+
+    return render

@@ -1,0 +1,171 @@
+"""The evaluation suite behind ``loopformer eval`` and ``loopformer run``.
+
+For the main model: validator accuracy on the held-out set, steps vs difficulty (Spearman), the
+accuracy vs step-budget curve, logit lens / overthinking past the training depth, signal
+propagation and the Jacobian spectral radius at the final state; for each baseline: validator
+accuracy and steps. Writes PNG plots, ``report.md`` and ``metrics.json`` into one folder.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from loopformer.eval import plots
+from loopformer.eval.analysis import (
+    LoopCurve,
+    SignalCurve,
+    logit_lens,
+    signal_propagation,
+    spectral_radius_at_fixed_point,
+)
+from loopformer.eval.analysis import spectral_radius_summary as _radius_summary
+from loopformer.eval.evaluate import (
+    BudgetCurve,
+    DifficultyStats,
+    EvalResult,
+    accuracy_vs_budget,
+    easy_hard_steps,
+    evaluate,
+    steps_vs_difficulty,
+)
+from loopformer.eval.report import write_report
+from loopformer.loop import LoopConfig
+from loopformer.models.base import LoopedModel
+from loopformer.tasks.base import Task, TokenDataset
+
+
+@dataclass
+class SuiteOptions:
+    """What the suite computes; every analysis can be switched off (0 / empty / False)."""
+
+    budgets: list[int] = field(default_factory=list)  # inference step budgets for the compute curve
+    budget_mode: str = "capped"  # capped: the model's halting rule with the cap | fixed: exactly b loops
+    lens_loops: int = 0  # logit lens / overthinking loops (0 = off)
+    signal_loops: int = 0  # signal-propagation loops (0 = off)
+    spectral: bool = False  # Jacobian spectral radius at the final state
+    analysis_examples: int = 128  # examples used by the per-loop analyses
+    batch_size: int = 256
+    progress: bool = False
+
+
+@dataclass
+class ModelUnderTest:
+    label: str
+    model: LoopedModel
+    loop: LoopConfig
+    train_depth: int | None = None
+    description: str = ""
+
+
+def run_suite(
+    out_dir: str | Path,
+    title: str,
+    task: Task,
+    dataset: TokenDataset,
+    main: ModelUnderTest,
+    baselines: Sequence[ModelUnderTest] = (),
+    options: SuiteOptions | None = None,
+    notes: list[str] | None = None,
+    extra: Mapping[str, Any] | None = None,
+    log: Callable[[str], None] = lambda _msg: None,
+) -> dict[str, Any]:
+    """Evaluate ``main`` (and ``baselines``) on ``dataset``; write plots, report.md, metrics.json.
+
+    Returns the metrics dictionary (also in ``metrics.json``) plus ``report`` / ``plots`` paths.
+    """
+    opts = options or SuiteOptions()
+    out = Path(out_dir)
+    plot_dir = out / "plots"
+    results: dict[str, EvalResult] = {}
+    difficulty: dict[str, DifficultyStats] = {}
+    log(f"evaluating {main.label} on {len(dataset)} held-out examples")
+    results[main.label] = evaluate(main.model, task, dataset, loop=main.loop, batch_size=opts.batch_size,
+                                   progress=opts.progress)
+    difficulty[main.label] = steps_vs_difficulty(
+        results[main.label].difficulty, results[main.label].steps, results[main.label].valid
+    )
+    for b in baselines:
+        log(f"evaluating {b.label}")
+        results[b.label] = evaluate(b.model, task, dataset, loop=b.loop, batch_size=opts.batch_size,
+                                    progress=opts.progress)
+        difficulty[b.label] = steps_vs_difficulty(results[b.label].difficulty, results[b.label].steps,
+                                                  results[b.label].valid)
+    plot_paths: dict[str, Path] = {}
+    r_main = results[main.label]
+    plot_paths["steps histogram"] = plots.plot_steps_histogram(r_main, plot_dir / "steps_histogram.png")
+    plot_paths["steps vs difficulty"] = plots.plot_steps_vs_difficulty(r_main, plot_dir / "steps_vs_difficulty.png")
+
+    budget: dict[str, BudgetCurve] = {}
+    small = dataset.subset(slice(0, min(len(dataset), max(opts.analysis_examples, 1))))
+    if opts.budgets:
+        log(f"accuracy vs step budget {opts.budgets} ({opts.budget_mode})")
+        budget[main.label] = accuracy_vs_budget(main.model, task, dataset, opts.budgets, mode=opts.budget_mode,
+                                                loop=main.loop, batch_size=opts.batch_size)
+        plot_paths["accuracy vs step budget"] = plots.plot_budget_curve(budget, plot_dir / "accuracy_vs_budget.png")
+    lens: LoopCurve | None = None
+    if opts.lens_loops:
+        log(f"logit lens / overthinking over {opts.lens_loops} loops on {len(small)} examples")
+        lens = logit_lens(main.model, task, small, opts.lens_loops, loop=main.loop, batch_size=opts.batch_size,
+                          train_depth=main.train_depth)
+        plot_paths["logit lens accuracy per loop"] = plots.plot_loop_accuracy(lens, plot_dir / "logit_lens.png")
+        plot_paths["overthinking margin"] = plots.plot_overthinking(lens, plot_dir / "overthinking.png")
+        if lens.bridge_rank:
+            plot_paths["bridge rank"] = plots.plot_bridge_rank(lens, plot_dir / "bridge_rank.png")
+    signal: SignalCurve | None = None
+    if opts.signal_loops:
+        log(f"signal propagation over {opts.signal_loops} loops")
+        signal = signal_propagation(main.model, small, opts.signal_loops, loop=main.loop,
+                                    batch_size=min(opts.batch_size, 64), max_batches=1)
+        plot_paths["state norms"] = plots.plot_state_norms(signal, plot_dir / "state_norms.png")
+    spectral: dict[str, float] | None = None
+    if opts.spectral:
+        log("Jacobian spectral radius at the final state")
+        n = min(len(small), 16)
+        radii = spectral_radius_at_fixed_point(
+            main.model, torch.as_tensor(small.inputs[:n]), loop=main.loop,
+            puzzle_ids=None if small.puzzle_ids is None else torch.as_tensor(small.puzzle_ids[:n]),
+            iters=60, tol=1e-3,
+        )
+        spectral = _radius_summary(radii)
+
+    easy_hard = easy_hard_steps(r_main.difficulty, r_main.steps)
+    report, metrics_path = write_report(
+        out, title, results, budget=budget, difficulty=difficulty, lens=lens, signal=signal,
+        spectral=spectral, plots=plot_paths, notes=notes,
+        extra={"easy_hard_steps": easy_hard, **(extra or {})},
+    )
+    return {
+        "results": results,
+        "difficulty": difficulty,
+        "budget": budget,
+        "lens": lens,
+        "signal": signal,
+        "spectral": spectral,
+        "easy_hard": easy_hard,
+        "report": report,
+        "metrics": metrics_path,
+        "plots": plot_paths,
+    }
+
+
+def accuracy_table(results: Mapping[str, EvalResult]) -> Any:
+    """A rich table of the held-out results."""
+    from rich.table import Table
+
+    table = Table(title="held-out evaluation (valid = independent validator)")
+    for col in ("model", "examples", "valid", "exact", "token", "mean steps", "converged"):
+        table.add_column(col, justify="left" if col == "model" else "right")
+    for label, r in results.items():
+        table.add_row(label, str(r.n), f"{100 * r.valid_accuracy:.1f}%", f"{100 * r.exact_accuracy:.1f}%",
+                      f"{100 * r.token_accuracy:.1f}%", f"{r.mean_steps:.2f}", f"{100 * r.converged_fraction:.0f}%")
+    return table
+
+
+def mean_or_nan(x: Sequence[float]) -> float:
+    return float(np.mean(x)) if len(x) else float("nan")

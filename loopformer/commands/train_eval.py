@@ -1,0 +1,94 @@
+"""``loopformer train RECIPE [key=value ...] [--resume]`` and ``loopformer eval CHECKPOINT``."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import click
+
+from loopformer.commands.common import eval_dataset, load_run, parse_int_list, parse_pairs, training_depth
+from loopformer.commands.suite import ModelUnderTest, SuiteOptions, accuracy_table, run_suite
+
+
+@click.command("train")
+@click.argument("recipe")
+@click.argument("overrides", nargs=-1)
+@click.option("--resume", is_flag=True, help="continue from the run folder's latest checkpoint")
+@click.option("--out", "-o", "out_dir", default=None, help="run folder (overrides out_dir)")
+def train(recipe: str, overrides: tuple[str, ...], resume: bool, out_dir: str | None) -> None:
+    """Train the model of RECIPE (a name in recipes/ or a path); OVERRIDES are key=value pairs."""
+    from rich.console import Console
+
+    from loopformer.commands.run import find_run_recipe
+    from loopformer.config import build_config, read_recipe
+    from loopformer.train.trainer import Trainer
+
+    raw = read_recipe(find_run_recipe(recipe))
+    raw.pop("run", None)  # the `loopformer run` table is not part of a training config
+    extra = list(overrides)
+    if out_dir:
+        extra.append(f"out_dir={out_dir}")
+    if resume:
+        extra.append("train.resume=true")
+    cfg = build_config(raw, extra)
+    console = Console(highlight=False)
+    trainer = Trainer(cfg)
+    where = f" (resumed from {trainer.resumed_from}, step {trainer.step})" if trainer.resumed_from else ""
+    console.print(f"training {cfg.model.name} ({trainer.model.num_parameters():,} parameters) on {cfg.data.task}"
+                  f" for {cfg.train.steps} steps -> {cfg.out_dir}{where}")
+    summary = trainer.fit()
+    ev = summary.get("eval") or {}
+    if ev:
+        acc = ev.get("valid_acc", ev.get("exact_acc"))
+        console.print(f"held-out: {'valid' if 'valid_acc' in ev else 'exact'} accuracy {100 * acc:.1f}%, "
+                      f"exact {100 * ev.get('exact_acc', float('nan')):.1f}%, mean steps {ev.get('loop_steps', float('nan')):.2f}")
+    console.print(f"checkpoint: {summary['checkpoint']}  ({summary['wall_time']:.0f} s)")
+
+
+@click.command("eval")
+@click.argument("checkpoint")
+@click.option("--max-steps", "max_steps", default=None, metavar="B1,B2,...",
+              help="inference step budgets for the accuracy-vs-compute curve, e.g. 1,2,4,8,16")
+@click.option("--budget-mode", type=click.Choice(["capped", "fixed"]), default="capped", show_default=True,
+              help="capped: the halting rule with the cap; fixed: exactly that many loops")
+@click.option("--task-option", "-t", "task_options", multiple=True, metavar="KEY=VALUE",
+              help="held-out generation option (data.eval_generate), e.g. -t min_blanks=40")
+@click.option("--set", "-s", "sets", multiple=True, metavar="KEY=VALUE",
+              help="config override for evaluation: data.*, eval.*, loop_eval.* (e.g. loop_eval.max_steps=64)")
+@click.option("--examples", "-n", type=int, default=0, help="evaluate on the first N held-out examples (0 = all)")
+@click.option("--lens-loops", type=int, default=None,
+              help="logit lens / overthinking loops (default: 2x the training depth; 0 = off)")
+@click.option("--analyses/--no-analyses", default=True, show_default=True,
+              help="logit lens, overthinking, signal propagation, spectral radius")
+@click.option("--ema/--no-ema", default=True, show_default=True, help="use the EMA weights when present")
+@click.option("--out", "-o", "out_dir", default=None, help="report folder (default <checkpoint>/eval-<time>)")
+def evaluate_cmd(checkpoint: str, max_steps: str | None, budget_mode: str, task_options: tuple[str, ...],
+                 sets: tuple[str, ...], examples: int, lens_loops: int | None, analyses: bool, ema: bool,
+                 out_dir: str | None) -> None:
+    """Evaluate CHECKPOINT (a run folder or checkpoint folder) on its held-out set; write a report."""
+    from rich.console import Console
+
+    overrides = list(sets) + [f"data.eval_generate.{k}={v}" for k, v in parse_pairs(task_options, "--task-option").items()]
+    budgets = parse_int_list(max_steps, "--max-steps")
+    run = load_run(checkpoint, use_ema=ema, config_overrides=tuple(overrides))
+    dataset = eval_dataset(run.task, run.config, examples)
+    depth = training_depth(run)
+    lens = (2 * depth if lens_loops is None else lens_loops) if analyses else 0
+    options = SuiteOptions(
+        budgets=budgets, budget_mode=budget_mode, lens_loops=lens, signal_loops=lens, spectral=analyses,
+        batch_size=run.config.eval.batch_size, progress=True,
+    )
+    out = Path(out_dir) if out_dir else run.path / f"eval-{time.strftime('%Y%m%d-%H%M%S')}"
+    console = Console(highlight=False)
+    label = run.family or run.config.model.name
+    suite = run_suite(
+        out, f"evaluation of {label} ({run.path}, step {run.step}, {run.weights} weights)", run.task, dataset,
+        ModelUnderTest(label, run.model, run.loop_eval, depth), (), options,
+        notes=[f"Task: {run.config.data.task} {run.config.data.options}; {len(dataset)} held-out examples."],
+        log=lambda m: console.print(f"  {m}"),
+    )
+    console.print(accuracy_table(suite["results"]))
+    stats = suite["difficulty"][label]
+    console.print(f"steps vs difficulty: Spearman rho {stats.spearman_rho:.2f} (p={stats.spearman_p:.2g})")
+    console.print(f"report: {suite['report']}  metrics: {suite['metrics']}")
