@@ -333,8 +333,35 @@ def _model_fields(name: str, fields_: Mapping[str, Any], path: str) -> dict[str,
                 f"unknown config key {_join(path, key)!r}: model {name!r} has no field {key!r}"
                 f"{_suggest(key, valid, path)}"
             )
-        out[key] = coerce(value, hints[key], _join(path, key))
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp) and isinstance(value, Mapping):
+            # a nested table (e.g. model.loop) overrides the family's default, not the class default
+            out[key] = _replace_fields(_field_default(config_cls, key), value, _join(path, key))
+        else:
+            out[key] = coerce(value, tp, _join(path, key))
     return out
+
+
+def _field_default(cls: type, name: str) -> Any:
+    f = next(f for f in dataclasses.fields(cls) if f.name == name)
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return f.default
+
+
+def _replace_fields(base: Any, changes: Mapping[str, Any], path: str) -> Any:
+    """``base`` (a dataclass instance) with ``changes`` coerced to its field types."""
+    hints = _hints(type(base))
+    valid = [f.name for f in dataclasses.fields(base)]
+    coerced = {}
+    for key, value in changes.items():
+        if key not in valid:
+            raise ConfigError(f"unknown config key {_join(path, key)!r}{_suggest(key, valid, path)}")
+        coerced[key] = coerce(value, hints[key], _join(path, key))
+    try:
+        return dataclasses.replace(base, **coerced)
+    except ValueError as err:
+        raise ConfigError(f"{path}: {err}") from None
 
 
 def _loop_fields(overrides: Mapping[str, Any], path: str) -> dict[str, Any]:

@@ -66,11 +66,11 @@ class Accuracy:
 
     @property
     def token_acc(self) -> float:
-        return float(self.token_correct.sum() / self.token_count.sum().clamp(min=1))
+        return int(self.token_correct.sum()) / max(int(self.token_count.sum()), 1)
 
     @property
     def exact_acc(self) -> float:
-        return float(self.exact.float().mean()) if self.exact.numel() else 0.0
+        return int(self.exact.sum()) / self.exact.numel() if self.exact.numel() else 0.0
 
 
 def accuracy(logits: Tensor, labels: Tensor) -> Accuracy:
