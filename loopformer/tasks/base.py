@@ -57,12 +57,22 @@ class TokenDataset:
         return len(self.inputs)
 
     def subset(self, index: np.ndarray | slice) -> TokenDataset:
+        """Rows ``index``; row-aligned meta entries (lists or arrays of length N) are sliced too."""
+        n = len(self)
+        meta: dict[str, Any] = {}
+        for key, value in self.meta.items():
+            if isinstance(value, np.ndarray) and value.shape[:1] == (n,):
+                meta[key] = value[index]
+            elif isinstance(value, list) and len(value) == n:
+                meta[key] = np.asarray(value, dtype=object)[index].tolist()
+            else:
+                meta[key] = value
         return TokenDataset(
             self.inputs[index],
             self.labels[index],
             self.difficulty[index],
             None if self.puzzle_ids is None else self.puzzle_ids[index],
-            dict(self.meta),
+            meta,
         )
 
 
