@@ -78,4 +78,7 @@ def models(as_json: bool) -> None:
     table.add_column("note")
     for r in rows:
         table.add_row(r["name"], r["class"], _fmt(r["paper"]), _fmt(r["cpu"]), r["note"])
-    Console().print(table)
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=120)
+    console.print(table)

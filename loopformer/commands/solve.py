@@ -93,6 +93,7 @@ def solve(task_name: str, puzzle: str, checkpoint: str, as_json: bool, max_steps
             "task": task.name,
             "puzzle": format_answer(task, tokens),
             "solution": format_answer(task, final),
+            "solution_tokens": [int(t) for t in final],
             "valid": valid,
             "steps": steps,
             "trajectory": [format_answer(task, f) for f in frames],
