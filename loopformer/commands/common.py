@@ -1,4 +1,5 @@
-"""Shared pieces of the ``loopformer`` commands: one-line errors, checkpoint + task loading.
+"""Shared pieces of the ``loopformer`` commands: one-line errors, argument parsing; checkpoint + task
+loading (``load_run``) lives in ``loopformer.eval.evaluate.load_for_eval``.
 
 Every command raises ordinary exceptions (``ConfigError``, ``CheckpointError``, ``TaskDataError``,
 ``KeyError`` from the registries, ``FileNotFoundError``...); ``CleanErrorGroup`` turns any of them
@@ -9,15 +10,12 @@ the traceback.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import click
 
-from loopformer.loop import LoopConfig
-from loopformer.models.base import LoopedModel
-from loopformer.tasks.base import Task, TokenDataset
+from loopformer.eval.evaluate import LoadedRun, eval_dataset, training_depth
+from loopformer.eval.evaluate import load_for_eval as load_run
 
 # exceptions whose message is already meant for the user
 _USER_ERRORS = ("ConfigError", "CheckpointError", "TaskDataError", "FileNotFoundError", "KeyError",
@@ -90,79 +88,6 @@ def parse_int_list(text: str | None, what: str) -> list[int]:
     return values
 
 
-@dataclass
-class LoadedRun:
-    """A trained model ready to evaluate: the model (EMA weights when asked and present), its task,
-    run configuration and evaluation loop."""
 
-    path: Path
-    step: int
-    family: str
-    model: LoopedModel
-    task: Task
-    config: Any  # RunConfig
-    loop_eval: LoopConfig
-    loop_train: LoopConfig
-    weights: str  # "model" | "ema"
-
-
-def load_run(path: str | Path, use_ema: bool = True, config_overrides: tuple[str, ...] = (),
-             device: str = "cpu") -> LoadedRun:
-    """Load a checkpoint (a checkpoint folder, a ``checkpoints/`` root or a run folder) and its task.
-
-    ``config_overrides`` (``data.*``, ``eval.*``, ``loop_eval.*`` keys only) change how the run is
-    evaluated, never the model.
-    """
-    from loopformer.config import ConfigError, apply_overrides, build_config, to_dict
-    from loopformer.tasks.registry import get_task
-    from loopformer.train.checkpoint import load_checkpoint
-
-    for text in config_overrides:
-        key = text.split("=", 1)[0]
-        if not key.startswith(("data.", "eval.", "loop_eval.")):
-            raise ConfigError(
-                f"override {text!r}: evaluation can only change data.*, eval.* and loop_eval.* keys"
-            )
-    ckpt = load_checkpoint(path, use_ema=use_ema, device=device)
-    config = ckpt.config
-    if config_overrides:
-        config = build_config(apply_overrides(to_dict(config), list(config_overrides)), check=False)
-    task = get_task(config.data.task, **config.data.options)
-    model = ckpt.model
-    assert isinstance(model, LoopedModel)
-    model.eval()
-    return LoadedRun(
-        path=ckpt.path,
-        step=ckpt.step,
-        family=ckpt.family,
-        model=model,
-        task=task,
-        config=config,
-        loop_eval=config.loop_config(model.config.loop, "eval"),
-        loop_train=config.loop_config(model.config.loop, "train"),
-        weights=ckpt.weights,
-    )
-
-
-def eval_dataset(task: Task, config: Any, max_examples: int = 0) -> TokenDataset:
-    """The run's held-out set: ``data.eval_path`` or ``task.generate(eval_size, eval_seed, **eval_generate)``."""
-    dc = config.data
-    if dc.eval_path:
-        data = task.load(dc.eval_path)
-    else:
-        if dc.eval_size <= 0:
-            raise ValueError("the run has no held-out set (data.eval_size = 0 and no data.eval_path)")
-        data = task.generate(dc.eval_size, dc.eval_seed, **dc.eval_generate)
-    limit = max_examples or config.eval.max_examples
-    if limit and limit < len(data):
-        data = data.subset(slice(0, limit))
-    return data
-
-
-def training_depth(run: LoadedRun) -> int:
-    """Loops per forward call in training (the training depth an overthinking plot marks)."""
-    cfg = run.config
-    options = cfg.train.loop_sampler_options
-    if cfg.train.loop_sampler == "fixed" and "n" in options:
-        return int(options["n"])
-    return int(run.loop_train.max_steps)
+__all__ = ["CleanErrorGroup", "LoadedRun", "eval_dataset", "load_run", "one_line", "parse_int_list",
+           "parse_pairs", "training_depth"]

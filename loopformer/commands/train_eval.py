@@ -52,7 +52,7 @@ def train(recipe: str, overrides: tuple[str, ...], resume: bool, out_dir: str | 
               help="inference step budgets for the accuracy-vs-compute curve, e.g. 1,2,4,8,16")
 @click.option("--budget-mode", type=click.Choice(["capped", "fixed"]), default="capped", show_default=True,
               help="capped: the halting rule with the cap; fixed: exactly that many loops")
-@click.option("--task-option", "-t", "task_options", multiple=True, metavar="KEY=VALUE",
+@click.option("--task-option", "--task-options", "-t", "task_options", multiple=True, metavar="KEY=VALUE",
               help="held-out generation option (data.eval_generate), e.g. -t min_blanks=40")
 @click.option("--set", "-s", "sets", multiple=True, metavar="KEY=VALUE",
               help="config override for evaluation: data.*, eval.*, loop_eval.* (e.g. loop_eval.max_steps=64)")
@@ -62,7 +62,7 @@ def train(recipe: str, overrides: tuple[str, ...], resume: bool, out_dir: str | 
 @click.option("--analyses/--no-analyses", default=True, show_default=True,
               help="logit lens, overthinking, signal propagation, spectral radius")
 @click.option("--ema/--no-ema", default=True, show_default=True, help="use the EMA weights when present")
-@click.option("--out", "-o", "out_dir", default=None, help="report folder (default <checkpoint>/eval-<time>)")
+@click.option("--out", "-o", "out_dir", default=None, help="report folder (default <run>/eval-step<N>-<time>)")
 def evaluate_cmd(checkpoint: str, max_steps: str | None, budget_mode: str, task_options: tuple[str, ...],
                  sets: tuple[str, ...], examples: int, lens_loops: int | None, analyses: bool, ema: bool,
                  out_dir: str | None) -> None:
@@ -79,7 +79,11 @@ def evaluate_cmd(checkpoint: str, max_steps: str | None, budget_mode: str, task_
         budgets=budgets, budget_mode=budget_mode, lens_loops=lens, signal_loops=lens, spectral=analyses,
         batch_size=run.config.eval.batch_size, progress=True,
     )
-    out = Path(out_dir) if out_dir else run.path / f"eval-{time.strftime('%Y%m%d-%H%M%S')}"
+    if out_dir:
+        out = Path(out_dir)
+    else:  # next to the checkpoints, not inside one (old checkpoints are rotated away)
+        run_dir = run.path.parent.parent if run.path.parent.name == "checkpoints" else run.path
+        out = run_dir / f"eval-step{run.step}-{time.strftime('%Y%m%d-%H%M%S')}"
     console = Console(highlight=False)
     label = run.family or run.config.model.name
     suite = run_suite(

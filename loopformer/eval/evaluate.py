@@ -22,6 +22,7 @@ import math
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -407,3 +408,88 @@ def easy_hard_steps(difficulty: np.ndarray, steps: np.ndarray) -> dict[str, floa
         "hard_mean_steps": float(s[hard].mean()) if hard.any() else float("nan"),
         "split_difficulty": med,
     }
+
+
+# ------------------------------------------------------------------------------------------------
+# loading a trained run
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class LoadedRun:
+    """A trained model ready to evaluate: the model (EMA weights when asked and present), its task,
+    run configuration and evaluation loop."""
+
+    path: Path
+    step: int
+    family: str
+    model: LoopedModel
+    task: Task
+    config: Any  # RunConfig
+    loop_eval: LoopConfig
+    loop_train: LoopConfig
+    weights: str  # "model" | "ema"
+
+
+def load_for_eval(path: str | Path, use_ema: bool = True, config_overrides: tuple[str, ...] = (),
+             device: str = "cpu") -> LoadedRun:
+    """Load a checkpoint (a checkpoint folder, a ``checkpoints/`` root or a run folder) and its task,
+    with the EMA weights when ``use_ema`` and the checkpoint keeps an EMA.
+
+    ``config_overrides`` (``data.*``, ``eval.*``, ``loop_eval.*`` keys only) change how the run is
+    evaluated, never the model.
+    """
+    from loopformer.config import ConfigError, apply_overrides, build_config, to_dict
+    from loopformer.tasks.registry import get_task
+    from loopformer.train.checkpoint import CheckpointError, load_checkpoint
+
+    for text in config_overrides:
+        key = text.split("=", 1)[0]
+        if not key.startswith(("data.", "eval.", "loop_eval.")):
+            raise ConfigError(
+                f"override {text!r}: evaluation can only change data.*, eval.* and loop_eval.* keys"
+            )
+    ckpt = load_checkpoint(path, use_ema=use_ema, device=device)
+    config = ckpt.config
+    if config_overrides:
+        config = build_config(apply_overrides(to_dict(config), list(config_overrides)), check=False)
+    task = get_task(config.data.task, **config.data.options)
+    model = ckpt.model
+    if not isinstance(model, LoopedModel):
+        raise CheckpointError(f"checkpoint {ckpt.path} holds a {type(model).__name__}, not a loopformer model")
+    model.eval()
+    return LoadedRun(
+        path=ckpt.path,
+        step=ckpt.step,
+        family=ckpt.family,
+        model=model,
+        task=task,
+        config=config,
+        loop_eval=config.loop_config(model.config.loop, "eval"),
+        loop_train=config.loop_config(model.config.loop, "train"),
+        weights=ckpt.weights,
+    )
+
+
+def eval_dataset(task: Task, config: Any, max_examples: int = 0) -> TokenDataset:
+    """The run's held-out set: ``data.eval_path`` or ``task.generate(eval_size, eval_seed, **eval_generate)``."""
+    dc = config.data
+    if dc.eval_path:
+        data = task.load(dc.eval_path)
+    else:
+        if dc.eval_size <= 0:
+            raise ValueError("the run has no held-out set (data.eval_size = 0 and no data.eval_path)")
+        data = task.generate(dc.eval_size, dc.eval_seed, **dc.eval_generate)
+    limit = max_examples or config.eval.max_examples
+    if limit and limit < len(data):
+        data = data.subset(slice(0, limit))
+    return data
+
+
+def training_depth(run: LoadedRun) -> int:
+    """Loops per forward call in training (the training depth an overthinking plot marks)."""
+    cfg = run.config
+    options = cfg.train.loop_sampler_options
+    if cfg.train.loop_sampler == "fixed" and "n" in options:
+        return int(options["n"])
+    return int(run.loop_train.max_steps)
