@@ -1,0 +1,135 @@
+"""HRM: the Hierarchical Reasoning Model (arXiv 2506.21734; SYSTEMS.md section 4).
+
+Two recurrent modules, a slow high-level ``H`` and a fast low-level ``L``, each ``n_layers`` = 4
+post-norm blocks (d 512, ~27M parameters at paper size). One *step* of the loop engine is one
+high-level cycle of HRM's code:
+
+    for i in range(l_cycles):  zL = L(zL + (zH + x))      # HRM code: L_level(z_L, z_H + input)
+    zH = H(zH + zL)                                       # HRM code: H_level(z_H, z_L)
+
+and the ``H_cycles`` high-level cycles are the engine's steps:
+``LoopConfig(halting="fixed", max_steps=H_cycles (2), grad="truncated", grad_steps=1)``.
+
+HRM's one-step gradient: the gradient flows only through the LAST call of each module in the segment
+(the final ``zL = L(...)`` and the final ``zH = H(...)``); every other call runs without gradient.
+Here it is split between the engine and the step map:
+- the engine's truncated gradient (``grad_steps=1``) runs all but the last step under ``no_grad`` and
+  feeds the last step a detached state (so the earlier H calls and all their L calls carry no gradient);
+- inside ``step``, when ``one_step_grad`` is on (default) and autograd is recording
+  (``torch.is_grad_enabled()``), the first ``l_cycles - 1`` L calls run under ``torch.no_grad()``; only
+  the last L call and the H call are recorded. With autograd off (the engine's no-grad prefix,
+  evaluation) the step is the same computation with nothing recorded.
+Consequence: the step's Jacobian w.r.t. the incoming ``zL`` is zero whenever ``l_cycles > 1`` (the first
+L call is not recorded), in every gradient mode, including bptt / neumann / ift. ``one_step_grad=False``
+records every call, so ``grad="bptt"`` then backpropagates through the whole schedule.
+
+Design choices (where they come from):
+- State ``[B, 2, P + T, d]``: index 0 = ``zH`` (read out), index 1 = ``zL``; P = ``puzzle_emb_len``.
+- Embedding, per-puzzle embedding (ARC), post-norm blocks with input injection, fixed truncated-normal
+  ``H_init`` / ``L_init`` vectors (buffers by default, see ``loopformer.models.trm``): as HRM's code,
+  shared with TRM through ``PuzzleTokenEmbedding`` / ``ReasoningModule``.
+- Readout ``lm_head(zH)`` on the token positions.
+- Q-learning ACT head: ``Linear(d, 2)`` on ``zH`` at the first position gives HRM's ``(q_halt,
+  q_continue)`` logits (weight 0, bias -5 at init). ``q_values`` returns both ``[B, 2]`` (for a
+  Q-learning trainer); ``q_head`` returns ``q_halt - q_continue`` ``[B]``, whose sign is HRM's halting
+  decision (halt when ``q_halt > q_continue``), so a trainer that treats it as a halting logit (BCE
+  against correctness, TRM style) halts exactly when HRM would.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from loopformer.loop import LoopConfig
+from loopformer.models.base import LoopedModel, ModelConfig
+from loopformer.models.trm import (
+    Q_BIAS_INIT,
+    PuzzleTokenEmbedding,
+    ReasoningModule,
+    check_token_count,
+    init_vector,
+)
+
+
+@dataclass
+class HRMConfig(ModelConfig):
+    n_layers: int = 4  # layers in each of H and L
+    l_cycles: int = 2  # L updates per H update
+    one_step_grad: bool = True  # HRM's 1-step gradient: record only the last L call of a step
+    learned_init: bool = False  # learn the zH / zL initial vectors instead of HRM's fixed buffers
+    q_head: bool = True
+    loop: LoopConfig = field(
+        default_factory=lambda: LoopConfig(halting="fixed", max_steps=2, grad="truncated", grad_steps=1)
+    )
+
+
+class HRM(LoopedModel):
+    config: HRMConfig
+
+    def __init__(self, config: HRMConfig) -> None:
+        super().__init__(config)
+        if config.l_cycles < 1:
+            raise ValueError(f"l_cycles must be >= 1, got {config.l_cycles}")
+        self.embedding = PuzzleTokenEmbedding(config)
+        self.H = ReasoningModule(config, config.n_layers)
+        self.L = ReasoningModule(config, config.n_layers)
+        d = config.d_model
+        if config.learned_init:
+            self.h_init = init_vector(d, learned=True)
+            self.l_init = init_vector(d, learned=True)
+        else:
+            self.register_buffer("h_init", init_vector(d, learned=False))
+            self.register_buffer("l_init", init_vector(d, learned=False))
+        self.lm_head = None if config.tie_embeddings else nn.Linear(d, config.vocab_size, bias=False)
+        self.q_proj: nn.Linear | None = None
+        if config.q_head:
+            self.q_proj = nn.Linear(d, 2)
+            nn.init.zeros_(self.q_proj.weight)
+            nn.init.constant_(self.q_proj.bias, Q_BIAS_INIT)
+
+    def embed(self, inputs: Tensor, puzzle_ids: Tensor | None = None) -> tuple[Tensor, ...]:
+        check_token_count(self.config, "attention", inputs)
+        return (self.embedding(inputs, puzzle_ids),)
+
+    def init_state(self, ctx: tuple[Tensor, ...], generator: torch.Generator | None = None) -> Tensor:
+        x = ctx[0]
+        B, L, d = x.shape
+        zh = self.h_init.to(x.dtype).expand(B, L, d)
+        zl = self.l_init.to(x.dtype).expand(B, L, d)
+        return torch.stack((zh, zl), dim=1)
+
+    def step(self, z: Tensor, *ctx: Tensor) -> Tensor:
+        x = ctx[0]
+        zh, zl = z[:, 0], z[:, 1]
+        skip_grad = self.config.one_step_grad and torch.is_grad_enabled()
+        for i in range(self.config.l_cycles):
+            last = i == self.config.l_cycles - 1
+            with torch.no_grad() if (skip_grad and not last) else contextlib.nullcontext():
+                zl = self.L(zl, zh + x)
+        zh = self.H(zh, zl)
+        return torch.stack((zh, zl), dim=1)
+
+    def readout(self, z: Tensor, *ctx: Tensor) -> Tensor:
+        zh = z[:, 0, self.config.puzzle_emb_len :]
+        if self.lm_head is None:
+            return zh @ self.embedding.tokens.weight.t()
+        return self.lm_head(zh)
+
+    def q_values(self, z: Tensor, *ctx: Tensor) -> Tensor | None:
+        """HRM's Q-learning logits ``[B, 2]`` = (q_halt, q_continue), read from ``zH`` at position 0."""
+        if self.q_proj is None:
+            return None
+        return self.q_proj(z[:, 0, 0])
+
+    def q_head(self, z: Tensor, *ctx: Tensor) -> Tensor | None:
+        q = self.q_values(z, *ctx)
+        return None if q is None else q[:, 0] - q[:, 1]
+
+
+def paper_config() -> HRMConfig:
+    """HRM at paper size for Sudoku-Extreme: H and L of 4 layers each, d 512, 2 x 2 cycles (~27M)."""
+    return HRMConfig(vocab_size=11, seq_len=81, d_model=512, n_heads=8, n_layers=4, expansion=4.0, l_cycles=2)
