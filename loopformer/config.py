@@ -161,8 +161,8 @@ class RunConfig:
     out_dir: str = "runs/default"
     seed: int = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    bf16: bool = False  # bf16 autocast on CUDA (ignored on CPU)
-    compile: bool = False  # torch.compile the model's step
+    bf16: bool = True  # bf16 autocast when running on CUDA; CPU always runs float32
+    compile: bool = False  # torch.compile the model's step (the looped body)
 
     # -- derived objects ------------------------------------------------------------------------
     def model_config(self, **defaults: Any) -> Any:

@@ -15,7 +15,8 @@ Two modes (``train.mode``):
   probability ``halt_exploration`` a slot must first run a random 2..max_segments segments) or
   when its loop converged (FPRM). Halted slots get new examples and fresh ``init_state`` rows.
 
-Around both: warm-up + constant / cosine lr, clipping, EMA, the difficulty curriculum, periodic
+Around both: CPU float32 (flush denormals, one thread per physical core) or CUDA with bf16
+autocast (``bf16``), optionally a ``torch.compile``d step; warm-up + constant / cosine lr, clipping, EMA, the difficulty curriculum, periodic
 evaluation (``loopformer.eval.evaluate`` when a task is known, else exact-match on the labels),
 metrics as JSONL (+ optional TensorBoard), a rich progress bar, divergence detection
 (``TrainingDivergedError`` before the bad update is applied, the last good checkpoint kept),
@@ -187,7 +188,9 @@ class Trainer:
         if model is None:
             model = self._build_model()
         self.model = model.to(self.device)
-        self.forward_model = torch.compile(self.model) if config.compile else self.model
+        if config.compile:  # compile the looped body (the hot path); the engine's loop stays eager
+            self.model.step = torch.compile(self.model.step)  # type: ignore[method-assign]
+        self.forward_model = self.model
         self.loop_train: LoopConfig = config.loop_config(self.model.config.loop, "train")
         self.loop_eval: LoopConfig = config.loop_config(self.model.config.loop, "eval")
 
