@@ -53,7 +53,21 @@ def test_exact_maze_command(tmp_path, monkeypatch) -> None:
 @pytest.mark.parametrize("size", [4, 6])
 def test_other_box_shapes_and_explicit_generate(tmp_path, size: int) -> None:
     out = tmp_path / f"s{size}.csv"
-    run(["data", "generate", "sudoku", "--size", str(size), "--count", "10", "--out", str(out), "-o", "min_blanks=5"])
+    run(
+        [
+            "data",
+            "generate",
+            "sudoku",
+            "--size",
+            str(size),
+            "--count",
+            "10",
+            "--out",
+            str(out),
+            "-o",
+            "min_blanks=5",
+        ]
+    )
     ds = SudokuTask(size).load(out)
     assert ds.inputs.shape == (10, size * size) and (ds.difficulty >= 5).all()
 
@@ -63,12 +77,31 @@ def test_options_routing_and_errors(tmp_path) -> None:
     assert init_kw == {"size": 4, "box": [2, 2]} and gen_kw == {"max_blanks": 8}
     out = tmp_path / "x.csv"
     result = CliRunner().invoke(cli, ["data", "sudoku", "--count", "2", "--out", str(out), "-o", "bogus=1"])
-    assert result.exit_code != 0 and "unknown option(s) ['bogus']" in result.output and "max_blanks" in result.output
+    assert (
+        result.exit_code != 0
+        and "unknown option(s) ['bogus']" in result.output
+        and "max_blanks" in result.output
+    )
     result = CliRunner().invoke(cli, ["data", "sudokku", "--count", "2", "--out", str(out)])
     assert result.exit_code != 0 and "did you mean 'sudoku'" in result.output
     result = CliRunner().invoke(cli, ["data", "sudoku", "--count", "2", "--out", str(out), "-o", "novalue"])
     assert result.exit_code != 0 and "key=value" in result.output
-    run(["data", "sudoku", "--size", "6", "--count", "3", "--out", str(out), "-o", "box=[3,2]", "-o", "max_blanks=10"])
+    run(
+        [
+            "data",
+            "sudoku",
+            "--size",
+            "6",
+            "--count",
+            "3",
+            "--out",
+            str(out),
+            "-o",
+            "box=[3,2]",
+            "-o",
+            "max_blanks=10",
+        ]
+    )
     ds = SudokuTask(6, box=(3, 2)).load(out)
     assert all(SudokuTask(6, box=(3, 2)).check(x, y) for x, y in zip(ds.inputs, ds.labels))
     assert not all(SudokuTask(6).check(x, y) for x, y in zip(ds.inputs, ds.labels))
@@ -94,7 +127,22 @@ def test_show_and_stats(tmp_path) -> None:
 
 
 def test_hrm_format_output(tmp_path) -> None:
-    run(["data", "maze", "--size", "7", "--count", "4", "--out", str(tmp_path / "hrm"), "--format", "hrm", "-o", "min_path=4"])
+    run(
+        [
+            "data",
+            "maze",
+            "--size",
+            "7",
+            "--count",
+            "4",
+            "--out",
+            str(tmp_path / "hrm"),
+            "--format",
+            "hrm",
+            "-o",
+            "min_path=4",
+        ]
+    )
     ds = load_hrm_folder(tmp_path / "hrm", "train")
     task = MazeTask(7)
     assert len(ds) == 4 and all(task.check(x, y) for x, y in zip(ds.inputs, ds.labels))
@@ -104,7 +152,21 @@ def test_hrm_format_output(tmp_path) -> None:
 def test_entry_point_subprocess(tmp_path) -> None:
     out = tmp_path / "p.csv"
     proc = subprocess.run(
-        [sys.executable, "-m", "loopformer", "data", "sudoku", "--size", "4", "--count", "3", "--seed", "1", "--out", str(out)],
+        [
+            sys.executable,
+            "-m",
+            "loopformer",
+            "data",
+            "sudoku",
+            "--size",
+            "4",
+            "--count",
+            "3",
+            "--seed",
+            "1",
+            "--out",
+            str(out),
+        ],
         capture_output=True,
         text=True,
         timeout=120,

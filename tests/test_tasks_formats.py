@@ -98,7 +98,13 @@ class MazeTaskStub(MazeTask):
 
 def test_errors_name_the_file(tmp_path) -> None:
     inputs, labels = np.ones((3, 4)), np.ones((3, 4))
-    base = dict(inputs=inputs, labels=labels, identifiers=[0, 0, 0], puzzle_indices=[0, 1, 2, 3], group_indices=[0, 1, 2, 3])
+    base = dict(
+        inputs=inputs,
+        labels=labels,
+        identifiers=[0, 0, 0],
+        puzzle_indices=[0, 1, 2, 3],
+        group_indices=[0, 1, 2, 3],
+    )
 
     def build(name, **changes):
         root = tmp_path / name

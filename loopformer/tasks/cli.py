@@ -118,11 +118,15 @@ def data() -> None:
 
 @data.command("generate")
 @click.argument("task_name", metavar="TASK")
-@click.option("--size", type=int, default=None, help="Grid size / task size (constructor or generate keyword).")
+@click.option(
+    "--size", type=int, default=None, help="Grid size / task size (constructor or generate keyword)."
+)
 @click.option("--count", type=int, default=1000, show_default=True, help="Number of examples.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--out", "out", type=click.Path(path_type=Path), required=True, help="Output file (or folder).")
-@click.option("--option", "-o", "extra", multiple=True, metavar="KEY=VALUE", help="Extra task keyword; repeatable.")
+@click.option(
+    "--option", "-o", "extra", multiple=True, metavar="KEY=VALUE", help="Extra task keyword; repeatable."
+)
 @click.option(
     "--format",
     "fmt",
@@ -133,7 +137,14 @@ def data() -> None:
 )
 @click.option("--split", default="train", show_default=True, help="Split folder for --format hrm.")
 def generate_cmd(
-    task_name: str, size: int | None, count: int, seed: int, out: Path, extra: tuple[str, ...], fmt: str, split: str
+    task_name: str,
+    size: int | None,
+    count: int,
+    seed: int,
+    out: Path,
+    extra: tuple[str, ...],
+    fmt: str,
+    split: str,
 ) -> None:
     """Generate COUNT examples of TASK with SEED and write them to OUT."""
     from rich.console import Console
@@ -235,7 +246,10 @@ def stats_cmd(task_name: str, file: Path, extra: tuple[str, ...], bins: int) -> 
     else:
         counts_arr, edges = np.histogram(d, bins=bins)
         counts = counts_arr.tolist()
-        names = [f"[{edges[i]:g}, {edges[i + 1]:g}{']' if i == len(counts) - 1 else ')'}" for i in range(len(counts))]
+        names = [
+            f"[{edges[i]:g}, {edges[i + 1]:g}{']' if i == len(counts) - 1 else ')'}"
+            for i in range(len(counts))
+        ]
     table = Table(title="difficulty histogram")
     table.add_column("difficulty")
     table.add_column("count", justify="right")

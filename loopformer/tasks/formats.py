@@ -83,7 +83,9 @@ def _load_set(folder: Path, set_name: str, meta: dict[str, Any]) -> dict[str, np
             f"{folder / f'{set_name}__labels.npy'}: shape {labels.shape} differs from inputs {inputs.shape}"
         )
     if inputs.shape[1] != meta["seq_len"]:
-        raise TaskDataError(f"{p_inputs}: rows have {inputs.shape[1]} tokens, dataset.json says seq_len {meta['seq_len']}")
+        raise TaskDataError(
+            f"{p_inputs}: rows have {inputs.shape[1]} tokens, dataset.json says seq_len {meta['seq_len']}"
+        )
     for name in ("inputs", "labels"):
         arr = arrays[name]
         if arr.size and (arr.min() < 0 or arr.max() >= meta["vocab_size"]):
@@ -99,14 +101,18 @@ def _load_set(folder: Path, set_name: str, meta: dict[str, Any]) -> dict[str, np
             f"{p_ids}: shape {identifiers.shape}, expected ({len(puzzle_indices) - 1},) (one per puzzle)"
         )
     if identifiers.size and (identifiers.min() < 0 or identifiers.max() >= meta["num_puzzle_identifiers"]):
-        raise TaskDataError(f"{p_ids}: identifiers outside [0, num_puzzle_identifiers={meta['num_puzzle_identifiers']})")
+        raise TaskDataError(
+            f"{p_ids}: identifiers outside [0, num_puzzle_identifiers={meta['num_puzzle_identifiers']})"
+        )
     group_indices = arrays["group_indices"].astype(np.int64)
     _check_offsets(group_indices, len(identifiers), folder / f"{set_name}__group_indices.npy", "group")
     out = {
         "inputs": inputs.astype(np.int64),
         "labels": labels.astype(np.int64),
         "puzzle_ids": np.repeat(identifiers, np.diff(puzzle_indices)),
-        "group_ids": np.repeat(np.repeat(np.arange(len(group_indices) - 1), np.diff(group_indices)), np.diff(puzzle_indices)),
+        "group_ids": np.repeat(
+            np.repeat(np.arange(len(group_indices) - 1), np.diff(group_indices)), np.diff(puzzle_indices)
+        ),
     }
     diff_path = folder / f"{set_name}__difficulty.npy"
     if diff_path.exists():
@@ -136,7 +142,11 @@ def load_hrm_folder(path: str | Path, split: str = "train", task: Task | None = 
         raise TaskDataError(f"{meta_path}: not valid JSON ({exc})") from None
     if not isinstance(meta, dict):
         raise TaskDataError(f"{meta_path}: expected a JSON object")
-    missing = [f for f in ("vocab_size", "seq_len", "sets", "ignore_label_id", "num_puzzle_identifiers") if f not in meta]
+    missing = [
+        f
+        for f in ("vocab_size", "seq_len", "sets", "ignore_label_id", "num_puzzle_identifiers")
+        if f not in meta
+    ]
     if missing:
         raise TaskDataError(f"{meta_path}: missing field(s) {missing}")
     if not isinstance(meta["sets"], list) or not meta["sets"]:
@@ -167,12 +177,16 @@ def save_hrm_folder(
     """Write ``dataset`` as ``path/split`` in HRM's format (set "all"); see the module docstring."""
     inputs, labels = dataset.inputs, dataset.labels
     if vocab_size is None:
-        vocab_size = int(dataset.meta.get("vocab_size", 0)) or int(max(inputs.max(initial=0), labels.max(initial=0)) + 1)
+        vocab_size = int(dataset.meta.get("vocab_size", 0)) or int(
+            max(inputs.max(initial=0), labels.max(initial=0)) + 1
+        )
     if inputs.size and (inputs.min() < 0 or inputs.max() >= vocab_size):
         raise TaskDataError(f"inputs have tokens outside [0, vocab_size={vocab_size})")
     real = labels[labels != IGNORE_INDEX]
     if real.size and (real.min() < 0 or real.max() >= vocab_size):
-        raise TaskDataError(f"labels have tokens outside [0, vocab_size={vocab_size}) other than IGNORE_INDEX")
+        raise TaskDataError(
+            f"labels have tokens outside [0, vocab_size={vocab_size}) other than IGNORE_INDEX"
+        )
     dtype = np.uint8 if vocab_size <= 256 else np.int32
     n = len(dataset)
     if dataset.puzzle_ids is None:
@@ -209,5 +223,9 @@ def save_hrm_folder(
     (folder / "dataset.json").write_text(json.dumps(metadata, indent=2))
     identifiers_path = Path(path) / "identifiers.json"
     names = ["<blank>"] + [str(i) for i in range(1, num_ids)]
-    if not identifiers_path.exists() or len(json.loads(identifiers_path.read_text())) < len(names):
+    try:
+        existing = json.loads(identifiers_path.read_text()) if identifiers_path.exists() else []
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        existing = []
+    if not isinstance(existing, list) or len(existing) < len(names):
         identifiers_path.write_text(json.dumps(names))

@@ -172,7 +172,9 @@ class MazeTask(Task):
                         break
                 label[r, c] = PATH
             return grid.reshape(-1), label.reshape(-1), int(dist[goal])
-        raise ValueError(f"no {n}x{n} maze with a shortest path >= {min_path} in 100 attempts; lower min_path")
+        raise ValueError(
+            f"no {n}x{n} maze with a shortest path >= {min_path} in 100 attempts; lower min_path"
+        )
 
     def generate(
         self, n: int, seed: int, min_path: int | None = None, loops: float = 0.05, progress: Any = None
@@ -200,8 +202,14 @@ class MazeTask(Task):
             lengths.append(length)
             if progress is not None:
                 progress(1)
-        meta = {"task": self.name, "size": self.size, "seed": seed, "min_path": int(min_path), "loops": loops,
-                "difficulty": "shortest path length"}
+        meta = {
+            "task": self.name,
+            "size": self.size,
+            "seed": seed,
+            "min_path": int(min_path),
+            "loops": loops,
+            "difficulty": "shortest path length",
+        }
         return TokenDataset(
             np.asarray(inputs, dtype=np.int64).reshape(n, self.seq_len),
             np.asarray(labels, dtype=np.int64).reshape(n, self.seq_len),
@@ -351,7 +359,9 @@ class MazeTask(Task):
                 a = self.parse_grid(row[col["answer"]], f"{where}: answer")
                 counts = ((q == START).sum(), (q == GOAL).sum())
                 if counts != (1, 1):
-                    raise TaskDataError(f"{where}: question has {counts[0]} 'S' and {counts[1]} 'G', expected one each")
+                    raise TaskDataError(
+                        f"{where}: question has {counts[0]} 'S' and {counts[1]} 'G', expected one each"
+                    )
                 length = self.shortest_path_length(q)
                 if length < 0:
                     raise TaskDataError(f"{where}: G is unreachable from S")
@@ -378,13 +388,21 @@ class MazeTask(Task):
             np.asarray(labels, dtype=np.int64).reshape(n, self.seq_len),
             np.asarray(ratings, dtype=np.float64),
             None,
-            {"task": self.name, "size": self.size, "path": str(path), "source": sources, "difficulty": "rating"},
+            {
+                "task": self.name,
+                "size": self.size,
+                "path": str(path),
+                "source": sources,
+                "difficulty": "rating",
+            },
         )
 
     def save(self, dataset: TokenDataset, path: str | Path) -> None:
         """Write a Maze-Hard CSV; rating = ``dataset.difficulty``."""
         if dataset.inputs.shape[1:] != (self.seq_len,):
-            raise TaskDataError(f"dataset rows have {dataset.inputs.shape[1]} tokens, expected {self.seq_len}")
+            raise TaskDataError(
+                f"dataset rows have {dataset.inputs.shape[1]} tokens, expected {self.seq_len}"
+            )
         sources = dataset.meta.get("source")
         if not (isinstance(sources, list) and len(sources) == len(dataset)):
             default = f"loopformer-maze{self.size}"
