@@ -161,3 +161,40 @@ def test_bad_inputs_raise() -> None:
         TRM(tiny())(torch.zeros(2, T))
     with pytest.raises(ValueError, match="n_inner"):
         TRM(tiny(n_inner=0))
+
+
+def test_arc_canvas_with_puzzle_tokens() -> None:
+    """ARC-like input: 30x30 canvases (900 tokens, vocab 12) with per-(task, version) puzzle ids."""
+    import numpy as np
+
+    from loopformer.tasks.arc import encode_grid
+
+    grids = [np.array([[1, 2], [3, 4]]), np.array([[0, 5, 5]]), np.eye(3, dtype=np.int64) * 7]
+    inputs = torch.from_numpy(np.stack([encode_grid(g) for g in grids])).long()
+    assert inputs.shape == (3, 900)
+    cfg = TRMConfig(
+        vocab_size=12, seq_len=900, d_model=16, n_heads=2, n_inner=1, expansion=2.0,
+        num_puzzle_ids=9, puzzle_emb_len=2, loop=LoopConfig(halting="fixed", max_steps=2, grad="truncated"),
+    )  # fmt: skip
+    model = TRM(cfg)
+    out = model(inputs, puzzle_ids=torch.tensor([1, 5, 8]))
+    assert out.logits.shape == (3, 900, 12) and out.state.shape == (3, 2, 902, 16)
+    out.logits.logsumexp(-1).mean().backward()
+    assert model.embedding.puzzle_emb.weight.grad[[1, 5, 8]].abs().sum(1).gt(0).all()
+
+
+def test_learned_init_and_tied_embeddings() -> None:
+    inputs, labels = batch()
+    model = TRM(tiny(learned_init=True, tie_embeddings=True))
+    assert model.lm_head is None and isinstance(model.y_init, torch.nn.Parameter)
+    out = model(inputs, loop=LoopConfig(halting="fixed", max_steps=2, grad="bptt"))
+    torch.testing.assert_close(out.logits, out.state[:, 0] @ model.embedding.tokens.weight.t())
+    F.cross_entropy(out.logits.reshape(-1, V), labels.reshape(-1)).backward()
+    assert model.y_init.grad.abs().sum() > 0 and model.z_init.grad.abs().sum() > 0
+    # under the default truncated gradient the initial state sits in the no-grad prefix: no gradient
+    # (why the fixed buffers are the default)
+    model.zero_grad()
+    out = model(inputs)
+    F.cross_entropy(out.logits.reshape(-1, V), labels.reshape(-1)).backward()
+    assert model.y_init.grad is None
+    assert "y_init" not in dict(TRM(tiny()).named_parameters()) and "y_init" in TRM(tiny()).state_dict()

@@ -21,6 +21,10 @@ Design choices:
   nothing to the step's Jacobian (the implicit-gradient modes stay well posed). Under ACT the engine's
   halting-weighted mixture also mixes the counter (giving the expected step count); ``readout`` and
   ``halt_prob`` ignore that channel. A carried state (deep supervision) continues counting.
+  Limitation: the counter moves by 1 every step, so the engine's relative L2 residual of the whole
+  state stays above about ``1 / sqrt(d + t^2)`` at step t (hidden RMS ~1); ``halting="residual"``
+  with a small ``tol`` runs to ``max_steps``. UT halts by ACT (or fixed); the engine's logged state
+  RMS includes the counter too.
 - Initial state: the embedded input (embedding init std ``1/sqrt(d)`` scaled by ``sqrt(d)``, as
   tensor2tensor's ``sqrt_depth`` mode); the input is not re-injected at later steps (as in UT).
 - Halting unit: ``Linear(d, 1)`` with bias 1.0 at init (tensor2tensor ``act_halting_bias_init``), read
