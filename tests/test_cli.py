@@ -170,3 +170,18 @@ def test_default_run_beats_baseline(tmp_path: Path) -> None:
     assert elapsed < 15 * 60, elapsed
     assert summary["heldout_accuracy"] >= summary["baseline_accuracy"] + 0.10, summary
     assert np.isfinite(summary["heldout_accuracy"])
+
+
+def test_default_recipe_is_found_from_any_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from loopformer.commands.run import build_run_configs, find_run_recipe
+
+    monkeypatch.chdir(tmp_path)
+    path = find_run_recipe("default")
+    assert path.name == "default.yaml" and path.is_file()
+    main, base, section, description = build_run_configs("default", ("train.steps=7", "baseline.train.lr=0.01"),
+                                                         tmp_path / "out")
+    assert main.model.name == "fprm" and base.model.name == "transformer"
+    assert main.train.steps == base.train.steps == 7 and base.train.lr == 0.01 != main.train.lr
+    assert base.train.mode == "simple" and base.loop_train == {} and description
+    for key in ("d_model", "n_heads", "n_layers"):
+        assert base.model.fields[key] == main.model.fields[key]

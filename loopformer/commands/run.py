@@ -206,7 +206,7 @@ def run(recipe: str, out_dir: str | None, overrides: tuple[str, ...]) -> None:
     options = SuiteOptions(
         budgets=section.budgets, budget_mode=section.budget_mode, lens_loops=section.lens_loops,
         signal_loops=section.signal_loops, spectral=section.spectral, analysis_examples=section.analysis_examples,
-        batch_size=main_cfg.eval.batch_size,
+        batch_size=main_cfg.eval.batch_size, progress=True,
     )
     params = {main_label: main_summary.get("parameters")}
     if base_summary is not None:
