@@ -367,3 +367,20 @@ def test_run_loop_input_errors():
         run_loop(lambda z: z, z0, {"solver": "picard"})
     with pytest.raises(ValueError, match=r"\[B\] or \[B, T\]"):
         run_loop(lambda z: z, z0, LoopConfig(halting="act"), halt_fn=lambda z: torch.full((2, 5), 0.5))
+
+
+@pytest.mark.parametrize("solver", ["picard", "anderson"])
+def test_trace_off_fast_path_same_state(solver):
+    """trace=False with fixed halting is a plain loop (no residuals, no syncs) with the same result."""
+    torch.manual_seed(2)
+    w = torch.randn(4, 4, dtype=DT) / 4
+    x = torch.randn(3, 2, 4, dtype=DT, requires_grad=True)
+    outs = []
+    for trace in (True, False):
+        res = run_loop(lambda z, x: nonlinear(z, x, w), torch.zeros(3, 2, 4, dtype=DT),
+                       LoopConfig(solver=solver, max_steps=9, trace=trace), ctx=(x,))
+        outs.append((res, torch.autograd.grad(res.state.sum(), [x])[0]))
+    (a, ga), (b, gb) = outs
+    torch.testing.assert_close(a.state, b.state, rtol=0, atol=0)
+    torch.testing.assert_close(ga, gb, rtol=0, atol=0)
+    assert b.steps.tolist() == [9, 9, 9] and b.residuals.shape == (0, 3) and a.residuals.shape == (9, 3)
