@@ -49,6 +49,7 @@ class LoopResult:
     steps: Tensor  # LongTensor [B]: accepted iterations per sample
     converged: Tensor  # BoolTensor [B]: the halting criterion held (never for diverged / stalled / capped)
     residuals: Tensor  # [steps_run, B] residual per step, NaN after a sample halted
+    # (with trace=False and fixed halting: a plain loop, residuals / state_norms are [0, B], converged False)
     logits: Tensor | None = None  # readout(state, *ctx) when a readout was given
     ponder_cost: Tensor | None = None  # [B] Graves N + R (ACT only), differentiable
     state_norms: Tensor | None = None  # [steps_run, B] RMS of the state after each step, NaN after halt
