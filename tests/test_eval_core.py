@@ -293,3 +293,19 @@ def test_signal_propagation_norms() -> None:
         assert sig.update_norm[k] == pytest.approx(d.norm(dim=1).mean().item())
         assert sig.relative_update[k] == pytest.approx((d.norm(dim=1) / z.flatten(1).norm(dim=1)).mean().item())
         z = z_next
+
+
+@pytest.mark.parametrize("compaction", [True, False])
+def test_trace_with_adaptive_halting_ends_at_each_samples_final_readout(compaction: bool) -> None:
+    model, task = TinyLooped(steps=40, halting="residual"), ShiftTask()
+    ds = task.generate(8, seed=4)
+    x = torch.as_tensor(ds.inputs)
+    loop = LoopConfig(halting="residual", max_steps=40, tol=1e-3, compaction=compaction)
+    last: dict[str, Tensor] = {}
+    _, final = trace_loops(model, x, loop, lambda t, z, logits: last.update(logits=logits.clone(), t=t),
+                           generator=torch.Generator().manual_seed(0))
+    out = model(x, loop=loop, generator=torch.Generator().manual_seed(0))
+    assert len(set(out.loop.steps.tolist())) > 1  # samples really halted at different loops
+    assert last["t"] == int(out.loop.steps.max())
+    torch.testing.assert_close(last["logits"], out.logits.detach())
+    torch.testing.assert_close(final, out.logits.detach())
