@@ -231,3 +231,27 @@ def test_forward_runs_the_engine_and_halts_on_a_converged_map() -> None:
     assert out.loop.converged.all() and (out.loop.steps < 200).all()
     x = model.embed(torch.zeros(1, 1, dtype=torch.long))  # smoke: embed works on a single token
     assert x[0].shape == (1, 1, D)
+
+
+@pytest.mark.parametrize("mixer", ["attention", "mlp"])
+def test_puzzle_embedding_prefix_is_dropped_from_logits_and_counts(mixer: str) -> None:
+    model = tiny(num_puzzle_ids=5, puzzle_emb_len=2, conv="grid2d", grid=(3, 3), mixer=mixer, q_pool="first")
+    inputs = torch.randint(0, 7, (B, T))
+    ids = torch.tensor([0, 3, 4])
+    (x,) = model.embed(inputs, ids)
+    assert x.shape == (B, T + 2, D)
+    torch.testing.assert_close(x[:, :2], torch.zeros(B, 2, D, dtype=torch.float64))  # zero-initialised table
+    with torch.no_grad():
+        model.embedding.puzzle_emb.weight.normal_()
+        model.conv.conv.weight.normal_()
+    loop = dataclasses.replace(model.config.loop, max_steps=3, grad="bptt")
+    out = model(inputs, loop=loop, puzzle_ids=ids)
+    assert out.logits.shape == (B, T, 7) and out.state.shape == (B, T + 2, D) and out.q_logits.shape == (B,)
+    out.logits.sum().backward()
+    assert model.embedding.puzzle_emb.weight.grad[ids].abs().sum() > 0
+    table = model.embedding.puzzle_emb.weight.numel()
+    assert model.num_parameters() == sum(p.numel() for p in model.parameters()) - table
+    h = torch.randn(B, T + 2, D, dtype=torch.float64)
+    torch.testing.assert_close(model.apply_conv(h)[:, :2], h[:, :2])  # the prefix is not convolved
+    with pytest.raises(ValueError, match="puzzle_ids"):
+        model.embed(inputs)

@@ -158,3 +158,12 @@ def test_paper_config_is_ltg() -> None:
     assert 27e6 < n < 30e6, n
     loop = RecurrentConfig().loop
     assert (loop.solver, loop.halting, loop.max_steps, loop.grad) == ("picard", "fixed", 4, "bptt")
+
+
+@pytest.mark.parametrize("norm", ["post", "sandwich"])
+def test_huginn_style_norm_placements_run(norm: str) -> None:
+    model = tiny(norm=norm, injection="concat", n_prelude=1, n_coda=1)
+    assert all(hasattr(b, "out_norm1") == (norm == "sandwich") for b in model.core)
+    out = model(torch.randint(0, V, (B, T)), generator=torch.Generator().manual_seed(0))
+    assert out.logits.shape == (B, T, V) and torch.isfinite(out.logits).all()
+    assert torch.equal(out.loop.steps, torch.full((B,), 4))
