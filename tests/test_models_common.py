@@ -181,3 +181,18 @@ def test_default_loop_is_a_loop_config_and_not_shared(name: str) -> None:
     require(name)
     a, b = make_config(name), make_config(name)
     assert isinstance(a.loop, LoopConfig) and a.loop is not b.loop
+
+
+def test_plain_transformer_applies_each_distinct_layer_once() -> None:
+    require("transformer")
+    model = build_model("transformer", vocab_size=V, seq_len=T, d_model=32, n_heads=2, n_layers=3, causal=True)
+    inputs, _ = batch("sequence")
+    with torch.no_grad():
+        out = model(inputs)
+        h = model.embedding(inputs)
+        for layer in model.layers:
+            h = layer(h)
+        ref = model.output.head(model.output.norm(h))
+    torch.testing.assert_close(out.logits, ref)
+    assert torch.equal(out.loop.steps, torch.ones(B, dtype=torch.long))
+    assert model.layers[0].mix.qkv.weight.data_ptr() != model.layers[1].mix.qkv.weight.data_ptr()
