@@ -33,6 +33,7 @@ import logging
 import math
 import os
 import random
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,6 +57,7 @@ from loopformer.train.checkpoint import (
     rng_state,
     save_checkpoint,
     set_rng_state,
+    step_dirs,
 )
 from loopformer.train.data import Batch, Curriculum, IndexStream, make_batch
 from loopformer.train.losses import accuracy, jacobian_frobenius, q_halt_loss, sequence_loss
@@ -342,6 +344,11 @@ class Trainer:
             self.stream.set_eligible(self.curriculum.eligible())
         self.stream.load_state_dict(state["stream"])
         self.carry = Carry.from_state(state["carry"], self.device) if state.get("carry") else None
+        if self.carry is not None and len(self.carry.index) != self.config.train.batch_size:
+            raise CheckpointError(
+                f"{folder} carries {len(self.carry.index)} deep-supervision slots but train.batch_size is "
+                f"{self.config.train.batch_size}; resume with the batch size the run was started with"
+            )
         set_rng_state(state["rng"])
         self.step = int(state["step"])
         self.elapsed_before = float(state.get("elapsed", 0.0))
@@ -622,8 +629,16 @@ class Trainer:
                 if line.strip() and json.loads(line).get("step", 0) <= self.step
             ]
             metrics.write_text("".join(line + "\n" for line in kept))
-        elif self.resumed_from is None and metrics.is_file():
-            metrics.unlink()
+        elif self.resumed_from is None:  # a fresh run owns its folder: no stale metrics or checkpoints
+            if metrics.is_file():
+                metrics.unlink()
+            stale = step_dirs(self.ckpt_dir)
+            if stale:
+                log.warning("fresh run in %s: removing %d old checkpoints (use train.resume=true to continue)",
+                            self.run_dir, len(stale))
+            for folder in stale:
+                shutil.rmtree(folder)
+            (self.ckpt_dir / "latest").unlink(missing_ok=True)
         self._tb = None
         if self.config.train.tensorboard:
             try:
