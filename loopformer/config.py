@@ -111,6 +111,7 @@ class TrainConfig:
     grad_clip: float = 1.0  # max global grad norm; 0 = off
     decay_embeddings: bool = True  # False: embeddings get no weight decay
     ema: float = 0.0  # EMA decay of the weights (0.999 in TRM / FPRM); 0 = off
+    ema_warmup: bool = True  # decay_t = min(ema, (1 + t) / (10 + t)); False = TRM's plain EMA
     # losses
     loss: Literal["ce", "stablemax"] = "ce"
     q_loss_weight: float = 0.5  # BCE of the Q / halting head (models with one)

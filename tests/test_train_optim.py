@@ -75,3 +75,17 @@ def test_ema_matches_the_closed_form_and_applied_restores_weights() -> None:
     assert torch.equal(other.shadow["bias"], ema.shadow["bias"])
     with pytest.raises(ValueError, match="decay must be in"):
         EMA(model, 1.0)
+
+
+def test_ema_warmup_uses_min_of_decay_and_step_ratio() -> None:
+    model = torch.nn.Linear(1, 1, bias=False)
+    with torch.no_grad():
+        model.weight.fill_(0.0)
+    ema = EMA(model, 0.999, warmup=True)
+    assert ema.decay_at(0) == pytest.approx(0.1) and ema.decay_at(10**6) == 0.999
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+    ema.update(model, step=0)  # s = 0.1 * 0 + 0.9 * 1
+    assert float(ema.shadow["weight"]) == pytest.approx(0.9)
+    ema.update(model, step=1)  # d = 2 / 11
+    assert float(ema.shadow["weight"]) == pytest.approx(1 - 0.1 * 2 / 11)

@@ -112,21 +112,34 @@ def clip_grad_norm(parameters: list[Tensor], max_norm: float) -> float:
 
 
 class EMA:
-    """Exponential moving average of a model's parameters: ``s <- decay * s + (1 - decay) * p``."""
+    """Exponential moving average of a model's parameters: ``s <- d * s + (1 - d) * p``.
 
-    def __init__(self, model: nn.Module, decay: float) -> None:
+    ``d = decay``, or with ``warmup`` ``d_t = min(decay, (1 + t) / (10 + t))`` at optimiser step
+    ``t``, so short (CPU-sized) runs do not evaluate weights that are still mostly the random
+    init (0.999^150 = 0.86); TRM's code uses the plain form (``warmup=False``).
+    """
+
+    def __init__(self, model: nn.Module, decay: float, warmup: bool = False) -> None:
         if not 0.0 < decay < 1.0:
             raise ValueError(f"EMA decay must be in (0, 1), got {decay}")
         self.decay = decay
+        self.warmup = warmup
         self.shadow: dict[str, Tensor] = {
             name: p.detach().clone() for name, p in model.named_parameters() if p.dtype.is_floating_point
         }
 
+    def decay_at(self, step: int | None) -> float:
+        if not self.warmup or step is None:
+            return self.decay
+        return min(self.decay, (1.0 + step) / (10.0 + step))
+
     @torch.no_grad()
-    def update(self, model: nn.Module) -> None:
+    def update(self, model: nn.Module, step: int | None = None) -> None:
+        """One EMA update after optimiser step ``step`` (0-based; used by the warm-up)."""
+        weight = 1.0 - self.decay_at(step)
         for name, p in model.named_parameters():
             if name in self.shadow:
-                self.shadow[name].lerp_(p.detach(), 1.0 - self.decay)
+                self.shadow[name].lerp_(p.detach(), weight)
 
     def state_dict(self) -> dict[str, Tensor]:
         return dict(self.shadow)

@@ -201,7 +201,7 @@ class Trainer:
             self.model, tc.lr, tc.weight_decay, tuple(tc.betas), tc.eps, tc.decay_embeddings
         )
         self.params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        self.ema = EMA(self.model, tc.ema) if tc.ema > 0 else None
+        self.ema = EMA(self.model, tc.ema, tc.ema_warmup) if tc.ema > 0 else None
         self.sampler = self._loop_sampler()
 
         # -- data order and curriculum ----------------------------------------------------------
@@ -463,7 +463,7 @@ class Trainer:
         self._check("gradient norm", grad_norm)
         self.optimizer.step()
         if self.ema is not None:
-            self.ema.update(self.model)
+            self.ema.update(self.model, self.step)
 
         metrics: dict[str, Any] = {
             "step": self.step + 1,
