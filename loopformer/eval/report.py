@@ -114,18 +114,21 @@ def write_report(
         has_bridge = bool(lens.bridge_rank)
         header = ["loop", "valid", "token", "margin"] + (["bridge rank"] if has_bridge else [])
         rows = []
-        for i, t in enumerate(lens.loops):
+        shown = [i for i, t in enumerate(lens.loops) if t <= 12 or t % 4 == 0 or i == len(lens.loops) - 1]
+        for i in shown:
+            t = lens.loops[i]
             row = [str(t), _num(lens.valid_accuracy[i], True), _num(lens.token_accuracy[i], True), _num(lens.margin[i])]
             if has_bridge:
                 row.append(_num(lens.bridge_rank[i]))
             rows.append(row)
         lines += _table(header, rows)
         if lens.train_depth:
-            lines += [f"Training depth: {lens.train_depth} loops.", ""]
+            lines += [f"Training depth: {lens.train_depth} loops per training forward call.", ""]
     if signal is not None:
         lines += ["## Signal propagation", ""]
         rows = [[str(t), _num(signal.state_rms[i], digits=3), _num(signal.update_norm[i], digits=3),
-                 f"{signal.relative_update[i]:.2e}"] for i, t in enumerate(signal.loops)]
+                 f"{signal.relative_update[i]:.2e}"] for i, t in enumerate(signal.loops)
+                if t <= 12 or t % 4 == 0 or i == len(signal.loops) - 1]
         lines += _table(["loop", "state RMS", "update norm", "relative update"], rows)
     if spectral:
         lines += ["## Jacobian spectral radius at the final state", ""]
