@@ -22,6 +22,17 @@ metrics as JSONL (+ optional TensorBoard), a rich progress bar, divergence detec
 (``TrainingDivergedError`` before the bad update is applied, the last good checkpoint kept),
 and atomic checkpoints holding everything needed to resume bit-exactly (``train.resume``).
 Every random draw is a function of (seed, global step), so a resumed run replays exactly.
+
+Launched by ``torchrun`` (``loopformer.train.dist``), every rank runs this same trainer:
+the index stream is global and each rank takes its contiguous shard of each global batch
+(``train.batch_size`` rows, ``batch_size / world`` per rank); the model is called through
+DDP (or FSDP2 with ``train.strategy=fsdp``), with ``find_unused_parameters`` switched on only
+when a probe forward / backward of the real loss leaves a parameter without gradient; the
+deep-supervision carry holds each rank's slots and is gathered into one global carry for the
+checkpoint (so a run resumes under another world size that divides the batch); random initial
+states and Jacobian probes are drawn per (seed, step, rank); metrics are averaged over ranks;
+files, progress bars and logs come from rank 0 only. ``fit()`` ends a process group the
+trainer created itself.
 """
 
 from __future__ import annotations
@@ -48,6 +59,7 @@ from loopformer.loop import LoopConfig, make_sampler
 from loopformer.models.base import LoopedModel, ModelOutput
 from loopformer.nn import autocast
 from loopformer.tasks.base import Task, TokenDataset
+from loopformer.train import dist
 from loopformer.train.checkpoint import (
     CheckpointError,
     latest_checkpoint,
@@ -103,8 +115,9 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def _seed_for(seed: int, step: int, salt: int) -> int:
-    return int(np.random.SeedSequence([seed, step, salt]).generate_state(1)[0])
+def _seed_for(seed: int, step: int, salt: int, rank: int | None = None) -> int:
+    entropy = [seed, step, salt] if rank is None else [seed, step, salt, rank]
+    return int(np.random.SeedSequence(entropy).generate_state(1)[0])
 
 
 def _last_finite(rows: Tensor) -> Tensor:
@@ -166,10 +179,21 @@ class Trainer:
     ) -> None:
         self.config = config
         tc = config.train
-        self.device = resolve_device(config.device)
+        # torchrun: join the process group (one process: world_size 1, nothing to join)
+        self.dist_env, dist_device, self._owns_group = dist.setup(config.device)
+        self.device = dist_device if self.dist_env.enabled else resolve_device(config.device)
+        self.strategy: str = getattr(tc, "strategy", "ddp")
+        self.sync_halting: bool = bool(getattr(tc, "sync_halting", False))
+        if self.dist_env.enabled and not self.dist_env.is_main:
+            logging.getLogger("loopformer").setLevel(logging.WARNING)  # logs come from rank 0
+        if self.dist_env.enabled and tc.batch_size % self.dist_env.world_size:
+            raise ValueError(
+                f"train.batch_size={tc.batch_size} (the global batch) must be divisible by the world size "
+                f"{self.dist_env.world_size}"
+            )
         if self.device.type == "cpu":
             torch.set_flush_denormal(True)
-            torch.set_num_threads(tc.threads or physical_cores())
+            torch.set_num_threads(tc.threads or max(1, physical_cores() // self.dist_env.local_world_size))
         torch.manual_seed(config.seed)
         np.random.seed(config.seed % 2**32)
         random.seed(config.seed)
@@ -192,9 +216,21 @@ class Trainer:
         self.model = model.to(self.device)
         if config.compile:  # compile the looped body (the hot path); the engine's loop stays eager
             self.model.step = torch.compile(self.model.step)  # type: ignore[method-assign]
-        self.forward_model = self.model
         self.loop_train: LoopConfig = config.loop_config(self.model.config.loop, "train")
         self.loop_eval: LoopConfig = config.loop_config(self.model.config.loop, "eval")
+        self.sampler = self._loop_sampler()
+
+        # -- multi-process: DDP / FSDP wrapper (forward runs the whole loop through it) ---------
+        self.forward_model: torch.nn.Module = self.model
+        self.unused_parameters: list[str] = []
+        self.find_unused_parameters = False
+        if self.dist_env.enabled:
+            find_unused = getattr(tc, "find_unused_parameters", None)
+            if find_unused is None:  # automatic: does the real loss leave a parameter without gradient?
+                self.unused_parameters = self.probe_unused_parameters()
+                find_unused = dist.all_reduce_max(float(bool(self.unused_parameters))) > 0
+            self.find_unused_parameters = bool(find_unused)
+            self.forward_model = dist.wrap_model(self.model, self.strategy, self.device, self.find_unused_parameters)
 
         # -- optimisation -----------------------------------------------------------------------
         self.optimizer = build_optimizer(
@@ -202,7 +238,6 @@ class Trainer:
         )
         self.params = [p for g in self.optimizer.param_groups for p in g["params"]]
         self.ema = EMA(self.model, tc.ema, tc.ema_warmup) if tc.ema > 0 else None
-        self.sampler = self._loop_sampler()
 
         # -- data order and curriculum ----------------------------------------------------------
         self.curriculum: Curriculum | None = None
@@ -294,22 +329,39 @@ class Trainer:
             "optimizer": self.optimizer.state_dict(),
             "stream": self.stream.state_dict(),
             "curriculum": self.curriculum.state_dict() if self.curriculum else None,
-            "carry": self.carry.state_dict() if self.carry else None,
+            "carry": self._global_carry_state(),
             "rng": rng_state(),
             "elapsed": self.elapsed_before + self._elapsed(),
         }
 
+    def _global_carry_state(self) -> dict[str, Any] | None:
+        """The carry of all ranks as one (rank order = slot order of a single-process run)."""
+        if self.carry is None:
+            return None
+        state = self.carry.state_dict()
+        if not self.dist_env.enabled:
+            return state
+        return {k: dist.all_gather_rows(v) for k, v in state.items()}
+
     def save(self) -> Path:
-        """Checkpoint the current step (atomic; keeps the newest ``train.keep_checkpoints``)."""
-        self.last_checkpoint = save_checkpoint(
-            self.ckpt_dir,
-            self.step,
-            self.model,
-            self.config,
-            ema_state=self.ema.state_dict() if self.ema else None,
-            training_state=self.training_state(),
-            keep=self.config.train.keep_checkpoints,
-        )
+        """Checkpoint the current step (atomic; keeps the newest ``train.keep_checkpoints``).
+
+        Under torchrun every rank must call it (the carry is gathered); only rank 0 writes.
+        """
+        training_state = self.training_state()
+        if self.dist_env.is_main:
+            self.last_checkpoint = save_checkpoint(
+                self.ckpt_dir,
+                self.step,
+                self.model,
+                self.config,
+                ema_state=self.ema.state_dict() if self.ema else None,
+                training_state=training_state,
+                keep=self.config.train.keep_checkpoints,
+            )
+        else:
+            self.last_checkpoint = self.ckpt_dir / f"step_{self.step:08d}"
+        dist.barrier()
         return self.last_checkpoint
 
     def _resume(self) -> None:
@@ -343,12 +395,15 @@ class Trainer:
             self.curriculum.load_state_dict(state["curriculum"])
             self.stream.set_eligible(self.curriculum.eligible())
         self.stream.load_state_dict(state["stream"])
-        self.carry = Carry.from_state(state["carry"], self.device) if state.get("carry") else None
-        if self.carry is not None and len(self.carry.index) != self.config.train.batch_size:
+        carry = state.get("carry")
+        if carry and len(carry["index"]) != self.config.train.batch_size:
             raise CheckpointError(
-                f"{folder} carries {len(self.carry.index)} deep-supervision slots but train.batch_size is "
+                f"{folder} carries {len(carry['index'])} deep-supervision slots but train.batch_size is "
                 f"{self.config.train.batch_size}; resume with the batch size the run was started with"
             )
+        if carry and self.dist_env.enabled:  # the saved carry is global: take this rank's slots
+            carry = {k: None if v is None else dist.shard(v) for k, v in carry.items()}
+        self.carry = Carry.from_state(carry, self.device) if carry else None
         set_rng_state(state["rng"])
         self.step = int(state["step"])
         self.elapsed_before = float(state.get("elapsed", 0.0))
@@ -360,7 +415,9 @@ class Trainer:
     # one optimiser step
     # ------------------------------------------------------------------------------------------
     def _generator(self, step: int, salt: int) -> torch.Generator:
-        return torch.Generator(device=self.device).manual_seed(_seed_for(self.config.seed, step, salt))
+        """Seeded by (seed, step, salt), plus the rank under torchrun (independent draws per rank)."""
+        rank = self.dist_env.rank if self.dist_env.enabled else None
+        return torch.Generator(device=self.device).manual_seed(_seed_for(self.config.seed, step, salt, rank))
 
     def _fresh_states(self, inputs: Tensor, puzzle_ids: Tensor | None, step: int) -> Tensor:
         with torch.no_grad(), autocast(self.device, self.config.bf16):
@@ -369,9 +426,9 @@ class Trainer:
 
     def _refill(self) -> None:
         """Deep supervision: give halted (or all, at the start) slots new examples and fresh states."""
-        B = self.config.train.batch_size
+        B = self.config.train.batch_size // self.dist_env.world_size  # this rank's slots
         if self.carry is None:
-            batch = make_batch(self.train_data, self.stream.take(B), self.device)
+            batch = make_batch(self.train_data, dist.shard(self.stream.take(self.config.train.batch_size)), self.device)
             self.carry = Carry(
                 index=batch.index,
                 inputs=batch.inputs,
@@ -384,9 +441,13 @@ class Trainer:
             return
         c = self.carry
         rows = torch.nonzero(c.halted).reshape(-1)
+        # the stream is global: draw every rank's halted slots, in rank order, and keep this rank's
+        counts = dist.all_gather_counts(int(rows.numel()))
+        drawn = self.stream.take(sum(counts))
+        first = sum(counts[: self.dist_env.rank])
         if rows.numel() == 0:
             return
-        new = make_batch(self.train_data, self.stream.take(int(rows.numel())), self.device)
+        new = make_batch(self.train_data, drawn[first : first + int(rows.numel())], self.device)
         dev_rows = rows.to(self.device)
         c.index = c.index.clone()
         c.index[rows] = new.index
@@ -434,12 +495,8 @@ class Trainer:
         lr = lr_at(self.step, tc.lr, tc.warmup_steps, tc.steps, tc.schedule, tc.min_lr_ratio)
         set_lr(self.optimizer, lr)
         if tc.mode == "simple":
-            batch = make_batch(self.train_data, self.stream.take(tc.batch_size), self.device)
-            R = int(self.sampler.sample(self.step))
-            halting = "act" if self.loop_train.halting == "act" else "fixed"
-            loop = dataclasses.replace(
-                self.loop_train, max_steps=R, min_steps=min(self.loop_train.min_steps, R), halting=halting
-            )
+            batch = make_batch(self.train_data, dist.shard(self.stream.take(tc.batch_size)), self.device)
+            loop, R = self._simple_loop(self.step)
             inputs, labels, puzzle_ids, state = batch.inputs, batch.labels, batch.puzzle_ids, None
         elif tc.mode == "deep_supervision":
             self._refill()
@@ -449,14 +506,19 @@ class Trainer:
         else:
             raise ValueError(f"unknown train.mode {tc.mode!r}")
 
+        lockstep = dist.LockstepHalting(self.sync_halting)
         with autocast(self.device, self.config.bf16):
             out = self.forward_model(
-                inputs, loop=loop, state=state, puzzle_ids=puzzle_ids, generator=self._generator(self.step, _SALT_INIT)
+                inputs, loop=loop, state=state, puzzle_ids=puzzle_ids, generator=self._generator(self.step, _SALT_INIT),
+                callback=lockstep.callback if lockstep.enabled else None,
             )
+        lockstep.drain()
         loss, parts, acc = self._loss(out, inputs, labels, puzzle_ids)
-        self._check("loss", float(loss.detach()), tc.max_loss)
         state_rms = float(out.state.detach().float().pow(2).flatten(1).mean(1).sqrt().mean())
-        self._check("state norm", state_rms, tc.max_state_norm)
+        # every rank takes the same divergence decision (a NaN on one rank reaches all)
+        checked = dist.all_reduce_mean({"loss": float(loss.detach()), "state_norm": state_rms})
+        self._check("loss", checked["loss"], tc.max_loss)
+        self._check("state norm", checked["state_norm"], tc.max_state_norm)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = clip_grad_norm(self.params, tc.grad_clip)
@@ -488,7 +550,49 @@ class Trainer:
             metrics["halted"] = int(self.carry.halted.sum())
         if self.curriculum is not None:
             metrics["level"] = self.curriculum.level
-        return metrics
+        return self._reduce_metrics(metrics) if self.dist_env.enabled else metrics
+
+    def _simple_loop(self, step: int) -> tuple[LoopConfig, int]:
+        """Simple mode: the training loop with ``R`` steps drawn for ``step`` (same on every rank)."""
+        R = int(self.sampler.sample(step))
+        halting = "act" if self.loop_train.halting == "act" else "fixed"
+        loop = dataclasses.replace(
+            self.loop_train, max_steps=R, min_steps=min(self.loop_train.min_steps, R), halting=halting
+        )
+        return loop, R
+
+    def _reduce_metrics(self, metrics: dict[str, Any]) -> dict[str, Any]:
+        """Per-rank metrics -> their mean over ranks ("halted": the total); shared values kept."""
+        shared = ("step", "lr", "grad_norm", "loops", "level")
+        keys = [k for k, v in metrics.items()
+                if k not in shared and isinstance(v, int | float) and not isinstance(v, bool)]
+        mean = dist.all_reduce_mean({k: metrics[k] for k in keys})
+        out = {**metrics, **mean}
+        if "halted" in out:
+            out["halted"] = int(round(mean["halted"] * self.dist_env.world_size))
+        return out
+
+    def probe_unused_parameters(self, rows: int = 2) -> list[str]:
+        """Parameters that one training forward / backward of the real loss leaves without gradient.
+
+        Uses the first ``rows`` training examples, the training loop of step 0 and (deep
+        supervision) fresh initial states; the RNG, the data stream and every ``.grad`` are left as
+        they were. A non-empty answer makes DDP run with ``find_unused_parameters=True``.
+        """
+        tc = self.config.train
+        batch = make_batch(self.train_data, np.arange(min(rows, len(self.train_data))), self.device)
+        loop = self._simple_loop(0)[0] if tc.mode == "simple" else self.loop_train
+        state = self._fresh_states(batch.inputs, batch.puzzle_ids, 0) if tc.mode == "deep_supervision" else None
+
+        def loss_of() -> Tensor:
+            with autocast(self.device, self.config.bf16):
+                out = self.model(batch.inputs, loop=loop, state=state, puzzle_ids=batch.puzzle_ids,
+                                 generator=self._generator(0, _SALT_INIT))
+            return self._loss(out, batch.inputs, batch.labels, batch.puzzle_ids)[0]
+
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            return dist.unused_parameters(self.model, loss_of)
 
     def _advance_carry(self, out: ModelOutput) -> None:
         tc = self.config.train
@@ -499,9 +603,11 @@ class Trainer:
         if tc.halt_on_q and out.q_logits is not None:
             q_halt = (out.q_logits.detach().float().reshape(-1) > 0).cpu()
             if tc.halt_exploration > 0:
+                # drawn for the global batch and sharded: the same draws as one process would make
                 g = torch.Generator().manual_seed(_seed_for(self.config.seed, self.step, _SALT_EXPLORE))
-                explore = torch.rand(len(c.segments), generator=g) < tc.halt_exploration
-                min_segments = torch.randint(2, tc.max_segments + 1, (len(c.segments),), generator=g)
+                n_global = len(c.segments) * self.dist_env.world_size
+                explore = dist.shard(torch.rand(n_global, generator=g) < tc.halt_exploration)
+                min_segments = dist.shard(torch.randint(2, tc.max_segments + 1, (n_global,), generator=g))
                 q_halt = q_halt & (c.segments >= torch.where(explore, min_segments, torch.zeros_like(min_segments)))
             halted = halted | q_halt
         if tc.halt_on_converged and out.loop is not None:
@@ -516,26 +622,42 @@ class Trainer:
         """Label-based accuracy of the current weights: token_acc, exact_acc, loop_steps, n.
 
         Runs ``eval.segments`` chained forward calls (the state carried), as TRM / HRM evaluate.
+        Under DDP each rank evaluates its share of the rows and the counts are summed over ranks
+        (FSDP: every rank evaluates all rows, since each forward gathers the weights on all ranks).
+        With ``train.sync_halting`` every forward ends on the same global loop count on all ranks.
         """
         ec = self.config.eval
         loop = loop or self.loop_eval
         rows = np.arange(len(dataset)) if rows is None else np.asarray(rows)
         if ec.max_examples:
             rows = rows[: ec.max_examples]
+        sharded = dist.is_distributed() and not dist.is_fsdp(self.model)
+        local = rows[dist.eval_shard(len(rows))] if sharded else rows
+        segments = max(1, ec.segments)
+        lockstep = dist.LockstepHalting(self.sync_halting)
+        n_batches = math.ceil(len(local) / ec.batch_size)
+        if lockstep.enabled:  # a rank with fewer batches answers the others' lockstep all-reduces
+            n_batches = int(dist.all_reduce_max(n_batches))
         was_training = self.model.training
         self.model.eval()
         generator = torch.Generator(device=self.device).manual_seed(self.config.seed)
         right = count = exact = steps = 0.0
         try:
-            for start in range(0, len(rows), ec.batch_size):
-                b: Batch = make_batch(dataset, rows[start : start + ec.batch_size], self.device)
+            for start in range(0, n_batches * ec.batch_size, ec.batch_size):
+                if start >= len(local):
+                    for _ in range(segments):
+                        lockstep.drain()
+                    continue
+                b: Batch = make_batch(dataset, local[start : start + ec.batch_size], self.device)
                 state = None
                 seg_steps = torch.zeros(len(b.index))
-                for _ in range(max(1, ec.segments)):
+                for _ in range(segments):
                     with autocast(self.device, self.config.bf16):
-                        out = self.forward_model(
-                            b.inputs, loop=loop, state=state, puzzle_ids=b.puzzle_ids, generator=generator
+                        out = self.model(
+                            b.inputs, loop=loop, state=state, puzzle_ids=b.puzzle_ids, generator=generator,
+                            callback=lockstep.callback if lockstep.enabled else None,
                         )
+                    lockstep.drain()
                     state = out.state
                     if out.loop is not None:
                         seg_steps += out.loop.steps.float().cpu()
@@ -546,6 +668,8 @@ class Trainer:
                 steps += float(seg_steps.sum())
         finally:
             self.model.train(was_training)
+        if sharded:
+            right, count, exact, steps = dist.all_reduce_sum([right, count, exact, steps])
         n = len(rows)
         return {
             "n": n,
@@ -563,27 +687,36 @@ class Trainer:
         ctx = self.ema.applied(self.model) if use_ema else contextlib.nullcontext()
         with ctx:
             if self.task is not None and ec.check and ec.segments <= 1:
-                from loopformer.eval.evaluate import evaluate
-
-                data = self.eval_data
-                if ec.max_examples:
-                    data = data.subset(slice(0, ec.max_examples))
-                res = evaluate(
-                    self.model, self.task, data, loop=self.loop_eval, batch_size=ec.batch_size,
-                    device=self.device, seed=self.config.seed,
-                )
-                result = {
-                    "n": res.n,
-                    "token_acc": res.token_accuracy,
-                    "exact_acc": res.exact_accuracy,
-                    "valid_acc": res.valid_accuracy,
-                    "loop_steps": res.mean_steps,
-                    "converged": res.converged_fraction,
-                }
+                # under DDP rank 0 evaluates and shares the result; under FSDP all ranks run it
+                one_rank = dist.is_distributed() and not dist.is_fsdp(self.model)
+                result = self._task_eval() if self.dist_env.is_main or not one_rank else None
+                if one_rank:
+                    result = dist.broadcast_object(result)
             else:
                 result = self.exact_eval(self.eval_data)
         result["weights"] = "ema" if use_ema else "model"
         return result
+
+    def _task_eval(self) -> dict[str, Any]:
+        """``loopformer.eval.evaluate`` on the held-out set (the task's own validator)."""
+        from loopformer.eval.evaluate import evaluate
+
+        ec = self.config.eval
+        data = self.eval_data
+        if ec.max_examples:
+            data = data.subset(slice(0, ec.max_examples))
+        res = evaluate(
+            self.model, self.task, data, loop=self.loop_eval, batch_size=ec.batch_size,
+            device=self.device, seed=self.config.seed,
+        )
+        return {
+            "n": res.n,
+            "token_acc": res.token_accuracy,
+            "exact_acc": res.exact_accuracy,
+            "valid_acc": res.valid_accuracy,
+            "loop_steps": res.mean_steps,
+            "converged": res.converged_fraction,
+        }
 
     def _curriculum_check(self) -> None:
         cur, cc = self.curriculum, self.config.data.curriculum
@@ -611,6 +744,8 @@ class Trainer:
         return time.perf_counter() - self._t0 if hasattr(self, "_t0") else 0.0
 
     def _write_metrics(self, record: dict[str, Any]) -> None:
+        if not self.dist_env.is_main:
+            return
         self.run_dir.mkdir(parents=True, exist_ok=True)
         with open(self.run_dir / "metrics.jsonl", "a") as fh:
             fh.write(json.dumps(record) + "\n")
@@ -651,9 +786,13 @@ class Trainer:
     def fit(self) -> dict[str, Any]:
         """Train to ``train.steps`` optimiser steps (continuing a resumed run); returns a summary."""
         tc = self.config.train
-        self._prepare_run_dir()
+        if self.dist_env.is_main:
+            self._prepare_run_dir()
+        else:
+            self._tb = None
+        dist.barrier()  # rank 0 has cleared a fresh run's folder before anyone writes to it
         self._t0 = time.perf_counter()
-        progress = _progress_bar(tc.progress, tc.steps, self.step)
+        progress = _progress_bar(tc.progress and self.dist_env.is_main, tc.steps, self.step)
         try:
             with progress as bar:
                 task_id = bar.add_task("train", total=tc.steps, completed=self.step, info="") if bar else None
@@ -681,6 +820,9 @@ class Trainer:
         finally:
             if getattr(self, "_tb", None) is not None:
                 self._tb.close()
+            if self._owns_group:  # the process group this trainer created (torchrun) ends with the run
+                dist.shutdown()
+                self._owns_group = False
         summary = {
             "steps": self.step,
             "run_dir": str(self.run_dir),
@@ -692,7 +834,8 @@ class Trainer:
             "wall_time": round(self.elapsed_before + self._elapsed(), 3),
             "parameters": self.model.num_parameters() if hasattr(self.model, "num_parameters") else None,
         }
-        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        if self.dist_env.is_main:
+            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary
 
 

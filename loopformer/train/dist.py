@@ -1,0 +1,371 @@
+"""Multi-process training on plain ``torch.distributed`` (launched by ``torchrun``).
+
+What lives here (the trainer calls it; a single process that was not launched by torchrun
+gets ``DistEnv(rank=0, world_size=1)`` and every helper is then a no-op or the identity):
+
+- ``env_from_environ`` / ``setup`` / ``shutdown``: rank, world size and local rank from the
+  torchrun environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
+  ``MASTER_ADDR`` / ``MASTER_PORT``); backend ``nccl`` on CUDA (device ``cuda:LOCAL_RANK``),
+  ``gloo`` on CPU; ``shutdown`` destroys the process group the trainer created.
+- ``all_reduce_mean`` (metrics), ``all_reduce_max``, ``all_gather_rows`` (the deep-supervision
+  carry, gathered to one global carry for the checkpoint), ``broadcast_object``, ``barrier``.
+- ``shard``: rank ``r`` of ``w`` takes rows ``[r * B / w, (r + 1) * B / w)`` of each global
+  batch of ``B`` rows. The index stream (``loopformer.train.data.IndexStream``) is global and
+  identical on every rank (a pure function of seed, epoch and position), so the concatenation
+  of the ranks' shards is exactly the batch a single process would draw, and the stream state
+  saved in a checkpoint is global: a run resumes under any world size that divides the batch.
+- ``wrap_model``: ``DistributedDataParallel`` (strategy "ddp") or FSDP2 ``fully_shard`` on the
+  model's root (strategy "fsdp", opt-in). The trainer calls ``forward`` through the wrapper:
+  ``LoopedModel.forward`` runs the whole loop (and the readout / Q-head), so one DDP forward is
+  one engine call. ``find_unused_parameters`` is switched on only when ``unused_parameters``
+  finds parameters that get no gradient from the trainer's real loss (measured per family in
+  tests/test_dist.py: e.g. FPRM's Q-head when ``train.q_loss_weight=0``, TRM / HRM learned
+  initial states under the truncated gradient).
+- ``LockstepHalting`` (``train.sync_halting``): data-dependent halting stays per rank (each
+  rank's engine drops its own halted samples); with the option on, each loop step all-reduces
+  the number of ranks still looping and a rank whose samples all halted keeps answering
+  all-reduces until the global count is zero, so every rank leaves ``forward`` on the same
+  global iteration count. That is needed when a strategy puts collectives inside the loop
+  step (per-block FSDP, tensor parallelism) and gives every rank the same "all halted"
+  decision in evaluation; it costs one tiny all-reduce per loop step, so it is off by default
+  (DDP and root-level FSDP run no collective inside ``forward``).
+
+The distributed layer follows nanochat's shape (a hundred lines on torch.distributed); the
+loop-count samplers are already seeded by the global step (LESSONS.md), so all ranks draw the
+same loop count without communication.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+STRATEGIES = ("ddp", "fsdp")
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """Where this process sits in the job (``world_size == 1``: not distributed)."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _int_env(environ: Mapping[str, str], key: str, default: int) -> int:
+    raw = environ.get(key)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {key}={raw!r} is not an integer") from None
+
+
+def env_from_environ(environ: Mapping[str, str] | None = None) -> DistEnv:
+    """The torchrun environment; ``DistEnv()`` (one process) when ``WORLD_SIZE`` is unset or 1."""
+    environ = os.environ if environ is None else environ
+    world = _int_env(environ, "WORLD_SIZE", 1)
+    rank = _int_env(environ, "RANK", 0)
+    local_rank = _int_env(environ, "LOCAL_RANK", rank)
+    local_world = _int_env(environ, "LOCAL_WORLD_SIZE", world)
+    if world < 1 or not 0 <= rank < world:
+        raise ValueError(f"bad torchrun environment: RANK={rank}, WORLD_SIZE={world}")
+    if world > 1:
+        missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if not environ.get(k)]
+        if missing:
+            raise ValueError(
+                f"WORLD_SIZE={world} but {', '.join(missing)} is not set; launch with torchrun "
+                "(e.g. torchrun --standalone --nproc_per_node=2 -m loopformer train RECIPE)"
+            )
+    return DistEnv(rank, world, local_rank, max(1, local_world))
+
+
+def current_env() -> DistEnv:
+    """The initialised process group's rank / world size, else the torchrun environment."""
+    env = env_from_environ()
+    if dist.is_available() and dist.is_initialized():
+        return DistEnv(dist.get_rank(), dist.get_world_size(), env.local_rank, env.local_world_size)
+    return env
+
+
+def setup(device: str = "auto", timeout_s: float = 600.0) -> tuple[DistEnv, torch.device, bool]:
+    """Join the job: ``(env, device, created)``; ``created`` says this call made the process group.
+
+    ``device``: "auto" | "cpu" | "cuda". Under torchrun with CUDA the device is
+    ``cuda:LOCAL_RANK`` and the backend ``nccl``; on CPU the backend is ``gloo``. A process
+    group that already exists (tests that spawn workers themselves) is used as it is.
+    """
+    env = env_from_environ()
+    use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device='cuda' was asked for but CUDA is not available")
+    if device not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"unknown device {device!r}; expected 'auto', 'cpu' or 'cuda'")
+    dev = torch.device("cpu")
+    if use_cuda:
+        dev = torch.device("cuda", env.local_rank % max(1, torch.cuda.device_count()))
+        torch.cuda.set_device(dev)
+    created = False
+    if dist.is_available() and dist.is_initialized():
+        env = current_env()
+    elif env.enabled:
+        if not dist.is_available():
+            raise RuntimeError("WORLD_SIZE > 1 but this PyTorch build has no torch.distributed")
+        dist.init_process_group(
+            backend="nccl" if use_cuda else "gloo",
+            rank=env.rank,
+            world_size=env.world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+        created = True
+    return env, dev, created
+
+
+def shutdown() -> None:
+    """Destroy the default process group (no-op when there is none)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def rank() -> int:
+    return dist.get_rank() if is_distributed() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if is_distributed() else 1
+
+
+def is_main() -> bool:
+    return rank() == 0
+
+
+def barrier() -> None:
+    if is_distributed():
+        dist.barrier()
+
+
+def _comm_device() -> torch.device:
+    """Tensors for collectives live here (nccl needs CUDA tensors; gloo takes CPU ones)."""
+    if is_distributed() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_reduce_mean(values: Mapping[str, float]) -> dict[str, float]:
+    """Mean over ranks of each value (every rank must pass the same keys)."""
+    if not is_distributed() or not values:
+        return dict(values)
+    keys = sorted(values)
+    t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=_comm_device())
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    t /= dist.get_world_size()
+    return dict(zip(keys, t.tolist(), strict=True))
+
+
+def all_reduce_sum(values: list[float]) -> list[float]:
+    """Sum over ranks, element by element."""
+    if not is_distributed():
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64, device=_comm_device())
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t.tolist()
+
+
+def all_reduce_max(value: float) -> float:
+    if not is_distributed():
+        return float(value)
+    t = torch.tensor([float(value)], dtype=torch.float64, device=_comm_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def all_gather_counts(count: int) -> list[int]:
+    """Every rank's ``count``, in rank order."""
+    if not is_distributed():
+        return [int(count)]
+    t = torch.tensor([int(count)], dtype=torch.int64, device=_comm_device())
+    out = [torch.zeros_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, t)
+    return [int(x.item()) for x in out]
+
+
+def all_gather_rows(t: Tensor | None) -> Tensor | None:
+    """Concatenate every rank's ``t`` along dim 0 in rank order (equal shapes on all ranks)."""
+    if t is None or not is_distributed():
+        return t
+    dtype = t.dtype
+    x = (t.to(torch.uint8) if dtype == torch.bool else t).to(_comm_device()).contiguous()
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, x)
+    return torch.cat(parts).to(device=t.device, dtype=dtype)
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """``obj`` from rank ``src`` on every rank."""
+    if not is_distributed():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def shard(rows: np.ndarray | Tensor, rank_: int | None = None, world: int | None = None) -> Any:
+    """Rank ``rank_``'s contiguous share of a global batch; the length must divide by ``world``."""
+    rank_ = rank() if rank_ is None else rank_
+    world = world_size() if world is None else world
+    n = len(rows)
+    if n % world:
+        raise ValueError(f"a global batch of {n} rows cannot be split evenly over {world} ranks")
+    per = n // world
+    return rows[rank_ * per : (rank_ + 1) * per]
+
+
+def eval_shard(n: int, rank_: int | None = None, world: int | None = None) -> np.ndarray:
+    """Rank ``rank_``'s rows of an evaluation set of ``n`` rows (contiguous, sizes differ by <= 1)."""
+    rank_ = rank() if rank_ is None else rank_
+    world = world_size() if world is None else world
+    bounds = np.linspace(0, n, world + 1).round().astype(np.int64)
+    return np.arange(bounds[rank_], bounds[rank_ + 1], dtype=np.int64)
+
+
+# --------------------------------------------------------------------------------------------
+# Model wrapping
+# --------------------------------------------------------------------------------------------
+def unused_parameters(model: nn.Module, loss_of: Callable[[], Tensor]) -> list[str]:
+    """Names of ``model``'s trainable parameters that get no gradient from ``loss_of()``.
+
+    Runs one forward / backward (``loss_of`` calls the model and returns the loss) and leaves
+    every ``.grad`` as it was before.
+    """
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    saved = {n: p.grad for n, p in params}
+    for _, p in params:
+        p.grad = None
+    try:
+        loss_of().backward()
+        return [n for n, p in params if p.grad is None]
+    finally:
+        for n, p in params:
+            p.grad = saved[n]
+
+
+def wrap_model(
+    model: nn.Module, strategy: str, device: torch.device, find_unused_parameters: bool = False
+) -> nn.Module:
+    """The module the trainer calls ``forward`` on: ``model`` itself (one process), DDP or FSDP2.
+
+    "ddp": ``DistributedDataParallel(model)``; rank 0's weights are broadcast at construction.
+    "fsdp": ``fully_shard(model)`` on a 1-D device mesh over all ranks: ``model`` itself becomes
+    the FSDP module (its parameters DTensor shards), so build the optimiser after this call.
+    """
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown train.strategy {strategy!r}; expected one of {STRATEGIES}")
+    if not is_distributed():
+        return model
+    if strategy == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        return DDP(
+            model,
+            device_ids=[device.index] if device.type == "cuda" else None,
+            find_unused_parameters=find_unused_parameters,
+        )
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def is_fsdp(model: nn.Module) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return False
+    return isinstance(model, FSDPModule)
+
+
+@contextlib.contextmanager
+def gathered(model: nn.Module) -> Iterator[nn.Module]:
+    """Full parameters inside the block for calls that bypass ``forward`` (FSDP ``unshard``)."""
+    if not is_fsdp(model):
+        yield model
+        return
+    model.unshard()
+    try:
+        yield model
+    finally:
+        model.reshard()
+
+
+def full_tensor(t: Tensor) -> Tensor:
+    """A plain tensor from a DTensor shard (collective: every rank must call it) or ``t`` itself."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def full_state(tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """``{name: full tensor}`` of a state dict that may hold DTensors (collective under FSDP)."""
+    return {k: full_tensor(v) for k, v in tensors.items()}
+
+
+# --------------------------------------------------------------------------------------------
+# Synchronised halting
+# --------------------------------------------------------------------------------------------
+class LockstepHalting:
+    """Keep all ranks on the same loop iteration count under data-dependent halting.
+
+    Pass ``callback`` to ``model(..., callback=...)``: after each loop step this rank all-reduces
+    1 ("still looping"). After ``forward`` returns call ``drain()``: the rank all-reduces 0 until
+    the sum is 0, i.e. until every rank has halted all of its samples. ``global_steps`` is then
+    the loop count of the slowest rank, the same on every rank. Outside a process group both
+    are no-ops.
+    """
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled and is_distributed()
+        self.local_steps = 0
+        self.global_steps = 0
+        self._others_done = False
+
+    def _reduce(self, flag: int) -> int:
+        t = torch.tensor([flag], dtype=torch.int64, device=_comm_device())
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return int(t.item())
+
+    def callback(self, t: int, z: Tensor, active: Tensor) -> None:
+        self.local_steps = t
+        if self.enabled:
+            self._reduce(1)
+            self.global_steps += 1
+
+    def drain(self) -> int:
+        """Wait (answering all-reduces) until every rank's loop has ended; returns ``global_steps``."""
+        if not self.enabled:
+            return self.local_steps
+        while self._reduce(0) > 0:
+            self.global_steps += 1
+        return self.global_steps
