@@ -26,7 +26,7 @@ TINY = {
     "loop_eval": {"max_steps": 5},
     "eval": {"batch_size": 16},
 }
-PUZZLE = "1.3.....2...4.2."  # 4x4, unique solution 1234 3412 2143 4321
+PUZZLE = "1.3.....2...4.2."  # a 4x4 puzzle
 
 
 @pytest.fixture(scope="module")

@@ -105,7 +105,7 @@ def solve(task_name: str, puzzle: str, checkpoint: str, as_json: bool, max_steps
     from rich.console import Console
 
     console = Console(highlight=False)
-    render = _renderer(task)
+    render = _renderer(task, console.is_terminal)
     console.print(f"[bold]{task.name}[/bold] puzzle, checkpoint {run.path} ({run.weights} weights)")
     console.print(render(tokens, None))
     previous: np.ndarray | None = None
@@ -120,11 +120,12 @@ def solve(task_name: str, puzzle: str, checkpoint: str, as_json: bool, max_steps
     console.print(f"\nanswer after {steps} loop(s): {verdict} (judged by the task's independent validator)")
 
 
-def _renderer(task: Task) -> Any:
+def _renderer(task: Task, colour: bool) -> Any:
+    """Colour (rich markup) on a terminal when the task offers it; plain text with markers otherwise."""
     import inspect
 
     try:
-        takes_markup = "markup" in inspect.signature(task.render).parameters
+        takes_markup = colour and "markup" in inspect.signature(task.render).parameters
     except (TypeError, ValueError):
         takes_markup = False
 
