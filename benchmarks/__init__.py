@@ -1,0 +1,9 @@
+"""loopformer performance benchmarks (issue 9): ``python -m benchmarks [--quick] [--only NAME]``.
+
+Each module ``bench_*.py`` exposes ``run(quick: bool) -> list[Result]`` (``benchmarks.common.Result``);
+``benchmarks.__main__`` runs them, writes ``benchmarks/results.json`` and renders
+``docs/performance.md``. ``benchmarks/gpu.py`` is the separate CUDA benchmark at paper size, and
+``benchmarks/bench_generation.py`` the puzzle-generation timing (its own script and JSON).
+"""
+
+BENCHMARKS = ("engine", "flops", "memory", "halting", "solvers", "compile")

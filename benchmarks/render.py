@@ -1,0 +1,221 @@
+"""Render results.json into docs/performance.md: the command, the machine, the table, the targets
+met or missed (with the reason), per-benchmark details and how to run the GPU benchmark."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from benchmarks.common import fmt
+
+METHODS = {
+    "engine": (
+        "1. Engine overhead",
+        "A training step (forward + backward) of FPRM through `LoopedModel.forward -> run_loop` vs a "
+        "minimal hand-written loop of the same math over `model.step` (same weights, batch and initial "
+        "iterate; n iterations, the first n - k without gradient, truncated backprop through the last k). "
+        "Losses and gradients of the two are checked equal before timing. `damped` is FPRM's Algorithm 1 "
+        "(the hand loop computes the same per-sample residual and patience rule); `picard` is z <- f(z).",
+    ),
+    "flops": (
+        "2. Arithmetic efficiency",
+        "FLOPs of the damped training step counted by `torch.utils.flop_counter.FlopCounterMode` "
+        "(matmuls, attention, convolutions), divided by its wall time, as a fraction of a large float32 "
+        "matmul's FLOP/s measured interleaved with it.",
+    ),
+    "memory": (
+        "3. Memory vs loops",
+        "Bytes autograd saves for backward (`torch.autograd.graph.saved_tensors_hooks`, each storage "
+        "counted once) in an FPRM forward at 4, 16 and 64 loops. `truncated` / `neumann` use k = 4; "
+        "`truncated_adaptive` takes the engine's adaptive-halting path (ring buffer + replay of the last k steps).",
+    ),
+    "halting": (
+        "4. Adaptive halting",
+        "A briefly trained FPRM (4x4 Sudoku, cached under benchmarks/.cache) evaluated on 4..10-blank "
+        "held-out puzzles with per-sample residual halting + compaction, the same halting with masking "
+        "instead of compaction, and the fixed maximum (64) steps. The halting tolerance is calibrated on a "
+        "separate set to match the fixed run's accuracy within one point.",
+    ),
+    "solvers": (
+        "5. Solvers vs TorchDEQ",
+        "Forward solve to tolerance (gradient tracking on, IFT backward attached) on linear maps with "
+        "spectral radius 0.9 / 0.99 (float64, tol 1e-6) and on the trained FPRM's fixed points (float32, "
+        "tol 1e-4); IFT gradient error against the closed form. Ratio = loopformer's fastest solver / "
+        "TorchDEQ's fastest.",
+    ),
+    "compile": (
+        "6. torch.compile and threads",
+        "The damped training step eager vs with `model.step` compiled, and with 1 thread vs one per "
+        "physical core.",
+    ),
+}
+
+
+def _met(m: Any) -> str:
+    return {True: "yes", False: "**no**", None: "-"}.get(m, str(m))
+
+
+def _ms(seconds: float | None) -> str:
+    return "n/a" if seconds is None else f"{1000 * seconds:.1f}"
+
+
+def _details(r: dict[str, Any]) -> list[str]:
+    d = r.get("details", {})
+    name = r["name"]
+    lines: list[str] = []
+    times = d.get("times")
+    if r["benchmark"] in ("engine", "compile", "flops") and times:
+        parts = ", ".join(f"{k} {_ms(v['median_s'])} ms" for k, v in times.items())
+        lines.append(f"- `{name}`: median step {parts}")
+        if "loss_abs_diff" in d:
+            lines.append(
+                f"  (loss difference {d['loss_abs_diff']:.1e}"
+                + (
+                    f", gradient rel. difference {d['grad_max_rel_diff']:.1e})"
+                    if "grad_max_rel_diff" in d
+                    else ")"
+                )
+            )
+        if r["benchmark"] == "engine" and "engine" in times and "hand" in times:
+            per_iter = (times["engine"]["median_s"] - times["hand"]["median_s"]) / d["size"]["loops"]
+            lines.append(
+                f"  size {d['size']}, {d.get('params')} parameters; "
+                f"overhead per iteration {1e3 * per_iter:.2f} ms"
+            )
+        if r["benchmark"] == "flops":
+            lines.append(
+                f"  step {d['step_flops'] / 1e9:.2f} GFLOP at {d['step_gflops_per_s']:.1f} GFLOP/s; "
+                f"matmul n={d['matmul_n']} at {d['matmul_gflops_per_s']:.1f} GFLOP/s"
+            )
+        if "compile_s" in d:
+            lines.append(f"  backend {d['backend']}, compile + first two steps {d['compile_s']:.1f} s")
+    elif r["benchmark"] == "compile" and "error" in d:
+        lines.append(f"- `{name}`: failed: {d['error']}")
+    elif r["benchmark"] == "memory" and "saved_bytes" in d:
+        mem = d["saved_bytes"]
+        cells = " | ".join(f"{int(mem[k]) / 2**20:.2f}" for k in sorted(mem, key=int))
+        lines.append(f"| {name.split('.', 1)[1]} | {cells} | {r['value']:.3f} |")
+    elif r["benchmark"] == "halting" and "evals" in d:
+        lines.append(
+            f"- tolerance {d['tol']} (calibrated), {d['n_eval']} held-out puzzles, cap {d['max_steps']} steps, "
+            f"model trained {d['train_steps']} steps ({d['train_seconds']:.0f} s)"
+        )
+        lines.append("")
+        lines.append("| variant | exact acc | token acc | steps mean | min | max | median time (ms) |")
+        lines.append("|---|---|---|---|---|---|---|")
+        for k, ev in d["evals"].items():
+            t = times.get(k, {}).get("median_s") if times else None
+            lines.append(
+                f"| {k} | {ev['exact_acc']:.3f} | {ev['token_acc']:.3f} | {ev['steps_mean']:.1f} | "
+                f"{ev['steps_min']} | {ev['steps_max']} | {_ms(t)} |"
+            )
+        sb = d.get("steps_by_blanks", {})
+        if sb:
+            lines.append("")
+            lines.append(
+                "Mean steps by number of blanks: " + ", ".join(f"{k}: {v:.1f}" for k, v in sb.items())
+            )
+    elif r["benchmark"] == "solvers" and "solvers" in d:
+        lines.append(f"**{d['problem']}** (tol {d['tol']}):")
+        lines.append("")
+        lines.append("| solver | iterations | converged | median time (ms) | gradient rel. error |")
+        lines.append("|---|---|---|---|---|")
+        for k, s in d["solvers"].items():
+            ge = s.get("grad_rel_err")
+            lines.append(
+                f"| {k} | {s['iterations']} | {s['converged']} | {_ms(s.get('median_s'))} | "
+                f"{'-' if ge is None else f'{ge:.1e}'} |"
+            )
+        lines.append("")
+    return lines
+
+
+def render(results: list[dict[str, Any]], info: dict[str, Any]) -> str:
+    quick = any(r.get("quick") for r in results)
+    out = [
+        "# Performance",
+        "",
+        "Generated by `python -m benchmarks` (benchmarks/render.py); rerun it rather than editing this page.",
+        "",
+        "## How to run",
+        "",
+        "```",
+        "python -m benchmarks                 # everything at CPU size: writes benchmarks/results.json and this page",
+        "python -m benchmarks --only solvers  # one benchmark (engine, flops, memory, halting, solvers, compile)",
+        "python -m benchmarks --quick         # tiniest sizes (what tests/test_benchmarks_smoke.py runs)",
+        "pip install -c constraints.txt torchdeq==0.1.0   # for the TorchDEQ comparison (else it is skipped)",
+        "python benchmarks/gpu.py             # CUDA only: paper-size FPRM throughput and MFU",
+        "```",
+        "",
+        "Every figure is a ratio of variants measured side by side in one run: repetitions are interleaved "
+        "(the order rotates every round) and the figure is the median of the per-round ratios, so load "
+        "spikes on this shared machine hit both sides of a ratio. Absolute times are in "
+        "`benchmarks/results.json`.",
+        "",
+        "## Machine",
+        "",
+        f"- command: `{info.get('command', 'python -m benchmarks')}`" + (" (quick sizes)" if quick else ""),
+        f"- rendered: {time.strftime('%Y-%m-%d %H:%M:%S')}",
+        f"- CPU: {info['cpu']} ({info['logical_cpus']} logical CPUs), torch threads {info['torch_threads']}",
+        f"- torch {info['torch']}, Python {info['python']}, CUDA available: {info['cuda']}",
+        f"- load average when rendered: {', '.join(map(str, info['load_average']))}",
+        "",
+        "## Results",
+        "",
+        "| # | figure | value | unit | target | met | reason / note | load |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for i, r in enumerate(results, 1):
+        reason = (r.get("reason") or "").replace("|", "/")
+        out.append(
+            f"| {i} | `{r['name']}` | {fmt(r['value'], r['unit'])} | {r['unit']} | {r['target'] or '-'} | "
+            f"{_met(r['met'])} | {reason} | {r.get('load_average', '')} |"
+        )
+    met = [r for r in results if r["met"] is True]
+    missed = [r for r in results if r["met"] is False]
+    out += [
+        "",
+        f"Targets met: {len(met)}; missed: {len(missed)}; informational or skipped: "
+        f"{len(results) - len(met) - len(missed)}.",
+        "",
+    ]
+    if missed:
+        out.append("Missed:")
+        out.append("")
+        for r in missed:
+            out.append(
+                f"- `{r['name']}` = {fmt(r['value'], r['unit'])} (target {r['target']}): {r['reason']}"
+            )
+        out.append("")
+
+    out += ["## Details", ""]
+    for bench, (title, method) in METHODS.items():
+        rows = [r for r in results if r["benchmark"] == bench]
+        if not rows:
+            continue
+        out += [f"### {title}", "", method, ""]
+        if bench == "memory":
+            loops = rows[0]["details"].get("loops", [4, 16, 64])
+            out += [
+                "| gradient mode | " + " | ".join(f"MiB at {n} loops" for n in loops) + " | growth |",
+                "|---|" + "---|" * len(loops) + "---|",
+            ]
+        for r in rows:
+            out += _details(r)
+        out.append("")
+
+    out += [
+        "## GPU benchmark",
+        "",
+        "`benchmarks/gpu.py` measures a paper-size FPRM (d 512, 8 heads, 2 blocks, about 6.4M parameters, "
+        "Sudoku length 81, batch 768) training step on CUDA with bf16 autocast, SDPA flash attention and "
+        "`torch.compile`, and reports tokens/s and model FLOP utilisation against the H200's bf16 dense "
+        "peak (989 TFLOP/s; `--peak-tflops` for other GPUs). It writes `benchmarks/gpu.json`. It was not run "
+        "here: this machine has no GPU. On a machine without CUDA it exits with status 2 and a one-line message.",
+        "",
+        "```",
+        "python benchmarks/gpu.py --steps 20          # or: python -m benchmarks.gpu",
+        "```",
+        "",
+    ]
+    return "\n".join(out)
