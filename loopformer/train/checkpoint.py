@@ -165,10 +165,11 @@ def model_family(model: nn.Module) -> str:
     from loopformer.models.registry import MODELS
 
     cls = type(getattr(model, "_orig_mod", model))
-    for name, spec in MODELS.items():
-        module, class_name, _ = spec.split(":")
-        if cls.__module__ == module and cls.__name__ == class_name:
-            return name
+    for klass in cls.__mro__:  # FSDP2's fully_shard swaps in a subclass ("FSDP<Model>")
+        for name, spec in MODELS.items():
+            module, class_name, _ = spec.split(":")
+            if klass.__module__ == module and klass.__name__ == class_name:
+                return name
     return cls.__name__
 
 
@@ -235,8 +236,13 @@ def save_checkpoint(
     ema_state: dict[str, Tensor] | None = None,
     training_state: dict[str, Any] | None = None,
     keep: int = 0,
+    weights: dict[str, Tensor] | None = None,
 ) -> Path:
-    """Write ``root/step_{step:08d}`` atomically, point ``root/latest`` at it, keep the newest ``keep``."""
+    """Write ``root/step_{step:08d}`` atomically, point ``root/latest`` at it, keep the newest ``keep``.
+
+    ``weights``: the tensors to store instead of ``model.state_dict()`` (full tensors gathered
+    from FSDP shards).
+    """
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     for stale in root.glob(".tmp-step_*"):
@@ -247,7 +253,8 @@ def save_checkpoint(
     tmp.mkdir()
     base_model = getattr(model, "_orig_mod", model)
     family = model_family(base_model)
-    save_weights(base_model.state_dict(), tmp / "model.safetensors", {"family": family, "step": str(step)})
+    weights = base_model.state_dict() if weights is None else weights
+    save_weights(weights, tmp / "model.safetensors", {"family": family, "step": str(step)})
     if ema_state is not None:
         save_weights(ema_state, tmp / "ema.safetensors", {"family": family, "step": str(step)})
     (tmp / "config.json").write_text(config_to_json(config, family=family, step=step))

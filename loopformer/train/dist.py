@@ -272,14 +272,44 @@ def unused_parameters(model: nn.Module, loss_of: Callable[[], Tensor]) -> list[s
             p.grad = saved[n]
 
 
+class UsedOutputs(nn.Module):
+    """``model.forward`` with the outputs the loss does not use detached.
+
+    DDP with ``find_unused_parameters`` marks as used every parameter reachable from the
+    forward's output tensors; a Q logit the loss ignores (``train.q_loss_weight=0``) would then
+    be waited for and never arrive. Detaching it makes DDP's graph the loss's graph.
+    ``unused``: names of ``ModelOutput`` fields to detach ("q_logits", "aux_loss").
+    """
+
+    def __init__(self, model: nn.Module, unused: tuple[str, ...] = ()) -> None:
+        super().__init__()
+        self.model = model
+        self.unused = tuple(unused)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        out = self.model(*args, **kwargs)
+        for name in self.unused:
+            value = getattr(out, name, None)
+            if isinstance(value, Tensor):
+                setattr(out, name, value.detach())
+        if "aux_loss" in self.unused and getattr(out, "loop", None) is not None and out.loop.ponder_cost is not None:
+            out.loop.ponder_cost = out.loop.ponder_cost.detach()
+        return out
+
+
 def wrap_model(
-    model: nn.Module, strategy: str, device: torch.device, find_unused_parameters: bool = False
+    model: nn.Module,
+    strategy: str,
+    device: torch.device,
+    find_unused_parameters: bool = False,
+    unused_outputs: tuple[str, ...] = (),
 ) -> nn.Module:
     """The module the trainer calls ``forward`` on: ``model`` itself (one process), DDP or FSDP2.
 
-    "ddp": ``DistributedDataParallel(model)``; rank 0's weights are broadcast at construction.
-    "fsdp": ``fully_shard(model)`` on a 1-D device mesh over all ranks: ``model`` itself becomes
-    the FSDP module (its parameters DTensor shards), so build the optimiser after this call.
+    "ddp": ``DistributedDataParallel(UsedOutputs(model, unused_outputs))``; rank 0's weights are
+    broadcast at construction. "fsdp": ``fully_shard(model)`` on a 1-D device mesh over all
+    ranks: ``model`` itself becomes the FSDP module (its parameters DTensor shards), so build
+    the optimiser after this call.
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown train.strategy {strategy!r}; expected one of {STRATEGIES}")
@@ -289,7 +319,7 @@ def wrap_model(
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         return DDP(
-            model,
+            UsedOutputs(model, unused_outputs) if unused_outputs else model,
             device_ids=[device.index] if device.type == "cuda" else None,
             find_unused_parameters=find_unused_parameters,
         )
@@ -369,3 +399,41 @@ class LockstepHalting:
         while self._reduce(0) > 0:
             self.global_steps += 1
         return self.global_steps
+
+
+# --------------------------------------------------------------------------------------------
+# FSDP2 state: full (unsharded) tensors in checkpoints, shards in memory
+# --------------------------------------------------------------------------------------------
+def like(target: Tensor, full: Tensor) -> Tensor:
+    """``full`` laid out as ``target``: sharded like a DTensor ``target``, else moved to its device."""
+    if hasattr(target, "device_mesh"):
+        from torch.distributed.tensor import distribute_tensor
+
+        return distribute_tensor(full.to(target.device, target.dtype), target.device_mesh, target.placements)
+    return full.to(target.device, target.dtype)
+
+
+def fsdp_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimiser state with full tensors keyed by parameter name (collective)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
+
+
+def load_fsdp_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
+
+
+def clip_grad_norm(parameters: list[Tensor], max_norm: float) -> float:
+    """Global gradient norm of (possibly sharded) gradients before clipping; clips when ``max_norm > 0``."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return 0.0
+    total = full_tensor(torch.nn.utils.get_total_norm(grads))
+    if max_norm > 0:
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(coef.to(g.device) if not hasattr(g, "device_mesh") else float(coef))
+    return float(total)

@@ -62,6 +62,7 @@ from loopformer.tasks.base import Task, TokenDataset
 from loopformer.train import dist
 from loopformer.train.checkpoint import (
     CheckpointError,
+    check_weights,
     latest_checkpoint,
     load_training_state,
     load_weights,
@@ -230,7 +231,15 @@ class Trainer:
                 self.unused_parameters = self.probe_unused_parameters()
                 find_unused = dist.all_reduce_max(float(bool(self.unused_parameters))) > 0
             self.find_unused_parameters = bool(find_unused)
-            self.forward_model = dist.wrap_model(self.model, self.strategy, self.device, self.find_unused_parameters)
+            unused_outputs = tuple(name for name, weight in (("q_logits", tc.q_loss_weight),
+                                                             ("aux_loss", tc.ponder_weight)) if weight <= 0)
+            self.forward_model = dist.wrap_model(
+                self.model, self.strategy, self.device, self.find_unused_parameters, unused_outputs
+            )
+        self.fsdp = dist.is_fsdp(self.model)
+        if self.fsdp and tc.jacobian_weight > 0:
+            raise ValueError("train.jacobian_weight > 0 is not supported with train.strategy=fsdp (it calls "
+                             "the step outside forward); use train.strategy=ddp")
 
         # -- optimisation -----------------------------------------------------------------------
         self.optimizer = build_optimizer(
@@ -326,7 +335,10 @@ class Trainer:
     # ------------------------------------------------------------------------------------------
     def training_state(self) -> dict[str, Any]:
         return {
-            "optimizer": self.optimizer.state_dict(),
+            # FSDP: full tensors keyed by parameter name (torch.distributed.checkpoint's layout)
+            "optimizer": dist.fsdp_optimizer_state(self.model, self.optimizer) if self.fsdp
+            else self.optimizer.state_dict(),
+            "optimizer_layout": "fsdp_full" if self.fsdp else "torch",
             "stream": self.stream.state_dict(),
             "curriculum": self.curriculum.state_dict() if self.curriculum else None,
             "carry": self._global_carry_state(),
@@ -349,15 +361,21 @@ class Trainer:
         Under torchrun every rank must call it (the carry is gathered); only rank 0 writes.
         """
         training_state = self.training_state()
+        ema_state = self.ema.state_dict() if self.ema else None
+        weights = None
+        if self.fsdp:  # gather the shards (every rank takes part); rank 0 writes plain tensors
+            weights = dist.full_state(self.model.state_dict())
+            ema_state = dist.full_state(ema_state) if ema_state is not None else None
         if self.dist_env.is_main:
             self.last_checkpoint = save_checkpoint(
                 self.ckpt_dir,
                 self.step,
                 self.model,
                 self.config,
-                ema_state=self.ema.state_dict() if self.ema else None,
+                ema_state=ema_state,
                 training_state=training_state,
                 keep=self.config.train.keep_checkpoints,
+                weights=weights,
             )
         else:
             self.last_checkpoint = self.ckpt_dir / f"step_{self.step:08d}"
@@ -381,15 +399,34 @@ class Trainer:
 
     def load(self, folder: Path) -> None:
         """Restore weights, EMA, optimiser, data stream, curriculum, carry and RNG from ``folder``."""
-        load_weights_into(self.model, folder / "model.safetensors")
+        if self.fsdp:  # full tensors from the file, re-sharded like the live parameters
+            weights = load_weights(folder / "model.safetensors")
+            check_weights(weights, self.model, str(folder / "model.safetensors"))
+            with torch.no_grad():
+                for name, t in self.model.state_dict().items():
+                    t.copy_(dist.like(t, weights[name]))
+        else:
+            load_weights_into(self.model, folder / "model.safetensors")
         state = load_training_state(folder)
         if self.ema is not None:
             if not (folder / "ema.safetensors").is_file():
                 raise CheckpointError(f"{folder} has no ema.safetensors but this run keeps an EMA (train.ema > 0)")
-            self.ema.load_state_dict(load_weights(folder / "ema.safetensors"))
+            ema = load_weights(folder / "ema.safetensors")
+            if self.fsdp:
+                ema = {k: dist.like(self.ema.shadow[k], v) if k in self.ema.shadow else v for k, v in ema.items()}
+            self.ema.load_state_dict(ema)
+        layout = state.get("optimizer_layout", "torch")
+        if layout != ("fsdp_full" if self.fsdp else "torch"):
+            raise CheckpointError(
+                f"{folder} holds {'an FSDP' if layout == 'fsdp_full' else 'a DDP / single-process'} optimizer state; "
+                f"resume it with train.strategy={'fsdp' if layout == 'fsdp_full' else 'ddp'}"
+            )
         try:
-            self.optimizer.load_state_dict(state["optimizer"])
-        except (ValueError, KeyError) as err:
+            if self.fsdp:
+                dist.load_fsdp_optimizer_state(self.model, self.optimizer, state["optimizer"])
+            else:
+                self.optimizer.load_state_dict(state["optimizer"])
+        except (ValueError, KeyError, RuntimeError) as err:
             raise CheckpointError(f"optimizer state in {folder} does not fit this model: {err}") from None
         if self.curriculum is not None and state.get("curriculum"):
             self.curriculum.load_state_dict(state["curriculum"])
@@ -420,7 +457,7 @@ class Trainer:
         return torch.Generator(device=self.device).manual_seed(_seed_for(self.config.seed, step, salt, rank))
 
     def _fresh_states(self, inputs: Tensor, puzzle_ids: Tensor | None, step: int) -> Tensor:
-        with torch.no_grad(), autocast(self.device, self.config.bf16):
+        with torch.no_grad(), autocast(self.device, self.config.bf16), dist.gathered(self.model):
             ctx = self.model.embed(inputs, puzzle_ids)
             return self.model.init_state(ctx, self._generator(step, _SALT_INIT)).detach()
 
@@ -521,7 +558,7 @@ class Trainer:
         self._check("state norm", checked["state_norm"], tc.max_state_norm)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        grad_norm = clip_grad_norm(self.params, tc.grad_clip)
+        grad_norm = (dist.clip_grad_norm if self.fsdp else clip_grad_norm)(self.params, tc.grad_clip)
         self._check("gradient norm", grad_norm)
         self.optimizer.step()
         if self.ema is not None:
