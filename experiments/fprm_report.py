@@ -1,0 +1,139 @@
+"""Markdown tables for docs/results/fprm.md, read only from the JSON the fprm_* experiments wrote.
+
+Every number in the results fragment comes from ``docs/figures/fprm_*/results.json``; this prints the
+tables (``python experiments/fprm_report.py``) so the text cannot drift from the measurements.
+Sections whose JSON is missing are skipped with a note.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+FIG = REPO / "docs" / "figures"
+
+
+def _load(name: str) -> dict[str, Any] | None:
+    path = FIG / name / "results.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{100 * x:.1f}%"
+
+
+def num(x: float | None, fmt: str = ".2f") -> str:
+    return "n/a" if x is None else format(x, fmt)
+
+
+def pval(p: float | None) -> str:
+    return "n/a" if p is None else f"{p:.2g}"
+
+
+def sudoku_tables(d: dict[str, Any]) -> list[str]:
+    r = d["results"]
+    out = ["| model | parameters | train steps | GFLOP / step | train TFLOP | training-loop wall (s) | valid acc | exact acc "
+           "| mean eval loops |", "|---|---|---|---|---|---|---|---|---|"]
+    for name in ("fprm", "transformer", "trm", "ut_act"):
+        if name not in r:
+            continue
+        e = r[name]
+        out.append(f"| {name} | {e['parameters']:,} | {e['train_steps']} | {e['gflops_per_step']:.2f} "
+                   f"| {e['train_tflops']:.2f} | {e['final_train_metrics']['time']:.0f} | {pct(e['valid_accuracy'])} "
+                   f"| {pct(e['exact_accuracy'])} | {e['mean_steps']:.2f} |")
+    if "fprm" in r:
+        f = r["fprm"]
+        s = f["steps_vs_blanks"]
+        out += ["", f"Steps vs blanks (FPRM, damped gamma 0.99): Spearman rho = {num(s['spearman_rho'], '.3f')}, "
+                f"p = {pval(s['spearman_p'])}, n = {f['n']}.", "",
+                "| blanks | puzzles | mean loops | valid acc |", "|---|---|---|---|"]
+        for b in s["buckets"]:
+            out.append(f"| {b['low']:g} | {b['count']} | {b['mean_steps']:.2f} | {pct(b['valid_accuracy'])} |")
+        eh = f["easy_hard_steps"]
+        out += ["", f"Easy (<= {eh['split_difficulty']:g} blanks) {eh['easy_mean_steps']:.2f} loops, "
+                f"hard {eh['hard_mean_steps']:.2f} loops.", "",
+                "| eval solver | cap | valid acc | mean loops | converged | oscillating | other not converged "
+                "| valid among not converged | Spearman rho (p) |", "|---|---|---|---|---|---|---|---|---|"]
+        osc = f["oscillation"]
+        s0 = f["steps_vs_blanks"]
+        out.append(f"| damped gamma 0.99 | {f['eval_loop']['max_steps']} | {pct(f['valid_accuracy'])} "
+                   f"| {f['mean_steps']:.2f} | {osc['converged']}/{osc['n']} | {osc['oscillating']} "
+                   f"| {osc['not_converged_other']} | - | {num(s0['spearman_rho'], '.3f')} ({pval(s0['spearman_p'])}) |")
+        for label, c in f["solver_comparison"].items():
+            o = c["oscillation"]
+            out.append(f"| {label} | {c['max_steps']} | {pct(c['valid_accuracy'])} | {c['mean_steps']:.2f} "
+                       f"| {o['converged']}/{o['n']} | {o['oscillating']} | {o['not_converged_other']} "
+                       f"| {pct(c['valid_among_not_converged'])} "
+                       f"| {num(c['spearman_rho'], '.3f')} ({pval(c['spearman_p'])}) |")
+    return out
+
+
+def grad_tables(d: dict[str, Any]) -> list[str]:
+    out = ["| grad mode | steps | valid acc | token acc | final train loss | s / step | saved activations (MiB / step) |",
+           "|---|---|---|---|---|---|---|"]
+    for name, e in d["results"].items():
+        out.append(f"| {name} | {e['train_steps']} | {pct(e['valid_accuracy'])} | {pct(e['token_accuracy'])} "
+                   f"| {num(e['final_train_loss'], '.3f')} | {e['s_per_step']:.3f} | {e['saved_mib_per_step']:.2f} |")
+    return out
+
+
+def signal_tables(d: dict[str, Any]) -> list[str]:
+    n = d["analysis_loops"]
+    out = ["| variant | R | valid acc | token acc at R | loops used | state RMS at R (init -> trained) "
+           f"| state RMS at {n} (init -> trained) | rel. update at R (trained) | rel. update at {n} (trained) |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for name, by_depth in d["results"].items():
+        for depth, e in by_depth.items():
+            R = int(depth)
+            out.append(
+                f"| {name} | {R} | {pct(e['valid_accuracy'])} | {pct(e['token_accuracy_at_R'])} | {e['loops_used']} "
+                f"| {e['state_rms_init'][R - 1]:.3g} -> {e['state_rms_trained'][R - 1]:.3g} "
+                f"| {e['state_rms_init'][-1]:.3g} -> {e['state_rms_trained'][-1]:.3g} "
+                f"| {e['relative_update_trained'][R - 1]:.3g} | {e['relative_update_trained'][-1]:.3g} |")
+    return out
+
+
+def maze_tables(d: dict[str, Any]) -> list[str]:
+    r = d["results"]
+    out = ["| model | parameters | train steps | train TFLOP | train wall (s) | valid acc | token acc | mean loops |",
+           "|---|---|---|---|---|---|---|---|"]
+    for name, e in r.items():
+        out.append(f"| {name} | {e['parameters']:,} | {e['train_steps']} | {e['train_tflops']:.2f} "
+                   f"| {e['train_wall_time_s']:.0f} | {pct(e['valid_accuracy'])} | {pct(e['token_accuracy'])} "
+                   f"| {e['mean_steps']:.2f} |")
+    if "fprm" in r:
+        f = r["fprm"]
+        s = f["steps_vs_path_length"]
+        p = f["picard"]
+        out += ["", f"Steps vs shortest-path length (FPRM, damped): Spearman rho = {num(s['spearman_rho'], '.3f')}, "
+                f"p = {pval(s['spearman_p'])}; Picard: valid {pct(p['valid_accuracy'])}, mean loops "
+                f"{p['mean_steps']:.2f}, converged {p['oscillation']['converged']}/{p['oscillation']['n']}, "
+                f"oscillating {p['oscillation']['oscillating']}.", "",
+                "| path length | mazes | mean loops | valid acc |", "|---|---|---|---|"]
+        for b in s["buckets"]:
+            rng = f"{b['low']:g}" if b["low"] == b["high"] else f"{b['low']:g}-{b['high']:g}"
+            out.append(f"| {rng} | {b['count']} | {b['mean_steps']:.2f} | {pct(b['valid_accuracy'])} |")
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.parse_args()
+    for title, name, fn in (("Sudoku (item 2)", "fprm_sudoku", sudoku_tables),
+                            ("Gradient modes (item 4)", "fprm_grad_modes", grad_tables),
+                            ("Signal propagation and training depth (item 1)", "fprm_signal_depth", signal_tables),
+                            ("Maze (item 3)", "fprm_maze", maze_tables)):
+        d = _load(name)
+        print(f"\n### {title}\n")
+        if d is None:
+            print(f"(no docs/figures/{name}/results.json yet)")
+            continue
+        print(f"Command: `{d['command']}`; wall time {d.get('wall_time_s', 'n/a')} s.\n")
+        print("\n".join(fn(d)))
+
+
+if __name__ == "__main__":
+    main()
