@@ -9,13 +9,19 @@ weights after several steps, a resumed run).
 Tolerances (float32): gradients and losses agree to rtol 1e-5 / atol 1e-7 (DDP averages the two
 ranks' mean gradients; one process sums in another order); weights after a few AdamW steps to
 atol 2e-6. Weights are bit-identical across ranks.
+
+Run time on the loaded 2-core machine: the DDP + FSDP equivalence test ~32 s (default run); the
+deep-supervision resume test and the torchrun test ~30 s each (marked slow: ``pytest -m slow``).
 """
 
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -30,7 +36,7 @@ from torch import Tensor
 
 from loopformer.loop import make_sampler
 from loopformer.train import Trainer, dist
-from loopformer.train.checkpoint import load_weights
+from loopformer.train.checkpoint import load_weights, step_dirs
 
 REPO = Path(__file__).resolve().parent.parent
 GRAD_TOL = {"rtol": 1e-5, "atol": 1e-7}
@@ -254,3 +260,89 @@ def test_two_ranks_match_one_process_ddp_and_fsdp(tmp_path) -> None:
            **{f"grad.{n}": g for n, g in grads.items()}}
     save_file(ref, str(tmp_path / "ref.safetensors"))
     run_ranks(_simple_ranks, str(tmp_path), str(tmp_path / "ref.safetensors"))
+
+
+# --------------------------------------------------------------------------------------------
+# deep supervision: checkpoint written once, resumable under 2 ranks and under another world size
+# --------------------------------------------------------------------------------------------
+DEEP_RUN = ("train.mode=deep_supervision", "train.max_segments=2", "train.halt_on_q=true",
+            "train.halt_exploration=0.5", "train.ema=0.9", "train.grad_clip=0", "train.batch_size=8",
+            "train.checkpoint_every=2", "data.eval_size=0", "seed=4")
+
+
+def _deep_trainer(out: Path, *extra: str) -> Trainer:
+    return Trainer(tiny_config(out, *DEEP_RUN, *extra), model=TinyDet(seed=2), train_data=tiny_dataset(48),
+                   eval_data=None)
+
+
+def _deep_ranks(rank: int, world: int, tmp: str, ref: str) -> None:
+    import loopformer.train.trainer as trainer_module
+
+    run = Path(tmp) / "dist"
+    expected = load_file(ref)
+    writes = []
+    real_save = trainer_module.save_checkpoint
+    trainer_module.save_checkpoint = lambda *a, **k: writes.append(a[1]) or real_save(*a, **k)
+    try:
+        first = _deep_trainer(run, "train.steps=2")
+        first.fit()
+        # each rank holds its half of the carry: the single-process carry's slots, in rank order
+        torch.testing.assert_close(first.carry.index, dist.shard(expected["carry_index_2"]))
+        resumed = _deep_trainer(run, "train.steps=4", "train.resume=true")
+        assert resumed.step == 2 and len(resumed.carry.index) == 4
+        resumed.fit()
+    finally:
+        trainer_module.save_checkpoint = real_save
+    # only rank 0 wrote (steps 2 and 4), every rank agrees on the folder
+    assert writes == ([2, 4] if rank == 0 else [])
+    assert first.last_checkpoint == run / "checkpoints" / "step_00000002"
+    flat = _flat_params(resumed.model)
+    assert all(torch.equal(x, flat) for x in _gather(flat))
+    torch.testing.assert_close(flat, expected["params_4"], rtol=0, atol=WEIGHT_ATOL)
+    if rank == 0:
+        lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+        assert [m["step"] for m in lines if "loss" in m] == [1, 2, 3, 4]  # one line per step, not per rank
+
+
+@pytest.mark.dist
+@pytest.mark.slow  # ~30 s on the loaded 2-core machine (spawn + 3 runs)
+@pytest.mark.timeout(180)
+def test_deep_supervision_checkpoint_once_and_resume_across_world_sizes(tmp_path) -> None:
+    full = _deep_trainer(tmp_path / "full", "train.steps=4")
+    full.fit()
+    carry_2 = load_file(str(full.ckpt_dir / "step_00000002" / "state.safetensors"))
+    index_key = next(k for k in carry_2 if k.endswith("carry.index"))
+    ref = {"params_4": _flat_params(full.model), "carry_index_2": carry_2[index_key]}
+    save_file(ref, str(tmp_path / "ref.safetensors"))
+    run_ranks(_deep_ranks, str(tmp_path), str(tmp_path / "ref.safetensors"))
+    # world size 2 -> 1: resume the 2-rank step-2 checkpoint in one process
+    two = tmp_path / "dist" / "checkpoints" / "step_00000002"
+    one = _deep_trainer(tmp_path / "one", "train.steps=4", f"train.resume={two}")
+    assert one.step == 2 and len(one.carry.index) == 8
+    torch.testing.assert_close(one.carry.index, ref["carry_index_2"])
+    one.fit()
+    torch.testing.assert_close(_flat_params(one.model), ref["params_4"], rtol=0, atol=WEIGHT_ATOL)
+
+
+# --------------------------------------------------------------------------------------------
+# the command line under torchrun
+# --------------------------------------------------------------------------------------------
+@pytest.mark.dist
+@pytest.mark.slow  # ~30 s: two fresh interpreters import torch and build the task
+@pytest.mark.timeout(240)
+def test_torchrun_trains_the_tiny_recipe(tmp_path) -> None:
+    out = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           "-m", "loopformer", "train", str(REPO / "recipes" / "tiny_dist.yaml"), f"out_dir={out}",
+           "train.threads=1"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=220)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines if "loss" in m] == [1, 2, 3, 4]
+    assert [d.name for d in step_dirs(out / "checkpoints")] == ["step_00000002", "step_00000004"]
+    state = json.loads((out / "checkpoints" / "step_00000004" / "state.json").read_text())
+    assert state["step"] == 4 and state["stream"]["position"] > 0
+    weights = load_file(str(out / "checkpoints" / "step_00000004" / "model.safetensors"))
+    assert all(torch.isfinite(t).all() for t in weights.values())
+    assert any("eval_exact_acc" in m for m in lines)  # the sharded evaluation reached rank 0's log
