@@ -136,6 +136,10 @@ class TrainConfig:
     progress: bool = True  # rich progress bar
     tensorboard: bool = False
     threads: int = 0  # CPU threads; 0 = physical cores
+    # multi-process (torchrun), see loopformer/train/dist.py
+    strategy: Literal["ddp", "fsdp"] = "ddp"
+    sync_halting: bool = False  # every rank leaves each loop on the same global step count (one all-reduce per step)
+    find_unused_parameters: bool | None = None  # None: decided by a probe forward/backward of the real loss
 
 
 @dataclass

@@ -183,8 +183,8 @@ class Trainer:
         # torchrun: join the process group (one process: world_size 1, nothing to join)
         self.dist_env, dist_device, self._owns_group = dist.setup(config.device)
         self.device = dist_device if self.dist_env.enabled else resolve_device(config.device)
-        self.strategy: str = getattr(tc, "strategy", "ddp")
-        self.sync_halting: bool = bool(getattr(tc, "sync_halting", False))
+        self.strategy: str = tc.strategy
+        self.sync_halting: bool = tc.sync_halting
         if self.dist_env.enabled and not self.dist_env.is_main:
             logging.getLogger("loopformer").setLevel(logging.WARNING)  # logs come from rank 0
         if self.dist_env.enabled and tc.batch_size % self.dist_env.world_size:
@@ -226,7 +226,7 @@ class Trainer:
         self.unused_parameters: list[str] = []
         self.find_unused_parameters = False
         if self.dist_env.enabled:
-            find_unused = getattr(tc, "find_unused_parameters", None)
+            find_unused = tc.find_unused_parameters
             if find_unused is None:  # automatic: does the real loss leave a parameter without gradient?
                 self.unused_parameters = self.probe_unused_parameters()
                 find_unused = dist.all_reduce_max(float(bool(self.unused_parameters))) > 0
