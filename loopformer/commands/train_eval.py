@@ -32,8 +32,8 @@ def train(recipe: str, overrides: tuple[str, ...], resume: bool, out_dir: str | 
     if resume:
         extra.append("train.resume=true")
     cfg = build_config(raw, extra)
-    console = Console(highlight=False)
     trainer = Trainer(cfg)
+    console = Console(highlight=False, quiet=not trainer.dist_env.is_main)  # rank 0 speaks under torchrun
     where = f" (resumed from {trainer.resumed_from}, step {trainer.step})" if trainer.resumed_from else ""
     console.print(f"training {cfg.model.name} ({trainer.model.num_parameters():,} parameters) on {cfg.data.task}"
                   f" for {cfg.train.steps} steps -> {cfg.out_dir}{where}")
