@@ -1,0 +1,193 @@
+"""Every recipe loads with all keys valid (fast); the paper-scale recipes dry-run on the user's kind of files (slow).
+
+The dry runs write small files of the formats the paper recipes name (Sudoku-Extreme and Maze-Hard CSV,
+a folder of ARC task JSON files, a plain text corpus) into tmp_path, point the recipe at them with
+overrides, shrink the model to a tiny width and train a couple of steps through the real Trainer.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from loopformer.config import ConfigError, RunConfig, load_config, read_recipe
+
+ROOT = Path(__file__).resolve().parent.parent
+RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
+PAPER_TASKS = ("sudoku_extreme", "maze_hard", "arc1")
+PAPER_MODELS = ("fprm", "attractor", "trm", "hrm")
+PAPER_LM = ("attractor", "transformer", "parcae")
+
+
+def _load_any(path: Path, tmp_path: Path) -> RunConfig:
+    """A recipe's RunConfig; recipes with a ``run:`` table (for ``loopformer run``) go through its loader."""
+    if "run" in read_recipe(path):
+        from loopformer.commands.run import build_run_configs
+
+        main, _baseline, _section, _label = build_run_configs(str(path), (), tmp_path)
+        return main
+    return load_config(path)
+
+
+def test_recipes_found() -> None:
+    names = {p.stem for p in RECIPES}
+    expected = {f"paper_{t}_{m}" for t in PAPER_TASKS for m in PAPER_MODELS}
+    expected |= {f"paper_lm_{m}_140m" for m in PAPER_LM} | {f"lm_{m}" for m in PAPER_LM} | {"attractor_sudoku4"}
+    assert expected <= names, sorted(expected - names)
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=[p.stem for p in RECIPES])
+def test_every_recipe_loads(path: Path, tmp_path: Path) -> None:
+    cfg = _load_any(path, tmp_path)
+    assert isinstance(cfg, RunConfig)
+    model_cfg = cfg.model_config()  # the family's config builds: every model key is a field of it
+    loop = cfg.loop_config(model_cfg.loop, "train")
+    assert loop.max_steps >= 1
+
+
+def test_a_misspelled_key_in_a_paper_recipe_is_an_error(tmp_path: Path) -> None:
+    """The loader the fast test relies on rejects unknown keys (so 'loads' means 'all keys valid')."""
+    raw = yaml.safe_load((ROOT / "recipes" / "paper_sudoku_extreme_attractor.yaml").read_text())
+    raw["model"]["n_backbones"] = 4
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(raw))
+    with pytest.raises(ConfigError, match="n_backbone"):
+        load_config(bad)
+
+
+def test_paper_lm_recipes_have_equal_parameters() -> None:
+    """The three 140M LM recipes are within 2% of each other in parameters (counted on the meta device)."""
+    import torch
+
+    from loopformer.models.registry import build_model
+
+    counts = {}
+    for name in PAPER_LM:
+        cfg = load_config(ROOT / "recipes" / f"paper_lm_{name}_140m.yaml")
+        model_cfg = cfg.model_config(vocab_size=256, seq_len=1024, causal=True)
+        with torch.device("meta"):
+            model = build_model(cfg.model.name, config=model_cfg)
+        counts[name] = sum(p.numel() for p in model.parameters())
+    low, high = min(counts.values()), max(counts.values())
+    assert 130e6 < low and high / low < 1.02, counts
+
+
+# ------------------------------------------------------------------------------------------------
+# slow: dry runs on small generated files
+# ------------------------------------------------------------------------------------------------
+TINY = ["model.d_model=16", "model.n_heads=2", "train.steps=2", "train.batch_size=4", "train.warmup_steps=1",
+        "train.log_every=1", "train.eval_every=0", "train.checkpoint_every=0", "train.progress=false",
+        "train.threads=1", "eval.batch_size=8", "device=cpu"]
+
+
+def _sudoku_files(tmp_path: Path) -> tuple[Path, Path]:
+    from loopformer.tasks.sudoku import SudokuTask
+
+    task = SudokuTask(9)
+    full = tmp_path / "sudoku_train_full.csv"
+    task.save(task.generate(12, seed=0, min_blanks=20, max_blanks=30), full)
+    test = tmp_path / "sudoku_test.csv"
+    task.save(task.generate(6, seed=1, min_blanks=20, max_blanks=30), test)
+    train = tmp_path / "sudoku_1k_aug.csv"
+    subprocess.run([sys.executable, str(ROOT / "experiments" / "attractor_paper_data.py"), "sudoku", "--csv",
+                    str(full), "--out", str(train), "--subset", "4", "--augment", "2"], check=True, cwd=ROOT)
+    assert len(task.load(train)) == 12  # 4 puzzles + 2 augmented copies each
+    return train, test
+
+
+def _maze_files(tmp_path: Path) -> tuple[Path, Path]:
+    from loopformer.tasks.maze import MazeTask
+
+    task = MazeTask(30)
+    full = tmp_path / "maze_train.csv"
+    task.save(task.generate(4, seed=0), full)
+    test = tmp_path / "maze_test.csv"
+    task.save(task.generate(3, seed=1), test)
+    train = tmp_path / "maze_train_aug.csv"
+    subprocess.run([sys.executable, str(ROOT / "experiments" / "attractor_paper_data.py"), "maze", "--csv",
+                    str(full), "--out", str(train), "--augment", "1"], check=True, cwd=ROOT)
+    assert len(task.load(train)) == 8
+    return train, test
+
+
+def _arc_folder(tmp_path: Path) -> Path:
+    rng = np.random.default_rng(0)
+    folder = tmp_path / "arc" / "evaluation"
+    folder.mkdir(parents=True)
+    for t in range(3):
+        def pair() -> dict:
+            grid = rng.integers(0, 10, size=(3, 4)).tolist()
+            return {"input": grid, "output": [row[::-1] for row in grid]}  # mirror task
+
+        (folder / f"task{t}.json").write_text(json.dumps({"train": [pair(), pair()], "test": [pair()]}))
+    return tmp_path / "arc"
+
+
+def _loop_overrides(recipe: Path) -> list[str]:
+    """Short solver caps for the dry run, only where the recipe sets its own loop tables."""
+    raw = read_recipe(recipe)
+    out = []
+    for table in ("loop_train", "loop_eval"):
+        if "max_steps" in (raw.get(table) or {}):
+            out += [f"{table}.min_steps=1", f"{table}.max_steps={4 if table == 'loop_eval' else 2}"]
+            if (raw.get(table) or {}).get("grad") == "truncated":
+                out.append(f"{table}.grad_steps=2")
+    return out
+
+
+def _dry_run(recipe: Path, overrides: list[str], tmp_path: Path) -> dict:
+    from loopformer.train import Trainer
+
+    cfg = load_config(recipe, [*TINY, *_loop_overrides(recipe), *overrides, f"out_dir={tmp_path / recipe.stem}"])
+    summary = Trainer(cfg).fit()
+    assert summary["steps"] == 2
+    assert np.isfinite(summary["train"]["loss"])
+    assert summary["eval"]["n"] > 0
+    return summary
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", PAPER_MODELS)
+def test_paper_sudoku_extreme_dry_run(model: str, tmp_path: Path) -> None:
+    train, test = _sudoku_files(tmp_path)
+    _dry_run(ROOT / "recipes" / f"paper_sudoku_extreme_{model}.yaml",
+             [f"data.train_path={train}", f"data.eval_path={test}", "train.max_segments=2", "eval.segments=2"],
+             tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", PAPER_MODELS)
+def test_paper_maze_hard_dry_run(model: str, tmp_path: Path) -> None:
+    train, test = _maze_files(tmp_path)
+    _dry_run(ROOT / "recipes" / f"paper_maze_hard_{model}.yaml",
+             [f"data.train_path={train}", f"data.eval_path={test}", "train.max_segments=2", "eval.segments=2",
+              "eval.batch_size=4"], tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", PAPER_MODELS)
+def test_paper_arc1_dry_run(model: str, tmp_path: Path) -> None:
+    folder = _arc_folder(tmp_path)
+    _dry_run(ROOT / "recipes" / f"paper_arc1_{model}.yaml",
+             [f"data.options.source={folder}", "data.options.augmentations=1", "data.train_size=8",
+              "data.eval_size=4", "train.max_segments=2", "eval.segments=2"], tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", PAPER_LM)
+def test_paper_lm_dry_run(model: str, tmp_path: Path) -> None:
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    rng = np.random.default_rng(0)
+    words = ["loop", "fixed", "point", "attractor", "the", "model", "solves", "a", "puzzle", "with", "depth"]
+    (corpus / "a.txt").write_text(" ".join(rng.choice(words, size=1500)))
+    (corpus / "b.md").write_text(" ".join(rng.choice(words, size=1500)))
+    _dry_run(ROOT / "recipes" / f"paper_lm_{model}_140m.yaml",
+             [f"data.options.path={corpus}", "data.options.seq_len=32", "data.options.val_fraction=0.25",
+              "data.train_size=32", "data.eval_size=8", "model.n_layers=2", "bf16=false"], tmp_path)
