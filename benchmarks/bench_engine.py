@@ -136,5 +136,5 @@ def measure(size: StepSize, solver: str, repeats: int) -> Result:
 
 def run(quick: bool = False) -> list[Result]:
     size = QUICK_STEP if quick else FULL_STEP
-    repeats = 3 if quick else 9
+    repeats = 3 if quick else 7
     return [measure(size, "damped", repeats), measure(size, "picard", repeats)]

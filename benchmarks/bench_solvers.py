@@ -9,7 +9,7 @@ Problems:
   tolerance 1e-4: float32 cannot certify 1e-6 on a 1024-number state).
 
 loopformer: ``run_loop`` with picard / damped / anderson (relative regulariser) / broyden (bounded
-memory, m = 16, and m = 64), per-sample residual halting with compaction, ``grad="ift"``.
+memory: m = 16 by default, and m = 128), per-sample residual halting with compaction, ``grad="ift"``.
 TorchDEQ 0.1.0 (``get_deq(f_solver=..., b_solver=..., ift=True, f_stop_mode="rel")``, its solvers
 ``fixed_point_iter``, ``anderson``, ``broyden`` with their default settings).
 Wall time of the forward solve (with gradient tracking on, as in training), median of interleaved
@@ -29,7 +29,7 @@ from benchmarks.common import Result, median, side_by_side
 
 DT = torch.float64
 TARGET_TIME = 0.3
-LF_SOLVERS = {"picard": {}, "damped": {}, "anderson": {}, "broyden": {}, "broyden_m64": {"broyden_m": 64}}
+LF_SOLVERS = {"picard": {}, "damped": {}, "anderson": {}, "broyden": {}, "broyden_m128": {"broyden_m": 128}}
 TDQ_SOLVERS = ("fixed_point_iter", "anderson", "broyden")
 
 

@@ -73,18 +73,22 @@ def timed(fn: Callable[[], Any]) -> float:
 
 
 def side_by_side(
-    variants: dict[str, Callable[[], Any]], repeats: int, warmup: int = 1
+    variants: dict[str, Callable[[], Any]], repeats: int, warmup: int = 1, budget_s: float | None = None
 ) -> dict[str, list[float]]:
     """Run each variant ``warmup`` times, then ``repeats`` interleaved rounds; the order of the
-    variants rotates every round so none always runs first. Returns the wall times per variant."""
+    variants rotates every round so none always runs first. With ``budget_s``, no new round starts
+    once that many seconds have passed (at least one round always runs). Returns wall times per variant."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     names = list(variants)
+    start = time.perf_counter()
     for _ in range(warmup):
         for name in names:
             variants[name]()
     times: dict[str, list[float]] = {name: [] for name in names}
     for r in range(repeats):
+        if r and budget_s is not None and time.perf_counter() - start > budget_s:
+            break
         shift = r % len(names)
         for name in names[shift:] + names[:shift]:
             times[name].append(timed(variants[name]))

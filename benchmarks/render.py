@@ -4,9 +4,12 @@ met or missed (with the reason), per-benchmark details and how to run the GPU be
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
 from benchmarks.common import fmt
+
+NOTES = Path(__file__).resolve().with_name("notes.md")  # hand-written analysis, appended verbatim
 
 METHODS = {
     "engine": (
@@ -218,4 +221,6 @@ def render(results: list[dict[str, Any]], info: dict[str, Any]) -> str:
         "```",
         "",
     ]
+    if NOTES.is_file():
+        out += [NOTES.read_text().rstrip(), ""]
     return "\n".join(out)
