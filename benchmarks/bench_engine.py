@@ -12,7 +12,8 @@ two ways:
 Two solvers: ``damped`` (FPRM's Algorithm 1: per-sample step eta, patience and the relative sup-norm
 residual, which the hand loop computes too) and ``picard`` (``z <- f(z)``). The losses and
 gradients of the two variants are compared (they must agree), and the figure is the median over
-interleaved pairs of engine time / hand time. Target: <= 1.10.
+interleaved pairs of engine time / hand time. Target: <= 1.10 (at the CPU size; full runs also
+report an informational tiny size where the engine's per-iteration bookkeeping is not amortised).
 """
 
 from __future__ import annotations
@@ -134,7 +135,16 @@ def measure(size: StepSize, solver: str, repeats: int) -> Result:
     )
 
 
+TINY_STEP = StepSize(d_model=32, n_heads=2, grid=4, batch=4, loops=16, grad_steps=6)
+
+
 def run(quick: bool = False) -> list[Result]:
     size = QUICK_STEP if quick else FULL_STEP
     repeats = 3 if quick else 7
-    return [measure(size, "damped", repeats), measure(size, "picard", repeats)]
+    results = [measure(size, "damped", repeats), measure(size, "picard", repeats)]
+    if not quick:  # informational: where per-iteration bookkeeping dominates (a 34k-parameter model)
+        tiny = measure(TINY_STEP, "damped", 15)
+        tiny.name, tiny.target, tiny.met = "engine_overhead.damped_tiny", None, None
+        tiny.reason = "informational: d 32, 16 tokens, batch 4; the per-iteration bookkeeping is not amortised"
+        results.append(tiny)
+    return results
