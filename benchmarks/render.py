@@ -69,7 +69,7 @@ def _details(r: dict[str, Any]) -> list[str]:
     times = d.get("times")
     if r["benchmark"] in ("engine", "compile", "flops") and times:
         parts = ", ".join(f"{k} {_ms(v['median_s'])} ms" for k, v in times.items())
-        lines.append(f"- `{name}`: median step {parts}")
+        lines.append(f"- `{name}`: median times {parts}")
         if "loss_abs_diff" in d:
             lines.append(
                 f"  (loss difference {d['loss_abs_diff']:.1e}"
@@ -80,10 +80,11 @@ def _details(r: dict[str, Any]) -> list[str]:
                 )
             )
         if r["benchmark"] == "engine" and "engine" in times and "hand" in times:
-            per_iter = (times["engine"]["median_s"] - times["hand"]["median_s"]) / d["size"]["loops"]
+            # (paired ratio - 1) x hand time: the engine's extra time per iteration
+            per_iter = (r["value"] - 1) * times["hand"]["median_s"] / d["size"]["loops"]
             lines.append(
                 f"  size {d['size']}, {d.get('params')} parameters; "
-                f"overhead per iteration {1e3 * per_iter:.2f} ms"
+                f"engine overhead per iteration {1e3 * per_iter:.2f} ms"
             )
         if r["benchmark"] == "flops":
             lines.append(
