@@ -146,6 +146,22 @@ def run_variant(name: str, overrides: list[str], out_root: Path, probe_size: int
     }
 
 
+WINDOWS = ((1, 50), (51, 200), (201, 400), (401, 600), (601, 800))
+
+
+def summarize(results: dict[str, Any]) -> dict[str, Any]:
+    """Per run, means of the logged history over step windows (the tables in docs/results/attractor.md)."""
+    keys = ("loop_steps", "converged", "gap", "dist", "token_acc_0", "loss")
+    for run in results["runs"].values():
+        last = max(r["step"] for r in run["history"])
+        windows = [(a, b) for a, b in WINDOWS if a <= last] or [(1, last)]
+        run["windows"] = []
+        for a, b in windows:
+            rows = [r for r in run["history"] if a <= r["step"] <= b]
+            run["windows"].append({"steps": [a, b], **{k: float(np.mean([r[k] for r in rows])) for k in keys}})
+    return results
+
+
 def plot(results: dict[str, Any], out: Path) -> list[str]:
     import matplotlib
 
@@ -214,7 +230,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--out", type=Path, default=Path("docs/figures/attractor_internalization"))
     parser.add_argument("--runs", type=Path, default=Path("runs/attractor_internalization"))
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--summarize", action="store_true",
+                        help="only recompute the window summaries and plots of an existing JSON in --out")
     args = parser.parse_args(argv)
+    if args.summarize:
+        path = args.out / "attractor_internalization.json"
+        results = summarize(json.loads(path.read_text()))
+        results["plots"] = plot(results, args.out)
+        path.write_text(json.dumps(results, indent=1))
+        return results
     overrides = [f"train.steps={args.steps}"]
     probe = 128
     if args.quick:
@@ -234,6 +258,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for name in args.variants:
         results["runs"][name] = run_variant(name, overrides, args.runs, probe)
         print(name, json.dumps({k: results["runs"][name][k] for k in ("parameters", "wall_time_s", "inference")}))
+    results = summarize(results)
     results["plots"] = plot(results, args.out)
     (args.out / "attractor_internalization.json").write_text(json.dumps(results, indent=1))
     return results

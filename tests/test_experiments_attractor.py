@@ -103,6 +103,7 @@ def test_attractor_internalization_quick(internalization, tmp_path: Path) -> Non
         assert run["history"] and all("gap" in h and "loop_steps" in h for h in run["history"])
         assert [r["iterations"] for r in run["inference"]] == [0, 1, 2, 4, 8, "full"]
     assert all(h["gap"] == pytest.approx(1.0, abs=1e-5) for h in saved["runs"]["deq"]["history"])
+    assert all("windows" in run for run in saved["runs"].values())
     assert res["plots"] and all((tmp_path / "fig" / p).is_file() for p in res["plots"])
 
 
