@@ -119,11 +119,31 @@ def maze_tables(d: dict[str, Any]) -> list[str]:
     return out
 
 
+def solver_tables(d: dict[str, Any]) -> list[str]:
+    out = [f"Checkpoint `{d['checkpoint']}` ({d['weights']} weights), {d['n']} held-out puzzles, cap "
+           f"{next(iter(d['results'].values()))['cap']} loops.", "",
+           "| solver | tol | valid acc | mean loops | converged | oscillating | other not converged "
+           "| valid among not converged | Spearman rho (p) |", "|---|---|---|---|---|---|---|---|---|"]
+    for e in d["results"].values():
+        o = e["oscillation"]
+        out.append(f"| {e['solver']} | {e['tol']:g} | {pct(e['valid_accuracy'])} | {e['mean_steps']:.2f} "
+                   f"| {o['converged']}/{o['n']} | {o['oscillating']} | {o['not_converged_other']} "
+                   f"| {pct(e['valid_among_not_converged'])} | {num(e['spearman_rho'], '.3f')} "
+                   f"({pval(e['spearman_p'])}) |")
+    out += ["", "Jacobian spectral radius of the step at the final iterate (damped gamma 0.99, tol 0.001):", ""]
+    for key, v in d["spectral_radius_at_final_iterate"].items():
+        out.append(f"- {key}: n = {v['n']}, mean {v['mean']:.3f}, median {v['median']:.3f}, max {v['max']:.3f}, "
+                   f"fraction < 1: {pct(v['fraction_below_1'])}")
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.parse_args()
     for title, name, fn in (("Sudoku (item 2)", "fprm_sudoku", sudoku_tables),
-                            ("Gradient modes (item 4)", "fprm_grad_modes", grad_tables),
+                            ("Damped vs Picard over tolerances (item 2)", "fprm_solvers", solver_tables),
+                            ("Gradient modes, 150 steps (item 4)", "fprm_grad_modes", grad_tables),
+                            ("Gradient modes, 400 steps (item 4)", "fprm_grad_modes_400", grad_tables),
                             ("Signal propagation and training depth (item 1)", "fprm_signal_depth", signal_tables),
                             ("Maze (item 3)", "fprm_maze", maze_tables)):
         d = _load(name)

@@ -128,3 +128,16 @@ def test_fprm_maze_quick(tmp_path: Path) -> None:
     r = _run("fprm_maze.py", tmp_path)["results"]
     assert set(r) == {"fprm", "transformer"}
     assert "spearman_rho" in r["fprm"]["steps_vs_path_length"]
+
+
+@pytest.mark.slow
+def test_fprm_solvers_quick(tmp_path: Path) -> None:
+    res = _run("fprm_solvers.py", tmp_path)
+    r = res["results"]
+    assert len(r) == 9  # 3 solvers x 3 tolerances
+    for entry in r.values():
+        o = entry["oscillation"]
+        assert o["converged"] + o["oscillating"] + o["not_converged_other"] == o["n"] == entry["n"]
+        # the engine's converged flag and the trace classification agree
+        assert o["converged"] == round(entry["converged_fraction"] * entry["n"])
+    assert res["spectral_radius_at_final_iterate"]["first_puzzles"]["mean"] > 0
