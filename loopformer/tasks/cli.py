@@ -204,7 +204,7 @@ def show_cmd(task_name: str, file: Path, index: int, extra: tuple[str, ...], pla
     ds = _load(task, file)
     if not -len(ds) <= index < len(ds):
         raise click.BadParameter(f"{index} is out of range for {len(ds)} examples", param_hint="--index")
-    console = Console(highlight=False)
+    console = Console(highlight=False, soft_wrap=True)  # long paths must not break lines
     x, y = ds.inputs[index], ds.labels[index]
     label = np.where(y == -100, x, y)
 
@@ -232,7 +232,7 @@ def stats_cmd(task_name: str, file: Path, extra: tuple[str, ...], bins: int) -> 
 
     task, _ = _make_task(task_name, _parse_options(extra), file)
     ds = _load(task, file)
-    console = Console(highlight=False)
+    console = Console(highlight=False, soft_wrap=True)  # long paths must not break lines
     d = ds.difficulty
     console.print(f"{task_name} {file}: {len(ds)} examples, seq_len {ds.inputs.shape[1]}")
     if len(ds) == 0:
