@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from loopformer.config import RunConfig, config_to_json, load_config
+from loopformer.config import RunConfig, apply_overrides, load_config, read_recipe
 from loopformer.models.base import LoopedModel
 from loopformer.tasks.base import TokenDataset
 from loopformer.tasks.kg import KGDepthTask
@@ -99,11 +99,11 @@ def kg_curriculum_eval(task: KGDepthTask, k_train: int, n: int, seed: int, width
     return _concat(parts, {"task": task.name, "split": "test"}, seed)
 
 
-def _config_key(cfg: RunConfig) -> str:
-    data = json.loads(config_to_json(cfg))
+def config_key(recipe: str, overrides: list[str]) -> str:
+    """Identity of a run: the raw recipe table (base chain merged) with the overrides written in, minus
+    out_dir. Raw, not the resolved RunConfig, so new schema fields with defaults do not change it."""
+    data = apply_overrides(read_recipe(recipe), list(overrides))
     data.pop("out_dir", None)
-    data["model"] = {k: v for k, v in data["model"].items() if k in ("name", "d_model", "n_heads", "n_layers",
-                                                                      "injection", "causal", "rope")}
     return json.dumps(data, sort_keys=True)
 
 
@@ -126,13 +126,14 @@ def train_or_load(
     cfg = load_config(recipe, overrides)
     run_dir = ROOT / cfg.out_dir if not Path(cfg.out_dir).is_absolute() else Path(cfg.out_dir)
     info_path = run_dir / "ltg_info.json"
-    key = _config_key(cfg)
+    key = config_key(recipe, overrides)
     if not retrain and info_path.is_file():
         info = json.loads(info_path.read_text())
         if info.get("config_key") == key:
             run = load_for_eval(run_dir, use_ema=False)
             log(f"reusing {run_dir} (trained in {info['wall_time']:.0f} s)")
             info["reused"] = True
+            info["curriculum_advances"] = _advances(info["curriculum_history"], cfg.data.curriculum.threshold)
             return run.model, info
     cfg.out_dir = str(run_dir)
     task = kg_task(cfg) if cfg.data.task == "kg_depth" else None
@@ -154,7 +155,7 @@ def train_or_load(
         "eval_final": summary["eval"],
         "curriculum_level": cur.level if cur else None,
         "curriculum_history": cur.history if cur else [],
-        "curriculum_advances": _advances(cur.history) if cur else [],
+        "curriculum_advances": _advances(cur.history, cur.threshold) if cur else [],
         "reused": False,
     }
     info_path.write_text(json.dumps(info, indent=2))
@@ -163,13 +164,9 @@ def train_or_load(
     return trainer.model, info
 
 
-def _advances(history: list[dict[str, float]]) -> list[dict[str, float]]:
-    """The steps at which the curriculum moved past each level."""
-    out = []
-    for h, nxt in zip(history, history[1:] + [None]):
-        if nxt is not None and nxt["level"] > h["level"]:
-            out.append({"level": h["level"], "step": h["step"], "accuracy": h["accuracy"]})
-    return out
+def _advances(history: list[dict[str, float]], threshold: float) -> list[dict[str, float]]:
+    """The checks at which the curriculum moved past a level (accuracy reached the threshold)."""
+    return [dict(h) for h in history if h["accuracy"] >= threshold]
 
 
 def train_kg_models(

@@ -60,7 +60,7 @@ def halting(d: dict[str, Any]) -> str:
     out = []
     for m in d["models"].values():
         ph = m["per_hop"]
-        rules = [r for r in next(iter(ph.values())) if r == "kl_entropy" or r.startswith("residual")]
+        rules = [r for r in next(iter(ph.values())) if r.startswith(("kl_entropy", "residual"))]
         head = "| k | fixed best (R) | fixed R=16 | " + " | ".join(f"{r}: acc / loops" for r in rules) + " | KL+H: R_eq, saving |"
         lines = [f"**{m['label']}**", "", head, "|" + "---|" * (4 + len(rules))]
         for k, row in ph.items():
@@ -69,9 +69,9 @@ def halting(d: dict[str, Any]) -> str:
             lines.append(f"| {k} | {pct(row['fixed_best_accuracy'])} ({row['fixed_best_R']}) | {pct(row['fixed_cap_accuracy'])} | "
                          + " | ".join(f"{pct(row[r]['accuracy'])} / {row[r]['mean_loops']:.2f}" for r in rules)
                          + f" | {save} |")
-        o = m["overall"]
-        lines.append("")
-        lines.append("Pooled over k: " + "; ".join(_pooled(r, o[r]) for r in rules))
+        for scope, title in (("overall", "Pooled over all k"), ("overall_in_distribution", "Pooled over k <= 4")):
+            lines.append("")
+            lines.append(f"{title}: " + "; ".join(_pooled(r, m[scope][r]) for r in rules))
         out.append("\n".join(lines))
     return "\n\n".join(out)
 

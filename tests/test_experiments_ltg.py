@@ -123,3 +123,11 @@ def test_script_quick_dry_run(script: str) -> None:
     data = json.loads((out / f"{name}.json").read_text())
     assert data["quick"] is True
     assert (out / f"{name}.png").stat().st_size > 1000
+
+
+def test_config_key_ignores_out_dir_and_tells_recipes_apart() -> None:
+    common = load("ltg_common")
+    key = common.config_key("ltg_kg_poisson", [])
+    assert key == common.config_key("ltg_kg_poisson", ["out_dir=elsewhere"])
+    assert key != common.config_key("ltg_kg_fixed", [])
+    assert key != common.config_key("ltg_kg_poisson", ["train.steps=10"])
