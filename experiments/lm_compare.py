@@ -241,7 +241,7 @@ def plot(results: dict[str, Any], out: Path) -> list[str]:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="a few steps at tiny size (dry run)")
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--steps", type=int, default=1200)
     parser.add_argument("--out", type=Path, default=Path("docs/figures/lm_compare"))
     parser.add_argument("--runs", type=Path, default=Path("runs/lm_compare"))
     parser.add_argument("--variants", nargs="+", default=list(RECIPES), choices=list(RECIPES))
@@ -255,7 +255,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args.out.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {
         "command": "python experiments/lm_compare.py" + (" --quick" if args.quick else "")
-        + (f" --steps {args.steps}" if not args.quick and args.steps != 300 else ""),
+        + (f" --steps {args.steps}" if not args.quick and args.steps != 1200 else ""),
         "machine": "2-core CPU shared with other jobs, torch float32, 1 thread",
         "torch": torch.__version__,
         "corpus": "built-in (pydoc_data.topics), byte-level",
