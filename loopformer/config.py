@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import os
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -196,10 +197,21 @@ class RunConfig:
 # --------------------------------------------------------------------------------------------
 def _suggest(key: str, options: Sequence[str], prefix: str = "") -> str:
     """'; did you mean 'prefix.nearest'?' or the list of valid names when nothing is close."""
-    close = difflib.get_close_matches(key, list(options), n=1, cutoff=0.5)
-    if close:
-        return f"; did you mean {_join(prefix, close[0])!r}?"
+    best = _nearest(key, options)
+    if best is not None:
+        return f"; did you mean {_join(prefix, best)!r}?"
     return f" (valid: {', '.join(sorted(options))})"
+
+
+def _nearest(key: str, options: Sequence[str], cutoff: float = 0.5) -> str | None:
+    """The most similar option: difflib's ratio plus a bonus for a shared prefix ('lrate' -> 'lr')."""
+
+    def score(option: str) -> float:
+        shared = len(os.path.commonprefix([key, option]))
+        return difflib.SequenceMatcher(None, key, option).ratio() + 0.5 * shared / max(len(key), len(option))
+
+    scored = sorted(((score(o), o) for o in options), reverse=True)
+    return scored[0][1] if scored and scored[0][0] >= cutoff else None
 
 
 def _join(path: str, key: str) -> str:
