@@ -29,6 +29,10 @@ EXTRA = {
     ("recurrent", "sequence"): {"injection": "parcae", "rope": False},
     ("attractor", "puzzle"): {"n_backbone": 1},
     ("attractor", "sequence"): {"n_backbone": 1, "injection": "concat"},
+    # fewer inner recursions keep TRM / HRM tests fast; their own test files check the full schedule
+    ("trm", "puzzle"): {"n_inner": 2},
+    ("trm", "sequence"): {"n_inner": 2},
+    ("hrm", "puzzle"): {"l_cycles": 2},
 }
 
 
