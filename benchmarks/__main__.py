@@ -3,6 +3,7 @@
     python -m benchmarks                      # every benchmark at CPU size (a few minutes)
     python -m benchmarks --quick              # the tiniest sizes (the smoke test; seconds)
     python -m benchmarks --only solvers       # one benchmark (repeatable); merges into results.json
+    python -m benchmarks --render-only        # re-render docs/performance.md from results.json
 
 Defaults: full runs write ``benchmarks/results.json`` and ``docs/performance.md``; ``--quick`` runs
 write under ``benchmarks/.cache/quick/`` unless ``--out`` / ``--doc`` say otherwise, so a smoke
@@ -92,6 +93,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--doc", type=Path, default=None, help="markdown report (default docs/performance.md)"
     )
     parser.add_argument("--threads", default="auto", help="torch CPU threads: a number or 'auto'")
+    parser.add_argument(
+        "--render-only", action="store_true", help="re-render the report from the results file, run nothing"
+    )
     return parser.parse_args(argv)
 
 
@@ -103,8 +107,19 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_flush_denormal(True)
     torch.set_num_threads(choose_threads(args.threads))
     info = machine()
-    info["command"] = "python -m benchmarks " + " ".join(argv if argv is not None else sys.argv[1:])
-    info["command"] = info["command"].strip()
+    command = ("python -m benchmarks " + " ".join(argv if argv is not None else sys.argv[1:])).strip()
+    info["command"] = command
+    if args.render_only:
+        if not out.is_file():
+            raise SystemExit(f"--render-only: no results file {out}; run the benchmarks first")
+        results = json.loads(out.read_text())
+        commands = [r.get("command") for r in results if r.get("command")]
+        info["command"] = max(set(commands), key=commands.count) if commands else "python -m benchmarks"
+        info["torch_threads"] = max((r.get("threads", 0) for r in results), default=info["torch_threads"])
+        doc.parent.mkdir(parents=True, exist_ok=True)
+        doc.write_text(render(results, info))
+        print(f"[benchmarks] rendered {doc} from {out}")
+        return 0
 
     new: list[dict[str, Any]] = []
     all_ok = True
@@ -114,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
         dicts, ok, seconds = run_one(name, args.quick)
         torch.set_num_threads(threads)  # a benchmark (or the trainer) may change it
         all_ok &= ok
+        for d in dicts:
+            d["command"], d["threads"] = command, threads
         new.extend(dicts)
         for d in dicts:
             value = "n/a" if d["value"] is None else f"{d['value']:.4g}"

@@ -47,7 +47,6 @@ def run_config(quick: bool):
         "train.checkpoint_every=0",
         "train.warmup_steps=50",
         "data.eval_size=0",
-        f"train.threads={torch.get_num_threads()}",
         "device=cpu",
     ]
     if quick:
@@ -64,6 +63,7 @@ def trained_model(quick: bool):
     key = hashlib.sha256(json.dumps(to_dict(cfg), sort_keys=True, default=str).encode()).hexdigest()[:12]
     folder = CACHE / f"sudoku4_fprm-{'quick' if quick else 'full'}-{key}"
     cfg.out_dir = str(folder)
+    cfg.train.threads = torch.get_num_threads()  # not part of the cache key: it does not change the model
     threads = torch.get_num_threads()
     trained_now, seconds = False, 0.0
     if not (folder / "summary.json").is_file():

@@ -118,6 +118,9 @@ def test_only_merges_into_existing_results(quick_run):
     assert status == 0
     merged = json.loads(out.read_text())
     assert sorted(r["name"] for r in merged) == sorted(r["name"] for r in results)
+    doc.unlink()
+    assert main(["--render-only", "--out", str(out), "--doc", str(doc)]) == 0
+    assert all(f"`{r['name']}`" in doc.read_text() for r in merged)
     assert merge(
         [{"benchmark": "engine", "name": "a"}], [{"benchmark": "memory", "name": "b"}], ["memory"]
     ) == [{"benchmark": "engine", "name": "a"}, {"benchmark": "memory", "name": "b"}]
