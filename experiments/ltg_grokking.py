@@ -41,7 +41,7 @@ def _common() -> Any:
 
 
 RECIPES = {"R=1": "ltg_grok_r1", "R=2": "ltg_grok_r2"}
-EVAL_EVERY = 100
+EVAL_EVERY = 200
 EVAL_MAX = 512
 
 

@@ -48,16 +48,17 @@ def prefix_accuracy(model: Any, task: Any, data: Any, loop: Any, batch_size: int
     """Sequence accuracy at every prefix length (fraction of words whose first i products are all right)
     and the mean loops the engine ran."""
     model.eval()
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
     correct, steps = [], []
-    generator = torch.Generator().manual_seed(0)
+    generator = torch.Generator(device=device).manual_seed(0)
     for start in range(0, len(data), batch_size):
-        inputs = torch.as_tensor(data.inputs[start : start + batch_size])
+        inputs = torch.as_tensor(data.inputs[start : start + batch_size], device=device)
         out = model(inputs, loop=loop, generator=generator)
-        pred = out.logits.argmax(-1).numpy()
+        pred = out.logits.argmax(-1).cpu().numpy()
         for x, p in zip(data.inputs[start : start + batch_size], pred):
             correct.append(task.prefix_correct(x, p))
         if out.loop is not None:
-            steps.append(out.loop.steps.float().numpy())
+            steps.append(out.loop.steps.float().cpu().numpy())
     acc = np.mean(np.stack(correct), axis=0)
     return {"prefix_accuracy": acc.tolist(), "mean_loops": float(np.concatenate(steps).mean()) if steps else 1.0}
 
