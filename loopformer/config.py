@@ -79,17 +79,26 @@ class CurriculumConfig:
 
 @dataclass
 class DataConfig:
-    """Which task, its constructor options, and how the train / eval sets are produced."""
+    """Which task, its constructor options, and how the train / eval sets are produced.
+
+    Each set (``loopformer.train.data.load_split``) comes from ``<split>_path`` when given: a folder
+    is read as the HRM / TRM on-disk format (``<path>/train`` for training, ``<path>/test`` for
+    evaluation, or the split folder itself), a file with ``task.load``; every row is used and the
+    size is ignored. Otherwise ``task.generate(<split>_size, <split>_seed, **<split>_generate)``:
+    a size of 0 means "all rows" for tasks with a finite pool (ARC, the KG tasks) and gives no rows
+    for tasks that generate on demand (then there is no held-out set; an empty training set is an
+    error).
+    """
 
     task: str = "sudoku"
     options: dict[str, Any] = field(default_factory=dict)  # get_task(task, **options)
     train_generate: dict[str, Any] = field(default_factory=dict)  # task.generate(n, seed, **these)
     eval_generate: dict[str, Any] = field(default_factory=dict)
-    train_size: int = 1000
-    eval_size: int = 200
+    train_size: int = 1000  # 0: all rows (see above)
+    eval_size: int = 200  # 0: all rows; none for generated tasks
     train_seed: int = 0
     eval_seed: int = 1
-    train_path: str | None = None  # task.load(path) instead of generating
+    train_path: str | None = None  # a file (task.load) or an HRM folder (load_hrm_folder) instead of generating
     eval_path: str | None = None
     curriculum: CurriculumConfig = field(default_factory=CurriculumConfig)
 
@@ -119,7 +128,9 @@ class TrainConfig:
     ponder_weight: float = 0.01  # times ModelOutput.aux_loss (ACT ponder cost)
     jacobian_weight: float = 0.0  # Hutchinson ||J||_F^2 at the final state; 0 = off
     # simple mode: loop count per step from a sampler seeded by the global step
-    loop_sampler: str = "fixed"  # loopformer.loop.make_sampler kind: fixed | poisson | lognormal_poisson
+    # loopformer.loop.make_sampler kind: fixed (n = loop_train.max_steps unless given; fixed halting) |
+    # poisson | lognormal_poisson; "none": no sampler, the loop_train config as is (its own halting rule)
+    loop_sampler: str = "fixed"
     loop_sampler_options: dict[str, Any] = field(default_factory=dict)
     # deep supervision: carried slots, one segment per step
     max_segments: int = 16

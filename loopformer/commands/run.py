@@ -39,6 +39,7 @@ import click
 
 from loopformer.commands.common import eval_dataset, load_run, training_depth
 from loopformer.commands.suite import ModelUnderTest, SuiteOptions, accuracy_table, run_suite
+from loopformer.eval.evaluate import evaluate_lm, has_validator
 
 DEFAULT_RECIPE = "default"
 # fields a plain transformer shares with the looped families (copied unless the baseline sets them)
@@ -175,6 +176,24 @@ def _train(cfg: Any, label: str, echo: Any) -> dict[str, Any]:
     return summary
 
 
+def _run_lm(out: Path, label: str, main_run: Any, base_summary: dict[str, Any] | None, base_cfg: Any,
+            dataset: Any, echo: Any) -> None:
+    """A task without a validator (text): both models scored by held-out loss and bits per byte."""
+    from loopformer.eval.report import write_json
+
+    runs = {label: main_run}
+    if base_summary is not None:
+        runs[f"baseline ({base_cfg.model.name})"] = load_run(base_summary["checkpoint"], use_ema=base_cfg.eval.use_ema)
+    results = {}
+    for name, r in runs.items():
+        lm = evaluate_lm(r.model, r.task, dataset, loop=r.loop_eval, batch_size=r.config.eval.batch_size,
+                         seed=r.config.seed)
+        results[name] = {"checkpoint": str(r.path), **lm.to_dict()}
+        echo(f"[bold]{name}[/bold]: held-out loss {lm.loss:.4f} nats/token, bits per byte {lm.bits_per_byte:.4f}")
+    write_json(out / "summary.json", {"task": task_description(main_run.config), "model": label, "results": results})
+    echo(f"summary: {out / 'summary.json'}")
+
+
 @click.command("run")
 @click.option("--recipe", "-r", default=DEFAULT_RECIPE, show_default=True, help="recipe name (in recipes/) or path")
 @click.option("--out", "-o", "out_dir", default=None, help="run folder (default runs/<timestamp>)")
@@ -197,6 +216,9 @@ def run(recipe: str, out_dir: str | None, overrides: tuple[str, ...]) -> None:
     main_run = load_run(main_summary["checkpoint"], use_ema=main_cfg.eval.use_ema)
     dataset = eval_dataset(main_run.task, main_run.config)
     main_label = main_cfg.model.name
+    if not has_validator(main_run.task, dataset):  # language modelling: held-out loss and bits per byte
+        _run_lm(out, main_label, main_run, base_summary, base_cfg, dataset, console.print)
+        return
     main = ModelUnderTest(main_label, main_run.model, main_run.loop_eval, training_depth(main_run))
     baselines = []
     base_run = None

@@ -9,6 +9,7 @@ import click
 
 from loopformer.commands.common import eval_dataset, load_run, parse_int_list, parse_pairs, training_depth
 from loopformer.commands.suite import ModelUnderTest, SuiteOptions, accuracy_table, run_suite
+from loopformer.eval.evaluate import arc_pass_at_k, evaluate_lm, has_validator
 
 
 @click.command("train")
@@ -39,7 +40,10 @@ def train(recipe: str, overrides: tuple[str, ...], resume: bool, out_dir: str | 
                   f" for {cfg.train.steps} steps -> {cfg.out_dir}{where}")
     summary = trainer.fit()
     ev = summary.get("eval") or {}
-    if ev:
+    if "bits_per_byte" in ev:
+        console.print(f"held-out: loss {ev['loss']:.4f} nats/token, {ev['bits_per_byte']:.4f} bits per byte, "
+                      f"token accuracy {100 * ev['token_acc']:.1f}%")
+    elif ev:
         acc = ev.get("valid_acc", ev.get("exact_acc"))
         console.print(f"held-out: {'valid' if 'valid_acc' in ev else 'exact'} accuracy {100 * acc:.1f}%, "
                       f"exact {100 * ev.get('exact_acc', float('nan')):.1f}%, mean steps {ev.get('loop_steps', float('nan')):.2f}")
@@ -66,33 +70,59 @@ def train(recipe: str, overrides: tuple[str, ...], resume: bool, out_dir: str | 
 def evaluate_cmd(checkpoint: str, max_steps: str | None, budget_mode: str, task_options: tuple[str, ...],
                  sets: tuple[str, ...], examples: int, lens_loops: int | None, analyses: bool, ema: bool,
                  out_dir: str | None) -> None:
-    """Evaluate CHECKPOINT (a run folder or checkpoint folder) on its held-out set; write a report."""
+    """Evaluate CHECKPOINT (a run folder or checkpoint folder) on its held-out set; write a report.
+
+    Text (no validator): loss and bits per byte. ARC: also pass@2, voting over augmentations.
+    """
     from rich.console import Console
+
+    from loopformer.eval.report import write_json
+    from loopformer.tasks.arc import ArcTask
 
     overrides = list(sets) + [f"data.eval_generate.{k}={v}" for k, v in parse_pairs(task_options, "--task-option").items()]
     budgets = parse_int_list(max_steps, "--max-steps")
     run = load_run(checkpoint, use_ema=ema, config_overrides=tuple(overrides))
     dataset = eval_dataset(run.task, run.config, examples)
-    depth = training_depth(run)
-    lens = (2 * depth if lens_loops is None else lens_loops) if analyses else 0
-    options = SuiteOptions(
-        budgets=budgets, budget_mode=budget_mode, lens_loops=lens, signal_loops=lens, spectral=analyses,
-        batch_size=run.config.eval.batch_size, progress=True,
-    )
     if out_dir:
         out = Path(out_dir)
     else:  # next to the checkpoints, not inside one (old checkpoints are rotated away)
         run_dir = run.path.parent.parent if run.path.parent.name == "checkpoints" else run.path
         out = run_dir / f"eval-step{run.step}-{time.strftime('%Y%m%d-%H%M%S')}"
     console = Console(highlight=False)
+    batch_size = run.config.eval.batch_size
+    if not has_validator(run.task, dataset):  # language modelling: loss and bits per byte
+        lm = evaluate_lm(run.model, run.task, dataset, loop=run.loop_eval, batch_size=batch_size, progress=True,
+                         seed=run.config.seed)
+        write_json(out / "metrics.json", {"checkpoint": str(run.path), "step": run.step, "weights": run.weights,
+                                          **lm.to_dict()})
+        console.print(f"held-out ({lm.n} windows, {lm.tokens} tokens): loss {lm.loss:.4f} nats/token, "
+                      f"bits per byte {lm.bits_per_byte:.4f}, token accuracy {100 * lm.token_accuracy:.1f}%, "
+                      f"mean steps {lm.mean_steps:.2f}")
+        console.print(f"metrics: {out / 'metrics.json'}")
+        return
+    extra = {}
+    if isinstance(run.task, ArcTask):  # pass@2 over every test pair x augmentation version
+        arc = arc_pass_at_k(run.model, run.task, loop=run.loop_eval, k=2, batch_size=batch_size,
+                            seed=run.config.data.eval_seed)
+        extra["arc_pass_at_2"] = arc
+    depth = training_depth(run)
+    lens = (2 * depth if lens_loops is None else lens_loops) if analyses else 0
+    options = SuiteOptions(
+        budgets=budgets, budget_mode=budget_mode, lens_loops=lens, signal_loops=lens, spectral=analyses,
+        batch_size=run.config.eval.batch_size, progress=True,
+    )
     label = run.family or run.config.model.name
     suite = run_suite(
         out, f"evaluation of {label} ({run.path}, step {run.step}, {run.weights} weights)", run.task, dataset,
         ModelUnderTest(label, run.model, run.loop_eval, depth), (), options,
         notes=[f"Task: {run.config.data.task} {run.config.data.options}; {len(dataset)} held-out examples."],
-        log=lambda m: console.print(f"  {m}"),
+        log=lambda m: console.print(f"  {m}"), extra=extra,
     )
     console.print(accuracy_table(suite["results"]))
+    if "arc_pass_at_2" in extra:
+        arc = extra["arc_pass_at_2"]
+        console.print(f"ARC pass@2 (voting over {run.task.versions} augmentation versions): {100 * arc['score']:.1f}% "
+                      f"of {int(arc['tasks'])} tasks ({int(arc['outputs_solved'])}/{int(arc['outputs'])} test outputs)")
     stats = suite["difficulty"][label]
     console.print(f"steps vs difficulty: Spearman rho {stats.spearman_rho:.2f} (p={stats.spearman_p:.2g})")
     console.print(f"report: {suite['report']}  metrics: {suite['metrics']}")

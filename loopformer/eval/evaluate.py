@@ -13,6 +13,10 @@
   between difficulty and steps (SYSTEMS.md 1: "more iterations for puzzles with more blanks").
 - ``load_for_eval``: a trained model and its task from a checkpoint, with the EMA weights when the
   checkpoint has them (the papers evaluate the EMA, SYSTEMS.md 1 and 4).
+- ``has_validator`` / ``evaluate_lm``: tasks without a validator (language modelling, SYSTEMS.md 5)
+  are scored by the held-out cross-entropy (nats per token) and bits per byte instead.
+- ``arc_pass_at_k``: ARC's pass@2 (SYSTEMS.md 5): predictions for every test pair under every
+  augmentation, de-augmented and voted by ``ArcTask.evaluate``.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from scipy import stats
 from torch import Tensor
 
@@ -472,14 +477,16 @@ def load_for_eval(path: str | Path, use_ema: bool = True, config_overrides: tupl
 
 
 def eval_dataset(task: Task, config: Any, max_examples: int = 0) -> TokenDataset:
-    """The run's held-out set: ``data.eval_path`` or ``task.generate(eval_size, eval_seed, **eval_generate)``."""
-    dc = config.data
-    if dc.eval_path:
-        data = task.load(dc.eval_path)
-    else:
-        if dc.eval_size <= 0:
-            raise ValueError("the run has no held-out set (data.eval_size = 0 and no data.eval_path)")
-        data = task.generate(dc.eval_size, dc.eval_seed, **dc.eval_generate)
+    """The run's held-out set: ``data.eval_path`` or ``task.generate(eval_size, eval_seed, **eval_generate)``
+    (``loopformer.train.data.load_split``: a folder is HRM's format, ``eval_size`` 0 = all rows)."""
+    from loopformer.train.data import load_split
+
+    data = load_split(task, config.data, "eval")
+    if data is None or len(data) == 0:
+        raise ValueError(
+            f"the run has no held-out set (data.eval_size = {config.data.eval_size} gave no rows of task "
+            f"{task.name!r} and there is no data.eval_path)"
+        )
     limit = max_examples or config.eval.max_examples
     if limit and limit < len(data):
         data = data.subset(slice(0, limit))
@@ -493,3 +500,156 @@ def training_depth(run: LoadedRun) -> int:
     if cfg.train.loop_sampler == "fixed" and "n" in options:
         return int(options["n"])
     return int(run.loop_train.max_steps)
+
+
+# ------------------------------------------------------------------------------------------------
+# tasks without a validator (language modelling) and ARC pass@k
+# ------------------------------------------------------------------------------------------------
+
+
+def has_validator(task: Task, dataset: TokenDataset | None = None) -> bool:
+    """Whether ``task.check`` judges predictions: the task's ``has_validator`` attribute when it sets one,
+    else one probe call of ``check`` on the first example of ``dataset`` (NotImplementedError = none).
+
+    Called once, up front; without a dataset to probe the task is assumed to have a validator.
+    """
+    flag = getattr(task, "has_validator", None)
+    if flag is not None:
+        return bool(flag)
+    if dataset is None or len(dataset) == 0:
+        return True
+    x, y = dataset.inputs[0], dataset.labels[0]
+    try:
+        task.check(x, np.where(y == IGNORE_INDEX, x, y))
+    except NotImplementedError:
+        return False
+    return True
+
+
+@dataclass
+class LMEvalResult:
+    """Held-out language-modelling metrics: mean cross-entropy per labelled token and bits per byte."""
+
+    task: str
+    n: int  # examples (windows)
+    tokens: int  # labelled tokens scored
+    loss: float  # nats per token
+    bits_per_byte: float
+    token_accuracy: float
+    exact_accuracy: float
+    mean_steps: float
+    loop: dict[str, Any]
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@torch.no_grad()
+def evaluate_lm(
+    model: LoopedModel,
+    task: Task,
+    dataset: TokenDataset,
+    loop: LoopConfig | None = None,
+    batch_size: int = 64,
+    max_batches: int | None = None,
+    device: torch.device | str | None = None,
+    progress: bool = False,
+    seed: int = 0,
+) -> LMEvalResult:
+    """Mean cross-entropy (nats per labelled token, summed in float64) and bits per byte of ``model`` on
+    ``dataset`` (``loopformer.tasks.text.bits_per_byte`` with the task's ``tokens_per_byte``, 1 for bytes)."""
+    from loopformer.tasks.text import bits_per_byte
+
+    if len(dataset) == 0:
+        raise ValueError("cannot evaluate on an empty dataset")
+    device = torch.device(device) if device is not None else model_device(model)
+    model.to(device)
+    was_training = model.training
+    model.eval()
+    cfg = loop if loop is not None else model.config.loop
+    generator = torch.Generator(device=device).manual_seed(seed)
+    batches = list(iter_batches(dataset, batch_size, max_batches))
+    nll = right = count = exact = steps = 0.0
+    n = 0
+    try:
+        with _Progress(progress, len(batches), f"eval {task.name}") as bar:
+            for index in batches:
+                inputs, labels, puzzle_ids = batch_tensors(dataset, index, device)
+                out: ModelOutput = model(inputs, loop=cfg, puzzle_ids=puzzle_ids, generator=generator)
+                logits = out.logits.float()
+                mask = labels != IGNORE_INDEX
+                token_nll = F.cross_entropy(
+                    logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="none"
+                )
+                nll += float(token_nll.double().sum())
+                hit = (logits.argmax(-1) == labels) & mask
+                right += float(hit.sum())
+                count += float(mask.sum())
+                exact += float((hit.sum(1) == mask.sum(1)).sum())
+                steps += float(_loop_stats(out, len(inputs), cfg)[0].sum())
+                n += len(inputs)
+                bar.advance()
+    finally:
+        model.train(was_training)
+    loss = nll / count if count else float("nan")
+    return LMEvalResult(
+        task=task.name, n=n, tokens=int(count), loss=loss,
+        bits_per_byte=bits_per_byte(loss, float(getattr(task, "tokens_per_byte", 1.0))),
+        token_accuracy=right / count if count else float("nan"), exact_accuracy=exact / max(n, 1),
+        mean_steps=steps / max(n, 1), loop=loop_summary(cfg),
+    )
+
+
+@torch.no_grad()
+def predict(
+    model: LoopedModel,
+    dataset: TokenDataset,
+    loop: LoopConfig | None = None,
+    batch_size: int = 64,
+    device: torch.device | str | None = None,
+    seed: int = 0,
+) -> np.ndarray:
+    """Arg-max predictions [N, T] of ``model`` on every row of ``dataset``."""
+    device = torch.device(device) if device is not None else model_device(model)
+    model.to(device)
+    was_training = model.training
+    model.eval()
+    cfg = loop if loop is not None else model.config.loop
+    generator = torch.Generator(device=device).manual_seed(seed)
+    rows = []
+    try:
+        for index in iter_batches(dataset, batch_size):
+            inputs, _, puzzle_ids = batch_tensors(dataset, index, device)
+            out = model(inputs, loop=cfg, puzzle_ids=puzzle_ids, generator=generator)
+            rows.append(out.logits.argmax(-1).cpu().numpy())
+    finally:
+        model.train(was_training)
+    return np.concatenate(rows) if rows else np.zeros((0, dataset.inputs.shape[1]), dtype=np.int64)
+
+
+def arc_pass_at_k(
+    model: LoopedModel,
+    task: Task,
+    dataset: TokenDataset | None = None,
+    loop: LoopConfig | None = None,
+    k: int = 2,
+    batch_size: int = 64,
+    device: torch.device | str | None = None,
+    seed: int = 0,
+) -> dict[str, float]:
+    """ARC pass@k (SYSTEMS.md 5) with voting over augmentations: ``task.evaluate`` of the model's
+    predictions on ``dataset`` (default: every test pair under every augmentation version,
+    ``task.generate(0, seed, part="test")``). Returns ``ArcTask.evaluate``'s dictionary
+    (``score``, ``all_solved``, ``outputs_solved``, ``outputs``, ``tasks``) plus ``k`` and ``rows``.
+    """
+    from loopformer.tasks.arc import ArcTask
+
+    if not isinstance(task, ArcTask):
+        raise TypeError(f"arc_pass_at_k needs an ARC task, got {task.name!r}")
+    if dataset is None:
+        dataset = task.generate(0, seed, part="test")
+    if dataset.puzzle_ids is None:
+        raise ValueError("ARC pass@k needs puzzle ids on the dataset (task, augmentation version of every row)")
+    predictions = predict(model, dataset, loop=loop, batch_size=batch_size, device=device, seed=seed)
+    result = task.evaluate(dataset.inputs, dataset.puzzle_ids, predictions, k)
+    return {**result, "k": float(k), "rows": float(len(dataset))}

@@ -6,6 +6,8 @@ Two modes (``train.mode``):
   a loop count ``R`` from ``loopformer.loop.make_sampler`` seeded by the global step (fixed,
   Poisson(4) clipped to [2, 8], log-normal Poisson), runs one forward with ``max_steps = R``
   and fixed halting (an ACT model keeps its learned halting with ``R`` as the cap), and steps.
+  ``train.loop_sampler: none`` runs the training loop as configured instead (its own halting,
+  e.g. an Attractor's Anderson solve to tolerance, capped at ``loop_train.max_steps``).
 - ``deep_supervision`` (TRM / HRM / FPRM, SYSTEMS.md sections 1 and 4): a carried batch of
   ``batch_size`` slots, each holding an example, its detached state and a segment count. Each
   optimiser step runs ONE segment (``model.forward(state=carry.state)`` with the training loop
@@ -17,7 +19,8 @@ Two modes (``train.mode``):
 
 Around both: CPU float32 (flush denormals, one thread per physical core) or CUDA with bf16
 autocast (``bf16``), optionally a ``torch.compile``d step; warm-up + constant / cosine lr, clipping, EMA, the difficulty curriculum, periodic
-evaluation (``loopformer.eval.evaluate`` when a task is known, else exact-match on the labels),
+evaluation (``loopformer.eval.evaluate`` when a task is known, loss and bits per byte for a task
+without a validator such as text, else exact-match on the labels; the final checkpoint is written first),
 metrics as JSONL (+ optional TensorBoard), a rich progress bar, divergence detection
 (``TrainingDivergedError`` before the bad update is applied, the last good checkpoint kept),
 and atomic checkpoints holding everything needed to resume bit-exactly (``train.resume``).
@@ -72,7 +75,7 @@ from loopformer.train.checkpoint import (
     set_rng_state,
     step_dirs,
 )
-from loopformer.train.data import Batch, Curriculum, IndexStream, make_batch
+from loopformer.train.data import Batch, Curriculum, IndexStream, load_split, make_batch
 from loopformer.train.losses import accuracy, jacobian_frobenius, q_halt_loss, sequence_loss
 from loopformer.train.optim import EMA, build_optimizer, clip_grad_norm, lr_at, set_lr
 
@@ -210,6 +213,10 @@ class Trainer:
         self.eval_data = eval_data if eval_data is not None else self._dataset("eval")
         if len(self.train_data) == 0:
             raise ValueError("the training set is empty")
+        # decided once: a task whose check raises NotImplementedError (text) is scored by loss / bits per byte
+        from loopformer.eval.evaluate import has_validator
+
+        self.has_validator = self.task is None or has_validator(self.task, self.eval_data)
 
         # -- model ------------------------------------------------------------------------------
         if model is None:
@@ -273,20 +280,15 @@ class Trainer:
     # construction helpers
     # ------------------------------------------------------------------------------------------
     def _dataset(self, split: str) -> TokenDataset | None:
-        dc = self.config.data
-        path = dc.train_path if split == "train" else dc.eval_path
-        size = dc.train_size if split == "train" else dc.eval_size
         if self.task is None:
             if split == "train":
                 raise ValueError("no training data: pass train_data or a task")
             return None
-        if path:
-            return self.task.load(path)
-        if size <= 0:
-            return None
-        seed = dc.train_seed if split == "train" else dc.eval_seed
-        options = dc.train_generate if split == "train" else dc.eval_generate
-        return self.task.generate(size, seed, **options)
+        dataset = load_split(self.task, self.config.data, split)
+        if dataset is None and split == "train":
+            raise ValueError(f"the training set is empty: data.train_size=0 asks for all rows, but task "
+                             f"{self.task.name!r} generates rows on demand; set data.train_size > 0")
+        return dataset
 
     def _task_defaults(self) -> dict[str, Any]:
         """Model fields the task determines, used where the recipe leaves them unset."""
@@ -322,7 +324,10 @@ class Trainer:
         return build_model(self.config.model.name, config=model_config)
 
     def _loop_sampler(self) -> Any:
+        """The simple-mode loop-count sampler; None for ``train.loop_sampler: none`` (loop_train as is)."""
         tc = self.config.train
+        if tc.loop_sampler == "none":
+            return None
         options = dict(tc.loop_sampler_options)
         if tc.loop_sampler == "fixed":
             options.setdefault("n", self.loop_train.max_steps)
@@ -580,7 +585,8 @@ class Trainer:
                 metrics["residual"] = float(torch.nanmean(_last_finite(out.loop.residuals.detach().float())))
             metrics["converged"] = float(out.loop.converged.float().mean())
         if tc.mode == "simple":
-            metrics["loops"] = R
+            if R is not None:
+                metrics["loops"] = R
         else:
             self._advance_carry(out)
             metrics["segments"] = float(self.carry.segments.float().mean())
@@ -589,8 +595,14 @@ class Trainer:
             metrics["level"] = self.curriculum.level
         return self._reduce_metrics(metrics) if self.dist_env.enabled else metrics
 
-    def _simple_loop(self, step: int) -> tuple[LoopConfig, int]:
-        """Simple mode: the training loop with ``R`` steps drawn for ``step`` (same on every rank)."""
+    def _simple_loop(self, step: int) -> tuple[LoopConfig, int | None]:
+        """Simple mode: the training loop with ``R`` steps drawn for ``step`` (same on every rank).
+
+        With ``train.loop_sampler: none`` the training loop is used as configured (its halting rule
+        and ``max_steps``, e.g. an Attractor's solve to tolerance) and ``R`` is None.
+        """
+        if self.sampler is None:
+            return self.loop_train, None
         R = int(self.sampler.sample(step))
         halting = "act" if self.loop_train.halting == "act" else "fixed"
         loop = dataclasses.replace(
@@ -723,7 +735,7 @@ class Trainer:
         use_ema = self.ema is not None and ec.use_ema
         ctx = self.ema.applied(self.model) if use_ema else contextlib.nullcontext()
         with ctx:
-            if self.task is not None and ec.check and ec.segments <= 1:
+            if self.task is not None and ec.segments <= 1 and (ec.check or not self.has_validator):
                 # under DDP rank 0 evaluates and shares the result; under FSDP all ranks run it
                 one_rank = dist.is_distributed() and not dist.is_fsdp(self.model)
                 result = self._task_eval() if self.dist_env.is_main or not one_rank else None
@@ -735,13 +747,19 @@ class Trainer:
         return result
 
     def _task_eval(self) -> dict[str, Any]:
-        """``loopformer.eval.evaluate`` on the held-out set (the task's own validator)."""
-        from loopformer.eval.evaluate import evaluate
+        """``loopformer.eval.evaluate`` on the held-out set (the task's own validator); a task without
+        a validator (text) gets ``evaluate_lm``: loss (nats per token) and bits per byte."""
+        from loopformer.eval.evaluate import evaluate, evaluate_lm
 
         ec = self.config.eval
         data = self.eval_data
         if ec.max_examples:
             data = data.subset(slice(0, ec.max_examples))
+        if not self.has_validator:
+            lm = evaluate_lm(self.model, self.task, data, loop=self.loop_eval, batch_size=ec.batch_size,
+                             device=self.device, seed=self.config.seed)
+            return {"n": lm.n, "loss": lm.loss, "bits_per_byte": lm.bits_per_byte, "token_acc": lm.token_accuracy,
+                    "exact_acc": lm.exact_accuracy, "loop_steps": lm.mean_steps}
         res = evaluate(
             self.model, self.task, data, loop=self.loop_eval, batch_size=ec.batch_size,
             device=self.device, seed=self.config.seed,
@@ -850,10 +868,10 @@ class Trainer:
                         self.save()
                     if bar:
                         bar.update(task_id, completed=self.step, info=_bar_info(metrics))
+            self.save()  # before the final evaluation: an evaluation error never loses the trained weights
             self.last_eval = self.evaluate()
             if self.last_eval:
                 self._write_metrics({"step": self.step, **{f"eval_{k}": v for k, v in self.last_eval.items()}})
-            self.save()
         finally:
             if getattr(self, "_tb", None) is not None:
                 self._tb.close()
