@@ -25,6 +25,7 @@ until each sample's halting rule fires, per sample:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -35,7 +36,7 @@ from torch import Tensor
 from loopformer.loop.config import LoopConfig
 from loopformer.loop.grad import implicit_attach
 from loopformer.loop.halting import ACTHalting, make_halting
-from loopformer.loop.norms import residual_and_rms, rms
+from loopformer.loop.norms import residual_into
 from loopformer.loop.solvers import make_solver
 
 StepFn = Callable[..., Tensor]
@@ -98,6 +99,12 @@ def _check_inputs(z0: Tensor, cfg: LoopConfig, ctx: tuple[Any, ...]) -> None:
             )
 
 
+def _check_step_output(fz: Any, z: Tensor) -> None:
+    if not isinstance(fz, Tensor) or fz.shape != z.shape:
+        got = tuple(fz.shape) if isinstance(fz, Tensor) else type(fz).__name__
+        raise ValueError(f"step(z, *ctx) must return a tensor shaped like z {tuple(z.shape)}, got {got}")
+
+
 def run_loop(
     step: StepFn,
     z0: Tensor,
@@ -143,13 +150,15 @@ def run_loop(
                 if ring.eta is not None:
                     e = ring.eta[j % ring.size].index_select(0, rows)
                     e = e.view(-1, *([1] * (z.dim() - 1))).to(z.dtype)
-                    z = e * f + (1 - e) * z
+                    z = torch.lerp(z, f, e)  # the damped solver's own formula (bit-identical replay)
                 else:
                     z = f
         return z
 
     rdtype = torch.promote_types(z0.dtype, torch.float32)
-    track = cfg.trace or cfg.halting != "fixed" or cfg.solver == "damped"
+    upcast = z0.dtype != rdtype
+    fixed = cfg.halting == "fixed"
+    track = cfg.trace or not fixed
     n_rec = cfg.max_steps if track else 0
     resid_buf = torch.full((n_rec, b), float("nan"), dtype=rdtype, device=device)
     norm_buf = torch.full((n_rec, b), float("nan"), dtype=rdtype, device=device)
@@ -160,13 +169,19 @@ def run_loop(
     piece_ponder: list[Tensor] = []
 
     idx = torch.arange(b, device=device)
-    active = torch.ones(b, dtype=torch.bool, device=device)  # masking mode only
     z = z0
     ctx_a = ctx
     sstate = solver.init(z0)
     hstate = halting.init(z0, ctx)
-    picard_norm = cfg.solver == "picard" and not is_act
     t_run = 0
+    kind = cfg.residual_norm
+    channels = z0.shape[-1] if z0.dim() > 1 else 1
+    width = z0[0].numel()
+
+    def flat(x: Tensor) -> Tensor:
+        x = x.detach().reshape(x.shape[0], -1)
+        return x.to(rdtype) if upcast else x
+
 
     def emit(rows_local: Tensor, value: Tensor, hst: dict, n: int) -> None:
         rows = idx.index_select(0, rows_local)
@@ -178,86 +193,171 @@ def run_loop(
         if is_act:
             piece_ponder.append(ACTHalting.ponder(_select(hst, rows_local)))
 
-    for t in range(cfg.max_steps):
-        t_run = t + 1
-        last = t + 1 == cfg.max_steps
-        with torch.set_grad_enabled(grad_on and t >= grad_from):
+    def _tracked() -> int:
+        """Residual / kl / act halting, or fixed halting with trace: per-sample halting and history.
+
+        Every step writes the residual and ||state|| straight into preallocated history rows and
+        asks the host one cheap question (``aminmax`` of the residuals: could any sample stop
+        here?); only when the answer is yes are the exact halting / divergence masks formed.
+        With compaction the history of the active rows is kept in a segment buffer that is
+        scattered into full-batch coordinates when the active set changes.
+        """
+        nonlocal z, ctx_a, sstate, hstate, idx, grad_mode
+        generic = cfg.halting in ("kl_entropy", "act")
+        picard_norm = cfg.solver == "picard" and not is_act  # ||state|| = ||f(z)||, already measured
+        check_stalled = cfg.solver == "damped" and not fixed
+        compaction = cfg.compaction
+        tol, thr, inf = cfg.tol, cfg.diverge_threshold, float("inf")
+        active = torch.ones(b, dtype=torch.bool, device=device)  # masking mode only
+        all_active = True
+        ran = torch.zeros(b, dtype=torch.long, device=device)  # masking mode: recorded steps per sample
+        t0 = 0
+        seg_res = torch.empty((cfg.max_steps, b), dtype=rdtype, device=device) if compaction else resid_buf
+        seg_norm = torch.empty((cfg.max_steps, b), dtype=rdtype, device=device) if compaction else norm_buf
+        t = 0
+        for t in range(cfg.max_steps):
+            last = t + 1 == cfg.max_steps
+            mode = grad_on and t >= grad_from
+            if mode is not grad_mode:
+                torch.set_grad_enabled(mode)
+                grad_mode = mode
             if ring is not None:
                 ring.write(t, idx, z, sstate.get("eta"))
             fz = step(z, *ctx_a)
-            if t == 0 and (not isinstance(fz, Tensor) or fz.shape != z.shape):
-                got = tuple(fz.shape) if isinstance(fz, Tensor) else type(fz).__name__
-                raise ValueError(f"step(z, *ctx) must return a tensor shaped like z {tuple(z.shape)}, got {got}")
-            res, rms_fz = residual_and_rms(z, fz, cfg.residual_norm) if track else (None, None)
+            if t == 0:
+                _check_step_output(fz, z)
+            res, nrm = seg_res[t - t0], seg_norm[t - t0]
+            residual_into(flat(z), flat(fz), kind, channels, res, nrm if picard_norm else None)
             z_next, sstate, info = solver.update(z, fz, res, sstate)
-            if not track:  # fixed halting without trace: a plain loop, no syncs
-                if callback is not None:
-                    callback(t + 1, z_next, idx)
-                z = z_next
-                continue
             h_prev = hstate
-            z_next, done, conv, hstate = halting.check(t, z, z_next, res, hstate, ctx_a)
+            if generic:
+                z_next, done, conv, hstate = halting.check(t, z, z_next, res, hstate, ctx_a)
+            if not picard_norm:
+                torch.linalg.vector_norm(flat(z_next), dim=1, out=nrm)
 
-        with torch.no_grad():
-            norm_next = rms_fz if picard_norm else rms(z_next)
-            # non-finite residual or state, or residual above the threshold; NaN compares False, so
-            # one fused expression (4 small ops instead of ~9 per iteration: benchmarks/bench_solvers.py)
-            bad = ~((res <= cfg.diverge_threshold) & (norm_next < float("inf")))
-            finished = torch.ones_like(done) if last else done | bad
-            if cfg.halting != "fixed" and "stalled" in info:
-                finished = finished | info["stalled"]
-            conv = conv & ~bad
-            if cfg.compaction:
-                resid_buf[t].index_copy_(0, idx, res.to(rdtype))
-                norm_buf[t].index_copy_(0, idx, norm_next.to(rdtype))
-            else:
-                resid_buf[t] = torch.where(active, res.to(rdtype), float("nan"))
-                norm_buf[t] = torch.where(active, norm_next.to(rdtype), float("nan"))
-                finished = finished & active
-        if callback is not None:
-            if cfg.compaction:
-                callback(t + 1, z_next, idx)
-            else:
-                live = active.nonzero().squeeze(1)
-                callback(t + 1, z_next.index_select(0, live), live)
+            # could any sample stop here? (one host sync; exact masks only when it could)
+            fire = last
+            if not fire:
+                low_ok = cfg.halting == "residual" and t + 1 >= cfg.min_steps
+                lo, hi = torch.aminmax(res)
+                fire = not (lo.item() >= (tol if low_ok else 0.0) and hi.item() <= thr)  # NaN fires
+                if not fire and not (picard_norm and low_ok):  # else ||f(z)|| = inf gives res 0 or NaN
+                    fire = not nrm.amax().item() < inf
+                if not fire and check_stalled:
+                    fire = bool(info["stalled"].any())
+                if not fire and generic:
+                    fire = bool(done.any())
+            if not fire:
+                if compaction or all_active:
+                    z = z_next
+                else:
+                    z = torch.where(active.view(-1, *([1] * (z.dim() - 1))), z_next, z)
+                if callback is not None:
+                    if compaction or all_active:
+                        callback(t + 1, z_next, idx)
+                    else:
+                        live = active.nonzero().squeeze(1)
+                        callback(t + 1, z_next.index_select(0, live), live)
+                continue
 
-        n_finished = int(finished.sum())
-        n_active = z.shape[0] if cfg.compaction else None
-        if n_finished:
-            good = (finished & ~bad).nonzero().squeeze(1)
-            broken = (finished & bad).nonzero().squeeze(1)
             with torch.no_grad():
-                rows = idx.index_select(0, good)
-                steps.index_fill_(0, rows, t + 1)
-                converged.index_copy_(0, rows, conv.index_select(0, good))
-                steps.index_fill_(0, idx.index_select(0, broken), t)
-            if good.numel():
-                emit(good, halting.output(z_next, hstate), hstate, t + 1)
-            if broken.numel():
-                emit(broken, halting.output(z, h_prev), h_prev, t)
-        if cfg.compaction:
-            if n_finished == n_active:
-                break
-            if n_finished:
-                keep = (~finished).nonzero().squeeze(1)
-                z = z_next.index_select(0, keep)
-                ctx_a = _select(ctx_a, keep)
-                sstate = _select(sstate, keep)
-                hstate = _select(hstate, keep)
-                idx = idx.index_select(0, keep)
-            else:
-                z = z_next
-        else:
-            frozen = (~active) | bad
-            active = active & ~finished
-            if n_finished and not bool(active.any()):
-                break
-            z = torch.where(frozen.view(-1, *([1] * (z.dim() - 1))), z, z_next)
+                if not generic:
+                    _, done, conv, _ = halting.check(t, z, z_next, res, hstate, ctx_a)
+                # non-finite residual or state, or residual above the threshold (NaN compares False)
+                bad = ~((res <= thr) & (nrm < inf))
+                finished = torch.ones_like(done) if last else done | bad
+                if check_stalled:
+                    finished = finished | info["stalled"]
+                conv = conv & ~bad
+                if not compaction:
+                    finished = finished & active
+            if callback is not None:
+                if compaction:
+                    callback(t + 1, z_next, idx)
+                else:
+                    live = active.nonzero().squeeze(1)
+                    callback(t + 1, z_next.index_select(0, live), live)
 
-    if not track:
-        piece_idx.append(idx)
-        piece_val.append(z)
-        steps.fill_(cfg.max_steps)
+            n_finished = int(finished.sum())
+            n_active = z.shape[0]
+            if n_finished:
+                good = (finished & ~bad).nonzero().squeeze(1)
+                broken = (finished & bad).nonzero().squeeze(1)
+                with torch.no_grad():
+                    rows = idx.index_select(0, good)
+                    steps.index_fill_(0, rows, t + 1)
+                    converged.index_copy_(0, rows, conv.index_select(0, good))
+                    steps.index_fill_(0, idx.index_select(0, broken), t)
+                    if not compaction:
+                        ran.masked_fill_(finished, t + 1)
+                if good.numel():
+                    emit(good, halting.output(z_next, hstate), hstate, t + 1)
+                if broken.numel():
+                    emit(broken, halting.output(z, h_prev), h_prev, t)
+            if compaction:
+                if n_finished == n_active:
+                    break
+                if n_finished:
+                    # flush this segment's history, continue with the rows still running
+                    resid_buf[t0 : t + 1].index_copy_(1, idx, seg_res[: t + 1 - t0])
+                    norm_buf[t0 : t + 1].index_copy_(1, idx, seg_norm[: t + 1 - t0])
+                    keep = (~finished).nonzero().squeeze(1)
+                    z = z_next.index_select(0, keep)
+                    ctx_a = _select(ctx_a, keep)
+                    sstate = _select(sstate, keep)
+                    hstate = _select(hstate, keep)
+                    idx = idx.index_select(0, keep)
+                    t0 = t + 1
+                    seg_res = torch.empty((cfg.max_steps - t0, keep.numel()), dtype=rdtype, device=device)
+                    seg_norm = torch.empty_like(seg_res)
+                else:
+                    z = z_next
+            else:
+                frozen = (~active) | bad
+                active = active & ~finished
+                all_active = False
+                if n_finished and not bool(active.any()):
+                    break
+                z = torch.where(frozen.view(-1, *([1] * (z.dim() - 1))), z, z_next)
+        t_end = t + 1
+        with torch.no_grad():
+            if compaction:
+                resid_buf[t0:t_end].index_copy_(1, idx, seg_res[: t_end - t0])
+                norm_buf[t0:t_end].index_copy_(1, idx, seg_norm[: t_end - t0])
+            else:  # rows after a sample halted are NaN
+                after = torch.arange(t_end, device=device).unsqueeze(1) >= ran.unsqueeze(0)
+                resid_buf[:t_end].masked_fill_(after, float("nan"))
+                norm_buf[:t_end].masked_fill_(after, float("nan"))
+            norm_buf[:t_end].div_(math.sqrt(max(1, width)))  # ||state|| -> RMS, once for the history
+        return t_end
+
+    grad_mode: bool | None = None
+    try:
+        if not track:
+            # fixed halting without trace: a plain loop, no norms, no divergence check, no host syncs
+            # (the damped solver still measures its residual on the device)
+            res_row = torch.empty(b, dtype=rdtype, device=device) if cfg.solver == "damped" else None
+            for t in range(cfg.max_steps):
+                t_run = t + 1
+                mode = grad_on and t >= grad_from
+                if mode is not grad_mode:
+                    torch.set_grad_enabled(mode)
+                    grad_mode = mode
+                fz = step(z, *ctx_a)
+                if t == 0:
+                    _check_step_output(fz, z)
+                if res_row is not None:
+                    residual_into(flat(z), flat(fz), kind, channels, res_row)
+                z, sstate, _ = solver.update(z, fz, res_row, sstate)
+                if callback is not None:
+                    callback(t + 1, z, idx)
+            piece_idx.append(idx)
+            piece_val.append(z)
+            steps.fill_(cfg.max_steps)
+        else:
+            t_run = _tracked()
+    finally:
+        torch.set_grad_enabled(grad_on)
 
     order = torch.cat(piece_idx).argsort()
     state = torch.cat(piece_val).index_select(0, order)
@@ -277,8 +377,8 @@ def run_loop(
         state=state,
         steps=steps,
         converged=converged,
-        residuals=resid_buf[:t_run] if track else resid_buf,
+        residuals=resid_buf[:t_run],
         logits=logits,
         ponder_cost=ponder,
-        state_norms=norm_buf[:t_run] if track else norm_buf,
+        state_norms=norm_buf[:t_run],
     )

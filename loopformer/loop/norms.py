@@ -7,6 +7,9 @@
   dim, tokens every dim between batch and channels.
 - ``rms``: root-mean-square of the state per sample (logged every step, LESSONS.md).
 All are computed without gradient: they only drive halting decisions and logging.
+``residual_into`` is the engine's per-iteration form: flat, already detached inputs, results written
+into preallocated history rows (``out=``), no decorator or dtype casts (small maps are dominated by
+per-op overhead: benchmarks/notes.md).
 """
 
 from __future__ import annotations
@@ -46,3 +49,27 @@ def rms(z: Tensor) -> Tensor:
     b = z.shape[0]
     flat = z.reshape(b, -1).to(torch.promote_types(z.dtype, torch.float32))
     return torch.linalg.vector_norm(flat, dim=1) / math.sqrt(max(1, flat.shape[1]))
+
+
+def residual_into(
+    zf: Tensor, fzf: Tensor, kind: str, channels: int, res_out: Tensor, norm_out: Tensor | None = None
+) -> Tensor:
+    """Write the residual of flat detached [B, D] states into ``res_out`` [B]; return ||f(z)||_2 [B].
+
+    Same arithmetic as ``residual_and_rms`` (the RMS is ``||f(z)|| / sqrt(D)``, which the engine
+    divides once for the whole history); ``channels`` is the state's last dim (rel_sup's tokens are
+    the rest); ``norm_out`` optionally receives ``||f(z)||_2``. The caller guarantees that no
+    gradient is recorded (detached inputs) and that ``zf`` / ``fzf`` already have the result dtype.
+    """
+    vector_norm = torch.linalg.vector_norm
+    fz_norm = vector_norm(fzf, dim=1) if norm_out is None else vector_norm(fzf, dim=1, out=norm_out)
+    if kind == "rel_l2":
+        torch.div(vector_norm(fzf - zf, dim=1), fz_norm + EPS, out=res_out)
+    elif kind == "rel_sup":
+        b = zf.shape[0]
+        num = (fzf - zf).reshape(b, -1, channels).abs().amax(dim=2)
+        den = fzf.reshape(b, -1, channels).abs().amax(dim=2) + EPS
+        torch.amax(num / den, dim=1, out=res_out)
+    else:
+        raise ValueError(f"unknown residual norm {kind!r} (use 'rel_l2' or 'rel_sup')")
+    return fz_norm

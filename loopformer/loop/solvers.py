@@ -6,7 +6,7 @@ Each solver evaluates ``f`` exactly once per iteration (the engine does it) and 
 
 - ``picard``: ``z <- f(z)``.
 - ``damped``: FPRM's Algorithm 1 (SYSTEMS.md section 1): per sample step ``eta`` (starts at 1),
-  best residual ``r*`` and patience ``p``; ``z <- eta f(z) + (1 - eta) z``; if ``r < r*`` reset
+  best residual ``r*`` and patience ``p``; ``z <- eta f(z) + (1 - eta) z`` (one ``torch.lerp``); if ``r < r*`` reset
   the patience, else ``p -= 1``; when ``p <= 0`` and ``r >= eps`` shrink ``eta *= gamma`` and reset
   ``p``. ``eta < min_step`` reports the sample as stalled (halted, not converged).
 - ``anderson``: type-II Anderson acceleration (Attractor, SYSTEMS.md section 2; DEQ): with the last
@@ -36,7 +36,8 @@ State = dict[str, Any]
 
 def _bcast(v: Tensor, like: Tensor) -> Tensor:
     """Reshape a per-sample vector [B] to broadcast against a state [B, ...]."""
-    return v.view(v.shape[0], *([1] * (like.dim() - 1))).to(like.dtype)
+    v = v.view(v.shape[0], *([1] * (like.dim() - 1)))
+    return v if v.dtype == like.dtype else v.to(like.dtype)
 
 
 def anderson_weights(g: Tensor, reg: float, relative: bool = True) -> Tensor:
@@ -99,17 +100,21 @@ class Damped(Solver):
     def update(self, z: Tensor, fz: Tensor, res: Tensor, state: State) -> tuple[Tensor, State, dict[str, Tensor]]:
         cfg = self.cfg
         eta = state["eta"]
-        e = _bcast(eta, z)
-        z_next = e * fz + (1 - e) * z
+        # one fused op; lerp with weight 1 returns f(z) exactly. The engine's truncated-gradient
+        # replay uses the same torch.lerp, so replayed iterates match these bit for bit.
+        z_next = torch.lerp(z, fz, _bcast(eta, z))
         with torch.no_grad():
             improved = res < state["best"]
             best = torch.where(improved, res, state["best"])
-            patience = torch.where(improved, cfg.damp_patience, state["patience"] - 1)
-            shrink = (patience <= 0) & (res >= cfg.tol)
+            patience = (state["patience"] - 1).masked_fill_(improved, cfg.damp_patience)
+            # improved implies patience > 0, so the shrink test needs no extra mask
+            shrink = (patience <= 0).logical_and_(res >= cfg.tol)
             new_eta = torch.where(shrink, eta * cfg.damp_gamma, eta)
-            patience = torch.where(shrink, cfg.damp_patience, patience)
-            stalled = new_eta < cfg.damp_min_step
-        return z_next, {"eta": new_eta, "best": best, "patience": patience}, {"eta": eta, "stalled": stalled}
+            patience.masked_fill_(shrink, cfg.damp_patience)
+            info = {"eta": eta}
+            if cfg.halting != "fixed":  # fixed halting ignores stalls: skip the op
+                info["stalled"] = new_eta < cfg.damp_min_step
+        return z_next, {"eta": new_eta, "best": best, "patience": patience}, info
 
 
 class Anderson(Solver):
