@@ -508,22 +508,11 @@ def training_depth(run: LoadedRun) -> int:
 
 
 def has_validator(task: Task, dataset: TokenDataset | None = None) -> bool:
-    """Whether ``task.check`` judges predictions: the task's ``has_validator`` attribute when it sets one,
-    else one probe call of ``check`` on the first example of ``dataset`` (NotImplementedError = none).
+    """Whether ``task.check`` judges predictions (``Task.has_validator``; False for language modelling).
 
-    Called once, up front; without a dataset to probe the task is assumed to have a validator.
+    ``dataset`` is accepted for call-site symmetry and unused.
     """
-    flag = getattr(task, "has_validator", None)
-    if flag is not None:
-        return bool(flag)
-    if dataset is None or len(dataset) == 0:
-        return True
-    x, y = dataset.inputs[0], dataset.labels[0]
-    try:
-        task.check(x, np.where(y == IGNORE_INDEX, x, y))
-    except NotImplementedError:
-        return False
-    return True
+    return bool(task.has_validator)
 
 
 @dataclass

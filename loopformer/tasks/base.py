@@ -89,6 +89,7 @@ class Task(ABC):
     seq_len: int = 0
     causal: bool = False
     num_puzzle_ids: int = 0  # size of a per-puzzle embedding table, 0 when unused
+    has_validator: bool = True  # False where check() cannot judge a prediction (language modelling)
 
     @abstractmethod
     def generate(self, n: int, seed: int, **difficulty: Any) -> TokenDataset:

@@ -84,6 +84,7 @@ class TextTask(Task):
     name = "text"
     vocab_size = 256
     causal = True
+    has_validator = False  # scored by bits per byte, not by check()
 
     def __init__(
         self,
