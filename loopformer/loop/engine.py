@@ -11,6 +11,11 @@ until each sample's halting rule fires, per sample:
 - with ``compaction`` halted samples leave the active batch (state, ctx rows, solver and
   halting state are index-selected), so adaptive halting saves real compute; without it
   finished rows are frozen with ``torch.where``. Both give the same results.
+- per-iteration cost (small maps are dominated by it): residuals and ||state|| are written in
+  place into preallocated history rows, one host sync per step (``aminmax`` of the residuals:
+  could any sample stop?) and the exact halting / divergence masks only when it could; fixed
+  halting with ``trace=False`` is a plain loop for every solver (no norms, no divergence check,
+  no sync; the damped solver still measures its residual on the device).
 - gradient modes (chosen by ``cfg.grad`` only, never by ``module.training``):
   ``bptt`` unrolls every step; ``truncated`` runs without gradient and makes the last k steps
   of each sample differentiable. For picard / damped this is exact: with fixed halting the last
