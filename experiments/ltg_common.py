@@ -71,13 +71,21 @@ def _concat(parts: list[TokenDataset], meta: dict[str, Any], seed: int) -> Token
     return TokenDataset(x[order], y[order], d[order], meta=meta)
 
 
-def kg_training_set(task: KGDepthTask, k_train: int, paths_per_hop: int, seed: int, width: int) -> TokenDataset:
+def kg_training_set(
+    task: KGDepthTask, k_train: int, paths_per_hop: int, seed: int, width: int
+) -> TokenDataset:
     """ALL atomic facts + min(paths_per_hop, available) train-split paths for each k = 2..k_train."""
     parts = [task.atomic_facts(width)]
     for k in range(2, k_train + 1):
         n = min(paths_per_hop, kg_path_count(task, k, "train"))
         parts.append(task.generate(n, seed + 7919 * k, hops=k, split="train", pad_to=width))
-    meta = {"task": task.name, "split": "train", "k_train": k_train, "paths_per_hop": paths_per_hop, "seed": seed}
+    meta = {
+        "task": task.name,
+        "split": "train",
+        "k_train": k_train,
+        "paths_per_hop": paths_per_hop,
+        "seed": seed,
+    }
     return _concat(parts, meta, seed)
 
 
@@ -93,7 +101,9 @@ def kg_test_sets(task: KGDepthTask, hops: tuple[int, ...], n: int, seed: int) ->
 def kg_curriculum_eval(task: KGDepthTask, k_train: int, n: int, seed: int, width: int) -> TokenDataset:
     """Held-out paths k = 2..k_train, padded to the training width: the curriculum's check set."""
     parts = [
-        task.generate(min(n, kg_path_count(task, k, "test")), seed + 31 * k, hops=k, split="test", pad_to=width)
+        task.generate(
+            min(n, kg_path_count(task, k, "test")), seed + 31 * k, hops=k, split="test", pad_to=width
+        )
         for k in range(2, k_train + 1)
     ]
     return _concat(parts, {"task": task.name, "split": "test"}, seed)
@@ -138,7 +148,9 @@ def train_or_load(
     cfg.out_dir = str(run_dir)
     task = kg_task(cfg) if cfg.data.task == "kg_depth" else None
     trainer = Trainer(cfg, task=task, train_data=train_data, eval_data=eval_data)
-    log(f"training {recipe}: {trainer.model.num_parameters():,} parameters, {cfg.train.steps} steps -> {run_dir}")
+    log(
+        f"training {recipe}: {trainer.model.num_parameters():,} parameters, {cfg.train.steps} steps -> {run_dir}"
+    )
     t0 = time.perf_counter()
     summary = trainer.fit()
     wall = time.perf_counter() - t0
@@ -159,7 +171,9 @@ def train_or_load(
         "reused": False,
     }
     info_path.write_text(json.dumps(info, indent=2))
-    log(f"  done in {wall:.0f} s, curriculum level {info['curriculum_level']}, advances {info['curriculum_advances']}")
+    log(
+        f"  done in {wall:.0f} s, curriculum level {info['curriculum_level']}, advances {info['curriculum_advances']}"
+    )
     trainer.model.eval()
     return trainer.model, info
 

@@ -38,23 +38,33 @@ def _common() -> Any:
 MAX_LOOPS = 16
 
 
-def per_hop_curves(model: Any, task: Any, sets: dict[int, Any], loops: int) -> dict[int, dict[str, list[float]]]:
+def per_hop_curves(
+    model: Any, task: Any, sets: dict[int, Any], loops: int
+) -> dict[int, dict[str, list[float]]]:
     """Per hop count: validator accuracy and mean logit margin after each of 1..loops fixed loops."""
     from loopformer.eval import logit_lens
 
     out = {}
     for k, ds in sets.items():
-        curve = logit_lens(model, task, ds, loops, halting="fixed", batch_size=512,
-                           bridge_tokens=np.full(len(ds), -1))
-        out[k] = {"n": len(ds), "loops": curve.loops, "accuracy": curve.valid_accuracy, "margin": curve.margin}
+        curve = logit_lens(
+            model, task, ds, loops, halting="fixed", batch_size=512, bridge_tokens=np.full(len(ds), -1)
+        )
+        out[k] = {
+            "n": len(ds),
+            "loops": curve.loops,
+            "accuracy": curve.valid_accuracy,
+            "margin": curve.margin,
+        }
     return out
 
 
 def single_pass(model: Any, task: Any, sets: dict[int, Any]) -> dict[int, dict[str, float]]:
     from loopformer.eval import evaluate
 
-    return {k: {"n": len(ds), "accuracy": evaluate(model, task, ds, batch_size=512).valid_accuracy}
-            for k, ds in sets.items()}
+    return {
+        k: {"n": len(ds), "accuracy": evaluate(model, task, ds, batch_size=512).valid_accuracy}
+        for k, ds in sets.items()
+    }
 
 
 def run(quick: bool = False, retrain: bool = False) -> dict[str, Any]:
@@ -64,16 +74,26 @@ def run(quick: bool = False, retrain: bool = False) -> dict[str, Any]:
     sets = c.kg_test_sets(task, c.TEST_HOPS, 40 if quick else c.TEST_PER_HOP, seed=12345)
     loops = 4 if quick else MAX_LOOPS
     result: dict[str, Any] = {
-        "k_train": c.K_TRAIN, "test_hops": list(c.TEST_HOPS), "max_loops": loops, "quick": quick,
-        "graph": {"entities": task.num_entities, "relations": task.num_relations,
-                  "test_fraction": task.test_fraction},
+        "k_train": c.K_TRAIN,
+        "test_hops": list(c.TEST_HOPS),
+        "max_loops": loops,
+        "quick": quick,
+        "graph": {
+            "entities": task.num_entities,
+            "relations": task.num_relations,
+            "test_fraction": task.test_fraction,
+        },
         "models": {},
     }
     for name, (model, info) in models.items():
         entry = {
-            "label": c.KG_MODELS[name][1], "recipe": c.KG_MODELS[name][0], "parameters": info["parameters"],
-            "train_wall_time_s": info["wall_time"], "train_steps": info["steps"],
-            "curriculum_level": info["curriculum_level"], "curriculum_advances": info["curriculum_advances"],
+            "label": c.KG_MODELS[name][1],
+            "recipe": c.KG_MODELS[name][0],
+            "parameters": info["parameters"],
+            "train_wall_time_s": info["wall_time"],
+            "train_steps": info["steps"],
+            "curriculum_level": info["curriculum_level"],
+            "curriculum_advances": info["curriculum_advances"],
         }
         if name == "transformer":
             entry["per_hop"] = single_pass(model, task, sets)
@@ -81,8 +101,9 @@ def run(quick: bool = False, retrain: bool = False) -> dict[str, Any]:
             entry["per_hop"] = per_hop_curves(model, task, sets, loops)
         result["models"][name] = entry
     result["table"] = summary_table(result)
-    result["eval_wall_time_s"] = time.perf_counter() - t0 - sum(
-        0 if m[1]["reused"] else m[1]["wall_time"] for m in models.values())
+    result["eval_wall_time_s"] = (
+        time.perf_counter() - t0 - sum(0 if m[1]["reused"] else m[1]["wall_time"] for m in models.values())
+    )
     out = c.figure_dir("ltg_depth", quick)
     c.write_json(out / "ltg_depth.json", result)
     plot(result, out / "ltg_depth.png")
@@ -95,7 +116,10 @@ def summary_table(result: dict[str, Any]) -> list[dict[str, Any]]:
     rows = []
     train_depth = {"fixed": 4, "poisson": 8}
     for k in result["test_hops"]:
-        row: dict[str, Any] = {"k": k, "transformer": result["models"]["transformer"]["per_hop"][k]["accuracy"]}
+        row: dict[str, Any] = {
+            "k": k,
+            "transformer": result["models"]["transformer"]["per_hop"][k]["accuracy"],
+        }
         for name in ("fixed", "poisson"):
             curve = result["models"][name]["per_hop"][k]
             acc = curve["accuracy"]
@@ -113,8 +137,10 @@ def summary_table(result: dict[str, Any]) -> list[dict[str, Any]]:
 def print_table(result: dict[str, Any]) -> None:
     print("k | transformer | fixed@4 | fixed best (R) | poisson@8 | poisson best (R)")
     for r in result["table"]:
-        print(f"{r['k']} | {r['transformer']:.3f} | {r['fixed_at_train_R']:.3f} | {r['fixed_best']:.3f} "
-              f"({r['fixed_best_R']}) | {r['poisson_at_train_R']:.3f} | {r['poisson_best']:.3f} ({r['poisson_best_R']})")
+        print(
+            f"{r['k']} | {r['transformer']:.3f} | {r['fixed_at_train_R']:.3f} | {r['fixed_best']:.3f} "
+            f"({r['fixed_best_R']}) | {r['poisson_at_train_R']:.3f} | {r['poisson_best']:.3f} ({r['poisson_best_R']})"
+        )
 
 
 def plot(result: dict[str, Any], path: Path) -> None:

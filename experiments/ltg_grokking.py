@@ -84,9 +84,13 @@ def train_with_curves(recipe: str, overrides: list[str], log: Any = print) -> di
             curves["step"].append(trainer.step)
             curves["loss"].append(float(np.mean(losses[-every:])))
             for name, ds in probes.items():
-                curves[name].append(evaluate(trainer.model, task, ds, loop=loop, batch_size=512).valid_accuracy)
-            log(f"  {recipe} step {trainer.step}: loss {curves['loss'][-1]:.3f} " + " ".join(
-                f"{k} {curves[k][-1]:.3f}" for k in probes))
+                curves[name].append(
+                    evaluate(trainer.model, task, ds, loop=loop, batch_size=512).valid_accuracy
+                )
+            log(
+                f"  {recipe} step {trainer.step}: loss {curves['loss'][-1]:.3f} "
+                + " ".join(f"{k} {curves[k][-1]:.3f}" for k in probes)
+            )
     wall = time.perf_counter() - t0
     trainer.save()
     lens_loops = 2 * loop.max_steps + 2
@@ -94,9 +98,16 @@ def train_with_curves(recipe: str, overrides: list[str], log: Any = print) -> di
     for name in ("test_id", "test_ood"):
         curve = logit_lens(trainer.model, task, probes[name], lens_loops, loop=loop, batch_size=512)
         lens[name] = curve.to_dict()
-    info = {"recipe": recipe, "parameters": trainer.model.num_parameters(), "wall_time_s": wall,
-            "steps": trainer.step, "R": loop.max_steps, "curves": curves, "logit_lens": lens,
-            "split_sizes": {k: len(v) for k, v in splits.items()}}
+    info = {
+        "recipe": recipe,
+        "parameters": trainer.model.num_parameters(),
+        "wall_time_s": wall,
+        "steps": trainer.step,
+        "R": loop.max_steps,
+        "curves": curves,
+        "logit_lens": lens,
+        "split_sizes": {k: len(v) for k, v in splits.items()},
+    }
     (run_dir / "ltg_grokking_info.json").write_text(json.dumps(info))
     return info
 
@@ -122,11 +133,15 @@ def run(quick: bool = False, steps: int | None = None) -> dict[str, Any]:
     plot(result, out / "ltg_grokking.png")
     for label, m in result["models"].items():
         cv = m["curves"]
-        print(f"{label}: {m['steps']} steps in {m['wall_time_s']:.0f} s; final train-inferred "
-              f"{cv['train_inferred'][-1]:.3f} ID {cv['test_id'][-1]:.3f} OOD {cv['test_ood'][-1]:.3f}")
+        print(
+            f"{label}: {m['steps']} steps in {m['wall_time_s']:.0f} s; final train-inferred "
+            f"{cv['train_inferred'][-1]:.3f} ID {cv['test_id'][-1]:.3f} OOD {cv['test_ood'][-1]:.3f}"
+        )
         for name, lens in m["logit_lens"].items():
-            print(f"   lens {name}: acc {np.round(lens['valid_accuracy'], 3).tolist()} "
-                  f"bridge top1 {np.round(lens['bridge_top1'], 3).tolist()}")
+            print(
+                f"   lens {name}: acc {np.round(lens['valid_accuracy'], 3).tolist()} "
+                f"bridge top1 {np.round(lens['bridge_top1'], 3).tolist()}"
+            )
     return result
 
 
@@ -151,7 +166,9 @@ def plot(result: dict[str, Any], path: Path) -> None:
     for (label, m), color in zip(models.items(), ("tab:orange", "tab:green")):
         for name, style in (("test_id", "-"), ("test_ood", "--")):
             lens = m["logit_lens"][name]
-            ax.plot(lens["loops"], lens["bridge_top1"], style, color=color, label=f"{label} {name}: bridge top-1")
+            ax.plot(
+                lens["loops"], lens["bridge_top1"], style, color=color, label=f"{label} {name}: bridge top-1"
+            )
     ax.set_xlabel("loop (logit lens at the answer position)")
     ax.set_ylabel("fraction with the bridge entity on top")
     ax.set_ylim(-0.02, 1.02)

@@ -51,13 +51,28 @@ def rules(cap: int, length: int) -> dict[str, Any]:
     """The adaptive rules for queries of ``length`` tokens (the LTG variant's entropy bound depends on it)."""
     from loopformer.loop import LoopConfig
 
-    out = {"kl_entropy": LoopConfig(solver="picard", halting="kl_entropy", max_steps=cap, kl_threshold=1e-3,
-                                    entropy_threshold=3.0, grad="bptt"),
-           "kl_entropy variant": LoopConfig(solver="picard", halting="kl_entropy", max_steps=cap, kl_threshold=0.5,
-                                            entropy_threshold=3.0 + 12.0 / length, grad="bptt")}
+    out = {
+        "kl_entropy": LoopConfig(
+            solver="picard",
+            halting="kl_entropy",
+            max_steps=cap,
+            kl_threshold=1e-3,
+            entropy_threshold=3.0,
+            grad="bptt",
+        ),
+        "kl_entropy variant": LoopConfig(
+            solver="picard",
+            halting="kl_entropy",
+            max_steps=cap,
+            kl_threshold=0.5,
+            entropy_threshold=3.0 + 12.0 / length,
+            grad="bptt",
+        ),
+    }
     for tol in RESIDUAL_TOLS:
-        out[f"residual tol={tol}"] = LoopConfig(solver="picard", halting="residual", max_steps=cap, tol=tol,
-                                                residual_norm="rel_sup", grad="bptt")
+        out[f"residual tol={tol}"] = LoopConfig(
+            solver="picard", halting="residual", max_steps=cap, tol=tol, residual_norm="rel_sup", grad="bptt"
+        )
     return out
 
 
@@ -77,21 +92,35 @@ def run(quick: bool = False, retrain: bool = False) -> dict[str, Any]:
     sets = c.kg_test_sets(task, c.TEST_HOPS, 40 if quick else c.TEST_PER_HOP, seed=12345)
     cap = 4 if quick else CAP
     t0 = time.perf_counter()
-    result: dict[str, Any] = {"cap": cap, "equal_accuracy_slack": EQUAL_ACC_SLACK, "hops": list(c.TEST_HOPS),
-                              "k_train": c.K_TRAIN, "quick": quick, "models": {}}
+    result: dict[str, Any] = {
+        "cap": cap,
+        "equal_accuracy_slack": EQUAL_ACC_SLACK,
+        "hops": list(c.TEST_HOPS),
+        "k_train": c.K_TRAIN,
+        "quick": quick,
+        "models": {},
+    }
     for name, (model, _info) in models.items():
         entry: dict[str, Any] = {"label": c.KG_MODELS[name][1], "per_hop": {}}
         for k, ds in sets.items():
-            lens = logit_lens(model, task, ds, cap, halting="fixed", batch_size=512, bridge_tokens=np.full(len(ds), -1))
+            lens = logit_lens(
+                model, task, ds, cap, halting="fixed", batch_size=512, bridge_tokens=np.full(len(ds), -1)
+            )
             fixed_acc = lens.valid_accuracy
-            row: dict[str, Any] = {"n": len(ds), "fixed_accuracy": fixed_acc, "fixed_best_R": int(np.argmax(fixed_acc)) + 1,
-                                   "fixed_best_accuracy": max(fixed_acc), "fixed_cap_accuracy": fixed_acc[-1]}
+            row: dict[str, Any] = {
+                "n": len(ds),
+                "fixed_accuracy": fixed_acc,
+                "fixed_best_R": int(np.argmax(fixed_acc)) + 1,
+                "fixed_best_accuracy": max(fixed_acc),
+                "fixed_cap_accuracy": fixed_acc[-1],
+            }
             for rule, loop in rules(cap, ds.inputs.shape[1]).items():
                 t1 = time.perf_counter()
                 res = evaluate(model, task, ds, loop=loop, batch_size=512)
                 r_eq = equal_accuracy_budget(fixed_acc, res.valid_accuracy)
                 row[rule] = {
-                    "accuracy": res.valid_accuracy, "mean_loops": res.mean_steps,
+                    "accuracy": res.valid_accuracy,
+                    "mean_loops": res.mean_steps,
                     "converged_fraction": res.converged_fraction,
                     "steps_histogram": {str(a): b for a, b in res.steps_histogram.items()},
                     "R_equal_accuracy": r_eq,
@@ -102,7 +131,8 @@ def run(quick: bool = False, retrain: bool = False) -> dict[str, Any]:
             entry["per_hop"][k] = row
         entry["overall"] = overall(entry["per_hop"], cap)
         entry["overall_in_distribution"] = overall(
-            {k: v for k, v in entry["per_hop"].items() if k <= c.K_TRAIN}, cap)
+            {k: v for k, v in entry["per_hop"].items() if k <= c.K_TRAIN}, cap
+        )
         result["models"][name] = entry
     result["eval_wall_time_s"] = time.perf_counter() - t0
     out = c.figure_dir("ltg_halting", quick)
@@ -111,10 +141,16 @@ def run(quick: bool = False, retrain: bool = False) -> dict[str, Any]:
     for name, m in result["models"].items():
         for k, row in m["per_hop"].items():
             kl = row["kl_entropy"]
-            print(f"{name} k={k}: fixed best {row['fixed_best_accuracy']:.3f}@{row['fixed_best_R']} cap "
-                  f"{row['fixed_cap_accuracy']:.3f} | KL+H {kl['accuracy']:.3f} in {kl['mean_loops']:.2f} loops "
-                  f"(R_eq {kl['R_equal_accuracy']}) | " + " ".join(
-                      f"{r}: {row[r]['accuracy']:.3f}/{row[r]['mean_loops']:.2f}" for r in row if r.startswith("residual")))
+            print(
+                f"{name} k={k}: fixed best {row['fixed_best_accuracy']:.3f}@{row['fixed_best_R']} cap "
+                f"{row['fixed_cap_accuracy']:.3f} | KL+H {kl['accuracy']:.3f} in {kl['mean_loops']:.2f} loops "
+                f"(R_eq {kl['R_equal_accuracy']}) | "
+                + " ".join(
+                    f"{r}: {row[r]['accuracy']:.3f}/{row[r]['mean_loops']:.2f}"
+                    for r in row
+                    if r.startswith("residual")
+                )
+            )
         for scope in ("overall", "overall_in_distribution"):
             print(name, scope, {r: v for r, v in m[scope].items() if r != "fixed_accuracy"})
     return result
@@ -132,9 +168,13 @@ def overall(per_hop: dict[int, dict[str, Any]], cap: int) -> dict[str, Any]:
         acc = float(sum(row["n"] * row[rule]["accuracy"] for row in per_hop.values()) / ns.sum())
         loops = float(sum(row["n"] * row[rule]["mean_loops"] for row in per_hop.values()) / ns.sum())
         r_eq = equal_accuracy_budget(pooled_fixed.tolist(), acc)
-        out[rule] = {"accuracy": acc, "mean_loops": loops, "R_equal_accuracy": r_eq,
-                     "saving_vs_equal_fixed": (1 - loops / r_eq) if r_eq else None,
-                     "saving_vs_cap": 1 - loops / cap}
+        out[rule] = {
+            "accuracy": acc,
+            "mean_loops": loops,
+            "R_equal_accuracy": r_eq,
+            "saving_vs_equal_fixed": (1 - loops / r_eq) if r_eq else None,
+            "saving_vs_cap": 1 - loops / cap,
+        }
     return out
 
 
@@ -162,8 +202,12 @@ def plot(result: dict[str, Any], path: Path) -> None:
         ax.grid(alpha=0.3)
         ax = axes[1, col]
         ax.plot(hops, [result["cap"]] * len(hops), "k-s", label=f"fixed R={result['cap']}")
-        ax.plot(hops, [ph[k]["kl_entropy"]["R_equal_accuracy"] or np.nan for k in hops], "k:",
-                label="fixed R matching KL+H accuracy")
+        ax.plot(
+            hops,
+            [ph[k]["kl_entropy"]["R_equal_accuracy"] or np.nan for k in hops],
+            "k:",
+            label="fixed R matching KL+H accuracy",
+        )
         for rule in rules_:
             ax.plot(hops, [ph[k][rule]["mean_loops"] for k in hops], marker="o", label=rule)
         ax.set_xlabel("hops k")

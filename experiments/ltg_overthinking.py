@@ -42,10 +42,16 @@ def summarize(loops: list[int], acc: list[float], margin: list[float]) -> dict[s
     best = int(np.argmax(acc))
     peak_margin = int(np.nanargmax(margin))
     return {
-        "best_R": loops[best], "best_accuracy": acc[best], "margin_at_best": margin[best],
-        "peak_margin_R": loops[peak_margin], "peak_margin": margin[peak_margin],
-        "final_R": loops[-1], "final_accuracy": acc[-1], "final_margin": margin[-1],
-        "accuracy_drop": acc[best] - acc[-1], "margin_drop": margin[peak_margin] - margin[-1],
+        "best_R": loops[best],
+        "best_accuracy": acc[best],
+        "margin_at_best": margin[best],
+        "peak_margin_R": loops[peak_margin],
+        "peak_margin": margin[peak_margin],
+        "final_R": loops[-1],
+        "final_accuracy": acc[-1],
+        "final_margin": margin[-1],
+        "accuracy_drop": acc[best] - acc[-1],
+        "margin_drop": margin[peak_margin] - margin[-1],
     }
 
 
@@ -57,15 +63,26 @@ def run(quick: bool = False, retrain: bool = False) -> dict[str, Any]:
     sets = c.kg_test_sets(task, HOPS, 40 if quick else c.TEST_PER_HOP, seed=12345)
     loops = 6 if quick else MAX_LOOPS
     t0 = time.perf_counter()
-    result: dict[str, Any] = {"k_train": c.K_TRAIN, "hops": list(HOPS), "max_loops": loops, "quick": quick,
-                              "models": {}}
+    result: dict[str, Any] = {
+        "k_train": c.K_TRAIN,
+        "hops": list(HOPS),
+        "max_loops": loops,
+        "quick": quick,
+        "models": {},
+    }
     for name, (model, _info) in models.items():
-        entry: dict[str, Any] = {"label": c.KG_MODELS[name][1], "train_depth": 4 if name == "fixed" else "2-8",
-                                 "per_hop": {}}
+        entry: dict[str, Any] = {
+            "label": c.KG_MODELS[name][1],
+            "train_depth": 4 if name == "fixed" else "2-8",
+            "per_hop": {},
+        }
         for k, ds in sets.items():
             curve = overthinking(model, task, ds, loops, batch_size=512)
             entry["per_hop"][k] = {
-                "n": len(ds), "loops": curve.loops, "accuracy": curve.valid_accuracy, "margin": curve.margin,
+                "n": len(ds),
+                "loops": curve.loops,
+                "accuracy": curve.valid_accuracy,
+                "margin": curve.margin,
                 **summarize(curve.loops, curve.valid_accuracy, curve.margin),
             }
         result["models"][name] = entry
@@ -75,8 +92,10 @@ def run(quick: bool = False, retrain: bool = False) -> dict[str, Any]:
     plot(result, out / "ltg_overthinking.png")
     for name, m in result["models"].items():
         for k, s in m["per_hop"].items():
-            print(f"{name} k={k}: best R {s['best_R']} acc {s['best_accuracy']:.3f} margin {s['margin_at_best']:.2f}"
-                  f" | R={s['final_R']} acc {s['final_accuracy']:.3f} margin {s['final_margin']:.2f}")
+            print(
+                f"{name} k={k}: best R {s['best_R']} acc {s['best_accuracy']:.3f} margin {s['margin_at_best']:.2f}"
+                f" | R={s['final_R']} acc {s['final_accuracy']:.3f} margin {s['final_margin']:.2f}"
+            )
     return result
 
 

@@ -60,12 +60,18 @@ def prefix_accuracy(model: Any, task: Any, data: Any, loop: Any, batch_size: int
         if out.loop is not None:
             steps.append(out.loop.steps.float().cpu().numpy())
     acc = np.mean(np.stack(correct), axis=0)
-    return {"prefix_accuracy": acc.tolist(), "mean_loops": float(np.concatenate(steps).mean()) if steps else 1.0}
+    return {
+        "prefix_accuracy": acc.tolist(),
+        "mean_loops": float(np.concatenate(steps).mean()) if steps else 1.0,
+    }
 
 
 def run(
-    quick: bool = False, retrain: bool = False, recipe: str = "groups_s3_fprm",
-    baseline: str | None = "groups_s3_transformer", test_length: int | None = None,
+    quick: bool = False,
+    retrain: bool = False,
+    recipe: str = "groups_s3_fprm",
+    baseline: str | None = "groups_s3_transformer",
+    test_length: int | None = None,
 ) -> dict[str, Any]:
     from loopformer.config import load_config
     from loopformer.eval.evaluate import with_budget
@@ -86,13 +92,26 @@ def run(
     data = task.generate(32 if quick else N_TEST, seed=777, length=length)
     budgets = (2, 4) if quick else BUDGETS
     t0 = time.perf_counter()
-    result: dict[str, Any] = {"group": task.group, "train_length": train_length, "test_length": length,
-                              "n_test": len(data), "quick": quick, "models": {}}
+    result: dict[str, Any] = {
+        "group": task.group,
+        "train_length": train_length,
+        "test_length": length,
+        "n_test": len(data),
+        "quick": quick,
+        "models": {},
+    }
     model, info = trained["fprm"]
     loop_eval = cfg.loop_config(model.config.loop, "eval")
-    entry: dict[str, Any] = {"recipe": recipe, "parameters": info["parameters"], "train_wall_time_s": info["wall_time"],
-                             "train_steps": info["steps"], "train_final": info["train_final"],
-                             "loop_eval": dataclasses.asdict(loop_eval), "capped": {}, "fixed": {}}
+    entry: dict[str, Any] = {
+        "recipe": recipe,
+        "parameters": info["parameters"],
+        "train_wall_time_s": info["wall_time"],
+        "train_steps": info["steps"],
+        "train_final": info["train_final"],
+        "loop_eval": dataclasses.asdict(loop_eval),
+        "capped": {},
+        "fixed": {},
+    }
     for b in budgets:
         entry["capped"][b] = prefix_accuracy(model, task, data, with_budget(loop_eval, b, "capped"))
         entry["fixed"][b] = prefix_accuracy(model, task, data, with_budget(loop_eval, b, "fixed"))
@@ -100,8 +119,11 @@ def run(
     if "transformer" in trained:
         model, info = trained["transformer"]
         result["models"]["transformer"] = {
-            "recipe": baseline, "parameters": info["parameters"], "train_wall_time_s": info["wall_time"],
-            "train_steps": info["steps"], "train_final": info["train_final"],
+            "recipe": baseline,
+            "parameters": info["parameters"],
+            "train_wall_time_s": info["wall_time"],
+            "train_steps": info["steps"],
+            "train_final": info["train_final"],
             "single_pass": prefix_accuracy(model, task, data, None),
         }
     result["table"] = table(result)
@@ -122,13 +144,24 @@ def table(result: dict[str, Any]) -> list[dict[str, Any]]:
     fprm = result["models"]["fprm"]
     for mode in ("capped", "fixed"):
         for b, r in fprm[mode].items():
-            rows.append({"model": "fprm", "loops": f"{'halting, cap' if mode == 'capped' else 'exactly'} {b}",
-                         "mean_loops": r["mean_loops"],
-                         **{f"len{p}": r["prefix_accuracy"][p - 1] for p in points}})
+            rows.append(
+                {
+                    "model": "fprm",
+                    "loops": f"{'halting, cap' if mode == 'capped' else 'exactly'} {b}",
+                    "mean_loops": r["mean_loops"],
+                    **{f"len{p}": r["prefix_accuracy"][p - 1] for p in points},
+                }
+            )
     if "transformer" in result["models"]:
         r = result["models"]["transformer"]["single_pass"]
-        rows.append({"model": "transformer", "loops": "1 pass", "mean_loops": 1.0,
-                     **{f"len{p}": r["prefix_accuracy"][p - 1] for p in points}})
+        rows.append(
+            {
+                "model": "transformer",
+                "loops": "1 pass",
+                "mean_loops": 1.0,
+                **{f"len{p}": r["prefix_accuracy"][p - 1] for p in points},
+            }
+        )
     return rows
 
 
@@ -143,10 +176,16 @@ def plot(result: dict[str, Any], path: Path) -> None:
     fprm = result["models"]["fprm"]
     colors = plt.cm.viridis(np.linspace(0, 0.85, len(fprm["capped"])))
     for color, (b, r) in zip(colors, fprm["capped"].items()):
-        ax.plot(x, r["prefix_accuracy"], color=color, label=f"FPRM, halting cap {b} (mean {r['mean_loops']:.1f})")
+        ax.plot(
+            x, r["prefix_accuracy"], color=color, label=f"FPRM, halting cap {b} (mean {r['mean_loops']:.1f})"
+        )
     if "transformer" in result["models"]:
-        ax.plot(x, result["models"]["transformer"]["single_pass"]["prefix_accuracy"], "r--",
-                label="transformer (equal params)")
+        ax.plot(
+            x,
+            result["models"]["transformer"]["single_pass"]["prefix_accuracy"],
+            "r--",
+            label="transformer (equal params)",
+        )
     ax.axvline(result["train_length"], color="gray", ls=":", lw=1)
     ax.set_xlabel(f"prefix length (training length {result['train_length']}, dotted)")
     ax.set_ylabel("sequence accuracy")
@@ -165,10 +204,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--retrain", action="store_true", help="train even when a matching run exists")
     parser.add_argument("--recipe", default="groups_s3_fprm", help="the looped model's recipe")
     parser.add_argument("--baseline", default="groups_s3_transformer", help="baseline recipe, or 'none'")
-    parser.add_argument("--test-length", type=int, default=None, help="test word length (default 4x training)")
+    parser.add_argument(
+        "--test-length", type=int, default=None, help="test word length (default 4x training)"
+    )
     args = parser.parse_args(argv)
-    run(quick=args.quick, retrain=args.retrain, recipe=args.recipe,
-        baseline=None if args.baseline == "none" else args.baseline, test_length=args.test_length)
+    run(
+        quick=args.quick,
+        retrain=args.retrain,
+        recipe=args.recipe,
+        baseline=None if args.baseline == "none" else args.baseline,
+        test_length=args.test_length,
+    )
 
 
 if __name__ == "__main__":

@@ -45,7 +45,11 @@ def test_kg_training_set_holds_all_atomic_facts_and_no_test_path() -> None:
     task = KGDepthTask(num_entities=6, num_relations=2, max_hops=5, seed=0, test_fraction=0.25)
     train = common.kg_training_set(task, 3, paths_per_hop=1000, seed=0, width=6)
     counts = {k: int((train.difficulty == k).sum()) for k in (1, 2, 3)}
-    assert counts == {1: 12, 2: common.kg_path_count(task, 2, "train"), 3: common.kg_path_count(task, 3, "train")}
+    assert counts == {
+        1: 12,
+        2: common.kg_path_count(task, 2, "train"),
+        3: common.kg_path_count(task, 3, "train"),
+    }
     for row, label in zip(train.inputs, train.labels):
         head, rels = task.parse(row)
         if len(rels) >= 2:
@@ -114,7 +118,10 @@ SCRIPTS = ["ltg_depth", "ltg_overthinking", "ltg_halting", "state_tracking", "lt
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_script_quick_dry_run(script: str) -> None:
     proc = subprocess.run(
-        [sys.executable, str(EXPERIMENTS / f"{script}.py"), "--quick"], cwd=ROOT, capture_output=True, text=True,
+        [sys.executable, str(EXPERIMENTS / f"{script}.py"), "--quick"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
         timeout=900,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
