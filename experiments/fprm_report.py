@@ -44,6 +44,24 @@ def sudoku_tables(d: dict[str, Any]) -> list[str]:
         out.append(f"| {name} | {e['parameters']:,} | {e['train_steps']} | {e['gflops_per_step']:.2f} "
                    f"| {e['train_tflops']:.2f} | {e['final_train_metrics']['time']:.0f} | {pct(e['valid_accuracy'])} "
                    f"| {pct(e['exact_accuracy'])} | {e['mean_steps']:.2f} |")
+    fe_path = FIG / "fprm_sudoku" / "flops_end.json"
+    if fe_path.is_file():
+        fe = json.loads(fe_path.read_text())["models"]
+        out += ["", "Compute check (`python experiments/fprm_flops_end.py`): FLOPs per training step counted at the start "
+                "(the matching probe) and again after resuming each finished run for 3 steps.", "",
+                "| model | GFLOP / step at start | GFLOP / step at end | loops / step at end | mean loops / step over "
+                "training | total TFLOP (start x steps ... end x steps) | estimate: end x steps x mean loops / end loops |",
+                "|---|---|---|---|---|---|---|"]
+        for name, v in fe.items():
+            steps = r[name]["train_steps"] if name in r else 0
+            mpath = FIG / "fprm_sudoku" / "train_metrics" / f"{name}.jsonl"
+            loops = [json.loads(x).get("loop_steps") for x in mpath.read_text().splitlines()] if mpath.is_file() else []
+            loops = [x for x in loops if x is not None]
+            mean_loops = sum(loops) / len(loops) if loops else float("nan")
+            est = v["flops_per_step_end"] * steps * mean_loops / v["loop_steps_end"] / 1e12
+            out.append(f"| {name} | {v['flops_per_step_start'] / 1e9:.2f} | {v['flops_per_step_end'] / 1e9:.2f} "
+                       f"| {v['loop_steps_end']:.2f} | {mean_loops:.2f} | {v['flops_per_step_start'] * steps / 1e12:.2f} ... "
+                       f"{v['flops_per_step_end'] * steps / 1e12:.2f} | {est:.2f} |")
     if "fprm" in r:
         f = r["fprm"]
         s = f["steps_vs_blanks"]
@@ -145,7 +163,8 @@ def main() -> None:
                             ("Gradient modes, 150 steps (item 4)", "fprm_grad_modes", grad_tables),
                             ("Gradient modes, 400 steps (item 4)", "fprm_grad_modes_400", grad_tables),
                             ("Signal propagation and training depth (item 1)", "fprm_signal_depth", signal_tables),
-                            ("Maze (item 3)", "fprm_maze", maze_tables)):
+                            ("Maze, 300 FPRM steps (item 3)", "fprm_maze", maze_tables),
+                            ("Maze, 800 FPRM steps (item 3)", "fprm_maze_800", maze_tables)):
         d = _load(name)
         print(f"\n### {title}\n")
         if d is None:

@@ -66,6 +66,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "figures" / "fprm_sudoku")
     parser.add_argument("--runs", type=Path, default=REPO / "runs" / "fprm_sudoku4")
     parser.add_argument("--only", default="", help="comma-separated subset of fprm,transformer,trm,ut_act")
+    parser.add_argument("--steps", type=int, default=0,
+                        help="train the --only models for this many steps instead of the FLOPs-matched count")
+    parser.add_argument("--tag", default="", help="suffix for the results key and run folder, e.g. _matched")
     args = parser.parse_args()
     torch.set_num_threads(1)
     quick = ["train.steps=4", "data.train_size=96", "data.eval_size=24", "train.batch_size=16",
@@ -75,8 +78,8 @@ def main() -> None:
     cfgs = {"fprm": make_config(RECIPE, [*quick, f"out_dir={args.runs / 'fprm'}"])}
     for name, over in BASELINES.items():
         cfgs[name] = make_config(RECIPE, [*quick, *over, f"out_dir={args.runs / name}"])  # over wins
-    only = [s for s in args.only.split(",") if s] or list(cfgs)
 
+    only = [s for s in args.only.split(",") if s] or list(cfgs)
     # -- equal training FLOPs (the probe is cached in the run folder: it is deterministic per config) -----
     cache = args.runs / "flops_per_step.json"
     flops = json.loads(cache.read_text()) if cache.is_file() and not args.quick else {}
@@ -88,6 +91,10 @@ def main() -> None:
     budget = flops["fprm"] * cfgs["fprm"].train.steps
     for name, cfg in cfgs.items():
         cfg.train.steps = max(1, round(budget / flops[name]))
+        if args.steps and name in only:
+            cfg.train.steps = args.steps
+        if args.tag and name in only:
+            cfg.out_dir = str(args.runs / f"{name}{args.tag}")
     print({n: (f"{f / 1e9:.2f} GFLOP/step", cfgs[n].train.steps) for n, f in flops.items()}, flush=True)
 
     out_json = args.out / "results.json"
@@ -134,7 +141,9 @@ def main() -> None:
                     }
                     fprm_extra[label] = e2
                 entry["solver_comparison"] = solver_cmp
-        results[name] = entry
+        if args.steps:
+            entry["steps_override"] = args.steps
+        results[f"{name}{args.tag}"] = entry
         write_json(out_json, {**payload_head(args, cfgs), "results": results,
                                                 "flops_per_step": flops})
         print(name, {k: entry[k] for k in ("valid_accuracy", "mean_steps", "train_steps", "train_wall_time_s")},
@@ -154,7 +163,8 @@ def payload_head(args: argparse.Namespace, cfgs: dict[str, Any]) -> dict[str, An
     dc = cfgs["fprm"].data
     return {
         "command": "python experiments/fprm_sudoku.py" + (" --quick" if args.quick else "")
-        + (f" --only {args.only}" if args.only else ""),
+        + (f" --only {args.only}" if args.only else "") + (f" --steps {args.steps}" if args.steps else "")
+        + (f" --tag {args.tag}" if args.tag else ""),
         "recipe": str(RECIPE.relative_to(REPO)),
         "compute_matching": "equal training FLOPs (FlopCounterMode, forward + backward, mean of measured steps)",
         "baseline_overrides": BASELINES,
