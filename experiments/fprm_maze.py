@@ -81,6 +81,8 @@ def main() -> None:
                 "s_per_step": summary["s_per_step"],
                 "final_train_metrics": summary["train"],
                 "token_accuracy": summary["eval"].get("token_acc"),
+                # token accuracy of predicting the input unchanged (the path cells are the only change)
+                "copy_token_accuracy": float((trainer.eval_data.labels == trainer.eval_data.inputs).mean()),
                 **ev.summary(),
             }
             if name == "fprm":
