@@ -294,6 +294,7 @@ def rms(z: Tensor) -> Tensor:
     return z.flatten(1).double().pow(2).mean(dim=1).sqrt()
 
 
+@torch.no_grad()
 def signal_propagation(
     model: LoopedModel,
     dataset: TokenDataset,
