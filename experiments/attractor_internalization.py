@@ -150,7 +150,7 @@ WINDOWS = ((1, 50), (51, 200), (201, 400), (401, 600), (601, 800))
 
 
 def summarize(results: dict[str, Any]) -> dict[str, Any]:
-    """Per run, means of the logged history over step windows (the tables in docs/results/attractor.md)."""
+    """Per run, means of the logged history over step windows (the tables in docs/results.md (Attractor section))."""
     keys = ("loop_steps", "converged", "gap", "dist", "token_acc_0", "loss")
     for run in results["runs"].values():
         last = max(r["step"] for r in run["history"])

@@ -1,4 +1,4 @@
-"""Markdown tables for docs/results/fprm.md, read only from the JSON the fprm_* experiments wrote.
+"""Markdown tables for docs/results.md (FPRM section), read only from the JSON the fprm_* experiments wrote.
 
 Every number in the results fragment comes from ``docs/figures/fprm_*/results.json``; this prints the
 tables (``python experiments/fprm_report.py``) so the text cannot drift from the measurements.

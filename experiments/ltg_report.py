@@ -1,4 +1,4 @@
-"""Markdown tables for docs/results/ltg.md, read from the JSON the LTG / state-tracking scripts wrote.
+"""Markdown tables for docs/results.md (LTG section), read from the JSON the LTG / state-tracking scripts wrote.
 
 Usage: ``python experiments/ltg_report.py`` prints one table per experiment whose JSON exists under
 docs/figures/ (so every number in the results page can be traced to a file a command wrote).
