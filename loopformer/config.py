@@ -34,7 +34,7 @@ from typing import Any, Literal
 import yaml
 
 CHECKPOINT_META_KEYS = ("family", "step")  # written next to the config in checkpoints
-RECIPE_DIR = Path(__file__).resolve().parent.parent / "recipes"
+RECIPE_DIR = Path(__file__).resolve().parent / "recipes"  # shipped in the wheel; ./recipes links here
 
 
 class ConfigError(ValueError):
@@ -456,7 +456,7 @@ def validate(cfg: RunConfig) -> RunConfig:
 # Recipes and overrides
 # --------------------------------------------------------------------------------------------
 def find_recipe(name: str | Path) -> Path:
-    """A recipe path: as given, or ``<name>[.yaml]`` in ./recipes or the repository's recipes/."""
+    """A recipe path: as given, or ``<name>[.yaml]`` in ./recipes or the package's recipes (RECIPE_DIR)."""
     candidates = [Path(name)]
     stem = str(name) if str(name).endswith((".yaml", ".yml")) else f"{name}.yaml"
     candidates += [Path("recipes") / stem, RECIPE_DIR / stem]

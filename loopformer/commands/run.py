@@ -70,21 +70,10 @@ class RunSection:
 
 
 def find_run_recipe(name: str | Path) -> Path:
-    """A recipe path: as given, ``recipes/<name>.yaml`` here, in the repository, or inside the package."""
-    from loopformer.config import RECIPE_DIR, ConfigError, find_recipe
+    """A recipe path: as given, ``recipes/<name>.yaml`` here, or inside the package (config.find_recipe)."""
+    from loopformer.config import find_recipe
 
-    try:
-        return find_recipe(name)
-    except ConfigError:
-        stem = str(name) if str(name).endswith((".yaml", ".yml")) else f"{name}.yaml"
-        packaged = Path(__file__).resolve().parent.parent / "recipes" / stem
-        if packaged.is_file():
-            return packaged
-        known = sorted(p.stem for p in RECIPE_DIR.glob("*.yaml")) if RECIPE_DIR.is_dir() else []
-        raise ConfigError(
-            f"no recipe {str(name)!r} (looked in ./recipes, {RECIPE_DIR} and the package)"
-            + (f"; known: {', '.join(known)}" if known else "")
-        ) from None
+    return find_recipe(name)
 
 
 def split_overrides(overrides: tuple[str, ...]) -> tuple[list[str], list[str], list[str]]:
