@@ -19,11 +19,16 @@ Writing: when ``puzzle_ids`` is None every example is one puzzle with the blank 
 Sudoku / maze convention); otherwise each run of consecutive equal ids is one puzzle with that identifier.
 One group per puzzle.  An extra ``<set>__difficulty.npy`` (float64 [N], ignored by HRM's loader) keeps
 the difficulty so that a write/read round trip is exact.
+
+Also here: the ``source,question,answer,rating`` CSV that Sudoku-Extreme and Maze-Hard ship in
+(``read_puzzle_csv`` / ``write_puzzle_csv``); the task supplies the per-row grid parser / formatter.
 """
 
 from __future__ import annotations
 
+import csv
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -46,6 +51,12 @@ METADATA_FIELDS = (
     "sets",
 )
 ARRAY_FIELDS = ("inputs", "labels", "puzzle_identifiers", "puzzle_indices", "group_indices")
+PUZZLE_CSV_COLUMNS = ("source", "question", "answer", "rating")
+
+PuzzleRowParser = Callable[[str, str, str], "tuple[np.ndarray, np.ndarray, float]"]
+"""``parse_row(where, question_text, answer_text) -> (question, answer, fallback_rating)``: validates one
+row (raising TaskDataError that starts with ``where``, i.e. "<file>: line <n>"); ``fallback_rating`` is
+the difficulty used when the row's rating is empty."""
 
 
 def _load_npy(path: Path) -> np.ndarray:
@@ -229,3 +240,95 @@ def save_hrm_folder(
         existing = []
     if not isinstance(existing, list) or len(existing) < len(names):
         identifiers_path.write_text(json.dumps(names))
+
+
+def read_puzzle_csv(
+    path: str | Path, parse_row: PuzzleRowParser, seq_len: int, meta: dict[str, Any]
+) -> TokenDataset:
+    """Read a ``source,question,answer,rating`` CSV (Sudoku-Extreme / Maze-Hard) into a TokenDataset.
+
+    ``parse_row`` turns each row's question / answer text into token grids (see ``PuzzleRowParser``);
+    difficulty = the rating column, or the parser's fallback where it is empty.  ``meta`` is extended with
+    ``path``, ``source`` (one per row) and ``difficulty = "rating"``.  Errors name the file and line.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise TaskDataError(f"{path}: no such file")
+    inputs, labels, ratings, sources = [], [], [], []
+    with open(path, newline="") as fh:
+        reader = csv.reader(fh)
+        try:
+            header = next(reader)
+        except StopIteration:
+            raise TaskDataError(f"{path}: empty file (expected header {','.join(PUZZLE_CSV_COLUMNS)})") from None
+        except csv.Error as exc:
+            raise TaskDataError(f"{path}: line 1: {exc}") from None
+        header = [h.strip() for h in header]
+        missing = [c for c in ("question", "answer") if c not in header]
+        if missing:
+            raise TaskDataError(f"{path}: header {header} lacks column(s) {missing}")
+        col = {name: header.index(name) for name in header}
+        while True:
+            try:
+                row = next(reader)
+            except StopIteration:
+                break
+            except csv.Error as exc:
+                raise TaskDataError(f"{path}: line {reader.line_num}: {exc}") from None
+            if not row:
+                continue
+            where = f"{path}: line {reader.line_num}"
+            if len(row) != len(header):
+                raise TaskDataError(
+                    f"{where}: {len(row)} fields, expected {len(header)} ({','.join(header)}); truncated file?"
+                )
+            q, a, fallback_rating = parse_row(where, row[col["question"]], row[col["answer"]])
+            rating_text = row[col["rating"]].strip() if "rating" in col else ""
+            if rating_text:
+                try:
+                    rating = float(rating_text)
+                except ValueError:
+                    raise TaskDataError(f"{where}: rating {rating_text!r} is not a number") from None
+            else:
+                rating = float(fallback_rating)
+            inputs.append(q)
+            labels.append(a)
+            ratings.append(rating)
+            sources.append(row[col["source"]] if "source" in col else "")
+    n = len(inputs)
+    return TokenDataset(
+        np.asarray(inputs, dtype=np.int64).reshape(n, seq_len),
+        np.asarray(labels, dtype=np.int64).reshape(n, seq_len),
+        np.asarray(ratings, dtype=np.float64),
+        None,
+        {**meta, "path": str(path), "source": sources, "difficulty": "rating"},
+    )
+
+
+def write_puzzle_csv(
+    dataset: TokenDataset,
+    path: str | Path,
+    seq_len: int,
+    format_grid: Callable[[np.ndarray], str],
+    default_source: str,
+) -> None:
+    """Write a ``source,question,answer,rating`` CSV; rating = ``dataset.difficulty`` (integers without
+    '.0').  Sources come from ``dataset.meta["source"]`` when it has one per row, else ``default_source``
+    (plus ``-seed<seed>`` when the meta records a seed)."""
+    if dataset.inputs.shape[1:] != (seq_len,):
+        raise TaskDataError(f"dataset rows have {dataset.inputs.shape[1]} tokens, expected {seq_len}")
+    sources = dataset.meta.get("source")
+    if not (isinstance(sources, list) and len(sources) == len(dataset)):
+        default = default_source
+        if "seed" in dataset.meta:
+            default += f"-seed{dataset.meta['seed']}"
+        sources = [default] * len(dataset)
+    with open(path, "w", newline="") as fh:
+        writer = csv.writer(fh, lineterminator="\n")
+        writer.writerow(PUZZLE_CSV_COLUMNS)
+        for i in range(len(dataset)):
+            d = float(dataset.difficulty[i])
+            rating = str(int(d)) if d.is_integer() else repr(d)
+            writer.writerow(
+                [sources[i], format_grid(dataset.inputs[i]), format_grid(dataset.labels[i]), rating]
+            )

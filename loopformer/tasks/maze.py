@@ -27,10 +27,11 @@ from typing import Any
 import numpy as np
 
 from loopformer.tasks.base import Task, TaskDataError, TokenDataset
+from loopformer.tasks.formats import PUZZLE_CSV_COLUMNS, read_puzzle_csv, write_puzzle_csv
 
 CHARSET = "# SGo"
 WALL, OPEN, START, GOAL, PATH = 1, 2, 3, 4, 5
-CSV_COLUMNS = ("source", "question", "answer", "rating")
+CSV_COLUMNS = PUZZLE_CSV_COLUMNS
 
 
 def bfs_distances(open_cells: np.ndarray, start: tuple[int, int]) -> np.ndarray:
@@ -327,98 +328,24 @@ class MazeTask(Task):
         """Read a Maze-Hard CSV (``source,question,answer,rating``); every row is validated (length,
         characters, one S and one G, the answer a valid shortest path of the question); difficulty =
         rating (the BFS length when the rating is empty).  Errors name the file and line."""
-        path = Path(path)
-        if not path.is_file():
-            raise TaskDataError(f"{path}: no such file")
-        inputs, labels, ratings, sources = [], [], [], []
-        with open(path, newline="") as fh:
-            reader = csv.reader(fh)
-            try:
-                header = [h.strip() for h in next(reader)]
-            except StopIteration:
-                raise TaskDataError(f"{path}: empty file (expected header {','.join(CSV_COLUMNS)})") from None
-            missing = [c for c in ("question", "answer") if c not in header]
-            if missing:
-                raise TaskDataError(f"{path}: header {header} lacks column(s) {missing}")
-            col = {name: header.index(name) for name in header}
-            while True:
-                try:
-                    row = next(reader)
-                except StopIteration:
-                    break
-                except csv.Error as exc:
-                    raise TaskDataError(f"{path}: line {reader.line_num}: {exc}") from None
-                if not row:
-                    continue
-                where = f"{path}: line {reader.line_num}"
-                if len(row) != len(header):
-                    raise TaskDataError(
-                        f"{where}: {len(row)} fields, expected {len(header)} ({','.join(header)}); truncated file?"
-                    )
-                q = self.parse_grid(row[col["question"]], f"{where}: question", allow_path=False)
-                a = self.parse_grid(row[col["answer"]], f"{where}: answer")
-                counts = ((q == START).sum(), (q == GOAL).sum())
-                if counts != (1, 1):
-                    raise TaskDataError(
-                        f"{where}: question has {counts[0]} 'S' and {counts[1]} 'G', expected one each"
-                    )
-                length = self.shortest_path_length(q)
-                if length < 0:
-                    raise TaskDataError(f"{where}: G is unreachable from S")
-                if not self.check(q, a):
-                    raise TaskDataError(
-                        f"{where}: answer inconsistent with question (not a shortest S->G path of length {length} "
-                        "over open cells, or walls / S / G changed)"
-                    )
-                rating_text = row[col["rating"]].strip() if "rating" in col else ""
-                if rating_text:
-                    try:
-                        rating = float(rating_text)
-                    except ValueError:
-                        raise TaskDataError(f"{where}: rating {rating_text!r} is not a number") from None
-                else:
-                    rating = float(length)
-                inputs.append(q)
-                labels.append(a)
-                ratings.append(rating)
-                sources.append(row[col["source"]] if "source" in col else "")
-        n = len(inputs)
-        return TokenDataset(
-            np.asarray(inputs, dtype=np.int64).reshape(n, self.seq_len),
-            np.asarray(labels, dtype=np.int64).reshape(n, self.seq_len),
-            np.asarray(ratings, dtype=np.float64),
-            None,
-            {
-                "task": self.name,
-                "size": self.size,
-                "path": str(path),
-                "source": sources,
-                "difficulty": "rating",
-            },
-        )
+        return read_puzzle_csv(path, self._parse_csv_row, self.seq_len, {"task": self.name, "size": self.size})
+
+    def _parse_csv_row(self, where: str, question: str, answer: str) -> tuple[np.ndarray, np.ndarray, float]:
+        q = self.parse_grid(question, f"{where}: question", allow_path=False)
+        a = self.parse_grid(answer, f"{where}: answer")
+        counts = ((q == START).sum(), (q == GOAL).sum())
+        if counts != (1, 1):
+            raise TaskDataError(f"{where}: question has {counts[0]} 'S' and {counts[1]} 'G', expected one each")
+        length = self.shortest_path_length(q)
+        if length < 0:
+            raise TaskDataError(f"{where}: G is unreachable from S")
+        if not self.check(q, a):
+            raise TaskDataError(
+                f"{where}: answer inconsistent with question (not a shortest S->G path of length {length} "
+                "over open cells, or walls / S / G changed)"
+            )
+        return q, a, float(length)
 
     def save(self, dataset: TokenDataset, path: str | Path) -> None:
         """Write a Maze-Hard CSV; rating = ``dataset.difficulty``."""
-        if dataset.inputs.shape[1:] != (self.seq_len,):
-            raise TaskDataError(
-                f"dataset rows have {dataset.inputs.shape[1]} tokens, expected {self.seq_len}"
-            )
-        sources = dataset.meta.get("source")
-        if not (isinstance(sources, list) and len(sources) == len(dataset)):
-            default = f"loopformer-maze{self.size}"
-            if "seed" in dataset.meta:
-                default += f"-seed{dataset.meta['seed']}"
-            sources = [default] * len(dataset)
-        with open(path, "w", newline="") as fh:
-            writer = csv.writer(fh, lineterminator="\n")
-            writer.writerow(CSV_COLUMNS)
-            for i in range(len(dataset)):
-                d = float(dataset.difficulty[i])
-                writer.writerow(
-                    [
-                        sources[i],
-                        self.format_grid(dataset.inputs[i]),
-                        self.format_grid(dataset.labels[i]),
-                        str(int(d)) if d.is_integer() else repr(d),
-                    ]
-                )
+        write_puzzle_csv(dataset, path, self.seq_len, self.format_grid, f"loopformer-maze{self.size}")

@@ -35,12 +35,13 @@ from typing import Any
 import numpy as np
 
 from loopformer.tasks.base import Task, TaskDataError, TokenDataset
+from loopformer.tasks.formats import PUZZLE_CSV_COLUMNS, read_puzzle_csv, write_puzzle_csv
 
 PAD_TOKEN = 0
 BLANK_TOKEN = 1
 SYMBOLS = "123456789ABCDEFG"
 DEFAULT_BOXES: dict[int, tuple[int, int]] = {4: (2, 2), 6: (2, 3), 9: (3, 3), 16: (4, 4)}
-CSV_COLUMNS = ("source", "question", "answer", "rating")
+CSV_COLUMNS = PUZZLE_CSV_COLUMNS
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -657,108 +658,31 @@ class SudokuTask(Task):
         agreeing with the question.  An empty answer is filled in by the solver (the puzzle must then have a
         unique solution); an empty rating becomes the blank count.  Errors name the file and line.
         """
-        path = Path(path)
-        if not path.is_file():
-            raise TaskDataError(f"{path}: no such file")
-        inputs, labels, ratings, sources = [], [], [], []
-        with open(path, newline="") as fh:
-            reader = csv.reader(fh)
-            try:
-                header = next(reader)
-            except StopIteration:
-                raise TaskDataError(f"{path}: empty file (expected header {','.join(CSV_COLUMNS)})") from None
-            except csv.Error as exc:
-                raise TaskDataError(f"{path}: line 1: {exc}") from None
-            header = [h.strip() for h in header]
-            missing = [c for c in ("question", "answer") if c not in header]
-            if missing:
-                raise TaskDataError(f"{path}: header {header} lacks column(s) {missing}")
-            col = {name: header.index(name) for name in header}
-            while True:
-                try:
-                    row = next(reader)
-                except StopIteration:
-                    break
-                except csv.Error as exc:
-                    raise TaskDataError(f"{path}: line {reader.line_num}: {exc}") from None
-                line = reader.line_num
-                if not row:
-                    continue
-                where = f"{path}: line {line}"
-                if len(row) != len(header):
-                    raise TaskDataError(
-                        f"{where}: {len(row)} fields, expected {len(header)} ({','.join(header)}); truncated file?"
-                    )
-                q = self.parse_grid(row[col["question"]], f"{where}: question")
-                conflict = self.find_conflict(q)
-                if conflict:
-                    raise TaskDataError(f"{where}: contradictory clues: {conflict}")
-                answer_text = row[col["answer"]].strip()
-                if answer_text:
-                    a = self.parse_grid(answer_text, f"{where}: answer")
-                    if not self.check(q, a):
-                        mism = np.flatnonzero((q >= 2) & (a != q))
-                        if len(mism):
-                            r, c = divmod(int(mism[0]), self.size)
-                            why = f"answer changes the given at row {r + 1}, column {c + 1}"
-                        else:
-                            why = self.find_conflict(a) or "answer has blanks"
-                        raise TaskDataError(f"{where}: answer inconsistent with question: {why}")
+        meta = {"task": self.name, "size": self.size, "box": list(self.box)}
+        return read_puzzle_csv(path, self._parse_csv_row, self.seq_len, meta)
+
+    def _parse_csv_row(self, where: str, question: str, answer: str) -> tuple[np.ndarray, np.ndarray, float]:
+        q = self.parse_grid(question, f"{where}: question")
+        conflict = self.find_conflict(q)
+        if conflict:
+            raise TaskDataError(f"{where}: contradictory clues: {conflict}")
+        answer_text = answer.strip()
+        if answer_text:
+            a = self.parse_grid(answer_text, f"{where}: answer")
+            if not self.check(q, a):
+                mism = np.flatnonzero((q >= 2) & (a != q))
+                if len(mism):
+                    r, c = divmod(int(mism[0]), self.size)
+                    why = f"answer changes the given at row {r + 1}, column {c + 1}"
                 else:
-                    if self.count_solutions(q, 2) != 1:
-                        raise TaskDataError(f"{where}: empty answer and the question has no unique solution")
-                    a, _ = self.solve(q)
-                rating_text = row[col["rating"]].strip() if "rating" in col else ""
-                if rating_text:
-                    try:
-                        rating = float(rating_text)
-                    except ValueError:
-                        raise TaskDataError(f"{where}: rating {rating_text!r} is not a number") from None
-                else:
-                    rating = self.difficulty(q)
-                inputs.append(q)
-                labels.append(a)
-                ratings.append(rating)
-                sources.append(row[col["source"]] if "source" in col else "")
-        n = len(inputs)
-        return TokenDataset(
-            np.asarray(inputs, dtype=np.int64).reshape(n, self.seq_len),
-            np.asarray(labels, dtype=np.int64).reshape(n, self.seq_len),
-            np.asarray(ratings, dtype=np.float64),
-            None,
-            {
-                "task": self.name,
-                "size": self.size,
-                "box": list(self.box),
-                "path": str(path),
-                "source": sources,
-                "difficulty": "rating",
-            },
-        )
+                    why = self.find_conflict(a) or "answer has blanks"
+                raise TaskDataError(f"{where}: answer inconsistent with question: {why}")
+        else:
+            if self.count_solutions(q, 2) != 1:
+                raise TaskDataError(f"{where}: empty answer and the question has no unique solution")
+            a, _ = self.solve(q)
+        return q, a, self.difficulty(q)
 
     def save(self, dataset: TokenDataset, path: str | Path) -> None:
         """Write a Sudoku-Extreme CSV; rating = ``dataset.difficulty`` (integers written without '.0')."""
-        if dataset.inputs.shape[1:] != (self.seq_len,):
-            raise TaskDataError(
-                f"dataset rows have {dataset.inputs.shape[1]} tokens, expected {self.seq_len}"
-            )
-        sources = dataset.meta.get("source")
-        if not (isinstance(sources, list) and len(sources) == len(dataset)):
-            default = f"loopformer-sudoku{self.size}"
-            if "seed" in dataset.meta:
-                default += f"-seed{dataset.meta['seed']}"
-            sources = [default] * len(dataset)
-        with open(path, "w", newline="") as fh:
-            writer = csv.writer(fh, lineterminator="\n")
-            writer.writerow(CSV_COLUMNS)
-            for i in range(len(dataset)):
-                d = float(dataset.difficulty[i])
-                rating = str(int(d)) if d.is_integer() else repr(d)
-                writer.writerow(
-                    [
-                        sources[i],
-                        self.format_grid(dataset.inputs[i]),
-                        self.format_grid(dataset.labels[i]),
-                        rating,
-                    ]
-                )
+        write_puzzle_csv(dataset, path, self.seq_len, self.format_grid, f"loopformer-sudoku{self.size}")
