@@ -292,13 +292,14 @@ def latest_checkpoint(root: str | Path) -> Path | None:
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
-    """A checkpoint folder from: the folder itself, a ``checkpoints/`` root, or a run folder."""
+    """A checkpoint folder from: the folder itself, a ``checkpoints/`` root, a run folder, or a
+    ``loopformer run`` folder (its looped model lives in ``model/``, the baseline in ``baseline/``)."""
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"checkpoint {path} does not exist")
     if (path / "model.safetensors").is_file():
         return path
-    for root in (path, path / "checkpoints"):
+    for root in (path, path / "checkpoints", path / "model" / "checkpoints"):
         found = latest_checkpoint(root)
         if found is not None:
             return found
