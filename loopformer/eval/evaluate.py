@@ -179,6 +179,41 @@ class _Progress:
             self.bar.stop()
 
 
+class _EvalPass:
+    """``model`` in eval mode on ``device`` running ``loop`` (default: its own) over ``dataset``, the
+    initial iterates drawn from one generator seeded with ``seed``; the training mode is restored on exit."""
+
+    def __init__(
+        self,
+        model: LoopedModel,
+        dataset: TokenDataset,
+        loop: LoopConfig | None,
+        device: torch.device | str | None,
+        seed: int,
+    ) -> None:
+        self.model = model
+        self.dataset = dataset
+        self.device = torch.device(device) if device is not None else model_device(model)
+        self.cfg = loop if loop is not None else model.config.loop
+        self.seed = seed
+
+    def __enter__(self) -> _EvalPass:
+        self.model.to(self.device)
+        self.was_training = self.model.training
+        self.model.eval()
+        self.generator = torch.Generator(device=self.device).manual_seed(self.seed)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.model.train(self.was_training)
+
+    def forward(self, index: slice) -> tuple[Tensor, Tensor, ModelOutput]:
+        """(inputs, labels, model output) of the rows ``index``."""
+        inputs, labels, puzzle_ids = batch_tensors(self.dataset, index, self.device)
+        out = self.model(inputs, loop=self.cfg, puzzle_ids=puzzle_ids, generator=self.generator)
+        return inputs, labels, out
+
+
 def score_predictions(
     task: Task, inputs: np.ndarray, labels: np.ndarray, predictions: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -209,20 +244,14 @@ def evaluate(
     """
     if len(dataset) == 0:
         raise ValueError("cannot evaluate on an empty dataset")
-    device = torch.device(device) if device is not None else model_device(model)
-    model.to(device)
-    was_training = model.training
-    model.eval()
-    cfg = loop if loop is not None else model.config.loop
-    generator = torch.Generator(device=device).manual_seed(seed)
     batches = list(iter_batches(dataset, batch_size, max_batches))
     records: list[ExampleRecord] = []
     right_total = count_total = 0
-    try:
+    with _EvalPass(model, dataset, loop, device, seed) as run:
+        cfg = run.cfg
         with _Progress(progress, len(batches), f"eval {task.name}") as bar:
             for index in batches:
-                inputs, labels, puzzle_ids = batch_tensors(dataset, index, device)
-                out: ModelOutput = model(inputs, loop=cfg, puzzle_ids=puzzle_ids, generator=generator)
+                _, _, out = run.forward(index)
                 pred = out.logits.argmax(dim=-1).cpu().numpy()
                 steps, converged = _loop_stats(out, len(pred), cfg)
                 x_np, y_np = dataset.inputs[index], dataset.labels[index]
@@ -242,8 +271,6 @@ def evaluate(
                         )
                     )
                 bar.advance()
-    finally:
-        model.train(was_training)
     n = len(records)
     steps_arr = np.asarray([r.steps for r in records])
     return EvalResult(
@@ -551,20 +578,14 @@ def evaluate_lm(
 
     if len(dataset) == 0:
         raise ValueError("cannot evaluate on an empty dataset")
-    device = torch.device(device) if device is not None else model_device(model)
-    model.to(device)
-    was_training = model.training
-    model.eval()
-    cfg = loop if loop is not None else model.config.loop
-    generator = torch.Generator(device=device).manual_seed(seed)
     batches = list(iter_batches(dataset, batch_size, max_batches))
     nll = right = count = exact = steps = 0.0
     n = 0
-    try:
+    with _EvalPass(model, dataset, loop, device, seed) as run:
+        cfg = run.cfg
         with _Progress(progress, len(batches), f"eval {task.name}") as bar:
             for index in batches:
-                inputs, labels, puzzle_ids = batch_tensors(dataset, index, device)
-                out: ModelOutput = model(inputs, loop=cfg, puzzle_ids=puzzle_ids, generator=generator)
+                inputs, labels, out = run.forward(index)
                 logits = out.logits.float()
                 mask = labels != IGNORE_INDEX
                 token_nll = F.cross_entropy(
@@ -578,8 +599,6 @@ def evaluate_lm(
                 steps += float(_loop_stats(out, len(inputs), cfg)[0].sum())
                 n += len(inputs)
                 bar.advance()
-    finally:
-        model.train(was_training)
     loss = nll / count if count else float("nan")
     return LMEvalResult(
         task=task.name, n=n, tokens=int(count), loss=loss,
@@ -599,20 +618,10 @@ def predict(
     seed: int = 0,
 ) -> np.ndarray:
     """Arg-max predictions [N, T] of ``model`` on every row of ``dataset``."""
-    device = torch.device(device) if device is not None else model_device(model)
-    model.to(device)
-    was_training = model.training
-    model.eval()
-    cfg = loop if loop is not None else model.config.loop
-    generator = torch.Generator(device=device).manual_seed(seed)
     rows = []
-    try:
+    with _EvalPass(model, dataset, loop, device, seed) as run:
         for index in iter_batches(dataset, batch_size):
-            inputs, _, puzzle_ids = batch_tensors(dataset, index, device)
-            out = model(inputs, loop=cfg, puzzle_ids=puzzle_ids, generator=generator)
-            rows.append(out.logits.argmax(-1).cpu().numpy())
-    finally:
-        model.train(was_training)
+            rows.append(run.forward(index)[2].logits.argmax(-1).cpu().numpy())
     return np.concatenate(rows) if rows else np.zeros((0, dataset.inputs.shape[1]), dtype=np.int64)
 
 
