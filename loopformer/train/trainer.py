@@ -8,20 +8,16 @@ Two modes (``train.mode``):
   and fixed halting (an ACT model keeps its learned halting with ``R`` as the cap), and steps.
   ``train.loop_sampler: none`` runs the training loop as configured instead (its own halting,
   e.g. an Attractor's Anderson solve to tolerance, capped at ``loop_train.max_steps``).
-- ``deep_supervision`` (TRM / HRM / FPRM, SYSTEMS.md sections 1 and 4): a carried batch of
-  ``batch_size`` slots, each holding an example, its detached state and a segment count. Each
-  optimiser step runs ONE segment (``model.forward(state=carry.state)`` with the training loop
-  config), takes the loss on that segment's output (plus the Q-head BCE against "the answer is
-  exactly right"), steps, and carries ``out.state.detach()``. A slot halts when its segment count
-  reaches ``max_segments``, or (options) when its Q logit is > 0 (TRM, with exploration: with
-  probability ``halt_exploration`` a slot must first run a random 2..max_segments segments) or
-  when its loop converged (FPRM). Halted slots get new examples and fresh ``init_state`` rows.
+- ``deep_supervision`` (TRM / HRM / FPRM, SYSTEMS.md sections 1 and 4): each optimiser step
+  runs ONE segment on a carried batch of slots (``loopformer.train.carry``), takes the loss on
+  that segment's output (plus the Q-head BCE against "the answer is exactly right"), steps,
+  carries the detached state and replaces halted slots.
 
 Around both: CPU float32 (flush denormals, one thread per physical core) or CUDA with bf16
 autocast (``bf16``), optionally a ``torch.compile``d step; warm-up + constant / cosine lr, clipping, EMA, the difficulty curriculum, periodic
 evaluation (``loopformer.eval.evaluate`` when a task is known, loss and bits per byte for a task
 without a validator such as text, else exact-match on the labels; the final checkpoint is written first),
-metrics as JSONL (+ optional TensorBoard), a rich progress bar, divergence detection
+metrics as JSONL (+ optional TensorBoard), a rich progress bar (``loopformer.train.metrics``), divergence detection
 (``TrainingDivergedError`` before the bad update is applied, the last good checkpoint kept),
 and atomic checkpoints holding everything needed to resume bit-exactly (``train.resume``).
 Every random draw is a function of (seed, global step), so a resumed run replays exactly.
@@ -45,11 +41,8 @@ import dataclasses
 import json
 import logging
 import math
-import os
 import random
-import shutil
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -57,12 +50,23 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from loopformer.config import RunConfig, save_config, to_dict
-from loopformer.loop import LoopConfig, make_sampler
+from loopformer.config import RunConfig
+from loopformer.loop import LoopConfig
 from loopformer.models.base import LoopedModel, ModelOutput
 from loopformer.nn import autocast
 from loopformer.tasks.base import Task, TokenDataset
 from loopformer.train import dist
+from loopformer.train.carry import (
+    SALT_CURRICULUM,
+    SALT_INIT,
+    SALT_JAC,
+    Carry,
+    advance_carry,
+    carry_from_checkpoint,
+    global_carry_state,
+    refill_carry,
+    seed_for,
+)
 from loopformer.train.checkpoint import (
     CheckpointError,
     check_weights,
@@ -73,16 +77,23 @@ from loopformer.train.checkpoint import (
     rng_state,
     save_checkpoint,
     set_rng_state,
-    step_dirs,
 )
-from loopformer.train.data import Batch, Curriculum, IndexStream, load_split, make_batch
+from loopformer.train.data import Curriculum, IndexStream, make_batch
 from loopformer.train.losses import accuracy, jacobian_frobenius, q_halt_loss, sequence_loss
+from loopformer.train.metrics import (
+    bar_info,
+    exact_eval,
+    last_finite,
+    prepare_run_dir,
+    progress_bar,
+    reduce_metrics,
+    task_eval,
+    write_metrics,
+)
 from loopformer.train.optim import EMA, build_optimizer, clip_grad_norm, lr_at, set_lr
+from loopformer.train.setup import build_run_model, loop_sampler, physical_cores, resolve_device, task_dataset
 
 log = logging.getLogger("loopformer.train")
-
-# salts that keep the per-step random streams independent
-_SALT_INIT, _SALT_EXPLORE, _SALT_JAC, _SALT_CURRICULUM = 11, 13, 17, 19
 
 
 class TrainingDivergedError(RuntimeError):
@@ -92,77 +103,6 @@ class TrainingDivergedError(RuntimeError):
         where = f"; the last good checkpoint is {checkpoint}" if checkpoint else "; no checkpoint was written"
         super().__init__(f"training diverged at step {step}: {quantity} = {value}{where}")
         self.step, self.quantity, self.value, self.checkpoint = step, quantity, value, checkpoint
-
-
-def physical_cores() -> int:
-    """Physical CPU cores available to this process (from /proc/cpuinfo; else os.cpu_count())."""
-    try:
-        pairs, phys = set(), None
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("physical id"):
-                    phys = line.split(":")[1].strip()
-                elif line.startswith("core id"):
-                    pairs.add((phys, line.split(":")[1].strip()))
-        if pairs:
-            return max(1, min(len(pairs), len(os.sched_getaffinity(0))))
-    except (OSError, AttributeError):
-        pass
-    return max(1, os.cpu_count() or 1)
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("device='cuda' was asked for but CUDA is not available")
-    return torch.device(name)
-
-
-def _seed_for(seed: int, step: int, salt: int, rank: int | None = None) -> int:
-    entropy = [seed, step, salt] if rank is None else [seed, step, salt, rank]
-    return int(np.random.SeedSequence(entropy).generate_state(1)[0])
-
-
-def _last_finite(rows: Tensor) -> Tensor:
-    """Per column, the last non-NaN value of a [steps, B] trace (NaN when none)."""
-    finite = ~torch.isnan(rows)
-    if rows.numel() == 0:
-        return rows.new_full(rows.shape[1:], float("nan"))
-    last = (finite.cumsum(0) == finite.sum(0, keepdim=True)) & finite
-    vals = torch.where(last, rows, torch.zeros_like(rows)).sum(0)
-    return torch.where(finite.any(0), vals, torch.full_like(vals, float("nan")))
-
-
-@dataclass
-class Carry:
-    """Deep-supervision slots: each row an example being refined over segments."""
-
-    index: Tensor  # [B] dataset rows (CPU int64)
-    inputs: Tensor  # [B, T]
-    labels: Tensor  # [B, T]
-    puzzle_ids: Tensor | None  # [B]
-    state: Tensor  # [B, ...] detached carried state
-    segments: Tensor  # [B] segments run so far (CPU int64)
-    halted: Tensor  # [B] bool (CPU): replace before the next segment
-
-    def state_dict(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in ("index", "inputs", "labels", "puzzle_ids", "state", "segments", "halted")}
-
-    @classmethod
-    def from_state(cls, state: dict[str, Any], device: torch.device) -> Carry:
-        def dev(t: Tensor | None) -> Tensor | None:
-            return None if t is None else t.to(device)
-
-        return cls(
-            index=state["index"].long(),
-            inputs=dev(state["inputs"]),
-            labels=dev(state["labels"]),
-            puzzle_ids=dev(state["puzzle_ids"]),
-            state=dev(state["state"]),
-            segments=state["segments"].long(),
-            halted=state["halted"].bool(),
-        )
 
 
 class Trainer:
@@ -209,8 +149,8 @@ class Trainer:
 
             task = get_task(dc.task, **dc.options)
         self.task = task
-        self.train_data = train_data if train_data is not None else self._dataset("train")
-        self.eval_data = eval_data if eval_data is not None else self._dataset("eval")
+        self.train_data = train_data if train_data is not None else task_dataset(self.task, dc, "train")
+        self.eval_data = eval_data if eval_data is not None else task_dataset(self.task, dc, "eval")
         if len(self.train_data) == 0:
             raise ValueError("the training set is empty")
         # decided once: a task whose check raises NotImplementedError (text) is scored by loss / bits per byte
@@ -220,13 +160,13 @@ class Trainer:
 
         # -- model ------------------------------------------------------------------------------
         if model is None:
-            model = self._build_model()
+            model = build_run_model(self.config, self.task, self.train_data)
         self.model = model.to(self.device)
         if config.compile:  # compile the looped body (the hot path); the engine's loop stays eager
             self.model.step = torch.compile(self.model.step)  # type: ignore[method-assign]
         self.loop_train: LoopConfig = config.loop_config(self.model.config.loop, "train")
         self.loop_eval: LoopConfig = config.loop_config(self.model.config.loop, "eval")
-        self.sampler = self._loop_sampler()
+        self.sampler = loop_sampler(tc, self.loop_train, config.seed)
 
         # -- multi-process: DDP / FSDP wrapper (forward runs the whole loop through it) ---------
         self.forward_model: torch.nn.Module = self.model
@@ -277,65 +217,6 @@ class Trainer:
         self._resume()
 
     # ------------------------------------------------------------------------------------------
-    # construction helpers
-    # ------------------------------------------------------------------------------------------
-    def _dataset(self, split: str) -> TokenDataset | None:
-        if self.task is None:
-            if split == "train":
-                raise ValueError("no training data: pass train_data or a task")
-            return None
-        dataset = load_split(self.task, self.config.data, split)
-        if dataset is None and split == "train":
-            raise ValueError(f"the training set is empty: data.train_size=0 asks for all rows, but task "
-                             f"{self.task.name!r} generates rows on demand; set data.train_size > 0")
-        return dataset
-
-    def _task_defaults(self) -> dict[str, Any]:
-        """Model fields the task determines, used where the recipe leaves them unset."""
-        out: dict[str, Any] = {}
-        task = self.task
-        if task is not None:
-            if task.vocab_size:
-                out["vocab_size"] = int(task.vocab_size)
-            out["causal"] = bool(task.causal)
-            out["num_puzzle_ids"] = int(getattr(task, "num_puzzle_ids", 0) or 0)
-            grid = getattr(task, "grid", None)
-            size = getattr(task, "size", None)
-            if grid is None and isinstance(size, int) and task.seq_len == size * size:
-                grid = (size, size)
-            if grid is not None:
-                out["grid"] = tuple(grid)
-        out["seq_len"] = int(self.train_data.inputs.shape[1])
-        if "vocab_size" not in out:
-            out["vocab_size"] = int(max(self.train_data.inputs.max(), self.train_data.labels.max()) + 1)
-        return out
-
-    def _build_model(self) -> LoopedModel:
-        from loopformer.models.registry import build_model, model_classes
-
-        _, config_cls = model_classes(self.config.model.name)
-        valid = {f.name for f in dataclasses.fields(config_cls)}
-        defaults = {k: v for k, v in self._task_defaults().items() if k in valid}
-        model_config = self.config.model_config(**defaults)
-        # the run folder records the fully resolved model config
-        self.config.model.fields = {
-            f.name: to_dict(getattr(model_config, f.name)) for f in dataclasses.fields(model_config)
-        }
-        return build_model(self.config.model.name, config=model_config)
-
-    def _loop_sampler(self) -> Any:
-        """The simple-mode loop-count sampler; None for ``train.loop_sampler: none`` (loop_train as is)."""
-        tc = self.config.train
-        if tc.loop_sampler == "none":
-            return None
-        options = dict(tc.loop_sampler_options)
-        if tc.loop_sampler == "fixed":
-            options.setdefault("n", self.loop_train.max_steps)
-        else:
-            options.setdefault("seed", self.config.seed)
-        return make_sampler(tc.loop_sampler, **options)
-
-    # ------------------------------------------------------------------------------------------
     # checkpoints and resume
     # ------------------------------------------------------------------------------------------
     def training_state(self) -> dict[str, Any]:
@@ -346,19 +227,10 @@ class Trainer:
             "optimizer_layout": "fsdp_full" if self.fsdp else "torch",
             "stream": self.stream.state_dict(),
             "curriculum": self.curriculum.state_dict() if self.curriculum else None,
-            "carry": self._global_carry_state(),
+            "carry": global_carry_state(self.carry, self.dist_env.enabled),
             "rng": rng_state(),
             "elapsed": self.elapsed_before + self._elapsed(),
         }
-
-    def _global_carry_state(self) -> dict[str, Any] | None:
-        """The carry of all ranks as one (rank order = slot order of a single-process run)."""
-        if self.carry is None:
-            return None
-        state = self.carry.state_dict()
-        if not self.dist_env.enabled:
-            return state
-        return {k: dist.all_gather_rows(v) for k, v in state.items()}
 
     def save(self) -> Path:
         """Checkpoint the current step (atomic; keeps the newest ``train.keep_checkpoints``).
@@ -437,15 +309,8 @@ class Trainer:
             self.curriculum.load_state_dict(state["curriculum"])
             self.stream.set_eligible(self.curriculum.eligible())
         self.stream.load_state_dict(state["stream"])
-        carry = state.get("carry")
-        if carry and len(carry["index"]) != self.config.train.batch_size:
-            raise CheckpointError(
-                f"{folder} carries {len(carry['index'])} deep-supervision slots but train.batch_size is "
-                f"{self.config.train.batch_size}; resume with the batch size the run was started with"
-            )
-        if carry and self.dist_env.enabled:  # the saved carry is global: take this rank's slots
-            carry = {k: None if v is None else dist.shard(v) for k, v in carry.items()}
-        self.carry = Carry.from_state(carry, self.device) if carry else None
+        self.carry = carry_from_checkpoint(state.get("carry"), self.config.train.batch_size, folder,
+                                           self.dist_env.enabled, self.device)
         set_rng_state(state["rng"])
         self.step = int(state["step"])
         self.elapsed_before = float(state.get("elapsed", 0.0))
@@ -459,49 +324,20 @@ class Trainer:
     def _generator(self, step: int, salt: int) -> torch.Generator:
         """Seeded by (seed, step, salt), plus the rank under torchrun (independent draws per rank)."""
         rank = self.dist_env.rank if self.dist_env.enabled else None
-        return torch.Generator(device=self.device).manual_seed(_seed_for(self.config.seed, step, salt, rank))
+        return torch.Generator(device=self.device).manual_seed(seed_for(self.config.seed, step, salt, rank))
 
     def _fresh_states(self, inputs: Tensor, puzzle_ids: Tensor | None, step: int) -> Tensor:
         with torch.no_grad(), autocast(self.device, self.config.bf16), dist.gathered(self.model):
             ctx = self.model.embed(inputs, puzzle_ids)
-            return self.model.init_state(ctx, self._generator(step, _SALT_INIT)).detach()
+            return self.model.init_state(ctx, self._generator(step, SALT_INIT)).detach()
 
     def _refill(self) -> None:
         """Deep supervision: give halted (or all, at the start) slots new examples and fresh states."""
-        B = self.config.train.batch_size // self.dist_env.world_size  # this rank's slots
-        if self.carry is None:
-            batch = make_batch(self.train_data, dist.shard(self.stream.take(self.config.train.batch_size)), self.device)
-            self.carry = Carry(
-                index=batch.index,
-                inputs=batch.inputs,
-                labels=batch.labels,
-                puzzle_ids=batch.puzzle_ids,
-                state=self._fresh_states(batch.inputs, batch.puzzle_ids, self.step),
-                segments=torch.zeros(B, dtype=torch.long),
-                halted=torch.zeros(B, dtype=torch.bool),
-            )
-            return
-        c = self.carry
-        rows = torch.nonzero(c.halted).reshape(-1)
-        # the stream is global: draw every rank's halted slots, in rank order, and keep this rank's
-        counts = dist.all_gather_counts(int(rows.numel()))
-        drawn = self.stream.take(sum(counts))
-        first = sum(counts[: self.dist_env.rank])
-        if rows.numel() == 0:
-            return
-        new = make_batch(self.train_data, drawn[first : first + int(rows.numel())], self.device)
-        dev_rows = rows.to(self.device)
-        c.index = c.index.clone()
-        c.index[rows] = new.index
-        c.inputs = c.inputs.index_copy(0, dev_rows, new.inputs)
-        c.labels = c.labels.index_copy(0, dev_rows, new.labels)
-        if c.puzzle_ids is not None and new.puzzle_ids is not None:
-            c.puzzle_ids = c.puzzle_ids.index_copy(0, dev_rows, new.puzzle_ids)
-        fresh = self._fresh_states(new.inputs, new.puzzle_ids, self.step)
-        c.state = c.state.index_copy(0, dev_rows, fresh.to(c.state.dtype))
-        c.segments = c.segments.clone()
-        c.segments[rows] = 0
-        c.halted = torch.zeros_like(c.halted)
+        self.carry = refill_carry(
+            self.carry, self.train_data, self.stream.take,
+            lambda inputs, puzzle_ids: self._fresh_states(inputs, puzzle_ids, self.step),
+            self.config.train.batch_size, self.dist_env.world_size, self.dist_env.rank, self.device,
+        )
 
     def _loss(self, out: ModelOutput, batch_inputs: Tensor, labels: Tensor, puzzle_ids: Tensor | None) -> tuple:
         tc = self.config.train
@@ -519,7 +355,7 @@ class Trainer:
             with autocast(self.device, self.config.bf16):
                 ctx = self.model.embed(batch_inputs, puzzle_ids)
                 parts["jacobian"] = jacobian_frobenius(
-                    self.model.step, out.state, ctx, self._generator(self.step, _SALT_JAC)
+                    self.model.step, out.state, ctx, self._generator(self.step, SALT_JAC)
                 )
             total = total + tc.jacobian_weight * parts["jacobian"]
         return total, parts, acc
@@ -551,7 +387,7 @@ class Trainer:
         lockstep = dist.LockstepHalting(self.sync_halting)
         with autocast(self.device, self.config.bf16):
             out = self.forward_model(
-                inputs, loop=loop, state=state, puzzle_ids=puzzle_ids, generator=self._generator(self.step, _SALT_INIT),
+                inputs, loop=loop, state=state, puzzle_ids=puzzle_ids, generator=self._generator(self.step, SALT_INIT),
                 callback=lockstep.callback if lockstep.enabled else None,
             )
         lockstep.drain()
@@ -582,18 +418,19 @@ class Trainer:
         if out.loop is not None:
             metrics["loop_steps"] = float(out.loop.steps.float().mean())
             if out.loop.residuals is not None and out.loop.residuals.numel():
-                metrics["residual"] = float(torch.nanmean(_last_finite(out.loop.residuals.detach().float())))
+                metrics["residual"] = float(torch.nanmean(last_finite(out.loop.residuals.detach().float())))
             metrics["converged"] = float(out.loop.converged.float().mean())
         if tc.mode == "simple":
             if R is not None:
                 metrics["loops"] = R
         else:
-            self._advance_carry(out)
+            advance_carry(self.carry, out, tc.max_segments, tc.halt_on_q, tc.halt_exploration,
+                          tc.halt_on_converged, self.config.seed, self.step, self.dist_env.world_size)
             metrics["segments"] = float(self.carry.segments.float().mean())
             metrics["halted"] = int(self.carry.halted.sum())
         if self.curriculum is not None:
             metrics["level"] = self.curriculum.level
-        return self._reduce_metrics(metrics) if self.dist_env.enabled else metrics
+        return reduce_metrics(metrics, self.dist_env.world_size) if self.dist_env.enabled else metrics
 
     def _simple_loop(self, step: int) -> tuple[LoopConfig, int | None]:
         """Simple mode: the training loop with ``R`` steps drawn for ``step`` (same on every rank).
@@ -610,17 +447,6 @@ class Trainer:
         )
         return loop, R
 
-    def _reduce_metrics(self, metrics: dict[str, Any]) -> dict[str, Any]:
-        """Per-rank metrics -> their mean over ranks ("halted": the total); shared values kept."""
-        shared = ("step", "lr", "grad_norm", "loops", "level")
-        keys = [k for k, v in metrics.items()
-                if k not in shared and isinstance(v, int | float) and not isinstance(v, bool)]
-        mean = dist.all_reduce_mean({k: metrics[k] for k in keys})
-        out = {**metrics, **mean}
-        if "halted" in out:
-            out["halted"] = int(round(mean["halted"] * self.dist_env.world_size))
-        return out
-
     def probe_unused_parameters(self, rows: int = 2) -> list[str]:
         """Parameters that one training forward / backward of the real loss leaves without gradient.
 
@@ -636,96 +462,21 @@ class Trainer:
         def loss_of() -> Tensor:
             with autocast(self.device, self.config.bf16):
                 out = self.model(batch.inputs, loop=loop, state=state, puzzle_ids=batch.puzzle_ids,
-                                 generator=self._generator(0, _SALT_INIT))
+                                 generator=self._generator(0, SALT_INIT))
             return self._loss(out, batch.inputs, batch.labels, batch.puzzle_ids)[0]
 
         devices = [self.device] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
             return dist.unused_parameters(self.model, loss_of)
 
-    def _advance_carry(self, out: ModelOutput) -> None:
-        tc = self.config.train
-        c = self.carry
-        c.state = out.state.detach()
-        c.segments = c.segments + 1
-        halted = c.segments >= tc.max_segments
-        if tc.halt_on_q and out.q_logits is not None:
-            q_halt = (out.q_logits.detach().float().reshape(-1) > 0).cpu()
-            if tc.halt_exploration > 0:
-                # drawn for the global batch and sharded: the same draws as one process would make
-                g = torch.Generator().manual_seed(_seed_for(self.config.seed, self.step, _SALT_EXPLORE))
-                n_global = len(c.segments) * self.dist_env.world_size
-                explore = dist.shard(torch.rand(n_global, generator=g) < tc.halt_exploration)
-                min_segments = dist.shard(torch.randint(2, tc.max_segments + 1, (n_global,), generator=g))
-                q_halt = q_halt & (c.segments >= torch.where(explore, min_segments, torch.zeros_like(min_segments)))
-            halted = halted | q_halt
-        if tc.halt_on_converged and out.loop is not None:
-            halted = halted | out.loop.converged.detach().cpu().reshape(-1)
-        c.halted = halted
-
     # ------------------------------------------------------------------------------------------
     # evaluation
     # ------------------------------------------------------------------------------------------
-    @torch.no_grad()
     def exact_eval(self, dataset: TokenDataset, rows: np.ndarray | None = None, loop: LoopConfig | None = None) -> dict:
-        """Label-based accuracy of the current weights: token_acc, exact_acc, loop_steps, n.
-
-        Runs ``eval.segments`` chained forward calls (the state carried), as TRM / HRM evaluate.
-        Under DDP each rank evaluates its share of the rows and the counts are summed over ranks
-        (FSDP: every rank evaluates all rows, since each forward gathers the weights on all ranks).
-        With ``train.sync_halting`` every forward ends on the same global loop count on all ranks.
-        """
-        ec = self.config.eval
-        loop = loop or self.loop_eval
-        rows = np.arange(len(dataset)) if rows is None else np.asarray(rows)
-        if ec.max_examples:
-            rows = rows[: ec.max_examples]
-        sharded = dist.is_distributed() and not dist.is_fsdp(self.model)
-        local = rows[dist.eval_shard(len(rows))] if sharded else rows
-        segments = max(1, ec.segments)
-        lockstep = dist.LockstepHalting(self.sync_halting)
-        n_batches = math.ceil(len(local) / ec.batch_size)
-        if lockstep.enabled:  # a rank with fewer batches answers the others' lockstep all-reduces
-            n_batches = int(dist.all_reduce_max(n_batches))
-        was_training = self.model.training
-        self.model.eval()
-        generator = torch.Generator(device=self.device).manual_seed(self.config.seed)
-        right = count = exact = steps = 0.0
-        try:
-            for start in range(0, n_batches * ec.batch_size, ec.batch_size):
-                if start >= len(local):
-                    for _ in range(segments):
-                        lockstep.drain()
-                    continue
-                b: Batch = make_batch(dataset, local[start : start + ec.batch_size], self.device)
-                state = None
-                seg_steps = torch.zeros(len(b.index))
-                for _ in range(segments):
-                    with autocast(self.device, self.config.bf16):
-                        out = self.model(
-                            b.inputs, loop=loop, state=state, puzzle_ids=b.puzzle_ids, generator=generator,
-                            callback=lockstep.callback if lockstep.enabled else None,
-                        )
-                    lockstep.drain()
-                    state = out.state
-                    if out.loop is not None:
-                        seg_steps += out.loop.steps.float().cpu()
-                acc = accuracy(out.logits, b.labels)
-                right += float(acc.token_correct.sum())
-                count += float(acc.token_count.sum())
-                exact += float(acc.exact.sum())
-                steps += float(seg_steps.sum())
-        finally:
-            self.model.train(was_training)
-        if sharded:
-            right, count, exact, steps = dist.all_reduce_sum([right, count, exact, steps])
-        n = len(rows)
-        return {
-            "n": n,
-            "token_acc": right / max(count, 1.0),
-            "exact_acc": exact / max(n, 1),
-            "loop_steps": steps / max(n, 1),
-        }
+        """Label-based accuracy of the current weights: token_acc, exact_acc, loop_steps, n
+        (``loopformer.train.metrics.exact_eval`` over ``eval.segments`` chained forward calls)."""
+        return exact_eval(self.model, dataset, rows, loop or self.loop_eval, self.config.eval, self.device,
+                          self.config.seed, self.config.bf16, self.sync_halting)
 
     def evaluate(self) -> dict[str, Any]:
         """Evaluate on the held-out set (EMA weights when ``eval.use_ema`` and an EMA exists)."""
@@ -738,40 +489,15 @@ class Trainer:
             if self.task is not None and ec.segments <= 1 and (ec.check or not self.has_validator):
                 # under DDP rank 0 evaluates and shares the result; under FSDP all ranks run it
                 one_rank = dist.is_distributed() and not dist.is_fsdp(self.model)
-                result = self._task_eval() if self.dist_env.is_main or not one_rank else None
+                result = (task_eval(self.model, self.task, self.eval_data, self.has_validator, self.loop_eval, ec,
+                                     self.device, self.config.seed)
+                          if self.dist_env.is_main or not one_rank else None)
                 if one_rank:
                     result = dist.broadcast_object(result)
             else:
                 result = self.exact_eval(self.eval_data)
         result["weights"] = "ema" if use_ema else "model"
         return result
-
-    def _task_eval(self) -> dict[str, Any]:
-        """``loopformer.eval.evaluate`` on the held-out set (the task's own validator); a task without
-        a validator (text) gets ``evaluate_lm``: loss (nats per token) and bits per byte."""
-        from loopformer.eval.evaluate import evaluate, evaluate_lm
-
-        ec = self.config.eval
-        data = self.eval_data
-        if ec.max_examples:
-            data = data.subset(slice(0, ec.max_examples))
-        if not self.has_validator:
-            lm = evaluate_lm(self.model, self.task, data, loop=self.loop_eval, batch_size=ec.batch_size,
-                             device=self.device, seed=self.config.seed)
-            return {"n": lm.n, "loss": lm.loss, "bits_per_byte": lm.bits_per_byte, "token_acc": lm.token_accuracy,
-                    "exact_acc": lm.exact_accuracy, "loop_steps": lm.mean_steps}
-        res = evaluate(
-            self.model, self.task, data, loop=self.loop_eval, batch_size=ec.batch_size,
-            device=self.device, seed=self.config.seed,
-        )
-        return {
-            "n": res.n,
-            "token_acc": res.token_accuracy,
-            "exact_acc": res.exact_accuracy,
-            "valid_acc": res.valid_accuracy,
-            "loop_steps": res.mean_steps,
-            "converged": res.converged_fraction,
-        }
 
     def _curriculum_check(self) -> None:
         cur, cc = self.curriculum, self.config.data.curriculum
@@ -785,7 +511,7 @@ class Trainer:
             if len(rows) == 0:
                 rows = cur.eligible()
         if len(rows) > cc.sample:
-            rng = np.random.default_rng([self.config.seed, self.step, _SALT_CURRICULUM])
+            rng = np.random.default_rng([self.config.seed, self.step, SALT_CURRICULUM])
             rows = np.sort(rng.choice(rows, size=cc.sample, replace=False))
         acc = self.exact_eval(dataset, rows)["exact_acc"]
         if cur.update(acc, self.step):
@@ -801,42 +527,10 @@ class Trainer:
     def _write_metrics(self, record: dict[str, Any]) -> None:
         if not self.dist_env.is_main:
             return
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        with open(self.run_dir / "metrics.jsonl", "a") as fh:
-            fh.write(json.dumps(record) + "\n")
-        if getattr(self, "_tb", None) is not None:
-            for key, value in record.items():
-                if key != "step" and isinstance(value, int | float) and not isinstance(value, bool):
-                    self._tb.add_scalar(key, value, record.get("step", self.step))
+        write_metrics(self.run_dir, record, getattr(self, "_tb", None), self.step)
 
     def _prepare_run_dir(self) -> None:
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        save_config(self.config, self.run_dir)
-        metrics = self.run_dir / "metrics.jsonl"
-        if self.resumed_from is not None and metrics.is_file():  # drop lines the killed run wrote after it
-            kept = [
-                line for line in metrics.read_text().splitlines()
-                if line.strip() and json.loads(line).get("step", 0) <= self.step
-            ]
-            metrics.write_text("".join(line + "\n" for line in kept))
-        elif self.resumed_from is None:  # a fresh run owns its folder: no stale metrics or checkpoints
-            if metrics.is_file():
-                metrics.unlink()
-            stale = step_dirs(self.ckpt_dir)
-            if stale:
-                log.warning("fresh run in %s: removing %d old checkpoints (use train.resume=true to continue)",
-                            self.run_dir, len(stale))
-            for folder in stale:
-                shutil.rmtree(folder)
-            (self.ckpt_dir / "latest").unlink(missing_ok=True)
-        self._tb = None
-        if self.config.train.tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:
-                log.warning("train.tensorboard is on but tensorboard is not installed (pip install tensorboard)")
-            else:
-                self._tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+        self._tb = prepare_run_dir(self.config, self.run_dir, self.ckpt_dir, self.resumed_from is not None, self.step)
 
     def fit(self) -> dict[str, Any]:
         """Train to ``train.steps`` optimiser steps (continuing a resumed run); returns a summary."""
@@ -847,7 +541,7 @@ class Trainer:
             self._tb = None
         dist.barrier()  # rank 0 has cleared a fresh run's folder before anyone writes to it
         self._t0 = time.perf_counter()
-        progress = _progress_bar(tc.progress and self.dist_env.is_main, tc.steps, self.step)
+        progress = progress_bar(tc.progress and self.dist_env.is_main, tc.steps, self.step)
         try:
             with progress as bar:
                 task_id = bar.add_task("train", total=tc.steps, completed=self.step, info="") if bar else None
@@ -867,7 +561,7 @@ class Trainer:
                     if tc.checkpoint_every and self.step % tc.checkpoint_every == 0 and self.step < tc.steps:
                         self.save()
                     if bar:
-                        bar.update(task_id, completed=self.step, info=_bar_info(metrics))
+                        bar.update(task_id, completed=self.step, info=bar_info(metrics))
             self.save()  # before the final evaluation: an evaluation error never loses the trained weights
             self.last_eval = self.evaluate()
             if self.last_eval:
@@ -893,33 +587,3 @@ class Trainer:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary
 
-
-def _bar_info(m: dict[str, Any]) -> str:
-    parts = [f"loss {m['loss']:.4f}", f"acc {m['token_acc']:.3f}/{m['exact_acc']:.3f}"]
-    if "loop_steps" in m:
-        parts.append(f"loops {m['loop_steps']:.1f}")
-    if "level" in m:
-        parts.append(f"level {m['level']:g}")
-    return "  ".join(parts)
-
-
-def _progress_bar(enabled: bool, total: int, start: int) -> Any:
-    if not enabled:
-        return _NoBar()
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    return Progress(
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        TextColumn("{task.fields[info]}"),
-    )
-
-
-class _NoBar:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None

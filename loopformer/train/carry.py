@@ -1,0 +1,181 @@
+"""The deep-supervision carry: the slots a ``deep_supervision`` run refines over segments.
+
+TRM / HRM / FPRM training (SYSTEMS.md sections 1 and 4) keeps a carried batch of
+``train.batch_size`` slots, each holding an example, its detached state and a segment count.
+Each optimiser step runs ONE segment on the carry; afterwards ``advance_carry`` stores
+``out.state.detach()`` and decides which slots halt: when their segment count reaches
+``max_segments``, or (options) when their Q logit is > 0 (TRM, with exploration: with
+probability ``halt_exploration`` a slot must first run a random 2..max_segments segments) or
+when their loop converged (FPRM). Before the next segment ``refill_carry`` gives halted slots
+new examples from the (global) index stream and fresh ``init_state`` rows.
+
+Under torchrun each rank holds its contiguous share of the slots; the checkpoint stores one
+global carry (``global_carry_state``) and ``carry_from_checkpoint`` takes this rank's share
+back, so a run resumes under any world size that divides the batch.
+
+Also here: the per-step random streams (``seed_for`` and the salts) that make every draw a
+function of (seed, global step), so a resumed run replays exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from loopformer.models.base import ModelOutput
+from loopformer.tasks.base import TokenDataset
+from loopformer.train import dist
+from loopformer.train.checkpoint import CheckpointError
+from loopformer.train.data import make_batch
+
+# salts that keep the per-step random streams independent
+SALT_INIT, SALT_EXPLORE, SALT_JAC, SALT_CURRICULUM = 11, 13, 17, 19
+
+
+def seed_for(seed: int, step: int, salt: int, rank: int | None = None) -> int:
+    """A 32-bit seed for the random stream (seed, step, salt[, rank])."""
+    entropy = [seed, step, salt] if rank is None else [seed, step, salt, rank]
+    return int(np.random.SeedSequence(entropy).generate_state(1)[0])
+
+
+@dataclass
+class Carry:
+    """Deep-supervision slots: each row an example being refined over segments."""
+
+    index: Tensor  # [B] dataset rows (CPU int64)
+    inputs: Tensor  # [B, T]
+    labels: Tensor  # [B, T]
+    puzzle_ids: Tensor | None  # [B]
+    state: Tensor  # [B, ...] detached carried state
+    segments: Tensor  # [B] segments run so far (CPU int64)
+    halted: Tensor  # [B] bool (CPU): replace before the next segment
+
+    def state_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in ("index", "inputs", "labels", "puzzle_ids", "state", "segments", "halted")}
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any], device: torch.device) -> Carry:
+        def dev(t: Tensor | None) -> Tensor | None:
+            return None if t is None else t.to(device)
+
+        return cls(
+            index=state["index"].long(),
+            inputs=dev(state["inputs"]),
+            labels=dev(state["labels"]),
+            puzzle_ids=dev(state["puzzle_ids"]),
+            state=dev(state["state"]),
+            segments=state["segments"].long(),
+            halted=state["halted"].bool(),
+        )
+
+
+def refill_carry(
+    carry: Carry | None,
+    dataset: TokenDataset,
+    take: Callable[[int], np.ndarray],
+    fresh_states: Callable[[Tensor, Tensor | None], Tensor],
+    global_batch: int,
+    world_size: int,
+    rank: int,
+    device: torch.device,
+) -> Carry:
+    """Give halted (or all, when ``carry`` is None) slots new examples and fresh states.
+
+    ``take(n)`` draws ``n`` rows from the global index stream; ``fresh_states(inputs, puzzle_ids)``
+    returns detached initial states. An existing carry is updated in place and returned. Every
+    rank must call it (the halted counts are gathered so that the stream stays global).
+    """
+    B = global_batch // world_size  # this rank's slots
+    if carry is None:
+        batch = make_batch(dataset, dist.shard(take(global_batch)), device)
+        return Carry(
+            index=batch.index,
+            inputs=batch.inputs,
+            labels=batch.labels,
+            puzzle_ids=batch.puzzle_ids,
+            state=fresh_states(batch.inputs, batch.puzzle_ids),
+            segments=torch.zeros(B, dtype=torch.long),
+            halted=torch.zeros(B, dtype=torch.bool),
+        )
+    c = carry
+    rows = torch.nonzero(c.halted).reshape(-1)
+    # the stream is global: draw every rank's halted slots, in rank order, and keep this rank's
+    counts = dist.all_gather_counts(int(rows.numel()))
+    drawn = take(sum(counts))
+    first = sum(counts[:rank])
+    if rows.numel() == 0:
+        return c
+    new = make_batch(dataset, drawn[first : first + int(rows.numel())], device)
+    dev_rows = rows.to(device)
+    c.index = c.index.clone()
+    c.index[rows] = new.index
+    c.inputs = c.inputs.index_copy(0, dev_rows, new.inputs)
+    c.labels = c.labels.index_copy(0, dev_rows, new.labels)
+    if c.puzzle_ids is not None and new.puzzle_ids is not None:
+        c.puzzle_ids = c.puzzle_ids.index_copy(0, dev_rows, new.puzzle_ids)
+    fresh = fresh_states(new.inputs, new.puzzle_ids)
+    c.state = c.state.index_copy(0, dev_rows, fresh.to(c.state.dtype))
+    c.segments = c.segments.clone()
+    c.segments[rows] = 0
+    c.halted = torch.zeros_like(c.halted)
+    return c
+
+
+def advance_carry(
+    c: Carry,
+    out: ModelOutput,
+    max_segments: int,
+    halt_on_q: bool,
+    halt_exploration: float,
+    halt_on_converged: bool,
+    seed: int,
+    step: int,
+    world_size: int,
+) -> None:
+    """After a segment: carry ``out.state`` (detached), count the segment and mark halted slots."""
+    c.state = out.state.detach()
+    c.segments = c.segments + 1
+    halted = c.segments >= max_segments
+    if halt_on_q and out.q_logits is not None:
+        q_halt = (out.q_logits.detach().float().reshape(-1) > 0).cpu()
+        if halt_exploration > 0:
+            # drawn for the global batch and sharded: the same draws as one process would make
+            g = torch.Generator().manual_seed(seed_for(seed, step, SALT_EXPLORE))
+            n_global = len(c.segments) * world_size
+            explore = dist.shard(torch.rand(n_global, generator=g) < halt_exploration)
+            min_segments = dist.shard(torch.randint(2, max_segments + 1, (n_global,), generator=g))
+            q_halt = q_halt & (c.segments >= torch.where(explore, min_segments, torch.zeros_like(min_segments)))
+        halted = halted | q_halt
+    if halt_on_converged and out.loop is not None:
+        halted = halted | out.loop.converged.detach().cpu().reshape(-1)
+    c.halted = halted
+
+
+def global_carry_state(carry: Carry | None, distributed: bool) -> dict[str, Any] | None:
+    """The carry of all ranks as one (rank order = slot order of a single-process run)."""
+    if carry is None:
+        return None
+    state = carry.state_dict()
+    if not distributed:
+        return state
+    return {k: dist.all_gather_rows(v) for k, v in state.items()}
+
+
+def carry_from_checkpoint(
+    saved: dict[str, Any] | None, global_batch: int, folder: Path, distributed: bool, device: torch.device
+) -> Carry | None:
+    """This rank's carry from the global one a checkpoint holds (None when it holds none)."""
+    if saved and len(saved["index"]) != global_batch:
+        raise CheckpointError(
+            f"{folder} carries {len(saved['index'])} deep-supervision slots but train.batch_size is "
+            f"{global_batch}; resume with the batch size the run was started with"
+        )
+    if saved and distributed:  # the saved carry is global: take this rank's slots
+        saved = {k: None if v is None else dist.shard(v) for k, v in saved.items()}
+    return Carry.from_state(saved, device) if saved else None
