@@ -19,6 +19,7 @@ the task's independent validator (``loopformer.eval.evaluate.score_predictions``
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
 import json
@@ -38,6 +39,19 @@ from loopformer.tasks.base import Task, TokenDataset
 from loopformer.train.trainer import Trainer
 
 REPO = Path(__file__).resolve().parent.parent
+MACHINE = "2-core CPU shared with other jobs, torch float32, 1 thread"
+
+
+def script_parser(
+    doc: str, figures: str, runs: str, quick_help: str = "a few steps at tiny size (dry run)"
+) -> argparse.ArgumentParser:
+    """The FPRM scripts' command line: ``--quick`` (dry run), ``--out`` (default docs/figures/<figures>)
+    and ``--runs`` (default runs/<runs>); the description is the first line of the docstring ``doc``."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help=quick_help)
+    parser.add_argument("--out", type=Path, default=REPO / "docs" / "figures" / figures)
+    parser.add_argument("--runs", type=Path, default=REPO / "runs" / runs)
+    return parser
 
 
 def make_config(recipe: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:

@@ -22,19 +22,20 @@ Usage: ``python experiments/fprm_grad_modes.py [--quick] [--steps 300]``; writes
 
 from __future__ import annotations
 
-import argparse
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 from fprm_common import (
+    MACHINE,
     REPO,
     ema_weights,
     make_config,
     pyplot,
     run_eval,
     saved_bytes_per_step,
+    script_parser,
     train,
     write_json,
 )
@@ -51,11 +52,8 @@ MODES: dict[str, list[str]] = {
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a few steps at tiny size (dry run)")
+    parser = script_parser(__doc__, "fprm_grad_modes", "fprm_grad_modes")
     parser.add_argument("--steps", type=int, default=0, help="optimiser steps per mode (0 = the recipe's)")
-    parser.add_argument("--out", type=Path, default=REPO / "docs" / "figures" / "fprm_grad_modes")
-    parser.add_argument("--runs", type=Path, default=REPO / "runs" / "fprm_grad_modes")
     args = parser.parse_args()
     torch.set_num_threads(1)
     quick = ["train.steps=3", "data.train_size=64", "data.eval_size=16", "train.batch_size=8",
@@ -92,7 +90,7 @@ def main() -> None:
         "command": "python experiments/fprm_grad_modes.py" + (" --quick" if args.quick else "")
         + (f" --steps {args.steps}" if args.steps else ""),
         "recipe": str(RECIPE.relative_to(REPO)),
-        "machine": "2-core CPU shared with other jobs, torch float32, 1 thread",
+        "machine": MACHINE,
         "memory_measure": "bytes of tensors saved for backward in one training step (saved_tensors_hooks)",
         "results": results,
         "wall_time_s": round(time.perf_counter() - t_start, 1),

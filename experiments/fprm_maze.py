@@ -15,7 +15,6 @@ Usage: ``python experiments/fprm_maze.py [--quick]``; writes ``docs/figures/fprm
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import time
 from pathlib import Path
@@ -24,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 from fprm_common import (
+    MACHINE,
     REPO,
     ema_weights,
     flops_per_step,
@@ -31,6 +31,7 @@ from fprm_common import (
     oscillation_stats,
     pyplot,
     run_eval,
+    script_parser,
     train,
     write_json,
 )
@@ -43,11 +44,8 @@ BASELINE = ["model={name: transformer, d_model: 64, n_heads: 4, n_layers: 2}", "
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a few steps at tiny size (dry run)")
+    parser = script_parser(__doc__, "fprm_maze", "fprm_maze7")
     parser.add_argument("--steps", type=int, default=0, help="FPRM optimiser steps (0 = the recipe's)")
-    parser.add_argument("--out", type=Path, default=REPO / "docs" / "figures" / "fprm_maze")
-    parser.add_argument("--runs", type=Path, default=REPO / "runs" / "fprm_maze7")
     args = parser.parse_args()
     torch.set_num_threads(1)
     quick = ["train.steps=3", "data.train_size=64", "data.eval_size=16", "train.batch_size=8",
@@ -109,7 +107,7 @@ def main() -> None:
         "baseline_overrides": BASELINE,
         "task": {"name": "maze", "options": dc.options, "train": {"n": dc.train_size, **dc.train_generate},
                  "eval": {"n": dc.eval_size, **dc.eval_generate}},
-        "machine": "2-core CPU shared with other jobs, torch float32, 1 thread",
+        "machine": MACHINE,
         "flops_per_step": flops,
         "results": results,
         "wall_time_s": round(time.perf_counter() - t_start, 1),

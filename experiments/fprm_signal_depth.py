@@ -25,14 +25,23 @@ Usage: ``python experiments/fprm_signal_depth.py [--quick]``; writes
 
 from __future__ import annotations
 
-import argparse
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from fprm_common import REPO, ema_weights, make_config, pyplot, run_eval, train, write_json
+from fprm_common import (
+    MACHINE,
+    REPO,
+    ema_weights,
+    make_config,
+    pyplot,
+    run_eval,
+    script_parser,
+    train,
+    write_json,
+)
 
 from loopformer.eval.analysis import logit_lens, signal_propagation
 
@@ -56,10 +65,7 @@ def loops_used(token_acc: list[float], depth: int, slack: float = 0.01) -> int:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a few steps at tiny size (dry run)")
-    parser.add_argument("--out", type=Path, default=REPO / "docs" / "figures" / "fprm_signal_depth")
-    parser.add_argument("--runs", type=Path, default=REPO / "runs" / "fprm_signal_depth")
+    parser = script_parser(__doc__, "fprm_signal_depth", "fprm_signal_depth")
     parser.add_argument("--analysis-loops", type=int, default=64)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -115,7 +121,7 @@ def main() -> None:
         "variants": VARIANTS,
         "depths": list(depths),
         "analysis_loops": n_loops,
-        "machine": "2-core CPU shared with other jobs, torch float32, 1 thread",
+        "machine": MACHINE,
         "results": results,
         "wall_time_s": round(time.perf_counter() - t_start, 1),
     }

@@ -16,7 +16,6 @@ Usage: ``python experiments/fprm_solvers.py [--quick] [--run runs/fprm_sudoku4/f
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import time
 from pathlib import Path
@@ -24,7 +23,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from fprm_common import REPO, oscillation_stats, pyplot, run_eval, write_json
+from fprm_common import MACHINE, REPO, oscillation_stats, pyplot, run_eval, script_parser, write_json
 
 from loopformer.eval.analysis import spectral_radius_at_fixed_point, spectral_radius_summary
 from loopformer.eval.evaluate import eval_dataset, load_for_eval, steps_vs_difficulty
@@ -38,12 +37,10 @@ SOLVERS: dict[str, dict[str, Any]] = {
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a tiny model trained for 2 steps, cap 8 (dry run)")
+    parser = script_parser(__doc__, "fprm_solvers", "fprm_solvers",
+                           quick_help="a tiny model trained for 2 steps, cap 8 (dry run)")
     parser.add_argument("--run", type=Path, default=REPO / "runs" / "fprm_sudoku4" / "fprm")
     parser.add_argument("--cap", type=int, default=256)
-    parser.add_argument("--out", type=Path, default=REPO / "docs" / "figures" / "fprm_solvers")
-    parser.add_argument("--runs", type=Path, default=REPO / "runs" / "fprm_solvers")
     args = parser.parse_args()
     torch.set_num_threads(1)
     t_start = time.perf_counter()
@@ -98,7 +95,7 @@ def main() -> None:
         "checkpoint": str(run.path.relative_to(REPO)) if run.path.is_relative_to(REPO) else str(run.path),
         "weights": run.weights,
         "n": len(data),
-        "machine": "2-core CPU shared with other jobs, torch float32, 1 thread",
+        "machine": MACHINE,
         "results": results,
         "wall_time_s": round(time.perf_counter() - t_start, 1),
     }

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 from fprm_common import (
+    MACHINE,
     REPO,
     ema_weights,
     flops_per_step,
@@ -34,6 +35,7 @@ from fprm_common import (
     oscillation_stats,
     pyplot,
     run_eval,
+    script_parser,
     train,
     write_json,
 )
@@ -61,10 +63,7 @@ def eval_loop(name: str, trainer: Any) -> Any:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a few steps at tiny size (dry run)")
-    parser.add_argument("--out", type=Path, default=REPO / "docs" / "figures" / "fprm_sudoku")
-    parser.add_argument("--runs", type=Path, default=REPO / "runs" / "fprm_sudoku4")
+    parser = script_parser(__doc__, "fprm_sudoku", "fprm_sudoku4")
     parser.add_argument("--only", default="", help="comma-separated subset of fprm,transformer,trm,ut_act")
     parser.add_argument("--steps", type=int, default=0,
                         help="train the --only models for this many steps instead of the FLOPs-matched count")
@@ -170,7 +169,7 @@ def payload_head(args: argparse.Namespace, cfgs: dict[str, Any]) -> dict[str, An
         "baseline_overrides": BASELINES,
         "task": {"name": "sudoku", "options": dc.options, "train": {"n": dc.train_size, **dc.train_generate},
                  "eval": {"n": dc.eval_size, **dc.eval_generate}},
-        "machine": "2-core CPU shared with other jobs, torch float32, 1 thread",
+        "machine": MACHINE,
     }
 
 

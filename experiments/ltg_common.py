@@ -13,6 +13,7 @@ Every script imports this file by path (``experiments/`` is not a package).
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
 from pathlib import Path
@@ -224,3 +225,30 @@ def figure_dir(name: str, quick: bool) -> Path:
     out = (ROOT / "runs" / "ltg_quick" / "figures" / name) if quick else (FIGURES / name)
     out.mkdir(parents=True, exist_ok=True)
     return out
+
+
+def script_parser(doc: str, retrain: bool = True) -> argparse.ArgumentParser:
+    """The experiment scripts' command line: ``--quick`` (dry run) and, with ``retrain``, ``--retrain``;
+    the description is the first line of the script's docstring ``doc``."""
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a few training steps at tiny size (dry run)")
+    if retrain:
+        parser.add_argument("--retrain", action="store_true", help="train even when a matching run exists")
+    return parser
+
+
+def pyplot() -> Any:
+    """``matplotlib.pyplot`` on the non-interactive Agg backend."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig: Any, path: Path) -> None:
+    """Lay out ``fig``, write it to ``path`` (80 dpi) and close it."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    pyplot().close(fig)

@@ -16,8 +16,6 @@ docs/figures/ltg_depth/{ltg_depth.json, ltg_depth.png} (training runs go to runs
 
 from __future__ import annotations
 
-import argparse
-import importlib.util
 import sys
 import time
 from pathlib import Path
@@ -25,15 +23,8 @@ from typing import Any
 
 import numpy as np
 
-
-def _common() -> Any:
-    path = Path(__file__).resolve().parent / "ltg_common.py"
-    spec = importlib.util.spec_from_file_location("ltg_common", path)
-    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    sys.modules.setdefault("ltg_common", module)
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
-    return module
-
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling ltg_common.py, however this is loaded
+import ltg_common
 
 MAX_LOOPS = 16
 
@@ -68,7 +59,7 @@ def single_pass(model: Any, task: Any, sets: dict[int, Any]) -> dict[int, dict[s
 
 
 def run(quick: bool = False, retrain: bool = False) -> dict[str, Any]:
-    c = _common()
+    c = ltg_common
     t0 = time.perf_counter()
     task, models = c.train_kg_models(("fixed", "poisson", "transformer"), quick=quick, retrain=retrain)
     sets = c.kg_test_sets(task, c.TEST_HOPS, 40 if quick else c.TEST_PER_HOP, seed=12345)
@@ -144,11 +135,7 @@ def print_table(result: dict[str, Any]) -> None:
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = ltg_common.pyplot()
     hops = result["test_hops"]
     colors = plt.cm.viridis(np.linspace(0, 0.9, len(hops)))
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
@@ -179,15 +166,11 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax.set_title("equal parameters: accuracy per hop count")
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
+    ltg_common.save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="a few training steps at tiny size (dry run)")
-    parser.add_argument("--retrain", action="store_true", help="train even when a matching run exists")
+    parser = ltg_common.script_parser(__doc__)
     args = parser.parse_args(argv)
     run(quick=args.quick, retrain=args.retrain)
 

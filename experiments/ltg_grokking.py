@@ -20,7 +20,6 @@ docs/figures/ltg_grokking/{ltg_grokking.json, ltg_grokking.png}.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import sys
 import time
@@ -30,15 +29,8 @@ from typing import Any
 import numpy as np
 import torch
 
-
-def _common() -> Any:
-    path = Path(__file__).resolve().parent / "ltg_common.py"
-    spec = importlib.util.spec_from_file_location("ltg_common", path)
-    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    sys.modules.setdefault("ltg_common", module)
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
-    return module
-
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling ltg_common.py, however this is loaded
+import ltg_common
 
 RECIPES = {"R=1": "ltg_grok_r1", "R=2": "ltg_grok_r2"}
 EVAL_EVERY = 200
@@ -113,7 +105,7 @@ def train_with_curves(recipe: str, overrides: list[str], log: Any = print) -> di
 
 
 def run(quick: bool = False, steps: int | None = None) -> dict[str, Any]:
-    c = _common()
+    c = ltg_common
     torch.set_num_threads(1)
     result: dict[str, Any] = {"quick": quick, "models": {}}
     for label, recipe in RECIPES.items():
@@ -146,11 +138,7 @@ def run(quick: bool = False, steps: int | None = None) -> dict[str, Any]:
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = ltg_common.pyplot()
     models = result["models"]
     fig, axes = plt.subplots(1, len(models) + 1, figsize=(5 * (len(models) + 1), 3.8))
     for ax, (label, m) in zip(axes, models.items()):
@@ -174,9 +162,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax.set_ylim(-0.02, 1.02)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
+    ltg_common.save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> None:

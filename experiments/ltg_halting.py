@@ -23,8 +23,6 @@ docs/figures/ltg_halting/{ltg_halting.json, ltg_halting.png}.
 
 from __future__ import annotations
 
-import argparse
-import importlib.util
 import sys
 import time
 from pathlib import Path
@@ -32,15 +30,8 @@ from typing import Any
 
 import numpy as np
 
-
-def _common() -> Any:
-    path = Path(__file__).resolve().parent / "ltg_common.py"
-    spec = importlib.util.spec_from_file_location("ltg_common", path)
-    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    sys.modules.setdefault("ltg_common", module)
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
-    return module
-
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling ltg_common.py, however this is loaded
+import ltg_common
 
 CAP = 16
 RESIDUAL_TOLS = (0.05, 0.1, 0.2)
@@ -87,7 +78,7 @@ def equal_accuracy_budget(fixed_acc: list[float], acc: float, slack: float = EQU
 def run(quick: bool = False, retrain: bool = False) -> dict[str, Any]:
     from loopformer.eval import evaluate, logit_lens
 
-    c = _common()
+    c = ltg_common
     task, models = c.train_kg_models(("fixed", "poisson"), quick=quick, retrain=retrain)
     sets = c.kg_test_sets(task, c.TEST_HOPS, 40 if quick else c.TEST_PER_HOP, seed=12345)
     cap = 4 if quick else CAP
@@ -179,11 +170,7 @@ def overall(per_hop: dict[int, dict[str, Any]], cap: int) -> dict[str, Any]:
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = ltg_common.pyplot()
     hops = result["hops"]
     fig, axes = plt.subplots(2, 2, figsize=(11, 7))
     for col, name in enumerate(("poisson", "fixed")):
@@ -215,15 +202,11 @@ def plot(result: dict[str, Any], path: Path) -> None:
         ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
     fig.suptitle("adaptive halting: accuracy and loops per hop count", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
+    ltg_common.save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="a few training steps at tiny size (dry run)")
-    parser.add_argument("--retrain", action="store_true", help="train even when a matching run exists")
+    parser = ltg_common.script_parser(__doc__)
     args = parser.parse_args(argv)
     run(quick=args.quick, retrain=args.retrain)
 

@@ -15,8 +15,6 @@ docs/figures/ltg_overthinking/{ltg_overthinking.json, ltg_overthinking.png}.
 
 from __future__ import annotations
 
-import argparse
-import importlib.util
 import sys
 import time
 from pathlib import Path
@@ -24,15 +22,8 @@ from typing import Any
 
 import numpy as np
 
-
-def _common() -> Any:
-    path = Path(__file__).resolve().parent / "ltg_common.py"
-    spec = importlib.util.spec_from_file_location("ltg_common", path)
-    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    sys.modules.setdefault("ltg_common", module)
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
-    return module
-
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling ltg_common.py, however this is loaded
+import ltg_common
 
 MAX_LOOPS = 48
 HOPS = (2, 4, 6, 8)
@@ -58,7 +49,7 @@ def summarize(loops: list[int], acc: list[float], margin: list[float]) -> dict[s
 def run(quick: bool = False, retrain: bool = False) -> dict[str, Any]:
     from loopformer.eval import overthinking
 
-    c = _common()
+    c = ltg_common
     task, models = c.train_kg_models(("fixed", "poisson"), quick=quick, retrain=retrain)
     sets = c.kg_test_sets(task, HOPS, 40 if quick else c.TEST_PER_HOP, seed=12345)
     loops = 6 if quick else MAX_LOOPS
@@ -100,11 +91,7 @@ def run(quick: bool = False, retrain: bool = False) -> dict[str, Any]:
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = ltg_common.pyplot()
     hops = result["hops"]
     colors = plt.cm.plasma(np.linspace(0, 0.85, len(hops)))
     fig, axes = plt.subplots(2, 2, figsize=(11, 7), sharex=True)
@@ -130,15 +117,11 @@ def plot(result: dict[str, Any], path: Path) -> None:
             ax.grid(alpha=0.3)
     axes[1, 0].legend(fontsize=8)
     fig.suptitle("overthinking: margin and accuracy vs inference loops (grey: training depth)", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
+    ltg_common.save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="a few training steps at tiny size (dry run)")
-    parser.add_argument("--retrain", action="store_true", help="train even when a matching run exists")
+    parser = ltg_common.script_parser(__doc__)
     args = parser.parse_args(argv)
     run(quick=args.quick, retrain=args.retrain)
 

@@ -17,9 +17,7 @@ Usage: ``python experiments/state_tracking.py [--quick] [--retrain] [--recipe R]
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import importlib.util
 import sys
 import time
 from pathlib import Path
@@ -28,15 +26,8 @@ from typing import Any
 import numpy as np
 import torch
 
-
-def _common() -> Any:
-    path = Path(__file__).resolve().parent / "ltg_common.py"
-    spec = importlib.util.spec_from_file_location("ltg_common", path)
-    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    sys.modules.setdefault("ltg_common", module)
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
-    return module
-
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling ltg_common.py, however this is loaded
+import ltg_common
 
 BUDGETS = (4, 16, 32, 64, 128)
 N_TEST = 256
@@ -77,7 +68,7 @@ def run(
     from loopformer.eval.evaluate import with_budget
     from loopformer.tasks.registry import get_task
 
-    c = _common()
+    c = ltg_common
     torch.set_num_threads(1)
     overrides = list(QUICK) if quick else []
     names = {"fprm": recipe} | ({"transformer": baseline} if baseline else {})
@@ -166,11 +157,7 @@ def table(result: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = ltg_common.pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.2))
     x = np.arange(1, result["test_length"] + 1)
     fprm = result["models"]["fprm"]
@@ -193,15 +180,11 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax.set_title(f"{result['group']} word problem: prefix accuracy up to {result['test_length']}")
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
+    ltg_common.save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="a few training steps at tiny size (dry run)")
-    parser.add_argument("--retrain", action="store_true", help="train even when a matching run exists")
+    parser = ltg_common.script_parser(__doc__)
     parser.add_argument("--recipe", default="groups_s3_fprm", help="the looped model's recipe")
     parser.add_argument("--baseline", default="groups_s3_transformer", help="baseline recipe, or 'none'")
     parser.add_argument(
