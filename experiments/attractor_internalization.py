@@ -29,12 +29,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling fprm_common.py
+from fprm_common import MACHINE, pyplot, save_figure
 
 from loopformer.config import RunConfig, load_config
 from loopformer.eval.evaluate import evaluate, score_predictions, with_budget
@@ -163,11 +167,7 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
 
 
 def plot(results: dict[str, Any], out: Path) -> list[str]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     paths = []
     colours = {"attractor": "tab:blue", "deq": "tab:red"}
     labels = {"attractor": "Attractor (proposal, y0 = c)", "deq": "DEQ ablation (no proposal, y0 = 0)"}
@@ -187,11 +187,7 @@ def plot(results: dict[str, Any], out: Path) -> list[str]:
     for ax in axes:
         ax.legend(fontsize=6)
         ax.grid(alpha=0.3)
-    fig.tight_layout()
-    p = out / "attractor_iterations.png"
-    fig.savefig(p, dpi=90)
-    plt.close(fig)
-    paths.append(p.name)
+    paths.append(save_figure(fig, out / "attractor_iterations.png"))
 
     fig, ax = plt.subplots(figsize=(5, 3.4))
     for name, res in results["runs"].items():
@@ -202,11 +198,7 @@ def plot(results: dict[str, Any], out: Path) -> list[str]:
            title="Accuracy vs inference iterations")
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    p = out / "attractor_inference_iterations.png"
-    fig.savefig(p, dpi=90)
-    plt.close(fig)
-    paths.append(p.name)
+    paths.append(save_figure(fig, out / "attractor_inference_iterations.png"))
 
     fig, ax = plt.subplots(figsize=(5, 3.4))
     for name, res in results["runs"].items():
@@ -215,11 +207,7 @@ def plot(results: dict[str, Any], out: Path) -> list[str]:
     ax.set(xlabel="training step", ylabel="probe token accuracy of readout(y0)", title="0-iteration accuracy")
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    p = out / "attractor_zero_iteration_accuracy.png"
-    fig.savefig(p, dpi=90)
-    plt.close(fig)
-    paths.append(p.name)
+    paths.append(save_figure(fig, out / "attractor_zero_iteration_accuracy.png"))
     return paths
 
 
@@ -250,7 +238,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "command": "python experiments/attractor_internalization.py" + (" --quick" if args.quick else "")
         + (f" --steps {args.steps}" if not args.quick and args.steps != 800 else ""),
         "recipe": str(RECIPE.relative_to(RECIPE.parent.parent)),
-        "machine": "2-core CPU shared with other jobs, torch float32, 1 thread",
+        "machine": MACHINE,
         "torch": torch.__version__,
         "probe_size": probe,
         "runs": {},

@@ -209,6 +209,14 @@ def pyplot() -> Any:
     return plt
 
 
+def save_figure(fig: Any, path: Path, dpi: int = 90) -> str:
+    """Lay out ``fig``, write it to ``path`` and close it; returns the file's name."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    pyplot().close(fig)
+    return path.name
+
+
 @contextlib.contextmanager
 def ema_weights(trainer: Trainer):
     """The trainer's model with its EMA weights applied (the papers evaluate the EMA)."""

@@ -34,6 +34,7 @@ from fprm_common import (
     make_config,
     pyplot,
     run_eval,
+    save_figure,
     saved_bytes_per_step,
     script_parser,
     train,
@@ -112,9 +113,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
         ax.set_xticks(range(len(names)), names, rotation=30, fontsize=7)
         ax.set_title(title, fontsize=9)
         ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

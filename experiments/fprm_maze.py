@@ -31,6 +31,7 @@ from fprm_common import (
     oscillation_stats,
     pyplot,
     run_eval,
+    save_figure,
     script_parser,
     train,
     write_json,
@@ -132,9 +133,7 @@ def plot(evals: dict[str, Any], path: Path) -> None:
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

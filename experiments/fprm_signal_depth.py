@@ -38,6 +38,7 @@ from fprm_common import (
     make_config,
     pyplot,
     run_eval,
+    save_figure,
     script_parser,
     train,
     write_json,
@@ -159,9 +160,7 @@ def plot(results: dict[str, dict[str, Any]], depths: list[int], path: Path) -> N
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=6)
-    fig.tight_layout()
-    fig.savefig(path, dpi=85)
-    plt.close(fig)
+    save_figure(fig, path, dpi=85)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,16 @@ from typing import Any
 
 import numpy as np
 import torch
-from fprm_common import MACHINE, REPO, oscillation_stats, pyplot, run_eval, script_parser, write_json
+from fprm_common import (
+    MACHINE,
+    REPO,
+    oscillation_stats,
+    pyplot,
+    run_eval,
+    save_figure,
+    script_parser,
+    write_json,
+)
 
 from loopformer.eval.analysis import spectral_radius_at_fixed_point, spectral_radius_summary
 from loopformer.eval.evaluate import eval_dataset, load_for_eval, steps_vs_difficulty
@@ -120,9 +129,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
         ax.set_title(title, fontsize=9)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

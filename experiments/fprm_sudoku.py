@@ -35,6 +35,7 @@ from fprm_common import (
     oscillation_stats,
     pyplot,
     run_eval,
+    save_figure,
     script_parser,
     train,
     write_json,
@@ -199,9 +200,7 @@ def plot_steps(evals: dict[str, Any], path: Path) -> None:
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def plot_traces(evals: dict[str, Any], path: Path, tol: float) -> None:
@@ -219,9 +218,7 @@ def plot_traces(evals: dict[str, Any], path: Path, tol: float) -> None:
         ax.set_title(f"{label}: relative sup-norm residual (40 puzzles)", fontsize=9)
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("residual")
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

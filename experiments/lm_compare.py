@@ -32,6 +32,7 @@ import copy
 import dataclasses
 import json
 import math
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,9 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling fprm_common.py
+from fprm_common import MACHINE, pyplot, save_figure
 
 from loopformer.config import load_config
 from loopformer.loop import LoopConfig
@@ -197,11 +201,7 @@ def run_variant(name: str, overrides: list[str], runs: Path, memory_batch: int) 
 
 
 def plot(results: dict[str, Any], out: Path) -> list[str]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     runs = results["runs"]
     names = []
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
@@ -215,11 +215,7 @@ def plot(results: dict[str, Any], out: Path) -> list[str]:
     for ax in axes:
         ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
-    fig.tight_layout()
-    p = out / "lm_bpb_flops.png"
-    fig.savefig(p, dpi=90)
-    plt.close(fig)
-    names.append(p.name)
+    names.append(save_figure(fig, out / "lm_bpb_flops.png"))
 
     fig, ax = plt.subplots(figsize=(5.5, 3.6))
     for name, r in runs.items():
@@ -230,11 +226,7 @@ def plot(results: dict[str, Any], out: Path) -> list[str]:
     ax.set_xticks(list(MEMORY_LOOPS), [str(n) for n in MEMORY_LOOPS])
     ax.legend(fontsize=6)
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    p = out / "lm_memory_vs_loops.png"
-    fig.savefig(p, dpi=90)
-    plt.close(fig)
-    names.append(p.name)
+    names.append(save_figure(fig, out / "lm_memory_vs_loops.png"))
     return names
 
 
@@ -256,7 +248,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     results: dict[str, Any] = {
         "command": "python experiments/lm_compare.py" + (" --quick" if args.quick else "")
         + (f" --steps {args.steps}" if not args.quick and args.steps != 1200 else ""),
-        "machine": "2-core CPU shared with other jobs, torch float32, 1 thread",
+        "machine": MACHINE,
         "torch": torch.__version__,
         "corpus": "built-in (pydoc_data.topics), byte-level",
         "runs": {},
