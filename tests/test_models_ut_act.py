@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from model_helpers import random_batch, train_losses
 
 from loopformer.loop import LoopConfig
 from loopformer.models import build_model
@@ -22,8 +23,7 @@ def tiny(**kw: object) -> UTConfig:
 
 
 def batch(B: int = 3, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, V, (B, T), generator=g), torch.randint(0, V, (B, T), generator=g)
+    return random_batch(V, T, B, seed)
 
 
 # per-token halting probabilities by step (rows: tokens, columns: steps 1..5), eps = 0.01, max 5:
@@ -180,16 +180,7 @@ def test_training_reduces_loss(causal: bool) -> None:
     torch.manual_seed(0)
     model = build_model("ut_act", config=tiny(causal=causal, d_model=32, n_heads=4))
     inputs, labels = batch(B=4)
-    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
-    losses = []
-    for _ in range(10):
-        out = model(inputs)
-        loss = F.cross_entropy(out.logits.reshape(-1, V), labels.reshape(-1)) + out.aux_loss
-        opt.zero_grad()
-        loss.backward()
-        assert all(p.grad is None or torch.isfinite(p.grad).all() for p in model.parameters())
-        opt.step()
-        losses.append(loss.item())
+    losses = train_losses(model, inputs, labels, steps=10, aux_loss=True)
     assert losses[-1] < 0.8 * losses[0], losses
 
 
