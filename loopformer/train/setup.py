@@ -72,6 +72,8 @@ def task_model_defaults(task: Task | None, train_data: TokenDataset) -> dict[str
             out["vocab_size"] = int(task.vocab_size)
         out["causal"] = bool(task.causal)
         out["num_puzzle_ids"] = int(getattr(task, "num_puzzle_ids", 0) or 0)
+        if out["num_puzzle_ids"]:
+            out["puzzle_emb_len"] = 1  # one prepended puzzle token unless the recipe asks for more
         grid = getattr(task, "grid", None)
         size = getattr(task, "size", None)
         if grid is None and isinstance(size, int) and task.seq_len == size * size:
@@ -91,6 +93,8 @@ def build_run_model(config: RunConfig, task: Task | None, train_data: TokenDatas
     _, config_cls = model_classes(config.model.name)
     valid = {f.name for f in dataclasses.fields(config_cls)}
     defaults = {k: v for k, v in task_model_defaults(task, train_data).items() if k in valid}
+    if "num_puzzle_ids" in config.model.fields:  # the recipe decides the puzzle embedding: no task default
+        defaults.pop("puzzle_emb_len", None)
     model_config = config.model_config(**defaults)
     # the run folder records the fully resolved model config
     config.model.fields = {
