@@ -237,6 +237,12 @@ def script_parser(doc: str, retrain: bool = True) -> argparse.ArgumentParser:
     return parser
 
 
+def run_from_command_line(run: Any, doc: str, argv: list[str] | None = None) -> None:
+    """``run(quick=..., retrain=...)`` with the flags of ``script_parser(doc)`` parsed from ``argv``."""
+    args = script_parser(doc).parse_args(argv)
+    run(quick=args.quick, retrain=args.retrain)
+
+
 def pyplot() -> Any:
     """``matplotlib.pyplot`` on the non-interactive Agg backend."""
     import matplotlib

@@ -121,9 +121,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = ltg_common.script_parser(__doc__)
-    args = parser.parse_args(argv)
-    run(quick=args.quick, retrain=args.retrain)
+    ltg_common.run_from_command_line(run, __doc__, argv)
 
 
 if __name__ == "__main__":
