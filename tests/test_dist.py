@@ -305,7 +305,6 @@ def _deep_ranks(rank: int, world: int, tmp: str, ref: str) -> None:
 
 
 @pytest.mark.dist
-@pytest.mark.slow  # ~30 s on the loaded 2-core machine (spawn + 3 runs)
 @pytest.mark.timeout(180)
 def test_deep_supervision_checkpoint_once_and_resume_across_world_sizes(tmp_path) -> None:
     full = _deep_trainer(tmp_path / "full", "train.steps=4")
@@ -328,7 +327,6 @@ def test_deep_supervision_checkpoint_once_and_resume_across_world_sizes(tmp_path
 # the command line under torchrun
 # --------------------------------------------------------------------------------------------
 @pytest.mark.dist
-@pytest.mark.slow  # ~30 s: two fresh interpreters import torch and build the task
 @pytest.mark.timeout(240)
 def test_torchrun_trains_the_tiny_recipe(tmp_path) -> None:
     out = tmp_path / "run"
