@@ -325,14 +325,20 @@ def from_dict(cls: type, data: Mapping[str, Any], path: str = "") -> Any:
     """Strictly build dataclass ``cls`` from ``data``: unknown keys and bad types are errors."""
     if cls is ModelSpec:
         return _model_spec(data, path)
+    return cls(**_coerced_fields(cls, data, path))
+
+
+def _coerced_fields(cls: type, data: Mapping[str, Any], path: str) -> dict[str, Any]:
+    """``data`` checked against dataclass ``cls``'s fields (unknown keys suggest the nearest) and
+    coerced to their types."""
     hints = _hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
-    kwargs = {}
+    out = {}
     for key, value in data.items():
         if key not in names:
             raise ConfigError(f"unknown config key {_join(path, key)!r}{_suggest(str(key), names, path)}")
-        kwargs[key] = coerce(value, hints[key], _join(path, key))
-    return cls(**kwargs)
+        out[key] = coerce(value, hints[key], _join(path, key))
+    return out
 
 
 def _model_spec(data: Mapping[str, Any], path: str) -> ModelSpec:
@@ -379,13 +385,7 @@ def _field_default(cls: type, name: str) -> Any:
 
 def _replace_fields(base: Any, changes: Mapping[str, Any], path: str) -> Any:
     """``base`` (a dataclass instance) with ``changes`` coerced to its field types."""
-    hints = _hints(type(base))
-    valid = [f.name for f in dataclasses.fields(base)]
-    coerced = {}
-    for key, value in changes.items():
-        if key not in valid:
-            raise ConfigError(f"unknown config key {_join(path, key)!r}{_suggest(key, valid, path)}")
-        coerced[key] = coerce(value, hints[key], _join(path, key))
+    coerced = _coerced_fields(type(base), changes, path)
     try:
         return dataclasses.replace(base, **coerced)
     except ValueError as err:
@@ -395,14 +395,7 @@ def _replace_fields(base: Any, changes: Mapping[str, Any], path: str) -> Any:
 def _loop_fields(overrides: Mapping[str, Any], path: str) -> dict[str, Any]:
     from loopformer.loop import LoopConfig
 
-    hints = _hints(LoopConfig)
-    valid = [f.name for f in dataclasses.fields(LoopConfig)]
-    out = {}
-    for key, value in overrides.items():
-        if key not in valid:
-            raise ConfigError(f"unknown config key {_join(path, key)!r}{_suggest(key, valid, path)}")
-        out[key] = coerce(value, hints[key], _join(path, key))
-    return out
+    return _coerced_fields(LoopConfig, overrides, path)
 
 
 def to_dict(obj: Any) -> Any:
