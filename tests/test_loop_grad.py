@@ -2,26 +2,14 @@
 
 import pytest
 import torch
+from loop_helpers import DT, sym_map
 from torch.autograd.graph import saved_tensors_hooks
 
 from loopformer.loop import LoopConfig, run_loop
 
-DT = torch.float64
 D, B = 6, 3
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def sym_map(d: int, eigs: torch.Tensor, seed: int = 0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    q, _ = torch.linalg.qr(torch.randn(d, d, generator=g, dtype=DT))
-    return q @ torch.diag(eigs.to(DT)) @ q.T
 
 
 def problem(rho: float = 0.9, seed: int = 0):

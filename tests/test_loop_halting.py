@@ -12,13 +12,6 @@ from loopformer.loop import LoopConfig, run_loop
 DT = torch.float64
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 def countdown(z, dec):
     """State [B, 2] = (counter, 1): the counter falls by dec per step to 0, then the map is at rest."""

@@ -4,27 +4,10 @@ import math
 
 import pytest
 import torch
+from loop_helpers import DT, sym_map
 
 from loopformer.loop import LoopConfig, run_loop
 from loopformer.loop.norms import residual_and_rms
-
-DT = torch.float64
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny float64 ops: threading only adds contention on a shared 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def sym_map(d: int, eigs: torch.Tensor, seed: int = 0) -> torch.Tensor:
-    """W = Q diag(eigs) Q^T with a random orthogonal Q: spectral radius exactly max |eig|."""
-    g = torch.Generator().manual_seed(seed)
-    q, _ = torch.linalg.qr(torch.randn(d, d, generator=g, dtype=DT))
-    return q @ torch.diag(eigs.to(DT)) @ q.T
 
 
 def contractive(d: int, rho: float, seed: int = 0) -> torch.Tensor:
