@@ -10,8 +10,6 @@ from loopformer.loop import LoopConfig, run_loop
 D, B = 6, 3
 
 
-
-
 def problem(rho: float = 0.9, seed: int = 0):
     g = torch.Generator().manual_seed(seed + 7)
     eigs = torch.linspace(-rho, rho, D, dtype=DT)

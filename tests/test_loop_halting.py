@@ -12,7 +12,6 @@ from loopformer.loop import LoopConfig, run_loop
 DT = torch.float64
 
 
-
 def countdown(z, dec):
     """State [B, 2] = (counter, 1): the counter falls by dec per step to 0, then the map is at rest."""
     return torch.stack([(z[:, 0] - dec).clamp(min=0), z[:, 1]], dim=1)
