@@ -26,7 +26,6 @@ Usage: ``python experiments/attractor_internalization.py [--quick] [--steps N] [
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import sys
@@ -38,7 +37,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling fprm_common.py
-from fprm_common import MACHINE, pyplot, save_figure
+from fprm_common import MACHINE, pyplot, save_figure, script_parser
 
 from loopformer.config import RunConfig, load_config
 from loopformer.eval.evaluate import evaluate, score_predictions, with_budget
@@ -212,11 +211,8 @@ def plot(results: dict[str, Any], out: Path) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="a few steps at tiny size (dry run)")
+    parser = script_parser(__doc__, "attractor_internalization", "attractor_internalization")
     parser.add_argument("--steps", type=int, default=800)
-    parser.add_argument("--out", type=Path, default=Path("docs/figures/attractor_internalization"))
-    parser.add_argument("--runs", type=Path, default=Path("runs/attractor_internalization"))
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--summarize", action="store_true",
                         help="only recompute the window summaries and plots of an existing JSON in --out")

@@ -27,7 +27,6 @@ Usage: ``python experiments/lm_compare.py [--quick] [--steps N] [--out DIR]`` wr
 
 from __future__ import annotations
 
-import argparse
 import copy
 import dataclasses
 import json
@@ -44,7 +43,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling fprm_common.py
-from fprm_common import MACHINE, pyplot, save_figure
+from fprm_common import MACHINE, pyplot, save_figure, script_parser
 
 from loopformer.config import load_config
 from loopformer.loop import LoopConfig
@@ -231,11 +230,8 @@ def plot(results: dict[str, Any], out: Path) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="a few steps at tiny size (dry run)")
+    parser = script_parser(__doc__, "lm_compare", "lm_compare")
     parser.add_argument("--steps", type=int, default=1200)
-    parser.add_argument("--out", type=Path, default=Path("docs/figures/lm_compare"))
-    parser.add_argument("--runs", type=Path, default=Path("runs/lm_compare"))
     parser.add_argument("--variants", nargs="+", default=list(RECIPES), choices=list(RECIPES))
     args = parser.parse_args(argv)
     overrides = [f"train.steps={args.steps}"]
