@@ -18,7 +18,7 @@ from test_train_utils import SEQ, VOCAB, TinyLooped, tiny_config
 
 from loopformer.cli import cli
 from loopformer.config import build_config
-from loopformer.eval.evaluate import arc_pass_at_k, eval_dataset, evaluate_lm, has_validator
+from loopformer.eval.evaluate import arc_pass_at_k, eval_dataset, evaluate_lm
 from loopformer.loop import LoopConfig
 from loopformer.models.base import ModelOutput
 from loopformer.tasks.arc import ArcTask, decode_grid
@@ -94,9 +94,9 @@ def test_evaluate_lm_closed_form_and_validator_detection() -> None:
     res = evaluate_lm(_Uniform(256), task, data, batch_size=2)
     assert res.loss == pytest.approx(math.log(256)) and res.bits_per_byte == pytest.approx(8.0)
     assert res.tokens == 5 * 5 and res.n == 5
-    assert not has_validator(task, data)
+    assert not task.has_validator
     sudoku = SudokuTask(size=4)
-    assert has_validator(sudoku, sudoku.generate(2, 0))
+    assert sudoku.has_validator
 
 
 class _ToyTask(Task):

@@ -39,7 +39,7 @@ import click
 
 from loopformer.commands.common import eval_dataset, load_run, training_depth
 from loopformer.commands.suite import ModelUnderTest, SuiteOptions, accuracy_table, run_suite
-from loopformer.eval.evaluate import evaluate_lm, has_validator
+from loopformer.eval.evaluate import evaluate_lm
 
 DEFAULT_RECIPE = "default"
 # fields a plain transformer shares with the looped families (copied unless the baseline sets them)
@@ -205,7 +205,7 @@ def run(recipe: str, out_dir: str | None, overrides: tuple[str, ...]) -> None:
     main_run = load_run(main_summary["checkpoint"], use_ema=main_cfg.eval.use_ema)
     dataset = eval_dataset(main_run.task, main_run.config)
     main_label = main_cfg.model.name
-    if not has_validator(main_run.task, dataset):  # language modelling: held-out loss and bits per byte
+    if not main_run.task.has_validator:  # language modelling: held-out loss and bits per byte
         _run_lm(out, main_label, main_run, base_summary, base_cfg, dataset, console.print)
         return
     main = ModelUnderTest(main_label, main_run.model, main_run.loop_eval, training_depth(main_run))

@@ -9,7 +9,7 @@ import click
 
 from loopformer.commands.common import eval_dataset, load_run, parse_int_list, parse_pairs, training_depth
 from loopformer.commands.suite import ModelUnderTest, SuiteOptions, accuracy_table, run_suite
-from loopformer.eval.evaluate import arc_pass_at_k, evaluate_lm, has_validator
+from loopformer.eval.evaluate import arc_pass_at_k, evaluate_lm
 
 
 @click.command("train")
@@ -90,7 +90,7 @@ def evaluate_cmd(checkpoint: str, max_steps: str | None, budget_mode: str, task_
         out = run_dir / f"eval-step{run.step}-{time.strftime('%Y%m%d-%H%M%S')}"
     console = Console(highlight=False)
     batch_size = run.config.eval.batch_size
-    if not has_validator(run.task, dataset):  # language modelling: loss and bits per byte
+    if not run.task.has_validator:  # language modelling: loss and bits per byte
         lm = evaluate_lm(run.model, run.task, dataset, loop=run.loop_eval, batch_size=batch_size, progress=True,
                          seed=run.config.seed)
         write_json(out / "metrics.json", {"checkpoint": str(run.path), "step": run.step, "weights": run.weights,

@@ -13,7 +13,7 @@
   between difficulty and steps (SYSTEMS.md 1: "more iterations for puzzles with more blanks").
 - ``load_for_eval``: a trained model and its task from a checkpoint, with the EMA weights when the
   checkpoint has them (the papers evaluate the EMA, SYSTEMS.md 1 and 4).
-- ``has_validator`` / ``evaluate_lm``: tasks without a validator (language modelling, SYSTEMS.md 5)
+- ``evaluate_lm``: tasks without a validator (``Task.has_validator`` False: language modelling, SYSTEMS.md 5)
   are scored by the held-out cross-entropy (nats per token) and bits per byte instead.
 - ``arc_pass_at_k``: ARC's pass@2 (SYSTEMS.md 5): predictions for every test pair under every
   augmentation, de-augmented and voted by ``ArcTask.evaluate``.
@@ -532,14 +532,6 @@ def training_depth(run: LoadedRun) -> int:
 # ------------------------------------------------------------------------------------------------
 # tasks without a validator (language modelling) and ARC pass@k
 # ------------------------------------------------------------------------------------------------
-
-
-def has_validator(task: Task, dataset: TokenDataset | None = None) -> bool:
-    """Whether ``task.check`` judges predictions (``Task.has_validator``; False for language modelling).
-
-    ``dataset`` is accepted for call-site symmetry and unused.
-    """
-    return bool(task.has_validator)
 
 
 @dataclass

@@ -154,9 +154,8 @@ class Trainer:
         if len(self.train_data) == 0:
             raise ValueError("the training set is empty")
         # decided once: a task whose check raises NotImplementedError (text) is scored by loss / bits per byte
-        from loopformer.eval.evaluate import has_validator
 
-        self.has_validator = self.task is None or has_validator(self.task, self.eval_data)
+        self.has_validator = self.task is None or self.task.has_validator
 
         # -- model ------------------------------------------------------------------------------
         if model is None:
