@@ -140,9 +140,16 @@ def setup(device: str = "auto", timeout_s: float = 600.0) -> tuple[DistEnv, torc
     return env, dev, created
 
 
-def shutdown() -> None:
-    """Destroy the default process group (no-op when there is none)."""
+def shutdown(sync: bool = True) -> None:
+    """Destroy the default process group (no-op when there is none).
+
+    With ``sync`` every rank first meets at a barrier, so no rank tears its group down while another
+    still has collectives in flight (rank 0's final evaluation and checkpoint); without it (an error is
+    unwinding and a peer may be gone) the group is destroyed at once.
+    """
     if dist.is_available() and dist.is_initialized():
+        if sync and dist.get_world_size() > 1:
+            dist.barrier()
         dist.destroy_process_group()
 
 

@@ -42,6 +42,7 @@ import json
 import logging
 import math
 import random
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -569,7 +570,7 @@ class Trainer:
             if getattr(self, "_tb", None) is not None:
                 self._tb.close()
             if self._owns_group:  # the process group this trainer created (torchrun) ends with the run
-                dist.shutdown()
+                dist.shutdown(sync=sys.exc_info()[0] is None)
                 self._owns_group = False
         summary = {
             "steps": self.step,
