@@ -1,4 +1,4 @@
-"""The ``loopformer`` command: run | train | eval | solve | models | data.
+"""The ``loopformer`` command: run | train | eval | solve | models | data | convert.
 
 Built on click: subcommands live in ``loopformer.commands`` (and ``data`` next to the tasks in
 ``loopformer.tasks.cli``) and are attached here. Errors (bad config keys, missing or corrupt
@@ -21,13 +21,14 @@ def cli(debug: bool) -> None:
 
 
 def _attach_subcommands() -> None:
+    from loopformer.commands.convert import convert
     from loopformer.commands.models import models
     from loopformer.commands.run import run
     from loopformer.commands.solve import solve
     from loopformer.commands.train_eval import evaluate_cmd, train
     from loopformer.tasks.cli import data
 
-    for command in (run, train, evaluate_cmd, solve, models, data):
+    for command in (run, train, evaluate_cmd, solve, models, data, convert):
         cli.add_command(command)
 
 

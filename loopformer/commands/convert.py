@@ -1,0 +1,48 @@
+"""``loopformer convert SYSTEM CHECKPOINT [--config FILE] --out DIR``: import an official checkpoint."""
+
+from __future__ import annotations
+
+import click
+
+from loopformer.convert import CONVERTERS
+
+
+@click.command("convert")
+@click.argument("system", type=click.Choice(["fprm", "attractor", "trm", "hrm", "ltg"]))
+@click.argument("checkpoint", type=click.Path(dir_okay=False))
+@click.option(
+    "--config",
+    "config_file",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="the reference's training configuration (e.g. TRM / HRM all_config.yaml)",
+)
+@click.option(
+    "--out",
+    "out_dir",
+    required=True,
+    type=click.Path(file_okay=False),
+    help="run folder to write (config.yaml + checkpoints/step_00000000)",
+)
+@click.option(
+    "--set",
+    "overrides",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="loopformer config override for the run folder, e.g. data.eval_path=data/test",
+)
+def convert(
+    system: str, checkpoint: str, config_file: str | None, out_dir: str, overrides: tuple[str, ...]
+) -> None:
+    """Turn an authors' checkpoint (a PyTorch state dict, loaded with weights_only=True) into a run
+    folder that `loopformer eval`, `solve` and the analyses accept."""
+    from loopformer.convert import convert_checkpoint
+
+    if system not in CONVERTERS:
+        raise NotImplementedError(
+            f"no key mapping for {system!r} yet (available: {', '.join(sorted(CONVERTERS))})"
+        )
+    folder, converted = convert_checkpoint(system, checkpoint, out_dir, config_file, overrides)
+    for note in converted.notes:
+        click.echo(f"note: {note}")
+    click.echo(f"wrote {folder} ({len(converted.weights)} tensors); evaluate with: loopformer eval {out_dir}")

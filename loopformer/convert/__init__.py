@@ -1,0 +1,195 @@
+"""``loopformer convert``: an official checkpoint of the authors' code -> a loopformer run folder.
+
+One key mapping per system lives in ``loopformer/convert/<system>.py`` and is listed in
+``CONVERTERS``. A mapping is a function ``convert(state, ref_config) -> Converted``: ``state`` is the
+reference's flat state dict (tensors only), ``ref_config`` the reference's configuration (the YAML /
+JSON its training script saved next to the checkpoint, ``{}`` when none is given). It returns the
+loopformer run configuration (a nested dict, as a recipe) and the loopformer state dict. Every key of
+``state`` must be used exactly once (``KeyMap`` tracks this): unknown keys are an error naming them,
+and ``check_weights`` names loopformer parameters the mapping did not fill.
+
+Checkpoints are read with ``torch.load(weights_only=True)`` (no arbitrary unpickling) or as
+safetensors; the run folder is written by ``loopformer.train.checkpoint.save_checkpoint`` (step 0), so
+``loopformer eval``, ``solve`` and the analyses accept it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from loopformer.train.checkpoint import CheckpointError
+
+# system name -> module under loopformer.convert defining ``convert(state, ref_config) -> Converted``
+CONVERTERS: dict[str, str] = {}
+
+
+@dataclass
+class Converted:
+    run: dict[str, Any]  # loopformer RunConfig as a nested dict (a recipe)
+    weights: dict[str, Tensor]  # loopformer state dict
+    notes: list[str] = field(default_factory=list)  # what the mapping assumed (printed by the CLI)
+
+
+class KeyMap:
+    """The reference state dict, consumed key by key; leftovers are an error naming them."""
+
+    def __init__(self, state: dict[str, Tensor], source: str) -> None:
+        self.state, self.source, self.used = state, source, set()
+
+    def has(self, key: str) -> bool:
+        return key in self.state
+
+    def take(self, key: str) -> Tensor:
+        if key not in self.state:
+            raise CheckpointError(f"{self.source}: missing key {key!r} (keys present: {self.sample()})")
+        if key in self.used:
+            raise CheckpointError(f"{self.source}: key {key!r} used twice by the mapping")
+        self.used.add(key)
+        return self.state[key]
+
+    def take_optional(self, key: str) -> Tensor | None:
+        return self.take(key) if key in self.state else None
+
+    def keys_with(self, prefix: str) -> list[str]:
+        return sorted(k for k in self.state if k.startswith(prefix))
+
+    def sample(self, n: int = 8) -> str:
+        keys = sorted(self.state)
+        return ", ".join(keys[:n]) + (" ..." if len(keys) > n else "")
+
+    def finish(self, ignore: Iterable[str] = ()) -> None:
+        skip = set(ignore)
+        left = sorted(k for k in self.state if k not in self.used and k not in skip)
+        if left:
+            raise CheckpointError(
+                f"{self.source}: unknown keys the {len(left)}-key mapping does not use: {left[:12]}"
+                f"{' ...' if len(left) > 12 else ''}"
+            )
+
+
+def strip_prefixes(state: dict[str, Tensor], prefixes: Iterable[str]) -> dict[str, Tensor]:
+    """Remove any of ``prefixes`` (applied in order, repeatedly) from every key (``_orig_mod.``...)."""
+    out = {}
+    for key, value in state.items():
+        changed = True
+        while changed:
+            changed = False
+            for p in prefixes:
+                if key.startswith(p):
+                    key, changed = key[len(p) :], True
+        out[key] = value
+    return out
+
+
+def load_state_dict(path: str | Path) -> dict[str, Tensor]:
+    """A flat ``{name: tensor}`` from a torch checkpoint (``weights_only=True``) or a safetensors file."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {path} does not exist or is not a file")
+    if path.suffix == ".safetensors":
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        try:
+            return load_file(str(path))
+        except (SafetensorError, OSError) as err:
+            raise CheckpointError(f"{path} is not a readable safetensors file: {err}") from None
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # torch raises UnpicklingError, RuntimeError, EOFError...: one clear message
+        raise CheckpointError(
+            f"{path} is not a PyTorch state dict loadable with weights_only=True "
+            f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"
+        ) from None
+    for wrapper in ("state_dict", "model"):  # {"model": {...}} / {"state_dict": {...}} wrappers
+        if isinstance(obj, dict) and isinstance(obj.get(wrapper), dict):
+            obj = obj[wrapper]
+    if not isinstance(obj, dict) or not all(
+        isinstance(k, str) and isinstance(v, Tensor) for k, v in obj.items()
+    ):
+        raise CheckpointError(f"{path} does not hold a flat state dict of tensors")
+    return dict(obj)
+
+
+def read_reference_config(path: str | Path | None) -> dict[str, Any]:
+    """The reference's configuration file (YAML or JSON) as a dict; ``{}`` without one."""
+    if path is None:
+        return {}
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"reference config {path} does not exist")
+    import yaml
+
+    try:
+        data = json.loads(path.read_text()) if path.suffix == ".json" else yaml.safe_load(path.read_text())
+    except (yaml.YAMLError, json.JSONDecodeError) as err:
+        raise ValueError(f"reference config {path} is not valid YAML / JSON: {err}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"reference config {path} must be a mapping, got {type(data).__name__}")
+    return data
+
+
+def converter(system: str) -> Callable[[dict[str, Tensor], dict[str, Any]], Converted]:
+    if system not in CONVERTERS:
+        raise KeyError(f"no converter for {system!r} (known: {', '.join(sorted(CONVERTERS))})")
+    return importlib.import_module(CONVERTERS[system]).convert
+
+
+def build_converted(converted: Converted, overrides: Iterable[str] = ()) -> tuple[Any, Any]:
+    """(RunConfig, model with the converted weights loaded); CheckpointError naming missing keys."""
+    from loopformer.config import build_config
+    from loopformer.models.registry import build_model
+    from loopformer.train.checkpoint import check_weights
+
+    config = build_config(converted.run, list(overrides))
+    model = build_model(config.model.name, config=config.model_config())
+    weights = {
+        k: v.to(model.state_dict()[k].dtype) if k in model.state_dict() else v
+        for k, v in converted.weights.items()
+    }
+    check_weights(weights, model, f"converted {config.model.name} weights")
+    model.load_state_dict(weights, strict=True)
+    return config, model
+
+
+def convert_checkpoint(
+    system: str,
+    checkpoint: str | Path,
+    out_dir: str | Path,
+    config_file: str | Path | None = None,
+    overrides: Iterable[str] = (),
+) -> tuple[Path, Converted]:
+    """Convert ``checkpoint`` of ``system`` into the run folder ``out_dir``; returns (checkpoint folder, Converted)."""
+    from loopformer.config import save_config
+    from loopformer.train.checkpoint import save_checkpoint
+
+    fn = converter(system)
+    state = load_state_dict(checkpoint)
+    converted = fn(state, read_reference_config(config_file))
+    out = Path(out_dir)
+    converted.run["out_dir"] = str(out)
+    config, model = build_converted(converted, overrides)
+    out.mkdir(parents=True, exist_ok=True)
+    save_config(config, out)
+    folder = save_checkpoint(out / "checkpoints", 0, model, config)
+    (out / "converted.json").write_text(
+        json.dumps(
+            {
+                "system": system,
+                "source": str(checkpoint),
+                "config": None if config_file is None else str(config_file),
+                "notes": converted.notes,
+            },
+            indent=1,
+        )
+        + "\n"
+    )
+    return folder, converted
