@@ -2,8 +2,8 @@
 
 Each module ``bench_*.py`` exposes ``run(quick: bool) -> list[Result]`` (``benchmarks.common.Result``);
 ``benchmarks.__main__`` runs them, writes ``benchmarks/results.json`` and renders
-``docs/performance.md``. ``benchmarks/gpu.py`` is the separate CUDA benchmark at paper size, and
-``benchmarks/bench_generation.py`` the puzzle-generation timing (its own script and JSON).
+``docs/performance.md``. ``benchmarks/gpu.py`` is the separate CUDA benchmark at paper size;
+``benchmarks/bench_generation.py`` also runs as a script (Sudoku and maze timings, its own JSON).
 """
 
-BENCHMARKS = ("engine", "flops", "memory", "halting", "solvers", "compile")
+BENCHMARKS = ("engine", "flops", "memory", "halting", "solvers", "compile", "generation")

@@ -10,24 +10,16 @@ Data conventions follow SYSTEMS.md section 5 (Sudoku-Extreme, HRM/TRM):
   as the rating, so the two are exact inverses.  Generated datasets use difficulty = number of blanks
   and keep the solver's backtrack counts in ``meta["backtracks"]``.
 
-Solver: bitmask candidates, constraint propagation (naked + hidden singles), then depth-first search on
-the cell with fewest candidates (MRV).  ``backtracks`` counts branches that propagation refuted: 0 for
-puzzles that singles alone solve; a "rating"-like difficulty in the spirit of Sudoku-Extreme's.
+Solver and generator: ``loopformer.tasks.sudoku_solver`` (bitmask candidates, naked + hidden singles,
+MRV search counting refuted branches as ``backtracks``; clues removed while the solution stays unique).
 
-Generator: a random full grid (randomised search on the empty grid), then clues removed in random order
-while the solution stays unique.  Uniqueness after removing clue v at cell c is tested by asking the
-solver for any solution with c != v (one existence search instead of counting to two); a clue whose
-peers already exclude every other digit is removed without search.  Augmentations (SYSTEMS.md s5:
-digit permutation, band / row-in-band and stack / column-in-stack shuffles, transpose) have exact
-inverses; transpose is only offered for square boxes (it would swap a 2x3 box into a 3x2 box).
+Augmentations (SYSTEMS.md s5: digit permutation, band / row-in-band and stack / column-in-stack
+shuffles, transpose) have exact inverses; transpose is only offered for square boxes (it would swap a 2x3 box into a 3x2 box).
 """
 
 from __future__ import annotations
 
 import csv
-import functools
-import random
-from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,188 +28,12 @@ import numpy as np
 
 from loopformer.tasks.base import Task, TaskDataError, TokenDataset
 from loopformer.tasks.formats import PUZZLE_CSV_COLUMNS, read_puzzle_csv, write_puzzle_csv
+from loopformer.tasks.sudoku_solver import SYMBOLS, SudokuGeometry, generate_worker, search, warm_up
 
 PAD_TOKEN = 0
 BLANK_TOKEN = 1
-SYMBOLS = "123456789ABCDEFG"
 DEFAULT_BOXES: dict[int, tuple[int, int]] = {4: (2, 2), 6: (2, 3), 9: (3, 3), 16: (4, 4)}
 CSV_COLUMNS = PUZZLE_CSV_COLUMNS
-
-
-# ----------------------------------------------------------------------------------------------------
-# geometry and solver
-# ----------------------------------------------------------------------------------------------------
-
-
-class SudokuGeometry:
-    """Cells, units (rows, columns, boxes) and peers of a size x size grid with box_r x box_c boxes."""
-
-    def __init__(self, size: int, box: tuple[int, int]) -> None:
-        box_r, box_c = box
-        if box_r * box_c != size or box_r < 1 or box_c < 1:
-            raise ValueError(f"box {box} does not tile a {size}x{size} grid (need rows * cols == {size})")
-        if size > len(SYMBOLS):
-            raise ValueError(f"size {size} > {len(SYMBOLS)} is not supported (symbols {SYMBOLS})")
-        self.size = size
-        self.box = (box_r, box_c)
-        self.cells = size * size
-        self.full = (1 << size) - 1
-        rows = [tuple(r * size + c for c in range(size)) for r in range(size)]
-        cols = [tuple(r * size + c for r in range(size)) for c in range(size)]
-        boxes = []
-        for br in range(0, size, box_r):
-            for bc in range(0, size, box_c):
-                boxes.append(tuple((br + i) * size + bc + j for i in range(box_r) for j in range(box_c)))
-        self.rows, self.cols, self.boxes = rows, cols, boxes
-        self.units: list[tuple[int, ...]] = rows + cols + boxes
-        peers: list[set[int]] = [set() for _ in range(self.cells)]
-        for unit in self.units:
-            for cell in unit:
-                peers[cell].update(unit)
-        self.peers: list[tuple[int, ...]] = [tuple(sorted(p - {cell})) for cell, p in enumerate(peers)]
-        self.cell_units: list[tuple[int, int, int]] = [
-            (cell // size, size + cell % size, 2 * size + self.box_of(cell)) for cell in range(self.cells)
-        ]
-
-    def box_of(self, cell: int) -> int:
-        r, c = divmod(cell, self.size)
-        return (r // self.box[0]) * (self.size // self.box[1]) + c // self.box[1]
-
-
-@functools.lru_cache(maxsize=16)
-def _geometry(size: int, box: tuple[int, int]) -> SudokuGeometry:
-    return SudokuGeometry(size, box)
-
-
-def _propagate(geo: SudokuGeometry, cand: list[int], queue: list[int]) -> bool:
-    """Naked and hidden singles to a fixed point; ``queue`` holds newly fixed cells. False on contradiction."""
-    peers, units, full = geo.peers, geo.units, geo.full
-    while True:
-        while queue:
-            cell = queue.pop()
-            bit = cand[cell]
-            for p in peers[cell]:
-                m = cand[p]
-                if m & bit:
-                    m ^= bit
-                    if not m:
-                        return False
-                    cand[p] = m
-                    if not m & (m - 1):
-                        queue.append(p)
-        for unit in units:
-            once = twice = 0
-            for c in unit:
-                m = cand[c]
-                twice |= once & m
-                once |= m
-            if once != full:
-                return False
-            hidden = once & ~twice
-            if hidden:
-                for c in unit:
-                    m = cand[c]
-                    h = m & hidden
-                    if h and m != h:
-                        if h & (h - 1):
-                            return False  # two digits that must both go in this one cell
-                        cand[c] = h
-                        queue.append(c)
-        if not queue:
-            return True
-
-
-def _bits(mask: int) -> list[int]:
-    out = []
-    while mask:
-        low = mask & -mask
-        out.append(low)
-        mask ^= low
-    return out
-
-
-class _Search:
-    """Depth-first search with MRV; collects up to ``limit`` solutions and counts refuted branches."""
-
-    def __init__(self, geo: SudokuGeometry, limit: int, rng: random.Random | None = None) -> None:
-        self.geo, self.limit, self.rng = geo, limit, rng
-        self.solutions: list[list[int]] = []
-        self.backtracks = 0
-
-    def run(self, cand: list[int]) -> None:
-        best, best_count = -1, 1 << 30
-        for i, m in enumerate(cand):
-            if m & (m - 1):
-                k = m.bit_count()
-                if k < best_count:
-                    best, best_count = i, k
-                    if k == 2:
-                        break
-        if best < 0:
-            self.solutions.append(cand)
-            return
-        options = _bits(cand[best])
-        if self.rng is not None:
-            self.rng.shuffle(options)
-        for bit in options:
-            child = cand[:]
-            child[best] = bit
-            if _propagate(self.geo, child, [best]):
-                self.run(child)
-                if len(self.solutions) >= self.limit:
-                    return
-            else:
-                self.backtracks += 1
-
-
-def _initial_candidates(geo: SudokuGeometry, digits: Iterable[int]) -> list[int] | None:
-    """Candidate masks from digits (0 = blank); None when the givens contradict each other."""
-    cand, queue = [], []
-    for cell, d in enumerate(digits):
-        if d:
-            cand.append(1 << (d - 1))
-            queue.append(cell)
-        else:
-            cand.append(geo.full)
-    # explicit duplicate check: propagation alone would also catch it, but only via emptied peers
-    for unit in geo.units:
-        seen = 0
-        for c in unit:
-            m = cand[c]
-            if not m & (m - 1):
-                if seen & m:
-                    return None
-                seen |= m
-    if not _propagate(geo, cand, queue):
-        return None
-    return cand
-
-
-def _peer_candidates(geo: SudokuGeometry, digits: list[int]) -> list[int]:
-    """Candidates of consistent givens after eliminating only the givens' digits from their peers
-    (no propagation): cheap, and enough to start ``_propagate`` with the blank naked singles queued."""
-    used = [0] * len(geo.units)
-    cell_units = geo.cell_units
-    for cell, d in enumerate(digits):
-        if d:
-            bit = 1 << (d - 1)
-            a, b, c = cell_units[cell]
-            used[a] |= bit
-            used[b] |= bit
-            used[c] |= bit
-    full = geo.full
-    out = []
-    for cell, d in enumerate(digits):
-        if d:
-            out.append(1 << (d - 1))
-        else:
-            a, b, c = cell_units[cell]
-            out.append(full & ~(used[a] | used[b] | used[c]))
-    return out
-
-
-def _masks_to_digits(cand: list[int]) -> list[int]:
-    return [m.bit_length() for m in cand]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -242,66 +58,6 @@ class SudokuTransform:
 # ----------------------------------------------------------------------------------------------------
 # the task
 # ----------------------------------------------------------------------------------------------------
-
-
-def _generate_one(geo: SudokuGeometry, seed: int, target_blanks: int) -> tuple[list[int], list[int], int]:
-    """One unique-solution puzzle: (givens digits, solution digits, blanks); blanks may fall short of target."""
-    rng = random.Random(seed)
-    search = _Search(geo, 1, rng)
-    search.run([geo.full] * geo.cells)
-    solution = _masks_to_digits(search.solutions[0])
-    givens = solution[:]
-    order = list(range(geo.cells))
-    rng.shuffle(order)
-    full, peers = geo.full, geo.peers
-    blanks = 0
-    for cell in order:
-        if blanks >= target_blanks:
-            break
-        v = givens[cell]
-        givens[cell] = 0
-        seen = 0
-        for p in peers[cell]:
-            d = givens[p]
-            if d:
-                seen |= 1 << (d - 1)
-        if full & ~seen != 1 << (v - 1):
-            # unique iff no solution puts another digit at this cell
-            cand = _peer_candidates(geo, givens)
-            cand[cell] &= ~(1 << (v - 1))
-            alt = cand[cell]
-            if alt and _propagate(
-                geo, cand, [i for i, m in enumerate(cand) if not givens[i] and not m & (m - 1)]
-            ):
-                probe = _Search(geo, 1)
-                probe.run(cand)
-                if probe.solutions:
-                    givens[cell] = v
-                    continue
-        blanks += 1
-    return givens, solution, blanks
-
-
-def _generate_worker(
-    args: tuple[int, tuple[int, int], int, int, int, int],
-) -> tuple[list[int], list[int], int, int]:
-    size, box, sub_seed, min_blanks, max_blanks, min_backtracks = args
-    geo = _geometry(size, box)
-    rng = random.Random(sub_seed)
-    for _attempt in range(200):
-        target = rng.randint(min_blanks, max_blanks)
-        givens, solution, blanks = _generate_one(geo, rng.getrandbits(63), target)
-        if blanks < min_blanks:
-            continue
-        search = _Search(geo, 2)
-        search.run(_initial_candidates(geo, givens))  # type: ignore[arg-type]
-        if search.backtracks < min_backtracks:
-            continue
-        return givens, solution, blanks, search.backtracks
-    raise ValueError(
-        f"could not reach min_blanks={min_blanks} / min_backtracks={min_backtracks} on a {size}x{size} "
-        "sudoku in 200 attempts; lower the requirement"
-    )
 
 
 def _sub_seed(seed: int, index: int, attempt: int) -> int:
@@ -384,32 +140,16 @@ class SudokuTask(Task):
     # ---------------------------------------------------------------- solver
     def solve(self, grid: np.ndarray) -> tuple[np.ndarray | None, int]:
         """(solution tokens [T] or None if unsolvable, backtracks) for a token grid; the first solution found."""
-        cand = _initial_candidates(self.geometry, self._digits(grid))
-        if cand is None:
-            return None, 0
-        search = _Search(self.geometry, 1)
-        search.run(cand)
-        if not search.solutions:
-            return None, search.backtracks
-        return self._tokens(_masks_to_digits(search.solutions[0])), search.backtracks
+        solution, _, backtracks = search(self.geometry, self._digits(grid), 1)
+        return (None if solution is None else self._tokens(solution)), backtracks
 
     def count_solutions(self, grid: np.ndarray, limit: int = 2) -> int:
         """Number of solutions, counting stops at ``limit``."""
-        cand = _initial_candidates(self.geometry, self._digits(grid))
-        if cand is None:
-            return 0
-        search = _Search(self.geometry, limit)
-        search.run(cand)
-        return len(search.solutions)
+        return search(self.geometry, self._digits(grid), limit)[1]
 
     def backtracks(self, grid: np.ndarray) -> int:
         """Refuted branches of a full uniqueness search (solve to the second solution or exhaustion)."""
-        cand = _initial_candidates(self.geometry, self._digits(grid))
-        if cand is None:
-            return 0
-        search = _Search(self.geometry, 2)
-        search.run(cand)
-        return search.backtracks
+        return search(self.geometry, self._digits(grid), 2)[2]
 
     # ---------------------------------------------------------------- generation
     def generate(
@@ -450,6 +190,7 @@ class SudokuTask(Task):
         seen: set[tuple[int, ...]] = set()
         todo = list(range(n))
         pool = None
+        warm_up()  # compile the kernels once here, before forking workers that would each compile them
         if workers > 1:
             import multiprocessing as mp
 
@@ -462,10 +203,10 @@ class SudokuTask(Task):
                 ]
                 if pool is not None:
                     outs = pool.imap(
-                        _generate_worker, jobs, chunksize=max(1, min(64, len(jobs) // (8 * workers)))
+                        generate_worker, jobs, chunksize=max(1, min(64, len(jobs) // (8 * workers)))
                     )
                 else:
-                    outs = map(_generate_worker, jobs)
+                    outs = map(generate_worker, jobs)
                 retry = []
                 for i, out in zip(todo, outs):
                     key = tuple(out[0])
