@@ -115,6 +115,11 @@ class TrainConfig:
     weight_decay: float = 0.1
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
+    optimizer: Literal["adamw", "adam_atan2"] = "adamw"  # adam_atan2: TRM / HRM (train/optim.py AdamATan2)
+    decay_all: bool = False  # weight decay on every parameter, biases included (TRM / HRM)
+    puzzle_emb_optimizer: Literal["same", "sign_sgd"] = "same"  # sign_sgd: TRM / HRM's sparse-embedding SignSGD
+    puzzle_emb_lr: float = 1e-2  # sign-SGD rate of the puzzle embedding (TRM / HRM puzzle_emb_lr)
+    puzzle_emb_weight_decay: float = 0.1  # its decoupled weight decay (puzzle_emb_weight_decay)
     warmup_steps: int = 100
     schedule: Literal["constant", "cosine"] = "constant"
     min_lr_ratio: float = 0.0  # cosine floor as a fraction of lr

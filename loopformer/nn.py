@@ -114,9 +114,9 @@ class SwiGLU(nn.Module):
 class MLPMixer(nn.Module):
     """Token mixing by an MLP across positions (TRM's attention-free variant for fixed-size grids)."""
 
-    def __init__(self, seq_len: int, expansion: float = 4.0) -> None:
+    def __init__(self, seq_len: int, expansion: float = 4.0, multiple_of: int = 8) -> None:
         super().__init__()
-        self.mlp = SwiGLU(seq_len, expansion, multiple_of=8)
+        self.mlp = SwiGLU(seq_len, expansion, multiple_of=multiple_of)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.mlp(x.transpose(-1, -2)).transpose(-1, -2)
@@ -127,6 +127,10 @@ class Block(nn.Module):
 
     ``forward(h, residual=fn)`` applies ``fn(h, u)`` for each of the two sub-layer outputs ``u``
     (default ``h + u``); FPRM passes its tied scaling ``a1 * h + b1 * u``.
+    ``norm_eps`` / ``norm_gain``: the RMSNorms' epsilon and learnable gain (TRM / HRM: 1e-5, no gain);
+    ``mlp_multiple``: SwiGLU widths round up to this (TRM / HRM: 256; MLP-mixer: ``mixer_multiple``);
+    ``mixer_norm_over_tokens``: with the MLP mixer and post-norm, normalise the token-mixing sub-layer
+    over the positions (TRM's ``mlp_t`` block norms ``h^T + mlp_t(h^T)`` before transposing back).
     """
 
     def __init__(
@@ -140,6 +144,11 @@ class Block(nn.Module):
         mixer: str = "attention",
         seq_len: int | None = None,
         out_init_scale: float = 1.0,
+        norm_eps: float = 1e-6,
+        norm_gain: bool = True,
+        mlp_multiple: int = 64,
+        mixer_multiple: int = 8,
+        mixer_norm_over_tokens: bool = False,
     ) -> None:
         super().__init__()
         if norm not in NORM_PLACEMENTS:
@@ -150,13 +159,21 @@ class Block(nn.Module):
         elif mixer == "mlp":
             if seq_len is None or causal:
                 raise ValueError("the MLP-mixer needs a fixed seq_len and bidirectional inputs")
-            self.mix = MLPMixer(seq_len, expansion)
+            self.mix = MLPMixer(seq_len, expansion, mixer_multiple)
         else:
             raise ValueError(f"unknown token mixer {mixer!r}; choose 'attention' or 'mlp'")
-        self.mlp = SwiGLU(dim, expansion)
-        self.norm1, self.norm2 = RMSNorm(dim), RMSNorm(dim)
+        self.mix_over_tokens = mixer_norm_over_tokens and mixer == "mlp"
+        if self.mix_over_tokens and self.norm != "post":
+            raise ValueError("mixer_norm_over_tokens needs norm='post' (TRM's mlp_t block)")
+        self.mlp = SwiGLU(dim, expansion, mlp_multiple)
+
+        def make_norm(n: int) -> RMSNorm:
+            return RMSNorm(n, eps=norm_eps, learnable=norm_gain)
+
+        self.norm1 = make_norm(seq_len if self.mix_over_tokens else dim)  # type: ignore[arg-type]
+        self.norm2 = make_norm(dim)
         if self.norm == "sandwich":
-            self.out_norm1, self.out_norm2 = RMSNorm(dim), RMSNorm(dim)
+            self.out_norm1, self.out_norm2 = make_norm(dim), make_norm(dim)
         if out_init_scale != 1.0:  # e.g. LTG / GPT-2: output projections scaled near zero at init
             with torch.no_grad():
                 for lin in self.output_projections():
@@ -175,6 +192,10 @@ class Block(nn.Module):
         yield self.mlp, self.norm2, getattr(self, "out_norm2", None)
 
     def forward(self, h: Tensor, residual: ResidualFn = _add) -> Tensor:
+        if self.mix_over_tokens:  # TRM mlp_t: norm(h^T + mlp_t(h^T)) over positions, then the MLP
+            t = h.transpose(-1, -2)
+            h = self.norm1(residual(t, self.mix.mlp(t))).transpose(-1, -2)
+            return self.norm2(residual(h, self.mlp(h)))
         for layer, norm, out_norm in self.sublayers():
             if self.norm == "pre":
                 h = residual(h, layer(norm(h)))

@@ -28,7 +28,10 @@ from torch import Tensor
 from loopformer.train.checkpoint import CheckpointError
 
 # system name -> module under loopformer.convert defining ``convert(state, ref_config) -> Converted``
-CONVERTERS: dict[str, str] = {}
+CONVERTERS: dict[str, str] = {
+    "trm": "loopformer.convert.trm",
+    "hrm": "loopformer.convert.hrm",
+}
 
 
 @dataclass
@@ -36,13 +39,25 @@ class Converted:
     run: dict[str, Any]  # loopformer RunConfig as a nested dict (a recipe)
     weights: dict[str, Tensor]  # loopformer state dict
     notes: list[str] = field(default_factory=list)  # what the mapping assumed (printed by the CLI)
+    sources: dict[str, str] = field(default_factory=dict)  # loopformer key -> reference key it came from
 
 
 class KeyMap:
-    """The reference state dict, consumed key by key; leftovers are an error naming them."""
+    """The reference state dict, consumed key by key; leftovers are an error naming them.
+
+    ``put(dst, src, transform)`` takes ``src``, stores ``transform(tensor)`` as loopformer key ``dst``
+    in ``out`` and records where it came from in ``sources``.
+    """
 
     def __init__(self, state: dict[str, Tensor], source: str) -> None:
         self.state, self.source, self.used = state, source, set()
+        self.out: dict[str, Tensor] = {}
+        self.sources: dict[str, str] = {}
+
+    def put(self, dst: str, src: str, transform: Callable[[Tensor], Tensor] | None = None) -> None:
+        t = self.take(src)
+        self.out[dst] = transform(t) if transform is not None else t
+        self.sources[dst] = src
 
     def has(self, key: str) -> bool:
         return key in self.state
@@ -143,14 +158,19 @@ def converter(system: str) -> Callable[[dict[str, Tensor], dict[str, Any]], Conv
     return importlib.import_module(CONVERTERS[system]).convert
 
 
-def build_converted(converted: Converted, overrides: Iterable[str] = ()) -> tuple[Any, Any]:
-    """(RunConfig, model with the converted weights loaded); CheckpointError naming missing keys."""
+def build_converted(
+    converted: Converted, overrides: Iterable[str] = (), dtype: torch.dtype | None = None
+) -> tuple[Any, Any]:
+    """(RunConfig, model with the converted weights loaded); CheckpointError naming missing keys.
+    ``dtype``: convert the model first (e.g. float64 for the parity tests)."""
     from loopformer.config import build_config
     from loopformer.models.registry import build_model
     from loopformer.train.checkpoint import check_weights
 
     config = build_config(converted.run, list(overrides))
     model = build_model(config.model.name, config=config.model_config())
+    if dtype is not None:
+        model = model.to(dtype)
     weights = {
         k: v.to(model.state_dict()[k].dtype) if k in model.state_dict() else v
         for k, v in converted.weights.items()
@@ -173,6 +193,10 @@ def convert_checkpoint(
 
     fn = converter(system)
     state = load_state_dict(checkpoint)
+    if config_file is None and system in ("trm", "hrm"):
+        from loopformer.convert.recursive import find_config
+
+        config_file = find_config(checkpoint)
     converted = fn(state, read_reference_config(config_file))
     out = Path(out_dir)
     converted.run["out_dir"] = str(out)

@@ -25,9 +25,11 @@ records every call, so ``grad="bptt"`` then backpropagates through the whole sch
 
 Design choices (where they come from):
 - State ``[B, 2, P + T, d]``: index 0 = ``zH`` (read out), index 1 = ``zL``; P = ``puzzle_emb_len``.
-- Embedding, per-puzzle embedding (ARC), post-norm blocks with input injection, fixed truncated-normal
-  ``H_init`` / ``L_init`` vectors (buffers by default, see ``loopformer.models.trm``): as HRM's code,
-  shared with TRM through ``PuzzleTokenEmbedding`` / ``ReasoningModule``.
+- Embedding, per-puzzle embedding (one token of ``d`` values: HRM's ``puzzle_emb_len`` is
+  ``ceil(puzzle_emb_ndim / d)`` = 1), post-norm blocks without norm gain (eps 1e-5), SwiGLU widths
+  rounded to 256, truncated LeCun normal init (flax convention), fixed truncated-normal ``H_init`` /
+  ``L_init`` vectors (buffers by default, see ``loopformer.models.trm``): as HRM's code, shared with
+  TRM through ``PuzzleTokenEmbedding`` / ``ReasoningModule``.
 - Readout ``lm_head(zH)`` on the token positions.
 - Q-learning ACT head: ``Linear(d, 2)`` on ``zH`` at the first position gives HRM's ``(q_halt,
   q_continue)`` logits (weight 0, bias -5 at init). ``q_values`` returns both ``[B, 2]`` (for a
@@ -50,8 +52,10 @@ from loopformer.models.trm import (
     Q_BIAS_INIT,
     PuzzleTokenEmbedding,
     ReasoningModule,
+    check_family_config,
     check_token_count,
     init_vector,
+    lecun_init_,
 )
 
 
@@ -62,6 +66,11 @@ class HRMConfig(ModelConfig):
     one_step_grad: bool = True  # HRM's 1-step gradient: record only the last L call of a step
     learned_init: bool = False  # learn the zH / zL initial vectors instead of HRM's fixed buffers
     q_head: bool = True
+    puzzle_emb_dim: int = 0  # values per puzzle-embedding row (HRM: d_model); 0 = puzzle_emb_len * d_model
+    norm_eps: float = 1e-5  # HRM models/layers.py rms_norm
+    norm_gain: bool = False  # HRM's RMSNorm has no gain
+    mlp_multiple: int = 256  # SwiGLU width rounding (HRM _find_multiple(.., 256))
+    init: str = "lecun"  # "lecun": HRM's truncated LeCun normal (flax convention); "torch": PyTorch defaults
     loop: LoopConfig = field(
         default_factory=lambda: LoopConfig(halting="fixed", max_steps=2, grad="truncated", grad_steps=1)
     )
@@ -74,17 +83,20 @@ class HRM(LoopedModel):
         super().__init__(config)
         if config.l_cycles < 1:
             raise ValueError(f"l_cycles must be >= 1, got {config.l_cycles}")
+        check_family_config(config)
         self.embedding = PuzzleTokenEmbedding(config)
         self.H = ReasoningModule(config, config.n_layers)
         self.L = ReasoningModule(config, config.n_layers)
-        d = config.d_model
+        d, flax = config.d_model, config.init == "lecun"
         if config.learned_init:
-            self.h_init = init_vector(d, learned=True)
-            self.l_init = init_vector(d, learned=True)
+            self.h_init = init_vector(d, learned=True, flax=flax)
+            self.l_init = init_vector(d, learned=True, flax=flax)
         else:
-            self.register_buffer("h_init", init_vector(d, learned=False))
-            self.register_buffer("l_init", init_vector(d, learned=False))
+            self.register_buffer("h_init", init_vector(d, learned=False, flax=flax))
+            self.register_buffer("l_init", init_vector(d, learned=False, flax=flax))
         self.lm_head = None if config.tie_embeddings else nn.Linear(d, config.vocab_size, bias=False)
+        if self.lm_head is not None and flax:
+            lecun_init_(self.lm_head)
         self.q_proj: nn.Linear | None = None
         if config.q_head:
             self.q_proj = nn.Linear(d, 2)
@@ -131,5 +143,17 @@ class HRM(LoopedModel):
 
 
 def paper_config() -> HRMConfig:
-    """HRM at paper size for Sudoku-Extreme: H and L of 4 layers each, d 512, 2 x 2 cycles (~27M)."""
-    return HRMConfig(vocab_size=11, seq_len=81, d_model=512, n_heads=8, n_layers=4, expansion=4.0, l_cycles=2)
+    """HRM at paper size for Sudoku-Extreme: H and L of 4 layers each, d 512, 2 x 2 cycles (~27M), with
+    HRM's one puzzle-identifier token (``puzzle_emb_ndim = hidden_size``; one identifier for every Sudoku)."""
+    return HRMConfig(
+        vocab_size=11,
+        seq_len=81,
+        d_model=512,
+        n_heads=8,
+        n_layers=4,
+        expansion=4.0,
+        l_cycles=2,
+        num_puzzle_ids=1,
+        puzzle_emb_len=1,
+        puzzle_emb_dim=512,
+    )

@@ -16,13 +16,21 @@ Design choices (where they come from):
 - Blocks: ``loopformer.nn.Block`` with ``norm="post"`` (TRM code: ``rms_norm(h + attn(h))``,
   ``rms_norm(h + mlp(h))``), RoPE attention or, with ``mixer="mlp"``, an MLP across positions for
   fixed-size grids (TRM's ``mlp_t``; needs bidirectional inputs of exactly ``seq_len`` tokens).
-  Deviations: our RMSNorm has a learnable gain (TRM's has none) and SwiGLU widths round to 64 (TRM: 256).
+  As TRM's code (``models/layers.py``): RMSNorm without gain, eps 1e-5 (``norm_gain``, ``norm_eps``),
+  SwiGLU widths rounded up to 256 (``mlp_multiple``; the MLP mixer's too), the MLP mixer's post-norm
+  taken over the positions (``mlp_t`` transposes before its norm), linear weights truncated LeCun normal
+  with the flax convention (the std is that of the truncated law, ``init="lecun"``; ``init="torch"``
+  keeps PyTorch's defaults). RoPE pairs dimensions (2i, 2i+1) where TRM rotates halves (i, i + d/2):
+  a fixed permutation of each head's q / k dimensions, applied by ``loopformer convert``.
 - Embedding: token table with init std ``1/sqrt(d)`` scaled by ``sqrt(d)`` (TRM's ``embed_scale``), so
   the scaled embedding has unit scale. A per-puzzle embedding ``puzzle_emb`` (``num_puzzle_ids`` rows of
-  ``puzzle_emb_len * d``, zero-initialised as TRM's sparse embedding) is reshaped to ``puzzle_emb_len``
-  tokens and prepended before scaling (ARC). ``puzzle_ids=None`` uses id 0, TRM's blank identifier.
-  Its name contains ``puzzle_emb`` so ``num_parameters()`` leaves it out, as the paper counts.
-- Initial state: TRM uses fixed truncated-normal (std 1) vectors ``H_init`` / ``L_init`` broadcast over
+  ``puzzle_emb_dim`` values, zero-initialised as TRM's sparse embedding, zero-padded to
+  ``puzzle_emb_len * d``) is reshaped to ``puzzle_emb_len`` tokens and prepended before scaling. TRM's
+  configs: ``puzzle_emb_dim = d`` and 16 tokens (the first holds the puzzle's vector, the other 15 are
+  zero); Sudoku / maze use one identifier (id 0) for every puzzle. ``puzzle_ids=None`` uses id 0.
+  Its name contains ``puzzle_emb`` so ``num_parameters()`` leaves it out, as the paper counts; the
+  trainer gives it TRM's sign-SGD optimiser (``train.puzzle_emb_optimizer``).
+- Initial state: TRM uses fixed truncated-normal (std 1, flax convention) vectors ``H_init`` / ``L_init`` broadcast over
   batch and positions. They are buffers by default: under the default truncated gradient the initial
   state only ever enters the no-grad prefix, so learned vectors would never receive a gradient (and DDP
   would report unused parameters). ``learned_init=True`` makes them parameters (trained under bptt).
@@ -42,6 +50,7 @@ import math
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from loopformer.loop import LoopConfig
@@ -65,14 +74,22 @@ class PuzzleTokenEmbedding(nn.Module):
                 f"num_puzzle_ids={config.num_puzzle_ids}, puzzle_emb_len={config.puzzle_emb_len}"
             )
         self.d, self.prefix_len, self.num_puzzle_ids = d, config.puzzle_emb_len, config.num_puzzle_ids
+        self.puzzle_dim = getattr(config, "puzzle_emb_dim", 0) or self.prefix_len * d
+        if self.prefix_len and self.puzzle_dim > self.prefix_len * d:
+            raise ValueError(
+                f"puzzle_emb_dim {self.puzzle_dim} does not fit in puzzle_emb_len * d_model = {self.prefix_len * d}"
+            )
         self.scale = math.sqrt(d)
         self.tokens = nn.Embedding(config.vocab_size, d)
-        nn.init.trunc_normal_(
-            self.tokens.weight, std=1.0 / self.scale, a=-2.0 / self.scale, b=2.0 / self.scale
-        )
+        if getattr(config, "init", "torch") == "lecun":
+            trunc_normal_init_(self.tokens.weight, std=1.0 / self.scale)
+        else:
+            nn.init.trunc_normal_(
+                self.tokens.weight, std=1.0 / self.scale, a=-2.0 / self.scale, b=2.0 / self.scale
+            )
         self.puzzle_emb: nn.Embedding | None = None
         if self.prefix_len > 0:
-            self.puzzle_emb = nn.Embedding(self.num_puzzle_ids, self.prefix_len * d)
+            self.puzzle_emb = nn.Embedding(self.num_puzzle_ids, self.puzzle_dim)
             nn.init.zeros_(self.puzzle_emb.weight)
 
     def forward(self, inputs: Tensor, puzzle_ids: Tensor | None = None) -> Tensor:
@@ -93,7 +110,9 @@ class PuzzleTokenEmbedding(nn.Module):
                 raise ValueError(
                     f"puzzle_ids must lie in [0, {self.num_puzzle_ids}), got {puzzle_ids.tolist()}"
                 )
-            prefix = self.puzzle_emb(puzzle_ids).view(B, self.prefix_len, self.d).to(h.dtype)
+            prefix = self.puzzle_emb(puzzle_ids).to(h.dtype)
+            pad = self.prefix_len * self.d - self.puzzle_dim
+            prefix = (F.pad(prefix, (0, pad)) if pad else prefix).view(B, self.prefix_len, self.d)
             h = torch.cat((prefix, h), dim=1)
         return self.scale * h
 
@@ -116,9 +135,16 @@ class ReasoningModule(nn.Module):
                 expansion=config.expansion,
                 mixer=mixer,
                 seq_len=total_len if mixer == "mlp" else None,
+                norm_eps=getattr(config, "norm_eps", 1e-6),
+                norm_gain=getattr(config, "norm_gain", True),
+                mlp_multiple=getattr(config, "mlp_multiple", 64),
+                mixer_multiple=getattr(config, "mlp_multiple", 8),
+                mixer_norm_over_tokens=getattr(config, "mixer_norm_over_tokens", False),
             )
             for _ in range(n_layers)
         )
+        if getattr(config, "init", "torch") == "lecun":
+            lecun_init_(self)
 
     def forward(self, h: Tensor, injection: Tensor) -> Tensor:
         h = h + injection
@@ -127,9 +153,43 @@ class ReasoningModule(nn.Module):
         return h
 
 
-def init_vector(d: int, learned: bool) -> Tensor | nn.Parameter:
-    """TRM / HRM initial-state vector: truncated normal, std 1 (cut at +-2)."""
-    v = trunc_normal_state((d,), std=1.0)
+def trunc_normal_init_(t: Tensor, std: float, lower: float = -2.0, upper: float = 2.0) -> Tensor:
+    """Truncated normal in the flax / JAX convention, TRM's and HRM's ``trunc_normal_init_``
+    (``models/common.py``): ``std`` is the standard deviation of the *truncated* law, whose support is
+    ``[lower, upper]`` in units of the underlying normal's sigma. For the standard normal cut to
+    ``[a, b]`` with mass ``Z``, ``Var = 1 + (a phi(a) - b phi(b)) / Z - ((phi(a) - phi(b)) / Z)^2``, so
+    sigma = std / sqrt(Var). Sampled by inverse CDF: ``u ~ U(erf(a/sqrt2), erf(b/sqrt2))``,
+    ``x = sqrt2 erfinv(u) sigma`` (then clipped to the support against rounding).
+    PyTorch's ``nn.init.trunc_normal_`` instead gives a law whose std is smaller than ``std``."""
+    with torch.no_grad():
+        if std == 0:
+            return t.zero_()
+        r2 = math.sqrt(2.0)
+        mass = (math.erf(upper / r2) - math.erf(lower / r2)) / 2
+
+        def phi(x: float) -> float:
+            return math.exp(-0.5 * x * x) / math.sqrt(2 * math.pi)
+
+        var = 1 + (lower * phi(lower) - upper * phi(upper)) / mass - ((phi(lower) - phi(upper)) / mass) ** 2
+        sigma = std / math.sqrt(var)
+        t.uniform_(math.erf(lower / r2), math.erf(upper / r2)).erfinv_().mul_(r2 * sigma)
+        return t.clip_(lower * sigma, upper * sigma)
+
+
+def lecun_init_(module: nn.Module) -> None:
+    """TRM / HRM ``CastedLinear`` init on every ``nn.Linear`` in ``module``: weight truncated LeCun
+    normal (flax convention, std ``1/sqrt(fan_in)``), bias zero."""
+    for m in module.modules():
+        if isinstance(m, nn.Linear):
+            trunc_normal_init_(m.weight, std=1.0 / math.sqrt(m.in_features))
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+
+
+def init_vector(d: int, learned: bool, flax: bool = False) -> Tensor | nn.Parameter:
+    """TRM / HRM initial-state vector: truncated normal, std 1 (``flax``: TRM's convention, whose
+    std is the truncated law's; otherwise PyTorch's ``trunc_normal_`` cut at +-2)."""
+    v = trunc_normal_init_(torch.empty(d), std=1.0) if flax else trunc_normal_state((d,), std=1.0)
     return nn.Parameter(v) if learned else v
 
 
@@ -147,9 +207,23 @@ class TRMConfig(ModelConfig):
     mixer: str = "attention"  # "attention" or "mlp" (MLP-mixer across positions, fixed-size grids)
     learned_init: bool = False  # learn the y / z initial vectors instead of TRM's fixed buffers
     q_head: bool = True
+    puzzle_emb_dim: int = 0  # values per puzzle-embedding row (TRM: d_model); 0 = puzzle_emb_len * d_model
+    norm_eps: float = 1e-5  # TRM models/layers.py rms_norm
+    norm_gain: bool = False  # TRM's RMSNorm has no gain
+    mlp_multiple: int = 256  # SwiGLU width rounding (TRM _find_multiple(.., 256))
+    mixer_norm_over_tokens: bool = True  # MLP mixer: post-norm over positions (TRM mlp_t)
+    init: str = "lecun"  # "lecun": TRM's truncated LeCun normal (flax convention); "torch": PyTorch defaults
     loop: LoopConfig = field(
         default_factory=lambda: LoopConfig(halting="fixed", max_steps=3, grad="truncated", grad_steps=1)
     )
+
+
+def check_family_config(config: ModelConfig) -> None:
+    init = getattr(config, "init", "torch")
+    if init not in ("lecun", "torch"):
+        raise ValueError(f"init must be 'lecun' (TRM / HRM) or 'torch', got {init!r}")
+    if getattr(config, "mlp_multiple", 1) < 1 or getattr(config, "puzzle_emb_dim", 0) < 0:
+        raise ValueError("mlp_multiple must be >= 1 and puzzle_emb_dim >= 0")
 
 
 class TRM(LoopedModel):
@@ -159,16 +233,19 @@ class TRM(LoopedModel):
         super().__init__(config)
         if config.n_inner < 1:
             raise ValueError(f"n_inner must be >= 1, got {config.n_inner}")
+        check_family_config(config)
         self.embedding = PuzzleTokenEmbedding(config)
         self.net = ReasoningModule(config, config.n_layers, config.mixer)
-        d = config.d_model
+        d, flax = config.d_model, config.init == "lecun"
         if config.learned_init:
-            self.y_init = init_vector(d, learned=True)
-            self.z_init = init_vector(d, learned=True)
+            self.y_init = init_vector(d, learned=True, flax=flax)
+            self.z_init = init_vector(d, learned=True, flax=flax)
         else:
-            self.register_buffer("y_init", init_vector(d, learned=False))
-            self.register_buffer("z_init", init_vector(d, learned=False))
+            self.register_buffer("y_init", init_vector(d, learned=False, flax=flax))
+            self.register_buffer("z_init", init_vector(d, learned=False, flax=flax))
         self.lm_head = None if config.tie_embeddings else nn.Linear(d, config.vocab_size, bias=False)
+        if self.lm_head is not None and flax:
+            lecun_init_(self.lm_head)
         self.q_proj: nn.Linear | None = None
         if config.q_head:
             self.q_proj = nn.Linear(d, 1)
@@ -207,7 +284,18 @@ class TRM(LoopedModel):
 
 
 def paper_config(mixer: str = "attention") -> TRMConfig:
-    """TRM at paper size for Sudoku-Extreme: d 512, 2 layers, n = 6, T = 3 (~7M attention, ~5M MLP)."""
+    """TRM at paper size for Sudoku-Extreme: d 512, 2 layers, n = 6, T = 3 (~7M attention, ~5M MLP),
+    with TRM's 16 puzzle-identifier tokens (one identifier for every Sudoku, ``config/arch/trm.yaml``)."""
     return TRMConfig(
-        vocab_size=11, seq_len=81, d_model=512, n_heads=8, n_layers=2, expansion=4.0, n_inner=6, mixer=mixer
+        vocab_size=11,
+        seq_len=81,
+        d_model=512,
+        n_heads=8,
+        n_layers=2,
+        expansion=4.0,
+        n_inner=6,
+        mixer=mixer,
+        num_puzzle_ids=1,
+        puzzle_emb_len=16,
+        puzzle_emb_dim=512,
     )

@@ -5,6 +5,14 @@
   ``a = sigmoid(p)`` parameters, SYSTEMS.md section 1), parameters of normalisation modules,
   the names a model lists in ``no_weight_decay()`` (optional; exact names or module prefixes),
   and embeddings when ``decay_embeddings`` is False.
+- ``AdamATan2``: Adam with ``atan2`` in place of the division (Everett et al., arXiv 2407.05872), in
+  the form of the ``adam-atan2`` package TRM and HRM train with (a CUDA kernel; here plain PyTorch):
+  ``p <- p (1 - lr wd)``, ``m <- b1 m + (1 - b1) g``, ``v <- b2 v + (1 - b2) g^2``,
+  ``p <- p - lr / (1 - b1^t) * atan2(m, sqrt(v) / sqrt(1 - b2^t))`` (no epsilon, decoupled decay
+  on every parameter). Parameter groups flagged ``sign_sgd`` take TRM / HRM's sparse-embedding
+  update instead (``CastedSparseEmbeddingSignSGD_Distributed``): on the rows the batch used,
+  ``p <- p (1 - lr wd) - lr sign(g)``; rows it did not use are left alone (no decay). A group's
+  ``lr_scale`` multiplies the scheduled rate (TRM's ``puzzle_emb_lr`` follows the same warm-up).
 - ``lr_at``: linear warm-up then constant (FPRM: constant after 2000 warm-up steps) or cosine
   down to ``min_lr_ratio * lr``. A pure function of the step, so the schedule's only state is
   the step counter the checkpoint already holds.
@@ -61,6 +69,80 @@ def parameter_groups(model: nn.Module, weight_decay: float, decay_embeddings: bo
     return [g for g in groups if g["params"]]
 
 
+class AdamATan2(torch.optim.Optimizer):
+    """AdamATan2 (TRM / HRM's optimiser) with optional sign-SGD groups; see the module docstring.
+
+    Groups may set ``sign_sgd=True`` (sparse-embedding rows) and ``lr_scale`` (their rate relative
+    to the scheduled one). State per parameter: ``step`` (a float tensor, as the package keeps it),
+    ``exp_avg``, ``exp_avg_sq``; sign-SGD groups keep none.
+    """
+
+    def __init__(
+        self,
+        params: list[dict] | list[Tensor],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        weight_decay: float = 1e-2,
+    ) -> None:
+        if lr < 0 or weight_decay < 0 or not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError(
+                f"invalid AdamATan2 settings: lr {lr}, betas {betas}, weight_decay {weight_decay}"
+            )
+        super().__init__(
+            params,
+            {
+                "lr": lr,
+                "betas": tuple(betas),
+                "weight_decay": weight_decay,
+                "sign_sgd": False,
+                "lr_scale": 1.0,
+            },
+        )
+
+    @torch.no_grad()
+    def step(self, closure: object = None) -> None:  # type: ignore[override]
+        if closure is not None:
+            raise ValueError("AdamATan2.step takes no closure")
+        for group in self.param_groups:
+            lr, wd = group["lr"] * group["lr_scale"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise ValueError("AdamATan2 needs dense gradients")
+                if group["sign_sgd"]:
+                    sign_sgd_rows_(p, p.grad, lr, wd)
+                else:
+                    self._adam_atan2(p, lr, wd, group["betas"])
+
+    def _adam_atan2(self, p: Tensor, lr: float, wd: float, betas: tuple[float, float]) -> None:
+        state = self.state[p]
+        if not state:
+            state["step"] = torch.zeros((), dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        b1, b2 = betas
+        state["step"] += 1
+        t = float(state["step"])
+        m, v, g = state["exp_avg"], state["exp_avg_sq"], p.grad
+        p.mul_(1 - lr * wd)
+        m.lerp_(g, 1 - b1)
+        v.mul_(b2).addcmul_(g, g, value=1 - b2)
+        denom = v.sqrt() / math.sqrt(1 - b2**t)
+        p.add_(torch.atan2(m, denom), alpha=-lr / (1 - b1**t))
+
+
+def sign_sgd_rows_(p: Tensor, grad: Tensor, lr: float, weight_decay: float) -> None:
+    """TRM / HRM's sparse-embedding step on the rows with a gradient: decay them, step by ``-lr sign(g)``."""
+    rows = grad.reshape(grad.shape[0], -1).ne(0).any(-1) if grad.dim() > 1 else grad.ne(0)
+    idx = torch.nonzero(rows).reshape(-1)
+    if idx.numel() == 0:
+        return
+    sel = p.index_select(0, idx)
+    sel.mul_(1 - lr * weight_decay).add_(grad.index_select(0, idx).sign(), alpha=-lr)
+    p.index_copy_(0, idx, sel)
+
+
 def build_optimizer(
     model: nn.Module,
     lr: float,
@@ -68,12 +150,64 @@ def build_optimizer(
     betas: tuple[float, float] = (0.9, 0.95),
     eps: float = 1e-8,
     decay_embeddings: bool = True,
-) -> torch.optim.AdamW:
-    """AdamW over ``parameter_groups`` (foreach on CPU / CUDA; deterministic)."""
+    kind: str = "adamw",
+    decay_all: bool = False,
+    puzzle_emb: tuple[float, float] | None = None,
+) -> torch.optim.Optimizer:
+    """AdamW (``kind="adamw"``, foreach, deterministic) or ``AdamATan2`` over ``parameter_groups``.
+
+    ``decay_all``: one decayed group of every parameter (TRM / HRM pass ``model.parameters()`` to
+    one optimiser). ``puzzle_emb=(lr, weight_decay)``: parameters named ``*puzzle_emb*`` get their own
+    sign-SGD group at that rate (TRM / HRM's sparse-embedding optimiser; needs ``kind="adam_atan2"``).
+    """
     groups = parameter_groups(model, weight_decay, decay_embeddings)
+    if decay_all:
+        params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        groups = [
+            {"params": [p for _, p in params], "names": [n for n, _ in params], "weight_decay": weight_decay}
+        ]
+    if puzzle_emb is not None:
+        if kind != "adam_atan2":
+            raise ValueError("the sign-SGD puzzle-embedding optimiser needs train.optimizer=adam_atan2")
+        groups = split_puzzle_group(groups, model, lr, puzzle_emb)
+    groups = [g for g in groups if g["params"]]
     if not groups:
         raise ValueError(f"{type(model).__name__} has no trainable parameters")
-    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps)
+    if kind == "adamw":
+        return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps)
+    if kind == "adam_atan2":
+        return AdamATan2(groups, lr=lr, betas=betas, weight_decay=weight_decay)
+    raise ValueError(f"unknown optimizer {kind!r}; expected 'adamw' or 'adam_atan2'")
+
+
+def split_puzzle_group(
+    groups: list[dict], model: nn.Module, lr: float, puzzle: tuple[float, float]
+) -> list[dict]:
+    """Move ``*puzzle_emb*`` parameters out of ``groups`` into one sign-SGD group."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    emb = [p for g in groups for p in g["params"] if "puzzle_emb" in names[id(p)]]
+    if not emb:
+        raise ValueError(f"{type(model).__name__} has no puzzle embedding for the sign-SGD optimiser")
+    ids = {id(p) for p in emb}
+    out = [
+        {
+            **g,
+            "params": [p for p in g["params"] if id(p) not in ids],
+            "names": [n for n, p in zip(g["names"], g["params"]) if id(p) not in ids],
+        }
+        for g in groups
+    ]
+    scale = puzzle[0] / lr if lr > 0 else 0.0
+    out.append(
+        {
+            "params": emb,
+            "names": [names[id(p)] for p in emb],
+            "weight_decay": puzzle[1],
+            "sign_sgd": True,
+            "lr_scale": scale,
+        }
+    )
+    return out
 
 
 def lr_at(
@@ -97,6 +231,7 @@ def lr_at(
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """Set every group's scheduled rate (``AdamATan2`` groups apply their own ``lr_scale`` on top)."""
     for group in optimizer.param_groups:
         group["lr"] = lr
 
@@ -148,7 +283,9 @@ class EMA:
         missing = sorted(set(self.shadow) - set(state))
         unexpected = sorted(set(state) - set(self.shadow))
         if missing or unexpected:
-            raise ValueError(f"EMA state does not match the model: missing {missing}, unexpected {unexpected}")
+            raise ValueError(
+                f"EMA state does not match the model: missing {missing}, unexpected {unexpected}"
+            )
         for name, value in state.items():
             if value.shape != self.shadow[name].shape:
                 raise ValueError(

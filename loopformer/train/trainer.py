@@ -189,9 +189,9 @@ class Trainer:
                              "the step outside forward); use train.strategy=ddp")
 
         # -- optimisation -----------------------------------------------------------------------
-        self.optimizer = build_optimizer(
-            self.model, tc.lr, tc.weight_decay, tuple(tc.betas), tc.eps, tc.decay_embeddings
-        )
+        puzzle = (tc.puzzle_emb_lr, tc.puzzle_emb_weight_decay) if tc.puzzle_emb_optimizer == "sign_sgd" else None
+        self.optimizer = build_optimizer(self.model, tc.lr, tc.weight_decay, tuple(tc.betas), tc.eps,
+                                         tc.decay_embeddings, tc.optimizer, tc.decay_all, puzzle)
         self.params = [p for g in self.optimizer.param_groups for p in g["params"]]
         self.ema = EMA(self.model, tc.ema, tc.ema_warmup) if tc.ema > 0 else None
 

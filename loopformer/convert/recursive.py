@@ -1,0 +1,191 @@
+"""Key mapping shared by TRM and HRM checkpoints (``loopformer convert trm|hrm``).
+
+Both repositories save ``torch.save(ACTLossHead(model).state_dict())`` (``pretrain.py:
+save_train_state``), keys ``[_orig_mod.]model.inner.<name>`` (``_orig_mod.`` when compiled), and write
+``all_config.yaml`` (the pydantic ``PretrainConfig``: ``arch`` holds the model's settings) beside the
+``step_N`` files; it is read when ``--config`` is not given. ``vocab_size``, ``num_puzzle_identifiers``
+and ``puzzle_emb_ndim`` come from the weights' shapes; ``seq_len`` (not in the weights of an attention
+model) from ``arch.seq_len``, the dataset's ``train/dataset.json`` under ``data_paths[0]`` or the task.
+
+Reference -> loopformer tensors (``models/layers.py``):
+- ``embed_tokens.embedding_weight`` -> ``embedding.tokens.weight``; ``puzzle_emb.weights`` (a buffer
+  trained by sign-SGD) -> ``embedding.puzzle_emb.weight``; ``lm_head.weight`` -> ``lm_head.weight``.
+- per block: ``self_attn.qkv_proj`` -> ``mix.qkv`` with each head's q / k rows permuted from TRM's
+  rotate-half RoPE (pairs i, i + D/2) to loopformer's interleaved pairs (2i, 2i + 1), an exact
+  re-labelling; ``self_attn.o_proj`` -> ``mix.proj``; ``mlp.gate_up_proj`` / ``down_proj`` ->
+  ``mlp.gate_up`` / ``down``; TRM ``mlp_t.*`` -> ``mix.mlp.*``. The RMSNorms have no weights.
+- ``H_init`` / ``L_init`` -> the (answer, latent) initial vectors; ``q_head`` (2 rows: halt,
+  continue) -> TRM: row 0 (``no_ACT_continue``, the continue logit is never used), HRM: both rows.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from loopformer.convert import KeyMap
+from loopformer.train.checkpoint import CheckpointError
+
+PREFIXES = ("_orig_mod.", "model.", "inner.")
+
+# config/arch/trm.yaml, config/arch/hrm.yaml (TRM repository) and config/arch/hrm_v1.yaml (HRM)
+ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
+    "trm": {
+        "H_cycles": 3,
+        "L_cycles": 6,
+        "num_heads": 8,
+        "expansion": 4,
+        "pos_encodings": "rope",
+        "puzzle_emb_len": 16,
+        "halt_max_steps": 16,
+        "halt_exploration_prob": 0.1,
+        "rms_norm_eps": 1e-5,
+        "mlp_t": False,
+        "no_ACT_continue": True,
+        "loss": {"loss_type": "stablemax_cross_entropy"},
+    },
+    "hrm": {
+        "H_cycles": 2,
+        "L_cycles": 2,
+        "num_heads": 8,
+        "expansion": 4,
+        "pos_encodings": "rope",
+        "halt_max_steps": 16,
+        "halt_exploration_prob": 0.1,
+        "rms_norm_eps": 1e-5,
+        "loss": {"loss_type": "stablemax_cross_entropy"},
+    },
+}
+# cfg_pretrain.yaml of both repositories
+TRAIN_DEFAULTS = {
+    "global_batch_size": 768,
+    "lr": 1e-4,
+    "lr_min_ratio": 1.0,
+    "lr_warmup_steps": 2000,
+    "beta1": 0.9,
+    "beta2": 0.95,
+    "weight_decay": 0.1,
+    "puzzle_emb_weight_decay": 0.1,
+    "puzzle_emb_lr": 1e-2,
+    "ema": False,
+    "ema_rate": 0.999,
+}
+
+
+def find_config(checkpoint: str | Path) -> Path | None:
+    """``all_config.yaml`` beside the checkpoint, as the reference's pretrain.py writes it."""
+    candidate = Path(checkpoint).resolve().parent / "all_config.yaml"
+    return candidate if candidate.is_file() else None
+
+
+def arch_settings(system: str, ref: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(arch, training settings) with the reference defaults filled in."""
+    arch_in = ref.get("arch", ref)
+    if not isinstance(arch_in, dict):
+        raise ValueError(f"the {system} config's 'arch' must be a mapping, got {arch_in!r}")
+    arch = {**ARCH_DEFAULTS[system], **arch_in}
+    train = {**TRAIN_DEFAULTS, **{k: v for k, v in ref.items() if k in TRAIN_DEFAULTS}}
+    return arch, train
+
+
+def rope_permutation(head_dim: int) -> Tensor:
+    """Index ``perm`` with ``ours[p] = theirs[perm[p]]``: rotate-half pairs -> interleaved pairs."""
+    half = head_dim // 2
+    return torch.tensor([p // 2 + (p % 2) * half for p in range(head_dim)])
+
+
+def permute_qkv(w: Tensor, n_heads: int) -> Tensor:
+    """qkv rows [q heads | k heads | v heads] with each q / k head's rows put in RoPE pair order."""
+    d_out = w.shape[0] // 3
+    head_dim = d_out // n_heads
+    perm = rope_permutation(head_dim)
+    rows = torch.arange(w.shape[0]).view(3, n_heads, head_dim)
+    rows[:2] = rows[:2][..., perm]
+    return w[rows.reshape(-1)]
+
+
+def map_block(km: KeyMap, src: str, dst: str, n_heads: int, rope: bool) -> None:
+    if km.has(f"{src}.mlp_t.gate_up_proj.weight"):
+        km.put(f"{dst}.mix.mlp.gate_up.weight", f"{src}.mlp_t.gate_up_proj.weight")
+        km.put(f"{dst}.mix.mlp.down.weight", f"{src}.mlp_t.down_proj.weight")
+    else:
+        qkv = km.state[f"{src}.self_attn.qkv_proj.weight"]
+        if qkv.shape[0] % 3:
+            raise CheckpointError(
+                f"{src}.self_attn.qkv_proj.weight: grouped-query attention is not supported"
+            )
+        km.put(
+            f"{dst}.mix.qkv.weight",
+            f"{src}.self_attn.qkv_proj.weight",
+            (lambda w: permute_qkv(w, n_heads)) if rope else None,
+        )
+        km.put(f"{dst}.mix.proj.weight", f"{src}.self_attn.o_proj.weight")
+    km.put(f"{dst}.mlp.gate_up.weight", f"{src}.mlp.gate_up_proj.weight")
+    km.put(f"{dst}.mlp.down.weight", f"{src}.mlp.down_proj.weight")
+
+
+def count_layers(km: KeyMap, prefix: str) -> int:
+    ids = {int(k[len(prefix) :].split(".")[0]) for k in km.keys_with(prefix)}
+    if not ids or ids != set(range(len(ids))):
+        raise CheckpointError(f"{km.source}: no (or non-contiguous) layers under {prefix!r}: {sorted(ids)}")
+    return len(ids)
+
+
+def dataset_meta(ref: dict[str, Any]) -> dict[str, Any]:
+    paths = ref.get("data_paths") or ([ref["data_path"]] if ref.get("data_path") else [])
+    if not paths:
+        return {}
+    meta = Path(paths[0]) / "train" / "dataset.json"
+    return json.loads(meta.read_text()) if meta.is_file() else {}
+
+
+def task_section(ref: dict[str, Any], seq_len: int) -> dict[str, Any]:
+    """loopformer ``data`` section: the task named by the reference's data path."""
+    paths = ref.get("data_paths") or ([ref["data_path"]] if ref.get("data_path") else [])
+    name = str(paths[0]) if paths else ""
+    side = math.isqrt(seq_len)
+    lowered = name.lower()
+    if "arc" in lowered:
+        data: dict[str, Any] = {"task": "arc"}
+    elif "maze" in lowered:
+        data = {"task": "maze", "options": {"size": side}}
+    elif "sudoku" in lowered or (not name and side * side == seq_len):
+        data = {"task": "sudoku", "options": {"size": side}, "eval_size": 64}
+    else:
+        raise ValueError(
+            f"cannot tell the task from data path {name!r}; pass --set data.task=... (and data.eval_path)"
+        )
+    if name and (Path(name) / "test").is_dir():
+        data["eval_path"] = str(Path(name) / "test")
+    return data
+
+
+def train_section(arch: dict[str, Any], train: dict[str, Any]) -> dict[str, Any]:
+    loss = arch.get("loss", {}).get("loss_type", "stablemax_cross_entropy")
+    return {
+        "mode": "deep_supervision",
+        "batch_size": int(train["global_batch_size"]),
+        "lr": float(train["lr"]),
+        "weight_decay": float(train["weight_decay"]),
+        "betas": [float(train["beta1"]), float(train["beta2"])],
+        "warmup_steps": int(train["lr_warmup_steps"]),
+        "schedule": "constant" if float(train["lr_min_ratio"]) == 1.0 else "cosine",
+        "min_lr_ratio": float(train["lr_min_ratio"]),
+        "grad_clip": 0.0,
+        "optimizer": "adam_atan2",
+        "decay_all": True,
+        "puzzle_emb_lr": float(train["puzzle_emb_lr"]),
+        "puzzle_emb_weight_decay": float(train["puzzle_emb_weight_decay"]),
+        "ema": float(train["ema_rate"]) if train["ema"] else 0.0,
+        "ema_warmup": False,
+        "loss": "stablemax" if loss == "stablemax_cross_entropy" else "ce",
+        "q_loss_weight": 0.5,
+        "max_segments": int(arch["halt_max_steps"]),
+        "halt_on_q": True,
+        "halt_exploration": float(arch["halt_exploration_prob"]),
+    }
