@@ -200,12 +200,7 @@ class RunConfig:
     def loop_config(self, base: Any, phase: Literal["train", "eval"]) -> Any:
         """``base`` (the model's default LoopConfig) with this run's train / eval overrides."""
         overrides = self.loop_train if phase == "train" else self.loop_eval
-        try:
-            return dataclasses.replace(base, **_loop_fields(overrides, f"loop_{phase}"))
-        except ValueError as err:
-            if isinstance(err, ConfigError):
-                raise
-            raise ConfigError(f"loop_{phase}: {err}") from None
+        return _merge_fields(base, _loop_fields(overrides, f"loop_{phase}"), f"loop_{phase}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -388,19 +383,56 @@ def _field_default(cls: type, name: str) -> Any:
     return f.default
 
 
+def _partial_fields(cls: type, data: Mapping[str, Any], path: str) -> dict[str, Any]:
+    """``data`` coerced to ``cls``'s field types, where a table for a nested dataclass field stays a
+    partial table (merged into the base by ``_merge_fields``); a class may map legacy flat keys
+    into its nested tables (``LoopConfig.nest_legacy``: ``damp_gamma`` -> ``damped.gamma``)."""
+    nest = getattr(cls, "nest_legacy", None)
+    if nest is not None:
+        try:
+            data = nest(data)
+        except ValueError as err:
+            raise ConfigError(f"{path}: {err}") from None
+    hints = _hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        if key not in names:
+            known = names + list(getattr(cls, "legacy_names", {}))
+            raise ConfigError(f"unknown config key {_join(path, key)!r}{_suggest(str(key), known, path)}")
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp) and isinstance(value, Mapping):
+            out[key] = _partial_fields(tp, value, _join(path, key))
+        else:
+            out[key] = coerce(value, tp, _join(path, key))
+    return out
+
+
+def _merge_fields(base: Any, changes: Mapping[str, Any], path: str) -> Any:
+    """``base`` with coerced ``changes``; partial tables update nested dataclass fields."""
+    merged = {
+        k: _merge_fields(getattr(base, k), v, _join(path, k))
+        if isinstance(v, Mapping) and dataclasses.is_dataclass(getattr(base, k))
+        else v
+        for k, v in changes.items()
+    }
+    try:
+        return dataclasses.replace(base, **merged)
+    except ValueError as err:
+        if isinstance(err, ConfigError):
+            raise
+        raise ConfigError(f"{path}: {err}") from None
+
+
 def _replace_fields(base: Any, changes: Mapping[str, Any], path: str) -> Any:
     """``base`` (a dataclass instance) with ``changes`` coerced to its field types."""
-    coerced = _coerced_fields(type(base), changes, path)
-    try:
-        return dataclasses.replace(base, **coerced)
-    except ValueError as err:
-        raise ConfigError(f"{path}: {err}") from None
+    return _merge_fields(base, _partial_fields(type(base), changes, path), path)
 
 
 def _loop_fields(overrides: Mapping[str, Any], path: str) -> dict[str, Any]:
     from loopformer.loop import LoopConfig
 
-    return _coerced_fields(LoopConfig, overrides, path)
+    return _partial_fields(LoopConfig, overrides, path)
 
 
 def to_dict(obj: Any) -> Any:

@@ -1,110 +1,176 @@
 """LoopConfig: every knob of the loop engine in one validated dataclass.
 
 Three plug-in axes (docs/architecture.md): ``solver`` (how the next iterate is formed),
-``halting`` (when a sample stops) and ``grad`` (how gradients flow back through the loop).
-Defaults follow the papers (SYSTEMS.md): damped solver gamma 0.9 / patience 5 / min step 1e-3
-(FPRM, section 1, Algorithm 1); Anderson m 5, lambda 1e-4, mixing 1.0 (Attractor, section 2;
-lambda is *relative* to the Gram matrix, see LESSONS.md); KL 1e-3 / entropy 3.0 nats (LTG,
-section 3); ACT eps 0.01 (Graves, section 4).
+``halting`` (when a sample stops) and ``grad`` (how gradients flow back through the loop). The
+valid names are those registered in ``SOLVERS`` / ``HALTINGS`` / ``GRADS``. Each plug-in's
+options are a frozen dataclass grouped under its name: ``LoopConfig(solver="damped",
+damped=DampedOptions(gamma=0.99))`` or, in a recipe, ``loop_eval: {solver: damped, damped:
+{gamma: 0.99}}``; options of plug-ins registered outside the package go in ``plugins``
+(``plugins={"my_solver": {"alpha": 0.5}}``). The flat names of earlier versions (``damp_gamma``,
+``anderson_m``, ``ift_tol``, ...; ``LEGACY_NAMES``) keep working as keywords, attributes and
+config keys, and map to the grouped spelling.
+
+Defaults follow the papers: damped solver gamma 0.9 / patience 5 / min step 1e-3 (FPRM,
+arXiv 2505.18001, Algorithm 1); Anderson m 5, lambda 1e-4 (relative to the Gram matrix),
+mixing 1.0 (Attractor); KL 1e-3 / entropy 3.0 nats (Loop-Think-Generalize); ACT eps 0.01 (Graves,
+arXiv 1603.08983).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
-SOLVERS = ("picard", "damped", "anderson", "broyden")
-HALTINGS = ("fixed", "residual", "kl_entropy", "act")
-HALTING_ALIASES = {"never": "fixed"}
-GRADS = ("bptt", "truncated", "onestep", "neumann", "ift")
-RESIDUAL_NORMS = ("rel_l2", "rel_sup")
-IFT_SOLVERS = ("picard", "anderson")
-KL_REDUCES = ("max", "mean")
-
-
-def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ValueError(f"LoopConfig.{name}={value!r} is not one of {', '.join(map(repr, allowed))}")
-
-
-def _positive(name: str, value: float) -> None:
-    if not value > 0:
-        raise ValueError(f"LoopConfig.{name} must be > 0, got {value!r}")
+# the axis modules first (each imports its companion module: quasi_newton, act, implicit)
+from loopformer.loop.solvers import SOLVERS, AndersonOptions, BroydenOptions, DampedOptions  # isort: skip
+from loopformer.loop.halting import HALTING_ALIASES, HALTINGS, ACTOptions, KLEntropyOptions  # isort: skip
+from loopformer.loop.grad import GRADS, IFTOptions, NeumannOptions  # isort: skip
+from loopformer.loop.norms import RESIDUAL_NORMS
+from loopformer.loop.registry import NoOptions
 
 
 @dataclass
 class LoopConfig:
     """How ``run_loop`` iterates, halts and differentiates. Validated on construction."""
 
-    solver: str = "picard"  # picard | damped | anderson | broyden
-    halting: str = "fixed"  # fixed (exactly max_steps; alias "never") | residual | kl_entropy | act
+    solver: str = "picard"  # a name in SOLVERS: picard | damped | anderson | broyden | ...
+    halting: str = "fixed"  # a name in HALTINGS: fixed (alias "never") | residual | kl_entropy | act | ...
     max_steps: int = 16  # hard cap on iterations (ACT: the last step always halts)
     min_steps: int = 0  # no halting (except divergence) before this many iterations
     tol: float = 1e-3  # residual halting threshold (FPRM eps; Attractor tol)
     residual_norm: str = "rel_l2"  # rel_l2 (DEQ / Attractor) | rel_sup (FPRM relative sup norm)
-    # damped solver (FPRM Algorithm 1)
-    damp_gamma: float = 0.9
-    damp_patience: int = 5
-    damp_min_step: float = 1e-3
-    # Anderson acceleration (type II, relative regulariser)
-    anderson_m: int = 5
-    anderson_reg: float = 1e-4
-    anderson_beta: float = 1.0
-    anderson_reg_relative: bool = True  # False: TorchDEQ's absolute regulariser (stalls at tight tol)
-    # limited-memory Broyden
-    broyden_m: int = 16
-    # LTG halting
-    kl_threshold: float = 1e-3
-    entropy_threshold: float = 3.0
-    kl_reduce: str = "max"  # how per-position KL / entropy reduce to one number per sample
-    # Graves ACT
-    act_eps: float = 0.01
-    # gradient mode
-    grad: str = "bptt"  # bptt | truncated | onestep | neumann | ift
+    grad: str = "bptt"  # a name in GRADS: bptt | truncated | onestep | neumann | ift | ...
     grad_steps: int = 1  # truncated: differentiable final steps; neumann: number of J^T terms
-    neumann_clip: float | None = None  # clip each J^T term to clip * ||v|| (Attractor "onestep")
-    ift_solver: str = "anderson"  # adjoint solver for grad="ift": picard | anderson
-    ift_tol: float = 1e-6
-    ift_max_steps: int = 100
-    # engine
     compaction: bool = True  # drop halted samples from the active batch (else torch.where masking)
     diverge_threshold: float = 1e4  # residual above this (or non-finite) stops a sample, not converged
     trace: bool = True  # record residuals / state norms every step (fixed halting may skip them)
+    # options, grouped by the plug-in they belong to
+    damped: DampedOptions = field(default_factory=DampedOptions)
+    anderson: AndersonOptions = field(default_factory=AndersonOptions)
+    broyden: BroydenOptions = field(default_factory=BroydenOptions)
+    kl_entropy: KLEntropyOptions = field(default_factory=KLEntropyOptions)
+    act: ACTOptions = field(default_factory=ACTOptions)
+    neumann: NeumannOptions = field(default_factory=NeumannOptions)
+    ift: IFTOptions = field(default_factory=IFTOptions)
+    plugins: dict[str, Any] = field(default_factory=dict)  # options of plug-ins without a group above
 
-    def __post_init__(self) -> None:
-        self.halting = HALTING_ALIASES.get(self.halting, self.halting)
-        _choice("solver", self.solver, SOLVERS)
-        _choice("halting", self.halting, HALTINGS + tuple(HALTING_ALIASES))
-        _choice("grad", self.grad, GRADS)
-        _choice("residual_norm", self.residual_norm, RESIDUAL_NORMS)
-        _choice("ift_solver", self.ift_solver, IFT_SOLVERS)
-        _choice("kl_reduce", self.kl_reduce, KL_REDUCES)
-        for name in ("max_steps", "damp_patience", "anderson_m", "broyden_m", "ift_max_steps"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"LoopConfig.{name} must be an integer >= 1, got {value!r}")
-        for name in ("min_steps", "grad_steps"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"LoopConfig.{name} must be an integer >= 0, got {value!r}")
-        if self.min_steps > self.max_steps:
+    def options_for(self, cls: type) -> Any:
+        """The typed options of plug-in class ``cls`` (its group, or its table in ``plugins``)."""
+        options_cls = getattr(cls, "Options", NoOptions)
+        if cls.name in GROUPS and GROUPS[cls.name] is options_cls:
+            return getattr(self, cls.name)
+        raw = self.plugins.get(cls.name, {})
+        if isinstance(raw, options_cls):
+            return raw
+        if not isinstance(raw, Mapping):
             raise ValueError(
-                f"LoopConfig.min_steps={self.min_steps} exceeds max_steps={self.max_steps}"
+                f"LoopConfig.plugins.{cls.name} must be a table of {options_cls.__name__} fields"
             )
-        for name in ("tol", "damp_min_step", "anderson_reg", "anderson_beta", "kl_threshold",
-                     "entropy_threshold", "act_eps", "ift_tol", "diverge_threshold"):
-            _positive(name, getattr(self, name))
-        if not 0 < self.damp_gamma < 1:
-            raise ValueError(f"LoopConfig.damp_gamma must be in (0, 1), got {self.damp_gamma!r}")
-        if not self.act_eps < 1:
-            raise ValueError(f"LoopConfig.act_eps must be in (0, 1), got {self.act_eps!r}")
-        if self.neumann_clip is not None:
-            _positive("neumann_clip", self.neumann_clip)
-        if self.grad == "truncated" and self.grad_steps < 1:
-            raise ValueError("LoopConfig.grad='truncated' needs grad_steps >= 1 (differentiable final steps)")
-        if self.halting == "act":
-            if self.solver != "picard":
-                raise ValueError(f"LoopConfig.halting='act' needs solver='picard', got {self.solver!r}")
-            if self.grad != "bptt":
-                raise ValueError(f"LoopConfig.halting='act' needs grad='bptt' (weights are learned), got {self.grad!r}")
-            if self.min_steps:
-                raise ValueError("LoopConfig.halting='act' does not support min_steps > 0 (Graves ACT has none)")
+        try:
+            return options_cls(**raw)
+        except TypeError as err:
+            raise ValueError(f"LoopConfig.plugins.{cls.name}: {err}") from None
+
+    @classmethod
+    def nest_legacy(cls, data: Mapping[str, Any]) -> dict[str, Any]:
+        """A config table with flat legacy names (``damp_gamma``) moved into their groups
+        (``{"damped": {"gamma": ...}}``); a field given both ways is an error."""
+        out: dict[str, Any] = {k: v for k, v in data.items() if k not in LEGACY_NAMES}
+        for key, value in data.items():
+            if key not in LEGACY_NAMES:
+                continue
+            group, name = LEGACY_NAMES[key]
+            table = out.get(group, {})
+            if not isinstance(table, Mapping):
+                raise ValueError(f"LoopConfig: {key!r} and {group!r} given together; use {group}.{name} only")
+            if name in table:
+                raise ValueError(f"LoopConfig: {key!r} and {group}.{name} both given; keep {group}.{name}")
+            out[group] = {**table, name: value}
+        return out
+
+    def _validate(self) -> None:
+        self.halting = HALTING_ALIASES.get(self.halting, self.halting)
+        for name, registry in (("solver", SOLVERS), ("halting", HALTINGS), ("grad", GRADS)):
+            allowed = registry.names() + (tuple(HALTING_ALIASES) if name == "halting" else ())
+            _choice(name, getattr(self, name), allowed)
+        _choice("residual_norm", self.residual_norm, RESIDUAL_NORMS)
+        _integer("max_steps", self.max_steps, 1)
+        _integer("min_steps", self.min_steps, 0)
+        _integer("grad_steps", self.grad_steps, 0)
+        if self.min_steps > self.max_steps:
+            raise ValueError(f"LoopConfig.min_steps={self.min_steps} exceeds max_steps={self.max_steps}")
+        for name in ("tol", "diverge_threshold"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"LoopConfig.{name} must be > 0, got {getattr(self, name)!r}")
+        for name, options_cls in GROUPS.items():
+            setattr(self, name, _group(name, getattr(self, name), options_cls))
+        if not isinstance(self.plugins, Mapping):
+            raise ValueError(f"LoopConfig.plugins must be a table of plug-in options, got {self.plugins!r}")
+        for plugin in (SOLVERS.get(self.solver), HALTINGS.get(self.halting), GRADS.get(self.grad)):
+            self.options_for(plugin)  # plug-in options are checked on construction too
+            plugin.check_config(self)
+
+
+_HINTS = typing.get_type_hints(LoopConfig)
+GROUPS: dict[str, type] = {  # option group name (= plug-in name) -> its options class
+    f.name: _HINTS[f.name] for f in dataclasses.fields(LoopConfig) if dataclasses.is_dataclass(_HINTS[f.name])
+}
+LEGACY_NAMES: dict[str, tuple[str, str]] = {
+    flat: (group, name) for group, cls in GROUPS.items() for name, flat in cls.legacy_names.items()
+}
+
+
+def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"LoopConfig.{name}={value!r} is not one of {', '.join(map(repr, allowed))}")
+
+
+def _integer(name: str, value: Any, low: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise ValueError(f"LoopConfig.{name} must be an integer >= {low}, got {value!r}")
+
+
+def _group(name: str, value: Any, options_cls: type) -> Any:
+    if isinstance(value, options_cls):
+        return value
+    if isinstance(value, Mapping):
+        try:
+            return options_cls(**value)
+        except TypeError as err:
+            raise ValueError(f"LoopConfig.{name}: {err}") from None
+    raise ValueError(
+        f"LoopConfig.{name} must be a {options_cls.__name__} or a table of its fields, got {value!r}"
+    )
+
+
+def _legacy_property(group: str, name: str) -> property:
+    def get(self: LoopConfig) -> Any:
+        return getattr(getattr(self, group), name)
+
+    def set_(self: LoopConfig, value: Any) -> None:
+        setattr(self, group, dataclasses.replace(getattr(self, group), **{name: value}))
+
+    return property(get, set_, doc=f"Flat alias of ``{group}.{name}``.")
+
+
+def _init_with_legacy(self: LoopConfig, *args: Any, **kwargs: Any) -> None:
+    """The dataclass __init__, plus the flat legacy keywords, then validation."""
+    legacy = LoopConfig.nest_legacy({k: kwargs.pop(k) for k in list(kwargs) if k in LEGACY_NAMES})
+    _dataclass_init(self, *args, **kwargs)
+    for group, changes in legacy.items():
+        current = getattr(self, group)
+        if isinstance(current, Mapping):
+            current = _group(group, current, GROUPS[group])
+        setattr(self, group, dataclasses.replace(current, **changes))
+    self._validate()
+
+
+_dataclass_init = LoopConfig.__init__
+LoopConfig.__init__ = _init_with_legacy  # type: ignore[method-assign]
+for _flat, (_group_name, _name) in LEGACY_NAMES.items():
+    if _flat not in GROUPS:
+        setattr(LoopConfig, _flat, _legacy_property(_group_name, _name))
+LoopConfig.legacy_names = LEGACY_NAMES  # type: ignore[attr-defined]  # for config-key suggestions

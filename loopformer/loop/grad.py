@@ -1,108 +1,189 @@
-"""Gradient modes for the implicit family: onestep, neumann(k), ift (Attractor, SYSTEMS.md section 2).
+"""Gradient modes: how gradients flow back through the loop (one class each, in ``GRADS``).
 
-The forward solve runs without gradient. One step ``fz = f(z*)`` is then recomputed with
-gradient from the detached fixed point (a leaf ``zl``), and ``_ImplicitGrad`` returns the
-solver's value z* while replacing the incoming gradient v by an adjoint u before it flows back
-through that one step into f's parameters and context:
+The engine asks a mode four things (``GradMode``): from which iteration the forward records a
+graph (``graph_from``), whether it watches the step inputs (``before_step``, for an exact
+replay), what value a halting sample returns (``emit``) and how the final state is attached to
+the graph (``finish``). Modes are chosen by ``cfg.grad`` only, never by ``module.training``.
 
-- ``onestep``: ``u = v`` (Jacobian-free; TRM / phantom one-step gradient); equals neumann with k = 0.
-- ``neumann``: ``u = sum_{j=0..k} (J^T)^j v`` by vector-Jacobian products on the recomputed step;
-  with ``neumann_clip`` each term is clipped to ``clip * ||v||`` per sample (Attractor's "onestep"
-  is k = 1 with clipping).
-- ``ift``: solve ``u = v + J^T u`` to ``ift_tol`` (relative change, max over the batch) by Picard
-  or Anderson, the implicit function theorem gradient ``(I - J^T)^{-1} v``.
-
-This is the robust form LESSONS.md asks for: an autograd.Function over one recomputed step (no
-gradient hooks), memory of one loop regardless of the forward iteration count.
-``bptt`` and ``truncated`` live in the engine (unrolled steps, replayed last k steps).
+- ``bptt``: every step records a graph (unrolled backpropagation).
+- ``truncated``: the last k = ``grad_steps`` steps of each sample are differentiable. For a
+  ``replayable`` solver (picard, damped) this is exact: with a rule that never stops early the
+  last k steps simply run with gradient; otherwise the last k step inputs (and the solver's
+  per-sample coefficients, damping eta) are kept in a (k+1)-slot ring buffer and the last k steps
+  are replayed with gradient when the sample halts (FPRM's truncated BPTT = truncated Neumann
+  series, arXiv 2505.18001); from z0 when k >= steps. Other solvers: k Picard steps from the
+  detached solution, with the solver's value kept (straight-through).
+- ``onestep`` / ``neumann`` / ``ift`` (implicit.py): the forward runs without gradient and one
+  step is recomputed from the detached solution.
+The returned state always carries a gradient path through ``step`` when one exists.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar
+
 import torch
 from torch import Tensor
 
-from loopformer.loop.config import LoopConfig
-from loopformer.loop.solvers import anderson_weights
+from loopformer.loop.registry import NoOptions, Registry
+
+if TYPE_CHECKING:
+    from loopformer.loop.config import LoopConfig
+    from loopformer.loop.halting import Halting
+    from loopformer.loop.solvers import Solver
 
 
-def _per_sample_norm(x: Tensor) -> Tensor:
-    return torch.linalg.vector_norm(x.reshape(x.shape[0], -1), dim=1)
+def select_rows(obj: Any, rows: Tensor) -> Any:
+    """Index-select every batch-first tensor inside obj (tensors, lists, tuples, dicts)."""
+    if isinstance(obj, Tensor):
+        return obj.index_select(0, rows) if obj.dim() > 0 else obj
+    if isinstance(obj, list):
+        return [select_rows(o, rows) for o in obj]
+    if isinstance(obj, tuple):
+        return tuple(select_rows(o, rows) for o in obj)
+    if isinstance(obj, dict):
+        return {k: select_rows(v, rows) for k, v in obj.items()}
+    return obj
 
 
-def adjoint(v: Tensor, vjp, cfg: LoopConfig) -> Tensor:
-    """The adjoint u for incoming gradient v; ``vjp(w) = J^T w`` at the fixed point."""
-    if cfg.grad == "onestep":
-        return v
-    if cfg.grad == "neumann":
-        u, w = v, v
-        vnorm = _per_sample_norm(v)
-        for _ in range(cfg.grad_steps):
-            w = vjp(w)
-            if cfg.neumann_clip is not None:
-                limit = cfg.neumann_clip * vnorm
-                scale = (limit / _per_sample_norm(w).clamp_min(torch.finfo(w.dtype).tiny)).clamp(max=1.0)
-                w = w * scale.view(-1, *([1] * (w.dim() - 1)))
-            u = u + w
-        return u
-    if cfg.grad == "ift":
-        return _ift_solve(v, vjp, cfg)
-    raise ValueError(f"grad={cfg.grad!r} is not an implicit gradient mode")
+class GradMode:
+    """Base class (forward without gradient, the state returned as it is).
+
+    ``full_graph``: the whole forward records a graph (halting rules with learned weights,
+    e.g. ACT, need it). ``records``: set by ``start`` when ``before_step`` must see every step.
+    """
+
+    name: ClassVar[str] = ""
+    Options: ClassVar[type] = NoOptions
+    full_graph: ClassVar[bool] = False
+
+    def __init__(self, cfg: LoopConfig, solver: Solver, halting: Halting) -> None:
+        self.cfg = cfg
+        self.opts = cfg.options_for(type(self))
+        self.solver = solver
+        self.halting = halting
+        self.records = False
+
+    @classmethod
+    def check_config(cls, cfg: LoopConfig) -> None:
+        """Raise ValueError when ``cfg`` combines this mode with something it cannot do."""
+
+    def graph_from(self) -> int:
+        """The first iteration whose forward records a graph (> max_steps: none does)."""
+        return self.cfg.max_steps + 1
+
+    def start(self, step: Callable[..., Tensor], z0: Tensor, ctx: tuple[Any, ...], grad_on: bool) -> None:
+        """Called once before the first iteration."""
+
+    def before_step(self, t: int, idx: Tensor, z: Tensor, solver_state: dict[str, Any]) -> None:
+        """Called before iteration t with the active rows (only when ``self.records``)."""
+
+    def emit(self, rows: Tensor, value: Tensor, n: int) -> Tensor:
+        """The value returned for halting samples ``rows`` (full-batch indices) after n steps."""
+        return value
+
+    def finish(
+        self, step: Callable[..., Tensor], state: Tensor, ctx: tuple[Any, ...]
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """Attach the assembled final state to the graph (only called with gradients enabled);
+        returns it and per-sample stats of the mode."""
+        return state, {}
 
 
-def _ift_solve(v: Tensor, vjp, cfg: LoopConfig) -> Tensor:
-    """Solve u = v + J^T u (Picard or Anderson on the flattened per-sample vectors)."""
-    b = v.shape[0]
-    u = v
-    xs: list[Tensor] = []
-    gs: list[Tensor] = []
-    for _ in range(cfg.ift_max_steps):
-        gu = v + vjp(u)
-        change = (_per_sample_norm(gu - u) / (_per_sample_norm(gu) + 1e-30)).max()
-        if cfg.ift_solver == "picard":
-            u_next = gu
-        else:
-            xs = [*xs, u][-cfg.anderson_m:]
-            gs = [*gs, gu][-cfg.anderson_m:]
-            if len(xs) == 1:
-                u_next = gu
-            else:
-                x_st, f_st = torch.stack(xs, 1), torch.stack(gs, 1)
-                dtype = torch.promote_types(v.dtype, torch.float32)
-                alpha = anderson_weights((f_st - x_st).reshape(b, len(xs), -1).to(dtype), cfg.anderson_reg)
-                u_next = (alpha.to(v.dtype).view(b, len(xs), *([1] * (v.dim() - 1))) * f_st).sum(1)
-        if not torch.isfinite(change) or change < cfg.ift_tol:
-            return gu if torch.isfinite(change) else u
-        u = u_next
-    return u
+GRADS: Registry[type[GradMode]] = Registry("grad", GradMode)
 
 
-class _ImplicitGrad(torch.autograd.Function):
-    """Value: the solver's z*. Gradient: adjoint u pushed into the recomputed step fz = f(zl)."""
+@GRADS.register
+class BPTT(GradMode):
+    name = "bptt"
+    full_graph = True
 
-    @staticmethod
-    def forward(ctx, fz: Tensor, z_star: Tensor, zl: Tensor, cfg: LoopConfig) -> Tensor:  # type: ignore[override]
-        ctx.fz, ctx.zl, ctx.cfg = fz, zl, cfg
-        return z_star.clone()
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, v: Tensor):  # type: ignore[override]
-        fz, zl, cfg = ctx.fz, ctx.zl, ctx.cfg
-
-        def vjp(w: Tensor) -> Tensor:
-            (g,) = torch.autograd.grad(fz, zl, w, retain_graph=True, allow_unused=True)
-            return torch.zeros_like(w) if g is None else g
-
-        u = adjoint(v, vjp, cfg)
-        return u, None, None, None
+    def graph_from(self) -> int:
+        return 0
 
 
-def implicit_attach(step, z_star: Tensor, ctx: tuple, cfg: LoopConfig) -> Tensor:
-    """Return z* (value) whose gradient flows through one recomputed step by cfg.grad's adjoint."""
-    needs_vjp = cfg.grad == "ift" or (cfg.grad == "neumann" and cfg.grad_steps > 0)
-    zl = z_star.detach().requires_grad_(needs_vjp)
-    fz = step(zl, *ctx)
-    if not fz.requires_grad:
-        return z_star.detach()  # nothing in step needs a gradient
-    return _ImplicitGrad.apply(fz, z_star.detach(), zl, cfg)
+class _Ring:
+    """The last k+1 step inputs (and solver coefficients) in full-batch coordinates, no gradient."""
+
+    def __init__(self, size: int, z0: Tensor) -> None:
+        self.size = size
+        self.z = torch.empty((size, *z0.shape), dtype=z0.dtype, device=z0.device)
+        self.coeff: Tensor | None = None
+
+    @torch.no_grad()
+    def write(self, t: int, idx: Tensor, z: Tensor, coeff: Tensor | None) -> None:
+        self.z[t % self.size].index_copy_(0, idx, z.detach())
+        if coeff is not None:
+            if self.coeff is None:
+                self.coeff = torch.empty((self.size, self.z.shape[1]), dtype=coeff.dtype, device=coeff.device)
+            self.coeff[t % self.size].index_copy_(0, idx, coeff)
+
+
+@GRADS.register
+class Truncated(GradMode):
+    """Differentiable last k steps: exact replay for replayable solvers, else straight-through."""
+
+    name = "truncated"
+
+    def __init__(self, cfg: LoopConfig, solver: Solver, halting: Halting) -> None:
+        super().__init__(cfg, solver, halting)
+        self.k = cfg.grad_steps
+        self.exact = solver.replayable
+        self.direct = self.exact and not halting.stops_early  # the last k steps are known in advance
+        self.ring: _Ring | None = None
+
+    @classmethod
+    def check_config(cls, cfg: LoopConfig) -> None:
+        if cfg.grad_steps < 1:
+            raise ValueError("LoopConfig.grad='truncated' needs grad_steps >= 1 (differentiable final steps)")
+
+    def graph_from(self) -> int:
+        return self.cfg.max_steps - self.k if self.direct else self.cfg.max_steps + 1
+
+    def start(self, step, z0, ctx, grad_on) -> None:
+        self.step, self.z0, self.ctx = step, z0, ctx
+        if self.exact and not self.direct and grad_on:
+            self.ring = _Ring(self.k + 1, z0)
+            self.records = True
+
+    def before_step(self, t, idx, z, solver_state) -> None:
+        self.ring.write(t, idx, z, self.solver.replay_coeff(solver_state))
+
+    def emit(self, rows: Tensor, value: Tensor, n: int) -> Tensor:
+        return value if self.ring is None else self._replay(rows, n)
+
+    def _replay(self, rows: Tensor, n: int) -> Tensor:
+        """Recompute the last min(k, n) of n steps for these rows with gradient (bit-identical)."""
+        ring, s = self.ring, max(0, n - self.k)
+        with torch.enable_grad():
+            z = self.z0.index_select(0, rows) if s == 0 else ring.z[s % ring.size].index_select(0, rows)
+            c = select_rows(self.ctx, rows)
+            for j in range(s, n):
+                coeff = None if ring.coeff is None else ring.coeff[j % ring.size].index_select(0, rows)
+                z = self.solver.replay_step(z, self.step(z, *c), coeff)
+        return z
+
+    def finish(self, step, state, ctx):
+        if self.exact:
+            return state, {}
+        p = state.detach()
+        for _ in range(self.k):
+            p = step(p, *ctx)
+        return p + (state.detach() - p).detach(), {}
+
+
+from loopformer.loop.implicit import IFT, IFTOptions, Neumann, NeumannOptions, OneStep  # noqa: E402
+
+__all__ = [
+    "BPTT",
+    "GRADS",
+    "IFT",
+    "GradMode",
+    "IFTOptions",
+    "Neumann",
+    "NeumannOptions",
+    "OneStep",
+    "Truncated",
+    "select_rows",
+]

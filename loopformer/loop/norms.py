@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 EPS = 1e-8
+RESIDUAL_NORMS = ("rel_l2", "rel_sup")
 
 
 @torch.no_grad()

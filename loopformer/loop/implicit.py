@@ -1,0 +1,179 @@
+"""Implicit gradient modes: onestep, neumann(k), ift (Attractor; DEQ, arXiv 1909.01377).
+
+The forward solve runs without gradient. One step ``fz = f(z*)`` is then recomputed with
+gradient from the detached fixed point (a leaf ``zl``), and ``_ImplicitGrad`` returns the
+solver's value z* while replacing the incoming gradient v by an adjoint u before it flows back
+through that one step into f's parameters and context:
+
+- ``onestep``: ``u = v`` (Jacobian-free; TRM / phantom one-step gradient); equals neumann with k = 0.
+- ``neumann``: ``u = sum_{j=0..k} (J^T)^j v`` by vector-Jacobian products on the recomputed step;
+  with ``neumann.clip`` each term is clipped to ``clip * ||v||`` per sample (Attractor's
+  "onestep" is k = 1 with clipping).
+- ``ift``: solve ``u = v + J^T u`` to ``ift.tol`` (relative change, max over the batch) with one
+  of the forward solvers (``ift.solver``, any solver with ``adjoint_ok``; its options are the
+  forward's, e.g. ``cfg.anderson``), the implicit function theorem gradient ``(I - J^T)^{-1} v``.
+
+An autograd.Function over one recomputed step (no gradient hooks): memory of one loop regardless
+of the forward iteration count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from loopformer.loop.grad import GRADS, GradMode
+from loopformer.loop.solvers import SOLVERS, option_error
+
+Vjp = Callable[[Tensor], Tensor]
+
+
+def _per_sample_norm(x: Tensor) -> Tensor:
+    return torch.linalg.vector_norm(x.reshape(x.shape[0], -1), dim=1)
+
+
+class ImplicitGradMode(GradMode):
+    """Base of the implicit modes: ``adjoint(v, vjp)`` turns the incoming gradient into u."""
+
+    needs_vjp: ClassVar[bool] = True
+
+    def adjoint(self, v: Tensor, vjp: Vjp) -> Tensor:
+        raise NotImplementedError
+
+    def finish(self, step, state, ctx):
+        return implicit_attach(step, state, ctx, self), {}
+
+
+@GRADS.register
+class OneStep(ImplicitGradMode):
+    name = "onestep"
+    needs_vjp = False
+
+    def adjoint(self, v: Tensor, vjp: Vjp) -> Tensor:
+        return v
+
+
+@dataclass(frozen=True)
+class NeumannOptions:
+    """Clip each J^T term to ``clip * ||v||`` per sample (None: no clipping)."""
+
+    clip: float | None = None
+    legacy_names: ClassVar[dict[str, str]] = {"clip": "neumann_clip"}
+
+    def __post_init__(self) -> None:
+        if self.clip is not None and not self.clip > 0:
+            raise option_error("neumann", "clip", self.legacy_names, f"must be > 0, got {self.clip!r}")
+
+
+@GRADS.register
+class Neumann(ImplicitGradMode):
+    """u = sum_{j<=k} (J^T)^j v with k = grad_steps."""
+
+    name = "neumann"
+    Options = NeumannOptions
+
+    def __init__(self, cfg, solver, halting) -> None:
+        super().__init__(cfg, solver, halting)
+        self.needs_vjp = cfg.grad_steps > 0
+
+    def adjoint(self, v: Tensor, vjp: Vjp) -> Tensor:
+        u, w = v, v
+        vnorm = _per_sample_norm(v)
+        clip = self.opts.clip
+        for _ in range(self.cfg.grad_steps):
+            w = vjp(w)
+            if clip is not None:
+                limit = clip * vnorm
+                scale = (limit / _per_sample_norm(w).clamp_min(torch.finfo(w.dtype).tiny)).clamp(max=1.0)
+                w = w * scale.view(-1, *([1] * (w.dim() - 1)))
+            u = u + w
+        return u
+
+
+@dataclass(frozen=True)
+class IFTOptions:
+    """The backward solve of u = v + J^T u: solver (a registered adjoint_ok solver), tolerance, cap."""
+
+    solver: str = "anderson"
+    tol: float = 1e-6
+    max_steps: int = 100
+    legacy_names: ClassVar[dict[str, str]] = {
+        "solver": "ift_solver",
+        "tol": "ift_tol",
+        "max_steps": "ift_max_steps",
+    }
+
+    def __post_init__(self) -> None:
+        allowed = SOLVERS.select(lambda c: c.adjoint_ok)
+        if self.solver not in allowed:
+            raise option_error(
+                "ift",
+                "solver",
+                self.legacy_names,
+                f"={self.solver!r} is not one of {', '.join(map(repr, allowed))}",
+            )
+        if not self.tol > 0:
+            raise option_error("ift", "tol", self.legacy_names, f"must be > 0, got {self.tol!r}")
+        if not isinstance(self.max_steps, int) or isinstance(self.max_steps, bool) or self.max_steps < 1:
+            raise option_error(
+                "ift", "max_steps", self.legacy_names, f"must be an integer >= 1, got {self.max_steps!r}"
+            )
+
+
+@GRADS.register
+class IFT(ImplicitGradMode):
+    """The implicit function theorem gradient, solved by a forward solver class."""
+
+    name = "ift"
+    Options = IFTOptions
+
+    def adjoint(self, v: Tensor, vjp: Vjp) -> Tensor:
+        """Solve u = v + J^T u with the configured solver on the per-sample vectors."""
+        opts = self.opts
+        solver = SOLVERS.get(opts.solver)(self.cfg)
+        solver.report_stalls = False
+        u = v
+        state = solver.init(v)
+        for _ in range(opts.max_steps):
+            gu = v + vjp(u)
+            change = _per_sample_norm(gu - u) / (_per_sample_norm(gu) + 1e-30)
+            worst = change.max()
+            if not torch.isfinite(worst) or worst < opts.tol:
+                return gu if torch.isfinite(worst) else u
+            u, state, _ = solver.update(u, gu, change, state)
+        return u
+
+
+class _ImplicitGrad(torch.autograd.Function):
+    """Value: the solver's z*. Gradient: adjoint u pushed into the recomputed step fz = f(zl)."""
+
+    @staticmethod
+    def forward(ctx, fz: Tensor, z_star: Tensor, zl: Tensor, mode: ImplicitGradMode) -> Tensor:  # type: ignore[override]
+        ctx.fz, ctx.zl, ctx.mode = fz, zl, mode
+        return z_star.clone()
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, v: Tensor):  # type: ignore[override]
+        fz, zl, mode = ctx.fz, ctx.zl, ctx.mode
+
+        def vjp(w: Tensor) -> Tensor:
+            (g,) = torch.autograd.grad(fz, zl, w, retain_graph=True, allow_unused=True)
+            return torch.zeros_like(w) if g is None else g
+
+        return mode.adjoint(v, vjp), None, None, None
+
+
+def implicit_attach(
+    step: Callable[..., Tensor], z_star: Tensor, ctx: tuple[Any, ...], mode: ImplicitGradMode
+) -> Tensor:
+    """Return z* (value) whose gradient flows through one recomputed step by the mode's adjoint."""
+    zl = z_star.detach().requires_grad_(mode.needs_vjp)
+    fz = step(zl, *ctx)
+    if not fz.requires_grad:
+        return z_star.detach()  # nothing in step needs a gradient
+    return _ImplicitGrad.apply(fz, z_star.detach(), zl, mode)

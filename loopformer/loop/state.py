@@ -1,0 +1,147 @@
+"""The per-call state of ``run_loop``: plug-ins, the active set, histories and results.
+
+``LoopState`` holds what one call iterates over: the active samples (their full-batch indices,
+state, context rows, solver and halting state), which ``compact`` index-selects in one
+operation when samples halt; the per-sample results (steps, convergence, the returned value and
+plug-in stats); and the ``History`` of residuals and state norms.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from loopformer.loop.config import LoopConfig
+from loopformer.loop.grad import GRADS, select_rows
+from loopformer.loop.halting import HALTINGS
+from loopformer.loop.solvers import SOLVERS
+
+
+class History:
+    """Residual and ||state|| per step [steps, B] in full-batch coordinates (NaN after a halt).
+
+    With compaction the active rows write into a segment buffer that ``flush`` scatters into
+    the history when the active set changes; without it rows are written in place.
+    """
+
+    def __init__(self, n_rec: int, b: int, dtype: torch.dtype, device: torch.device, segmented: bool) -> None:
+        self.res = torch.full((n_rec, b), float("nan"), dtype=dtype, device=device)
+        self.norm = torch.full((n_rec, b), float("nan"), dtype=dtype, device=device)
+        self.n_rec, self.t0, self.segmented = n_rec, 0, segmented
+        self.restart(0, b)
+
+    def restart(self, t0: int, n: int) -> None:
+        """A new segment from iteration t0 for n active rows."""
+        self.t0 = t0
+        if self.segmented:
+            self.seg_res = torch.empty((self.n_rec - t0, n), dtype=self.res.dtype, device=self.res.device)
+            self.seg_norm = torch.empty_like(self.seg_res)
+        else:
+            self.seg_res, self.seg_norm = self.res, self.norm
+
+    def row(self, t: int) -> tuple[Tensor, Tensor]:
+        return self.seg_res[t - self.t0], self.seg_norm[t - self.t0]
+
+    @torch.no_grad()
+    def flush(self, idx: Tensor, t_end: int) -> None:
+        if self.segmented:
+            self.res[self.t0 : t_end].index_copy_(1, idx, self.seg_res[: t_end - self.t0])
+            self.norm[self.t0 : t_end].index_copy_(1, idx, self.seg_norm[: t_end - self.t0])
+
+    @torch.no_grad()
+    def mask_after(self, ran: Tensor, t_end: int) -> None:
+        """Masking mode: rows after a sample halted are NaN."""
+        after = torch.arange(t_end, device=ran.device).unsqueeze(1) >= ran.unsqueeze(0)
+        self.res[:t_end].masked_fill_(after, float("nan"))
+        self.norm[:t_end].masked_fill_(after, float("nan"))
+
+    @torch.no_grad()
+    def finish(self, t_end: int, width: int) -> None:
+        self.norm[:t_end].div_(math.sqrt(max(1, width)))  # ||state|| -> RMS, once for the history
+
+
+class LoopState:
+    """Plug-ins, active set and results of one ``run_loop`` call."""
+
+    def __init__(
+        self,
+        step: Callable[..., Tensor],
+        z0: Tensor,
+        cfg: LoopConfig,
+        ctx: tuple[Any, ...],
+        readout: Callable[..., Tensor] | None,
+        halt_fn: Callable[..., Tensor] | None,
+        callback: Callable[[int, Tensor, Tensor], None] | None,
+    ) -> None:
+        self.step, self.cfg, self.ctx, self.callback = step, cfg, ctx, callback
+        self.halting = HALTINGS.get(cfg.halting)(cfg, readout=readout, halt_fn=halt_fn)
+        self.solver = SOLVERS.get(cfg.solver)(cfg)
+        self.grad = GRADS.get(cfg.grad)(cfg, self.solver, self.halting)
+        # what the plug-ins declare, read once
+        self.watch_stalls = self.solver.can_stall and self.halting.stops_early
+        self.solver.report_stalls = self.watch_stalls
+        self.norm_is_step = self.solver.returns_step and not self.halting.edits_iterate
+        self.every_step = self.halting.every_step
+        self.track = cfg.trace or self.halting.stops_early
+        b, device = z0.shape[0], z0.device
+        self.b, self.device = b, device
+        self.rdtype = torch.promote_types(z0.dtype, torch.float32)
+        self.upcast = z0.dtype != self.rdtype
+        self.kind, self.width = cfg.residual_norm, z0[0].numel()
+        self.channels = z0.shape[-1] if z0.dim() > 1 else 1
+        self.grad_on, self._mode = torch.is_grad_enabled(), None
+        self.graph_from = self.grad.graph_from()
+        # the active set
+        self.idx = torch.arange(b, device=device)
+        self.z, self.ctx_a = z0, ctx
+        self.sstate = self.solver.init(z0)
+        self.hstate = self.halting.init(z0, ctx)
+        # results
+        self.steps = torch.zeros(b, dtype=torch.long, device=device)
+        self.converged = torch.zeros(b, dtype=torch.bool, device=device)
+        self._pieces: list[tuple[Tensor, Tensor, dict[str, Tensor]]] = []
+        self.history = History(cfg.max_steps if self.track else 0, b, self.rdtype, device, cfg.compaction)
+        self.grad.start(step, z0, ctx, self.grad_on)
+
+    def set_grad(self, t: int) -> None:
+        """Record a graph in iteration t or not (the gradient mode's ``graph_from``)."""
+        mode = self.grad_on and t >= self.graph_from
+        if mode is not self._mode:
+            torch.set_grad_enabled(mode)
+            self._mode = mode
+
+    def flat(self, x: Tensor) -> Tensor:
+        x = x.detach().reshape(x.shape[0], -1)
+        return x.to(self.rdtype) if self.upcast else x
+
+    def emit(self, rows_local: Tensor, value: Tensor, hstate: dict[str, Any], n: int) -> None:
+        """Record the returned value (and plug-in stats) of halting active rows after n steps."""
+        rows = self.idx.index_select(0, rows_local)
+        stats = {**self.solver.sample_stats(self.sstate), **self.halting.sample_stats(hstate)}
+        stats = {k: v.index_select(0, rows_local) for k, v in stats.items()}
+        self._pieces.append((rows, self.grad.emit(rows, value.index_select(0, rows_local), n), stats))
+
+    def emit_all(self, value: Tensor, n: int) -> None:
+        """Every active row halts after n steps (the plain loop)."""
+        stats = {**self.solver.sample_stats(self.sstate), **self.halting.sample_stats(self.hstate)}
+        self._pieces.append((self.idx, self.grad.emit(self.idx, value, n), stats))
+
+    def compact(self, keep: Tensor, z_next: Tensor) -> None:
+        """Continue with the active rows ``keep`` only (state, ctx, solver and halting state)."""
+        self.z = z_next.index_select(0, keep)
+        self.ctx_a = select_rows(self.ctx_a, keep)
+        self.sstate = select_rows(self.sstate, keep)
+        self.hstate = select_rows(self.hstate, keep)
+        self.idx = self.idx.index_select(0, keep)
+
+    def assemble(self) -> tuple[Tensor, dict[str, Tensor]]:
+        """The returned value of every sample in batch order, and the per-sample stats."""
+        order = torch.cat([p[0] for p in self._pieces]).argsort()
+        state = torch.cat([p[1] for p in self._pieces]).index_select(0, order)
+        keys = self._pieces[0][2].keys()
+        stats = {k: torch.cat([p[2][k] for p in self._pieces]).index_select(0, order) for k in keys}
+        return state, stats
