@@ -151,22 +151,23 @@ def _retire(lp: LoopState, t: int, it: _Iteration, finished: Tensor, bad: Tensor
 
 def _run_plain(lp: LoopState) -> int:
     """A rule that never stops early, without trace: no norms, no divergence check, no host sync."""
-    cfg, solver, callback = lp.cfg, lp.solver, lp.callback
-    res_row = torch.empty(lp.b, dtype=lp.rdtype, device=lp.device) if solver.needs_residual else None
-    z = lp.z
+    cfg, step, update, callback, ctx = lp.cfg, lp.step, lp.solver.update, lp.callback, lp.ctx_a
+    res_row = torch.empty(lp.b, dtype=lp.rdtype, device=lp.device) if lp.solver.needs_residual else None
+    before = lp.grad.before_step if lp.grad.records else None
+    z, sstate = lp.z, lp.sstate
     for t in range(cfg.max_steps):
         lp.set_grad(t)
-        if lp.grad.records:
-            lp.grad.before_step(t, lp.idx, z, lp.sstate)
-        fz = lp.step(z, *lp.ctx_a)
+        if before is not None:
+            before(t, lp.idx, z, sstate)
+        fz = step(z, *ctx)
         if t == 0:
             _check_step_output(fz, z)
         if res_row is not None:
             residual_into(lp.flat(z), lp.flat(fz), lp.kind, lp.channels, res_row)
-        z, lp.sstate, _ = solver.update(z, fz, res_row, lp.sstate)
+        z, sstate, _ = update(z, fz, res_row, sstate)
         if callback is not None:
             callback(t + 1, z, lp.idx)
-    lp.z = z
+    lp.z, lp.sstate = z, sstate
     lp.emit_all(z, cfg.max_steps)
     lp.steps.fill_(cfg.max_steps)
     return cfg.max_steps

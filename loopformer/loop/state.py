@@ -96,7 +96,7 @@ class LoopState:
         self.grad_on, self._mode = torch.is_grad_enabled(), None
         self.graph_from = self.grad.graph_from()
         # the active set
-        self.idx = torch.arange(b, device=device)
+        self.idx = self._all = torch.arange(b, device=device)
         self.z, self.ctx_a = z0, ctx
         self.sstate = self.solver.init(z0)
         self.hstate = self.halting.init(z0, ctx)
@@ -140,6 +140,8 @@ class LoopState:
 
     def assemble(self) -> tuple[Tensor, dict[str, Tensor]]:
         """The returned value of every sample in batch order, and the per-sample stats."""
+        if len(self._pieces) == 1 and self._pieces[0][0] is self._all:  # every row at once, in order
+            return self._pieces[0][1], self._pieces[0][2]
         order = torch.cat([p[0] for p in self._pieces]).argsort()
         state = torch.cat([p[1] for p in self._pieces]).index_select(0, order)
         keys = self._pieces[0][2].keys()
