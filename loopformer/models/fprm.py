@@ -49,17 +49,37 @@ import math
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from loopformer.loop import LoopConfig
 from loopformer.models.base import LoopedModel, ModelConfig
 from loopformer.models.transformer import InputEmbedding, OutputHead, make_blocks
-from loopformer.nn import DepthwiseConv1d, DepthwiseConv2d, trunc_normal_state
+from loopformer.nn import DepthwiseConv1d, DepthwiseConv2d, MLPMixer, RMSNorm, SwiGLU, trunc_normal_state
 
 SCALAR_MODES = ("learned", "fixed", "input", "state")
 CONVS = ("none", "grid2d", "causal1d")
 FPRM_NORMS = ("pre", "post", "peri")
 Q_POOLS = ("mean", "first")
+CONV_FORMS = ("residual", "replace")
+STATE_NORMS = ("none", "input", "output")
+INITS = ("default", "lecun")
+
+# standard deviation of N(0, 1) truncated to [-2, 2]: 1 - 2 a phi(a) / (2 Phi(a) - 1) at a = 2, square-rooted
+_TRUNC2_STD = math.sqrt(1 - 2 * 2 * math.exp(-2.0) / math.sqrt(2 * math.pi) / math.erf(2 / math.sqrt(2)))
+
+
+def lecun_trunc_normal_(t: Tensor, std: float, generator: torch.Generator | None = None) -> Tensor:
+    """Truncated normal (cut at 2 of its own scale) whose *actual* standard deviation is ``std``.
+
+    The JAX / flax convention the authors' code uses for every weight and for the initial iterate
+    (``trunc_normal_init_`` in their ``models/common.py``); ``nn.init.trunc_normal_(std=s)`` has an
+    actual standard deviation of ``0.88 s``.
+    """
+    scale = std / _TRUNC2_STD
+    if std == 0:
+        return t.detach().zero_()
+    return nn.init.trunc_normal_(t, 0.0, scale, -2 * scale, 2 * scale, generator=generator)
 
 
 def _default_loop() -> LoopConfig:
@@ -76,14 +96,18 @@ def _default_loop() -> LoopConfig:
     )
 
 
-def tied_coefficients(a1: Tensor, a2: Tensor, n_sublayers: int) -> tuple[Tensor, Tensor]:
+def tied_coefficients(a1: Tensor, a2: Tensor, n_sublayers: int, eps: float = 0.0) -> tuple[Tensor, Tensor]:
     """FPRM's tied b's: ``b2 = 1 - a2 a1^n``, ``b1 = b2 (1 - a1) / (1 - a1^n)`` with n = 2L sub-layers.
 
     ``(1 - a1) / (1 - a1^n)`` is computed as ``1 / sum_{k<n} a1^k`` (exact, finite at a1 = 1).
+    ``eps > 0`` gives the authors' guarded form ``b2 (1 - a1) / (1 - a1^n + eps)`` instead
+    (``FixedPointTransformer.forward`` in their ``models/transformer.py`` uses eps = 1e-5).
     """
     if n_sublayers < 1:
         raise ValueError(f"n_sublayers must be >= 1, got {n_sublayers}")
     b2 = 1 - a2 * a1**n_sublayers
+    if eps:
+        return b2 * (1 - a1) / (1 - a1**n_sublayers + eps), b2
     geometric = sum(a1**k for k in range(n_sublayers))
     return b2 / geometric, b2
 
@@ -107,7 +131,73 @@ class FPRMConfig(ModelConfig):
     mixer: str = "attention"  # attention | mlp (MLP-mixer over a fixed number of tokens)
     q_head: bool = True
     q_pool: str = "mean"  # mean | first
+    # options that reproduce the authors' code (nilskiKonjIzDunava/fprm; docs/fidelity.md, FPRM)
+    conv_form: str = "residual"  # residual: h + conv(h), kernel zero-init | replace: conv(h), PyTorch init
+    state_norm: str = "none"  # none | input | output: gain-free RMSNorm of the iterate inside the map
+    head_norm: bool = True  # False: readout and Q-head read the raw state (no final RMSNorm)
+    norm_eps: float = 1e-6  # RMSNorm epsilon (authors: 1e-5)
+    norm_gain: bool = True  # False: RMSNorms without a learnable gain (authors' rms_norm)
+    mlp_multiple: int = 64  # SwiGLU hidden width rounded up to a multiple of this (authors: 256)
+    init: str = "default"  # default (PyTorch) | lecun: exact-std truncated LeCun normal (authors)
+    tied_eps: float = 0.0  # > 0: b1 = b2 (1 - a1) / (1 - a1^(2L) + tied_eps) (authors: 1e-5)
+    puzzle_emb_dim: int = 0  # 0: puzzle_emb_len * d_model; else a narrower table, zero-padded (authors)
     loop: LoopConfig = field(default_factory=_default_loop)
+
+
+def _validate(config: FPRMConfig) -> None:
+    for name, allowed in (
+        ("norm", FPRM_NORMS),
+        ("scalars", SCALAR_MODES),
+        ("conv", CONVS),
+        ("q_pool", Q_POOLS),
+        ("conv_form", CONV_FORMS),
+        ("state_norm", STATE_NORMS),
+        ("init", INITS),
+    ):
+        if getattr(config, name) not in allowed:
+            raise ValueError(f"FPRMConfig.{name}={getattr(config, name)!r} is not one of {allowed}")
+    if config.n_layers < 1:
+        raise ValueError(f"FPRMConfig.n_layers must be >= 1, got {config.n_layers}")
+    if config.mlp_multiple < 1:
+        raise ValueError(f"FPRMConfig.mlp_multiple must be >= 1, got {config.mlp_multiple}")
+    if not 0 < config.norm_eps < 1:
+        raise ValueError(f"FPRMConfig.norm_eps must be in (0, 1), got {config.norm_eps}")
+    if config.tied_eps < 0:
+        raise ValueError(f"FPRMConfig.tied_eps must be >= 0, got {config.tied_eps}")
+    width = config.puzzle_emb_len * config.d_model
+    if config.puzzle_emb_dim and not (config.puzzle_emb_len and 0 < config.puzzle_emb_dim <= width):
+        raise ValueError(
+            f"FPRMConfig.puzzle_emb_dim={config.puzzle_emb_dim} needs puzzle_emb_len > 0 and at most "
+            f"puzzle_emb_len * d_model = {width} (it is zero-padded to that width)"
+        )
+
+
+class PaddedInputEmbedding(InputEmbedding):
+    """A puzzle table ``puzzle_emb_dim`` wide, zero-padded to ``puzzle_emb_len`` prepended tokens.
+
+    The authors' layout (``puzzle_emb_ndim`` = d_model with ``puzzle_emb_len`` = 16: the puzzle vector
+    fills the first prefix token, the other 15 start as zeros and carry only their own iterate).
+    """
+
+    def __init__(self, config: FPRMConfig) -> None:
+        super().__init__(config)
+        self.puzzle_emb = nn.Embedding(config.num_puzzle_ids, config.puzzle_emb_dim)
+        nn.init.zeros_(self.puzzle_emb.weight)
+
+    def forward(self, inputs: Tensor, puzzle_ids: Tensor | None = None) -> Tensor:
+        if inputs.dim() != 2 or inputs.dtype not in (torch.int64, torch.int32):
+            raise ValueError(
+                f"inputs must be integer tokens of shape [B, T], got {tuple(inputs.shape)} {inputs.dtype}"
+            )
+        if puzzle_ids is None:
+            raise ValueError(
+                "this model has a per-puzzle embedding table (num_puzzle_ids > 0): pass puzzle_ids"
+            )
+        x = self.tokens(inputs) * self.scale
+        p = self.puzzle_emb(puzzle_ids)
+        p = F.pad(p, (0, self.prefix_len * self.d_model - p.shape[-1]))
+        p = p.view(inputs.shape[0], self.prefix_len, self.d_model) * self.scale
+        return torch.cat([p, x], dim=1)
 
 
 class FPRM(LoopedModel):
@@ -117,25 +207,17 @@ class FPRM(LoopedModel):
 
     def __init__(self, config: FPRMConfig) -> None:
         super().__init__(config)
-        for name, value, allowed in (
-            ("norm", config.norm, FPRM_NORMS),
-            ("scalars", config.scalars, SCALAR_MODES),
-            ("conv", config.conv, CONVS),
-            ("q_pool", config.q_pool, Q_POOLS),
-        ):
-            if value not in allowed:
-                raise ValueError(f"FPRMConfig.{name}={value!r} is not one of {allowed}")
-        if config.n_layers < 1:
-            raise ValueError(f"FPRMConfig.n_layers must be >= 1, got {config.n_layers}")
+        _validate(config)
         d = config.d_model
         self.n_sublayers = 2 * config.n_layers
-        self.embedding = InputEmbedding(config)
+        self.embedding = PaddedInputEmbedding(config) if config.puzzle_emb_dim else InputEmbedding(config)
         self.prefix_len = self.embedding.prefix_len
         block_kw: dict[str, object] = {"norm": config.norm, "mixer": config.mixer}
         if config.mixer == "mlp":
             block_kw["seq_len"] = config.seq_len + self.prefix_len
         self.layers = make_blocks(config, config.n_layers, **block_kw)
         self.output = OutputHead(config, self.embedding)
+        self._reference_layers()
 
         self.conv: nn.Module | None = None
         if config.conv == "grid2d":
@@ -146,6 +228,8 @@ class FPRM(LoopedModel):
             self.conv = DepthwiseConv2d(d, tuple(config.grid), kernel=config.conv_kernel or 3)
         elif config.conv == "causal1d":
             self.conv = DepthwiseConv1d(d, kernel=config.conv_kernel or 4)
+        if self.conv is not None and config.conv_form == "replace":
+            self.conv.conv.reset_parameters()  # h <- conv(h): PyTorch's default Conv init, as the authors
 
         p1 = torch.full((d,), _logit(config.a1_init))
         p2 = torch.full((d,), _logit(config.a2_init))
@@ -165,6 +249,36 @@ class FPRM(LoopedModel):
             self.q_linear = nn.Linear(d, 1)
             nn.init.zeros_(self.q_linear.weight)
             nn.init.constant_(self.q_linear.bias, -5.0)
+        if config.init == "lecun":
+            self._lecun_init()
+
+    def _reference_layers(self) -> None:
+        """Norm epsilon / gain, SwiGLU width rounding and the head norm as configured (authors' options)."""
+        cfg = self.config
+        if cfg.mlp_multiple != 64:
+            for block in self.layers:
+                block.mlp = SwiGLU(cfg.d_model, cfg.expansion, multiple_of=cfg.mlp_multiple)
+                if isinstance(block.mix, MLPMixer):
+                    block.mix.mlp = SwiGLU(
+                        cfg.seq_len + self.prefix_len, cfg.expansion, multiple_of=cfg.mlp_multiple
+                    )
+        if not cfg.head_norm:
+            self.output.norm = nn.Identity()
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.eps = cfg.norm_eps
+                if not cfg.norm_gain:
+                    module.weight = None
+
+    def _lecun_init(self) -> None:
+        """Every linear weight and the token embedding as the authors' ``CastedLinear`` /
+        ``CastedEmbedding``: exact-std truncated normal, std 1/sqrt(fan_in) (embedding 1/sqrt(d))."""
+        lecun_trunc_normal_(self.embedding.tokens.weight.data, 1.0 / math.sqrt(self.config.d_model))
+        for module in [*self.layers.modules(), *self.output.modules()]:
+            if isinstance(module, nn.Linear) and module.weight is not getattr(
+                self.embedding.tokens, "weight", None
+            ):
+                lecun_trunc_normal_(module.weight.data, 1.0 / math.sqrt(module.in_features))
 
     def no_weight_decay(self) -> set[str]:
         """Names of parameters the optimiser must not decay: the residual-scaling logits."""
@@ -180,7 +294,7 @@ class FPRM(LoopedModel):
             d1, d2 = self.scalar_net(src).chunk(2, dim=-1)
             p1, p2 = p1 + d1, p2 + d2
         a1, a2 = torch.sigmoid(p1), torch.sigmoid(p2)
-        b1, b2 = tied_coefficients(a1, a2, self.n_sublayers)
+        b1, b2 = tied_coefficients(a1, a2, self.n_sublayers, self.config.tied_eps)
         return a1, a2, b1, b2
 
     # -- the contract ----------------------------------------------------------------------------
@@ -189,23 +303,32 @@ class FPRM(LoopedModel):
 
     def init_state(self, ctx: tuple[Tensor, ...], generator: torch.Generator | None = None) -> Tensor:
         x = ctx[0]
+        if self.config.init == "lecun":
+            z = torch.empty(x.shape, device=x.device, dtype=x.dtype)
+            return lecun_trunc_normal_(z, self.config.init_std, generator=generator)
         return trunc_normal_state(
             tuple(x.shape), self.config.init_std, device=x.device, dtype=x.dtype, generator=generator
         )
 
     def apply_conv(self, h: Tensor) -> Tensor:
+        """The token convolution of the grid tokens (prefix tokens pass unchanged): h + conv(h) or conv(h)."""
         if self.conv is None:
             return h
         P = self.prefix_len
-        if isinstance(self.conv, DepthwiseConv2d):  # handles (and skips) the prefix tokens itself
-            return h + self.conv(h)
-        grid = h[:, P:]
-        return torch.cat([h[:, :P], grid + self.conv(grid)], dim=1) if P else h + self.conv(h)
+        grid = h[:, P:] if P else h
+        y = self.conv(grid)
+        out = y if self.config.conv_form == "replace" else grid + y
+        return torch.cat([h[:, :P], out], dim=1) if P else out
+
+    def _state_norm(self, h: Tensor) -> Tensor:
+        return F.rms_norm(h, (h.shape[-1],), None, self.config.norm_eps)
 
     def step(self, z: Tensor, *ctx: Tensor) -> Tensor:
         x = ctx[0]
         h = self.apply_conv(z)
         a1, a2, b1, b2 = self.residual_scalars(h, x)
+        if self.config.state_norm == "input":
+            h = self._state_norm(h)
         h = a2 * h + b2 * x
 
         def scaled(h_: Tensor, u: Tensor) -> Tensor:
@@ -213,6 +336,8 @@ class FPRM(LoopedModel):
 
         for block in self.layers:
             h = block(h, residual=scaled)
+        if self.config.state_norm == "output":
+            h = self._state_norm(h)
         return h
 
     def readout(self, z: Tensor, *ctx: Tensor) -> Tensor:
@@ -230,7 +355,14 @@ def paper_config() -> FPRMConfig:
     """FPRM on Sudoku-Extreme (SYSTEMS.md 1): d 512, 8 heads, 2 blocks, SwiGLU x4, RoPE, 2-D conv
     kernel 3 on the 9x9 grid, vocab 11, 81 tokens, no per-puzzle table: ~6.4M parameters (paper: ~7M)."""
     return FPRMConfig(
-        vocab_size=11, seq_len=81, d_model=512, n_heads=8, n_layers=2, expansion=4.0, grid=(9, 9), conv="grid2d"
+        vocab_size=11,
+        seq_len=81,
+        d_model=512,
+        n_heads=8,
+        n_layers=2,
+        expansion=4.0,
+        grid=(9, 9),
+        conv="grid2d",
     )
 
 
