@@ -29,6 +29,7 @@ from loopformer.train.checkpoint import CheckpointError
 
 # system name -> module under loopformer.convert defining ``convert(state, ref_config) -> Converted``
 CONVERTERS: dict[str, str] = {
+    "fprm": "loopformer.convert.fprm",
     "trm": "loopformer.convert.trm",
     "hrm": "loopformer.convert.hrm",
 }

@@ -141,6 +141,7 @@ class FPRMConfig(ModelConfig):
     init: str = "default"  # default (PyTorch) | lecun: exact-std truncated LeCun normal (authors)
     tied_eps: float = 0.0  # > 0: b1 = b2 (1 - a1) / (1 - a1^(2L) + tied_eps) (authors: 1e-5)
     puzzle_emb_dim: int = 0  # 0: puzzle_emb_len * d_model; else a narrower table, zero-padded (authors)
+    decay_vectors: bool = False  # True: weight decay on biases too (authors: all but the residual logits)
     loop: LoopConfig = field(default_factory=_default_loop)
 
 
@@ -279,6 +280,11 @@ class FPRM(LoopedModel):
                 self.embedding.tokens, "weight", None
             ):
                 lecun_trunc_normal_(module.weight.data, 1.0 / math.sqrt(module.in_features))
+
+    @property
+    def decay_vectors(self) -> bool:
+        """Whether the optimiser decays one-dimensional parameters (the Q-head bias) too."""
+        return self.config.decay_vectors
 
     def no_weight_decay(self) -> set[str]:
         """Names of parameters the optimiser must not decay: the residual-scaling logits."""

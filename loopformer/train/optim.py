@@ -4,7 +4,8 @@
   than two dimensions (biases, norm gains, per-channel residual scalars and gates: FPRM's
   ``a = sigmoid(p)`` parameters, SYSTEMS.md section 1), parameters of normalisation modules,
   the names a model lists in ``no_weight_decay()`` (optional; exact names or module prefixes),
-  and embeddings when ``decay_embeddings`` is False.
+  and embeddings when ``decay_embeddings`` is False. A model whose ``decay_vectors`` attribute is
+  True has its one-dimensional parameters (biases) decayed as well.
 - ``AdamATan2``: Adam with ``atan2`` in place of the division (Everett et al., arXiv 2407.05872), in
   the form of the ``adam-atan2`` package TRM and HRM train with (a CUDA kernel; here plain PyTorch):
   ``p <- p (1 - lr wd)``, ``m <- b1 m + (1 - b1) g``, ``v <- b2 v + (1 - b2) g^2``,
@@ -46,6 +47,7 @@ def parameter_groups(model: nn.Module, weight_decay: float, decay_embeddings: bo
     """``[{'params': decayed, 'weight_decay': wd, 'names': [...]}, {... 0.0 ...}]`` (empty groups dropped)."""
     listed_fn = getattr(model, "no_weight_decay", None)
     listed = set(listed_fn()) if callable(listed_fn) else set()
+    vectors = bool(getattr(model, "decay_vectors", False))  # the model decays its biases too (FPRM authors)
     no_decay_ids: set[int] = set()
     for module_name, module in model.named_modules():
         own = list(module.named_parameters(recurse=False))
@@ -53,7 +55,7 @@ def parameter_groups(model: nn.Module, weight_decay: float, decay_embeddings: bo
             no_decay_ids.update(id(p) for _, p in own)
         for pname, p in own:
             full = f"{module_name}.{pname}" if module_name else pname
-            if p.ndim < 2 or _listed(full, listed):
+            if (p.ndim < 2 and not vectors) or _listed(full, listed):
                 no_decay_ids.add(id(p))
     decay, no_decay = ([], []), ([], [])
     for name, p in model.named_parameters():

@@ -1,0 +1,167 @@
+"""FPRM against the authors' code (nilskiKonjIzDunava/fprm), through fixtures of their model's outputs.
+
+The fixtures (``tests/fixtures/parity/fprm_*``, written by ``tools/parity/fprm.py`` from a checkout of
+the authors' repository) hold a tiny reference model's weights, a batch, and what the reference
+computed: one deep-supervision training segment (iterates, residuals, logits, Q logits, loss,
+gradients), one AdamW step, the next segment, and the full inference procedure. Each test loads the
+weights into loopformer's FPRM through the ``loopformer convert fprm`` key mapping and compares.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor
+
+from loopformer.config import build_config
+from loopformer.convert import converter
+from loopformer.convert.fixtures import fixture_dtype, load_fixture, prefixed
+from loopformer.models.registry import build_model
+from loopformer.train.checkpoint import CheckpointError
+from loopformer.train.losses import accuracy, q_halt_loss, sequence_loss
+from loopformer.train.optim import build_optimizer
+
+FIXTURES = ("fprm_sudoku", "fprm_maze")
+CASTED_LINEARS = ("lm_head", "q_head", "qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+PREFIX = "_orig_mod.model.inner."  # a compiled ACTLossHead's keys, as pretrain.py saves them
+
+
+def reference_state(weights: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The fixture's weights as a checkpoint holds them: prefixed, with the all-ones weight-dropout masks
+    (left out of the fixture files to keep them small)."""
+    state = {PREFIX + k: v for k, v in weights.items()}
+    for k, v in weights.items():
+        if k.endswith(".weight") and k.split(".")[-2] in CASTED_LINEARS:
+            state[PREFIX + k[: -len("weight")] + "mask"] = torch.ones_like(v)
+    return state
+
+
+def converted_weights(weights: dict[str, Tensor], meta: dict[str, Any]) -> dict[str, Tensor]:
+    return converter("fprm")(reference_state(weights), meta["reference_config"]).weights
+
+
+class Case:
+    """One fixture: the converted loopformer model (float64) and the reference's tensors."""
+
+    def __init__(self, name: str) -> None:
+        self.t, self.meta = load_fixture(name)
+        self.dtype = fixture_dtype(self.meta)
+        self.weights = prefixed(self.t, "weights")
+        converted = converter("fprm")(reference_state(self.weights), self.meta["reference_config"])
+        self.run = build_config(converted.run)
+        self.model = build_model(self.run.model.name, config=self.run.model_config()).to(self.dtype)
+        self.model.load_state_dict(converted.weights, strict=True)
+        b = prefixed(self.t, "batch")
+        self.inputs, self.labels, self.ids = b["inputs"], b["labels"], b["puzzle_identifiers"]
+
+    def loop(self, phase: str, **changes: Any):
+        return dataclasses.replace(self.run.loop_config(self.model.config.loop, phase), **changes)
+
+    def forward(self, phase: str, y0: Tensor, **changes: Any):
+        iterates: list[Tensor] = []
+        out = self.model(
+            self.inputs,
+            loop=self.loop(phase, **changes),
+            state=y0,
+            puzzle_ids=self.ids,
+            callback=lambda t, z, idx: iterates.append(z.detach().clone()),
+        )
+        return out, iterates
+
+    def loss(self, out) -> Tensor:
+        """The trainer's deep-supervision loss: stablemax CE (per-sample mean) + 0.5 Q-halt BCE."""
+        exact = accuracy(out.logits, self.labels).exact
+        return sequence_loss(out.logits, self.labels, "stablemax") + 0.5 * q_halt_loss(out.q_logits, exact)
+
+
+@pytest.fixture(scope="module", params=FIXTURES)
+def case(request) -> Case:
+    return Case(request.param)
+
+
+def rel(a: Tensor, b: Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-300))
+
+
+def test_parity_fprm_training_segment_iterates_logits_loss(case: Case) -> None:
+    t = case.t
+    out, iterates = case.forward("train", t["train.y0"])
+    torch.testing.assert_close(torch.stack(iterates), t["train.y"], rtol=0, atol=1e-6)
+    torch.testing.assert_close(out.loop.residuals, t["train.residues"], rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(out.logits, t["train.logits"], rtol=0, atol=1e-5)
+    torch.testing.assert_close(out.q_logits, t["train.q_logits"], rtol=0, atol=1e-5)
+    loss = case.loss(out)
+    assert abs(float(loss.detach()) - float(t["train.loss"])) <= 1e-6 * abs(float(t["train.loss"]))
+
+
+def test_parity_fprm_gradients_and_one_adamw_step(case: Case) -> None:
+    t, meta = case.t, case.meta
+    model = case.model
+    start = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    out, _ = case.forward("train", t["train.y0"])
+    model.zero_grad(set_to_none=True)
+    case.loss(out).backward()
+
+    # the reference's puzzle gradient is per batch row; its rows are distinct puzzles: scatter into the table
+    ref_grads = prefixed(t, "train.grad")
+    table = torch.zeros_like(case.weights["puzzle_emb.weights"])
+    table[case.ids] = ref_grads.pop("puzzle_emb.weights")
+    expected = converted_weights({**ref_grads, "puzzle_emb.weights": table}, meta)
+    norms = prefixed(t, "train.grad_norm")
+    grads = dict(model.named_parameters())
+    assert set(expected) == set(grads)
+    for name, g_ref in expected.items():
+        g = grads[name].grad
+        assert g is not None, name
+        assert rel(g, g_ref) <= 1e-5, (name, rel(g, g_ref))
+    assert abs(
+        float(grads["output.head.weight"].grad.norm()) - float(norms["lm_head.weight"])
+    ) <= 1e-5 * float(norms["lm_head.weight"])
+
+    opt = meta["optimizer"]
+    optimizer = build_optimizer(
+        model, lr=opt["lr"], weight_decay=opt["weight_decay"], betas=tuple(opt["betas"])
+    )
+    optimizer.step()
+    stepped = prefixed(t, "step")
+    after = converted_weights({**stepped, "puzzle_emb.weights": case.weights["puzzle_emb.weights"]}, meta)
+    for name, p in model.named_parameters():
+        if name == "embedding.puzzle_emb.weight":  # the authors step it with sign-SGD, not AdamW
+            continue
+        torch.testing.assert_close(p.detach(), after[name], rtol=0, atol=1e-6, msg=name)
+    model.load_state_dict(start)  # the module-scoped case is shared by the other tests
+
+
+def test_parity_fprm_full_inference_procedure(case: Case) -> None:
+    """The authors halt the whole batch at the first step where its largest residual is below
+    fp_thresh: that is ``steps`` damped iterations for every sample (fixed halting), and the
+    batch-level rule fires exactly there in loopformer's own residual trace."""
+    t = case.t
+    n = int(t["eval.steps"])
+    tol = case.meta["reference_config"]["fp_thresh"]
+    out, iterates = case.forward("eval", t["eval.y0"], halting="fixed", max_steps=n)
+    torch.testing.assert_close(out.loop.residuals, t["eval.residues"], rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(iterates[-1], t["eval.y_final"], rtol=0, atol=1e-6)
+    torch.testing.assert_close(out.logits, t["eval.logits"], rtol=0, atol=1e-5)
+    batch_max = out.loop.residuals.amax(dim=1)
+    assert bool(batch_max[-1] < tol) and bool((batch_max[:-1] >= tol).all())
+
+
+def test_parity_fprm_converter_names_bad_checkpoints() -> None:
+    t, meta = load_fixture("fprm_maze")
+    state = reference_state(prefixed(t, "weights"))
+    convert = converter("fprm")
+    with pytest.raises(CheckpointError, match="unknown keys.*extra"):
+        convert({**state, PREFIX + "extra.weight": torch.zeros(1)}, meta["reference_config"])
+    missing = {k: v for k, v in state.items() if not k.endswith("lm_head.weight")}
+    with pytest.raises(CheckpointError, match="missing key 'lm_head.weight'"):
+        convert(missing, meta["reference_config"])
+    masked = dict(state)
+    masked[PREFIX + "lm_head.mask"] = torch.zeros_like(masked[PREFIX + "lm_head.mask"])
+    with pytest.raises(CheckpointError, match="mask 'lm_head.mask'"):
+        convert(masked, meta["reference_config"])
+    with pytest.raises(CheckpointError, match="mlp_t"):
+        convert(state, {**meta["reference_config"], "mlp_t": True})
