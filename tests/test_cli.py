@@ -71,7 +71,7 @@ def test_models_table_counts_paper_and_cpu_sizes() -> None:
     )
     assert rows["transformer"]["cpu"] == build_model("transformer").num_parameters()
     table = CliRunner().invoke(cli, ["models"])
-    assert table.exit_code == 0 and "fprm" in table.output and "6.44M" in table.output
+    assert table.exit_code == 0 and "fprm" in table.output and "6.83M" in table.output
 
 
 def test_solve_json_on_a_trained_checkpoint(tiny_run: Path) -> None:

@@ -51,7 +51,9 @@ def test_tied_coefficients_match_systems_formulas(n_sub: int) -> None:
     torch.testing.assert_close(b2, 1 - a2 * a1**n_sub, rtol=1e-13, atol=0)
     torch.testing.assert_close(b1, b2 * (1 - a1) / (1 - a1**n_sub), rtol=1e-12, atol=0)
     # finite and correct at the a1 -> 1 edge, where the naive quotient is 0/0
-    b1_edge, b2_edge = tied_coefficients(torch.ones(1, dtype=torch.float64), torch.tensor([0.3], dtype=torch.float64), n_sub)
+    b1_edge, b2_edge = tied_coefficients(
+        torch.ones(1, dtype=torch.float64), torch.tensor([0.3], dtype=torch.float64), n_sub
+    )
     torch.testing.assert_close(b2_edge, torch.tensor([0.7], dtype=torch.float64))
     torch.testing.assert_close(b1_edge, torch.tensor([0.7 / n_sub], dtype=torch.float64))
 
@@ -255,3 +257,66 @@ def test_puzzle_embedding_prefix_is_dropped_from_logits_and_counts(mixer: str) -
     torch.testing.assert_close(model.apply_conv(h)[:, :2], h[:, :2])  # the prefix is not convolved
     with pytest.raises(ValueError, match="puzzle_ids"):
         model.embed(inputs)
+
+
+# -- options reproducing the authors' code (nilskiKonjIzDunava/fprm; docs/fidelity.md, FPRM) ---------
+
+
+def test_replace_conv_equals_residual_conv_with_the_identity_tap_moved_into_the_kernel() -> None:
+    for conv, grid, centre in (("causal1d", None, (-1,)), ("grid2d", (3, 3), (1, 1))):
+        res = tiny(conv=conv, grid=grid, num_puzzle_ids=2, puzzle_emb_len=1)
+        rep = tiny(conv=conv, grid=grid, num_puzzle_ids=2, puzzle_emb_len=1, conv_form="replace")
+        assert rep.conv.conv.weight.abs().sum() > 0  # PyTorch's default init, not zeros
+        with torch.no_grad():
+            res.conv.conv.weight.copy_(rep.conv.conv.weight)
+            res.conv.conv.weight[(slice(None), 0, *centre)] -= 1.0
+        h = torch.randn(B, T + 1, D, dtype=torch.float64)
+        torch.testing.assert_close(res.apply_conv(h), rep.apply_conv(h))
+        torch.testing.assert_close(rep.apply_conv(h)[:, :1], h[:, :1])  # the prefix passes unchanged
+
+
+def test_state_norm_output_and_raw_heads() -> None:
+    model = tiny(state_norm="output", head_norm=False, norm_gain=False, norm_eps=1e-5, q_pool="first")
+    (x,) = model.embed(torch.randint(0, 7, (B, T)))
+    h = model.step(torch.randn(B, T, D, dtype=torch.float64), x)
+    torch.testing.assert_close(h.pow(2).mean(-1), torch.ones(B, T, dtype=torch.float64), rtol=1e-3, atol=0)
+    z = torch.randn(B, T, D, dtype=torch.float64)
+    torch.testing.assert_close(model.readout(z), model.output.head(z))
+    torch.testing.assert_close(model.q_head(z), model.q_linear(z[:, 0]).squeeze(-1))
+    assert all(m.weight is None and m.eps == 1e-5 for m in model.modules() if type(m).__name__ == "RMSNorm")
+    assert not any("norm" in n for n, _ in model.named_parameters())
+
+
+def test_padded_puzzle_table_mlp_width_guarded_b1_and_lecun_init() -> None:
+    model = tiny(
+        num_puzzle_ids=3, puzzle_emb_len=2, puzzle_emb_dim=D, mlp_multiple=256, tied_eps=1e-5, init="lecun"
+    )
+    assert model.embedding.puzzle_emb.weight.shape == (3, D)
+    with torch.no_grad():
+        model.embedding.puzzle_emb.weight.normal_()
+    inputs = torch.randint(0, 7, (B, T))
+    (x,) = model.embed(inputs, torch.tensor([2, 0, 1]))
+    torch.testing.assert_close(x[:, 0], model.embedding.puzzle_emb.weight[[2, 0, 1]] * D**0.5)
+    torch.testing.assert_close(x[:, 1], torch.zeros(B, D, dtype=torch.float64))  # the zero padding
+    torch.testing.assert_close(
+        model.embed(inputs)[0][:, 0], (model.embedding.puzzle_emb.weight[0] * D**0.5).expand(B, D)
+    )
+    assert model.layers[0].mlp.down.in_features == 256  # round(4 * 16 * 2/3) = 43 -> 256
+    a1, a2 = torch.tensor([0.75], dtype=torch.float64), torch.tensor([0.25], dtype=torch.float64)
+    b1, b2 = tied_coefficients(a1, a2, 4, eps=1e-5)
+    torch.testing.assert_close(b1, b2 * 0.25 / (1 - 0.75**4 + 1e-5), rtol=1e-14, atol=0)
+    big = FPRM(FPRMConfig(vocab_size=7, seq_len=T, d_model=256, n_heads=2, init="lecun", init_std=6.0))
+    w = big.layers[0].mlp.gate_up.weight
+    assert abs(float(w.std()) * 256**0.5 - 1.0) < 0.03  # the truncated law's std is 1/sqrt(fan_in)
+    z = big.init_state(big.embed(torch.zeros(64, T, dtype=torch.long)), torch.Generator().manual_seed(0))
+    assert abs(float(z.std()) - 6.0) < 0.1 and float(z.abs().max()) <= 2 * 6.0 / 0.8796 + 1e-9
+
+
+def test_decay_vectors_puts_the_q_bias_in_the_decayed_group() -> None:
+    from loopformer.train.optim import parameter_groups
+
+    for flag, expect in ((False, False), (True, True)):
+        groups = parameter_groups(tiny(decay_vectors=flag, norm_gain=False), 0.1)
+        decayed = next(g["names"] for g in groups if g["weight_decay"] > 0)
+        assert ("q_linear.bias" in decayed) is expect
+        assert "residual_logit_a1" not in decayed

@@ -63,7 +63,7 @@ FPRM_NORMS = ("pre", "post", "peri")
 Q_POOLS = ("mean", "first")
 CONV_FORMS = ("residual", "replace")
 STATE_NORMS = ("none", "input", "output")
-INITS = ("default", "lecun")
+INITS = ("torch", "lecun")
 
 # standard deviation of N(0, 1) truncated to [-2, 2]: 1 - 2 a phi(a) / (2 Phi(a) - 1) at a = 2, square-rooted
 _TRUNC2_STD = math.sqrt(1 - 2 * 2 * math.exp(-2.0) / math.sqrt(2 * math.pi) / math.erf(2 / math.sqrt(2)))
@@ -138,7 +138,7 @@ class FPRMConfig(ModelConfig):
     norm_eps: float = 1e-6  # RMSNorm epsilon (authors: 1e-5)
     norm_gain: bool = True  # False: RMSNorms without a learnable gain (authors' rms_norm)
     mlp_multiple: int = 64  # SwiGLU hidden width rounded up to a multiple of this (authors: 256)
-    init: str = "default"  # default (PyTorch) | lecun: exact-std truncated LeCun normal (authors)
+    init: str = "torch"  # torch (PyTorch defaults) | lecun: exact-std truncated LeCun normal (authors)
     tied_eps: float = 0.0  # > 0: b1 = b2 (1 - a1) / (1 - a1^(2L) + tied_eps) (authors: 1e-5)
     puzzle_emb_dim: int = 0  # 0: puzzle_emb_len * d_model; else a narrower table, zero-padded (authors)
     decay_vectors: bool = False  # True: weight decay on biases too (authors: all but the residual logits)
@@ -178,6 +178,7 @@ class PaddedInputEmbedding(InputEmbedding):
 
     The authors' layout (``puzzle_emb_ndim`` = d_model with ``puzzle_emb_len`` = 16: the puzzle vector
     fills the first prefix token, the other 15 start as zeros and carry only their own iterate).
+    ``puzzle_ids=None`` uses identifier 0 (their Sudoku and maze builds give every puzzle id 0).
     """
 
     def __init__(self, config: FPRMConfig) -> None:
@@ -190,10 +191,8 @@ class PaddedInputEmbedding(InputEmbedding):
             raise ValueError(
                 f"inputs must be integer tokens of shape [B, T], got {tuple(inputs.shape)} {inputs.dtype}"
             )
-        if puzzle_ids is None:
-            raise ValueError(
-                "this model has a per-puzzle embedding table (num_puzzle_ids > 0): pass puzzle_ids"
-            )
+        if puzzle_ids is None:  # the authors' Sudoku / maze data: one identifier (0) for every puzzle
+            puzzle_ids = torch.zeros(inputs.shape[0], dtype=torch.long, device=inputs.device)
         x = self.tokens(inputs) * self.scale
         p = self.puzzle_emb(puzzle_ids)
         p = F.pad(p, (0, self.prefix_len * self.d_model - p.shape[-1]))
@@ -357,9 +356,25 @@ class FPRM(LoopedModel):
         return self.q_linear(pooled).squeeze(-1)
 
 
+# the authors' code's choices, where loopformer's defaults differ (docs/fidelity.md, FPRM); their
+# config/arch/fprm.yaml + models/config.py defaults
+REFERENCE_OPTIONS: dict[str, object] = {
+    "conv_form": "replace",
+    "head_norm": False,
+    "norm_eps": 1e-5,
+    "norm_gain": False,
+    "mlp_multiple": 256,
+    "init": "lecun",
+    "tied_eps": 1e-5,
+    "decay_vectors": True,
+    "q_pool": "first",
+}
+
+
 def paper_config() -> FPRMConfig:
-    """FPRM on Sudoku-Extreme (SYSTEMS.md 1): d 512, 8 heads, 2 blocks, SwiGLU x4, RoPE, 2-D conv
-    kernel 3 on the 9x9 grid, vocab 11, 81 tokens, no per-puzzle table: ~6.4M parameters (paper: ~7M)."""
+    """FPRM on Sudoku-Extreme as the authors' ``config/cfg_pretrain_sudoku.yaml`` builds it: d 512,
+    8 heads, 2 blocks, SwiGLU x4 (width 1536), RoPE, 2-D conv kernel 3 on the 9x9 grid, 16 prefix
+    tokens (one 512-wide puzzle row, zero-padded), vocab 11, 81 tokens: ~6.8M parameters (paper: ~7M)."""
     return FPRMConfig(
         vocab_size=11,
         seq_len=81,
@@ -369,6 +384,10 @@ def paper_config() -> FPRMConfig:
         expansion=4.0,
         grid=(9, 9),
         conv="grid2d",
+        num_puzzle_ids=1,
+        puzzle_emb_len=16,
+        puzzle_emb_dim=512,
+        **REFERENCE_OPTIONS,  # type: ignore[arg-type]
     )
 
 
