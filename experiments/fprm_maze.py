@@ -40,22 +40,39 @@ from fprm_common import (
 from loopformer.eval.evaluate import easy_hard_steps, steps_vs_difficulty
 
 RECIPE = REPO / "recipes" / "fprm_maze7.yaml"
-BASELINE = ["model={name: transformer, d_model: 64, n_heads: 4, n_layers: 2}", "train.mode=simple",
-            "loop_train={}", "loop_eval={}"]
+BASELINE = [
+    "model={name: transformer, d_model: 64, n_heads: 4, n_layers: 2}",
+    "train.mode=simple",
+    "loop_train={}",
+    "loop_eval={}",
+]
 
 
 def main() -> None:
     parser = script_parser(__doc__, "fprm_maze", "fprm_maze7")
     parser.add_argument("--steps", type=int, default=0, help="FPRM optimiser steps (0 = the recipe's)")
+    parser.add_argument(
+        "--recipe", type=Path, default=RECIPE, help="FPRM recipe (default recipes/fprm_maze7.yaml)"
+    )
     args = parser.parse_args()
+    recipe = args.recipe
     torch.set_num_threads(1)
-    quick = ["train.steps=3", "data.train_size=64", "data.eval_size=16", "train.batch_size=8",
-             "eval.batch_size=16"] if args.quick else []
+    quick = (
+        [
+            "train.steps=3",
+            "data.train_size=64",
+            "data.eval_size=16",
+            "train.batch_size=8",
+            "eval.batch_size=16",
+        ]
+        if args.quick
+        else []
+    )
     if args.steps:
         quick.append(f"train.steps={args.steps}")
     t_start = time.perf_counter()
     cfgs = {
-        "fprm": make_config(RECIPE, [*quick, f"out_dir={args.runs / 'fprm'}"]),
+        "fprm": make_config(recipe, [*quick, f"out_dir={args.runs / 'fprm'}"]),
         "transformer": make_config(RECIPE, [*quick, *BASELINE, f"out_dir={args.runs / 'transformer'}"]),
     }
     flops = {n: flops_per_step(c, steps=2, out_dir=args.runs / "probe") for n, c in cfgs.items()}
@@ -93,21 +110,34 @@ def main() -> None:
                 lp = dataclasses.replace(loop, solver="picard")
                 e2 = run_eval(model, trainer.task, trainer.eval_data, lp, cfg.eval.batch_size, cfg.seed)
                 s2 = steps_vs_difficulty(e2.difficulty, e2.steps, e2.valid)
-                entry["picard"] = {**e2.summary(), "oscillation": oscillation_stats(e2.residuals, lp.tol),
-                                   "spearman_rho": s2.spearman_rho, "spearman_p": s2.spearman_p}
+                entry["picard"] = {
+                    **e2.summary(),
+                    "oscillation": oscillation_stats(e2.residuals, lp.tol),
+                    "spearman_rho": s2.spearman_rho,
+                    "spearman_p": s2.spearman_p,
+                }
                 evals["picard"] = e2
         results[name] = entry
-        print(name, {k: entry[k] for k in ("valid_accuracy", "token_accuracy", "mean_steps", "train_steps")},
-              flush=True)
+        print(
+            name,
+            {k: entry[k] for k in ("valid_accuracy", "token_accuracy", "mean_steps", "train_steps")},
+            flush=True,
+        )
     dc = cfgs["fprm"].data
     payload = {
-        "command": "python experiments/fprm_maze.py" + (" --quick" if args.quick else "")
-        + (f" --steps {args.steps}" if args.steps else ""),
-        "recipe": str(RECIPE.relative_to(REPO)),
+        "command": "python experiments/fprm_maze.py"
+        + (" --quick" if args.quick else "")
+        + (f" --steps {args.steps}" if args.steps else "")
+        + (f" --recipe {recipe}" if recipe != RECIPE else ""),
+        "recipe": str(recipe if recipe != RECIPE else RECIPE.relative_to(REPO)),
         "compute_matching": "equal training FLOPs (FlopCounterMode, forward + backward, mean of 2 measured steps)",
         "baseline_overrides": BASELINE,
-        "task": {"name": "maze", "options": dc.options, "train": {"n": dc.train_size, **dc.train_generate},
-                 "eval": {"n": dc.eval_size, **dc.eval_generate}},
+        "task": {
+            "name": "maze",
+            "options": dc.options,
+            "train": {"n": dc.train_size, **dc.train_generate},
+            "eval": {"n": dc.eval_size, **dc.eval_generate},
+        },
         "machine": MACHINE,
         "flops_per_step": flops,
         "results": results,
