@@ -144,7 +144,9 @@ def _loop_overrides(recipe: Path) -> list[str]:
 def _dry_run(recipe: Path, overrides: list[str], tmp_path: Path) -> dict:
     from loopformer.train import Trainer
 
-    cfg = load_config(recipe, [*TINY, *_loop_overrides(recipe), *overrides, f"out_dir={tmp_path / recipe.stem}"])
+    # a puzzle row as wide as d_model (FPRM / TRM: puzzle_emb_dim = hidden size) shrinks with it
+    tied = ["model.puzzle_emb_dim=16"] if "puzzle_emb_dim" in (read_recipe(recipe).get("model") or {}) else []
+    cfg = load_config(recipe, [*TINY, *tied, *_loop_overrides(recipe), *overrides, f"out_dir={tmp_path / recipe.stem}"])
     summary = Trainer(cfg).fit()
     assert summary["steps"] == 2
     assert np.isfinite(summary["train"]["loss"])
