@@ -55,7 +55,7 @@ from torch import Tensor, nn
 from loopformer.loop import LoopConfig
 from loopformer.models.base import LoopedModel, ModelConfig
 from loopformer.models.transformer import InputEmbedding, OutputHead, make_blocks
-from loopformer.nn import DepthwiseConv1d, DepthwiseConv2d, MLPMixer, RMSNorm, SwiGLU, trunc_normal_state
+from loopformer.nn import DepthwiseConv1d, DepthwiseConv2d, RMSNorm, trunc_normal_state
 
 SCALAR_MODES = ("learned", "fixed", "input", "state")
 CONVS = ("none", "grid2d", "causal1d")
@@ -212,7 +212,15 @@ class FPRM(LoopedModel):
         self.n_sublayers = 2 * config.n_layers
         self.embedding = PaddedInputEmbedding(config) if config.puzzle_emb_dim else InputEmbedding(config)
         self.prefix_len = self.embedding.prefix_len
-        block_kw: dict[str, object] = {"norm": config.norm, "mixer": config.mixer}
+        block_kw: dict[str, object] = {
+            "norm": config.norm,
+            "mixer": config.mixer,
+            "norm_eps": config.norm_eps,
+            "norm_gain": config.norm_gain,
+            "mlp_multiple": config.mlp_multiple,
+        }
+        if config.mlp_multiple != 64:  # the authors round the token-mixing MLP the same way
+            block_kw["mixer_multiple"] = config.mlp_multiple
         if config.mixer == "mlp":
             block_kw["seq_len"] = config.seq_len + self.prefix_len
         self.layers = make_blocks(config, config.n_layers, **block_kw)
@@ -253,22 +261,12 @@ class FPRM(LoopedModel):
             self._lecun_init()
 
     def _reference_layers(self) -> None:
-        """Norm epsilon / gain, SwiGLU width rounding and the head norm as configured (authors' options)."""
+        """The head norm as configured: epsilon / gain like the blocks', or none (authors' options)."""
         cfg = self.config
-        if cfg.mlp_multiple != 64:
-            for block in self.layers:
-                block.mlp = SwiGLU(cfg.d_model, cfg.expansion, multiple_of=cfg.mlp_multiple)
-                if isinstance(block.mix, MLPMixer):
-                    block.mix.mlp = SwiGLU(
-                        cfg.seq_len + self.prefix_len, cfg.expansion, multiple_of=cfg.mlp_multiple
-                    )
         if not cfg.head_norm:
             self.output.norm = nn.Identity()
-        for module in self.modules():
-            if isinstance(module, RMSNorm):
-                module.eps = cfg.norm_eps
-                if not cfg.norm_gain:
-                    module.weight = None
+        else:
+            self.output.norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, learnable=cfg.norm_gain)
 
     def _lecun_init(self) -> None:
         """Every linear weight and the token embedding as the authors' ``CastedLinear`` /
