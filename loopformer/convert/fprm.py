@@ -240,7 +240,7 @@ def _loops(arch: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     evaluation = {
         **common,
         "damp_gamma": float(arch["stepsize_decay_eval"]),
-        "halting": "residual",
+        "halting": "batch_residual",
         "max_steps": int(cap),
     }
     return train, evaluation
@@ -268,8 +268,6 @@ def convert(state: dict[str, Tensor], ref_config: dict[str, Any]) -> Converted:
         train["max_segments"] = int(arch["max_iter"])
     notes = [
         "the Q-continue row of q_head is dropped (no_ACT_continue: only the halt logit is trained)",
-        "eval halts per sample on the residual; the authors halt the whole batch when its largest residual "
-        "is below fp_thresh (docs/fidelity.md, FPRM)",
     ]
     if arch["max_iter_dist"] != "det":
         notes.append(f"max_iter_dist={arch['max_iter_dist']!r}: loopformer runs a fixed number of segments")

@@ -248,17 +248,20 @@ def run_loop(
     readout: Callable[..., Tensor] | None = None,
     halt_fn: Callable[..., Tensor] | None = None,
     callback: Callable[[int, Tensor, Tensor], None] | None = None,
+    solver_state: dict[str, Tensor] | None = None,
 ) -> LoopResult:
     """Iterate ``z <- step(z, *ctx)`` per cfg (solver, halting, grad) and return a LoopResult.
 
     ``readout(z, *ctx) -> logits [B, ..., V]`` is required for kl_entropy halting (and, when given,
     produces ``LoopResult.logits``); ``halt_fn(z, *ctx) -> p`` ([B] or [B, T]) for act halting;
     ``callback(t, z_active, active_idx)`` runs after each step with the new iterate of the samples
-    active in that step (t = iterations done).
+    active in that step (t = iterations done). ``solver_state``: per-sample solver values a previous
+    call returned in ``LoopResult.stats`` (e.g. the damped solver's ``eta`` / ``best`` /
+    ``patience``), to continue that solve instead of starting fresh (FPRM's deep-supervision segments).
     """
     ctx = (ctx,) if isinstance(ctx, Tensor) else tuple(ctx)
     _check_inputs(z0, cfg, ctx)
-    lp = LoopState(step, z0, cfg, ctx, readout, halt_fn, callback)
+    lp = LoopState(step, z0, cfg, ctx, readout, halt_fn, callback, solver_state)
     run = _run_plain if not lp.track else (_run_compacting if cfg.compaction else _run_masked)
     try:
         t_run = run(lp)

@@ -105,6 +105,21 @@ class Solver:
     def sample_stats(self, state: State) -> dict[str, Tensor]:
         return {}
 
+    def resume(self, state: State, carried: dict[str, Tensor]) -> State:
+        """The fresh ``state`` with the per-sample entries of ``carried`` (values a previous call
+        reported in ``LoopResult.stats``) put back: the solver continues where that call stopped."""
+        unknown = sorted(set(carried) - set(self.stats))
+        if unknown:
+            raise ValueError(f"solver {self.name!r} cannot resume {unknown} (it carries {list(self.stats)})")
+        out = dict(state)
+        for key, value in carried.items():
+            if value.shape != state[key].shape:
+                raise ValueError(
+                    f"carried solver state {key!r} has shape {tuple(value.shape)}, expected {tuple(state[key].shape)}"
+                )
+            out[key] = value.to(device=state[key].device, dtype=state[key].dtype)
+        return out
+
 
 SOLVERS: Registry[type[Solver]] = Registry("solver", Solver)
 
@@ -156,7 +171,7 @@ class Damped(Solver):
     replayable = True
     can_stall = True
     needs_residual = True
-    stats = ("eta",)
+    stats = ("eta", "best", "patience")  # reported per sample, and resumable across calls
 
     def init(self, z: Tensor) -> State:
         b = z.shape[0]
@@ -191,7 +206,7 @@ class Damped(Solver):
         return torch.lerp(z, fz, _bcast(coeff, z))
 
     def sample_stats(self, state: State) -> dict[str, Tensor]:
-        return {"eta": state["eta"]}
+        return {"eta": state["eta"], "best": state["best"], "patience": state["patience"]}
 
 
 from loopformer.loop.quasi_newton import Anderson, AndersonOptions, Broyden, BroydenOptions  # noqa: E402

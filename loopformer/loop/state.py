@@ -76,6 +76,7 @@ class LoopState:
         readout: Callable[..., Tensor] | None,
         halt_fn: Callable[..., Tensor] | None,
         callback: Callable[[int, Tensor, Tensor], None] | None,
+        solver_state: dict[str, Tensor] | None = None,
     ) -> None:
         self.step, self.cfg, self.ctx, self.callback = step, cfg, ctx, callback
         self.halting = HALTINGS.get(cfg.halting)(cfg, readout=readout, halt_fn=halt_fn)
@@ -99,6 +100,8 @@ class LoopState:
         self.idx = self._all = torch.arange(b, device=device)
         self.z, self.ctx_a = z0, ctx
         self.sstate = self.solver.init(z0)
+        if solver_state:
+            self.sstate = self.solver.resume(self.sstate, solver_state)
         self.hstate = self.halting.init(z0, ctx)
         # results
         self.steps = torch.zeros(b, dtype=torch.long, device=device)

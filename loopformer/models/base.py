@@ -97,7 +97,10 @@ class LoopedModel(nn.Module):
         puzzle_ids: Tensor | None = None,
         callback: Callable[[int, Tensor, Tensor], None] | None = None,
         generator: torch.Generator | None = None,
+        solver_state: dict[str, Tensor] | None = None,
     ) -> ModelOutput:
+        """One engine call from ``state`` (or ``init_state``); ``solver_state`` continues the solver's
+        per-sample state of a previous call (``ModelOutput.loop.stats``, see ``run_loop``)."""
         cfg = loop if loop is not None else self.config.loop
         ctx = self.embed(inputs, puzzle_ids)
         z0 = state if state is not None else self.init_state(ctx, generator)
@@ -109,6 +112,7 @@ class LoopedModel(nn.Module):
             readout=self.readout if cfg.halting == "kl_entropy" else None,
             halt_fn=self.halt_prob if cfg.halting == "act" else None,
             callback=callback,
+            solver_state=solver_state,
         )
         logits = res.logits if res.logits is not None else self.readout(res.state, *ctx)
         return ModelOutput(
