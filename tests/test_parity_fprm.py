@@ -184,6 +184,9 @@ def test_parity_fprm_second_segment_resumes_the_solver_state(case: Case) -> None
             out.loop.stats["eta"], t["seg2.stepsize"][-1].reshape(-1), rtol=0, atol=1e-12
         )
         torch.testing.assert_close(out.logits, t["seg2.logits"], rtol=0, atol=1e-5)
+        # segment 2 of 3: the reference halts a sample only on convergence (residual < fp_thresh);
+        # what the trainer's halt_on_converged reads (fprm_maze: the third sample)
+        assert out.loop.converged.tolist() == t["seg2.halted"].tolist()
         loss = float(case.loss(out).detach())
         assert abs(loss - float(t["seg2.loss"])) <= 1e-6 * abs(float(t["seg2.loss"]))
         fresh = case.model(case.inputs, loop=case.loop("train"), state=t["seg2.y0"], puzzle_ids=case.ids)
