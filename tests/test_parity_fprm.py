@@ -211,3 +211,44 @@ def test_parity_fprm_converter_names_bad_checkpoints() -> None:
         convert(masked, meta["reference_config"])
     with pytest.raises(CheckpointError, match="mlp_t"):
         convert(state, {**meta["reference_config"], "mlp_t": True})
+
+
+def test_parity_fprm_convert_cli_writes_a_run_folder_eval_accepts(tmp_path) -> None:
+    """``loopformer convert fprm`` on a checkpoint as ``pretrain.py`` saves it (+ its arch config), then
+    ``loopformer eval`` on the run folder; the folder's weights are the converted fixture weights."""
+    import yaml
+    from click.testing import CliRunner
+    from safetensors.torch import load_file
+
+    from loopformer.cli import cli
+
+    t, meta = load_fixture("fprm_sudoku")  # 4x4 grid, vocab 6: the shape of a 4x4 Sudoku task
+    weights = prefixed(t, "weights")
+    torch.save(reference_state(weights), tmp_path / "step_1")
+    (tmp_path / "all_config.yaml").write_text(yaml.safe_dump({"arch": meta["reference_config"]}))
+    out = tmp_path / "run"
+    args = [
+        "convert",
+        "fprm",
+        str(tmp_path / "step_1"),
+        "--config",
+        str(tmp_path / "all_config.yaml"),
+        "--out",
+        str(out),
+        "--set",
+        "data.task=sudoku",
+        "--set",
+        "data.options={size: 4}",
+        "--set",
+        "data.eval_size=8",
+    ]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 0, result.output
+    saved = load_file(str(out / "checkpoints" / "step_00000000" / "model.safetensors"))
+    expected = converted_weights(weights, meta)
+    assert set(saved) == set(expected)
+    for k, v in expected.items():
+        torch.testing.assert_close(saved[k].double(), v.double(), rtol=1e-6, atol=1e-7, msg=k)
+    result = CliRunner().invoke(cli, ["eval", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "fprm" in result.output
