@@ -148,6 +148,7 @@ class TrainConfig:
     checkpoint_every: int = 0  # 0: checkpoint at the end only
     keep_checkpoints: int = 3
     resume: bool | str = False  # True: the run folder's latest checkpoint; str: a checkpoint folder
+    overwrite: bool = False  # a fresh run into a folder holding a run replaces it (moved aside at the first checkpoint)
     max_state_norm: float = 1e6  # a larger mean state norm counts as divergence
     max_loss: float = 1e4  # a larger loss counts as divergence
     progress: bool = True  # rich progress bar

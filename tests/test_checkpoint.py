@@ -77,7 +77,7 @@ def test_checkpoint_folder_layout_latest_pointer_and_pruning(tmp_path) -> None:
         folder = _save(tmp_path, step, keep=2)
     root = tmp_path / "checkpoints"
     assert sorted(p.name for p in folder.iterdir()) == [
-        "config.json", "ema.safetensors", "model.safetensors", "state.json", "state.safetensors"
+        "config.json", "ema.safetensors", "manifest.json", "model.safetensors", "state.json", "state.safetensors"
     ]
     assert [p.name for p in step_dirs(root)] == ["step_00000003", "step_00000004"]
     assert (root / "latest").read_text().strip() == "step_00000004"

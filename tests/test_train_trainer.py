@@ -224,13 +224,13 @@ def test_curriculum_advances_when_threshold_met(tmp_path) -> None:
     assert SEQ == tr.train_data.inputs.shape[1]
 
 
-def test_fresh_run_clears_old_checkpoints_and_resume_checks_batch_size(tmp_path) -> None:
+def test_overwrite_run_starts_over_and_resume_checks_batch_size(tmp_path) -> None:
     cfg = tiny_config(tmp_path, "train.mode=deep_supervision", "train.steps=4", "train.checkpoint_every=2")
     _trainer(cfg).fit()
     assert [p.name for p in step_dirs(tmp_path / "checkpoints")] == ["step_00000002", "step_00000004"]
-    _trainer(tiny_config(tmp_path, "train.steps=1")).fit()  # not a resume: the folder starts over
+    _trainer(tiny_config(tmp_path, "train.steps=1", "train.overwrite=true")).fit()  # the folder starts over
     assert [p.name for p in step_dirs(tmp_path / "checkpoints")] == ["step_00000001"]
-    _trainer(tiny_config(tmp_path, "train.mode=deep_supervision", "train.steps=2")).fit()
+    _trainer(tiny_config(tmp_path, "train.mode=deep_supervision", "train.steps=2", "train.overwrite=true")).fit()
     with pytest.raises(Exception, match="carries 8 deep-supervision slots but train.batch_size is 4"):
         _trainer(tiny_config(tmp_path, "train.mode=deep_supervision", "train.steps=4", "train.batch_size=4",
                              "train.resume=true"))

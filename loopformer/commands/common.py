@@ -20,7 +20,8 @@ from loopformer.eval.evaluate import load_for_eval as load_run
 # exceptions whose message is already meant for the user
 _USER_ERRORS = ("ConfigError", "CheckpointError", "TaskDataError", "FileNotFoundError", "KeyError",
                 "ValueError", "TrainingDivergedError", "PermissionError", "NotADirectoryError",
-                "IsADirectoryError", "NotImplementedError")
+                "IsADirectoryError", "NotImplementedError", "RunFolderError", "NumericalFaultError",
+                "DataFormatError")
 
 
 def one_line(err: BaseException) -> str:

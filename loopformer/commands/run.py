@@ -183,19 +183,48 @@ def _run_lm(out: Path, label: str, main_run: Any, base_summary: dict[str, Any] |
     echo(f"summary: {out / 'summary.json'}")
 
 
+def run_folder_for(out_dir: str | None, overwrite: bool) -> Path:
+    """The folder of a ``loopformer run``: ``--out`` (refused when it holds a previous run, unless
+    ``overwrite``), else a new ``runs/<timestamp>`` (``-2``, ``-3``... when that name is taken)."""
+    from loopformer.train.run_folder import RunFolderError, holds_run
+
+    if out_dir:
+        out = Path(out_dir)
+        previous = (out / "summary.json").is_file() or holds_run(out / "model") or holds_run(out / "baseline")
+        if previous and not overwrite:
+            raise RunFolderError(f"{out} holds a previous `loopformer run`; pass another --out, leave --out "
+                                 f"out for a new runs/<timestamp> folder, or replace it with --overwrite")
+        return out
+    stamp = Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    out, n = stamp, 1
+    while True:  # mkdir claims the name atomically (two runs started in the same second)
+        try:
+            out.mkdir(parents=True)
+            return out
+        except FileExistsError:
+            n += 1
+            out = stamp.with_name(f"{stamp.name}-{n}")
+
+
 @click.command("run")
 @click.option("--recipe", "-r", default=DEFAULT_RECIPE, show_default=True, help="recipe name (in recipes/) or path")
-@click.option("--out", "-o", "out_dir", default=None, help="run folder (default runs/<timestamp>)")
+@click.option("--out", "-o", "out_dir", default=None, help="run folder (default: a new runs/<timestamp>)")
+@click.option("--overwrite", is_flag=True, help="replace the previous run in --out (moved aside once the new "
+              "models' first checkpoints are written)")
 @click.argument("overrides", nargs=-1)
-def run(recipe: str, out_dir: str | None, overrides: tuple[str, ...]) -> None:
+def run(recipe: str, out_dir: str | None, overwrite: bool, overrides: tuple[str, ...]) -> None:
     """Train the recipe's looped model and an equal-size plain transformer, evaluate both, report.
 
     OVERRIDES are key=value pairs: train.steps=200 (both models), run.lens_loops=0, baseline.train.lr=1e-3.
+    Without --out every run gets a new folder runs/<timestamp>; an --out folder holding a previous run is
+    refused unless --overwrite is given.
     """
     from rich.console import Console
 
     console = Console(highlight=False)
-    out = Path(out_dir) if out_dir else Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    out = run_folder_for(out_dir, overwrite)
+    if overwrite:
+        overrides = (*overrides, "train.overwrite=true")
     main_cfg, base_cfg, section, base_desc = build_run_configs(recipe, overrides, out)
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()

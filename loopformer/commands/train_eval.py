@@ -17,7 +17,9 @@ from loopformer.eval.evaluate import arc_pass_at_k, evaluate_lm
 @click.argument("overrides", nargs=-1)
 @click.option("--resume", is_flag=True, help="continue from the run folder's latest checkpoint")
 @click.option("--out", "-o", "out_dir", default=None, help="run folder (overrides out_dir)")
-def train(recipe: str, overrides: tuple[str, ...], resume: bool, out_dir: str | None) -> None:
+@click.option("--overwrite", is_flag=True,
+              help="replace a previous run in the folder (moved aside once the new run's first checkpoint is written)")
+def train(recipe: str, overrides: tuple[str, ...], resume: bool, out_dir: str | None, overwrite: bool) -> None:
     """Train the model of RECIPE (a name in recipes/ or a path); OVERRIDES are key=value pairs."""
     from rich.console import Console
 
@@ -32,6 +34,8 @@ def train(recipe: str, overrides: tuple[str, ...], resume: bool, out_dir: str | 
         extra.append(f"out_dir={out_dir}")
     if resume:
         extra.append("train.resume=true")
+    if overwrite:
+        extra.append("train.overwrite=true")
     cfg = build_config(raw, extra)
     trainer = Trainer(cfg)
     console = Console(highlight=False, quiet=not trainer.dist_env.is_main)  # rank 0 speaks under torchrun

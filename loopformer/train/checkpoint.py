@@ -19,21 +19,24 @@ newest ``keep`` checkpoints are kept. Nothing is ever unpickled: safetensors and
 from __future__ import annotations
 
 import json
+import logging
 import os
-import random
 import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from loopformer.config import RunConfig, config_to_json, load_config_file
+from loopformer.config import ConfigError, RunConfig, config_to_json, load_config_file
+from loopformer.train.manifest import verify_checkpoint, write_manifest
+from loopformer.train.state import flatten_state, rng_state, set_rng_state, unflatten_state  # noqa: F401 (re-exported)
+
+log = logging.getLogger("loopformer.train")
 
 LATEST = "latest"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -41,84 +44,6 @@ _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 class CheckpointError(RuntimeError):
     """A missing, corrupt or mismatched checkpoint; the message names the file or parameter."""
-
-
-# --------------------------------------------------------------------------------------------
-# Nested state <-> (JSON skeleton, tensor table)
-# --------------------------------------------------------------------------------------------
-def flatten_state(obj: Any, tensors: dict[str, Tensor] | None = None, prefix: str = "s") -> tuple[Any, dict]:
-    """Replace every tensor in ``obj`` by ``{"__tensor__": key}``; returns (skeleton, tensors)."""
-    tensors = {} if tensors is None else tensors
-    if isinstance(obj, Tensor):
-        key = f"{prefix}"
-        tensors[key] = obj.detach().to("cpu", copy=True).contiguous()
-        return {"__tensor__": key}, tensors
-    if isinstance(obj, np.ndarray):
-        key = f"{prefix}"
-        tensors[key] = torch.from_numpy(np.ascontiguousarray(obj).copy())
-        return {"__ndarray__": key}, tensors
-    if isinstance(obj, dict):
-        if all(isinstance(k, str) for k in obj):
-            return {k: flatten_state(v, tensors, f"{prefix}.{k}")[0] for k, v in obj.items()}, tensors
-        if all(isinstance(k, int) and not isinstance(k, bool) for k in obj):
-            items = {str(k): flatten_state(v, tensors, f"{prefix}.{k}")[0] for k, v in obj.items()}
-            return {"__intdict__": items}, tensors
-        raise TypeError(f"cannot checkpoint a dict with keys {list(obj)[:5]} at {prefix}")
-    if isinstance(obj, list | tuple):
-        items = [flatten_state(v, tensors, f"{prefix}.{i}")[0] for i, v in enumerate(obj)]
-        return (items if isinstance(obj, list) else {"__tuple__": items}), tensors
-    if obj is None or isinstance(obj, bool | int | float | str):
-        return obj, tensors
-    if isinstance(obj, np.integer | np.floating | np.bool_):
-        return obj.item(), tensors
-    raise TypeError(f"cannot checkpoint a {type(obj).__name__} at {prefix} (tensors, numbers, strings only)")
-
-
-def unflatten_state(skeleton: Any, tensors: dict[str, Tensor]) -> Any:
-    """Inverse of ``flatten_state``."""
-    if isinstance(skeleton, dict):
-        if set(skeleton) == {"__tensor__"}:
-            return tensors[skeleton["__tensor__"]]
-        if set(skeleton) == {"__ndarray__"}:
-            return tensors[skeleton["__ndarray__"]].numpy()
-        if set(skeleton) == {"__intdict__"}:
-            return {int(k): unflatten_state(v, tensors) for k, v in skeleton["__intdict__"].items()}
-        if set(skeleton) == {"__tuple__"}:
-            return tuple(unflatten_state(v, tensors) for v in skeleton["__tuple__"])
-        return {k: unflatten_state(v, tensors) for k, v in skeleton.items()}
-    if isinstance(skeleton, list):
-        return [unflatten_state(v, tensors) for v in skeleton]
-    return skeleton
-
-
-# --------------------------------------------------------------------------------------------
-# RNG states
-# --------------------------------------------------------------------------------------------
-def rng_state() -> dict[str, Any]:
-    """torch (CPU and every CUDA device), numpy and python RNG states as tensors / lists."""
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
-    version, internal, gauss_next = random.getstate()
-    state: dict[str, Any] = {
-        "torch": torch.get_rng_state(),
-        "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-                  "has_gauss": int(has_gauss), "cached": float(cached)},
-        "python": {"version": version, "internal": list(internal), "gauss_next": gauss_next},
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = list(torch.cuda.get_rng_state_all())
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"].to(torch.uint8))
-    n = state["numpy"]
-    np.random.set_state(
-        (n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached"])
-    )
-    p = state["python"]
-    random.setstate((p["version"], tuple(p["internal"]), p["gauss_next"]))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([t.to(torch.uint8) for t in state["cuda"]])
 
 
 # --------------------------------------------------------------------------------------------
@@ -155,8 +80,12 @@ def load_weights(path: str | Path) -> dict[str, Tensor]:
             meta = handle.metadata() or {}
     except (SafetensorError, OSError, ValueError, RuntimeError) as err:
         raise CheckpointError(f"checkpoint file {path} is corrupt or truncated: {err}") from None
-    for alias, target in json.loads(meta.get("aliases", "{}")).items():
-        tensors[alias] = tensors[target]
+    try:
+        aliases = json.loads(meta.get("aliases", "{}"))
+        for alias, target in aliases.items():
+            tensors[str(alias)] = tensors[target]
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raise CheckpointError(f"checkpoint file {path} has corrupt alias metadata") from None
     return tensors
 
 
@@ -261,6 +190,7 @@ def save_checkpoint(
     skeleton, tensors = flatten_state({"step": step, **(training_state or {})})
     save_file(tensors, str(tmp / "state.safetensors"))
     (tmp / "state.json").write_text(json.dumps(skeleton))
+    write_manifest(tmp)  # sizes + SHA-256 of every file, fsynced: a resume verifies before it trusts
     _fsync_dir(tmp)
     final = root / name
     if final.exists():  # re-saving a step (after a resume): swap the old folder out first
@@ -279,16 +209,89 @@ def save_checkpoint(
     return final
 
 
+def _pointer_target(root: Path) -> Path | None:
+    """The step folder ``root/latest`` names: a plain ``step_N`` name inside ``root`` only (an
+    absolute path, ``..`` or anything else is ignored with a warning, never followed)."""
+    pointer = root / LATEST
+    if not pointer.is_file():
+        return None
+    try:
+        name = pointer.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError):
+        name = None
+    if name is None or not _STEP_DIR.match(name):
+        log.warning("%s does not hold a step_N folder name; ignoring it", pointer)
+        return None
+    target = root / name
+    return target if target.is_dir() else None
+
+
 def latest_checkpoint(root: str | Path) -> Path | None:
     """The folder ``root/latest`` points to (or the newest step folder), None when there is none."""
     root = Path(root)
-    pointer = root / LATEST
-    if pointer.is_file():
-        target = root / pointer.read_text().strip()
-        if target.is_dir():
-            return target
+    target = _pointer_target(root)
+    if target is not None:
+        return target
     dirs = step_dirs(root)
     return dirs[-1] if dirs else None
+
+
+def candidate_checkpoints(root: str | Path) -> list[Path]:
+    """Checkpoint folders under ``root``, newest first (the ``latest`` pointer's target leads)."""
+    root = Path(root)
+    dirs = step_dirs(root)[::-1]
+    target = _pointer_target(root)
+    if target is not None and target in dirs:
+        dirs.remove(target)
+        dirs.insert(0, target)
+    return dirs
+
+
+def latest_good_checkpoint(root: str | Path) -> tuple[Path | None, list[str]]:
+    """(the newest checkpoint under ``root`` that verifies and holds finite weights, the reasons the
+    newer ones were skipped: "step_N: why")."""
+    skipped = []
+    for folder in candidate_checkpoints(root):
+        why = verify_checkpoint(folder) or _nonfinite_reason(folder)
+        if why is None:
+            return folder, skipped
+        skipped.append(f"{folder}: {why}")
+    return None, skipped
+
+
+def _nonfinite_reason(folder: Path) -> str | None:
+    try:
+        bad = nonfinite_tensors(load_weights(folder / "model.safetensors"))
+    except CheckpointError as err:
+        return str(err)
+    return f"non-finite weights ({bad[0]!r})" if bad else None
+
+
+def nonfinite_tensors(tensors: dict[str, Tensor]) -> list[str]:
+    """Names of floating-point tensors holding a NaN or an infinity."""
+    return [name for name, t in tensors.items()
+            if t.is_floating_point() and t.numel() and not bool(torch.isfinite(t).all())]
+
+
+def quarantine_after(root: str | Path, step: int) -> Path | None:
+    """After divergence at ``step``: rename checkpoints from ``step`` on (their weights produced the
+    divergence) and any with non-finite weights to ``diverged_step_N``; point ``latest`` at the newest
+    remaining good one and return it (None when there is none)."""
+    root = Path(root)
+    good = None
+    for folder in candidate_checkpoints(root):
+        m = _STEP_DIR.match(folder.name)
+        if good is None and int(m.group(1)) < step and verify_checkpoint(folder, hashes=False) is None \
+                and _nonfinite_reason(folder) is None:
+            good = folder
+        elif good is None:
+            os.replace(folder, folder.with_name(f"diverged_{folder.name}"))
+            log.warning("divergence: %s renamed to diverged_%s (not a good checkpoint)", folder, folder.name)
+    if good is not None:
+        _write_text_atomic(root / LATEST, good.name + "\n")
+    elif (root / LATEST).is_file():
+        (root / LATEST).unlink()
+    return good
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
@@ -325,11 +328,39 @@ def read_checkpoint_config(path: str | Path, check: bool = False) -> tuple[RunCo
     cfg_path = folder / "config.json"
     if not cfg_path.is_file():
         raise CheckpointError(f"checkpoint {folder} has no config.json")
+    raw = _read_json(cfg_path)
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{cfg_path} does not hold a config object")
+    step = raw.get("step", 0)
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise CheckpointError(f"{cfg_path}: 'step' must be a non-negative integer")
     try:
-        raw = json.loads(cfg_path.read_text())
+        config = load_config_file(cfg_path, check=check)
+    except ConfigError as err:
+        raise CheckpointError(f"{cfg_path}: {err}") from None
+    return config, str(raw.get("family", "")), step
+
+
+def _read_json(path: Path) -> Any:
+    """Parsed JSON; CheckpointError naming the file and position (never its contents)."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as err:
+        raise CheckpointError(f"{path} is corrupt: not UTF-8 (byte {err.start})") from None
     except json.JSONDecodeError as err:
-        raise CheckpointError(f"{cfg_path} is corrupt: {err}") from None
-    return load_config_file(cfg_path, check=check), str(raw.get("family", "")), int(raw.get("step", 0))
+        raise CheckpointError(f"{path} is corrupt: invalid JSON at line {err.lineno}, column {err.colno}") from None
+    except (OSError, ValueError, RecursionError) as err:
+        raise CheckpointError(f"{path} is unreadable ({type(err).__name__})") from None
+
+
+def verified(folder: Path) -> Path:
+    """``folder`` after checking it against its manifest; CheckpointError naming what is wrong."""
+    why = verify_checkpoint(folder)
+    if why is not None:
+        name = why.split(" ", 1)[0]
+        where = folder / name if (folder / name).exists() else folder
+        raise CheckpointError(f"checkpoint file {where} is corrupt or truncated: {why}")
+    return folder
 
 
 def load_checkpoint(
@@ -344,7 +375,7 @@ def load_checkpoint(
     builds the model from the checkpoint's config. ``use_ema``: load the EMA weights when the
     checkpoint has them. Raises CheckpointError naming the file or parameter at fault.
     """
-    folder = resolve_checkpoint(path)
+    folder = verified(resolve_checkpoint(path))
     config, family, step = read_checkpoint_config(folder)
     if model is None:
         from loopformer.models.registry import MODELS, build_model
@@ -390,16 +421,13 @@ def check_weights_subset(weights: dict[str, Tensor], model: nn.Module, source: s
 
 def load_training_state(path: str | Path) -> dict[str, Any]:
     """The nested training state saved by ``save_checkpoint`` (tensors on CPU)."""
-    folder = resolve_checkpoint(path)
+    folder = verified(resolve_checkpoint(path))
     json_path, tensor_path = folder / "state.json", folder / "state.safetensors"
     if not json_path.is_file():
         raise CheckpointError(f"checkpoint {folder} has no state.json (not a training checkpoint?)")
-    try:
-        skeleton = json.loads(json_path.read_text())
-    except json.JSONDecodeError as err:
-        raise CheckpointError(f"{json_path} is corrupt: {err}") from None
+    skeleton = _read_json(json_path)
     tensors = load_weights(tensor_path) if tensor_path.is_file() else {}
     try:
         return unflatten_state(skeleton, tensors)
-    except KeyError as err:
-        raise CheckpointError(f"{tensor_path} lacks tensor {err.args[0]!r} named in {json_path}") from None
+    except (KeyError, TypeError) as err:
+        raise CheckpointError(f"{json_path} does not match {tensor_path} ({type(err).__name__})") from None

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +29,6 @@ from loopformer.models.base import LoopedModel
 from loopformer.nn import autocast
 from loopformer.tasks.base import Task, TokenDataset
 from loopformer.train import dist
-from loopformer.train.checkpoint import step_dirs
 from loopformer.train.data import Batch, make_batch
 from loopformer.train.losses import accuracy
 
@@ -167,7 +165,7 @@ def reduce_metrics(metrics: dict[str, Any], world_size: int) -> dict[str, Any]:
 # the run folder's logs
 # ----------------------------------------------------------------------------------------------
 def prepare_run_dir(config: RunConfig, run_dir: Path, ckpt_dir: Path, resumed: bool, step: int) -> Any:
-    """Write the config; trim (resumed) or clear (fresh run) old metrics and checkpoints.
+    """Write the config; a resumed run drops the metrics its killed predecessor wrote past ``step``.
 
     Returns a TensorBoard ``SummaryWriter`` when ``train.tensorboard`` is on and installed, else None.
     """
@@ -175,21 +173,10 @@ def prepare_run_dir(config: RunConfig, run_dir: Path, ckpt_dir: Path, resumed: b
     save_config(config, run_dir)
     metrics = run_dir / "metrics.jsonl"
     if resumed and metrics.is_file():  # drop lines the killed run wrote after it
-        kept = [
-            line for line in metrics.read_text().splitlines()
-            if line.strip() and json.loads(line).get("step", 0) <= step
-        ]
+        kept = [line for line in metrics.read_text(errors="replace").splitlines() if _step_of(line) <= step]
         metrics.write_text("".join(line + "\n" for line in kept))
-    elif not resumed:  # a fresh run owns its folder: no stale metrics or checkpoints
-        if metrics.is_file():
-            metrics.unlink()
-        stale = step_dirs(ckpt_dir)
-        if stale:
-            log.warning("fresh run in %s: removing %d old checkpoints (use train.resume=true to continue)",
-                        run_dir, len(stale))
-        for folder in stale:
-            shutil.rmtree(folder)
-        (ckpt_dir / "latest").unlink(missing_ok=True)
+    # a fresh run never deletes anything: loopformer.train.run_folder refused a folder holding a run
+    # (or, with --overwrite, made this a staging folder that replaces the old run at the first checkpoint)
     if config.train.tensorboard:
         try:
             from torch.utils.tensorboard import SummaryWriter
@@ -198,6 +185,15 @@ def prepare_run_dir(config: RunConfig, run_dir: Path, ckpt_dir: Path, resumed: b
         else:
             return SummaryWriter(str(run_dir / "tensorboard"))
     return None
+
+
+def _step_of(line: str) -> float:
+    """A metrics line's step; infinity for a line a killed run left torn (dropped on resume)."""
+    try:
+        record = json.loads(line)
+        return float(record.get("step", 0))
+    except (ValueError, AttributeError, TypeError):
+        return math.inf
 
 
 def write_metrics(run_dir: Path, record: dict[str, Any], tb: Any, step: int) -> None:

@@ -71,10 +71,12 @@ from loopformer.train.carry import (
 from loopformer.train.checkpoint import (
     CheckpointError,
     check_weights,
-    latest_checkpoint,
+    latest_good_checkpoint,
     load_training_state,
     load_weights,
     load_weights_into,
+    nonfinite_tensors,
+    quarantine_after,
     rng_state,
     save_checkpoint,
     set_rng_state,
@@ -92,6 +94,7 @@ from loopformer.train.metrics import (
     write_metrics,
 )
 from loopformer.train.optim import EMA, build_optimizer, clip_grad_norm, lr_at, set_lr
+from loopformer.train.run_folder import RunFolder
 from loopformer.train.setup import build_run_model, loop_sampler, physical_cores, resolve_device, task_dataset
 
 log = logging.getLogger("loopformer.train")
@@ -214,7 +217,14 @@ class Trainer:
         self.resumed_from: Path | None = None
         self.last_metrics: dict[str, Any] = {}
         self.last_eval: dict[str, Any] = {}
-        self._resume()
+        # lock the folder; a fresh run never destroys a previous one (loopformer.train.run_folder)
+        self.folder = RunFolder(self.run_dir, bool(tc.resume), tc.overwrite, self.dist_env.is_main)
+        self.run_dir, self.ckpt_dir = self.folder.write_dir, self.folder.write_dir / "checkpoints"
+        try:
+            self._resume()
+        except BaseException:
+            self.folder.close()
+            raise
 
     # ------------------------------------------------------------------------------------------
     # checkpoints and resume
@@ -243,6 +253,9 @@ class Trainer:
         if self.fsdp:  # gather the shards (every rank takes part); rank 0 writes plain tensors
             weights = dist.full_state(self.model.state_dict())
             ema_state = dist.full_state(ema_state) if ema_state is not None else None
+        bad = nonfinite_tensors(weights if weights is not None else self.model.state_dict())
+        if bad:  # never write (or call good) a checkpoint of blown-up weights
+            self._diverged("weights", float("nan"), f"non-finite parameter {bad[0]!r}")
         if self.dist_env.is_main:
             self.last_checkpoint = save_checkpoint(
                 self.ckpt_dir,
@@ -256,6 +269,10 @@ class Trainer:
             )
         else:
             self.last_checkpoint = self.ckpt_dir / f"step_{self.step:08d}"
+        if self.folder.staging is not None:  # --overwrite: the old run is moved aside only now
+            self.folder.complete_overwrite()
+            self.run_dir, self.ckpt_dir = self.folder.write_dir, self.folder.write_dir / "checkpoints"
+            self.last_checkpoint = self.ckpt_dir / self.last_checkpoint.name
         dist.barrier()
         return self.last_checkpoint
 
@@ -264,9 +281,11 @@ class Trainer:
         if resume is False or resume == "":
             return
         if resume is True:
-            folder = latest_checkpoint(self.ckpt_dir)
+            folder, skipped = latest_good_checkpoint(self.ckpt_dir)
+            for reason in skipped:
+                log.warning("resume: skipped %s", reason)
             if folder is None:
-                log.info("resume: no checkpoint in %s, starting from scratch", self.ckpt_dir)
+                log.info("resume: no usable checkpoint in %s, starting from scratch", self.ckpt_dir)
                 return
         else:
             from loopformer.train.checkpoint import resolve_checkpoint
@@ -362,9 +381,16 @@ class Trainer:
 
     def _check(self, quantity: str, value: float, limit: float | None = None) -> None:
         if not math.isfinite(value) or (limit is not None and value > limit):
-            self.optimizer.zero_grad(set_to_none=True)
-            self._write_metrics({"step": self.step, "diverged": quantity, "value": value})
-            raise TrainingDivergedError(self.step, quantity, value, self.last_checkpoint)
+            self._diverged(quantity, value)
+
+    def _diverged(self, quantity: str, value: float, detail: str = "") -> None:
+        """Record the failed step (``step`` = the step that was attempted: one record per step) and
+        raise, naming the newest checkpoint from before it whose weights are finite."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self._write_metrics({"step": self.step + 1, "diverged": quantity, "value": value,
+                             **({"detail": detail} if detail else {})})
+        good = quarantine_after(self.ckpt_dir, self.step) if self.dist_env.is_main else None
+        raise TrainingDivergedError(self.step, quantity if not detail else f"{quantity} ({detail})", value, good)
 
     def train_step(self) -> dict[str, Any]:
         """One optimiser step (one segment in deep supervision); returns its metrics."""
@@ -532,6 +558,19 @@ class Trainer:
     def _prepare_run_dir(self) -> None:
         self._tb = prepare_run_dir(self.config, self.run_dir, self.ckpt_dir, self.resumed_from is not None, self.step)
 
+    def _finish(self) -> None:
+        """Final checkpoint (before the final evaluation: an evaluation error never loses the trained
+        weights), evaluation, and the last step's one metrics record (training + eval)."""
+        record = dict(self.last_metrics) if self.last_metrics.get("step") == self.step else {}
+        self.save()
+        self.last_eval = {}
+        try:
+            self.last_eval = self.evaluate()
+        finally:
+            record.update({f"eval_{k}": v for k, v in self.last_eval.items()})
+            if record:
+                self._write_metrics({"step": self.step, **record})
+
     def fit(self) -> dict[str, Any]:
         """Train to ``train.steps`` optimiser steps (continuing a resumed run); returns a summary."""
         tc = self.config.train
@@ -550,23 +589,22 @@ class Trainer:
                     self.step += 1
                     metrics["time"] = round(self.elapsed_before + self._elapsed(), 3)
                     self.last_metrics = metrics
-                    if self.step % tc.log_every == 0 or self.step == tc.steps:
-                        self._write_metrics(metrics)
                     cc = self.config.data.curriculum
                     if self.curriculum is not None and not self.curriculum.done and self.step % cc.check_every == 0:
                         self._curriculum_check()
+                    record = metrics if self.step % tc.log_every == 0 or self.step == tc.steps else {}
                     if tc.eval_every and self.step % tc.eval_every == 0 and self.step < tc.steps:
-                        self.last_eval = self.evaluate()
-                        self._write_metrics({"step": self.step, **{f"eval_{k}": v for k, v in self.last_eval.items()}})
+                        self.last_eval = self.evaluate()  # one metrics record per step: eval joins it
+                        record = {**record, "step": self.step, **{f"eval_{k}": v for k, v in self.last_eval.items()}}
+                    if record and self.step < tc.steps:
+                        self._write_metrics(record)
                     if tc.checkpoint_every and self.step % tc.checkpoint_every == 0 and self.step < tc.steps:
                         self.save()
                     if bar:
                         bar.update(task_id, completed=self.step, info=bar_info(metrics))
-            self.save()  # before the final evaluation: an evaluation error never loses the trained weights
-            self.last_eval = self.evaluate()
-            if self.last_eval:
-                self._write_metrics({"step": self.step, **{f"eval_{k}": v for k, v in self.last_eval.items()}})
+            self._finish()
         finally:
+            self.folder.close()
             if getattr(self, "_tb", None) is not None:
                 self._tb.close()
             if self._owns_group:  # the process group this trainer created (torchrun) ends with the run
