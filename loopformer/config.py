@@ -27,11 +27,45 @@ import os
 import types
 import typing
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
+
+from loopformer.config_schema import (
+    CurriculumConfig,
+    DataConfig,
+    EvalConfig,
+    ModelSpec,
+    RunConfig,
+    TrainConfig,
+)
+
+__all__ = [
+    "CHECKPOINT_META_KEYS",
+    "RECIPE_DIR",
+    "ConfigError",
+    "CurriculumConfig",
+    "DataConfig",
+    "EvalConfig",
+    "ModelSpec",
+    "RunConfig",
+    "TrainConfig",
+    "apply_overrides",
+    "build_config",
+    "coerce",
+    "config_to_json",
+    "config_to_yaml",
+    "find_recipe",
+    "from_dict",
+    "load_config",
+    "load_config_file",
+    "parse_override",
+    "read_recipe",
+    "save_config",
+    "to_dict",
+    "validate",
+]
 
 CHECKPOINT_META_KEYS = ("family", "step")  # written next to the config in checkpoints
 RECIPE_DIR = Path(__file__).resolve().parent / "recipes"  # shipped in the wheel; ./recipes links here
@@ -39,169 +73,6 @@ RECIPE_DIR = Path(__file__).resolve().parent / "recipes"  # shipped in the wheel
 
 class ConfigError(ValueError):
     """A bad recipe or override: the message names the dotted key and the nearest valid one."""
-
-
-# --------------------------------------------------------------------------------------------
-# The schema
-# --------------------------------------------------------------------------------------------
-@dataclass
-class ModelSpec:
-    """A model family (``loopformer.models.registry.MODELS``) and fields of its config class.
-
-    In YAML the fields sit next to ``name``: ``model: {name: fprm, d_model: 64}``. Fields not
-    given (vocab_size, seq_len, causal, num_puzzle_ids, grid) are filled from the task by the
-    trainer; the loop the model runs by default is ``model.loop`` (a ``LoopConfig`` table).
-    """
-
-    name: str = "fprm"
-    fields: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class CurriculumConfig:
-    """Difficulty curriculum (Loop, Think & Generalize, SYSTEMS.md section 3).
-
-    Train on examples with difficulty <= level; start at ``start``; advance by ``step`` when the
-    exact-match accuracy on the current level (measured every ``check_every`` steps on up to
-    ``sample`` examples from the held-out set, or recent training examples when ``source`` is
-    "train" or the held-out set has none at that level) reaches ``threshold``.
-    """
-
-    enabled: bool = False
-    start: float = 2.0
-    step: float = 1.0
-    max_level: float | None = None  # None: the largest difficulty in the training set
-    threshold: float = 0.95
-    check_every: int = 100
-    sample: int = 256
-    source: Literal["eval", "train"] = "eval"
-
-
-@dataclass
-class DataConfig:
-    """Which task, its constructor options, and how the train / eval sets are produced.
-
-    Each set (``loopformer.train.data.load_split``) comes from ``<split>_path`` when given: a folder
-    is read as the HRM / TRM on-disk format (``<path>/train`` for training, ``<path>/test`` for
-    evaluation, or the split folder itself), a file with ``task.load``; every row is used and the
-    size is ignored. Otherwise ``task.generate(<split>_size, <split>_seed, **<split>_generate)``:
-    a size of 0 means "all rows" for tasks with a finite pool (ARC, the KG tasks) and gives no rows
-    for tasks that generate on demand (then there is no held-out set; an empty training set is an
-    error).
-    """
-
-    task: str = "sudoku"
-    options: dict[str, Any] = field(default_factory=dict)  # get_task(task, **options)
-    train_generate: dict[str, Any] = field(default_factory=dict)  # task.generate(n, seed, **these)
-    eval_generate: dict[str, Any] = field(default_factory=dict)
-    train_size: int = 1000  # 0: all rows (see above)
-    eval_size: int = 200  # 0: all rows; none for generated tasks
-    train_seed: int = 0
-    eval_seed: int = 1
-    train_path: str | None = None  # a file (task.load) or an HRM folder (load_hrm_folder) instead of generating
-    eval_path: str | None = None
-    curriculum: CurriculumConfig = field(default_factory=CurriculumConfig)
-
-
-@dataclass
-class TrainConfig:
-    """Optimisation, the training loop mode and logging / checkpoint cadence."""
-
-    mode: Literal["simple", "deep_supervision"] = "simple"
-    steps: int = 1000
-    batch_size: int = 64
-    # optimiser (AdamW) and schedule
-    lr: float = 1e-3
-    weight_decay: float = 0.1
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = 1e-8
-    optimizer: Literal["adamw", "adam_atan2"] = "adamw"  # adam_atan2: TRM / HRM (train/optim.py AdamATan2)
-    decay_all: bool = False  # weight decay on every parameter, biases included (TRM / HRM)
-    puzzle_emb_optimizer: Literal["same", "sign_sgd"] = "same"  # sign_sgd: TRM / HRM's sparse-embedding SignSGD
-    puzzle_emb_lr: float = 1e-2  # sign-SGD rate of the puzzle embedding (TRM / HRM puzzle_emb_lr)
-    puzzle_emb_weight_decay: float = 0.1  # its decoupled weight decay (puzzle_emb_weight_decay)
-    warmup_steps: int = 100
-    schedule: Literal["constant", "cosine"] = "constant"
-    min_lr_ratio: float = 0.0  # cosine floor as a fraction of lr
-    grad_clip: float = 1.0  # max global grad norm; 0 = off
-    decay_embeddings: bool = True  # False: embeddings get no weight decay
-    ema: float = 0.0  # EMA decay of the weights (0.999 in TRM / FPRM); 0 = off
-    ema_warmup: bool = True  # decay_t = min(ema, (1 + t) / (10 + t)); False = TRM's plain EMA
-    # losses
-    loss: Literal["ce", "stablemax"] = "ce"
-    q_loss_weight: float = 0.5  # BCE of the Q / halting head (models with one)
-    ponder_weight: float = 0.01  # times ModelOutput.aux_loss (ACT ponder cost)
-    jacobian_weight: float = 0.0  # Hutchinson ||J||_F^2 at the final state; 0 = off
-    # simple mode: loop count per step from a sampler seeded by the global step
-    # loopformer.loop.make_sampler kind: fixed (n = loop_train.max_steps unless given; fixed halting) |
-    # poisson | lognormal_poisson; "none": no sampler, the loop_train config as is (its own halting rule)
-    loop_sampler: str = "fixed"
-    loop_sampler_options: dict[str, Any] = field(default_factory=dict)
-    # deep supervision: carried slots, one segment per step
-    max_segments: int = 16
-    halt_on_q: bool = False  # TRM: a slot halts when its Q logit > 0
-    halt_exploration: float = 0.1  # TRM: probability of forcing a random minimum segment count
-    halt_on_converged: bool = False  # FPRM: a slot halts when its loop converged
-    # logging, evaluation, checkpoints
-    log_every: int = 10
-    eval_every: int = 0  # 0: evaluate at the end only
-    checkpoint_every: int = 0  # 0: checkpoint at the end only
-    keep_checkpoints: int = 3
-    resume: bool | str = False  # True: the run folder's latest checkpoint; str: a checkpoint folder
-    overwrite: bool = False  # a fresh run into a folder holding a run replaces it (moved aside at the first checkpoint)
-    max_state_norm: float = 1e6  # a larger mean state norm counts as divergence
-    max_loss: float = 1e4  # a larger loss counts as divergence
-    progress: bool = True  # rich progress bar
-    tensorboard: bool = False
-    threads: int = 0  # CPU threads; 0 = physical cores
-    # multi-process (torchrun), see loopformer/train/dist.py
-    strategy: Literal["ddp", "fsdp"] = "ddp"
-    sync_halting: bool = False  # every rank leaves each loop on the same global step count (one all-reduce per step)
-    find_unused_parameters: bool | None = None  # None: decided by a probe forward/backward of the real loss
-
-
-@dataclass
-class EvalConfig:
-    """Evaluation settings (used by loopformer.eval and the trainer's periodic evaluation)."""
-
-    batch_size: int = 256
-    max_examples: int = 0  # 0: the whole eval set
-    use_ema: bool = True  # evaluate the EMA weights when the run keeps an EMA
-    segments: int = 1  # chained forward calls carrying the state (TRM / HRM evaluate 16)
-    check: bool = True  # also score with the task's independent validator
-
-
-@dataclass
-class RunConfig:
-    """Everything a run needs; dumped to ``config.yaml`` / ``config.json`` in every run folder."""
-
-    model: ModelSpec = field(default_factory=ModelSpec)
-    data: DataConfig = field(default_factory=DataConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    loop_train: dict[str, Any] = field(default_factory=dict)  # LoopConfig fields for training
-    loop_eval: dict[str, Any] = field(default_factory=dict)  # LoopConfig fields for evaluation
-    out_dir: str = "runs/default"
-    seed: int = 0
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    bf16: bool = True  # bf16 autocast when running on CUDA; CPU always runs float32
-    compile: bool = False  # torch.compile the model's step (the looped body)
-
-    # -- derived objects ------------------------------------------------------------------------
-    def model_config(self, **defaults: Any) -> Any:
-        """The family's config object; ``defaults`` (e.g. from the task) apply where unset."""
-        from loopformer.models.registry import make_config
-
-        fields_ = {**defaults, **self.model.fields}
-        try:
-            return make_config(self.model.name, **_model_fields(self.model.name, fields_, "model"))
-        except KeyError as err:
-            raise ConfigError(str(err.args[0]) if err.args else str(err)) from None
-
-    def loop_config(self, base: Any, phase: Literal["train", "eval"]) -> Any:
-        """``base`` (the model's default LoopConfig) with this run's train / eval overrides."""
-        overrides = self.loop_train if phase == "train" else self.loop_eval
-        return _merge_fields(base, _loop_fields(overrides, f"loop_{phase}"), f"loop_{phase}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -452,35 +323,10 @@ def to_dict(obj: Any) -> Any:
 
 
 def validate(cfg: RunConfig) -> RunConfig:
-    """Check what depends on other modules: model family fields and loop override keys.
+    """Check every value once the config is built (``loopformer.config_validate.validate``)."""
+    from loopformer.config_validate import validate as _validate
 
-    Model fields are replaced by their coerced values (e.g. a nested ``loop`` table stays a
-    table but its values get their LoopConfig types), so the dump round-trips.
-    """
-    fields_ = _model_fields(cfg.model.name, cfg.model.fields, "model")
-    cfg.model.fields = {k: to_dict(v) for k, v in fields_.items()}
-    cfg.loop_train = to_dict(_loop_fields(cfg.loop_train, "loop_train"))
-    cfg.loop_eval = to_dict(_loop_fields(cfg.loop_eval, "loop_eval"))
-    try:  # values the family / LoopConfig validate themselves (ranges, choices)
-        base = cfg.model_config().loop
-    except (ValueError, TypeError) as err:
-        if isinstance(err, ConfigError):
-            raise
-        raise ConfigError(f"model: {err}") from None
-    cfg.loop_config(base, "train")
-    cfg.loop_config(base, "eval")
-    t = cfg.train
-    for key in ("steps", "batch_size", "max_segments", "log_every"):
-        if getattr(t, key) < 1:
-            raise ConfigError(f"train.{key} must be >= 1, got {getattr(t, key)}")
-    for key in ("warmup_steps", "eval_every", "checkpoint_every", "keep_checkpoints", "threads"):
-        if getattr(t, key) < 0:
-            raise ConfigError(f"train.{key} must be >= 0, got {getattr(t, key)}")
-    if not 0.0 <= t.ema < 1.0:
-        raise ConfigError(f"train.ema must be in [0, 1), got {t.ema}")
-    if t.lr <= 0:
-        raise ConfigError(f"train.lr must be > 0, got {t.lr}")
-    return cfg
+    return _validate(cfg)
 
 
 # --------------------------------------------------------------------------------------------
@@ -513,18 +359,36 @@ def read_recipe(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any
     path = find_recipe(path).resolve()
     if path in _seen:
         raise ConfigError(f"recipe base cycle: {' -> '.join(str(p) for p in (*_seen, path))}")
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as err:
-        raise ConfigError(f"recipe {path} is not valid YAML: {err}") from None
+    data = _load_yaml(read_text(path, "recipe"), f"recipe {path}")
+    data = {} if data is None else data
     if not isinstance(data, Mapping):
         raise ConfigError(f"recipe {path} must be a table of config keys, got {type(data).__name__}")
     data = dict(data)
     parent = data.pop("base", None)
+    if parent is not None and not isinstance(parent, str):
+        raise ConfigError(f"recipe {path}: 'base' must be a recipe file name, got a {type(parent).__name__}")
     if parent is not None:
         parent_path = Path(parent) if Path(parent).is_absolute() else path.parent / parent
         data = _merge(read_recipe(parent_path, (*_seen, path)), data)
     return data
+
+
+def read_text(path: Path, what: str) -> str:
+    """A UTF-8 text file; ConfigError naming the file (and the first bad byte) otherwise."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(
+            f"{what} {path} is not UTF-8 text (byte {err.start} is 0x{err.object[err.start]:02x})"
+        ) from None
+    except OSError as err:
+        raise ConfigError(f"cannot read {what} {path}: {err.strerror or type(err).__name__}") from None
+
+
+def _load_yaml(text: str, where: str) -> Any:
+    from loopformer.config_validate import load_yaml
+
+    return load_yaml(text, where)
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -536,8 +400,10 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if not key or any(not part for part in key.split(".")):
         raise ConfigError(f"override {text!r} has an empty key")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError:
+        value = _load_yaml(raw, f"override {key}") if raw.strip() else ""
+    except ConfigError as err:
+        if "is not valid YAML" not in str(err):
+            raise  # duplicate keys, alias bombs
         value = raw
     return key.split("."), value
 
@@ -615,8 +481,15 @@ def load_config_file(path: str | Path, check: bool = True) -> RunConfig:
         path = path / "config.json" if (path / "config.json").is_file() else path / "config.yaml"
     if not path.is_file():
         raise ConfigError(f"no config file at {path}")
-    text = path.read_text()
-    data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    text = read_text(path, "config file")
+    if path.suffix == ".json":
+        try:
+            data = json.loads(text)
+        except (json.JSONDecodeError, RecursionError) as err:
+            at = f" at line {err.lineno}, column {err.colno}" if isinstance(err, json.JSONDecodeError) else ""
+            raise ConfigError(f"{path} is not valid JSON{at}") from None
+    else:
+        data = _load_yaml(text, str(path))
     if not isinstance(data, Mapping):
         raise ConfigError(f"{path} does not hold a config table")
     data = {k: v for k, v in data.items() if k not in CHECKPOINT_META_KEYS}

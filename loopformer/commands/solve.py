@@ -20,6 +20,7 @@ from torch import Tensor
 from loopformer.commands.common import load_run
 from loopformer.eval.analysis import trace_loops
 from loopformer.eval.evaluate import with_budget
+from loopformer.numerics import NumericalFaultError
 from loopformer.tasks.base import Task, TaskDataError
 
 
@@ -43,13 +44,52 @@ def parse_puzzle(task: Task, text: str) -> np.ndarray:
     return tokens
 
 
-def format_answer(task: Task, tokens: np.ndarray) -> str | list[int]:
+def check_givens(task: Task, tokens: np.ndarray) -> dict[str, Any]:
+    """What the task's exact solver says about the puzzle itself, before any model runs:
+    ``{"status": "solvable" | "contradictory" | "unsolvable" | "not unique" | "unchecked", "detail": str | None}``
+    (Sudoku: duplicated givens, then a solution count up to 2; maze: a unique start / goal joined by a path)."""
+    find_conflict = getattr(task, "find_conflict", None)
+    count_solutions = getattr(task, "count_solutions", None)
+    if callable(find_conflict) and callable(count_solutions):
+        conflict = find_conflict(tokens)
+        if conflict:
+            return {"status": "contradictory", "detail": f"the givens contradict each other: {conflict}"}
+        n = count_solutions(tokens, limit=2)
+        if n == 0:
+            return {"status": "unsolvable", "detail": "the givens admit no solution (the exact solver found none)"}
+        if n > 1:
+            return {"status": "not unique", "detail": "the givens admit more than one solution"}
+        return {"status": "solvable", "detail": None}
+    path_length = getattr(task, "shortest_path_length", None)
+    if callable(path_length):
+        if path_length(tokens) < 0:
+            return {"status": "unsolvable", "detail": "no path joins a unique start S to a unique goal G"}
+        return {"status": "solvable", "detail": None}
+    return {"status": "unchecked", "detail": None}
+
+
+# solve --json: schema (str), task, puzzle, solution (str | null: not a well-formed grid), solution_tokens (list[int] | null), valid (bool),
+# steps (int | null), trajectory (list[str | null] | null), checkpoint, weights (str), givens ({status, detail}), error (str | null)
+SOLVE_JSON_KEYS = ("schema", "task", "puzzle", "givens", "solution", "solution_tokens", "valid", "steps",
+                   "trajectory", "checkpoint", "weights", "error")
+
+
+def solve_record(**values: Any) -> dict[str, Any]:
+    """The one ``solve --json`` schema: every key of SOLVE_JSON_KEYS, always (None when not known)."""
+    record = {key: values.get(key) for key in SOLVE_JSON_KEYS}
+    record["schema"] = "loopformer.solve/1"
+    return record
+
+
+def format_answer(task: Task, tokens: np.ndarray) -> str | None:
+    """The task's text for ``tokens`` (its CSV grid encoding; None for a prediction that is no well-formed
+    grid), or the token ids joined by spaces for a task without a grid text."""
     if hasattr(task, "format_grid"):
         try:
             return task.format_grid(tokens)
         except (TaskDataError, ValueError, IndexError):
-            pass
-    return [int(t) for t in tokens]
+            return None
+    return " ".join(str(int(t)) for t in tokens)
 
 
 @click.command("solve")
@@ -76,31 +116,22 @@ def solve(task_name: str, puzzle: str, checkpoint: str, as_json: bool, max_steps
     if task.seq_len and tokens.size != task.seq_len:
         raise TaskDataError(f"the puzzle has {tokens.size} tokens, the model's task expects {task.seq_len}")
     loop = run.loop_eval if max_steps is None else with_budget(run.loop_eval, max_steps, "capped")
-    frames: list[np.ndarray] = []
-
-    def observe(t: int, z: Tensor, logits: Tensor) -> None:
-        frames.append(logits[0].argmax(-1).cpu().numpy())
-
-    inputs = torch.as_tensor(tokens[None])
-    with torch.no_grad():
-        generator = torch.Generator().manual_seed(run.config.seed)
-        _, final_logits = trace_loops(model, inputs, loop, observe, generator=generator)
-    final = final_logits[0].argmax(-1).cpu().numpy()
+    givens = check_givens(task, tokens)
+    common = {"task": task.name, "puzzle": format_answer(task, tokens), "givens": givens,
+              "checkpoint": str(run.path), "weights": run.weights}
+    try:
+        frames, final = _think(model, tokens, loop, run.config.seed)
+    except NumericalFaultError as err:
+        if as_json:
+            click.echo(json.dumps(solve_record(**common, valid=False, error=str(err))))
+        raise
     valid = bool(task.check(tokens, final))
     steps = len(frames)
     if as_json:
-        record: dict[str, Any] = {
-            "task": task.name,
-            "puzzle": format_answer(task, tokens),
-            "solution": format_answer(task, final),
-            "solution_tokens": [int(t) for t in final],
-            "valid": valid,
-            "steps": steps,
-            "trajectory": [format_answer(task, f) for f in frames],
-            "checkpoint": str(run.path),
-            "weights": run.weights,
-        }
-        click.echo(json.dumps(record))
+        click.echo(json.dumps(solve_record(
+            **common, solution=format_answer(task, final), solution_tokens=[int(t) for t in final], valid=valid,
+            steps=steps, trajectory=[format_answer(task, f) for f in frames],
+        )))
         return
     from rich.console import Console
 
@@ -108,6 +139,11 @@ def solve(task_name: str, puzzle: str, checkpoint: str, as_json: bool, max_steps
     render = _renderer(task, console.is_terminal)
     console.print(f"[bold]{task.name}[/bold] puzzle, checkpoint {run.path} ({run.weights} weights)")
     console.print(render(tokens, None))
+    if givens["detail"]:
+        from rich.markup import escape
+
+        console.print(f"[bold red]{escape(givens['status'])}[/bold red]: {escape(givens['detail'])} "
+                      "(the task's exact solver); the model's answer follows")
     previous: np.ndarray | None = None
     for t, pred in enumerate(frames, start=1):
         changed = int((pred != previous).sum()) if previous is not None else int(pred.size)
@@ -118,6 +154,27 @@ def solve(task_name: str, puzzle: str, checkpoint: str, as_json: bool, max_steps
         previous = pred
     verdict = "[bold green]VALID[/bold green]" if valid else "[bold red]INVALID[/bold red]"
     console.print(f"\nanswer after {steps} loop(s): {verdict} (judged by the task's independent validator)")
+    if givens["status"] in ("contradictory", "unsolvable"):
+        console.print(f"the puzzle itself is {givens['status']}: no valid answer exists")
+
+
+def _think(model: Any, tokens: np.ndarray, loop: Any, seed: int) -> tuple[list[np.ndarray], np.ndarray]:
+    """(the answer read out at every loop, the final answer); NumericalFaultError on NaN / inf logits."""
+    frames: list[np.ndarray] = []
+
+    def observe(t: int, z: Tensor, logits: Tensor) -> None:
+        if not bool(torch.isfinite(logits).all()) or not bool(torch.isfinite(z).all()):
+            raise NumericalFaultError(f"solve: loop {t}: the model's logits or loop state hold NaN or infinite "
+                                      "values (diverged weights or an unstable loop); no answer is reported")
+        frames.append(logits[0].argmax(-1).cpu().numpy())
+
+    inputs = torch.as_tensor(tokens[None])
+    with torch.no_grad():
+        generator = torch.Generator().manual_seed(seed)
+        _, final_logits = trace_loops(model, inputs, loop, observe, generator=generator)
+    if not bool(torch.isfinite(final_logits).all()):
+        raise NumericalFaultError("solve: the model's final logits hold NaN or infinite values; no answer is reported")
+    return frames, final_logits[0].argmax(-1).cpu().numpy()
 
 
 def _renderer(task: Task, colour: bool) -> Any:

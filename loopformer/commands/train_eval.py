@@ -92,6 +92,11 @@ def evaluate_cmd(checkpoint: str, max_steps: str | None, budget_mode: str, task_
     else:  # next to the checkpoints, not inside one (old checkpoints are rotated away)
         run_dir = run.path.parent.parent if run.path.parent.name == "checkpoints" else run.path
         out = run_dir / f"eval-step{run.step}-{time.strftime('%Y%m%d-%H%M%S')}"
+    from loopformer.train.run_folder import RunLock
+
+    # no second process writes into a run folder in use (a training, another eval): lock what we write into
+    lock = RunLock(out.parent if out_dir is None else out, "eval").acquire()
+    click.get_current_context().call_on_close(lock.release)
     console = Console(highlight=False)
     batch_size = run.config.eval.batch_size
     if not run.task.has_validator:  # language modelling: loss and bits per byte

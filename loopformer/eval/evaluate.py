@@ -37,6 +37,7 @@ from torch import Tensor
 
 from loopformer.loop import LoopConfig
 from loopformer.models.base import LoopedModel, ModelOutput
+from loopformer.numerics import check_output
 from loopformer.tasks.base import IGNORE_INDEX, Task, TokenDataset
 
 BUDGET_MODES = ("fixed", "capped")
@@ -211,6 +212,7 @@ class _EvalPass:
         """(inputs, labels, model output) of the rows ``index``."""
         inputs, labels, puzzle_ids = batch_tensors(self.dataset, index, self.device)
         out = self.model(inputs, loop=self.cfg, puzzle_ids=puzzle_ids, generator=self.generator)
+        check_output(out, f"evaluation rows {index.start}..{index.stop}")  # a NaN model is never scored
         return inputs, labels, out
 
 

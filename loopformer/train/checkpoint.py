@@ -33,6 +33,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from loopformer.config import ConfigError, RunConfig, config_to_json, load_config_file
+from loopformer.numerics import check_weights_finite, nonfinite_names
 from loopformer.train.manifest import verify_checkpoint, write_manifest
 from loopformer.train.state import flatten_state, rng_state, set_rng_state, unflatten_state  # noqa: F401 (re-exported)
 
@@ -49,7 +50,9 @@ class CheckpointError(RuntimeError):
 # --------------------------------------------------------------------------------------------
 # Weights files
 # --------------------------------------------------------------------------------------------
-def save_weights(tensors: dict[str, Tensor], path: str | Path, metadata: dict[str, str] | None = None) -> None:
+def save_weights(
+    tensors: dict[str, Tensor], path: str | Path, metadata: dict[str, str] | None = None
+) -> None:
     """safetensors file of ``tensors``; tensors sharing storage (tied weights) are stored once."""
     unique: dict[str, Tensor] = {}
     aliases: dict[str, str] = {}
@@ -267,10 +270,7 @@ def _nonfinite_reason(folder: Path) -> str | None:
     return f"non-finite weights ({bad[0]!r})" if bad else None
 
 
-def nonfinite_tensors(tensors: dict[str, Tensor]) -> list[str]:
-    """Names of floating-point tensors holding a NaN or an infinity."""
-    return [name for name, t in tensors.items()
-            if t.is_floating_point() and t.numel() and not bool(torch.isfinite(t).all())]
+nonfinite_tensors = nonfinite_names
 
 
 def quarantine_after(root: str | Path, step: int) -> Path | None:
@@ -281,8 +281,12 @@ def quarantine_after(root: str | Path, step: int) -> Path | None:
     good = None
     for folder in candidate_checkpoints(root):
         m = _STEP_DIR.match(folder.name)
-        if good is None and int(m.group(1)) < step and verify_checkpoint(folder, hashes=False) is None \
-                and _nonfinite_reason(folder) is None:
+        if (
+            good is None
+            and int(m.group(1)) < step
+            and verify_checkpoint(folder, hashes=False) is None
+            and _nonfinite_reason(folder) is None
+        ):
             good = folder
         elif good is None:
             os.replace(folder, folder.with_name(f"diverged_{folder.name}"))
@@ -348,7 +352,9 @@ def _read_json(path: Path) -> Any:
     except UnicodeDecodeError as err:
         raise CheckpointError(f"{path} is corrupt: not UTF-8 (byte {err.start})") from None
     except json.JSONDecodeError as err:
-        raise CheckpointError(f"{path} is corrupt: invalid JSON at line {err.lineno}, column {err.colno}") from None
+        raise CheckpointError(
+            f"{path} is corrupt: invalid JSON at line {err.lineno}, column {err.colno}"
+        ) from None
     except (OSError, ValueError, RecursionError) as err:
         raise CheckpointError(f"{path} is unreadable ({type(err).__name__})") from None
 
@@ -389,7 +395,9 @@ def load_checkpoint(
     else:
         given = model_family(model)
         if family and given != family:
-            raise CheckpointError(f"checkpoint {folder} holds a {family!r} model, but the given model is {given!r}")
+            raise CheckpointError(
+                f"checkpoint {folder} holds a {family!r} model, but the given model is {given!r}"
+            )
     model.to(device)
     load_weights_into(model, folder / "model.safetensors")
     ema_state = None
@@ -403,6 +411,7 @@ def load_checkpoint(
                 if name in ema_state:
                     p.copy_(ema_state[name].to(p.device))
         weights = "ema"
+    check_weights_finite(model.state_dict(), f"checkpoint {folder} ({weights} weights)")
     return Checkpoint(folder, step, family, config, model, ema_state, weights)
 
 

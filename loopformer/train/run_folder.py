@@ -83,8 +83,14 @@ class RunLock:
     def acquire(self) -> RunLock:
         self.folder.mkdir(parents=True, exist_ok=True)
         pid = os.getpid()
-        record = {"pid": pid, "host": socket.gethostname(), "purpose": self.purpose, "token": self.token,
-                  "started": _start_time(pid), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        record = {
+            "pid": pid,
+            "host": socket.gethostname(),
+            "purpose": self.purpose,
+            "token": self.token,
+            "started": _start_time(pid),
+            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        }
         for _ in range(5):
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
@@ -113,8 +119,11 @@ class RunLock:
                 f"({info.get('purpose', '?')} since {info.get('time', '?')}); if that process is gone, "
                 f"delete {self.path}"
             )
-        why = "unreadable" if info is None else ("left by this process" if info["pid"] == os.getpid()
-                                                 else f"process {info['pid']} is gone")
+        why = (
+            "unreadable"
+            if info is None
+            else ("left by this process" if info["pid"] == os.getpid() else f"process {info['pid']} is gone")
+        )
         log.warning("taking over the stale lock %s (%s)", self.path, why)
         aside = self.path.with_name(f"{LOCK_NAME}.stale-{os.getpid()}-{secrets.token_hex(4)}")
         try:
@@ -183,7 +192,9 @@ class RunFolder:
         if self.staging is None:
             return None
         staging, self.staging = self.staging, None
-        aside = self.folder / f".replaced-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{secrets.token_hex(3)}"
+        aside = (
+            self.folder / f".replaced-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{secrets.token_hex(3)}"
+        )
         if not self.is_main:
             return aside
         aside.mkdir()

@@ -556,7 +556,9 @@ class Trainer:
         write_metrics(self.run_dir, record, getattr(self, "_tb", None), self.step)
 
     def _prepare_run_dir(self) -> None:
-        self._tb = prepare_run_dir(self.config, self.run_dir, self.ckpt_dir, self.resumed_from is not None, self.step)
+        # a resume that found no checkpoint still drops the metrics its killed predecessor wrote
+        resumed = self.resumed_from is not None or bool(self.config.train.resume)
+        self._tb = prepare_run_dir(self.config, self.run_dir, self.ckpt_dir, resumed, self.step)
 
     def _finish(self) -> None:
         """Final checkpoint (before the final evaluation: an evaluation error never loses the trained

@@ -1,0 +1,299 @@
+"""Checks of a built ``RunConfig`` (every value, with its dotted key) and the strict YAML reader.
+
+``validate(cfg)`` runs when a config is built (``loopformer.config.build_config``): model family
+fields and loop overrides are coerced and checked by their own classes, then every value here:
+ranges (sizes >= 1, rates in [0, 1), finite non-negative weights, a sane learning rate), the
+model's shape (``d_model`` divisible by ``n_heads``), the device (``cuda`` needs a CUDA device),
+CPU thread counts, the task's name and options (checked against the task's constructor and
+``generate`` signatures without building the task), and the loop sampler's options.
+
+``load_yaml(text, where)`` is ``yaml.safe_load`` with two more refusals: a duplicate key in a
+mapping and documents whose aliases would expand past ``MAX_YAML_NODES`` nodes (a "billion
+laughs" file), each a ``ConfigError`` naming the file and line.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import os
+from typing import Any
+
+import yaml
+
+from loopformer.config import ConfigError, RunConfig, _loop_fields, _model_fields, to_dict
+
+MAX_YAML_NODES = 100_000
+MAX_LR = 10.0
+
+
+# --------------------------------------------------------------------------------------------
+# YAML
+# --------------------------------------------------------------------------------------------
+class StrictLoader(yaml.SafeLoader):
+    """SafeLoader refusing duplicate keys and alias expansion beyond ``MAX_YAML_NODES`` nodes."""
+
+    where = "YAML"
+
+    def compose_document(self) -> Any:
+        node = super().compose_document()
+        _expanded_size(node, self.where)
+        return node
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            try:
+                first = seen.get(key)
+            except TypeError:
+                raise ConfigError(
+                    f"{self.where}: line {key_node.start_mark.line + 1}: a mapping key must be a plain value"
+                ) from None
+            if first is not None:
+                raise ConfigError(
+                    f"{self.where}: line {key_node.start_mark.line + 1}: duplicate key {key!r} "
+                    f"(first given on line {first})"
+                )
+            seen[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep=deep)
+
+
+def _expanded_size(root: yaml.Node | None, where: str) -> None:
+    """Nodes the document has once every alias is expanded (memoised per node, so it is cheap)."""
+    sizes: dict[int, int] = {}
+    open_: set[int] = set()  # on the current depth-first path: meeting one again is a cycle
+    stack = [(root, False)] if root is not None else []
+    while stack:
+        node, done = stack.pop()
+        if id(node) in sizes:
+            continue
+        if not done and id(node) in open_:
+            raise ConfigError(
+                f"{where}: line {node.start_mark.line + 1}: an alias refers to a value that "
+                "contains it (a recursive structure); refusing it"
+            )
+        open_.add(id(node))
+        children = []
+        if isinstance(node, yaml.SequenceNode):
+            children = list(node.value)
+        elif isinstance(node, yaml.MappingNode):
+            children = [n for pair in node.value for n in pair]
+        if not done:
+            stack.append((node, True))
+            stack.extend((c, False) for c in children if id(c) not in sizes)
+            continue
+        sizes[id(node)] = 1 + sum(sizes.get(id(c), 1) for c in children)
+        open_.discard(id(node))
+        if sizes[id(node)] > MAX_YAML_NODES:
+            raise ConfigError(
+                f"{where}: line {node.start_mark.line + 1}: the document expands to more than "
+                f"{MAX_YAML_NODES:,} values through aliases (&anchor / *alias); refusing it"
+            )
+
+
+def load_yaml(text: str, where: str) -> Any:
+    """``text`` parsed like ``yaml.safe_load`` (see the module docstring); ConfigError naming ``where``
+    and the line, never quoting the text."""
+    loader = None
+    try:
+        loader = StrictLoader(text)  # the reader refuses control characters here already
+        loader.where = where
+        return loader.get_single_data()
+    except yaml.MarkedYAMLError as err:
+        mark = err.problem_mark or err.context_mark
+        at = f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else "?"
+        raise ConfigError(f"{where} is not valid YAML: {err.problem or err.context} at {at}") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{where} is not valid YAML ({type(err).__name__})") from None
+    except RecursionError:
+        raise ConfigError(f"{where}: nested too deeply") from None
+    finally:
+        if loader is not None:
+            loader.dispose()
+
+
+# --------------------------------------------------------------------------------------------
+# Values
+# --------------------------------------------------------------------------------------------
+def _at_least(obj: Any, prefix: str, low: float, *keys: str) -> None:
+    for key in keys:
+        value = getattr(obj, key)
+        if not value >= low:
+            raise ConfigError(f"{prefix}.{key} must be >= {low:g}, got {value}")
+
+
+def _finite(obj: Any, prefix: str, low: float, high: float, *keys: str, open_high: bool = False) -> None:
+    for key in keys:
+        value = getattr(obj, key)
+        if not (math.isfinite(value) and low <= value and (value < high if open_high else value <= high)):
+            bracket = ")" if open_high else "]"
+            raise ConfigError(
+                f"{prefix}.{key} must be a finite number in [{low:g}, {high:g}{bracket}, got {value}"
+            )
+
+
+def _check_train(cfg: RunConfig) -> None:
+    t = cfg.train
+    _at_least(t, "train", 1, "steps", "batch_size", "max_segments", "log_every")
+    _at_least(t, "train", 0, "warmup_steps", "eval_every", "checkpoint_every", "keep_checkpoints", "threads")
+    if not (math.isfinite(t.lr) and 0 < t.lr <= MAX_LR):
+        raise ConfigError(f"train.lr must be a finite number in (0, {MAX_LR:g}], got {t.lr}")
+    _finite(t, "train", 0.0, 1.0, "ema", open_high=True)
+    _finite(t, "train", 0.0, 1.0, "min_lr_ratio", "halt_exploration")
+    _finite(
+        t,
+        "train",
+        0.0,
+        math.inf,
+        "weight_decay",
+        "grad_clip",
+        "q_loss_weight",
+        "ponder_weight",
+        "jacobian_weight",
+        "puzzle_emb_weight_decay",
+        open_high=True,
+    )
+    if not (math.isfinite(t.puzzle_emb_lr) and 0 < t.puzzle_emb_lr <= MAX_LR):
+        raise ConfigError(
+            f"train.puzzle_emb_lr must be a finite number in (0, {MAX_LR:g}], got {t.puzzle_emb_lr}"
+        )
+    if not (math.isfinite(t.eps) and 0 < t.eps < 1):
+        raise ConfigError(f"train.eps must be a finite number in (0, 1), got {t.eps}")
+    for i, beta in enumerate(t.betas):
+        if not (math.isfinite(beta) and 0 <= beta < 1):
+            raise ConfigError(f"train.betas[{i}] must be in [0, 1), got {beta}")
+    for key in ("max_state_norm", "max_loss"):
+        value = getattr(t, key)
+        if math.isnan(value) or value <= 0:
+            raise ConfigError(f"train.{key} must be > 0, got {value}")
+    cores = os.cpu_count() or 1
+    if t.threads > cores:
+        raise ConfigError(
+            f"train.threads={t.threads} is more than the {cores} CPU cores of this machine "
+            "(0 = one per physical core)"
+        )
+
+
+def _check_sampler(cfg: RunConfig, loop: Any) -> None:
+    from loopformer.train.setup import loop_sampler
+
+    try:
+        loop_sampler(cfg.train, loop, cfg.seed)
+    except (ValueError, TypeError) as err:
+        raise ConfigError(f"train.loop_sampler / train.loop_sampler_options: {err}") from None
+
+
+def _check_run(cfg: RunConfig) -> None:
+    if not 0 <= cfg.seed < 2**63:
+        raise ConfigError(f"seed must be in [0, 2**63), got {cfg.seed}")
+    if not str(cfg.out_dir).strip():
+        raise ConfigError("out_dir must not be empty")
+    if cfg.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError(
+                "device=cuda, but no CUDA device is available here (use device=cpu or device=auto)"
+            )
+    e = cfg.eval
+    _at_least(e, "eval", 1, "batch_size", "segments")
+    _at_least(e, "eval", 0, "max_examples")
+    d, c = cfg.data, cfg.data.curriculum
+    _at_least(d, "data", 0, "train_size", "eval_size", "train_seed", "eval_seed")
+    _at_least(c, "data.curriculum", 1, "check_every", "sample")
+    _finite(c, "data.curriculum", 0.0, 1.0, "threshold")
+    if not (math.isfinite(c.step) and c.step > 0):
+        raise ConfigError(f"data.curriculum.step must be > 0, got {c.step}")
+
+
+def _check_model(cfg: RunConfig) -> None:
+    try:
+        mc = cfg.model_config()
+    except (ValueError, TypeError, ZeroDivisionError) as err:
+        if isinstance(err, ConfigError):
+            raise
+        raise ConfigError(f"model: {err}") from None
+    for key in ("vocab_size", "seq_len", "d_model", "n_heads", "n_layers"):
+        value = getattr(mc, key, None)
+        if isinstance(value, int) and value < 1:
+            raise ConfigError(f"model.{key} must be >= 1, got {value}")
+    for key in ("num_puzzle_ids", "puzzle_emb_len"):
+        value = getattr(mc, key, None)
+        if isinstance(value, int) and value < 0:
+            raise ConfigError(f"model.{key} must be >= 0, got {value}")
+    expansion = getattr(mc, "expansion", None)
+    if isinstance(expansion, float) and not (math.isfinite(expansion) and expansion > 0):
+        raise ConfigError(f"model.expansion must be a finite number > 0, got {expansion}")
+    d_model, heads = getattr(mc, "d_model", None), getattr(mc, "n_heads", None)
+    if isinstance(d_model, int) and isinstance(heads, int) and d_model % heads:
+        raise ConfigError(f"model.d_model={d_model} must be divisible by model.n_heads={heads}")
+    if (
+        getattr(mc, "rope", False)
+        and isinstance(d_model, int)
+        and isinstance(heads, int)
+        and (d_model // heads) % 2
+    ):
+        raise ConfigError(
+            f"model.d_model / model.n_heads = {d_model // heads} must be even for rotary positions "
+            "(model.rope=true)"
+        )
+
+
+def _check_task(cfg: RunConfig) -> None:
+    from loopformer.tasks.registry import TASKS, task_class
+
+    d = cfg.data
+    if d.task not in TASKS:
+        from loopformer.config import _suggest
+
+        raise ConfigError(f"data.task: unknown task {d.task!r}{_suggest(d.task, list(TASKS))}")
+    cls = task_class(d.task)
+    _check_options(cls.__init__, d.options, "data.options", f"task {d.task!r}")
+    for key in ("train_generate", "eval_generate"):
+        _check_options(
+            cls.generate,
+            getattr(d, key),
+            f"data.{key}",
+            f"{d.task!r}'s generate()",
+            skip=("self", "n", "seed"),
+        )
+
+
+def _check_options(
+    fn: Any, options: dict[str, Any], prefix: str, what: str, skip: tuple[str, ...] = ("self",)
+) -> None:
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    names = [n for n, p in params.items() if n not in skip and p.kind is not inspect.Parameter.VAR_POSITIONAL]
+    for key in options:
+        if key not in names:
+            from loopformer.config import _suggest
+
+            raise ConfigError(
+                f"unknown option {prefix}.{key}: {what} takes {', '.join(names) or 'no options'}"
+                f"{_suggest(key, names, prefix) if names else ''}"
+            )
+
+
+def validate(cfg: RunConfig) -> RunConfig:
+    """Check every value of ``cfg`` (see the module docstring); model fields are replaced by their
+    coerced values (a nested ``loop`` table stays a table with LoopConfig types) so the dump round-trips."""
+    fields_ = _model_fields(cfg.model.name, cfg.model.fields, "model")
+    cfg.model.fields = {k: to_dict(v) for k, v in fields_.items()}
+    cfg.loop_train = to_dict(_loop_fields(cfg.loop_train, "loop_train"))
+    cfg.loop_eval = to_dict(_loop_fields(cfg.loop_eval, "loop_eval"))
+    _check_model(cfg)
+    base = cfg.model_config().loop
+    _check_sampler(cfg, cfg.loop_config(base, "train"))
+    cfg.loop_config(base, "eval")
+    _check_train(cfg)
+    _check_run(cfg)
+    _check_task(cfg)
+    return cfg
