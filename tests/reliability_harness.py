@@ -125,6 +125,7 @@ class Tally:
     def __init__(self) -> None:
         self.counts: dict[str, Counter] = {}
         self.crashes: list[str] = []
+        self.crash_types: Counter = Counter()  # "kind: ExceptionType" -> cases
 
     def call(self, kind: str, fn: Callable[[], Any]) -> None:
         counter = self.counts.setdefault(kind, Counter())
@@ -134,12 +135,14 @@ class Tally:
             if not str(err).strip():
                 counter["crash"] += 1
                 self.crashes.append(f"{kind}: {type(err).__name__} without a message")
+                self.crash_types[f"{kind}: {type(err).__name__} without a message"] += 1
             else:
                 counter["clear error"] += 1
         except Exception as err:
             counter["crash"] += 1
             if len(self.crashes) < 20:
                 self.crashes.append(f"{kind}: {type(err).__name__}: {str(err)[:200]}")
+            self.crash_types[f"{kind}: {type(err).__name__}"] += 1
         else:
             counter["success"] += 1
 
@@ -163,6 +166,7 @@ class Tally:
             counter["clear error"] += 1
         else:
             counter["crash"] += 1
+            self.crash_types[f"{kind}: {type(result.exception).__name__}"] += 1
             if len(self.crashes) < 20:
                 self.crashes.append(
                     f"{kind}: exit {result.exit_code}: {output.strip()[-300:]!r} "
@@ -469,24 +473,31 @@ def _cli_eval(t: Tally, ckpt: Path, work: Path, names: list[str], args: tuple[in
 # kill and resume
 # ----------------------------------------------------------------------------------------------
 WORKER = r"""
-import os, sys, time
+import re, sys, time
 sys.path.insert(0, sys.argv[3])
 from loopformer.config import build_config
 import loopformer.train.checkpoint as ck
 import loopformer.train.trainer as tr
 from test_train_utils import TinyLooped, tiny_dataset
 cfg = build_config(__import__("json").loads(sys.argv[1]))
-pause = sys.argv[2]
-original_manifest, original_weights = ck.write_manifest, ck.save_weights
+pause, at = sys.argv[2].split(":")  # where to wait for the SIGKILL, in the checkpoint of step `at`
+def step_of(path):
+    m = re.search(r"step_(\d+)", str(path))
+    return int(m.group(1)) if m else -1
+original_manifest, original_weights, original_save = ck.write_manifest, ck.save_weights, tr.Trainer.save
 def slow_manifest(folder):  # the checkpoint's files are written, the folder not yet renamed into place
-    if pause == "manifest":
-        print("mid-checkpoint", flush=True); time.sleep(5)
+    if pause == "manifest" and step_of(folder) == int(at):
+        print("mid-checkpoint", flush=True); time.sleep(30)
     original_manifest(folder)
 def slow_weights(tensors, path, metadata=None):
     original_weights(tensors, path, metadata)
-    if pause == "weights" and path.name == "model.safetensors":
-        print("mid-checkpoint", flush=True); time.sleep(5)
-ck.write_manifest, ck.save_weights = slow_manifest, slow_weights
+    if pause == "weights" and path.name == "model.safetensors" and step_of(path) == int(at):
+        print("mid-checkpoint", flush=True); time.sleep(30)
+def save(self):
+    out = original_save(self)
+    print("saved", self.step, flush=True)
+    return out
+ck.write_manifest, ck.save_weights, tr.Trainer.save = slow_manifest, slow_weights, save
 trainer = tr.Trainer(cfg, model=TinyLooped(), train_data=tiny_dataset(64), eval_data=None)
 print("started", trainer.step, flush=True)
 trainer.fit()
@@ -537,17 +548,18 @@ def kill_resume_rounds(work: Path, kills: int = 4, steps: int = 30, seed: int = 
     killed, plain = work / "killed", work / "plain"
     for folder in (killed, plain):
         shutil.rmtree(folder, ignore_errors=True)
-    reference = _launch(_kill_config(plain, steps), "none")  # runs beside the killed one
+    reference = _launch(_kill_config(plain, steps), "none:0")  # runs beside the killed one
     events = []
     for k in range(kills):
         pause = ("manifest", "none", "weights", "none")[k % 4]
-        proc = _launch(_kill_config(killed, steps), pause)
+        target = (k + 1) * steps // (kills + 1)  # spread the kills over the run
+        proc = _launch(_kill_config(killed, steps), f"{pause}:{target}")
         started = proc.stdout.readline().split()
-        if pause == "none":
-            time.sleep(rng.uniform(0.02, 0.3))
-        else:
-            while (line := proc.stdout.readline()) and line.strip() != "mid-checkpoint":
-                pass
+        wanted = "mid-checkpoint" if pause != "none" else f"saved {target}"
+        while (line := proc.stdout.readline()) and line.strip() != wanted:
+            pass
+        if pause == "none":  # a random moment after the target step's checkpoint
+            time.sleep(rng.uniform(0.0, 0.05))
         running = proc.poll() is None
         proc.send_signal(signal.SIGKILL)
         proc.wait()
@@ -565,7 +577,7 @@ def kill_resume_rounds(work: Path, kills: int = 4, steps: int = 30, seed: int = 
                 "killed_while_running": running,
             }
         )
-    final = _launch(_kill_config(killed, steps), "none")
+    final = _launch(_kill_config(killed, steps), "none:0")
     out, err = final.communicate(timeout=300)
     ref_out, ref_err = reference.communicate(timeout=300)
     if final.returncode or reference.returncode:
@@ -629,7 +641,15 @@ def markdown(tally: Tally, kill: dict[str, Any], fuzz_time: float) -> str:
             f"metrics.jsonl steps {kill['metric_steps']}.",
             "",
             *kills,
-            *(["", "Crashes:", *[f"- {c}" for c in tally.crashes]] if tally.crashes else []),
+            *(
+                [
+                    "",
+                    "Crashes (input kind: exception type, cases):",
+                    *[f"- {c}: {n}" for c, n in sorted(tally.crash_types.items())],
+                ]
+                if tally.crash_types
+                else []
+            ),
         ]
     )
 
