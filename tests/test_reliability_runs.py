@@ -201,3 +201,17 @@ def test_stale_lock_of_a_killed_process_and_staging_leftovers(tmp_path) -> None:
     _trainer(tiny_config(tmp_path, "train.steps=1")).fit()
     assert not (tmp_path / ".overwrite-staging").exists()
     assert os.listdir(tmp_path / "checkpoints")
+
+
+def test_loopformer_run_never_reuses_a_previous_run_folder(tmp_path, monkeypatch) -> None:
+    from loopformer.commands.run import run_folder_for
+
+    monkeypatch.chdir(tmp_path)
+    first = run_folder_for(None, False)
+    (first / "summary.json").write_text("{}")
+    second = run_folder_for(None, False)  # same second: a new name, the first run untouched
+    assert second != first and second.parent == first.parent and (first / "summary.json").is_file()
+    with pytest.raises(RunFolderError, match="--overwrite"):
+        run_folder_for(str(first), False)
+    assert run_folder_for(str(first), True) == first
+    assert run_folder_for(str(tmp_path / "new"), False) == tmp_path / "new"
