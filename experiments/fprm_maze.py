@@ -16,6 +16,7 @@ Usage: ``python experiments/fprm_maze.py [--quick]``; writes ``docs/figures/fprm
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -70,7 +71,7 @@ def main() -> None:
     )
     if args.steps:
         quick.append(f"train.steps={args.steps}")
-    t_start = time.perf_counter()
+    t_start, load_start = time.perf_counter(), os.getloadavg()
     cfgs = {
         "fprm": make_config(recipe, [*quick, f"out_dir={args.runs / 'fprm'}"]),
         "transformer": make_config(RECIPE, [*quick, *BASELINE, f"out_dir={args.runs / 'transformer'}"]),
@@ -142,6 +143,7 @@ def main() -> None:
         "flops_per_step": flops,
         "results": results,
         "wall_time_s": round(time.perf_counter() - t_start, 1),
+        "load_average": {"start": list(load_start), "end": list(os.getloadavg())},
     }
     write_json(args.out / "results.json", payload)
     plot(evals, args.out / "steps_vs_path.png")
