@@ -55,6 +55,14 @@ def main() -> None:
     parser.add_argument(
         "--recipe", type=Path, default=RECIPE, help="FPRM recipe (default recipes/fprm_maze7.yaml)"
     )
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="config override for the FPRM run (repeatable), e.g. train.halt_on_converged=true",
+    )
     args = parser.parse_args()
     recipe = args.recipe
     torch.set_num_threads(1)
@@ -73,7 +81,7 @@ def main() -> None:
         quick.append(f"train.steps={args.steps}")
     t_start, load_start = time.perf_counter(), os.getloadavg()
     cfgs = {
-        "fprm": make_config(recipe, [*quick, f"out_dir={args.runs / 'fprm'}"]),
+        "fprm": make_config(recipe, [*args.overrides, *quick, f"out_dir={args.runs / 'fprm'}"]),
         "transformer": make_config(RECIPE, [*quick, *BASELINE, f"out_dir={args.runs / 'transformer'}"]),
     }
     flops = {n: flops_per_step(c, steps=2, out_dir=args.runs / "probe") for n, c in cfgs.items()}
@@ -129,7 +137,8 @@ def main() -> None:
         "command": "python experiments/fprm_maze.py"
         + (" --quick" if args.quick else "")
         + (f" --steps {args.steps}" if args.steps else "")
-        + (f" --recipe {recipe}" if recipe != RECIPE else ""),
+        + (f" --recipe {recipe}" if recipe != RECIPE else "")
+        + "".join(f" --set {o}" for o in args.overrides),
         "recipe": str(recipe if recipe != RECIPE else RECIPE.relative_to(REPO)),
         "compute_matching": "equal training FLOPs (FlopCounterMode, forward + backward, mean of 2 measured steps)",
         "baseline_overrides": BASELINE,
