@@ -124,15 +124,18 @@ def test_parity_fprm_gradients_and_one_adamw_step(case: Case) -> None:
 
     opt = meta["optimizer"]
     optimizer = build_optimizer(
-        model, lr=opt["lr"], weight_decay=opt["weight_decay"], betas=tuple(opt["betas"])
+        model,
+        lr=opt["lr"],
+        weight_decay=opt["weight_decay"],
+        betas=tuple(opt["betas"]),
+        puzzle_emb=(opt["puzzle_emb_lr"], opt["puzzle_emb_weight_decay"]),  # the puzzle table: sign-SGD
     )
     optimizer.step()
-    stepped = prefixed(t, "step")
-    after = converted_weights({**stepped, "puzzle_emb.weights": case.weights["puzzle_emb.weights"]}, meta)
+    after = converted_weights(prefixed(t, "step"), meta)
     for name, p in model.named_parameters():
-        if name == "embedding.puzzle_emb.weight":  # the authors step it with sign-SGD, not AdamW
-            continue
         torch.testing.assert_close(p.detach(), after[name], rtol=0, atol=1e-6, msg=name)
+    table = model.embedding.puzzle_emb.weight.detach()
+    assert not torch.allclose(table, converted_weights(case.weights, meta)["embedding.puzzle_emb.weight"])
     model.load_state_dict(start)  # the module-scoped case is shared by the other tests
 
 
@@ -164,9 +167,7 @@ def test_parity_fprm_second_segment_resumes_the_solver_state(case: Case) -> None
     torch.testing.assert_close(stats["best"], t["train.best_residues"][-1], rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(stats["patience"].double(), t["train.patience"][-1], rtol=0, atol=0)
     start = {k: v.detach().clone() for k, v in case.model.state_dict().items()}
-    stepped = prefixed(t, "step")
-    after = converted_weights({**stepped, "puzzle_emb.weights": case.weights["puzzle_emb.weights"]}, meta)
-    case.model.load_state_dict(after)
+    case.model.load_state_dict(converted_weights(prefixed(t, "step"), meta))
     try:
         carried = {k: stats[k] for k in ("eta", "best", "patience")}
         iterates: list[Tensor] = []

@@ -92,10 +92,10 @@ def test_sign_sgd_rows_only_decay_used_rows_and_follow_lr_scale() -> None:
         torch.testing.assert_close(after[row], expect, rtol=0, atol=1e-15)
 
 
-def test_sign_sgd_needs_adam_atan2_and_a_puzzle_table() -> None:
+def test_sign_sgd_needs_a_puzzle_table() -> None:
     model = TRM(TRMConfig(vocab_size=5, seq_len=4, d_model=8, n_heads=2, n_layers=1, n_inner=1))
-    with pytest.raises(ValueError, match="adam_atan2"):
-        build_optimizer(model, 1e-3, 0.1, puzzle_emb=(1e-2, 0.1))
+    with pytest.raises(ValueError, match="no puzzle embedding"):
+        build_optimizer(model, 1e-3, 0.1, puzzle_emb=(1e-2, 0.1))  # AdamW + sign-SGD (FPRM)
     with pytest.raises(ValueError, match="no puzzle embedding"):
         build_optimizer(model, 1e-3, 0.1, kind="adam_atan2", puzzle_emb=(1e-2, 0.1))
 

@@ -145,6 +145,33 @@ def sign_sgd_rows_(p: Tensor, grad: Tensor, lr: float, weight_decay: float) -> N
     p.index_copy_(0, idx, sel)
 
 
+class AdamWSignSGD(torch.optim.AdamW):
+    """PyTorch's AdamW, except that groups flagged ``sign_sgd`` take the sparse-embedding sign-SGD
+    step (``sign_sgd_rows_`` at ``lr * lr_scale``): FPRM's optimisers (``create_model.py`` in
+    nilskiKonjIzDunava/fprm: AdamW for the weights, ``CastedSparseEmbeddingSignSGD_Distributed`` for
+    the puzzle table). AdamW skips those parameters (their gradient is hidden during its step)."""
+
+    @torch.no_grad()
+    def step(self, closure: object = None) -> None:  # type: ignore[override]
+        if closure is not None:
+            raise ValueError("AdamWSignSGD.step takes no closure")
+        hidden: list[tuple[Tensor, Tensor]] = []
+        for group in self.param_groups:
+            if not group.get("sign_sgd"):
+                continue
+            lr = group["lr"] * group.get("lr_scale", 1.0)
+            for p in group["params"]:
+                if p.grad is not None:
+                    sign_sgd_rows_(p, p.grad, lr, group["weight_decay"])
+                    hidden.append((p, p.grad))
+                    p.grad = None
+        try:
+            super().step()
+        finally:
+            for p, grad in hidden:
+                p.grad = grad
+
+
 def build_optimizer(
     model: nn.Module,
     lr: float,
@@ -160,7 +187,8 @@ def build_optimizer(
 
     ``decay_all``: one decayed group of every parameter (TRM / HRM pass ``model.parameters()`` to
     one optimiser). ``puzzle_emb=(lr, weight_decay)``: parameters named ``*puzzle_emb*`` get their own
-    sign-SGD group at that rate (TRM / HRM's sparse-embedding optimiser; needs ``kind="adam_atan2"``).
+    sign-SGD group at that rate (TRM / HRM's sparse-embedding optimiser with ``kind="adam_atan2"``;
+    FPRM's with ``kind="adamw"``: ``AdamWSignSGD``).
     """
     groups = parameter_groups(model, weight_decay, decay_embeddings)
     if decay_all:
@@ -169,14 +197,13 @@ def build_optimizer(
             {"params": [p for _, p in params], "names": [n for n, _ in params], "weight_decay": weight_decay}
         ]
     if puzzle_emb is not None:
-        if kind != "adam_atan2":
-            raise ValueError("the sign-SGD puzzle-embedding optimiser needs train.optimizer=adam_atan2")
         groups = split_puzzle_group(groups, model, lr, puzzle_emb)
     groups = [g for g in groups if g["params"]]
     if not groups:
         raise ValueError(f"{type(model).__name__} has no trainable parameters")
     if kind == "adamw":
-        return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps)
+        cls = AdamWSignSGD if puzzle_emb is not None else torch.optim.AdamW
+        return cls(groups, lr=lr, betas=betas, eps=eps)
     if kind == "adam_atan2":
         return AdamATan2(groups, lr=lr, betas=betas, weight_decay=weight_decay)
     raise ValueError(f"unknown optimizer {kind!r}; expected 'adamw' or 'adam_atan2'")

@@ -16,7 +16,8 @@ causal 1-D conv kernel 4, ``norm_placement: output``). Each fixture holds:
   sequence, logits, Q logits, the loss ``masked_full_loss / batch`` as ``pretrain.train_batch``
   scales it, every parameter's gradient (``grad.*``) and norm (``grad_norm.*``), the halted flags;
 - ``step.*``: the parameters after one AdamW step (``create_model._build_dense_optimizer``'s
-  two groups) at a fixed learning rate;
+  two groups) and the puzzle table after one ``CastedSparseEmbeddingSignSGD_Distributed`` step, at
+  fixed learning rates;
 - ``seg2.*``: the next segment with the updated weights: the reference carries each running
   sample's iterate *and* damped-solver state (step size, patience, best residual) and resets only
   the halted samples (``FixedPointOptimizer.reset``), drawing ``seg2.y0`` for them;
@@ -35,7 +36,6 @@ Substitutions (also written to each fixture's JSON):
   their float32 values, as loopformer's do).
 - No ``torch.compile`` (the model is built directly, not through ``create_model``); no flash-attn is
   needed (their ``Attention`` already calls ``F.scaled_dot_product_attention``).
-- The puzzle-embedding sign-SGD optimiser is not stepped (only the dense AdamW step is recorded).
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ REPO = "nilskiKonjIzDunava/fprm"
 COMMIT = "9e0ebf350df152aacbd40a228fe4693f22294644 (fprm_config.py, model_utils.py, config/*.yaml: 68e118cd6a4424033590844278965a71c5661d08)"
 TRM_COMMIT = "e7b68717f0a6c4cbb4ce6fbef787b14f42083bd9"
 LR, WEIGHT_DECAY, BETAS = 1e-3, 0.1, (0.9, 0.95)
+PUZZLE_LR, PUZZLE_WEIGHT_DECAY = 1e-2, 0.1  # puzzle_emb_lr / puzzle_emb_weight_decay
 B = 3
 
 BASE: dict[str, Any] = dict(
@@ -113,9 +114,15 @@ def _import_reference(root: Path) -> dict[str, Any]:
     import models.transformer as transformer
     from models.fixed_point_reasoning.fprm import FixedPointReasoningModel_ACTV1
     from models.losses import ACTLossHead
+    from models.sparse_embedding import CastedSparseEmbeddingSignSGD_Distributed
 
     _float64_precision(layers, transformer)
-    return {"model": FixedPointReasoningModel_ACTV1, "loss": ACTLossHead, "trm": str(trm)}
+    return {
+        "model": FixedPointReasoningModel_ACTV1,
+        "loss": ACTLossHead,
+        "sign_sgd": CastedSparseEmbeddingSignSGD_Distributed,
+        "trm": str(trm),
+    }
 
 
 def _float64_precision(layers: Any, transformer: Any) -> None:
@@ -272,8 +279,13 @@ def build_one(ref: dict[str, Any], name: str, cfg: dict[str, Any], seed: int) ->
     opt = _dense_optimizer(head)
     opt.step()
     opt.zero_grad(set_to_none=True)
+    sparse = ref["sign_sgd"](
+        inner.puzzle_emb.buffers(), world_size=1, lr=PUZZLE_LR, weight_decay=PUZZLE_WEIGHT_DECAY
+    )  # create_model.py: CastedSparseEmbeddingSignSGD_Distributed over the puzzle table's buffers
+    sparse.step()
     inner.puzzle_emb.local_weights.grad = None
     tensors.update({f"step.{k}": p.detach().clone() for k, p in inner.named_parameters()})
+    tensors["step.puzzle_emb.weights"] = inner.puzzle_emb.weights.detach().clone()
     _, seg2 = _segment(head, carry, batch, rec, "seg2")
     tensors.update(seg2)
     meta = {
@@ -281,7 +293,14 @@ def build_one(ref: dict[str, Any], name: str, cfg: dict[str, Any], seed: int) ->
         "commit": COMMIT,
         "dtype": "float64",
         "reference_config": {**cfg, "loss": LOSS},
-        "optimizer": {"name": "AdamW", "lr": LR, "weight_decay": WEIGHT_DECAY, "betas": list(BETAS)},
+        "optimizer": {
+            "name": "AdamW",
+            "lr": LR,
+            "weight_decay": WEIGHT_DECAY,
+            "betas": list(BETAS),
+            "puzzle_emb_lr": PUZZLE_LR,
+            "puzzle_emb_weight_decay": PUZZLE_WEIGHT_DECAY,
+        },
         "substitutions": [
             f"models/common.py, models/sparse_embedding.py from TinyRecursiveModels @ {TRM_COMMIT} "
             "(imported by FPRM, absent from the stored FPRM repository)",
@@ -289,7 +308,6 @@ def build_one(ref: dict[str, Any], name: str, cfg: dict[str, Any], seed: int) ->
             "models/layers.py rms_norm and apply_rotary_pos_emb evaluate their formulas in float64 for "
             "float64 inputs instead of casting to float32 (the rotary tables keep their float32 values)",
             "no torch.compile; no flash-attn needed (the reference calls F.scaled_dot_product_attention)",
-            "the puzzle-embedding sign-SGD optimiser is not stepped",
         ],
     }
     return tensors, meta
