@@ -30,6 +30,9 @@ def _attach_subcommands() -> None:
 
     for command in (run, train, evaluate_cmd, solve, models, data, convert):
         cli.add_command(command)
+    from loopformer.data_prepare import prepare_cmd
+
+    data.add_command(prepare_cmd)
 
 
 _attach_subcommands()

@@ -26,15 +26,20 @@ Also here: the ``source,question,answer,rating`` CSV that Sudoku-Extreme and Maz
 
 from __future__ import annotations
 
-import csv
 import json
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from loopformer.tasks.base import IGNORE_INDEX, TaskDataError, TokenDataset
+from loopformer.tasks.puzzle_csv import (  # noqa: F401  (re-exported: the CSV half of the formats)
+    PUZZLE_CSV_COLUMNS,
+    FastRows,
+    PuzzleRowParser,
+    read_puzzle_csv,
+    write_puzzle_csv,
+)
 
 if TYPE_CHECKING:
     from loopformer.tasks.base import Task
@@ -51,21 +56,59 @@ METADATA_FIELDS = (
     "sets",
 )
 ARRAY_FIELDS = ("inputs", "labels", "puzzle_identifiers", "puzzle_indices", "group_indices")
-PUZZLE_CSV_COLUMNS = ("source", "question", "answer", "rating")
-
-PuzzleRowParser = Callable[[str, str, str], "tuple[np.ndarray, np.ndarray, float]"]
-"""``parse_row(where, question_text, answer_text) -> (question, answer, fallback_rating)``: validates one
-row (raising TaskDataError that starts with ``where``, i.e. "<file>: line <n>"); ``fallback_rating`` is
-the difficulty used when the row's rating is empty."""
 
 
 def _load_npy(path: Path) -> np.ndarray:
+    """A .npy file, memory-mapped (nothing is read until used); numeric dtypes only (no pickles)."""
     if not path.is_file():
         raise TaskDataError(f"{path}: missing file")
     try:
-        return np.load(path, allow_pickle=False)
+        arr = np.load(path, mmap_mode="r", allow_pickle=False)
     except (ValueError, OSError, EOFError) as exc:
         raise TaskDataError(f"{path}: unreadable or truncated .npy file ({exc})") from None
+    if arr.dtype.kind not in "biuf":
+        raise TaskDataError(f"{path}: dtype {arr.dtype} is not numeric")
+    return arr
+
+
+def _check_tokens(arr: np.ndarray, path: Path, vocab_size: int) -> None:
+    """Integer tokens in [0, vocab_size), checked in blocks of rows (the array may be memory-mapped)."""
+    if arr.dtype.kind not in "iu":
+        raise TaskDataError(
+            f"{path}: dtype {arr.dtype}: token arrays must hold integers (floats are not truncated to tokens)"
+        )
+    for start in range(0, len(arr), 1 << 16):
+        block = np.asarray(arr[start : start + (1 << 16)])
+        bad = (block < 0) | (block >= vocab_size)
+        if bad.any():
+            r, c = divmod(int(np.flatnonzero(bad.reshape(-1))[0]), block.shape[1])
+            raise TaskDataError(
+                f"{path}: tokens outside [0, vocab_size={vocab_size}): first at row {start + r}, column {c} "
+                f"(token {int(block[r, c])})"
+            )
+
+
+def check_task_rows(task: Task | None, inputs: np.ndarray, labels: np.ndarray, where: str) -> None:
+    """The task's vectorised label / input agreement check where it has one (Sudoku: the label is a
+    complete valid grid keeping every given); the error names the first failing row."""
+    if task is None or task.name != "sudoku":
+        return
+    from loopformer.tasks.puzzle_csv import sudoku_fast_rows
+
+    fast = sudoku_fast_rows(task.geometry.units, task.size, task.symbols)  # type: ignore[attr-defined]
+    if inputs.shape[1:] != (task.seq_len,):
+        raise TaskDataError(
+            f"{where}: rows have {inputs.shape[1]} tokens, task {task.name!r} expects {task.seq_len}"
+        )
+    for start in range(0, len(inputs), 1 << 16):
+        ok = fast.check(np.asarray(inputs[start : start + (1 << 16)], dtype=np.int64),
+                        np.asarray(labels[start : start + (1 << 16)], dtype=np.int64))  # fmt: skip
+        if not ok.all():
+            row = start + int(np.flatnonzero(~ok)[0])
+            raise TaskDataError(
+                f"{where}: row {row}: the label is not a valid solution of the input "
+                "(incomplete, changes a given, or repeats a digit in a row / column / box)"
+            )
 
 
 def _check_offsets(offsets: np.ndarray, total: int, path: Path, what: str) -> None:
@@ -83,6 +126,24 @@ def _check_offsets(offsets: np.ndarray, total: int, path: Path, what: str) -> No
         raise TaskDataError(f"{path}: {what} offsets end at {offsets[-1]}, expected {total}")
 
 
+def _check_difficulty(difficulty: np.ndarray, labels: np.ndarray, meta: dict[str, Any], path: Path) -> None:
+    """Finite difficulties; NaN only for rows whose label is unknown (every position ignore_label_id)."""
+    if np.isinf(difficulty).any():
+        raise TaskDataError(
+            f"{path}: row {int(np.flatnonzero(np.isinf(difficulty))[0])}: difficulty is infinite"
+        )
+    nan = np.flatnonzero(np.isnan(difficulty))
+    if len(nan):
+        ignore = meta.get("ignore_label_id")
+        known = (
+            (np.asarray(labels[nan]) != ignore).any(axis=1) if ignore is not None else np.ones(len(nan), bool)
+        )
+        if known.any():
+            raise TaskDataError(
+                f"{path}: row {int(nan[known][0])}: difficulty is NaN but the row has a label"
+            )
+
+
 def _load_set(folder: Path, set_name: str, meta: dict[str, Any]) -> dict[str, np.ndarray]:
     arrays = {name: _load_npy(folder / f"{set_name}__{name}.npy") for name in ARRAY_FIELDS}
     inputs, labels = arrays["inputs"], arrays["labels"]
@@ -98,10 +159,11 @@ def _load_set(folder: Path, set_name: str, meta: dict[str, Any]) -> dict[str, np
             f"{p_inputs}: rows have {inputs.shape[1]} tokens, dataset.json says seq_len {meta['seq_len']}"
         )
     for name in ("inputs", "labels"):
-        arr = arrays[name]
-        if arr.size and (arr.min() < 0 or arr.max() >= meta["vocab_size"]):
+        _check_tokens(arrays[name], folder / f"{set_name}__{name}.npy", int(meta["vocab_size"]))
+    for name in ("puzzle_identifiers", "puzzle_indices", "group_indices"):
+        if arrays[name].dtype.kind not in "iu":
             raise TaskDataError(
-                f"{folder / f'{set_name}__{name}.npy'}: tokens outside [0, vocab_size={meta['vocab_size']})"
+                f"{folder / f'{set_name}__{name}.npy'}: dtype {arrays[name].dtype}, expected integers"
             )
     puzzle_indices = arrays["puzzle_indices"].astype(np.int64)
     _check_offsets(puzzle_indices, len(inputs), folder / f"{set_name}__puzzle_indices.npy", "puzzle")
@@ -118,8 +180,8 @@ def _load_set(folder: Path, set_name: str, meta: dict[str, Any]) -> dict[str, np
     group_indices = arrays["group_indices"].astype(np.int64)
     _check_offsets(group_indices, len(identifiers), folder / f"{set_name}__group_indices.npy", "group")
     out = {
-        "inputs": inputs.astype(np.int64),
-        "labels": labels.astype(np.int64),
+        "inputs": inputs,
+        "labels": labels,
         "puzzle_ids": np.repeat(identifiers, np.diff(puzzle_indices)),
         "group_ids": np.repeat(
             np.repeat(np.arange(len(group_indices) - 1), np.diff(group_indices)), np.diff(puzzle_indices)
@@ -130,6 +192,7 @@ def _load_set(folder: Path, set_name: str, meta: dict[str, Any]) -> dict[str, np
         difficulty = _load_npy(diff_path)
         if difficulty.shape != (len(inputs),):
             raise TaskDataError(f"{diff_path}: shape {difficulty.shape}, expected ({len(inputs)},)")
+        _check_difficulty(np.asarray(difficulty, dtype=np.float64), labels, meta, diff_path)
         out["difficulty"] = difficulty.astype(np.float64)
     return out
 
@@ -163,13 +226,16 @@ def load_hrm_folder(path: str | Path, split: str = "train", task: Task | None = 
     if not isinstance(meta["sets"], list) or not meta["sets"]:
         raise TaskDataError(f"{meta_path}: 'sets' must be a non-empty list of set names")
     parts = [_load_set(folder, str(s), meta) for s in meta["sets"]]
-    inputs = np.concatenate([p["inputs"] for p in parts])
-    labels = np.concatenate([p["labels"] for p in parts])
+    inputs = np.concatenate([p["inputs"] for p in parts]).astype(np.int64, copy=False)
+    labels = np.concatenate([p["labels"] for p in parts]).astype(np.int64, copy=False)
+    check_task_rows(task, inputs, labels, str(folder))
     ignore = meta["ignore_label_id"]
     if ignore is not None:
-        labels = np.where(labels == int(ignore), IGNORE_INDEX, labels)
+        labels[labels == int(ignore)] = IGNORE_INDEX
     if all("difficulty" in p for p in parts):
         difficulty = np.concatenate([p["difficulty"] for p in parts])
+    elif task is not None and task.name == "sudoku":
+        difficulty = (inputs == 1).sum(axis=1).astype(np.float64)  # SudokuTask.difficulty: the blank count
     elif task is not None:
         difficulty = np.asarray([task.difficulty(row) for row in inputs], dtype=np.float64)
     else:
@@ -240,95 +306,3 @@ def save_hrm_folder(
         existing = []
     if not isinstance(existing, list) or len(existing) < len(names):
         identifiers_path.write_text(json.dumps(names))
-
-
-def read_puzzle_csv(
-    path: str | Path, parse_row: PuzzleRowParser, seq_len: int, meta: dict[str, Any]
-) -> TokenDataset:
-    """Read a ``source,question,answer,rating`` CSV (Sudoku-Extreme / Maze-Hard) into a TokenDataset.
-
-    ``parse_row`` turns each row's question / answer text into token grids (see ``PuzzleRowParser``);
-    difficulty = the rating column, or the parser's fallback where it is empty.  ``meta`` is extended with
-    ``path``, ``source`` (one per row) and ``difficulty = "rating"``.  Errors name the file and line.
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise TaskDataError(f"{path}: no such file")
-    inputs, labels, ratings, sources = [], [], [], []
-    with open(path, newline="") as fh:
-        reader = csv.reader(fh)
-        try:
-            header = next(reader)
-        except StopIteration:
-            raise TaskDataError(f"{path}: empty file (expected header {','.join(PUZZLE_CSV_COLUMNS)})") from None
-        except csv.Error as exc:
-            raise TaskDataError(f"{path}: line 1: {exc}") from None
-        header = [h.strip() for h in header]
-        missing = [c for c in ("question", "answer") if c not in header]
-        if missing:
-            raise TaskDataError(f"{path}: header {header} lacks column(s) {missing}")
-        col = {name: header.index(name) for name in header}
-        while True:
-            try:
-                row = next(reader)
-            except StopIteration:
-                break
-            except csv.Error as exc:
-                raise TaskDataError(f"{path}: line {reader.line_num}: {exc}") from None
-            if not row:
-                continue
-            where = f"{path}: line {reader.line_num}"
-            if len(row) != len(header):
-                raise TaskDataError(
-                    f"{where}: {len(row)} fields, expected {len(header)} ({','.join(header)}); truncated file?"
-                )
-            q, a, fallback_rating = parse_row(where, row[col["question"]], row[col["answer"]])
-            rating_text = row[col["rating"]].strip() if "rating" in col else ""
-            if rating_text:
-                try:
-                    rating = float(rating_text)
-                except ValueError:
-                    raise TaskDataError(f"{where}: rating {rating_text!r} is not a number") from None
-            else:
-                rating = float(fallback_rating)
-            inputs.append(q)
-            labels.append(a)
-            ratings.append(rating)
-            sources.append(row[col["source"]] if "source" in col else "")
-    n = len(inputs)
-    return TokenDataset(
-        np.asarray(inputs, dtype=np.int64).reshape(n, seq_len),
-        np.asarray(labels, dtype=np.int64).reshape(n, seq_len),
-        np.asarray(ratings, dtype=np.float64),
-        None,
-        {**meta, "path": str(path), "source": sources, "difficulty": "rating"},
-    )
-
-
-def write_puzzle_csv(
-    dataset: TokenDataset,
-    path: str | Path,
-    seq_len: int,
-    format_grid: Callable[[np.ndarray], str],
-    default_source: str,
-) -> None:
-    """Write a ``source,question,answer,rating`` CSV; rating = ``dataset.difficulty`` (integers without
-    '.0').  Sources come from ``dataset.meta["source"]`` when it has one per row, else ``default_source``
-    (plus ``-seed<seed>`` when the meta records a seed)."""
-    if dataset.inputs.shape[1:] != (seq_len,):
-        raise TaskDataError(f"dataset rows have {dataset.inputs.shape[1]} tokens, expected {seq_len}")
-    sources = dataset.meta.get("source")
-    if not (isinstance(sources, list) and len(sources) == len(dataset)):
-        default = default_source
-        if "seed" in dataset.meta:
-            default += f"-seed{dataset.meta['seed']}"
-        sources = [default] * len(dataset)
-    with open(path, "w", newline="") as fh:
-        writer = csv.writer(fh, lineterminator="\n")
-        writer.writerow(PUZZLE_CSV_COLUMNS)
-        for i in range(len(dataset)):
-            d = float(dataset.difficulty[i])
-            rating = str(int(d)) if d.is_integer() else repr(d)
-            writer.writerow(
-                [sources[i], format_grid(dataset.inputs[i]), format_grid(dataset.labels[i]), rating]
-            )

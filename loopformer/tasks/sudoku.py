@@ -28,6 +28,7 @@ import numpy as np
 
 from loopformer.tasks.base import Task, TaskDataError, TokenDataset
 from loopformer.tasks.formats import PUZZLE_CSV_COLUMNS, read_puzzle_csv, write_puzzle_csv
+from loopformer.tasks.puzzle_csv import sudoku_fast_rows
 from loopformer.tasks.sudoku_solver import SYMBOLS, SudokuGeometry, generate_worker, search, warm_up
 
 PAD_TOKEN = 0
@@ -400,7 +401,8 @@ class SudokuTask(Task):
         unique solution); an empty rating becomes the blank count.  Errors name the file and line.
         """
         meta = {"task": self.name, "size": self.size, "box": list(self.box)}
-        return read_puzzle_csv(path, self._parse_csv_row, self.seq_len, meta)
+        fast = sudoku_fast_rows(self.geometry.units, self.size, self.symbols)
+        return read_puzzle_csv(path, self._parse_csv_row, self.seq_len, meta, fast=fast)
 
     def _parse_csv_row(self, where: str, question: str, answer: str) -> tuple[np.ndarray, np.ndarray, float]:
         q = self.parse_grid(question, f"{where}: question")
