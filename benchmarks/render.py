@@ -146,7 +146,7 @@ def _details(r: dict[str, Any]) -> list[str]:
         extra = ""
         if "per_row_path_rows_per_s" in d:
             extra = (
-                f", {d['file_MiB']} MiB in {d['seconds']} s; per-row path {d['per_row_path_rows_per_s']:.0f} rows/s "
+                f", {d['file_MiB']} MiB in {d['seconds']} s ({d.get('cpu_seconds')} CPU s); per-row path {d['per_row_path_rows_per_s']:.0f} rows/s "
                 f"({d['speedup_vs_per_row_path']}x slower)"
             )
         lines.append(

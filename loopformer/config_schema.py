@@ -156,7 +156,8 @@ class RunConfig:
     out_dir: str = "runs/default"
     seed: int = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    bf16: bool = True  # bf16 autocast when running on CUDA; CPU always runs float32
+    # bf16 autocast: auto = on CUDA (CPU runs float32); true = on every device, the CPU included; false = never
+    bf16: bool | Literal["auto"] = "auto"
     compile: bool = False  # torch.compile the model's step (the looped body)
 
     # -- derived objects ------------------------------------------------------------------------

@@ -15,7 +15,7 @@
 - ``DepthwiseConv1d`` (causal, kernel 4) and ``DepthwiseConv2d`` (grid, kernel 3): FPRM's optional
   token-mixing convolutions.
 - ``trunc_normal_state``: FPRM's truncated-normal initial iterate (std 6).
-- ``autocast``: bf16 autocast on CUDA when asked, a no-op on CPU float32.
+- ``autocast``: bf16 autocast (``auto``: on CUDA only; ``true``: on the CPU too), else a no-op.
 """
 
 from __future__ import annotations
@@ -257,9 +257,9 @@ def trunc_normal_state(
     return nn.init.trunc_normal_(z, mean=0.0, std=std, a=-2 * std, b=2 * std, generator=generator)
 
 
-def autocast(device: torch.device | str, bf16: bool) -> contextlib.AbstractContextManager:
-    """bf16 autocast on CUDA when ``bf16``; otherwise a no-op (CPU runs in float32)."""
+def autocast(device: torch.device | str, bf16: bool | str) -> contextlib.AbstractContextManager:
+    """bf16 autocast: ``bf16="auto"`` on CUDA only, ``True`` on every device (CPU included), ``False`` never."""
     device_type = torch.device(device).type
-    if bf16 and device_type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
+    if bf16 is True or (bf16 == "auto" and device_type == "cuda"):
+        return torch.autocast(device_type, dtype=torch.bfloat16)
     return contextlib.nullcontext()

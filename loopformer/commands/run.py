@@ -28,6 +28,7 @@ Overrides on the command line: ``key=value`` for the main config (also inherited
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import time
@@ -39,7 +40,9 @@ import click
 
 from loopformer.commands.common import eval_dataset, load_run, training_depth
 from loopformer.commands.suite import ModelUnderTest, SuiteOptions, accuracy_table, run_suite
-from loopformer.eval.evaluate import evaluate_lm
+from loopformer.devices import device_option, resolve_device
+from loopformer.eval.evaluate import evaluate_lm, model_device
+from loopformer.nn import autocast
 
 DEFAULT_RECIPE = "default"
 # fields a plain transformer shares with the looped families (copied unless the baseline sets them)
@@ -172,7 +175,8 @@ def _run_lm(out: Path, label: str, main_run: Any, base_summary: dict[str, Any] |
 
     runs = {label: main_run}
     if base_summary is not None:
-        runs[f"baseline ({base_cfg.model.name})"] = load_run(base_summary["checkpoint"], use_ema=base_cfg.eval.use_ema)
+        runs[f"baseline ({base_cfg.model.name})"] = load_run(base_summary["checkpoint"], use_ema=base_cfg.eval.use_ema,
+                                                             device=str(model_device(main_run.model)))
     results = {}
     for name, r in runs.items():
         lm = evaluate_lm(r.model, r.task, dataset, loop=r.loop_eval, batch_size=r.config.eval.batch_size,
@@ -211,14 +215,29 @@ def run_folder_for(out_dir: str | None, overwrite: bool) -> Path:
 @click.option("--out", "-o", "out_dir", default=None, help="run folder (default: a new runs/<timestamp>)")
 @click.option("--overwrite", is_flag=True, help="replace the previous run in --out (moved aside once the new "
               "models' first checkpoints are written)")
+@device_option()
 @click.argument("overrides", nargs=-1)
-def run(recipe: str, out_dir: str | None, overwrite: bool, overrides: tuple[str, ...]) -> None:
+def run(recipe: str, out_dir: str | None, overwrite: bool, overrides: tuple[str, ...], device: str) -> None:
     """Train the recipe's looped model and an equal-size plain transformer, evaluate both, report.
 
     OVERRIDES are key=value pairs: train.steps=200 (both models), run.lens_loops=0, baseline.train.lr=1e-3.
     Without --out every run gets a new folder runs/<timestamp>; an --out folder holding a previous run is
-    refused unless --overwrite is given.
+    refused unless --overwrite is given. --device sets where both models train and are evaluated (the
+    recipe's `device` when auto).
     """
+    dev = resolve_device(device)
+    if device != "auto":
+        if dev.type == "cuda" and dev.index is not None:
+            import torch
+
+            torch.cuda.set_device(dev)
+        overrides = (*overrides, f"device={dev.type}")
+    with contextlib.ExitStack() as stack:
+        _run(recipe, out_dir, overwrite, overrides, dev, stack)
+
+
+def _run(recipe: str, out_dir: str | None, overwrite: bool, overrides: tuple[str, ...], dev: Any,
+         stack: contextlib.ExitStack) -> None:  # fmt: skip
     from rich.console import Console
 
     console = Console(highlight=False)
@@ -231,7 +250,8 @@ def run(recipe: str, out_dir: str | None, overwrite: bool, overrides: tuple[str,
     main_summary = _train(main_cfg, "the looped model", console.print)
     base_summary = _train(base_cfg, "the baseline", console.print) if base_cfg is not None else None
 
-    main_run = load_run(main_summary["checkpoint"], use_ema=main_cfg.eval.use_ema)
+    stack.enter_context(autocast(dev, main_cfg.bf16))  # evaluate in the precision the run trained in
+    main_run = load_run(main_summary["checkpoint"], use_ema=main_cfg.eval.use_ema, device=str(dev))
     dataset = eval_dataset(main_run.task, main_run.config)
     main_label = main_cfg.model.name
     if not main_run.task.has_validator:  # language modelling: held-out loss and bits per byte
@@ -241,7 +261,7 @@ def run(recipe: str, out_dir: str | None, overwrite: bool, overrides: tuple[str,
     baselines = []
     base_run = None
     if base_summary is not None:
-        base_run = load_run(base_summary["checkpoint"], use_ema=base_cfg.eval.use_ema)
+        base_run = load_run(base_summary["checkpoint"], use_ema=base_cfg.eval.use_ema, device=str(dev))
         baselines.append(ModelUnderTest(f"baseline ({base_cfg.model.name})", base_run.model, base_run.loop_eval))
     options = SuiteOptions(
         budgets=section.budgets, budget_mode=section.budget_mode, lens_loops=section.lens_loops,

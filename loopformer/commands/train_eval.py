@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import click
 
 from loopformer.commands.common import eval_dataset, load_run, parse_int_list, parse_pairs, training_depth
 from loopformer.commands.suite import ModelUnderTest, SuiteOptions, accuracy_table, run_suite
+from loopformer.devices import device_option, resolve_device
 from loopformer.eval.evaluate import arc_pass_at_k, evaluate_lm
+from loopformer.nn import autocast
 
 
 @click.command("train")
@@ -71,21 +74,29 @@ def train(recipe: str, overrides: tuple[str, ...], resume: bool, out_dir: str | 
               help="logit lens, overthinking, signal propagation, spectral radius")
 @click.option("--ema/--no-ema", default=True, show_default=True, help="use the EMA weights when present")
 @click.option("--out", "-o", "out_dir", default=None, help="report folder (default <run>/eval-step<N>-<time>)")
+@device_option()
 def evaluate_cmd(checkpoint: str, max_steps: str | None, budget_mode: str, task_options: tuple[str, ...],
                  sets: tuple[str, ...], examples: int, lens_loops: int | None, analyses: bool, ema: bool,
-                 out_dir: str | None) -> None:
+                 out_dir: str | None, device: str) -> None:
     """Evaluate CHECKPOINT (a run folder or checkpoint folder) on its held-out set; write a report.
 
     Text (no validator): loss and bits per byte. ARC: also pass@2, voting over augmentations.
     """
+    overrides = list(sets) + [f"data.eval_generate.{k}={v}" for k, v in parse_pairs(task_options, "--task-option").items()]
+    budgets = parse_int_list(max_steps, "--max-steps")
+    dev = resolve_device(device)
+    run = load_run(checkpoint, use_ema=ema, config_overrides=tuple(overrides), device=str(dev))
+    with autocast(dev, run.config.bf16):  # evaluate in the precision the run trained in
+        _evaluate(run, examples, out_dir, budgets, budget_mode, lens_loops, analyses)
+
+
+def _evaluate(run: Any, examples: int, out_dir: str | None, budgets: list[int], budget_mode: str,
+              lens_loops: int | None, analyses: bool) -> None:  # fmt: skip
     from rich.console import Console
 
     from loopformer.eval.report import write_json
     from loopformer.tasks.arc import ArcTask
 
-    overrides = list(sets) + [f"data.eval_generate.{k}={v}" for k, v in parse_pairs(task_options, "--task-option").items()]
-    budgets = parse_int_list(max_steps, "--max-steps")
-    run = load_run(checkpoint, use_ema=ema, config_overrides=tuple(overrides))
     dataset = eval_dataset(run.task, run.config, examples)
     if out_dir:
         out = Path(out_dir)

@@ -22,6 +22,8 @@ def anderson_weights(g: Tensor, reg: float, relative: bool = True) -> Tensor:
 
 def gram_weights(gram: Tensor, reg: float, relative: bool = True) -> Tensor:
     """Anderson weights a [B, n] from the Gram matrix [B, n, n] of the residuals."""
+    if gram.dtype in (torch.bfloat16, torch.float16):  # under bf16 autocast: solve in float32 (no bf16 LU)
+        gram = gram.float()
     n = gram.shape[-1]
     if relative:
         scale = gram.diagonal(dim1=1, dim2=2).sum(-1) / n
@@ -31,7 +33,8 @@ def gram_weights(gram: Tensor, reg: float, relative: bool = True) -> Tensor:
     finite = torch.isfinite(gram).flatten(1).all(dim=1)
     gram = torch.where(finite.view(-1, 1, 1), gram, eye)  # a diverged row must not break the batch
     ones = torch.ones(gram.shape[0], n, 1, dtype=gram.dtype, device=gram.device)
-    w, _ = torch.linalg.solve_ex(gram + reg * eye, ones)
+    with torch.autocast(gram.device.type, enabled=False):
+        w, _ = torch.linalg.solve_ex(gram + reg * eye, ones)
     w = w.squeeze(-1)
     return w / w.sum(dim=1, keepdim=True)
 
