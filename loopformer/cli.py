@@ -31,8 +31,10 @@ def _attach_subcommands() -> None:
     for command in (run, train, evaluate_cmd, solve, models, data, convert):
         cli.add_command(command)
     from loopformer.data_prepare import prepare_cmd
+    from loopformer.hub import push_cmd
 
     data.add_command(prepare_cmd)
+    cli.add_command(push_cmd)
 
 
 _attach_subcommands()

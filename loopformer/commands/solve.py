@@ -14,12 +14,10 @@ from typing import Any
 
 import click
 import numpy as np
-import torch
-from torch import Tensor
 
+from loopformer.api import solve as solve_puzzle
 from loopformer.commands.common import load_run
-from loopformer.eval.analysis import trace_loops
-from loopformer.eval.evaluate import with_budget
+from loopformer.devices import device_option, resolve_device
 from loopformer.numerics import NumericalFaultError
 from loopformer.tasks.base import Task, TaskDataError
 
@@ -100,27 +98,27 @@ def format_answer(task: Task, tokens: np.ndarray) -> str | None:
 @click.option("--max-steps", type=int, default=None, help="cap on loops (default: the run's evaluation loop)")
 @click.option("--ema/--no-ema", default=True, show_default=True, help="use the EMA weights when the checkpoint has them")
 @click.option("--all-loops", is_flag=True, help="print every loop, not only those where the answer changed")
+@device_option()
 def solve(task_name: str, puzzle: str, checkpoint: str, as_json: bool, max_steps: int | None, ema: bool,
-          all_loops: bool) -> None:
+          all_loops: bool, device: str) -> None:
     """Solve PUZZLE with a trained model, printing the answer as the loop refines it.
 
     Example: loopformer solve sudoku "5...27..9..41......1..5.3...92.6.8...5......66..7..29.8...7...2.......8...9..36.." -c runs/x
     """
-    run = load_run(checkpoint, use_ema=ema)
+    run = load_run(checkpoint, use_ema=ema, device=str(resolve_device(device)))
     if run.config.data.task != task_name:
         raise ValueError(
             f"checkpoint {run.path} was trained on task {run.config.data.task!r}, not {task_name!r}"
         )
-    task, model = run.task, run.model
+    task = run.task
     tokens = parse_puzzle(task, puzzle)
     if task.seq_len and tokens.size != task.seq_len:
         raise TaskDataError(f"the puzzle has {tokens.size} tokens, the model's task expects {task.seq_len}")
-    loop = run.loop_eval if max_steps is None else with_budget(run.loop_eval, max_steps, "capped")
     givens = check_givens(task, tokens)
     common = {"task": task.name, "puzzle": format_answer(task, tokens), "givens": givens,
               "checkpoint": str(run.path), "weights": run.weights}
     try:
-        frames, final = _think(model, tokens, loop, run.config.seed)
+        frames, final = _think(run, tokens, max_steps)
     except NumericalFaultError as err:
         if as_json:
             click.echo(json.dumps(solve_record(**common, valid=False, error=str(err))))
@@ -158,23 +156,11 @@ def solve(task_name: str, puzzle: str, checkpoint: str, as_json: bool, max_steps
         console.print(f"the puzzle itself is {givens['status']}: no valid answer exists")
 
 
-def _think(model: Any, tokens: np.ndarray, loop: Any, seed: int) -> tuple[list[np.ndarray], np.ndarray]:
-    """(the answer read out at every loop, the final answer); NumericalFaultError on NaN / inf logits."""
-    frames: list[np.ndarray] = []
-
-    def observe(t: int, z: Tensor, logits: Tensor) -> None:
-        if not bool(torch.isfinite(logits).all()) or not bool(torch.isfinite(z).all()):
-            raise NumericalFaultError(f"solve: loop {t}: the model's logits or loop state hold NaN or infinite "
-                                      "values (diverged weights or an unstable loop); no answer is reported")
-        frames.append(logits[0].argmax(-1).cpu().numpy())
-
-    inputs = torch.as_tensor(tokens[None])
-    with torch.no_grad():
-        generator = torch.Generator().manual_seed(seed)
-        _, final_logits = trace_loops(model, inputs, loop, observe, generator=generator)
-    if not bool(torch.isfinite(final_logits).all()):
-        raise NumericalFaultError("solve: the model's final logits hold NaN or infinite values; no answer is reported")
-    return frames, final_logits[0].argmax(-1).cpu().numpy()
+def _think(run: Any, tokens: np.ndarray, max_steps: int | None) -> tuple[list[np.ndarray], np.ndarray]:
+    """(the answer read out at every loop, the final answer) from ``loopformer.solve``; NumericalFaultError
+    on NaN / inf logits or states."""
+    solution = solve_puzzle(run, tokens, max_steps=max_steps)
+    return solution.trajectory, solution.tokens
 
 
 def _renderer(task: Task, colour: bool) -> Any:

@@ -467,16 +467,18 @@ class LoadedRun:
 
 def load_for_eval(path: str | Path, use_ema: bool = True, config_overrides: tuple[str, ...] = (),
              device: str = "cpu") -> LoadedRun:
-    """Load a checkpoint (a checkpoint folder, a ``checkpoints/`` root or a run folder) and its task,
+    """Load a checkpoint (a checkpoint folder, a ``checkpoints/`` root, a run folder or a hub id) and its task,
     with the EMA weights when ``use_ema`` and the checkpoint keeps an EMA.
 
     ``config_overrides`` (``data.*``, ``eval.*``, ``loop_eval.*`` keys only) change how the run is
     evaluated, never the model.
     """
     from loopformer.config import ConfigError, apply_overrides, build_config, to_dict
+    from loopformer.hub import resolve_source
     from loopformer.tasks.registry import get_task
     from loopformer.train.checkpoint import CheckpointError, load_checkpoint
 
+    path = resolve_source(path)  # a hub id (owner/name) is downloaded, a local path kept
     for text in config_overrides:
         key = text.split("=", 1)[0]
         if not key.startswith(("data.", "eval.", "loop_eval.")):

@@ -1,0 +1,135 @@
+"""The Python API: load a trained model, solve a puzzle with it, watch the loop think.
+
+    import loopformer
+    run = loopformer.load("runs/sudoku")            # a run folder, checkpoint folder or hub id (owner/name)
+    sol = loopformer.solve(run, "5...27..9..41......1..5.3...")
+    sol.answer, sol.valid, sol.steps, sol.trajectory
+
+``load`` returns a ``LoadedRun``: ``.model`` (EMA weights when the run keeps them), ``.task``, ``.config``
+(the resolved run configuration) and ``.loop_eval`` (the evaluation loop: solver, halting, cap).
+``solve`` runs the loop once on one puzzle and records the answer read out after every loop (the logit
+lens of ``loopformer.eval.analysis.trace_loops``); ``valid`` is the task's independent validator's
+verdict, never a comparison with a stored label.  ``loopformer solve`` prints exactly this.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from loopformer.devices import resolve_device
+from loopformer.eval.evaluate import LoadedRun, load_for_eval, with_budget
+from loopformer.tasks.base import Task, TaskDataError
+
+
+def load(run_or_hub_id: str | Path, device: str | torch.device = "auto", use_ema: bool = True) -> LoadedRun:
+    """A trained model from a run folder, checkpoint folder or hub id (``owner/name[@revision]``).
+
+    ``device``: ``auto`` (CUDA when present), ``cpu``, ``cuda`` or ``cuda:N``.
+    """
+    return load_for_eval(run_or_hub_id, use_ema=use_ema, device=str(resolve_device(device)))
+
+
+@dataclass
+class Solution:
+    """What ``solve`` returns: token arrays [T], their text form, the validator's verdict, the trajectory."""
+
+    task: str
+    puzzle: np.ndarray
+    tokens: np.ndarray  # the answer's tokens after the last loop
+    answer: str | list[int]  # the answer in the task's text format (grid string) or as token ids
+    valid: bool  # the task's independent validator (task.check)
+    steps: int  # loops run
+    trajectory: list[np.ndarray] = field(repr=False)  # the answer read out after loop 1, 2, ..., steps
+    checkpoint: str = ""
+    weights: str = ""
+
+    def changes(self) -> list[int]:
+        """Tokens changed at each loop (the first loop counts every token)."""
+        prev, out = None, []
+        for frame in self.trajectory:
+            out.append(int(frame.size if prev is None else (frame != prev).sum()))
+            prev = frame
+        return out
+
+    def to_dict(self, task: Task | None = None) -> dict[str, Any]:
+        fmt = (lambda t: format_answer(task, t)) if task is not None else (lambda t: [int(x) for x in t])
+        return {"task": self.task, "puzzle": fmt(self.puzzle), "solution": self.answer,
+                "solution_tokens": [int(t) for t in self.tokens], "valid": self.valid, "steps": self.steps,
+                "trajectory": [fmt(f) for f in self.trajectory], "checkpoint": self.checkpoint,
+                "weights": self.weights}  # fmt: skip
+
+
+def parse_puzzle(task: Task, puzzle: str | np.ndarray | list[int]) -> np.ndarray:
+    """Input tokens [T] for one puzzle: text through the task's parser, or token ids."""
+    if not isinstance(puzzle, str):
+        tokens = np.asarray(puzzle, dtype=np.int64).reshape(-1)
+    elif hasattr(task, "parse_grid"):
+        tokens = np.asarray(task.parse_grid(puzzle, "puzzle"), dtype=np.int64).reshape(-1)
+    else:
+        parts = puzzle.replace(",", " ").split()
+        try:
+            tokens = np.asarray([int(p) for p in parts], dtype=np.int64)
+        except ValueError:
+            raise TaskDataError(
+                f"task {task.name!r} reads a puzzle as whitespace-separated token ids, got {puzzle!r}"
+            ) from None
+    if tokens.size == 0:
+        raise TaskDataError("the puzzle is empty")
+    if task.vocab_size and (tokens.min() < 0 or tokens.max() >= task.vocab_size):
+        raise TaskDataError(f"puzzle tokens must lie in [0, {task.vocab_size - 1}] for task {task.name!r}")
+    if task.seq_len and tokens.size != task.seq_len:
+        raise TaskDataError(f"the puzzle has {tokens.size} tokens, task {task.name!r} expects {task.seq_len}")
+    return tokens
+
+
+def format_answer(task: Task, tokens: np.ndarray) -> str | list[int]:
+    """The task's text form of a token array (a grid string) when it has one, else the token ids."""
+    if hasattr(task, "format_grid"):
+        try:
+            return task.format_grid(tokens)
+        except (TaskDataError, ValueError, IndexError):
+            pass
+    return [int(t) for t in tokens]
+
+
+@torch.no_grad()
+def solve(model: LoadedRun | str | Path, puzzle: str | np.ndarray | list[int], max_steps: int | None = None,
+          seed: int | None = None) -> Solution:  # fmt: skip
+    """Solve one puzzle with a trained model (a ``LoadedRun``, or anything ``load`` accepts).
+
+    ``max_steps`` caps the loops (default: the run's evaluation loop); ``seed`` seeds the initial iterate
+    (default: the run's seed).  Runs on the model's device, under bf16 autocast when the run trained in bf16.
+    """
+    from loopformer.eval.analysis import trace_loops
+    from loopformer.eval.evaluate import model_device
+    from loopformer.nn import autocast
+    from loopformer.numerics import NumericalFaultError
+
+    run = model if isinstance(model, LoadedRun) else load(model)
+    task = run.task
+    tokens = parse_puzzle(task, puzzle)
+    loop = run.loop_eval if max_steps is None else with_budget(run.loop_eval, max_steps, "capped")
+    device = model_device(run.model)
+    frames: list[np.ndarray] = []
+
+    def observe(t: int, z: torch.Tensor, logits: torch.Tensor) -> None:
+        if not bool(torch.isfinite(logits).all()) or not bool(torch.isfinite(z).all()):
+            raise NumericalFaultError(f"solve: loop {t}: the model's logits or loop state hold NaN or infinite "
+                                      "values (diverged weights or an unstable loop); no answer is reported")  # fmt: skip
+        frames.append(logits[0].argmax(-1).cpu().numpy())
+
+    generator = torch.Generator(device=device).manual_seed(run.config.seed if seed is None else seed)
+    run.model.eval()
+    with autocast(device, run.config.bf16):
+        _, final_logits = trace_loops(run.model, torch.as_tensor(tokens[None], device=device), loop, observe,
+                                      generator=generator)  # fmt: skip
+    if not bool(torch.isfinite(final_logits).all()):
+        raise NumericalFaultError("solve: the model's final logits hold NaN or infinite values; no answer is reported")
+    final = final_logits[0].argmax(-1).cpu().numpy()
+    return Solution(task.name, tokens, final, format_answer(task, final), bool(task.check(tokens, final)),
+                    len(frames), frames, str(run.path), run.weights)  # fmt: skip

@@ -1,0 +1,212 @@
+"""Sharing trained models through the Hugging Face Hub (``pip install 'loopformer[hub]'``).
+
+``loopformer push RUN REPO_ID`` uploads what evaluation needs from the run's latest checkpoint:
+``model.safetensors``, ``ema.safetensors`` (when the run keeps an EMA) and ``config.json`` (the resolved
+run configuration), plus the run's ``summary.json`` and a model card ``README.md`` generated from it (task,
+accuracy, steps vs difficulty, the recipe, the papers to cite).  The optimiser / data-stream state is not
+uploaded: a pushed model is for evaluation and sharing, resuming uses the run folder.
+
+The uploaded repository is a checkpoint folder, so ``loopformer eval``, ``loopformer solve`` and
+``loopformer.load`` accept a hub id (``owner/name``, or ``hf://owner/name``, optionally ``@revision``)
+wherever they accept a run folder: ``resolve_source`` downloads it with ``snapshot_download`` (cached
+by huggingface_hub; ``HF_HUB_OFFLINE=1`` reads the cache only).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+HUB_ID = re.compile(r"^(?:hf://)?(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:@(?P<rev>[\w./-]+))?$")
+PUSHED_FILES = ("model.safetensors", "ema.safetensors", "config.json")
+
+# arXiv ids of the systems implemented here, cited on every model card and in CITATION.cff
+PAPERS = {
+    "fprm": ("Fixed-Point Reasoners: Stable and Adaptive Deep Looped Transformers", "2606.18206"),
+    "attractor": ("Solve the Loop: Attractor Models for Language and Reasoning", "2605.12466"),
+    "recurrent": (
+        "Loop, Think, & Generalize: Implicit Reasoning in Recurrent-Depth Transformers",
+        "2604.07822",
+    ),
+    "trm": ("Less is More: Recursive Reasoning with Tiny Networks", "2510.04871"),
+    "hrm": ("Hierarchical Reasoning Model", "2506.21734"),
+}
+
+
+def _hub() -> Any:
+    try:
+        import huggingface_hub
+    except ImportError:
+        raise RuntimeError(
+            "sharing through the Hugging Face Hub needs huggingface_hub: pip install 'loopformer[hub]'"
+        ) from None
+    return huggingface_hub
+
+
+def parse_hub_id(text: str) -> tuple[str, str | None] | None:
+    """(repo_id, revision) when ``text`` reads as a hub id, else None."""
+    match = HUB_ID.match(str(text))
+    return (match["repo"], match["rev"]) if match else None
+
+
+def resolve_source(path_or_id: str | Path, cache_dir: str | Path | None = None) -> Path:
+    """A local path as it is; an existing-nowhere ``owner/name`` is downloaded from the hub (cached)."""
+    path = Path(path_or_id)
+    if path.exists():
+        return path
+    parsed = parse_hub_id(str(path_or_id))
+    local_looking = str(path_or_id).startswith(("./", "../", "/", "~")) or Path(path.parts[0]).is_dir()
+    if parsed is None or local_looking:
+        return path  # let the checkpoint loader report the missing folder
+    repo_id, revision = parsed
+    try:
+        hub = _hub()
+    except RuntimeError:
+        raise FileNotFoundError(
+            f"{path_or_id}: no such run folder (to read it as a hub id, pip install 'loopformer[hub]')"
+        ) from None
+    try:
+        local = hub.snapshot_download(repo_id, revision=revision, cache_dir=cache_dir, allow_patterns=[
+            *PUSHED_FILES, "summary.json", "README.md"])  # fmt: skip
+    except Exception as err:  # the hub's own errors (offline, not found, gated): one clear line
+        raise FileNotFoundError(
+            f"{path_or_id!r} is neither a local run folder nor a downloadable hub model: {type(err).__name__}: {err}"
+        ) from None
+    return Path(local)
+
+
+# ------------------------------------------------------------------------------------------- model card
+
+
+def _family_papers(family: str, name: str) -> list[tuple[str, str]]:
+    key = family or name
+    out = [PAPERS[k] for k in PAPERS if k in key]
+    return out or list(PAPERS.values())
+
+
+def model_card(config: dict[str, Any], summary: dict[str, Any] | None, family: str, step: int) -> str:
+    """The README.md of a pushed model, from its config.json and summary.json."""
+    summary = summary or {}
+    data, model = config.get("data", {}), config.get("model", {})
+    task = data.get("task", "?")
+    name = model.get("name", family)
+    lines = ["---", "library_name: loopformer", "tags:", "- looped-transformer", f"- {name}", f"- {task}", "---", "",
+             f"# {name} on {task}", "",
+             f"A looped transformer trained with loopformer ({step} steps).", ""]  # fmt: skip
+    rows = []
+    ev = summary.get("eval") or {}
+    for key, label in (("valid_acc", "held-out accuracy (independent validator)"), ("exact_acc", "exact match"),
+                       ("token_acc", "token accuracy"), ("loop_steps", "mean loop steps")):  # fmt: skip
+        if key in ev:
+            rows.append((label, ev[key]))
+    for key, label in (("heldout_accuracy", "held-out accuracy (independent validator)"),
+                       ("baseline_accuracy", "baseline accuracy"), ("mean_steps", "mean loop steps")):  # fmt: skip
+        if summary.get(key) is not None:
+            rows.append((label, summary[key]))
+    if rows:
+        lines += ["## Results", "", "| metric | value |", "|---|---|"]
+        lines += [f"| {k} | {v:.4f} |" if isinstance(v, float) else f"| {k} | {v} |" for k, v in rows]
+        lines.append("")
+    by_difficulty = summary.get("mean_steps_by_difficulty")
+    if by_difficulty:
+        lines += ["## Steps vs difficulty", "", "| difficulty | mean loop steps |", "|---|---|"]
+        lines += [f"| {k} | {v:.2f} |" for k, v in dict(by_difficulty).items()]
+        lines.append("")
+    params = summary.get("parameters")
+    lines += ["## Recipe", "", f"- model: `{name}` ({family}), {params if params is not None else '?'} parameters",
+              f"- task: `{task}` {data.get('options', {})}",
+              f"- training: {config.get('train', {}).get('steps', '?')} steps, batch "
+              f"{config.get('train', {}).get('batch_size', '?')}, lr {config.get('train', {}).get('lr', '?')}",
+              f"- recipe / overrides: {summary.get('recipe', 'see config.json')} {summary.get('overrides', '')}".rstrip(),
+              "", "```bash", "pip install 'loopformer[hub]'", "loopformer eval OWNER/NAME --device auto",
+              "```", "", "```python", "import loopformer", "run = loopformer.load('OWNER/NAME')",
+              "loopformer.solve(run, '<puzzle>')", "```", "", "## Cite", ""]  # fmt: skip
+    lines += [
+        f"- {title}, arXiv:{arxiv} (https://arxiv.org/abs/{arxiv})"
+        for title, arxiv in _family_papers(family, name)
+    ]
+    return "\n".join(lines) + "\n"
+
+
+# ------------------------------------------------------------------------------------------- push
+
+
+def stage_run(run: str | Path, folder: Path) -> dict[str, Any]:
+    """Copy what a pushed model holds into ``folder``; returns {"checkpoint", "step", "family", "files"}."""
+    from loopformer.train.checkpoint import resolve_checkpoint
+
+    ckpt = resolve_checkpoint(run)
+    raw = json.loads((ckpt / "config.json").read_text())
+    files = []
+    for name in PUSHED_FILES:
+        if (ckpt / name).is_file():
+            shutil.copy2(ckpt / name, folder / name)
+            files.append(name)
+    run_dir = ckpt.parent.parent if ckpt.parent.name == "checkpoints" else ckpt
+    summary = None
+    for candidate in (run_dir / "summary.json", run_dir.parent / "summary.json"):
+        if candidate.is_file():
+            summary = json.loads(candidate.read_text())
+            shutil.copy2(candidate, folder / "summary.json")
+            files.append("summary.json")
+            break
+    card = model_card(raw, summary, str(raw.get("family", "")), int(raw.get("step", 0)))
+    (folder / "README.md").write_text(card)
+    files.append("README.md")
+    return {
+        "checkpoint": str(ckpt),
+        "step": int(raw.get("step", 0)),
+        "family": raw.get("family"),
+        "files": files,
+    }
+
+
+def push(run: str | Path, repo_id: str, private: bool = False, revision: str | None = None,
+         message: str | None = None, token: str | None = None, api: Any = None) -> dict[str, Any]:  # fmt: skip
+    """Upload RUN's latest checkpoint + model card to ``repo_id`` (created when missing); returns what was sent.
+
+    ``api``: an ``HfApi``-like object (``create_repo``, ``upload_folder``); default ``HfApi(token=token)``.
+    """
+    if parse_hub_id(repo_id) is None:
+        raise ValueError(f"repository id {repo_id!r}: expected owner/name")
+    if api is None:
+        api = _hub().HfApi(token=token)
+    with tempfile.TemporaryDirectory() as tmp:
+        staged = stage_run(run, Path(tmp))
+        api.create_repo(repo_id, repo_type="model", private=private, exist_ok=True)
+        commit = api.upload_folder(folder_path=tmp, repo_id=repo_id, repo_type="model", revision=revision,
+                                   commit_message=message or f"loopformer push: step {staged['step']}")  # fmt: skip
+    return {**staged, "repo_id": repo_id, "commit": str(getattr(commit, "oid", commit) or "")}
+
+
+def _command() -> Any:
+    import click
+
+    @click.command("push")
+    @click.argument("run")
+    @click.argument("repo_id")
+    @click.option("--private", is_flag=True, help="create the repository private")
+    @click.option("--revision", default=None, help="branch to push to (default: main)")
+    @click.option("--message", "-m", default=None, help="commit message")
+    @click.option("--to-folder", type=click.Path(path_type=Path), default=None,
+                  help="write the files (model card included) to this folder instead of uploading")  # fmt: skip
+    def push_cmd(run: str, repo_id: str, private: bool, revision: str | None, message: str | None,
+                 to_folder: Path | None) -> None:  # fmt: skip
+        """Share RUN's latest checkpoint as hub model REPO_ID (owner/name) with a generated model card."""
+        if to_folder is not None:
+            to_folder.mkdir(parents=True, exist_ok=True)
+            staged = stage_run(run, to_folder)
+            click.echo(f"wrote {', '.join(staged['files'])} to {to_folder} (step {staged['step']})")
+            return
+        sent = push(run, repo_id, private=private, revision=revision, message=message)
+        click.echo(f"pushed {', '.join(sent['files'])} (step {sent['step']}) to {repo_id}; "
+                   f"load it with: loopformer eval {repo_id}")  # fmt: skip
+
+    return push_cmd
+
+
+push_cmd = _command()

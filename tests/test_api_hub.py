@@ -1,0 +1,168 @@
+"""The Python API (``loopformer.load`` / ``loopformer.solve``), ``--device``, and sharing: ``loopformer push``
+against a patched ``HfApi`` and a local folder standing in for the hub, then loading by hub id (patched
+``snapshot_download``: no network)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+import loopformer
+import loopformer.api
+from loopformer.cli import cli
+from loopformer.config import build_config
+from loopformer.tasks.sudoku import SudokuTask
+
+TINY = {
+    "model": {"name": "fprm", "d_model": 16, "n_heads": 2, "n_layers": 1, "conv": "grid2d"},
+    "data": {"task": "sudoku", "options": {"size": 4}, "train_generate": {"min_blanks": 4, "max_blanks": 8},
+             "eval_generate": {"min_blanks": 4, "max_blanks": 8}, "train_size": 24, "eval_size": 8},
+    "train": {"mode": "deep_supervision", "steps": 3, "batch_size": 8, "max_segments": 2, "progress": False,
+              "ema": 0.9, "log_every": 1},
+    "loop_train": {"max_steps": 3, "grad": "truncated", "grad_steps": 2},
+    "loop_eval": {"max_steps": 5},
+    "eval": {"batch_size": 16},
+}  # fmt: skip
+PUZZLE = "1.3.....2...4.2."
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from loopformer.train.trainer import Trainer
+
+    out = tmp_path_factory.mktemp("tiny_run")
+    Trainer(build_config({**TINY, "out_dir": str(out)})).fit()
+    return out
+
+
+def test_load_and_solve_match_the_cli(tiny_run: Path) -> None:
+    run = loopformer.load(tiny_run, device="cpu")
+    assert run.task.name == "sudoku" and run.loop_eval.max_steps == 5 and run.weights == "ema"
+    sol = loopformer.solve(run, PUZZLE)
+    task = SudokuTask(4)
+    assert sol.valid == task.check(task.parse_grid(PUZZLE), sol.tokens)  # the validator's verdict
+    assert sol.steps == len(sol.trajectory) >= 1 and np.array_equal(sol.trajectory[-1], sol.tokens)
+    assert sol.answer == loopformer.api.format_answer(task, sol.tokens) and sol.changes()[0] == 16
+    cli_json = json.loads(CliRunner().invoke(cli, ["solve", "sudoku", PUZZLE, "-c", str(tiny_run), "--json",
+                                                   "--device", "cpu"]).output)  # fmt: skip
+    mine = sol.to_dict(run.task)
+    assert {k: cli_json[k] for k in ("solution_tokens", "valid", "steps")} == {
+        k: mine[k] for k in ("solution_tokens", "valid", "steps")
+    }  # the CLI is built on loopformer.solve
+    capped = loopformer.solve(str(tiny_run), PUZZLE, max_steps=1)  # a path works too
+    assert capped.steps == 1
+    tokens = loopformer.solve(run, task.parse_grid(PUZZLE))  # token ids work too
+    assert np.array_equal(tokens.tokens, sol.tokens)
+    with pytest.raises(ValueError, match="4 characters, expected 16"):
+        loopformer.solve(run, "1.3.")
+
+
+def test_device_flags(tiny_run: Path) -> None:
+    from loopformer.devices import resolve_device
+
+    assert resolve_device("cpu") == torch.device("cpu")
+    assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+    with pytest.raises(ValueError, match=r"expected auto \(CUDA when present, else CPU\), cpu, cuda or cuda:N"):
+        resolve_device("tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            resolve_device("cuda:0")
+        bad = CliRunner().invoke(cli, ["eval", str(tiny_run), "--device", "cuda:1", "--no-analyses"])
+        assert bad.exit_code != 0 and "CUDA is not available" in bad.output
+    for command in (["eval"], ["solve"], ["run"]):
+        assert "--device" in CliRunner().invoke(cli, [*command, "--help"]).output
+
+
+def test_cpu_bf16_evaluation_follows_the_run(tiny_run: Path, tmp_path: Path) -> None:
+    """A run trained with bf16: true is evaluated under CPU bf16 autocast."""
+    from loopformer.train.trainer import Trainer
+
+    out = tmp_path / "bf16"
+    summary = Trainer(build_config({**TINY, "out_dir": str(out), "bf16": True})).fit()
+    assert np.isfinite(summary["eval"]["exact_acc"])
+    seen = []
+    run = loopformer.load(out, device="cpu")
+    run.model.register_forward_hook(lambda m, i, o: seen.append(torch.is_autocast_enabled("cpu")))
+    loopformer.solve(run, PUZZLE)
+    assert seen and all(seen)
+
+
+class FakeApi:
+    """HfApi stand-in: a 'hub' that is a local folder (repo_id -> folder)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root, self.calls = root, []
+
+    def create_repo(self, repo_id, repo_type="model", private=False, exist_ok=False):
+        self.calls.append(("create_repo", repo_id, private))
+        (self.root / repo_id).mkdir(parents=True, exist_ok=True)
+
+    def upload_folder(self, folder_path, repo_id, repo_type="model", revision=None, commit_message=""):
+        self.calls.append(("upload_folder", repo_id, commit_message))
+        for f in Path(folder_path).iterdir():
+            (self.root / repo_id / f.name).write_bytes(f.read_bytes())
+        return type("Commit", (), {"oid": "abc123"})()
+
+
+def test_push_then_load_by_hub_id(tiny_run: Path, tmp_path: Path, monkeypatch) -> None:
+    import huggingface_hub
+
+    from loopformer.hub import push
+
+    hub_root = tmp_path / "hub"
+    api = FakeApi(hub_root)
+    sent = push(tiny_run, "me/tiny-sudoku", api=api)
+    repo = hub_root / "me" / "tiny-sudoku"
+    assert set(sent["files"]) == {
+        "model.safetensors",
+        "ema.safetensors",
+        "config.json",
+        "summary.json",
+        "README.md",
+    }
+    assert not (repo / "state.safetensors").exists()  # optimiser state stays home
+    card = (repo / "README.md").read_text()
+    assert "# fprm on sudoku" in card and "arXiv:2606.18206" in card and "held-out accuracy" in card
+    summary = json.loads((tiny_run / "summary.json").read_text())
+    assert f"{summary['eval']['exact_acc']:.4f}" in card
+    assert api.calls[0] == ("create_repo", "me/tiny-sudoku", False) and sent["commit"] == "abc123"
+
+    calls = []
+
+    def fake_snapshot(repo_id, revision=None, cache_dir=None, allow_patterns=None, **kw):
+        calls.append((repo_id, revision))
+        return str(hub_root / repo_id)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot)
+    monkeypatch.chdir(tmp_path)
+    by_id = loopformer.load("me/tiny-sudoku@v1", device="cpu")
+    assert calls == [("me/tiny-sudoku", "v1")]
+    local = loopformer.load(tiny_run, device="cpu")
+    for (name, p), (_, q) in zip(by_id.model.named_parameters(), local.model.named_parameters()):
+        assert torch.equal(p, q), name
+    assert (
+        loopformer.solve(by_id, PUZZLE).to_dict()["solution_tokens"]
+        == loopformer.solve(local, PUZZLE).to_dict()["solution_tokens"]
+    )
+    result = CliRunner().invoke(cli, ["eval", "hf://me/tiny-sudoku", "--no-analyses", "--out", str(tmp_path / "ev"),
+                                      "--device", "cpu"])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    folder = CliRunner().invoke(cli, ["push", str(tiny_run), "me/x", "--to-folder", str(tmp_path / "staged")])
+    assert folder.exit_code == 0 and (tmp_path / "staged" / "README.md").is_file()
+
+
+def test_missing_run_and_missing_hub_library(tmp_path: Path, monkeypatch) -> None:
+    import sys
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setitem(sys.modules, "huggingface_hub", None)
+    with pytest.raises(FileNotFoundError, match=r"pip install 'loopformer\[hub\]'"):
+        loopformer.load("someone/model")
+    (tmp_path / "runs").mkdir()
+    with pytest.raises(Exception, match="does not exist"):  # a local-looking path is never sent to the hub
+        loopformer.load("runs/nothing")
