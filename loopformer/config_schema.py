@@ -122,7 +122,10 @@ class TrainConfig:
     max_state_norm: float = 1e6  # a larger mean state norm counts as divergence
     max_loss: float = 1e4  # a larger loss counts as divergence
     progress: bool = True  # rich progress bar
-    tensorboard: bool = False
+    tensorboard: bool = False  # TensorBoard event files in <run>/tensorboard (pip install 'loopformer[tensorboard]')
+    wandb: bool = False  # Weights & Biases tracking (pip install 'loopformer[wandb]'), see loopformer/tracking.py
+    wandb_project: str = "loopformer"
+    wandb_mode: Literal["online", "offline", "disabled"] = "online"
     threads: int = 0  # CPU threads; 0 = physical cores
     # multi-process (torchrun), see loopformer/train/dist.py
     strategy: Literal["ddp", "fsdp"] = "ddp"

@@ -64,7 +64,7 @@ def test_other_box_shapes_and_explicit_generate(tmp_path, size: int) -> None:
             "10",
             "--out",
             str(out),
-            "-o",
+            "-t",
             "min_blanks=5",
         ]
     )
@@ -76,7 +76,7 @@ def test_options_routing_and_errors(tmp_path) -> None:
     init_kw, gen_kw = split_options(SudokuTask, {"size": 4, "box": [2, 2], "max_blanks": 8})
     assert init_kw == {"size": 4, "box": [2, 2]} and gen_kw == {"max_blanks": 8}
     out = tmp_path / "x.csv"
-    result = CliRunner().invoke(cli, ["data", "sudoku", "--count", "2", "--out", str(out), "-o", "bogus=1"])
+    result = CliRunner().invoke(cli, ["data", "sudoku", "--count", "2", "--out", str(out), "-t", "bogus=1"])
     assert (
         result.exit_code != 0
         and "unknown option(s) ['bogus']" in result.output
@@ -84,7 +84,7 @@ def test_options_routing_and_errors(tmp_path) -> None:
     )
     result = CliRunner().invoke(cli, ["data", "sudokku", "--count", "2", "--out", str(out)])
     assert result.exit_code != 0 and "did you mean 'sudoku'" in result.output
-    result = CliRunner().invoke(cli, ["data", "sudoku", "--count", "2", "--out", str(out), "-o", "novalue"])
+    result = CliRunner().invoke(cli, ["data", "sudoku", "--count", "2", "--out", str(out), "-t", "novalue"])
     assert result.exit_code != 0 and "key=value" in result.output
     run(
         [
@@ -96,9 +96,9 @@ def test_options_routing_and_errors(tmp_path) -> None:
             "3",
             "--out",
             str(out),
-            "-o",
+            "-t",
             "box=[3,2]",
-            "-o",
+            "-t",
             "max_blanks=10",
         ]
     )
@@ -115,7 +115,7 @@ def test_show_and_stats(tmp_path) -> None:
     stats = run(["data", "stats", "sudoku", str(out)])
     assert "12 examples" in stats and "difficulty histogram" in stats
     mazes = tmp_path / "m.csv"
-    run(["data", "maze", "--size", "9", "--count", "5", "--out", str(mazes), "-o", "min_path=6"])
+    run(["data", "maze", "--size", "9", "--count", "5", "--out", str(mazes), "-t", "min_path=6"])
     assert "valid by task.check: True" in run(["data", "show", "maze", str(mazes), "-i", "4"])
     assert "5 examples" in run(["data", "stats", "maze", str(mazes)])
     bad = CliRunner().invoke(cli, ["data", "show", "maze", str(mazes), "--index", "9"])
@@ -139,14 +139,14 @@ def test_hrm_format_output(tmp_path) -> None:
             str(tmp_path / "hrm"),
             "--format",
             "hrm",
-            "-o",
+            "-t",
             "min_path=4",
         ]
     )
     ds = load_hrm_folder(tmp_path / "hrm", "train")
     task = MazeTask(7)
     assert len(ds) == 4 and all(task.check(x, y) for x, y in zip(ds.inputs, ds.labels))
-    assert "4 examples" in run(["data", "stats", "maze", str(tmp_path / "hrm"), "-o", "size=7"])
+    assert "4 examples" in run(["data", "stats", "maze", str(tmp_path / "hrm"), "-t", "size=7"])
 
 
 def test_entry_point_subprocess(tmp_path) -> None:

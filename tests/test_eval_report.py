@@ -33,13 +33,13 @@ def test_plots_and_report(tmp_path: Path) -> None:
                      [3.0, 1.0, 0.0], [0.0, 0.5, 1.0], train_depth=2)
     sig = SignalCurve([1, 2, 3], [1.0, 0.9, 0.9], [3.0, 1.0, 0.1], [1.0, 0.2, 0.01], 6.0)
     paths = {
-        "budget": plots.plot_budget_curve({"fprm": curve}, tmp_path / "p" / "budget.png"),
-        "hist": plots.plot_steps_histogram(res, tmp_path / "p" / "hist.png"),
-        "scatter": plots.plot_steps_vs_difficulty(res, tmp_path / "p" / "scatter.png"),
-        "lens": plots.plot_loop_accuracy(lens, tmp_path / "p" / "lens.png"),
-        "over": plots.plot_overthinking(lens, tmp_path / "p" / "over.png"),
-        "bridge": plots.plot_bridge_rank(lens, tmp_path / "p" / "bridge.png"),
-        "norms": plots.plot_state_norms(sig, tmp_path / "p" / "norms.png"),
+        "budget": plots.save_figure(plots.plot_budget_curve({"fprm": curve}), tmp_path / "p" / "budget.png"),
+        "hist": plots.save_figure(plots.plot_steps_histogram(res), tmp_path / "p" / "hist.png"),
+        "scatter": plots.save_figure(plots.plot_steps_vs_difficulty(res), tmp_path / "p" / "scatter.png"),
+        "lens": plots.save_figure(plots.plot_loop_accuracy(lens), tmp_path / "p" / "lens.png"),
+        "over": plots.save_figure(plots.plot_overthinking(lens), tmp_path / "p" / "over.png"),
+        "bridge": plots.save_figure(plots.plot_bridge_rank(lens), tmp_path / "p" / "bridge.png"),
+        "norms": plots.save_figure(plots.plot_state_norms(sig), tmp_path / "p" / "norms.png"),
     }
     for p in paths.values():
         assert p.read_bytes()[:8] == PNG

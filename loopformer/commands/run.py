@@ -216,8 +216,10 @@ def run_folder_for(out_dir: str | None, overwrite: bool) -> Path:
 @click.option("--overwrite", is_flag=True, help="replace the previous run in --out (moved aside once the new "
               "models' first checkpoints are written)")
 @device_option()
+@click.option("--print-config", is_flag=True, help="print the resolved configurations (YAML) and exit")
 @click.argument("overrides", nargs=-1)
-def run(recipe: str, out_dir: str | None, overwrite: bool, overrides: tuple[str, ...], device: str) -> None:
+def run(recipe: str, out_dir: str | None, overwrite: bool, overrides: tuple[str, ...], device: str,
+        print_config: bool) -> None:
     """Train the recipe's looped model and an equal-size plain transformer, evaluate both, report.
 
     OVERRIDES are key=value pairs: train.steps=200 (both models), run.lens_loops=0, baseline.train.lr=1e-3.
@@ -232,6 +234,14 @@ def run(recipe: str, out_dir: str | None, overwrite: bool, overrides: tuple[str,
 
             torch.cuda.set_device(dev)
         overrides = (*overrides, f"device={dev.type}")
+    if print_config:
+        from loopformer.config import config_to_yaml
+
+        main_cfg, base_cfg, _, _ = build_run_configs(recipe, overrides, Path(out_dir or "runs/<timestamp>"))
+        click.echo("# the looped model\n" + config_to_yaml(main_cfg), nl=False)
+        if base_cfg is not None:
+            click.echo("---\n# the baseline\n" + config_to_yaml(base_cfg), nl=False)
+        return
     with contextlib.ExitStack() as stack:
         _run(recipe, out_dir, overwrite, overrides, dev, stack)
 

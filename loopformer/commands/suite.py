@@ -98,8 +98,8 @@ def run_suite(
                                                   results[b.label].valid)
     plot_paths: dict[str, Path] = {}
     r_main = results[main.label]
-    plot_paths["steps histogram"] = plots.plot_steps_histogram(r_main, plot_dir / "steps_histogram.png")
-    plot_paths["steps vs difficulty"] = plots.plot_steps_vs_difficulty(r_main, plot_dir / "steps_vs_difficulty.png")
+    plot_paths["steps histogram"] = plots.save_figure(plots.plot_steps_histogram(r_main), plot_dir / "steps_histogram.png")
+    plot_paths["steps vs difficulty"] = plots.save_figure(plots.plot_steps_vs_difficulty(r_main), plot_dir / "steps_vs_difficulty.png")
 
     budget: dict[str, BudgetCurve] = {}
     small = dataset.subset(slice(0, min(len(dataset), max(opts.analysis_examples, 1))))
@@ -107,22 +107,22 @@ def run_suite(
         log(f"accuracy vs step budget {opts.budgets} ({opts.budget_mode})")
         budget[main.label] = accuracy_vs_budget(main.model, task, dataset, opts.budgets, mode=opts.budget_mode,
                                                 loop=main.loop, batch_size=opts.batch_size)
-        plot_paths["accuracy vs step budget"] = plots.plot_budget_curve(budget, plot_dir / "accuracy_vs_budget.png")
+        plot_paths["accuracy vs step budget"] = plots.save_figure(plots.plot_budget_curve(budget), plot_dir / "accuracy_vs_budget.png")
     lens: LoopCurve | None = None
     if opts.lens_loops:
         log(f"logit lens / overthinking over {opts.lens_loops} loops on {len(small)} examples")
         lens = logit_lens(main.model, task, small, opts.lens_loops, loop=main.loop, batch_size=opts.batch_size,
                           train_depth=main.train_depth)
-        plot_paths["logit lens accuracy per loop"] = plots.plot_loop_accuracy(lens, plot_dir / "logit_lens.png")
-        plot_paths["overthinking margin"] = plots.plot_overthinking(lens, plot_dir / "overthinking.png")
+        plot_paths["logit lens accuracy per loop"] = plots.save_figure(plots.plot_loop_accuracy(lens), plot_dir / "logit_lens.png")
+        plot_paths["overthinking margin"] = plots.save_figure(plots.plot_overthinking(lens), plot_dir / "overthinking.png")
         if lens.bridge_rank:
-            plot_paths["bridge rank"] = plots.plot_bridge_rank(lens, plot_dir / "bridge_rank.png")
+            plot_paths["bridge rank"] = plots.save_figure(plots.plot_bridge_rank(lens), plot_dir / "bridge_rank.png")
     signal: SignalCurve | None = None
     if opts.signal_loops:
         log(f"signal propagation over {opts.signal_loops} loops")
         signal = signal_propagation(main.model, small, opts.signal_loops, loop=main.loop,
                                     batch_size=min(opts.batch_size, 64), max_batches=1)
-        plot_paths["state norms"] = plots.plot_state_norms(signal, plot_dir / "state_norms.png")
+        plot_paths["state norms"] = plots.save_figure(plots.plot_state_norms(signal), plot_dir / "state_norms.png")
     spectral: dict[str, float] | None = None
     if opts.spectral:
         log("Jacobian spectral radius at the final state")

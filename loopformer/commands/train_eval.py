@@ -22,7 +22,9 @@ from loopformer.nn import autocast
 @click.option("--out", "-o", "out_dir", default=None, help="run folder (overrides out_dir)")
 @click.option("--overwrite", is_flag=True,
               help="replace a previous run in the folder (moved aside once the new run's first checkpoint is written)")
-def train(recipe: str, overrides: tuple[str, ...], resume: bool, out_dir: str | None, overwrite: bool) -> None:
+@click.option("--print-config", is_flag=True, help="print the resolved configuration (YAML) and exit")
+def train(recipe: str, overrides: tuple[str, ...], resume: bool, out_dir: str | None, overwrite: bool,
+          print_config: bool) -> None:
     """Train the model of RECIPE (a name in recipes/ or a path); OVERRIDES are key=value pairs."""
     from rich.console import Console
 
@@ -40,6 +42,11 @@ def train(recipe: str, overrides: tuple[str, ...], resume: bool, out_dir: str | 
     if overwrite:
         extra.append("train.overwrite=true")
     cfg = build_config(raw, extra)
+    if print_config:
+        from loopformer.config import config_to_yaml
+
+        click.echo(config_to_yaml(cfg), nl=False)
+        return
     trainer = Trainer(cfg)
     console = Console(highlight=False, quiet=not trainer.dist_env.is_main)  # rank 0 speaks under torchrun
     where = f" (resumed from {trainer.resumed_from}, step {trainer.step})" if trainer.resumed_from else ""

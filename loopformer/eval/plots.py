@@ -1,7 +1,10 @@
-"""Matplotlib figures (Agg backend, PNG files) for evaluations and loop analyses.
+"""Matplotlib figures for evaluations and loop analyses.
 
 One function per figure; each takes the result objects of ``loopformer.eval.evaluate`` /
-``loopformer.eval.analysis`` (or their ``to_dict()`` form) and a path, writes the PNG and returns the path.
+``loopformer.eval.analysis`` (or their ``to_dict()`` form) and returns a ``matplotlib.figure.Figure``
+(shown inline in a notebook); with ``path`` it also writes the PNG there (``save_figure`` does the same
+for a figure in hand).  Figures are built with the object-oriented API, never through pyplot, so the
+matplotlib backend (and a notebook's state) is left alone.
 Several series (e.g. the looped model and its baseline) can be drawn on one figure by passing a
 ``{label: result}`` mapping.
 """
@@ -12,11 +15,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
 import numpy as np
+from matplotlib.figure import Figure
 
 from loopformer.eval.analysis import LoopCurve, SignalCurve
 from loopformer.eval.evaluate import BudgetCurve, EvalResult, steps_vs_difficulty
@@ -26,13 +26,24 @@ def _series(x: Any) -> Mapping[str, Any]:
     return x if isinstance(x, Mapping) else {"": x}
 
 
-def _save(fig: Any, path: str | Path) -> Path:
+def _figure(figsize: tuple[float, float], ncols: int = 1) -> tuple[Figure, Any]:
+    fig = Figure(figsize=figsize)
+    return fig, fig.subplots(1, ncols)
+
+
+def save_figure(fig: Figure, path: str | Path | None = None) -> Figure:
+    """Write ``fig`` as a PNG at ``path`` (folders created); returns the path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
     return path
+
+
+def _finish(fig: Figure, path: str | Path | None) -> Figure:
+    fig.tight_layout()
+    if path is not None:
+        save_figure(fig, path)
+    return fig
 
 
 def _legend(ax: Any, labels: Mapping[str, Any]) -> None:
@@ -40,10 +51,10 @@ def _legend(ax: Any, labels: Mapping[str, Any]) -> None:
         ax.legend(frameon=False)
 
 
-def plot_budget_curve(curves: BudgetCurve | Mapping[str, BudgetCurve], path: str | Path) -> Path:
+def plot_budget_curve(curves: BudgetCurve | Mapping[str, BudgetCurve], path: str | Path | None = None) -> Figure:
     """Validator accuracy vs inference step budget (the test-time compute curve)."""
     curves = _series(curves)
-    fig, ax = plt.subplots(figsize=(5, 3.5))
+    fig, ax = _figure((5, 3.5))
     for label, c in curves.items():
         b = [p.budget for p in c.points]
         ax.plot(b, [100 * p.valid_accuracy for p in c.points], marker="o", label=label or None)
@@ -54,27 +65,27 @@ def plot_budget_curve(curves: BudgetCurve | Mapping[str, BudgetCurve], path: str
     ax.set_title(f"accuracy vs step budget ({mode})")
     ax.grid(alpha=0.3)
     _legend(ax, curves)
-    return _save(fig, path)
+    return _finish(fig, path)
 
 
-def plot_steps_histogram(result: EvalResult, path: str | Path) -> Path:
+def plot_steps_histogram(result: EvalResult, path: str | Path | None = None) -> Figure:
     """How many loop steps examples took."""
-    fig, ax = plt.subplots(figsize=(5, 3.5))
+    fig, ax = _figure((5, 3.5))
     ks = sorted(result.steps_histogram)
     ax.bar(ks, [result.steps_histogram[k] for k in ks], width=0.8, color="tab:blue")
     ax.set_xlabel("loop steps")
     ax.set_ylabel("examples")
     ax.set_title(f"steps per example (mean {result.mean_steps:.2f})")
-    return _save(fig, path)
+    return _finish(fig, path)
 
 
-def plot_steps_vs_difficulty(result: EvalResult, path: str | Path) -> Path:
+def plot_steps_vs_difficulty(result: EvalResult, path: str | Path | None = None) -> Figure:
     """Scatter of (difficulty, steps) per example with the mean per difficulty bucket."""
     d, s = result.difficulty, result.steps.astype(float)
     stats = steps_vs_difficulty(d, s, result.valid)
     rng = np.random.default_rng(0)
     jitter = (rng.random(len(d)) - 0.5) * 0.3 * (np.ptp(d) / max(1, len(np.unique(d))) if len(d) else 0)
-    fig, ax = plt.subplots(figsize=(5, 3.5))
+    fig, ax = _figure((5, 3.5))
     ok = result.valid
     ax.scatter((d + jitter)[ok], s[ok], s=8, alpha=0.35, color="tab:green", label="valid")
     ax.scatter((d + jitter)[~ok], s[~ok], s=8, alpha=0.35, color="tab:red", label="invalid")
@@ -84,13 +95,13 @@ def plot_steps_vs_difficulty(result: EvalResult, path: str | Path) -> Path:
     ax.set_ylabel("loop steps")
     ax.set_title(f"steps vs difficulty (Spearman rho {stats.spearman_rho:.2f})")
     ax.legend(frameon=False, fontsize=8)
-    return _save(fig, path)
+    return _finish(fig, path)
 
 
-def plot_loop_accuracy(curves: LoopCurve | Mapping[str, LoopCurve], path: str | Path) -> Path:
+def plot_loop_accuracy(curves: LoopCurve | Mapping[str, LoopCurve], path: str | Path | None = None) -> Figure:
     """Logit lens: accuracy of the readout of each loop's state."""
     curves = _series(curves)
-    fig, ax = plt.subplots(figsize=(5, 3.5))
+    fig, ax = _figure((5, 3.5))
     for label, c in curves.items():
         prefix = f"{label} " if label else ""
         ax.plot(c.loops, [100 * a for a in c.valid_accuracy], marker=".", label=f"{prefix}valid")
@@ -103,12 +114,12 @@ def plot_loop_accuracy(curves: LoopCurve | Mapping[str, LoopCurve], path: str | 
     ax.set_title("logit lens: accuracy per loop")
     ax.grid(alpha=0.3)
     ax.legend(frameon=False, fontsize=8)
-    return _save(fig, path)
+    return _finish(fig, path)
 
 
-def plot_overthinking(curve: LoopCurve, path: str | Path) -> Path:
+def plot_overthinking(curve: LoopCurve, path: str | Path | None = None) -> Figure:
     """Logit margin (left axis) and validator accuracy (right axis) vs inference loops."""
-    fig, ax = plt.subplots(figsize=(5, 3.5))
+    fig, ax = _figure((5, 3.5))
     ax.plot(curve.loops, curve.margin, color="tab:purple", marker=".", label="logit margin")
     ax.axhline(0, color="gray", lw=0.8)
     ax.set_xlabel("inference loops")
@@ -121,24 +132,24 @@ def plot_overthinking(curve: LoopCurve, path: str | Path) -> Path:
         ax.axvline(curve.train_depth, color="gray", ls=":", lw=1)
         ax.text(curve.train_depth, ax.get_ylim()[1], " train depth", va="top", fontsize=8, color="gray")
     ax.set_title("overthinking: margin and accuracy vs loops")
-    return _save(fig, path)
+    return _finish(fig, path)
 
 
-def plot_bridge_rank(curve: LoopCurve, path: str | Path) -> Path:
+def plot_bridge_rank(curve: LoopCurve, path: str | Path | None = None) -> Figure:
     """Logit lens on knowledge-graph queries: mean rank of the bridge entity per loop."""
-    fig, ax = plt.subplots(figsize=(5, 3.5))
+    fig, ax = _figure((5, 3.5))
     ax.plot(curve.loops, curve.bridge_rank, marker=".")
     ax.set_xlabel("loop")
     ax.set_ylabel("mean bridge rank (0 = top)")
     ax.set_title("logit lens: bridge entity rank")
     ax.grid(alpha=0.3)
-    return _save(fig, path)
+    return _finish(fig, path)
 
 
-def plot_state_norms(curves: SignalCurve | Mapping[str, SignalCurve], path: str | Path) -> Path:
+def plot_state_norms(curves: SignalCurve | Mapping[str, SignalCurve], path: str | Path | None = None) -> Figure:
     """Signal propagation: state RMS and update norm per loop (log scale)."""
     curves = _series(curves)
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(8, 3.5))
+    fig, (a1, a2) = _figure((8, 3.5), 2)
     for label, c in curves.items():
         a1.plot([0, *c.loops], [c.state_rms0, *c.state_rms], marker=".", label=label or None)
         a2.plot(c.loops, c.relative_update, marker=".", label=label or None)
@@ -153,4 +164,4 @@ def plot_state_norms(curves: SignalCurve | Mapping[str, SignalCurve], path: str 
     for a in (a1, a2):
         a.grid(alpha=0.3)
         _legend(a, curves)
-    return _save(fig, path)
+    return _finish(fig, path)

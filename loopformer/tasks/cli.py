@@ -1,6 +1,6 @@
 """``loopformer data``: generate, show and summarise task datasets, for every task in the registry.
 
-    loopformer data TASK [--size N] [--count N] [--seed S] [--out FILE] [--option key=value ...]
+    loopformer data TASK [--size N] [--count N] [--seed S] [--out/-o FILE] [--option/-t key=value ...]
     loopformer data generate TASK ...          (the same; TASK as a first word is shorthand for this)
     loopformer data show TASK FILE [--index i]
     loopformer data stats TASK FILE
@@ -123,9 +123,10 @@ def data() -> None:
 )
 @click.option("--count", type=int, default=1000, show_default=True, help="Number of examples.")
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--out", "out", type=click.Path(path_type=Path), required=True, help="Output file (or folder).")
+@click.option("--out", "-o", "out", type=click.Path(path_type=Path), required=True, help="Output file (or folder).")
 @click.option(
-    "--option", "-o", "extra", multiple=True, metavar="KEY=VALUE", help="Extra task keyword; repeatable."
+    "--option", "--task-option", "-t", "extra", multiple=True, metavar="KEY=VALUE",
+    help="Extra task keyword; repeatable.",
 )
 @click.option(
     "--format",
@@ -194,7 +195,7 @@ def generate_cmd(
 @click.argument("task_name", metavar="TASK")
 @click.argument("file", type=click.Path(exists=True, path_type=Path))
 @click.option("--index", "-i", type=int, default=0, show_default=True, help="Example to show.")
-@click.option("--option", "-o", "extra", multiple=True, metavar="KEY=VALUE", help="Task constructor keyword.")
+@click.option("--option", "--task-option", "-t", "extra", multiple=True, metavar="KEY=VALUE", help="Task constructor keyword.")
 @click.option("--plain", is_flag=True, help="No colour markup.")
 def show_cmd(task_name: str, file: Path, index: int, extra: tuple[str, ...], plain: bool) -> None:
     """Render example INDEX of FILE: the input, then the label."""
@@ -223,7 +224,7 @@ def show_cmd(task_name: str, file: Path, index: int, extra: tuple[str, ...], pla
 @data.command("stats")
 @click.argument("task_name", metavar="TASK")
 @click.argument("file", type=click.Path(exists=True, path_type=Path))
-@click.option("--option", "-o", "extra", multiple=True, metavar="KEY=VALUE", help="Task constructor keyword.")
+@click.option("--option", "--task-option", "-t", "extra", multiple=True, metavar="KEY=VALUE", help="Task constructor keyword.")
 @click.option("--bins", type=int, default=10, show_default=True, help="Histogram bins (fewer if few values).")
 def stats_cmd(task_name: str, file: Path, extra: tuple[str, ...], bins: int) -> None:
     """Print the example count and a difficulty histogram of FILE."""

@@ -167,7 +167,7 @@ def reduce_metrics(metrics: dict[str, Any], world_size: int) -> dict[str, Any]:
 def prepare_run_dir(config: RunConfig, run_dir: Path, ckpt_dir: Path, resumed: bool, step: int) -> Any:
     """Write the config; a resumed run drops the metrics its killed predecessor wrote past ``step``.
 
-    Returns a TensorBoard ``SummaryWriter`` when ``train.tensorboard`` is on and installed, else None.
+    Returns the run's ``loopformer.tracking.Trackers`` (TensorBoard, W&B) when any is on, else None.
     """
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(config, run_dir)
@@ -177,14 +177,9 @@ def prepare_run_dir(config: RunConfig, run_dir: Path, ckpt_dir: Path, resumed: b
         metrics.write_text("".join(line + "\n" for line in kept))
     # a fresh run never deletes anything: loopformer.train.run_folder refused a folder holding a run
     # (or, with --overwrite, made this a staging folder that replaces the old run at the first checkpoint)
-    if config.train.tensorboard:
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError:
-            log.warning("train.tensorboard is on but tensorboard is not installed (pip install tensorboard)")
-        else:
-            return SummaryWriter(str(run_dir / "tensorboard"))
-    return None
+    from loopformer.tracking import open_trackers
+
+    return open_trackers(config, run_dir)  # TensorBoard / W&B when asked
 
 
 def _step_of(line: str) -> float:
@@ -202,9 +197,9 @@ def write_metrics(run_dir: Path, record: dict[str, Any], tb: Any, step: int) -> 
     with open(run_dir / "metrics.jsonl", "a") as fh:
         fh.write(json.dumps(record) + "\n")
     if tb is not None:
-        for key, value in record.items():
-            if key != "step" and isinstance(value, int | float) and not isinstance(value, bool):
-                tb.add_scalar(key, value, record.get("step", step))
+        numbers = {k: v for k, v in record.items()
+                   if k != "step" and isinstance(v, int | float) and not isinstance(v, bool)}  # fmt: skip
+        tb.log(numbers, record.get("step", step))
 
 
 def bar_info(m: dict[str, Any]) -> str:
@@ -221,13 +216,22 @@ def progress_bar(enabled: bool, total: int, start: int) -> Any:
     """A rich progress bar (a context manager yielding None when disabled)."""
     if not enabled:
         return _NoBar()
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
     return Progress(
         TextColumn("[bold]{task.description}"),
         BarColumn(),
         MofNCompleteColumn(),
         TimeElapsedColumn(),
+        TextColumn("eta"),
+        TimeRemainingColumn(),
         TextColumn("{task.fields[info]}"),
     )
 
