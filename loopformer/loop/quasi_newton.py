@@ -17,7 +17,11 @@ def anderson_weights(g: Tensor, reg: float, relative: bool = True) -> Tensor:
     ``relative=False`` adds ``reg`` to the raw Gram matrix (TorchDEQ's absolute regulariser; kept
     only to measure how it stalls at tight tolerances).
     """
-    return gram_weights(torch.bmm(g, g.transpose(1, 2)), reg, relative)
+    if g.dtype in (torch.bfloat16, torch.float16):
+        g = g.float()
+    with torch.autocast(g.device.type, enabled=False):  # bf16 autocast: the Gram matrix in float32
+        gram = torch.bmm(g, g.transpose(1, 2))
+    return gram_weights(gram, reg, relative)
 
 
 def gram_weights(gram: Tensor, reg: float, relative: bool = True) -> Tensor:
