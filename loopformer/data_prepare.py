@@ -234,7 +234,8 @@ def _arc_puzzles(name: str, from_dir: Path | None) -> tuple[list[Any], list[Any]
 def prepare_arc(name: str, out: Path, from_dir: Path | None, augment: int, seed: int,
                 progress: Progress) -> dict[str, Any]:  # fmt: skip
     """Encode every (task, version, pair) row straight into memory-mapped .npy files, task by task."""
-    from loopformer.tasks.arc import CANVAS_TOKENS, MAX_GRID, Augmentation, encode_grid
+    from loopformer.tasks.arc import CANVAS_TOKENS, MAX_GRID, VOCAB_SIZE, Augmentation, encode_grid
+    from loopformer.tasks.formats import write_hrm_index
 
     training, evaluation = _arc_puzzles(name, from_dir)
     puzzles = training + evaluation
@@ -249,8 +250,11 @@ def prepare_arc(name: str, out: Path, from_dir: Path | None, augment: int, seed:
         if not items:
             continue
         n = len(items) * versions
-        inputs = np.zeros((n, CANVAS_TOKENS), np.uint8)
-        labels = np.zeros((n, CANVAS_TOKENS), np.uint8)
+        folder = out / split
+        folder.mkdir(parents=True, exist_ok=True)
+        # straight into the .npy files: with 1000 versions ARC-AGI-1 has ~3M rows (2.7 GB per array)
+        inputs = np.lib.format.open_memmap(folder / "all__inputs.npy", "w+", np.uint8, (n, CANVAS_TOKENS))
+        labels = np.lib.format.open_memmap(folder / "all__labels.npy", "w+", np.uint8, (n, CANVAS_TOKENS))
         ids, difficulty = np.zeros(n, np.int64), np.zeros(n)
         r = 0
         for t, i, pair, translate in items:
@@ -269,24 +273,17 @@ def prepare_arc(name: str, out: Path, from_dir: Path | None, augment: int, seed:
                 ids[r], difficulty[r] = 1 + t * versions + v, np.nan if grid_out is None else grid_out.size
                 r += 1
             progress(f"encode {split}", r, n)
-        _save_arc(out, split, inputs, labels, ids, difficulty, 1 + len(puzzles) * versions)
+        inputs.flush()
+        labels.flush()
+        del inputs, labels
+        write_hrm_index(
+            out, split, CANVAS_TOKENS, ids, difficulty, VOCAB_SIZE, num_ids=1 + len(puzzles) * versions
+        )
         counts[split] = n
     names = ["<blank>"] + [p.id if v == 0 else f"{p.id}|||{v}" for p in puzzles for v in range(versions)]
     (out / "identifiers.json").write_text(json.dumps(names))
     return {"task": "arc", "rows": counts, "tasks": {"training": len(training), "evaluation": len(evaluation)},
             "num_puzzle_ids": 1 + len(puzzles) * versions}  # fmt: skip
-
-
-def _save_arc(out: Path, split: str, inputs: np.ndarray, labels: np.ndarray, ids: np.ndarray,
-              difficulty: np.ndarray, num_ids: int) -> None:  # fmt: skip
-    from loopformer.tasks.formats import save_hrm_folder
-
-    ds = TokenDataset(inputs, labels, difficulty, ids, {})
-    save_hrm_folder(ds, out, split, vocab_size=12)
-    meta_path = out / split / "dataset.json"
-    meta = json.loads(meta_path.read_text())
-    meta["num_puzzle_identifiers"] = int(num_ids)
-    meta_path.write_text(json.dumps(meta, indent=2))
 
 
 def prepare(name: str, out: str | Path, from_dir: str | Path | None = None, subset: int | None = None,

@@ -29,7 +29,9 @@ def resolve_device(spec: str | torch.device | None) -> torch.device:
         if index and not index.isdigit():
             raise ValueError(f"device {spec!r}: expected cuda:N with N a GPU index")
         if not torch.cuda.is_available():
-            raise ValueError(f"device {spec!r}: CUDA is not available here (torch {torch.__version__}); use cpu or auto")
+            raise ValueError(
+                f"device {spec!r}: CUDA is not available here (torch {torch.__version__}); use cpu or auto"
+            )
         if index and int(index) >= torch.cuda.device_count():
             raise ValueError(f"device {spec!r}: only {torch.cuda.device_count()} GPU(s) visible")
         return torch.device(text)
@@ -40,4 +42,6 @@ def device_option() -> Any:
     """The shared ``--device`` click option."""
     import click
 
-    return click.option("--device", default="auto", show_default=True, help=f"where to evaluate: {DEVICE_HELP}")
+    return click.option(
+        "--device", default="auto", show_default=True, help=f"where to evaluate: {DEVICE_HELP}"
+    )

@@ -67,7 +67,9 @@ def test_device_flags(tiny_run: Path) -> None:
 
     assert resolve_device("cpu") == torch.device("cpu")
     assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
-    with pytest.raises(ValueError, match=r"expected auto \(CUDA when present, else CPU\), cpu, cuda or cuda:N"):
+    with pytest.raises(
+        ValueError, match=r"expected auto \(CUDA when present, else CPU\), cpu, cuda or cuda:N"
+    ):
         resolve_device("tpu")
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="CUDA is not available"):

@@ -175,7 +175,7 @@ def test_token_and_agreement_errors_name_row_and_column(tmp_path, task, real_row
     swapped[4, [0, 1]] = swapped[4, [1, 0]]
     np.save(folder / "all__labels.npy", swapped)
     assert len(load_hrm_folder(root, "train")) == len(real_rows)  # without a task: structure only
-    with pytest.raises(TaskDataError, match=r"train: row 4: the label is not a valid solution"):
+    with pytest.raises(TaskDataError, match=r"train: row 4: the label does not agree with the input \(incomplete"):
         load_hrm_folder(root, "train", task=task)
     np.save(folder / "all__labels.npy", labels)
     difficulty = np.load(folder / "all__difficulty.npy")
@@ -200,3 +200,18 @@ def test_folder_opens_memory_mapped_and_round_trips(tmp_path, task, real_rows) -
     assert again.difficulty.tolist() == [float((x == 1).sum()) for x in direct.inputs]
     meta = json.loads((folder / "dataset.json").read_text())
     assert meta["vocab_size"] == 11 and meta["seq_len"] == 81
+
+
+def test_maze_folder_agreement(tmp_path) -> None:
+    from loopformer.tasks.maze import MazeTask
+
+    task = MazeTask(7)
+    ds = task.generate(5, seed=0)
+    save_hrm_folder(ds, tmp_path, "train", vocab_size=task.vocab_size)
+    assert len(load_hrm_folder(tmp_path, "train", task=task)) == 5
+    labels = np.load(tmp_path / "train" / "all__labels.npy")
+    wall = int(np.flatnonzero(ds.inputs[3] == 1)[0])
+    labels[3, wall] = 5  # a path cell on a wall
+    np.save(tmp_path / "train" / "all__labels.npy", labels)
+    with pytest.raises(TaskDataError, match=r"row 3: the label does not agree with the input \(walls"):
+        load_hrm_folder(tmp_path, "train", task=task)

@@ -65,7 +65,11 @@ def test_wandb_patched_module(tmp_path: Path, monkeypatch) -> None:
     assert init["config"]["train"]["wandb"] is True and init["id"] == (out / "wandb_id").read_text()
     steps = [e[1] for e in events if e[0] == "log"]
     assert steps[:3] == [1, 2, 3] and "loss" in events[1][2] and events[-1] == ("finish",)
-    resumed = {**TINY, "out_dir": str(out), "train": {**TINY["train"], "wandb": True, "steps": 4, "resume": True}}
+    resumed = {
+        **TINY,
+        "out_dir": str(out),
+        "train": {**TINY["train"], "wandb": True, "steps": 4, "resume": True},
+    }
     Trainer(build_config(resumed)).fit()
     assert [e for e in events if e[0] == "init"][1][1]["id"] == init["id"]  # a resumed run continues it
 

@@ -51,7 +51,9 @@ def _legend(ax: Any, labels: Mapping[str, Any]) -> None:
         ax.legend(frameon=False)
 
 
-def plot_budget_curve(curves: BudgetCurve | Mapping[str, BudgetCurve], path: str | Path | None = None) -> Figure:
+def plot_budget_curve(
+    curves: BudgetCurve | Mapping[str, BudgetCurve], path: str | Path | None = None
+) -> Figure:
     """Validator accuracy vs inference step budget (the test-time compute curve)."""
     curves = _series(curves)
     fig, ax = _figure((5, 3.5))
@@ -146,7 +148,9 @@ def plot_bridge_rank(curve: LoopCurve, path: str | Path | None = None) -> Figure
     return _finish(fig, path)
 
 
-def plot_state_norms(curves: SignalCurve | Mapping[str, SignalCurve], path: str | Path | None = None) -> Figure:
+def plot_state_norms(
+    curves: SignalCurve | Mapping[str, SignalCurve], path: str | Path | None = None
+) -> Figure:
     """Signal propagation: state RMS and update norm per loop (log scale)."""
     curves = _series(curves)
     fig, (a1, a2) = _figure((8, 3.5), 2)

@@ -88,27 +88,42 @@ def _check_tokens(arr: np.ndarray, path: Path, vocab_size: int) -> None:
             )
 
 
+def _maze_agreement(q: np.ndarray, a: np.ndarray) -> np.ndarray:
+    """Maze-Hard tokens (1 '#', 2 ' ', 3 'S', 4 'G', 5 'o'): the label keeps walls, S and G, marks the path
+    on open cells only, and the input holds one S, one G and no path."""
+    from loopformer.tasks.maze import GOAL, OPEN, PATH, START
+
+    ok = np.where(q == OPEN, (a == OPEN) | (a == PATH), a == q).all(axis=1)
+    return ok & ((q == START).sum(1) == 1) & ((q == GOAL).sum(1) == 1) & ~(q == PATH).any(axis=1)
+
+
 def check_task_rows(task: Task | None, inputs: np.ndarray, labels: np.ndarray, where: str) -> None:
     """The task's vectorised label / input agreement check where it has one (Sudoku: the label is a
-    complete valid grid keeping every given); the error names the first failing row."""
-    if task is None or task.name != "sudoku":
+    complete valid grid keeping every given; maze: the label keeps walls, S and G and marks the path on open
+    cells); the error names the first failing row.  (Maze shortest-path validity is checked per row by the
+    CSV loader, not here.)"""
+    if task is None or task.name not in ("sudoku", "maze"):
         return
-    from loopformer.tasks.puzzle_csv import sudoku_fast_rows
-
-    fast = sudoku_fast_rows(task.geometry.units, task.size, task.symbols)  # type: ignore[attr-defined]
     if inputs.shape[1:] != (task.seq_len,):
         raise TaskDataError(
             f"{where}: rows have {inputs.shape[1]} tokens, task {task.name!r} expects {task.seq_len}"
         )
+    if task.name == "sudoku":
+        from loopformer.tasks.puzzle_csv import sudoku_fast_rows
+
+        check = sudoku_fast_rows(task.geometry.units, task.size, task.symbols).check  # type: ignore[attr-defined]
+        why = "incomplete, changes a given, or repeats a digit in a row / column / box"
+    else:
+        check, why = (
+            _maze_agreement,
+            "walls / S / G changed, a path off the open cells, or not one S and one G",
+        )
     for start in range(0, len(inputs), 1 << 16):
-        ok = fast.check(np.asarray(inputs[start : start + (1 << 16)], dtype=np.int64),
-                        np.asarray(labels[start : start + (1 << 16)], dtype=np.int64))  # fmt: skip
+        ok = check(np.asarray(inputs[start : start + (1 << 16)], dtype=np.int64),
+                   np.asarray(labels[start : start + (1 << 16)], dtype=np.int64))  # fmt: skip
         if not ok.all():
             row = start + int(np.flatnonzero(~ok)[0])
-            raise TaskDataError(
-                f"{where}: row {row}: the label is not a valid solution of the input "
-                "(incomplete, changes a given, or repeats a digit in a row / column / box)"
-            )
+            raise TaskDataError(f"{where}: row {row}: the label does not agree with the input ({why})")
 
 
 def _check_offsets(offsets: np.ndarray, total: int, path: Path, what: str) -> None:
@@ -265,41 +280,50 @@ def save_hrm_folder(
             f"labels have tokens outside [0, vocab_size={vocab_size}) other than IGNORE_INDEX"
         )
     dtype = np.uint8 if vocab_size <= 256 else np.int32
-    n = len(dataset)
-    if dataset.puzzle_ids is None:
-        identifiers = np.zeros(n, dtype=np.int32)
-        puzzle_indices = np.arange(n + 1, dtype=np.int32)
-        num_ids = 1
-    else:
-        ids = dataset.puzzle_ids
-        starts = np.flatnonzero(np.concatenate([[True], ids[1:] != ids[:-1]])) if n else np.zeros(0, np.int64)
-        identifiers = ids[starts].astype(np.int32)
-        puzzle_indices = np.concatenate([starts, [n]]).astype(np.int32)
-        num_ids = int(ids.max(initial=0)) + 1
-    num_puzzles = len(identifiers)
-    group_indices = np.arange(num_puzzles + 1, dtype=np.int32)
     folder = Path(path) / split
     folder.mkdir(parents=True, exist_ok=True)
     np.save(folder / "all__inputs.npy", inputs.astype(dtype))
     np.save(folder / "all__labels.npy", np.where(labels == IGNORE_INDEX, 0, labels).astype(dtype))
+    write_hrm_index(path, split, inputs.shape[1], dataset.puzzle_ids, dataset.difficulty, vocab_size)
+
+
+def write_hrm_index(path: str | Path, split: str, seq_len: int, puzzle_ids: np.ndarray | None,
+                    difficulty: np.ndarray, vocab_size: int, num_ids: int | None = None) -> None:  # fmt: skip
+    """Everything of ``path/split`` but the inputs / labels arrays (already written there, e.g. through
+    ``np.lib.format.open_memmap`` for sets larger than memory): identifiers, CSR offsets, difficulty,
+    ``dataset.json`` and ``identifiers.json``.  ``num_ids`` defaults to the largest puzzle id + 1."""
+    n = len(difficulty)
+    if puzzle_ids is None:
+        identifiers = np.zeros(n, dtype=np.int32)
+        puzzle_indices = np.arange(n + 1, dtype=np.int32)
+        num_ids = num_ids or 1
+    else:
+        ids = np.asarray(puzzle_ids)
+        starts = np.flatnonzero(np.concatenate([[True], ids[1:] != ids[:-1]])) if n else np.zeros(0, np.int64)
+        identifiers = ids[starts].astype(np.int32)
+        puzzle_indices = np.concatenate([starts, [n]]).astype(np.int32)
+        num_ids = num_ids or int(ids.max(initial=0)) + 1
+    num_puzzles = len(identifiers)
+    folder = Path(path) / split
+    folder.mkdir(parents=True, exist_ok=True)
     np.save(folder / "all__puzzle_identifiers.npy", identifiers)
     np.save(folder / "all__puzzle_indices.npy", puzzle_indices)
-    np.save(folder / "all__group_indices.npy", group_indices)
-    np.save(folder / "all__difficulty.npy", dataset.difficulty.astype(np.float64))
+    np.save(folder / "all__group_indices.npy", np.arange(num_puzzles + 1, dtype=np.int32))
+    np.save(folder / "all__difficulty.npy", np.asarray(difficulty, dtype=np.float64))
     metadata = {
         "pad_id": 0,
         "ignore_label_id": 0,
         "blank_identifier_id": 0,
         "vocab_size": int(vocab_size),
-        "seq_len": int(inputs.shape[1]),
-        "num_puzzle_identifiers": num_ids,
+        "seq_len": int(seq_len),
+        "num_puzzle_identifiers": int(num_ids),
         "total_groups": num_puzzles,
         "mean_puzzle_examples": float(n / num_puzzles) if num_puzzles else 0.0,
         "sets": ["all"],
     }
     (folder / "dataset.json").write_text(json.dumps(metadata, indent=2))
     identifiers_path = Path(path) / "identifiers.json"
-    names = ["<blank>"] + [str(i) for i in range(1, num_ids)]
+    names = ["<blank>"] + [str(i) for i in range(1, int(num_ids))]
     try:
         existing = json.loads(identifiers_path.read_text()) if identifiers_path.exists() else []
     except (json.JSONDecodeError, UnicodeDecodeError):
