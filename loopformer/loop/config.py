@@ -25,7 +25,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 # the axis modules first (each imports its companion module: quasi_newton, act, implicit)
-from loopformer.loop.solvers import SOLVERS, AndersonOptions, BroydenOptions, DampedOptions  # isort: skip
+from loopformer.loop.solvers import (  # isort: skip
+    SOLVERS,
+    AndersonOptions,
+    BroydenOptions,
+    DampedOptions,
+    SafeAndersonOptions,
+)
 from loopformer.loop.halting import HALTING_ALIASES, HALTINGS, ACTOptions, KLEntropyOptions  # isort: skip
 from loopformer.loop.grad import GRADS, IFTOptions, NeumannOptions  # isort: skip
 from loopformer.loop.norms import RESIDUAL_NORMS
@@ -50,6 +56,7 @@ class LoopConfig:
     # options, grouped by the plug-in they belong to
     damped: DampedOptions = field(default_factory=DampedOptions)
     anderson: AndersonOptions = field(default_factory=AndersonOptions)
+    safe_anderson: SafeAndersonOptions = field(default_factory=SafeAndersonOptions)
     broyden: BroydenOptions = field(default_factory=BroydenOptions)
     kl_entropy: KLEntropyOptions = field(default_factory=KLEntropyOptions)
     act: ACTOptions = field(default_factory=ACTOptions)

@@ -35,7 +35,8 @@ if TYPE_CHECKING:
 
 
 def select_rows(obj: Any, rows: Tensor) -> Any:
-    """Index-select every batch-first tensor inside obj (tensors, lists, tuples, dicts)."""
+    """Index-select every batch-first tensor inside obj (tensors, lists, tuples, dicts, and objects
+    with a ``select_rows(rows)`` method)."""
     if isinstance(obj, Tensor):
         return obj.index_select(0, rows) if obj.dim() > 0 else obj
     if isinstance(obj, list):
@@ -44,6 +45,8 @@ def select_rows(obj: Any, rows: Tensor) -> Any:
         return tuple(select_rows(o, rows) for o in obj)
     if isinstance(obj, dict):
         return {k: select_rows(v, rows) for k, v in obj.items()}
+    if hasattr(obj, "select_rows"):
+        return obj.select_rows(rows)
     return obj
 
 

@@ -26,10 +26,14 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from loopformer.loop.grad import GRADS, GradMode
+from loopformer.loop.grad import GRADS, GradMode, select_rows
 from loopformer.loop.solvers import SOLVERS, option_error
 
 Vjp = Callable[[Tensor], Tensor]
+
+
+def _bcast(mask: Tensor, like: Tensor) -> Tensor:
+    return mask.view(-1, *([1] * (like.dim() - 1)))
 
 
 def _per_sample_norm(x: Tensor) -> Tensor:
@@ -96,11 +100,13 @@ class Neumann(ImplicitGradMode):
 
 @dataclass(frozen=True)
 class IFTOptions:
-    """The backward solve of u = v + J^T u: solver (a registered adjoint_ok solver), tolerance, cap."""
+    """The backward solve of u = v + J^T u: solver (a registered ``adjoint_ok`` solver; its options
+    are the forward's group, e.g. ``cfg.safe_anderson``), per-sample tolerance on the relative
+    change ||g(u) - u|| / ||g(u)|| and iteration cap."""
 
-    solver: str = "anderson"
-    tol: float = 1e-6
-    max_steps: int = 100
+    solver: str = "safe_anderson"
+    tol: float = 1e-9
+    max_steps: int = 200
     legacy_names: ClassVar[dict[str, str]] = {
         "solver": "ift_solver",
         "tol": "ift_tol",
@@ -126,25 +132,51 @@ class IFTOptions:
 
 @GRADS.register
 class IFT(ImplicitGradMode):
-    """The implicit function theorem gradient, solved by a forward solver class."""
+    """The implicit function theorem gradient, solved per sample by a forward solver class.
+
+    Reports per sample, once the backward ran: ``LoopResult.stats["ift_steps"]`` (vector-Jacobian
+    products until the sample's relative change fell below ``ift.tol``; ``ift.max_steps`` when it
+    did not) and ``stats["ift_residual"]`` (its last relative change).
+    """
 
     name = "ift"
     Options = IFTOptions
 
+    def finish(self, step, state, ctx):
+        b, device = state.shape[0], state.device
+        self.steps = torch.zeros(b, dtype=torch.long, device=device)
+        self.residual = torch.full((b,), float("nan"), dtype=torch.float64, device=device)
+        return implicit_attach(step, state, ctx, self), {
+            "ift_steps": self.steps,
+            "ift_residual": self.residual,
+        }
+
     def adjoint(self, v: Tensor, vjp: Vjp) -> Tensor:
-        """Solve u = v + J^T u with the configured solver on the per-sample vectors."""
+        """Solve u = v + J^T u; converged samples keep their answer and leave the solver's batch."""
         opts = self.opts
         solver = SOLVERS.get(opts.solver)(self.cfg)
         solver.report_stalls = False
-        u = v
+        u, active = v, torch.arange(v.shape[0], device=v.device)
         state = solver.init(v)
-        for _ in range(opts.max_steps):
+        for it in range(opts.max_steps):
             gu = v + vjp(u)
-            change = _per_sample_norm(gu - u) / (_per_sample_norm(gu) + 1e-30)
-            worst = change.max()
-            if not torch.isfinite(worst) or worst < opts.tol:
-                return gu if torch.isfinite(worst) else u
-            u, state, _ = solver.update(u, gu, change, state)
+            gu_a, u_a = gu.index_select(0, active), u.index_select(0, active)
+            change = _per_sample_norm(gu_a - u_a) / (_per_sample_norm(gu_a) + 1e-30)
+            self.residual.index_copy_(0, active, change.to(self.residual.dtype))
+            finite = torch.isfinite(change)
+            done = (change < opts.tol) | ~finite
+            u_next, state, _ = solver.update(u_a, gu_a, change, state)
+            # a converged sample takes one more application of the map (gu); a broken one keeps u
+            u_next = torch.where(
+                _bcast(done & finite, u_a), gu_a, torch.where(_bcast(finite, u_a), u_next, u_a)
+            )
+            u = u.index_copy(0, active, u_next)
+            self.steps.index_fill_(0, active, it + 1)
+            if bool(done.all()):
+                break
+            if bool(done.any()):
+                keep = (~done).nonzero().squeeze(1)
+                active, state = active.index_select(0, keep), select_rows(state, keep)
         return u
 
 

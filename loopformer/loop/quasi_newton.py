@@ -1,14 +1,41 @@
-"""Quasi-Newton solvers: Anderson acceleration and limited-memory Broyden (see solvers.py)."""
+"""Quasi-Newton solvers: Anderson acceleration and limited-memory Broyden (see solvers.py).
+
+Both keep their history in preallocated batch-first buffers, written in place one slot per
+iteration (no re-stacking): Anderson a ring of the last m f(X_i) and residuals g_i with the Gram
+matrix G_ij = g_i . g_j updated by one new row per step (O(m D) instead of O(m^2 D)); Broyden
+the rank-one terms u_i, v_i of its inverse-Jacobian estimate, applied with two batched matrix
+products. Every sample has its own history, so samples converge (and leave the batch) one by one.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
 from loopformer.loop.solvers import SOLVERS, Info, Solver, State, option_error
+
+
+class Terms:
+    """A batch-first buffer [B, m, D] of which the first ``n`` slots hold terms; ``len()`` is n.
+
+    The engine compacts it through ``select_rows`` (any state value may define it).
+    """
+
+    def __init__(self, buf: Tensor, n: int = 0) -> None:
+        self.buf, self.n = buf, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def select_rows(self, rows: Tensor) -> Terms:
+        return Terms(self.buf.index_select(0, rows), self.n)
+
+    @property
+    def active(self) -> Tensor:
+        return self.buf[:, : self.n]
 
 
 def anderson_weights(g: Tensor, reg: float, relative: bool = True) -> Tensor:
@@ -17,40 +44,42 @@ def anderson_weights(g: Tensor, reg: float, relative: bool = True) -> Tensor:
     ``relative=False`` adds ``reg`` to the raw Gram matrix (TorchDEQ's absolute regulariser; kept
     only to measure how it stalls at tight tolerances).
     """
-    if g.dtype in (torch.bfloat16, torch.float16):
-        g = g.float()
-    with torch.autocast(g.device.type, enabled=False):  # bf16 autocast: the Gram matrix in float32
-        gram = torch.bmm(g, g.transpose(1, 2))
-    return gram_weights(gram, reg, relative)
+    gram = torch.bmm(g, g.transpose(1, 2))
+    valid = torch.ones(gram.shape[:2], dtype=torch.bool, device=gram.device)
+    return gram_weights(gram, valid, reg, relative)
 
 
-def gram_weights(gram: Tensor, reg: float, relative: bool = True) -> Tensor:
-    """Anderson weights a [B, n] from the Gram matrix [B, n, n] of the residuals."""
-    if gram.dtype in (torch.bfloat16, torch.float16):  # under bf16 autocast: solve in float32 (no bf16 LU)
-        gram = gram.float()
-    n = gram.shape[-1]
+def gram_weights(gram: Tensor, valid: Tensor, reg: float, relative: bool = True) -> Tensor:
+    """Anderson weights a [B, m] from the Gram matrix [B, m, m] of the residuals; slots with
+    ``valid`` False [B, m] get weight 0 (they are decoupled by an identity block)."""
+    m = gram.shape[-1]
+    vm = valid.to(gram.dtype)
+    eye = torch.eye(m, dtype=gram.dtype, device=gram.device)
+    a = gram * (vm.unsqueeze(2) * vm.unsqueeze(1))
     if relative:
-        scale = gram.diagonal(dim1=1, dim2=2).sum(-1) / n
-        scale = scale.clamp_min(torch.finfo(gram.dtype).tiny)
-        gram = gram / scale.view(-1, 1, 1)
-    eye = torch.eye(n, dtype=gram.dtype, device=gram.device)
-    finite = torch.isfinite(gram).flatten(1).all(dim=1)
-    gram = torch.where(finite.view(-1, 1, 1), gram, eye)  # a diverged row must not break the batch
-    ones = torch.ones(gram.shape[0], n, 1, dtype=gram.dtype, device=gram.device)
-    with torch.autocast(gram.device.type, enabled=False):
-        w, _ = torch.linalg.solve_ex(gram + reg * eye, ones)
+        scale = (a.diagonal(dim1=1, dim2=2).sum(-1) / vm.sum(-1)).clamp_min(torch.finfo(gram.dtype).tiny)
+        a = a / scale.view(-1, 1, 1)
+    finite = torch.isfinite(a).flatten(1).all(dim=1)
+    a = torch.where(
+        finite.view(-1, 1, 1), a, eye * vm.unsqueeze(1)
+    )  # a diverged row must not break the batch
+    a = a + torch.diag_embed(torch.where(valid, reg, 1.0).to(gram.dtype))
+    w, _ = torch.linalg.solve_ex(a, vm.unsqueeze(-1))
     w = w.squeeze(-1)
     return w / w.sum(dim=1, keepdim=True)
 
 
 @dataclass(frozen=True)
 class AndersonOptions:
-    """Type-II Anderson: history m, regulariser (relative to the Gram matrix) and mixing beta."""
+    """Type-II Anderson: history m, regulariser (relative to the Gram matrix), mixing beta and an
+    optional safeguard: a sample whose residual rises above ``restart`` times its best so far
+    drops its history (the next step is a plain (beta-)Picard step) and starts a new one."""
 
     m: int = 5
     reg: float = 1e-4
     beta: float = 1.0
     reg_relative: bool = True  # False: TorchDEQ's absolute regulariser (stalls at tight tol)
+    restart: float | None = None
     legacy_names: ClassVar[dict[str, str]] = {
         "m": "anderson_m",
         "reg": "anderson_reg",
@@ -59,45 +88,95 @@ class AndersonOptions:
     }
 
     def __post_init__(self) -> None:
+        group = "anderson"
         if not isinstance(self.m, int) or isinstance(self.m, bool) or self.m < 1:
-            raise option_error("anderson", "m", self.legacy_names, f"must be an integer >= 1, got {self.m!r}")
+            raise option_error(group, "m", self.legacy_names, f"must be an integer >= 1, got {self.m!r}")
         for name in ("reg", "beta"):
             if not getattr(self, name) > 0:
                 raise option_error(
-                    "anderson", name, self.legacy_names, f"must be > 0, got {getattr(self, name)!r}"
+                    group, name, self.legacy_names, f"must be > 0, got {getattr(self, name)!r}"
                 )
+        if self.restart is not None and not self.restart >= 1:
+            raise option_error(
+                group, "restart", self.legacy_names, f"must be >= 1 (or None), got {self.restart!r}"
+            )
 
 
 @SOLVERS.register
 class Anderson(Solver):
-    """Type-II Anderson acceleration with a relative regulariser."""
+    """Type-II Anderson acceleration with a relative regulariser, ring-buffer history."""
 
     name = "anderson"
     Options = AndersonOptions
     adjoint_ok = True
 
+    def __init__(self, cfg: Any, options: Any = None) -> None:
+        super().__init__(cfg, options)
+        self.needs_residual = self.opts.restart is not None  # the safeguard reads the residual
+
     def init(self, z: Tensor) -> State:
-        return {"x": [], "f": []}
+        return {"k": 0}
+
+    def _buffers(self, z: Tensor, dtype: torch.dtype) -> State:
+        b, d, m = z.shape[0], z[0].numel(), self.opts.m
+        return {
+            "f": torch.zeros(b, m, d, dtype=dtype, device=z.device),
+            "g": torch.zeros(b, m, d, dtype=dtype, device=z.device),
+            "gram": torch.zeros(b, m, m, dtype=dtype, device=z.device),
+            "valid": torch.zeros(b, m, dtype=torch.bool, device=z.device),
+            "best": torch.full((b,), float("inf"), dtype=dtype, device=z.device),
+        }
+
+    @torch.no_grad()
+    def _record(self, z: Tensor, fz: Tensor, res: Tensor | None, state: State) -> State:
+        """Write (f(z), g = f(z) - z) into the next ring slot and its row of the Gram matrix."""
+        dtype = torch.promote_types(z.dtype, torch.float32)
+        if "f" not in state:
+            state = {**state, **self._buffers(z, dtype)}
+        b, k = z.shape[0], state["k"]
+        f_flat = fz.detach().reshape(b, -1).to(dtype)
+        g_flat = f_flat - z.detach().reshape(b, -1).to(dtype)
+        state["f"][:, k] = f_flat
+        state["g"][:, k] = g_flat
+        row = torch.bmm(state["g"], g_flat.unsqueeze(-1)).squeeze(-1)
+        state["gram"][:, k, :] = row
+        state["gram"][:, :, k] = row
+        valid = state["valid"]
+        if self.opts.restart is not None and res is not None:
+            rose = res.to(dtype) > self.opts.restart * state["best"]
+            valid.masked_fill_(rose.unsqueeze(1), False)
+            torch.minimum(state["best"], res.to(dtype), out=state["best"])
+        valid[:, k] = True
+        return {**state, "k": (k + 1) % self.opts.m}
 
     def update(self, z: Tensor, fz: Tensor, res: Tensor | None, state: State) -> tuple[Tensor, State, Info]:
         opts = self.opts
-        xs = ([*state["x"], z])[-opts.m :]
-        fs = ([*state["f"], fz])[-opts.m :]
-        new_state = {"x": xs, "f": fs}
-        if len(xs) == 1:
-            z_next = fz if opts.beta == 1.0 else opts.beta * fz + (1 - opts.beta) * z
-            return z_next, new_state, {}
-        b = z.shape[0]
-        xstack = torch.stack(xs, dim=1)  # [B, n, ...]
-        fstack = torch.stack(fs, dim=1)
+        k = state["k"]
+        state = self._record(z, fz, res, state)
+        if "fz" in state or (fz.requires_grad and torch.is_grad_enabled()):
+            return self._mix_with_graph(z, fz, k, state)
         with torch.no_grad():
-            dtype = torch.promote_types(z.dtype, torch.float32)
-            g = (fstack - xstack).reshape(b, len(xs), -1).to(dtype)
-            alpha = anderson_weights(g, opts.reg, opts.reg_relative).to(z.dtype)
-        a = alpha.view(b, len(xs), *([1] * (z.dim() - 1)))
-        beta = opts.beta
-        mixed = (a * fstack).sum(1) if beta == 1.0 else (a * (beta * fstack + (1 - beta) * xstack)).sum(1)
-        return mixed, new_state, {}
+            alpha = gram_weights(state["gram"], state["valid"], opts.reg, opts.reg_relative)
+            mixed = torch.bmm(alpha.unsqueeze(1), state["f"]).squeeze(1)
+            if opts.beta != 1.0:
+                mixed = mixed - (1 - opts.beta) * torch.bmm(alpha.unsqueeze(1), state["g"]).squeeze(1)
+        return mixed.reshape(z.shape).to(z.dtype), state, {}
+
+    def _mix_with_graph(self, z: Tensor, fz: Tensor, k: int, state: State) -> tuple[Tensor, State, Info]:
+        """bptt through Anderson: the mixed iterate keeps the graph of the f(X_i) (and X_i) it uses."""
+        opts = self.opts
+        fzs = list(state.get("fz", [None] * opts.m))
+        xs = list(state.get("x", [None] * opts.m))
+        fzs[k], xs[k] = fz, z
+        with torch.no_grad():
+            alpha = gram_weights(state["gram"], state["valid"], opts.reg, opts.reg_relative).to(z.dtype)
+        shape = (-1, *([1] * (z.dim() - 1)))
+        mixed = torch.zeros_like(fz)
+        for i in range(opts.m):
+            if fzs[i] is not None:
+                term = fzs[i] if opts.beta == 1.0 else opts.beta * fzs[i] + (1 - opts.beta) * xs[i]
+                mixed = mixed + alpha[:, i].view(shape) * term
+        return mixed, {**state, "fz": fzs, "x": xs}, {}
 
 
 @dataclass(frozen=True)
@@ -112,54 +191,78 @@ class BroydenOptions:
             raise option_error("broyden", "m", self.legacy_names, f"must be an integer >= 1, got {self.m!r}")
 
 
-def _hv(us: list[Tensor], vs: list[Tensor], y: Tensor) -> Tensor:
-    """H y = -y + sum_i u_i (v_i . y) for flat [B, D] tensors."""
-    out = -y
-    for u, v in zip(us, vs):
-        out = out + u * (v * y).sum(1, keepdim=True)
-    return out
+def _uvy(u: Tensor, v: Tensor, y: Tensor) -> Tensor:
+    """U^T (V y) for flat y [B, D] and terms u, v [B, n, D]."""
+    return torch.bmm(u.transpose(1, 2), torch.bmm(v, y.unsqueeze(-1))).squeeze(-1)
 
 
-def _yh(us: list[Tensor], vs: list[Tensor], y: Tensor) -> Tensor:
-    """y^T H = -y + sum_i v_i (u_i . y) for flat [B, D] tensors."""
-    out = -y
-    for u, v in zip(us, vs):
-        out = out + v * (u * y).sum(1, keepdim=True)
-    return out
+def _hv(u: Tensor, v: Tensor, y: Tensor) -> Tensor:
+    """H y = -y + U^T (V y)."""
+    return -y if u.shape[1] == 0 else _uvy(u, v, y) - y
+
+
+def _yh(u: Tensor, v: Tensor, y: Tensor) -> Tensor:
+    """y^T H = -y + V^T (U y) for flat y [B, D] and terms u, v [B, n, D]."""
+    return _hv(v, u, y)
 
 
 @SOLVERS.register
 class Broyden(Solver):
-    """Limited-memory good Broyden on g(z) = f(z) - z (H = -I + U V^T, at most m terms)."""
+    """Limited-memory good Broyden on g(z) = f(z) - z (H = -I + U^T V, at most m terms)."""
 
     name = "broyden"
     Options = BroydenOptions
 
     def init(self, z: Tensor) -> State:
-        return {"u": [], "v": [], "z_prev": None, "g_prev": None}
+        return {"u": Terms(torch.empty(0)), "v": Terms(torch.empty(0)), "z_prev": None, "g_prev": None}
+
+    @torch.no_grad()
+    def _add_term(self, state: State, dx: Tensor, dg: Tensor) -> tuple[Terms, Terms]:
+        """The good-Broyden rank-one update from the last step (restart from -I when full)."""
+        us, vs = state["u"], state["v"]
+        if us.buf.dim() != 3:  # first update: allocate the term buffers
+            shape = (dx.shape[0], self.opts.m, dx.shape[1])
+            us = Terms(torch.zeros(shape, dtype=dx.dtype, device=dx.device))
+            vs = Terms(torch.zeros(shape, dtype=dx.dtype, device=dx.device))
+        vt = _yh(us.active, vs.active, dx)
+        denom = (vt * dg).sum(1, keepdim=True)
+        ok = torch.isfinite(denom) & (denom.abs() > torch.finfo(dx.dtype).tiny ** 0.5)
+        u = torch.where(ok, (dx - _hv(us.active, vs.active, dg)) / torch.where(ok, denom, 1.0), 0.0)
+        u = torch.nan_to_num(u, nan=0.0, posinf=0.0, neginf=0.0)
+        n = 0 if us.n >= self.opts.m else us.n  # memory full: restart from H = -I (bounded memory)
+        us.buf[:, n] = u
+        vs.buf[:, n] = vt
+        return Terms(us.buf, n + 1), Terms(vs.buf, n + 1)
 
     def update(self, z: Tensor, fz: Tensor, res: Tensor | None, state: State) -> tuple[Tensor, State, Info]:
         b = z.shape[0]
-        us, vs = list(state["u"]), list(state["v"])
         with torch.no_grad():
             dtype = torch.promote_types(z.dtype, torch.float32)
             zf = z.detach().reshape(b, -1).to(dtype)
             gf = (fz.detach() - z.detach()).reshape(b, -1).to(dtype)
+            us, vs = state["u"], state["v"]
             if state["z_prev"] is not None:
-                dx = zf - state["z_prev"]
-                dg = gf - state["g_prev"]
-                vt = _yh(us, vs, dx)
-                denom = (vt * dg).sum(1, keepdim=True)
-                ok = torch.isfinite(denom) & (denom.abs() > torch.finfo(dtype).tiny ** 0.5)
-                u = torch.where(ok, (dx - _hv(us, vs, dg)) / torch.where(ok, denom, 1.0), 0.0)
-                u = torch.nan_to_num(u, nan=0.0, posinf=0.0, neginf=0.0)
-                if len(us) >= self.opts.m:  # memory full: restart from H = -I (bounded memory)
-                    us, vs = [], []
-                us, vs = [*us, u], [*vs, vt]
-            # z_next = z - H g = z + g - U (V^T g); the correction is a constant for autograd
-            corr = torch.zeros_like(gf)
-            for u, v in zip(us, vs):
-                corr = corr + u * (v * gf).sum(1, keepdim=True)
+                us, vs = self._add_term(state, zf - state["z_prev"], gf - state["g_prev"])
+            # z_next = z - H g = z + g - U^T (V g); the correction is a constant for autograd
+            corr = _uvy(us.active, vs.active, gf) if us.n else torch.zeros_like(gf)
             corr = torch.nan_to_num(corr).reshape(z.shape).to(z.dtype)
-        z_next = fz - corr
-        return z_next, {"u": us, "v": vs, "z_prev": zf, "g_prev": gf}, {}
+        return fz - corr, {"u": us, "v": vs, "z_prev": zf, "g_prev": gf}, {}
+
+
+@dataclass(frozen=True)
+class SafeAndersonOptions(AndersonOptions):
+    """Defaults for accuracy per map evaluation: a longer history, a tiny regulariser and the
+    restart safeguard (a sample whose residual rises tenfold above its best drops its history)."""
+
+    m: int = 20
+    reg: float = 1e-10
+    restart: float | None = 10.0
+    legacy_names: ClassVar[dict[str, str]] = {}
+
+
+@SOLVERS.register
+class SafeAnderson(Anderson):
+    """Anderson with a long history and a restart when the residual rises (``safe_anderson``)."""
+
+    name = "safe_anderson"
+    Options = SafeAndersonOptions

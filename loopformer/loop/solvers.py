@@ -209,7 +209,14 @@ class Damped(Solver):
         return {"eta": state["eta"], "best": state["best"], "patience": state["patience"]}
 
 
-from loopformer.loop.quasi_newton import Anderson, AndersonOptions, Broyden, BroydenOptions  # noqa: E402
+from loopformer.loop.quasi_newton import (  # noqa: E402
+    Anderson,
+    AndersonOptions,
+    Broyden,
+    BroydenOptions,
+    SafeAnderson,
+    SafeAndersonOptions,
+)
 
 __all__ = [
     "SOLVERS",
@@ -220,6 +227,8 @@ __all__ = [
     "Damped",
     "DampedOptions",
     "Picard",
+    "SafeAnderson",
+    "SafeAndersonOptions",
     "Solver",
     "option_error",
 ]
