@@ -106,7 +106,7 @@ def test_broyden_terms_are_batch_first_and_bounded() -> None:
         SOLVERS.get("broyden").update = orig
     torch.testing.assert_close(res.state, z_star, rtol=0, atol=1e-9)
     assert seen[-1][0] == int(res.steps.max()) - 1  # one term per step after the first, no restart
-    assert all(shape[1:] == (64, 32) for _, shape in seen[1:])
+    assert all(n <= shape[1] <= 64 and shape[2] == 32 for n, shape in seen[1:])  # grown on demand, at most m
 
 
 @pytest.mark.parametrize("solver", ["picard", "damped", "anderson", "safe_anderson", "broyden"])

@@ -9,6 +9,7 @@ products. Every sample has its own history, so samples converge (and leave the b
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -33,6 +34,12 @@ class Terms:
     def select_rows(self, rows: Tensor) -> Terms:
         return Terms(self.buf.index_select(0, rows), self.n)
 
+    def grown(self, limit: int) -> Terms:
+        """The same terms in a buffer with twice the slots (at most ``limit``)."""
+        extra = min(self.buf.shape[1], limit - self.buf.shape[1])
+        pad = self.buf.new_zeros((self.buf.shape[0], extra, self.buf.shape[2]))
+        return Terms(torch.cat([self.buf, pad], dim=1), self.n)
+
     @property
     def active(self) -> Tensor:
         return self.buf[:, : self.n]
@@ -44,29 +51,45 @@ def anderson_weights(g: Tensor, reg: float, relative: bool = True) -> Tensor:
     ``relative=False`` adds ``reg`` to the raw Gram matrix (TorchDEQ's absolute regulariser; kept
     only to measure how it stalls at tight tolerances).
     """
-    gram = torch.bmm(g, g.transpose(1, 2))
-    valid = torch.ones(gram.shape[:2], dtype=torch.bool, device=gram.device)
-    return gram_weights(gram, valid, reg, relative)
+    return gram_weights(torch.bmm(g, g.transpose(1, 2)), reg, relative)
 
 
-def gram_weights(gram: Tensor, valid: Tensor, reg: float, relative: bool = True) -> Tensor:
-    """Anderson weights a [B, m] from the Gram matrix [B, m, m] of the residuals; slots with
-    ``valid`` False [B, m] get weight 0 (they are decoupled by an identity block)."""
-    m = gram.shape[-1]
-    vm = valid.to(gram.dtype)
-    eye = torch.eye(m, dtype=gram.dtype, device=gram.device)
-    a = gram * (vm.unsqueeze(2) * vm.unsqueeze(1))
-    if relative:
-        scale = (a.diagonal(dim1=1, dim2=2).sum(-1) / vm.sum(-1)).clamp_min(torch.finfo(gram.dtype).tiny)
-        a = a / scale.view(-1, 1, 1)
-    finite = torch.isfinite(a).flatten(1).all(dim=1)
-    a = torch.where(
-        finite.view(-1, 1, 1), a, eye * vm.unsqueeze(1)
-    )  # a diverged row must not break the batch
-    a = a + torch.diag_embed(torch.where(valid, reg, 1.0).to(gram.dtype))
-    w, _ = torch.linalg.solve_ex(a, vm.unsqueeze(-1))
+@functools.lru_cache(maxsize=32)
+def _ones(b: int, n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    return torch.ones(b, n, 1, dtype=dtype, device=device)
+
+
+def gram_weights(gram: Tensor, reg: float, relative: bool = True, valid: Tensor | None = None) -> Tensor:
+    """Anderson weights a [B, n] from the Gram matrix [B, n, n] of the residuals: the solution of
+    ``(G / s + reg I) w = 1``, ``a = w / sum w`` (s = trace(G) / n when relative; solved as
+    ``(G + reg s I) w = 1``, which has the same a). With ``valid`` [B, n], slots marked False get
+    weight 0 (they are decoupled by an identity block). A sample with a non-finite residual gets
+    uniform weights: a diverged row must not break the batch."""
+    b, n = gram.shape[0], gram.shape[-1]
+    if valid is None:
+        count: Tensor | int = n
+        a = gram.clone()
+        rhs = _ones(b, n, gram.dtype, gram.device)
+    else:
+        vm = valid.to(gram.dtype)
+        a = gram * (vm.unsqueeze(2) * vm.unsqueeze(1))
+        count, rhs = vm.sum(-1), vm.unsqueeze(-1)
+    trace = a.diagonal(dim1=1, dim2=2).sum(-1)
+    shift = (
+        (reg * (trace / count).clamp_min(torch.finfo(gram.dtype).tiny))
+        if relative
+        else trace.new_full((b,), reg)
+    )
+    shift = shift.unsqueeze(-1)
+    a.diagonal(dim1=1, dim2=2).add_(shift if valid is None else torch.where(valid, shift, 1.0))
+    w, _ = torch.linalg.solve_ex(a, rhs)
     w = w.squeeze(-1)
-    return w / w.sum(dim=1, keepdim=True)
+    w = w / w.sum(dim=1, keepdim=True)
+    return torch.where(
+        torch.isfinite(trace).unsqueeze(-1),
+        w,
+        rhs.squeeze(-1) / count if valid is None else vm / count.unsqueeze(-1),
+    )
 
 
 @dataclass(frozen=True)
@@ -132,7 +155,7 @@ class Anderson(Solver):
         """Write (f(z), g = f(z) - z) into the next ring slot and its row of the Gram matrix."""
         dtype = torch.promote_types(z.dtype, torch.float32)
         if "f" not in state:
-            state = {**state, **self._buffers(z, dtype)}
+            state = {**state, **self._buffers(z, dtype), "n": 0, "masked": False}
         b, k = z.shape[0], state["k"]
         f_flat = fz.detach().reshape(b, -1).to(dtype)
         g_flat = f_flat - z.detach().reshape(b, -1).to(dtype)
@@ -141,13 +164,22 @@ class Anderson(Solver):
         row = torch.bmm(state["g"], g_flat.unsqueeze(-1)).squeeze(-1)
         state["gram"][:, k, :] = row
         state["gram"][:, :, k] = row
-        valid = state["valid"]
+        valid, masked = state["valid"], state["masked"]
         if self.opts.restart is not None and res is not None:
-            rose = res.to(dtype) > self.opts.restart * state["best"]
-            valid.masked_fill_(rose.unsqueeze(1), False)
-            torch.minimum(state["best"], res.to(dtype), out=state["best"])
+            rose = res > self.opts.restart * state["best"]
+            if bool(rose.any()):  # from now on the slots of this batch are masked per sample
+                valid.masked_fill_(rose.unsqueeze(1), False)
+                masked = True
+            torch.minimum(state["best"], res, out=state["best"])
         valid[:, k] = True
-        return {**state, "k": (k + 1) % self.opts.m}
+        return {**state, "k": (k + 1) % self.opts.m, "n": min(state["n"] + 1, self.opts.m), "masked": masked}
+
+    def _weights(self, state: State) -> tuple[Tensor, int]:
+        """Mixing weights over the first n slots (all of them valid unless a sample restarted)."""
+        opts, n = self.opts, state["n"]
+        if state["masked"]:
+            return gram_weights(state["gram"], opts.reg, opts.reg_relative, state["valid"]), opts.m
+        return gram_weights(state["gram"][:, :n, :n], opts.reg, opts.reg_relative), n
 
     def update(self, z: Tensor, fz: Tensor, res: Tensor | None, state: State) -> tuple[Tensor, State, Info]:
         opts = self.opts
@@ -156,10 +188,10 @@ class Anderson(Solver):
         if "fz" in state or (fz.requires_grad and torch.is_grad_enabled()):
             return self._mix_with_graph(z, fz, k, state)
         with torch.no_grad():
-            alpha = gram_weights(state["gram"], state["valid"], opts.reg, opts.reg_relative)
-            mixed = torch.bmm(alpha.unsqueeze(1), state["f"]).squeeze(1)
+            alpha, n = self._weights(state)
+            mixed = torch.bmm(alpha.unsqueeze(1), state["f"][:, :n]).squeeze(1)
             if opts.beta != 1.0:
-                mixed = mixed - (1 - opts.beta) * torch.bmm(alpha.unsqueeze(1), state["g"]).squeeze(1)
+                mixed = mixed - (1 - opts.beta) * torch.bmm(alpha.unsqueeze(1), state["g"][:, :n]).squeeze(1)
         return mixed.reshape(z.shape).to(z.dtype), state, {}
 
     def _mix_with_graph(self, z: Tensor, fz: Tensor, k: int, state: State) -> tuple[Tensor, State, Info]:
@@ -169,10 +201,11 @@ class Anderson(Solver):
         xs = list(state.get("x", [None] * opts.m))
         fzs[k], xs[k] = fz, z
         with torch.no_grad():
-            alpha = gram_weights(state["gram"], state["valid"], opts.reg, opts.reg_relative).to(z.dtype)
+            alpha, n = self._weights(state)
+            alpha = alpha.to(z.dtype)
         shape = (-1, *([1] * (z.dim() - 1)))
         mixed = torch.zeros_like(fz)
-        for i in range(opts.m):
+        for i in range(n):
             if fzs[i] is not None:
                 term = fzs[i] if opts.beta == 1.0 else opts.beta * fzs[i] + (1 - opts.beta) * xs[i]
                 mixed = mixed + alpha[:, i].view(shape) * term
@@ -220,10 +253,12 @@ class Broyden(Solver):
     def _add_term(self, state: State, dx: Tensor, dg: Tensor) -> tuple[Terms, Terms]:
         """The good-Broyden rank-one update from the last step (restart from -I when full)."""
         us, vs = state["u"], state["v"]
-        if us.buf.dim() != 3:  # first update: allocate the term buffers
-            shape = (dx.shape[0], self.opts.m, dx.shape[1])
+        if us.buf.dim() != 3:  # first update: allocate the term buffers (grown on demand up to m)
+            shape = (dx.shape[0], min(self.opts.m, 16), dx.shape[1])
             us = Terms(torch.zeros(shape, dtype=dx.dtype, device=dx.device))
             vs = Terms(torch.zeros(shape, dtype=dx.dtype, device=dx.device))
+        elif us.n == us.buf.shape[1] < self.opts.m:
+            us, vs = us.grown(self.opts.m), vs.grown(self.opts.m)
         vt = _yh(us.active, vs.active, dx)
         denom = (vt * dg).sum(1, keepdim=True)
         ok = torch.isfinite(denom) & (denom.abs() > torch.finfo(dx.dtype).tiny ** 0.5)
