@@ -20,8 +20,8 @@ Map evaluations per sample: every call of the map is counted with the number of 
 (loopformer evaluates only the active samples; TorchDEQ the whole batch until the last converges),
 including the one recomputed step both make for the implicit gradient; divided by the batch. Wall
 time of the forward solve (with gradient tracking on, as in training), median of interleaved
-repetitions. Figures: loopformer's best median time / TorchDEQ's best; targets: <= 0.3, and
-loopformer's fewest map evaluations per sample no more than TorchDEQ's fewest. Without TorchDEQ
+repetitions. Figures: loopformer's best median time / TorchDEQ's best; targets: <= 0.3 (trained FPRM:
+<= 0.6), and loopformer's fewest map evaluations per sample no more than TorchDEQ's fewest. Without TorchDEQ
 installed (``pip install torchdeq==0.1.0``) the comparison is recorded as skipped (met = null).
 The IFT row: the largest relative gradient error of loopformer's default IFT over the linear
 problems (target <= 1e-6), with its backward iteration counts.
@@ -38,6 +38,7 @@ from benchmarks.common import Result, median, side_by_side
 
 DT = torch.float64
 TARGET_TIME = 0.3
+TARGET_TIME_MODEL = 0.6  # trained models (issue 15): <= 0.6x TorchDEQ's best time at the same tolerance
 TARGET_IFT = 1e-6
 LF_SOLVERS: dict[str, dict] = {
     "picard": {},
@@ -139,7 +140,9 @@ def _once(fn: Callable, step: Callable, z0, x, grad_check) -> dict:
     return out
 
 
-def compare(problem: str, step, z0, x, tol, max_steps, repeats, have_tdq, grad_check=None) -> Result:
+def compare(
+    problem: str, step, z0, x, tol, max_steps, repeats, have_tdq, grad_check=None, target: float = TARGET_TIME
+) -> Result:
     variants: dict[str, Callable] = {}
     solves: dict[str, Callable] = {}
     stats: dict[str, dict] = {}
@@ -176,7 +179,7 @@ def compare(problem: str, step, z0, x, tol, max_steps, repeats, have_tdq, grad_c
             f"solvers.{problem}",
             None,
             "x",
-            f"<= {TARGET_TIME} x TorchDEQ best",
+            f"<= {target} x TorchDEQ best",
             None,
             "skipped: torchdeq is not importable (pip install torchdeq==0.1.0)",
             details,
@@ -184,9 +187,9 @@ def compare(problem: str, step, z0, x, tol, max_steps, repeats, have_tdq, grad_c
     tdq_name, tdq_time, tdq_evals = best("torchdeq.")
     ratio = lf_time / tdq_time
     details.update(torchdeq_best=tdq_name, torchdeq_fewest_map_evals_per_sample=tdq_evals)
-    met = ratio <= TARGET_TIME and lf_evals <= tdq_evals
+    met = ratio <= target and lf_evals <= tdq_evals
     reasons = []
-    if ratio > TARGET_TIME:
+    if ratio > target:
         reasons.append(f"{lf_name} takes {ratio:.2f}x the time of {tdq_name}")
     if lf_evals > tdq_evals:
         reasons.append(
@@ -198,7 +201,7 @@ def compare(problem: str, step, z0, x, tol, max_steps, repeats, have_tdq, grad_c
         f"solvers.{problem}",
         ratio,
         "x",
-        f"<= {TARGET_TIME} x TorchDEQ best time, map evaluations <= its fewest",
+        f"<= {target} x TorchDEQ best time, map evaluations <= its fewest",
         met,
         "; ".join(reasons) or note,
         details,
@@ -287,7 +290,15 @@ def model_result(quick: bool, have_tdq: bool) -> Result:
         z0 = model.init_state((x,), generator=torch.Generator().manual_seed(0))
     x = x.detach()
     return compare(
-        "fprm_sudoku4", model.step, z0, x, 1e-4, 100 if quick else 300, 1 if quick else 3, have_tdq
+        "fprm_sudoku4",
+        model.step,
+        z0,
+        x,
+        1e-4,
+        100 if quick else 300,
+        1 if quick else 3,
+        have_tdq,
+        target=TARGET_TIME_MODEL,
     )
 
 
