@@ -59,6 +59,11 @@ def _ones(b: int, n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
     return torch.ones(b, n, 1, dtype=dtype, device=device)
 
 
+@functools.lru_cache(maxsize=32)
+def _uniform(b: int, n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    return torch.full((b, n), 1.0 / n, dtype=dtype, device=device)
+
+
 def gram_weights(gram: Tensor, reg: float, relative: bool = True, valid: Tensor | None = None) -> Tensor:
     """Anderson weights a [B, n] from the Gram matrix [B, n, n] of the residuals: the solution of
     ``(G / s + reg I) w = 1``, ``a = w / sum w`` (s = trace(G) / n when relative; solved as
@@ -66,30 +71,26 @@ def gram_weights(gram: Tensor, reg: float, relative: bool = True, valid: Tensor 
     weight 0 (they are decoupled by an identity block). A sample with a non-finite residual gets
     uniform weights: a diverged row must not break the batch."""
     b, n = gram.shape[0], gram.shape[-1]
+    tiny = torch.finfo(gram.dtype).tiny
     if valid is None:
-        count: Tensor | int = n
         a = gram.clone()
         rhs = _ones(b, n, gram.dtype, gram.device)
+        uniform = _uniform(b, n, gram.dtype, gram.device)
+        trace = a.diagonal(dim1=1, dim2=2).sum(-1)
+        shift = (trace * (reg / n)).clamp_min_(tiny) if relative else trace.new_full((b,), reg)
     else:
         vm = valid.to(gram.dtype)
         a = gram * (vm.unsqueeze(2) * vm.unsqueeze(1))
-        count, rhs = vm.sum(-1), vm.unsqueeze(-1)
-    trace = a.diagonal(dim1=1, dim2=2).sum(-1)
-    shift = (
-        (reg * (trace / count).clamp_min(torch.finfo(gram.dtype).tiny))
-        if relative
-        else trace.new_full((b,), reg)
-    )
+        count = vm.sum(-1, keepdim=True)
+        rhs, uniform = vm.unsqueeze(-1), vm / count
+        trace = a.diagonal(dim1=1, dim2=2).sum(-1)
+        shift = (trace * reg / count.squeeze(-1)).clamp_min_(tiny) if relative else trace.new_full((b,), reg)
     shift = shift.unsqueeze(-1)
     a.diagonal(dim1=1, dim2=2).add_(shift if valid is None else torch.where(valid, shift, 1.0))
     w, _ = torch.linalg.solve_ex(a, rhs)
     w = w.squeeze(-1)
     w = w / w.sum(dim=1, keepdim=True)
-    return torch.where(
-        torch.isfinite(trace).unsqueeze(-1),
-        w,
-        rhs.squeeze(-1) / count if valid is None else vm / count.unsqueeze(-1),
-    )
+    return torch.where(torch.isfinite(trace).unsqueeze(-1), w, uniform)
 
 
 @dataclass(frozen=True)
@@ -146,7 +147,6 @@ class Anderson(Solver):
             "f": torch.zeros(b, m, d, dtype=dtype, device=z.device),
             "g": torch.zeros(b, m, d, dtype=dtype, device=z.device),
             "gram": torch.zeros(b, m, m, dtype=dtype, device=z.device),
-            "valid": torch.zeros(b, m, dtype=torch.bool, device=z.device),
             "best": torch.full((b,), float("inf"), dtype=dtype, device=z.device),
         }
 
@@ -155,29 +155,34 @@ class Anderson(Solver):
         """Write (f(z), g = f(z) - z) into the next ring slot and its row of the Gram matrix."""
         dtype = torch.promote_types(z.dtype, torch.float32)
         if "f" not in state:
-            state = {**state, **self._buffers(z, dtype), "n": 0, "masked": False}
+            state = {**state, **self._buffers(z, dtype), "n": 0, "valid": None}
         b, k = z.shape[0], state["k"]
-        f_flat = fz.detach().reshape(b, -1).to(dtype)
-        g_flat = f_flat - z.detach().reshape(b, -1).to(dtype)
+        f_flat, z_flat = fz.reshape(b, -1), z.reshape(b, -1)
+        if f_flat.dtype != dtype:
+            f_flat, z_flat = f_flat.to(dtype), z_flat.to(dtype)
+        g_flat = f_flat - z_flat
         state["f"][:, k] = f_flat
         state["g"][:, k] = g_flat
         row = torch.bmm(state["g"], g_flat.unsqueeze(-1)).squeeze(-1)
         state["gram"][:, k, :] = row
         state["gram"][:, :, k] = row
-        valid, masked = state["valid"], state["masked"]
+        n = min(state["n"] + 1, self.opts.m)
+        valid = state["valid"]
         if self.opts.restart is not None and res is not None:
             rose = res > self.opts.restart * state["best"]
             if bool(rose.any()):  # from now on the slots of this batch are masked per sample
+                if valid is None:
+                    valid = (torch.arange(self.opts.m, device=z.device) < n).expand(b, -1).clone()
                 valid.masked_fill_(rose.unsqueeze(1), False)
-                masked = True
             torch.minimum(state["best"], res, out=state["best"])
-        valid[:, k] = True
-        return {**state, "k": (k + 1) % self.opts.m, "n": min(state["n"] + 1, self.opts.m), "masked": masked}
+        if valid is not None:
+            valid[:, k] = True
+        return {**state, "k": (k + 1) % self.opts.m, "n": n, "valid": valid}
 
     def _weights(self, state: State) -> tuple[Tensor, int]:
         """Mixing weights over the first n slots (all of them valid unless a sample restarted)."""
         opts, n = self.opts, state["n"]
-        if state["masked"]:
+        if state["valid"] is not None:  # some sample restarted: per-sample slot masks
             return gram_weights(state["gram"], opts.reg, opts.reg_relative, state["valid"]), opts.m
         return gram_weights(state["gram"][:, :n, :n], opts.reg, opts.reg_relative), n
 
