@@ -45,13 +45,21 @@ class Terms:
         return self.buf[:, : self.n]
 
 
+def exact(like: Tensor) -> torch.autocast:
+    """Solver arithmetic runs outside autocast (a bf16 region would run the Gram matrix, the
+    solves and the mixing in bf16, and there is no bf16 LU): in the buffers' own dtype."""
+    return torch.autocast(like.device.type, enabled=False)
+
+
 def anderson_weights(g: Tensor, reg: float, relative: bool = True) -> Tensor:
     """Per-sample type-II Anderson mixing weights a [B, n] (sum to 1) from residuals g [B, n, D].
 
     ``relative=False`` adds ``reg`` to the raw Gram matrix (TorchDEQ's absolute regulariser; kept
     only to measure how it stalls at tight tolerances).
     """
-    return gram_weights(torch.bmm(g, g.transpose(1, 2)), reg, relative)
+    g = g.float() if g.dtype in (torch.bfloat16, torch.float16) else g
+    with exact(g):
+        return gram_weights(torch.bmm(g, g.transpose(1, 2)), reg, relative)
 
 
 @functools.lru_cache(maxsize=32)
@@ -189,10 +197,11 @@ class Anderson(Solver):
     def update(self, z: Tensor, fz: Tensor, res: Tensor | None, state: State) -> tuple[Tensor, State, Info]:
         opts = self.opts
         k = state["k"]
-        state = self._record(z, fz, res, state)
+        with exact(z):
+            state = self._record(z, fz, res, state)
         if "fz" in state or (fz.requires_grad and torch.is_grad_enabled()):
             return self._mix_with_graph(z, fz, k, state)
-        with torch.no_grad():
+        with torch.no_grad(), exact(z):
             alpha, n = self._weights(state)
             mixed = torch.bmm(alpha.unsqueeze(1), state["f"][:, :n]).squeeze(1)
             if opts.beta != 1.0:
@@ -205,7 +214,7 @@ class Anderson(Solver):
         fzs = list(state.get("fz", [None] * opts.m))
         xs = list(state.get("x", [None] * opts.m))
         fzs[k], xs[k] = fz, z
-        with torch.no_grad():
+        with torch.no_grad(), exact(z):
             alpha, n = self._weights(state)
             alpha = alpha.to(z.dtype)
         shape = (-1, *([1] * (z.dim() - 1)))
@@ -276,7 +285,7 @@ class Broyden(Solver):
 
     def update(self, z: Tensor, fz: Tensor, res: Tensor | None, state: State) -> tuple[Tensor, State, Info]:
         b = z.shape[0]
-        with torch.no_grad():
+        with torch.no_grad(), exact(z):
             dtype = torch.promote_types(z.dtype, torch.float32)
             zf = z.detach().reshape(b, -1).to(dtype)
             gf = (fz.detach() - z.detach()).reshape(b, -1).to(dtype)
