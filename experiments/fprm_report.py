@@ -236,11 +236,6 @@ def main() -> None:
         ("Maze, 300 FPRM steps (item 3)", "fprm_maze", maze_tables),
         ("Maze, 800 FPRM steps (item 3)", "fprm_maze_800", maze_tables),
         ("Maze, 800 FPRM steps, the authors' FPRM (issue 12)", "fprm_maze_reference_800", maze_tables),
-        (
-            "Maze, 800 FPRM steps, the authors' FPRM and halting (issue 12)",
-            "fprm_maze_reference_halt_800",
-            maze_tables,
-        ),
     ):
         d = _load(name)
         print(f"\n### {title}\n")
