@@ -232,17 +232,17 @@ class _Reader:
 
     def _fast_rating(self, arr: np.ndarray, commas: np.ndarray, c0: np.ndarray, starts: np.ndarray,
                      ends: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
-        """Plain non-negative integer ratings of up to 15 digits: (values, parsed mask)."""
+        """Plain non-negative integer ratings of up to 15 digits: (values, parsed mask, empty mask)."""
         s, e = self._field(arr, commas, c0, starts, ends, self.col["rating"])
         width = e - s
-        W = MAX_FAST_RATING_DIGITS
-        has = (width >= 1) & (width <= W)
-        pos = np.arange(W)
-        inside = pos < width[:, None]
-        digits = arr[np.minimum(np.where(has, s, 0)[:, None] + pos, len(arr) - 1)].astype(np.int64) - 48
-        has &= ((digits >= 0) & (digits <= 9) | ~inside).all(axis=1)
-        power = np.where(inside, width[:, None] - 1 - pos, 0)
-        values = (np.where(inside, digits, 0) * 10**power).sum(axis=1)
+        has = (width >= 1) & (width <= MAX_FAST_RATING_DIGITS)
+        values = np.zeros(len(s), dtype=np.int64)
+        last = len(arr) - 1
+        for j in range(int(np.where(has, width, 0).max(initial=0))):  # one digit column at a time
+            digit = arr[np.minimum(s + j, last)].astype(np.int64) - 48
+            active = j < width
+            has &= ~active | ((digit >= 0) & (digit <= 9))
+            values = np.where(active, values * 10 + digit, values)
         return values.astype(np.float64), has, width == 0
 
 
@@ -255,15 +255,15 @@ def _decode_fields(arr: np.ndarray, s: np.ndarray, e: np.ndarray) -> np.ndarray:
     W = int(width.max(initial=0))
     if W > 256:
         return np.asarray([arr[a:b].tobytes().decode("utf-8") for a, b in zip(s, e)], dtype=object)
-    pos = np.arange(max(W, 1))
-    inside = pos < width[:, None]
-    padded = np.where(inside, arr[np.minimum(s[:, None] + pos, len(arr) - 1)], 0).astype(np.uint64)
+    last = len(arr) - 1
+    columns = [np.where(j < width, arr[np.minimum(s + j, last)], 0) for j in range(W)]
     h = width.astype(np.uint64)
     with np.errstate(over="ignore"):
-        for j in range(W):
-            h = h * np.uint64(1099511628211) + padded[:, j]
-    uniq, first, inverse = np.unique(h, return_index=True, return_inverse=True)
-    if not (padded == padded[first[inverse]]).all():  # a hash collision: decode every row instead
+        for col in columns:
+            h = h * np.uint64(1099511628211) + col.astype(np.uint64)
+    _, first, inverse = np.unique(h, return_index=True, return_inverse=True)
+    rep = first[inverse.reshape(-1)]
+    if any((col != col[rep]).any() for col in columns) or (width != width[rep]).any():  # a hash collision
         return np.asarray([arr[a:b].tobytes().decode("utf-8") for a, b in zip(s, e)], dtype=object)
     names = np.asarray([arr[s[i] : e[i]].tobytes().decode("utf-8") for i in first], dtype=object)
     return names[inverse.reshape(-1)]
