@@ -1,7 +1,8 @@
 """Building blocks shared by every model family.
 
 - ``RMSNorm``: root-mean-square norm (no mean subtraction), learnable gain.
-- ``Rotary``: rotary position embeddings (RoFormer), cached per length.
+- ``Rotary``: rotary position embeddings (RoFormer), tables cached per length / device / dtype; q and k
+  rotated together by one complex multiplication.
 - ``Attention``: multi-head attention through ``F.scaled_dot_product_attention`` (causal or
   bidirectional), so CUDA gets flash / memory-efficient kernels and CPU the math kernel;
   no flash-attn dependency.
@@ -47,7 +48,14 @@ class RMSNorm(nn.Module):
 
 
 class Rotary(nn.Module):
-    """Rotary position embedding applied to q and k of shape [B, H, T, Dh]."""
+    """Rotary position embedding (RoFormer, interleaved pairs): channel pair (2i, 2i + 1) at position t
+    is rotated by the angle ``t * base^(-2i / head_dim)``.
+
+    ``forward(x)`` rotates one tensor ``[..., T, Dh]``; ``rotate_qk(qkv)`` rotates q and k of a packed
+    ``[B, T, 3, H, Dh]`` projection together.  Float32 / float64 inputs take one complex
+    multiplication by a cached ``exp(i angle)`` table (one kernel forward and backward); other dtypes
+    (bf16 has no complex type) the real form ``(x1 cos - x2 sin, x1 sin + x2 cos)``.
+    """
 
     def __init__(self, head_dim: int, base: float = 10000.0) -> None:
         super().__init__()
@@ -55,22 +63,54 @@ class Rotary(nn.Module):
             raise ValueError(f"rotary embeddings need an even head dimension, got {head_dim}")
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
-        self._cache: tuple[int, torch.device, torch.dtype, Tensor, Tensor] | None = None
+        self._cache: dict[tuple[int, torch.device, torch.dtype], tuple[Tensor, Tensor]] = {}
+        self._cis: dict[tuple[int, torch.device, torch.dtype], Tensor] = {}
 
     def cos_sin(self, T: int, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        c = self._cache
-        if c is None or c[0] < T or c[1] != device or c[2] != dtype:
+        """cos / sin tables [T, Dh / 2], computed once per (length, device, dtype)."""
+        key = (T, device, dtype)
+        if key not in self._cache:
             t = torch.arange(T, device=device, dtype=torch.float32)
             freqs = torch.outer(t, self.inv_freq.to(device))
-            self._cache = (T, device, dtype, freqs.cos().to(dtype), freqs.sin().to(dtype))
-            c = self._cache
-        return c[3][:T], c[4][:T]
+            self._cache[key] = (freqs.cos().to(dtype), freqs.sin().to(dtype))
+        return self._cache[key]
+
+    def cis(self, T: int, device: torch.device, dtype: torch.dtype) -> Tensor:
+        """``cos + i sin`` [T, Dh / 2] as a complex tensor matching the real ``dtype``."""
+        key = (T, device, dtype)
+        if key not in self._cis:
+            cos, sin = self.cos_sin(T, device, dtype)
+            self._cis[key] = torch.complex(cos, sin)
+        return self._cis[key]
+
+    @staticmethod
+    def _complex_ok(x: Tensor) -> bool:
+        return x.dtype in (torch.float32, torch.float64)
+
+    def _real(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
 
     def forward(self, x: Tensor) -> Tensor:
-        cos, sin = self.cos_sin(x.shape[-2], x.device, x.dtype)
-        x1, x2 = x[..., 0::2], x[..., 1::2]
-        out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
-        return out.flatten(-2)
+        T = x.shape[-2]
+        if self._complex_ok(x):
+            xc = torch.view_as_complex(x.unflatten(-1, (-1, 2)).contiguous())
+            return torch.view_as_real(xc * self.cis(T, x.device, x.dtype)).flatten(-2)
+        cos, sin = self.cos_sin(T, x.device, x.dtype)
+        return self._real(x, cos, sin)
+
+    def rotate_qk(self, qkv: Tensor) -> tuple[Tensor, Tensor]:
+        """q and k ``[B, H, T, Dh]`` (rotated) from a packed ``qkv`` of shape ``[B, T, 3, H, Dh]``."""
+        T = qkv.shape[1]
+        qk = qkv[:, :, :2]
+        if self._complex_ok(qkv) and qkv.is_contiguous():
+            table = self.cis(T, qkv.device, qkv.dtype)[:, None, None]  # [T, 1, 1, Dh / 2]
+            rot = torch.view_as_real(torch.view_as_complex(qk.unflatten(-1, (-1, 2))) * table).flatten(-2)
+        else:
+            cos, sin = self.cos_sin(T, qkv.device, qkv.dtype)
+            rot = self._real(qk, cos[:, None, None], sin[:, None, None])
+        q, k = rot.permute(2, 0, 3, 1, 4).unbind(0)
+        return q, k
 
 
 class Attention(nn.Module):
@@ -87,9 +127,12 @@ class Attention(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-2], shape[-1])  # any leading dims fold into the batch
         B, T, D = x.shape
-        q, k, v = self.qkv(x).view(B, T, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        qkv = self.qkv(x).view(B, T, 3, self.n_heads, self.head_dim)
         if self.rotary is not None:
-            q, k = self.rotary(q), self.rotary(k)
+            q, k = self.rotary.rotate_qk(qkv)
+            v = qkv[:, :, 2].transpose(1, 2)
+        else:
+            q, k, v = qkv.permute(2, 0, 3, 1, 4)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
         return self.proj(y.transpose(1, 2).reshape(B, T, D)).reshape(shape)
 
@@ -238,8 +281,9 @@ class DepthwiseConv2d(nn.Module):
         n = H * W
         if T < n:
             raise ValueError(f"grid convolution expects at least {n} tokens ({H}x{W}), got {T}")
-        g = x[:, T - n :].transpose(1, 2).reshape(B, D, H, W)
-        y = self.conv(g).reshape(B, D, n).transpose(1, 2)
+        # [B, n, D] viewed as a channels-last [B, D, H, W] image: no transposing copies in or out
+        g = x[:, T - n :].unflatten(1, (H, W)).permute(0, 3, 1, 2)
+        y = self.conv(g).permute(0, 2, 3, 1).reshape(B, n, D)
         return F.pad(y, (0, 0, T - n, 0)) if T > n else y
 
 
