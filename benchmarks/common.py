@@ -65,19 +65,25 @@ def _jsonable(obj: Any) -> Any:
     return str(obj)
 
 
-def timed(fn: Callable[[], Any]) -> float:
-    """Wall seconds of one call."""
-    start = time.perf_counter()
+def timed(fn: Callable[[], Any], clock: Callable[[], float] = time.perf_counter) -> float:
+    """Seconds of one call by ``clock`` (wall time by default; ``time.process_time`` gives this
+    process's CPU seconds, steadier than wall time for one-thread work on a shared machine)."""
+    start = clock()
     fn()
-    return time.perf_counter() - start
+    return clock() - start
 
 
 def side_by_side(
-    variants: dict[str, Callable[[], Any]], repeats: int, warmup: int = 1, budget_s: float | None = None
+    variants: dict[str, Callable[[], Any]],
+    repeats: int,
+    warmup: int = 1,
+    budget_s: float | None = None,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> dict[str, list[float]]:
     """Run each variant ``warmup`` times, then ``repeats`` interleaved rounds; the order of the
     variants rotates every round so none always runs first. With ``budget_s``, no new round starts
-    once that many seconds have passed (at least one round always runs). Returns wall times per variant."""
+    once that many seconds have passed (at least one round always runs). Returns times per variant
+    (by ``clock``, wall time by default)."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     names = list(variants)
@@ -91,7 +97,7 @@ def side_by_side(
             break
         shift = r % len(names)
         for name in names[shift:] + names[:shift]:
-            times[name].append(timed(variants[name]))
+            times[name].append(timed(variants[name], clock))
     return times
 
 

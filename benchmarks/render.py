@@ -21,10 +21,14 @@ METHODS = {
         "(the hand loop computes the same per-sample residual and patience rule); `picard` is z <- f(z).",
     ),
     "flops": (
-        "2. Arithmetic efficiency",
-        "FLOPs of the damped training step counted by `torch.utils.flop_counter.FlopCounterMode` "
-        "(matmuls, attention, convolutions), divided by its wall time, as a fraction of a large float32 "
-        "matmul's FLOP/s measured interleaved with it.",
+        "2. Arithmetic efficiency and graph breaks",
+        "FLOPs of the damped FPRM training step counted by `torch.utils.flop_counter.FlopCounterMode` "
+        "(matmuls, attention, convolutions), divided by its time, as a fraction of a float32 1024 x 1024 "
+        "matmul's FLOP/s measured interleaved with it (eager step, compiled step, matmul in rotating "
+        "order), at d 128 (batch 16) and the paper's FPRM size d 512 (8 heads, 81 tokens; batch 4). "
+        "With one thread the clock is the process's CPU time. Runs repeat until two consecutive runs "
+        "agree within 10%. `compile_graphs` counts Dynamo's graphs of the step, the solver update and "
+        "the whole looped forward (`torch._dynamo.explain`).",
     ),
     "memory": (
         "3. Memory vs loops",
@@ -106,8 +110,11 @@ def _details(r: dict[str, Any]) -> list[str]:
             )
         if r["benchmark"] == "flops":
             lines.append(
-                f"  step {d['step_flops'] / 1e9:.2f} GFLOP at {d['step_gflops_per_s']:.1f} GFLOP/s; "
-                f"matmul n={d['matmul_n']} at {d['matmul_gflops_per_s']:.1f} GFLOP/s"
+                f"  step {d['step_flops'] / 1e9:.2f} GFLOP at {d['step_gflops_per_s']:.1f} GFLOP/s eager, "
+                f"{d.get('step_compiled_gflops_per_s', float('nan')):.1f} compiled; matmul n={d['matmul_n']} "
+                f"at {d['matmul_gflops_per_s']:.1f} GFLOP/s ({d.get('clock', 'wall time')}); runs "
+                + ", ".join(f"{x['eager']:.3f}" for x in d.get("runs", []))
+                + f" (stable within 10%: {d.get('stable_within_10pct')})"
             )
         if "compile_s" in d:
             lines.append(f"  backend {d['backend']}, compile + first two steps {d['compile_s']:.1f} s")

@@ -54,7 +54,8 @@ class Rotary(nn.Module):
     ``forward(x)`` rotates one tensor ``[..., T, Dh]``; ``rotate_qk(qkv)`` rotates q and k of a packed
     ``[B, T, 3, H, Dh]`` projection together.  Float32 / float64 inputs take one complex
     multiplication by a cached ``exp(i angle)`` table (one kernel forward and backward); other dtypes
-    (bf16 has no complex type) the real form ``(x1 cos - x2 sin, x1 sin + x2 cos)``.
+    (bf16 has no complex type) and code traced by ``torch.compile`` (inductor fuses the real form,
+    not complex ops) the real form ``(x1 cos - x2 sin, x1 sin + x2 cos)``.
     """
 
     def __init__(self, head_dim: int, base: float = 10000.0) -> None:
@@ -85,7 +86,8 @@ class Rotary(nn.Module):
 
     @staticmethod
     def _complex_ok(x: Tensor) -> bool:
-        return x.dtype in (torch.float32, torch.float64)
+        # inductor generates no code for complex ops: under torch.compile the real form fuses instead
+        return x.dtype in (torch.float32, torch.float64) and not torch.compiler.is_compiling()
 
     def _real(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         x1, x2 = x[..., 0::2], x[..., 1::2]

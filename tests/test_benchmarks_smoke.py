@@ -84,8 +84,12 @@ def test_memory_targets_hold_exactly(quick_run):
 
 def test_flops_halting_solvers_compile_values(quick_run):
     res = by_name(quick_run[1])
-    eff = res["arithmetic_efficiency"]
+    eff = res["arithmetic_efficiency.d32"]
     assert 0 < eff["value"] < 2 and eff["details"]["step_flops"] > 0
+    assert eff["details"]["loss_abs_diff"] < 1e-5  # the compiled step computes the same loss
+    assert 0 < res["compile_speedup.d32"]["value"] and 0 < res["arithmetic_efficiency.d32_compiled"]["value"]
+    graphs = res["compile_graphs.max_per_function"]
+    assert graphs["met"] is True and graphs["value"] == 1, graphs["reason"]
     halt = res["adaptive_halting.time_vs_fixed"]["details"]
     assert halt["evals"]["fixed"]["steps_mean"] == halt["max_steps"]
     assert 1 <= halt["evals"]["adaptive"]["steps_mean"] <= halt["max_steps"]
