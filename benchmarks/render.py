@@ -73,6 +73,15 @@ METHODS = {
         "`.npy`, checks, int64 arrays), best of 3. The first int64 copy of a large array pays the page "
         "faults, so wall time depends strongly on the machine's load (recorded beside each figure).",
     ),
+    "reference": (
+        "9. loopformer vs the authors' code",
+        "Time per training step (forward + backward + AdamW step, one deep-supervision segment) and per "
+        "evaluation batch of loopformer vs the authors' implementation, imported from a checkout at run "
+        "time (`LOOPFORMER_REF_<MODEL>` or `LOOPFORMER_REFS`), at the same configuration, batch, loop "
+        "counts and dtype (float32, CPU), interleaved in rotating order, each pair in its own process. "
+        "Ratio = loopformer / reference (< 1: loopformer faster). Configurations and the substitutions "
+        "made to run the references on CPU are listed per model.",
+    ),
 }
 
 
@@ -162,6 +171,21 @@ def _details(r: dict[str, Any]) -> list[str]:
         lines.append(
             f"- `{name}`: {fmt(r['value'], r['unit'])} at {d['rows']} rows{extra}; load average {d.get('load_average_1min')}"
         )
+    elif r["benchmark"] == "reference" and "train" in d:
+        lines.append(
+            f"- **{name}** vs {d['repo']} @ {d['commit']}: training step "
+            f"{1e3 * d['train']['loopformer_median_s']:.1f} ms vs {1e3 * d['train']['reference_median_s']:.1f} ms "
+            f"(ratio {d['train']['ratio']:.3f}, runs {[round(x, 3) for x in d['train']['runs']]}); evaluation "
+            f"batch {1e3 * d['eval']['loopformer_median_s']:.1f} ms vs {1e3 * d['eval']['reference_median_s']:.1f} ms "
+            f"(ratio {d['eval']['ratio']:.3f}); {d['clock']}, {d['threads']} thread(s)"
+        )
+        lines.append(
+            f"  shape {d['shape']}; parameters loopformer {d['params']['loopformer']:,}, reference "
+            f"{d['params']['reference']:,}; " + "; ".join(f"{k}: {v}" for k, v in d["config"].items())
+        )
+        lines.append("  substitutions: " + "; ".join(d["substitutions"]))
+    elif r["benchmark"] == "reference" and r["value"] is None:
+        lines.append(f"- `{name}`: {r['reason']}")
     elif r["benchmark"] == "solvers" and "solvers" in d:
         lines.append(f"**{d['problem']}** (tol {d['tol']}):")
         lines.append("")
@@ -192,7 +216,8 @@ def render(results: list[dict[str, Any]], info: dict[str, Any]) -> str:
         "",
         "```",
         "python -m benchmarks                 # everything at CPU size: writes benchmarks/results.json and this page",
-        "python -m benchmarks --only solvers  # one benchmark (engine, flops, memory, halting, solvers, compile)",
+        "python -m benchmarks --only solvers  # one benchmark (engine, flops, memory, halting, solvers, compile, generation, reference)",
+        "LOOPFORMER_REFS=/path/to/checkouts python -m benchmarks --only reference   # vs the authors' code",
         "python -m benchmarks --quick         # tiniest sizes (what tests/test_benchmarks_smoke.py runs)",
         "pip install -c constraints.txt torchdeq==0.1.0   # for the TorchDEQ comparison (else it is skipped)",
         "python benchmarks/gpu.py             # CUDA only: paper-size FPRM throughput and MFU",

@@ -1,0 +1,207 @@
+"""Benchmark 8: loopformer against the authors' implementations, side by side in one run.
+
+    LOOPFORMER_REFS=/path/to/checkouts python -m benchmarks --only reference
+    python -m benchmarks.bench_reference --model fprm --ref /path/to/fprm      # one pair, prints JSON
+
+For each of FPRM, TRM and HRM: time per training step (forward + backward + optimiser step) and per
+evaluation batch, loopformer vs the authors' code at the same model configuration, batch, loop
+counts and dtype (float32, CPU; see benchmarks/reference_builders.py), the two interleaved in
+rotating order. Figure: loopformer time / reference time (median of paired ratios; < 1 = loopformer
+faster); runs of interleaved rounds repeat until two consecutive runs agree within 10%. With one
+torch thread the clock is CPU time (steadier on a shared machine), otherwise wall time.
+
+Checkouts: ``LOOPFORMER_REF_<MODEL>`` (FPRM, TRM, HRM, ATTRACTOR) or ``LOOPFORMER_REFS/<repository
+name>``; a model whose checkout is absent is skipped with a message. Each pair runs in its own
+subprocess (the FPRM, TRM and HRM codes all import a top-level ``models`` package). The commit each
+reference was taken at is recorded. The Attractor comparison is not implemented yet (its LM
+codebase needs its own harness); its row says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.common import Result, median, paired_ratio, side_by_side, summary
+
+ROOT = Path(__file__).resolve().parent.parent
+AGREE, MAX_RUNS = 0.10, 4
+TARGETS = {"fprm": 0.8, "trm": 0.8}  # issue 15: <= 0.8x the authors' training step on CPU
+REFS: dict[str, dict[str, str]] = {
+    "fprm": {
+        "dir": "fprm",
+        "repo": "nilskiKonjIzDunava/fprm",
+        "commit": "9e0ebf350df152aacbd40a228fe4693f22294644 (fprm_config.py, model_utils.py: "
+        "68e118cd6a4424033590844278965a71c5661d08)",
+    },
+    "trm": {
+        "dir": "TinyRecursiveModels",
+        "repo": "SamsungSAILMontreal/TinyRecursiveModels",
+        "commit": "e7b68717f0a6c4cbb4ce6fbef787b14f42083bd9",
+    },
+    "hrm": {"dir": "HRM", "repo": "sapientinc/HRM", "commit": "42410daaaf6ac8b266536d105a6e2362ffe40929"},
+    "attractor": {
+        "dir": "Attractor",
+        "repo": "jacobfa/Attractor",
+        "commit": "fcf045f9fb9d458f9e1574bd4036cd2fb63b3697",
+    },
+}
+
+
+def find_reference(model: str) -> Path | None:
+    """``LOOPFORMER_REF_<MODEL>``, else ``LOOPFORMER_REFS/<dir>``; None when neither is a folder."""
+    explicit = os.environ.get(f"LOOPFORMER_REF_{model.upper()}")
+    if explicit:
+        return Path(explicit) if Path(explicit).is_dir() else None
+    base = os.environ.get("LOOPFORMER_REFS")
+    if base and (Path(base) / REFS[model]["dir"]).is_dir():
+        return Path(base) / REFS[model]["dir"]
+    return None
+
+
+def _clock():
+    return (
+        (time.process_time, "process CPU time")
+        if torch.get_num_threads() == 1
+        else (time.perf_counter, "wall time")
+    )
+
+
+def measure(model: str, ref: Path, quick: bool) -> dict[str, Any]:
+    """Build the pair and time it (runs inside the subprocess)."""
+    from benchmarks import reference_builders as rb
+
+    shape = rb.QUICK_SHAPE if quick else rb.SHAPE
+    torch.manual_seed(0)
+    if model == "fprm":
+        pair = rb.build_fprm(ref, find_reference("trm"), shape)
+    elif model == "trm":
+        pair = rb.build_trm(ref, shape, quick)
+    elif model == "hrm":
+        pair = rb.build_hrm(ref, shape, quick)
+    else:
+        raise ValueError(f"no builder for {model!r}")
+    clock, clock_name = _clock()
+    out: dict[str, Any] = {"config": pair.config, "substitutions": pair.substitutions, "params": pair.params}
+    out["shape"] = shape.__dict__
+    start = time.perf_counter()
+    for kind in ("train", "eval"):
+        variants = {"loopformer": getattr(pair, f"ours_{kind}"), "reference": getattr(pair, f"ref_{kind}")}
+        runs: list[float] = []
+        times: dict[str, list[float]] = {}
+        while len(runs) < MAX_RUNS:
+            times = side_by_side(variants, repeats=2 if quick else 5, warmup=0 if runs else 2, clock=clock)
+            runs.append(paired_ratio(times, "loopformer", "reference"))
+            if len(runs) >= 2 and abs(runs[-1] / runs[-2] - 1) <= AGREE:
+                break
+            if quick or time.perf_counter() - start > 600:
+                break
+        out[kind] = {
+            "ratio": runs[-1],
+            "runs": runs,
+            "stable_within_10pct": len(runs) >= 2 and abs(runs[-1] / runs[-2] - 1) <= AGREE,
+            "times": summary(times),
+            "loopformer_median_s": median(times["loopformer"]),
+            "reference_median_s": median(times["reference"]),
+        }
+    out["clock"], out["threads"] = clock_name, torch.get_num_threads()
+    return out
+
+
+def _row(model: str, kind: str, value: float | None, met: bool | None, reason: str, details: dict) -> Result:
+    target = f"<= {TARGETS[model]} x the authors' step" if kind == "train" and model in TARGETS else None
+    suffix = "" if kind == "train" else "_eval"
+    return Result("reference", f"vs_reference.{model}{suffix}", value, "x", target, met, reason, details)
+
+
+def run_model(model: str, quick: bool) -> list[Result]:
+    info = dict(REFS[model])
+    ref = find_reference(model)
+    if ref is None:
+        why = (
+            f"skipped: no checkout of {info['repo']} (set LOOPFORMER_REF_{model.upper()} or "
+            f"LOOPFORMER_REFS to a folder holding {info['dir']}/)"
+        )
+        return [_row(model, "train", None, None, why, info)]
+    if model == "attractor":
+        why = (
+            "skipped: the Attractor comparison (an LM codebase with its own registry) is not implemented yet"
+        )
+        return [_row(model, "train", None, None, why, dict(info, path=str(ref)))]
+    return run_model_at(model, ref, quick)
+
+
+def run_model_at(model: str, ref: Path, quick: bool) -> list[Result]:
+    """Time one pair against the checkout at ``ref`` in a subprocess; RuntimeError if it fails."""
+    info = dict(REFS[model])
+    with tempfile.TemporaryDirectory() as tmp:
+        out_file = Path(tmp) / "out.json"
+        cmd = [sys.executable, "-m", "benchmarks.bench_reference", "--model", model, "--ref", str(ref)]
+        cmd += ["--json", str(out_file), "--threads", str(torch.get_num_threads())] + (
+            ["--quick"] if quick else []
+        )
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800)
+        if proc.returncode != 0 or not out_file.is_file():
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+            raise RuntimeError(f"{model} pair failed (exit {proc.returncode}): {' | '.join(tail)}")
+        data = json.loads(out_file.read_text())
+    details = dict(info, path=str(ref), **data)
+    results = []
+    for kind in ("train", "eval"):
+        r = data[kind]
+        value = r["ratio"]
+        limit = TARGETS.get(model) if kind == "train" and not quick else None
+        met = None if limit is None else bool(value <= limit and r["stable_within_10pct"])
+        what = "training step" if kind == "train" else "evaluation batch"
+        reason = (
+            f"loopformer {1e3 * r['loopformer_median_s']:.0f} ms vs reference {1e3 * r['reference_median_s']:.0f} ms "
+            f"per {what} ({data['clock']})"
+        )
+        if not r["stable_within_10pct"]:
+            reason += f"; runs did not agree within 10%: {[round(x, 3) for x in r['runs']]}"
+        results.append(
+            _row(model, kind, value, met, reason, details if kind == "train" else {"runs": r["runs"]})
+        )
+    return results
+
+
+def run(quick: bool = False) -> list[Result]:
+    results: list[Result] = []
+    for model in REFS:
+        try:
+            results += run_model(model, quick)
+        except (RuntimeError, subprocess.TimeoutExpired, OSError) as err:
+            results.append(_row(model, "train", None, False, f"failed: {err}"[:400], dict(REFS[model])))
+    return results
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="loopformer vs one reference implementation")
+    parser.add_argument("--model", required=True, choices=[m for m in REFS if m != "attractor"])
+    parser.add_argument("--ref", type=Path, required=True, help="the reference checkout")
+    parser.add_argument("--json", type=Path, default=None, help="write the result here (default: print)")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args(argv)
+    if not args.ref.is_dir():
+        raise SystemExit(f"--ref {args.ref}: not a folder")
+    torch.set_num_threads(args.threads)
+    torch.set_flush_denormal(True)
+    text = json.dumps(measure(args.model, args.ref.resolve(), args.quick), indent=2, default=str)
+    if args.json is None:
+        print(text)
+    else:
+        args.json.write_text(text)
+
+
+if __name__ == "__main__":
+    main()
