@@ -145,6 +145,8 @@ def run(quick: bool = False) -> list[Result]:
     if not quick:  # informational: where per-iteration bookkeeping dominates (a 34k-parameter model)
         tiny = measure(TINY_STEP, "damped", 15)
         tiny.name, tiny.target, tiny.met = "engine_overhead.damped_tiny", None, None
-        tiny.reason = "informational: d 32, 16 tokens, batch 4; the per-iteration bookkeeping is not amortised"
+        tiny.reason = (
+            "informational: d 32, 16 tokens, batch 4; the per-iteration bookkeeping is not amortised"
+        )
         results.append(tiny)
     return results

@@ -166,6 +166,8 @@ def run_model_at(model: str, ref: Path, quick: bool) -> list[Result]:
             f"loopformer {1e3 * r['loopformer_median_s']:.0f} ms vs reference {1e3 * r['reference_median_s']:.0f} ms "
             f"per {what} ({data['clock']})"
         )
+        if kind == "train" and "caveat" in data["config"]:
+            reason += f"; {data['config']['caveat']}"
         if not r["stable_within_10pct"]:
             reason += f"; runs did not agree within 10%: {[round(x, 3) for x in r['runs']]}"
         results.append(

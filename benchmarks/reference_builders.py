@@ -325,6 +325,9 @@ def build_hrm(root: Path, shape: Shape, quick: bool) -> Pair:
         "loss + 0.5 Q-halt BCE, AdamW",
         "eval_batch": f"{HRM_SEGMENTS} segments, no gradient",
         "model": f"post-norm, {layers} + {layers} layers, 1 puzzle-embedding token",
+        "caveat": "not the same training algorithm: the reference's training step also runs one extra "
+        "no-gradient forward for its Q-continue target (HRM's ACT Q-learning), loopformer's HRM has no "
+        "continue head",
     }
     subs = [
         "flash_attn_func -> F.scaled_dot_product_attention (a stand-in flash_attn_interface module)",
