@@ -34,7 +34,7 @@ import torch
 from benchmarks.common import Result, median, paired_ratio, side_by_side, summary
 
 ROOT = Path(__file__).resolve().parent.parent
-AGREE, MAX_RUNS = 0.10, 4
+AGREE, MAX_RUNS = 0.10, 3
 TARGETS = {"fprm": 0.8, "trm": 0.8}  # issue 15: <= 0.8x the authors' training step on CPU
 REFS: dict[str, dict[str, str]] = {
     "fprm": {
@@ -99,7 +99,7 @@ def measure(model: str, ref: Path, quick: bool) -> dict[str, Any]:
         runs: list[float] = []
         times: dict[str, list[float]] = {}
         while len(runs) < MAX_RUNS:
-            times = side_by_side(variants, repeats=2 if quick else 5, warmup=0 if runs else 2, clock=clock)
+            times = side_by_side(variants, repeats=2 if quick else 4, warmup=0 if runs else 1, clock=clock)
             runs.append(paired_ratio(times, "loopformer", "reference"))
             if len(runs) >= 2 and abs(runs[-1] / runs[-2] - 1) <= AGREE:
                 break

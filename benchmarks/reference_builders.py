@@ -4,9 +4,9 @@ authors' implementation at the same configuration, batch, loop counts and dtype 
 The authors' code is imported from a checkout at run time (nothing of it is copied here). Each
 builder returns a ``Pair``: a training step (forward + backward + optimiser step) and an evaluation
 batch for each side, with the configuration and the substitutions made to run the reference on CPU.
-Shared shape (``SHAPE``): d 192 (at 192 the SwiGLU width is 512 under both loopformer's rounding to 64
-and the references' rounding to 256, so the models have the same matrices), 4 heads, 9 x 9 = 81
-tokens, vocab 11, batch 8. Both sides use ``torch.optim.AdamW`` (the references' AdamATan2 is a
+Shared shape (``SHAPE``): d 192, 4 heads, 9 x 9 = 81 tokens, vocab 11, batch 8; loopformer's
+models are configured with their options that reproduce the authors' (gain-free RMSNorm, SwiGLU
+widths rounded to 256, ...), so both sides hold the same parameters. Both sides use ``torch.optim.AdamW`` (the references' AdamATan2 is a
 CUDA extension; their puzzle-embedding sign-SGD optimiser is not stepped, and loopformer's puzzle
 table is left out of its optimiser to match).
 """
@@ -186,10 +186,14 @@ def build_fprm(root: Path, trm_root: Path | None, shape: Shape) -> Pair:
     ref = ACTLossHead(
         FixedPointReasoningModel_ACTV1(cfg), loss_type="stablemax_cross_entropy", q_loss_coeff=0.5
     )
+    # loopformer's options that reproduce the authors' model (docs/fidelity.md, FPRM): the same
+    # parameters and the same function, so the two sides do the same work
     ours = FPRM(
         FPRMConfig(
             vocab_size=shape.vocab, seq_len=shape.tokens, d_model=shape.d, n_heads=shape.heads, n_layers=2,
-            grid=(shape.grid, shape.grid), conv="grid2d", q_head=True, a1_init=0.75, a2_init=0.25,
+            grid=(shape.grid, shape.grid), conv="grid2d", q_head=True, q_pool="first", a1_init=0.75,
+            a2_init=0.25, conv_form="replace", head_norm=False, norm_eps=1e-5, norm_gain=False,
+            mlp_multiple=256, init="lecun", tied_eps=1e-5,
         )
     )  # fmt: skip
     damped = dict(solver="damped", damp_patience=5, halting="fixed", residual_norm="rel_sup", trace=False)
@@ -220,7 +224,7 @@ def build_fprm(root: Path, trm_root: Path | None, shape: Shape) -> Pair:
 # ----------------------------------------------------------------------------------------------------
 # TRM (SamsungSAILMontreal/TinyRecursiveModels) and HRM (sapientinc/HRM)
 # ----------------------------------------------------------------------------------------------------
-TRM_H, TRM_L, TRM_SEGMENTS = 3, 6, 16
+TRM_H, TRM_L, TRM_SEGMENTS = 3, 6, 8  # segments: the ACT cap (16 in the paper), also the eval length
 
 
 def build_trm(root: Path, shape: Shape, quick: bool) -> Pair:
@@ -242,7 +246,7 @@ def build_trm(root: Path, shape: Shape, quick: bool) -> Pair:
     ours = TRM(
         TRMConfig(
             vocab_size=shape.vocab, seq_len=shape.tokens, d_model=shape.d, n_heads=shape.heads, n_layers=2,
-            n_inner=TRM_L, num_puzzle_ids=1, puzzle_emb_len=emb_len, q_head=True,
+            n_inner=TRM_L, num_puzzle_ids=1, puzzle_emb_len=emb_len, puzzle_emb_dim=shape.d, q_head=True,
         )
     )  # fmt: skip
     train_loop = LoopConfig(halting="fixed", max_steps=TRM_H, grad="truncated", grad_steps=1, trace=False)
@@ -273,7 +277,7 @@ def build_trm(root: Path, shape: Shape, quick: bool) -> Pair:
     )
 
 
-HRM_H, HRM_L, HRM_LAYERS, HRM_SEGMENTS = 2, 2, 4, 16
+HRM_H, HRM_L, HRM_LAYERS, HRM_SEGMENTS = 2, 2, 4, 8  # segments as for TRM
 
 
 def _flash_attn_shim() -> None:
