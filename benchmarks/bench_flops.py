@@ -182,13 +182,13 @@ def efficiency(size: StepSize, label: str, quick: bool) -> list[Result]:
 
 def graph_counts(size: StepSize) -> Result:
     """Graphs Dynamo makes of model.step, the solver update and the whole looped forward."""
-    from loopformer.loop.solvers import make_solver
+    from loopformer.loop.solvers import SOLVERS
 
     model = make_fprm(size)
     inputs, _, z0 = make_batch(size)
     loop = train_loop_config(size)
     (x,) = model.embed(inputs)
-    solver = make_solver(loop)
+    solver = SOLVERS.get(loop.solver)(loop)
     fz = model.step(z0, x).detach()
     res = (fz - z0).abs().amax(dim=(1, 2))
     parts = {

@@ -13,8 +13,8 @@ torch thread the clock is CPU time (steadier on a shared machine), otherwise wal
 Checkouts: ``LOOPFORMER_REF_<MODEL>`` (FPRM, TRM, HRM, ATTRACTOR) or ``LOOPFORMER_REFS/<repository
 name>``; a model whose checkout is absent is skipped with a message. Each pair runs in its own
 subprocess (the FPRM, TRM and HRM codes all import a top-level ``models`` package). The commit each
-reference was taken at is recorded. The Attractor comparison is not implemented yet (its LM
-codebase needs its own harness); its row says so.
+reference was taken at is recorded. The Attractor comparison is not implemented yet (its row says
+why).
 """
 
 from __future__ import annotations
@@ -134,7 +134,8 @@ def run_model(model: str, quick: bool) -> list[Result]:
         return [_row(model, "train", None, None, why, info)]
     if model == "attractor":
         why = (
-            "skipped: the Attractor comparison (an LM codebase with its own registry) is not implemented yet"
+            "skipped: not implemented; the Attractor puzzle model the reference's TRM-DEQ "
+            "(experiments/attractor_puzzles/trm/trm_deq.py) would be compared with is not in loopformer yet"
         )
         return [_row(model, "train", None, None, why, dict(info, path=str(ref)))]
     return run_model_at(model, ref, quick)
