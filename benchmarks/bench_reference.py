@@ -169,7 +169,9 @@ def run_model_at(model: str, ref: Path, quick: bool) -> list[Result]:
         )
         if kind == "train" and "caveat" in data["config"]:
             reason += f"; {data['config']['caveat']}"
-        if not r["stable_within_10pct"]:
+        if len(r["runs"]) < 2:
+            reason += "; one run only (time budget), stability not checked"
+        elif not r["stable_within_10pct"]:
             reason += f"; runs did not agree within 10%: {[round(x, 3) for x in r['runs']]}"
         results.append(
             _row(model, kind, value, met, reason, details if kind == "train" else {"runs": r["runs"]})
