@@ -1,7 +1,7 @@
 """Benchmark 1: engine overhead of a training step, loopformer vs a minimal hand-written loop.
 
 The same FPRM module (same weights, same batch, same initial iterate) takes a training step
-(forward + backward, truncated backprop through the last k of n iterations, SYSTEMS.md section 1)
+(forward + backward, truncated backprop through the last k of n iterations, arXiv 2606.18206)
 two ways:
 
 - ``engine``: ``model(inputs, loop=LoopConfig(...), state=z0)``, i.e. ``LoopedModel.forward`` ->

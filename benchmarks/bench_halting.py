@@ -5,7 +5,7 @@ under benchmarks/.cache, keyed by a hash of its resolved config) is evaluated on
 mixed difficulty (4..10 blanks) three ways, side by side:
 
 - ``adaptive``: FPRM's evaluation loop (damped solver, gamma 0.99, patience 5) with per-sample
-  residual halting (relative sup norm < tol, SYSTEMS.md section 1) and compaction: halted samples
+  residual halting (relative sup norm < tol, arXiv 2606.18206) and compaction: halted samples
   leave the batch, so easy puzzles stop costing compute. FPRM's tol 0.1 stops this briefly trained
   model a few points short of the fixed-steps accuracy, so tol is calibrated first: the loosest of
   0.1, 0.05, ..., 5e-4 whose accuracy on a separate calibration set is within one point of the

@@ -4,7 +4,7 @@ The memory a training step keeps alive between forward and backward is the set o
 autograd saves for backward. ``torch.autograd.graph.saved_tensors_hooks`` sees every one of them;
 counting each distinct storage once (weights saved by many matmuls count once) gives the exact
 activation memory of the step, independent of allocator noise. Measured for an FPRM forward
-(SYSTEMS.md section 1) at 4, 16 and 64 loops with fixed halting, per gradient mode
+(arXiv 2606.18206) at 4, 16 and 64 loops with fixed halting, per gradient mode
 (loopformer/loop/grad.py, engine.py):
 
 - ``bptt`` unrolls every loop: memory must grow linearly (checked: the per-loop increment from 4 to

@@ -159,7 +159,7 @@ def fmt(value: float | None, unit: str) -> str:
 
 
 # ------------------------------------------------------------------------------------------------
-# The shared workload: an FPRM training step (SYSTEMS.md section 1) on Sudoku-shaped tokens
+# The shared workload: an FPRM training step (arXiv 2606.18206) on Sudoku-shaped tokens
 # ------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class StepSize:

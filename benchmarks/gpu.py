@@ -2,7 +2,7 @@
 
     python benchmarks/gpu.py [--batch 768] [--steps 20] [--loops 6] [--no-compile] [--peak-tflops 989]
 
-FPRM as in the paper (SYSTEMS.md section 1; ``loopformer.models.fprm.paper_config``): d 512, 8 heads,
+FPRM as in the paper (arXiv 2606.18206; ``loopformer.models.fprm.paper_config``): d 512, 8 heads,
 2 pre-norm blocks, SwiGLU x4, RoPE, 2-D depthwise conv on the 9x9 grid, Sudoku length 81, about 6.4M
 parameters, global batch 768. One training step = one deep-supervision segment: K = 6 damped
 iterations all with gradient (truncated BPTT), stablemax-free plain CE on the readout, backward,

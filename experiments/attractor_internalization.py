@@ -1,4 +1,4 @@
-"""Equilibrium internalization (Attractor Models, SYSTEMS.md section 2), CPU-sized.
+"""Equilibrium internalization (Attractor Models, arXiv 2605.12466), CPU-sized.
 
 The claim: because the backbone's proposal ``c`` is both the solver's start ``y0 = c`` and the
 injected signal in ``f(y, c) = c + Delta(y + c)``, training pulls ``c`` toward the equilibrium

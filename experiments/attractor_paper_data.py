@@ -1,4 +1,4 @@
-"""Prepare the paper-scale puzzle training files from a user's own downloads (SYSTEMS.md section 5).
+"""Prepare the paper-scale puzzle training files from a user's own downloads (HRM's dataset builders, arXiv 2506.21734).
 
 The paper recipes (``recipes/paper_sudoku_extreme_*.yaml``, ``recipes/paper_maze_hard_*.yaml``) read
 Sudoku-Extreme / Maze-Hard CSV files (``source,question,answer,rating``) through ``data.train_path`` /

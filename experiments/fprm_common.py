@@ -1,4 +1,4 @@
-"""Shared pieces of the FPRM reproduction scripts (experiments/fprm_*.py; SYSTEMS.md sections 1 and 4).
+"""Shared pieces of the FPRM reproduction scripts (experiments/fprm_*.py; arXiv 2606.18206; TRM arXiv 2510.04871, HRM arXiv 2506.21734).
 
 Everything goes through the library's harness: recipes are read with ``loopformer.config``
 (``read_recipe`` + ``build_config``), models are trained by ``loopformer.train.Trainer`` and scored with
@@ -11,7 +11,7 @@ the task's independent validator (``loopformer.eval.evaluate.score_predictions``
   steps (adaptive models such as UT + ACT change their loop count from step to step);
 - ``saved_bytes_per_step``: bytes autograd saves for backward in one training step
   (``torch.autograd.graph.saved_tensors_hooks`` sees every saved tensor: the activation memory that
-  differs between gradient modes, LESSONS.md);
+  differs between gradient modes);
 - ``run_eval``: one pass of a model over a dataset with a loop config, keeping per-example steps,
   convergence, validity and the residual trace (for the damped-vs-Picard oscillation count);
 - ``plot`` helpers that keep PNGs small.

@@ -1,6 +1,6 @@
 """Gradient modes in practice: FPRM trained with bptt / truncated / onestep / neumann / ift (issue 7, item 4).
 
-SYSTEMS.md section 1: FPRM trains each deep-supervision segment with K = 6 differentiable iterations
+arXiv 2606.18206: FPRM trains each deep-supervision segment with K = 6 differentiable iterations
 (truncated BPTT = a truncated Neumann series of (I - J)^-1); DEQ / Attractor (sections 2 and 4) use
 implicit (IFT) or one-step / phantom gradients. Here the same FPRM, data, optimiser and number of
 optimiser steps are trained once per gradient mode (``loop_train.grad``), every segment running exactly

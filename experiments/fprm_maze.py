@@ -1,6 +1,6 @@
 """FPRM on small mazes vs a plain transformer at equal parameters and equal training FLOPs (issue 7, item 3).
 
-SYSTEMS.md section 1 reports FPRM on Maze-Hard (30x30, shortest path > 110); at CPU scale this uses
+arXiv 2606.18206 reports FPRM on Maze-Hard (30x30, shortest path > 110); at CPU scale this uses
 ``recipes/fprm_maze7.yaml``: 7x7 character mazes, shortest path >= 4 moves. Measured:
 - held-out accuracy judged by ``MazeTask.check`` (any *shortest* S->G path counts; recomputed by BFS from
   the input alone, the label is not trusted), against a plain 2-block transformer of equal width;

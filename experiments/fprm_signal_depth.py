@@ -1,4 +1,4 @@
-"""Signal propagation after training, and accuracy vs training depth (issue 7, item 1; SYSTEMS.md 1).
+"""Signal propagation after training, and accuracy vs training depth (issue 7, item 1; arXiv 2606.18206).
 
 FPRM's claim: a looped pre-norm block without residual scaling lets the state grow with the number of
 loops, post-norm keeps it bounded but propagates signal badly over many loops, and pre-norm with FPRM's

@@ -1,6 +1,6 @@
 """Damped patience solver vs plain Picard iteration at evaluation, over convergence tolerances (issue 7, item 2).
 
-SYSTEMS.md section 1 (Algorithm 1, Theorem 3): FPRM evaluates with a damped solver whose step eta
+arXiv 2606.18206 (Algorithm 1, Theorem 3): FPRM evaluates with a damped solver whose step eta
 shrinks by gamma whenever the relative sup-norm residual has not improved for ``patience`` iterations;
 damping removes oscillation around the fixed point when the step's Jacobian has eigenvalues with modulus
 >= 1. This loads the FPRM trained by ``experiments/fprm_sudoku.py`` (``runs/fprm_sudoku4/fprm``, EMA

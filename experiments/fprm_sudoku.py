@@ -1,9 +1,9 @@
 """FPRM on small Sudoku vs a plain transformer, TRM and UT + ACT at equal parameters and equal training FLOPs.
 
-Reproduces, at CPU scale, SYSTEMS.md section 1's Sudoku claims (issue 7, item 2):
+Reproduces, at CPU scale, arXiv 2606.18206's Sudoku claims (issue 7, item 2):
 - exact accuracy on held-out puzzles, judged by the task's independent validator (``SudokuTask.check``
   re-checks every row / column / box and the givens, without the label), against the baselines of
-  SYSTEMS.md section 4 at (nearly) equal parameter counts;
+  TRM arXiv 2510.04871, HRM arXiv 2506.21734 at (nearly) equal parameter counts;
 - *equal training compute = equal training FLOPs*: FPRM trains ``recipes/fprm_sudoku4.yaml``'s step count;
   every baseline's step count is FPRM's total training FLOPs divided by the baseline's FLOPs per step, both
   counted by ``torch.utils.flop_counter.FlopCounterMode`` over real training steps (forward + backward);
@@ -56,7 +56,7 @@ BASELINES: dict[str, list[str]] = {
 
 def eval_loop(name: str, trainer: Any) -> Any:
     """The evaluation loop of each family: FPRM its damped fixed-point loop; TRM all max_segments
-    segments chained (T cycles each, no halting at evaluation, SYSTEMS.md 4); UT its ACT loop."""
+    segments chained (T cycles each, no halting at evaluation, TRM arXiv 2510.04871, HRM arXiv 2506.21734); UT its ACT loop."""
     loop = trainer.loop_eval
     if name == "trm":
         loop = dataclasses.replace(loop, max_steps=loop.max_steps * trainer.config.train.max_segments)

@@ -1,6 +1,6 @@
-"""Attractor vs plain transformer vs Parcae-style recurrent depth on byte-level LM (SYSTEMS.md 2, 4, 5).
+"""Attractor vs plain transformer vs Parcae-style recurrent depth on byte-level LM (arXiv 2605.12466, with its Parcae baseline; FineWeb-Edu in the paper).
 
-The paper's claim (SYSTEMS.md 2): at equal parameters, validation perplexity Transformer > Parcae >
+The paper's claim (arXiv 2605.12466): at equal parameters, validation perplexity Transformer > Parcae >
 Attractor (140M: 21.48 / 19.06 / 18.30 on FineWeb-Edu) with 25-31% fewer training FLOPs (unverified),
 and training memory constant in the number of refinement steps (implicit gradients).
 

@@ -1,4 +1,4 @@
-"""Shared helpers of the Loop, Think & Generalize experiments (SYSTEMS.md section 3).
+"""Shared helpers of the Loop, Think & Generalize experiments (arXiv 2604.07822).
 
 - the knowledge-graph data: the paper's training mix (ALL atomic facts plus up to ``paths_per_hop``
   train-split k-hop paths for k = 2..k_train, right-padded to one width) and unpadded held-out

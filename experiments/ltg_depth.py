@@ -1,4 +1,4 @@
-"""Depth extrapolation on a knowledge graph (Loop, Think & Generalize, SYSTEMS.md section 3).
+"""Depth extrapolation on a knowledge graph (Loop, Think & Generalize, arXiv 2604.07822).
 
 Claim: a recurrent-depth transformer trained on queries of up to k_train hops answers deeper queries
 when it is given more inference loops, and dynamic recurrence (R ~ Poisson(4) in [2, 8] per step)

@@ -1,4 +1,4 @@
-"""Systematic generalisation on a small "Grokked Transformers" graph (LTG, SYSTEMS.md section 3).
+"""Systematic generalisation on a small "Grokked Transformers" graph (LTG, arXiv 2604.07822).
 
 Claim: on two-hop composition ``h r1 r2 -> t`` a recurrent-depth model with R >= 2 loops generalises
 to held-out compositions of seen facts (ID) and, through a late "grokking" stage, to compositions of

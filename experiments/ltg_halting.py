@@ -1,4 +1,4 @@
-"""Adaptive halting on the knowledge graph (Loop, Think & Generalize, SYSTEMS.md sections 1 and 3).
+"""Adaptive halting on the knowledge graph (Loop, Think & Generalize, arXiv 2604.07822; FPRM's halting, arXiv 2606.18206).
 
 Claim: halting each query at the first loop t where ``KL(p_t || p_{t-1}) < 1e-3`` AND
 ``H(p_t) < 3.0`` nats (LTG's rule, cap 16 loops) keeps the accuracy of running many fixed loops
@@ -11,7 +11,7 @@ a ``LoopConfig``; halted samples leave the batch, so saved loops are saved compu
 - ``kl_entropy``: LTG's rule, KL 1e-3 and entropy 3.0 nats (the paper's thresholds), cap CAP;
 - ``kl_entropy variant``: the paper's variant, KL < 0.5 and entropy < 3 + 12 / query length;
 - ``residual``: FPRM-style fixed-point halting, relative sup-norm residual
-  ``max_t ||z_t - F(z_t)||_inf / ||F(z_t)||_inf < tol`` (SYSTEMS.md 1), cap CAP, for a few tol.
+  ``max_t ||z_t - F(z_t)||_inf / ||F(z_t)||_inf < tol`` (arXiv 2606.18206), cap CAP, for a few tol.
 "Compute saved at equal accuracy": for each adaptive rule, the smallest fixed R whose accuracy is
 at least the rule's accuracy minus 1 point (R_eq, the cheapest fixed budget that matches it), and
 ``1 - mean loops / R_eq``; also the saving against the cap (running every query CAP loops). Pooled

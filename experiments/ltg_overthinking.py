@@ -1,4 +1,4 @@
-"""Overthinking on the knowledge graph (Loop, Think & Generalize, SYSTEMS.md section 3).
+"""Overthinking on the knowledge graph (Loop, Think & Generalize, arXiv 2604.07822).
 
 Claim: past some inference depth the logit margin (correct logit minus the best other logit) of a
 recurrent-depth model decays and its accuracy falls ("overthinking"); dynamic recurrence in training

@@ -1,4 +1,4 @@
-"""Signal propagation at initialisation: state RMS over many loops (SYSTEMS.md 1).
+"""Signal propagation at initialisation: state RMS over many loops (arXiv 2606.18206).
 
 FPRM's claim: a looped pre-norm block without residual scaling lets activations grow without
 bound, post-norm keeps them bounded (at the price of poor signal propagation), and pre-norm with

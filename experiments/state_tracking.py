@@ -1,4 +1,4 @@
-"""State tracking: group word problems, length generalisation with more loops (SYSTEMS.md 1 and 5).
+"""State tracking: group word problems, length generalisation with more loops (arXiv 2606.18206).
 
 Claim (FPRM): a fixed-point looped model trained on words of one length tracks the running product
 on much longer words when it is given more inference loops, while a fixed-depth transformer of

@@ -3,8 +3,8 @@
 One source of truth. ``RunConfig`` nests ``ModelSpec`` (a model family name plus that family's
 config fields, validated through ``loopformer.models.registry.make_config``), ``DataConfig``
 (with ``CurriculumConfig``), ``TrainConfig``, ``EvalConfig`` and two loop-override tables applied
-on top of the model's default ``LoopConfig``: ``loop_train`` and ``loop_eval`` (FPRM, SYSTEMS.md
-section 1, trains its damped solver with gamma 0.9 and evaluates with 0.99).
+on top of the model's default ``LoopConfig``: ``loop_train`` and ``loop_eval`` (FPRM, arXiv
+2606.18206, trains its damped solver with gamma 0.9 and evaluates with 0.99).
 
 Recipes are YAML files in ``recipes/``; a recipe may name a parent with ``base: other.yaml``
 (merged key by key, the child wins). Command-line overrides are dotted paths, e.g.

@@ -24,7 +24,7 @@ class ModelSpec:
 
 @dataclass
 class CurriculumConfig:
-    """Difficulty curriculum (Loop, Think & Generalize, SYSTEMS.md section 3).
+    """Difficulty curriculum (Loop, Think & Generalize, arXiv 2604.07822).
 
     Train on examples with difficulty <= level; start at ``start``; advance by ``step`` when the
     exact-match accuracy on the current level (measured every ``check_every`` steps on up to

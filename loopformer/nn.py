@@ -7,7 +7,7 @@
   bidirectional), so CUDA gets flash / memory-efficient kernels and CPU the math kernel;
   no flash-attn dependency.
 - ``SwiGLU``: gated MLP, hidden width ``expansion * d * 2/3`` rounded up (TRM / FPRM sizing).
-- ``Block``: attention + MLP with the norm placement chosen by name (SYSTEMS.md 1, 4):
+- ``Block``: attention + MLP with the norm placement chosen by name (arXiv 2606.18206; TRM arXiv 2510.04871, HRM arXiv 2506.21734):
   ``pre``  h = h (+) S(norm(h))            (GPT-2, FPRM, Attractor)
   ``post`` h = norm(h (+) S(h))            (original Transformer, TRM, HRM, UT)
   ``sandwich`` / ``peri``  h = h (+) norm(S(norm(h)))  (Huginn sandwich, Peri-LN; FPRM's "peri-norm")

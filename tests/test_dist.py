@@ -1,6 +1,6 @@
 """Multi-process training (loopformer.train.dist + the trainer under DDP / FSDP2), on CPU with gloo.
 
-The spawned tests follow LESSONS.md ("Distributed tests on CPU"): world size 2 on 127.0.0.1 with a
+The spawned tests follow OLMo-core's pattern (distributed tests on CPU): world size 2 on 127.0.0.1 with a
 free port, assertions inside each rank, the process group destroyed in ``finally``, a 2-minute
 limit. The oracle is always a single process: the parent runs the same config in one process
 and the ranks compare against it (loss and gradients of a step on the concatenated batch,

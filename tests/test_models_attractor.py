@@ -1,4 +1,4 @@
-"""Attractor (SYSTEMS.md 2): the map f(y, c) = c + Delta(y + c), gates, injection forms, the
+"""Attractor (arXiv 2605.12466): the map f(y, c) = c + Delta(y + c), gates, injection forms, the
 DEQ-style ablation and the equilibrium the engine finds."""
 
 from __future__ import annotations

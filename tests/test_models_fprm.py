@@ -1,4 +1,4 @@
-"""FPRM (SYSTEMS.md 1): tied residual coefficients, the closed-form iteration, contraction, heads, sizes."""
+"""FPRM (arXiv 2606.18206): tied residual coefficients, the closed-form iteration, contraction, heads, sizes."""
 
 from __future__ import annotations
 
@@ -71,7 +71,7 @@ def test_model_scalars_use_the_tied_formulas_and_paper_init() -> None:
 @pytest.mark.parametrize("n_layers", [1, 2, 3])
 @pytest.mark.parametrize("scalars", ["learned", "input"])
 def test_one_iteration_with_constant_sublayers_is_the_closed_form(n_layers: int, scalars: str) -> None:
-    """h' = rho h + (1 - rho)(a1^(2L) x + u), rho = a2 a1^(2L) (SYSTEMS.md 1), per channel / per sample."""
+    """h' = rho h + (1 - rho)(a1^(2L) x + u), rho = a2 a1^(2L) (arXiv 2606.18206), per channel / per sample."""
     gen = torch.Generator().manual_seed(n_layers)
     model = tiny(n_layers=n_layers, scalars=scalars)
     randomise_scalars(model, gen)

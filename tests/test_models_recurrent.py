@@ -1,4 +1,4 @@
-"""Recurrent-depth transformer (SYSTEMS.md 3, 4): injections, initial states, Parcae's contraction,
+"""Recurrent-depth transformer (arXiv 2604.07822; TRM arXiv 2510.04871, HRM arXiv 2506.21734): injections, initial states, Parcae's contraction,
 no positional encoding, the logit lens and causality."""
 
 from __future__ import annotations

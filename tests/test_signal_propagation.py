@@ -1,4 +1,4 @@
-"""Signal propagation at initialisation over 1,000 loops (SYSTEMS.md 1), via experiments/signal_propagation.py:
+"""Signal propagation at initialisation over 1,000 loops (arXiv 2606.18206), via experiments/signal_propagation.py:
 unscaled pre-norm grows without bound, post-norm and FPRM's scaled pre-norm stay bounded."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """``loopformer models``: every registered family's parameter count at paper size and CPU size.
 
-Paper size comes from each model module's ``paper_config()`` (SYSTEMS.md sections 1-4); the CPU
+Paper size comes from each model module's ``paper_config()`` (the papers' sizes, docs/fidelity.md); the CPU
 size is the family's config-class defaults (what a recipe starts from). Per-puzzle embedding
 tables are excluded, as the papers count.
 """

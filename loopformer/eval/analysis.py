@@ -1,16 +1,16 @@
 """Analyses of the loop itself: logit lens, overthinking, signal propagation, Jacobian spectral radius.
 
-- Logit lens (SYSTEMS.md 3, "Loop, Think, & Generalize"): every intermediate state ``z_t`` is read
+- Logit lens (arXiv 2604.07822, "Loop, Think, & Generalize"): every intermediate state ``z_t`` is read
   through the model's own readout (final norm + head), through the engine's
   ``callback(t, z_active, active_idx)``; per loop: token / exact / validator accuracy and, for
   knowledge-graph queries, the rank of the bridge entity's logit (0 = top) at a chosen position.
-- Overthinking (SYSTEMS.md 3): the logit margin (correct logit minus the best other logit) at the
+- Overthinking (arXiv 2604.07822): the logit margin (correct logit minus the best other logit) at the
   answer positions and the accuracy vs inference loops, run past the training depth.
-- Signal propagation (SYSTEMS.md 1, FPRM's motivation): the state's RMS norm ``sqrt(mean z^2)`` and
+- Signal propagation (arXiv 2606.18206, FPRM's motivation): the state's RMS norm ``sqrt(mean z^2)`` and
   the update norm ``||z_{t+1} - z_t||`` (absolute and relative to ``||z_t||``) per loop.
 - Spectral radius of ``J = d step / dz`` at the (approximate) fixed point by power iteration with
   Jacobian-vector products (``torch.func.jvp``) or vector-Jacobian products (``J^T`` has the same
-  spectrum). SYSTEMS.md 1 (Theorem 3): damping matters when eigenvalues leave the unit circle.
+  spectrum). arXiv 2606.18206 (Theorem 3): damping matters when eigenvalues leave the unit circle.
 
 All per-loop readouts force the ``fixed`` halting rule by default, so every sample is read at every
 loop; a sample that halts earlier under another rule keeps its last readout.

@@ -4,18 +4,18 @@
   token accuracy (labelled positions predicted right, pooled over the dataset), exact accuracy
   (every labelled position right), and the headline *valid accuracy*: the task's independent
   validator ``task.check(inputs_row, prediction_row)`` judges the whole predicted answer without
-  looking at the label (SYSTEMS.md 5: "a prediction counts only if it is a valid shortest path").
+  looking at the label (HRM's dataset builders, arXiv 2506.21734: "a prediction counts only if it is a valid shortest path").
   Per example it records difficulty, loop steps taken, convergence, exact and valid.
 - ``accuracy_vs_budget``: the test-time compute curve. The loop is run with ``max_steps`` set to
   each budget, either with the halting rule forced to ``fixed`` (exactly ``b`` loops) or with the
-  model's own halting rule capped at ``b`` (SYSTEMS.md 1: FPRM halts at a fixed point or at the cap).
+  model's own halting rule capped at ``b`` (arXiv 2606.18206: FPRM halts at a fixed point or at the cap).
 - ``steps_vs_difficulty``: mean steps per difficulty bucket and the Spearman rank correlation
-  between difficulty and steps (SYSTEMS.md 1: "more iterations for puzzles with more blanks").
+  between difficulty and steps (arXiv 2606.18206: "more iterations for puzzles with more blanks").
 - ``load_for_eval``: a trained model and its task from a checkpoint, with the EMA weights when the
-  checkpoint has them (the papers evaluate the EMA, SYSTEMS.md 1 and 4).
-- ``evaluate_lm``: tasks without a validator (``Task.has_validator`` False: language modelling, SYSTEMS.md 5)
+  checkpoint has them (the papers evaluate the EMA, arXiv 2606.18206; TRM arXiv 2510.04871, HRM arXiv 2506.21734).
+- ``evaluate_lm``: tasks without a validator (``Task.has_validator`` False: language modelling)
   are scored by the held-out cross-entropy (nats per token) and bits per byte instead.
-- ``arc_pass_at_k``: ARC's pass@2 (SYSTEMS.md 5): predictions for every test pair under every
+- ``arc_pass_at_k``: ARC's pass@2 (HRM / TRM's ARC protocol, arXiv 2506.21734): predictions for every test pair under every
   augmentation, de-augmented and voted by ``ArcTask.evaluate``.
 """
 
@@ -631,7 +631,7 @@ def arc_pass_at_k(
     device: torch.device | str | None = None,
     seed: int = 0,
 ) -> dict[str, float]:
-    """ARC pass@k (SYSTEMS.md 5) with voting over augmentations: ``task.evaluate`` of the model's
+    """ARC pass@k (HRM / TRM's ARC protocol, arXiv 2506.21734) with voting over augmentations: ``task.evaluate`` of the model's
     predictions on ``dataset`` (default: every test pair under every augmentation version,
     ``task.generate(0, seed, part="test")``). Returns ``ArcTask.evaluate``'s dictionary
     (``score``, ``all_solved``, ``outputs_solved``, ``outputs``, ``tasks``) plus ``k`` and ``rows``.

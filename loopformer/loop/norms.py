@@ -1,11 +1,11 @@
 """Per-sample residual and state norms used for halting and the loop trace.
 
 - ``rel_l2``: ``||f(z) - z|| / (||f(z)|| + 1e-8)`` over all non-batch dims (DEQ; Attractor,
-  SYSTEMS.md section 2).
-- ``rel_sup``: FPRM's relative sup norm (SYSTEMS.md section 1, Algorithm 1):
+  arXiv 2605.12466).
+- ``rel_sup``: FPRM's relative sup norm (arXiv 2606.18206, Algorithm 1):
   ``max over tokens t of ||z_t - f(z)_t||_inf / (||f(z)_t||_inf + 1e-8)``; channels are the last
   dim, tokens every dim between batch and channels.
-- ``rms``: root-mean-square of the state per sample (logged every step, LESSONS.md).
+- ``rms``: root-mean-square of the state per sample (logged every step: how looped runs are debugged).
 All are computed without gradient: they only drive halting decisions and logging.
 ``residual_into`` is the engine's per-iteration form: flat, already detached inputs, results written
 into preallocated history rows (``out=``), no decorator or dtype casts (small maps are dominated by

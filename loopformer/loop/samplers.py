@@ -2,12 +2,12 @@
 
 Every draw uses a fresh ``numpy.random.Generator`` seeded from ``SeedSequence([seed, global_step])``,
 so every DDP rank loops the same number of times (no stragglers) and a resumed run replays the
-same counts (LESSONS.md).
+same counts.
 
 - ``fixed``: always ``n``.
 - ``poisson``: ``R ~ Poisson(mean)`` clipped to ``[low, high]`` (LTG dynamic recurrence,
-  SYSTEMS.md section 3: Poisson(4) clipped to [2, 8]).
-- ``lognormal_poisson``: Huginn (SYSTEMS.md section 4): ``tau ~ N(log(mean) - sigma^2 / 2, sigma)``,
+  arXiv 2604.07822: Poisson(4) clipped to [2, 8]).
+- ``lognormal_poisson``: Huginn (arXiv 2502.05171): ``tau ~ N(log(mean) - sigma^2 / 2, sigma)``,
   ``R = Poisson(exp(tau)) + 1`` clipped to ``[low, high]``.
 The curriculum over task difficulty belongs to the trainer, not here.
 """

@@ -1,4 +1,4 @@
-"""Attractor Models (SYSTEMS.md section 2; Fein-Ashley and Rashidinejad, arXiv 2605.12466).
+"""Attractor Models (Fein-Ashley and Rashidinejad, arXiv 2605.12466).
 
 A backbone proposes output embeddings, an attractor head refines them to an equilibrium:
 - backbone: ``c = T_b(E(x))``, ``n_backbone`` ordinary pre-norm blocks (causal for language);
@@ -152,6 +152,6 @@ class Attractor(LoopedModel):
 
 
 def paper_config() -> AttractorConfig:
-    """Attractor at the puzzle size (SYSTEMS.md 2: 27M parameters): Sudoku vocab 11, 81 tokens, d 512,
+    """Attractor at the puzzle size (arXiv 2605.12466: 27M parameters): Sudoku vocab 11, 81 tokens, d 512,
     8 heads, 4 backbone + 4 head blocks (~25.7M; the block split is this library's assumption)."""
     return AttractorConfig(vocab_size=11, seq_len=81, d_model=512, n_heads=8, n_backbone=4, n_layers=4)

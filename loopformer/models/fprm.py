@@ -1,4 +1,4 @@
-"""FPRM: the Fixed-Point Reasoning Model (SYSTEMS.md section 1; Movahedi et al., arXiv 2606.18206).
+"""FPRM: the Fixed-Point Reasoning Model (Movahedi et al., arXiv 2606.18206).
 
 One latent ``h`` and one body ``F(h; x)`` of ``L = n_layers`` pre-norm blocks (attention + SwiGLU),
 i.e. ``2L`` residual sub-layer updates per iteration. One iteration (``step``):
@@ -390,7 +390,7 @@ def paper_config() -> FPRMConfig:
 
 
 def state_tracking_config(group_size: int = 120) -> FPRMConfig:
-    """FPRM on A5 / S5 word problems (SYSTEMS.md 1, 5): causal, no RoPE, causal 1-D conv, a1 = a2 = 0.5,
+    """FPRM on A5 / S5 word problems (arXiv 2606.18206): causal, no RoPE, causal 1-D conv, a1 = a2 = 0.5,
     K = 4 differentiable steps; vocab |G| + 1 (61 for A5, 121 for S5)."""
     loop = _default_loop()
     loop.grad_steps = 4

@@ -1,4 +1,4 @@
-"""HRM: the Hierarchical Reasoning Model (arXiv 2506.21734; SYSTEMS.md section 4).
+"""HRM: the Hierarchical Reasoning Model (HRM, arXiv 2506.21734).
 
 Two recurrent modules, a slow high-level ``H`` and a fast low-level ``L``, each ``n_layers`` = 4
 post-norm blocks (d 512, ~27M parameters at paper size). One *step* of the loop engine is one

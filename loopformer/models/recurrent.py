@@ -1,6 +1,6 @@
 """Recurrent-depth transformer: Loop-Think-Generalize, Huginn and Parcae on one class.
 
-Equations (SYSTEMS.md 3 and 4):
+Equations (arXiv 2604.07822; TRM arXiv 2510.04871, HRM arXiv 2506.21734):
 - prelude: ``e = P(E(x))`` with ``n_prelude`` distinct blocks (0 for LTG, a few for Huginn / Parcae);
 - core: ``n_layers`` blocks with shared weights, looped R times by the engine; the state update is
   chosen by ``injection``:
@@ -14,7 +14,7 @@ Equations (SYSTEMS.md 3 and 4):
   the engine's generator).
 - coda: ``n_coda`` distinct blocks, then final RMSNorm + head (tied embeddings optional; LTG ties).
   ``readout`` applies coda + norm + head to ANY state, so on intermediate states it is the logit
-  lens used to find bridge entities and to measure overthinking (SYSTEMS.md 3).
+  lens used to find bridge entities and to measure overthinking (arXiv 2604.07822).
 
 Design choices:
 - Output projections of every block are multiplied by ``out_init_scale`` at init (LTG / GPT-2:
@@ -143,7 +143,7 @@ class RecurrentDepth(LoopedModel):
 
 
 def paper_config() -> RecurrentConfig:
-    """LTG (SYSTEMS.md 3): a 4-layer block, d 768, 12 heads, tied embeddings, no positional encoding,
+    """LTG (arXiv 2604.07822): a 4-layer block, d 768, 12 heads, tied embeddings, no positional encoding,
     causal; vocabulary of the depth-extrapolation graph (200 entities + 10 relations + 4 specials,
     an assumption of this library's task encoding); SwiGLU x4 has GPT-2's MLP parameter count."""
     return RecurrentConfig(

@@ -1,6 +1,6 @@
 """Plain (non-looped) transformer baseline, and the input / output layers every family shares.
 
-Design choices (SYSTEMS.md 4, "a plain transformer of equal parameters"):
+Design choices (the puzzle papers' baseline, "a plain transformer of equal parameters"):
 - ``n_layers`` distinct pre-norm blocks (attention + SwiGLU, ``loopformer.nn.Block``) applied once.
   It sits on the same contract as the looped families: ``embed -> (x,)``, ``init_state = x``,
   ``step`` applies every layer once, and the default loop is one Picard step with BPTT
@@ -17,7 +17,7 @@ Shared layers, used by every family in this package:
   named ``puzzle_emb`` so parameter counts can exclude it, as the papers do).
 - ``OutputHead``: final RMSNorm + linear head (tied or not); drops the prepended puzzle tokens, so
   logits are always ``[B, T, V]`` for ``T`` input tokens. Applied to an intermediate state it is the
-  logit lens (SYSTEMS.md 3).
+  logit lens (arXiv 2604.07822).
 """
 
 from __future__ import annotations
@@ -139,6 +139,6 @@ class Transformer(LoopedModel):
 
 
 def paper_config() -> TransformerConfig:
-    """Plain-transformer baseline at the puzzle papers' 27M size (SYSTEMS.md 4): Sudoku vocab 11,
+    """Plain-transformer baseline at the puzzle papers' 27M size (the puzzle papers' baseline): Sudoku vocab 11,
     81 tokens, d 512, 8 heads, 8 distinct layers (~25.7M parameters)."""
     return TransformerConfig(vocab_size=11, seq_len=81, d_model=512, n_heads=8, n_layers=8, expansion=4.0)

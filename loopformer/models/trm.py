@@ -1,4 +1,4 @@
-"""TRM: the Tiny Recursive Model (Jolicoeur-Martineau, arXiv 2510.04871; SYSTEMS.md section 4).
+"""TRM: the Tiny Recursive Model (Jolicoeur-Martineau, arXiv 2510.04871).
 
 One small net (``n_layers`` = 2 post-norm blocks, d 512 at paper size) refines a latent ``z`` and an
 answer ``y`` given the embedded input ``x``. One *step* of the loop engine is TRM's latent recursion

@@ -1,5 +1,5 @@
 """Universal Transformer with per-token ACT (Dehghani et al., arXiv 1807.03819; Graves, arXiv
-1603.08983; SYSTEMS.md section 4, LESSONS.md "Halting").
+1603.08983; the last step must halt and the weights sum to one).
 
 One shared post-norm block (``n_layers`` = 1 by default) is applied repeatedly to every position. Before
 each application a coordinate signal is added (Dehghani eq. "P^t"): the sinusoidal timestep signal of

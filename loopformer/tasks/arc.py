@@ -1,4 +1,4 @@
-"""ARC-AGI: loading, the 30x30 canvas encoding, augmentation, voting and pass@k (SYSTEMS.md section 5).
+"""ARC-AGI: loading, the 30x30 canvas encoding, augmentation, voting and pass@k (ARC-AGI, arXiv 1911.01547; HRM / TRM encoding).
 
 Sources (``ArcTask(source=...)``):
 

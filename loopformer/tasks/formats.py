@@ -1,4 +1,4 @@
-"""The HRM / TRM on-disk puzzle format (SYSTEMS.md section 5), read into and written from TokenDataset.
+"""The HRM / TRM on-disk puzzle format (HRM's dataset builders, arXiv 2506.21734), read into and written from TokenDataset.
 
 Layout (as HRM's dataset builders write it)::
 

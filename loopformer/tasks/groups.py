@@ -1,4 +1,4 @@
-"""Group word problems (state tracking): running products of permutations (SYSTEMS.md section 5).
+"""Group word problems (state tracking): running products of permutations (arXiv 2606.18206; Merrill et al., arXiv 2404.08819).
 
 A word is a sequence of group elements g_0, g_1, ..., g_{T-1}; the label at position i is the
 running product p_i = g_i o g_{i-1} o ... o g_0, the state reached after applying g_0 first,

@@ -1,4 +1,4 @@
-"""Knowledge-graph multi-hop queries (SYSTEMS.md section 3, "Loop, Think, & Generalize").
+"""Knowledge-graph multi-hop queries (arXiv 2604.07822, "Loop, Think, & Generalize").
 
 Two tasks share one query format. A query is ``<head entity> <r1> ... <rk>`` and its answer is the
 tail reached by following r1, then r2, ..., rk from the head.

@@ -1,4 +1,4 @@
-"""Mazes: shortest-path puzzles on an n x n grid (Maze-Hard, SYSTEMS.md section 5).
+"""Mazes: shortest-path puzzles on an n x n grid (Maze-Hard, HRM's dataset builders, arXiv 2506.21734).
 
 Characters: '#' wall, ' ' open, 'S' start, 'G' goal, 'o' path (labels only).  Tokens follow HRM/TRM
 (charset ``"# SGo"`` -> 1..5, PAD 0, vocab 6).  The label is the input with one shortest S->G path

@@ -1,6 +1,6 @@
 """Sudoku of any box shape: exact solver, unique-solution generator, augmentations, Sudoku-Extreme CSV.
 
-Data conventions follow SYSTEMS.md section 5 (Sudoku-Extreme, HRM/TRM):
+Data conventions follow HRM's dataset builders, arXiv 2506.21734 (Sudoku-Extreme, HRM/TRM):
 - tokens: 0 = PAD (unused), 1 = blank, digit d -> d + 1; vocab = size + 2; seq_len = size * size;
   labels are the full solution's tokens (HRM's ``arr + 1`` encoding).
 - CSV ``source,question,answer,rating``: ``question``/``answer`` are size*size characters row-major,
@@ -13,7 +13,7 @@ Data conventions follow SYSTEMS.md section 5 (Sudoku-Extreme, HRM/TRM):
 Solver and generator: ``loopformer.tasks.sudoku_solver`` (bitmask candidates, naked + hidden singles,
 MRV search counting refuted branches as ``backtracks``; clues removed while the solution stays unique).
 
-Augmentations (SYSTEMS.md s5: digit permutation, band / row-in-band and stack / column-in-stack
+Augmentations (HRM's dataset builders, arXiv 2506.21734: digit permutation, band / row-in-band and stack / column-in-stack
 shuffles, transpose) have exact inverses; transpose is only offered for square boxes (it would swap a 2x3 box into a 3x2 box).
 """
 

@@ -1,4 +1,4 @@
-"""Byte-level language modelling over local text (SYSTEMS.md section 5, "Language modelling").
+"""Byte-level language modelling over local text (FineWeb-Edu in arXiv 2605.12466, "Language modelling").
 
 The papers train on FineWeb-Edu; nothing is downloaded here. Sources:
 

@@ -1,6 +1,6 @@
 """The deep-supervision carry: the slots a ``deep_supervision`` run refines over segments.
 
-TRM / HRM / FPRM training (SYSTEMS.md sections 1 and 4) keeps a carried batch of
+TRM / HRM / FPRM training (arXiv 2606.18206; TRM arXiv 2510.04871, HRM arXiv 2506.21734) keeps a carried batch of
 ``train.batch_size`` slots, each holding an example, its detached state and a segment count.
 Each optimiser step runs ONE segment on the carry; afterwards ``advance_carry`` stores
 ``out.state.detach()`` and decides which slots halt: when their segment count reaches

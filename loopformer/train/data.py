@@ -5,12 +5,12 @@
   function of (seed, epoch, position) and a resumed run replays it exactly from the two
   integers in ``state_dict()``. When the eligible set changes (the curriculum advanced), a new
   epoch starts.
-- ``Curriculum``: Loop, Think & Generalize's schedule (SYSTEMS.md section 3): train on examples
+- ``Curriculum``: Loop, Think & Generalize's schedule (arXiv 2604.07822): train on examples
   whose difficulty <= level; start at ``start``; advance by ``step`` when the exact-match
   accuracy on the current level reaches ``threshold`` (0.95); stop at ``max_level``.
 - ``Batch`` / ``make_batch``: tensors of a set of rows of a ``TokenDataset`` on a device.
 - ``load_split``: a run's train / eval set from ``DataConfig``: a file (``task.load``), an HRM / TRM
-  folder (``loopformer.tasks.formats.load_hrm_folder``, SYSTEMS.md section 5) or ``task.generate``.
+  folder (``loopformer.tasks.formats.load_hrm_folder``, HRM's dataset builders, arXiv 2506.21734) or ``task.generate``.
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ gets ``DistEnv(rank=0, world_size=1)`` and every helper is then a no-op or the i
   (DDP and root-level FSDP run no collective inside ``forward``).
 
 The distributed layer follows nanochat's shape (a hundred lines on torch.distributed); the
-loop-count samplers are already seeded by the global step (LESSONS.md), so all ranks draw the
+loop-count samplers are already seeded by the global step, so all ranks draw the
 same loop count without communication.
 """
 

@@ -1,6 +1,6 @@
 """Training losses: token cross-entropy, stablemax cross-entropy, Q-head BCE, Jacobian penalty.
 
-- ``stablemax_cross_entropy``: TRM's stablemax (SYSTEMS.md section 4; used by FPRM, section 1):
+- ``stablemax_cross_entropy``: TRM's stablemax (TRM, arXiv 2510.04871; used by FPRM, arXiv 2606.18206):
   ``s(x) = x + 1`` for ``x >= 0`` and ``1 / (1 - x)`` for ``x < 0``,
   ``log p_i = log s(x_i) - log sum_j s(x_j)``, computed in float64 as TRM does.
 - ``sequence_loss``: per-sample mean over the positions that carry a label (``IGNORE_INDEX``

@@ -1,7 +1,7 @@
 """Evaluation during training, metrics and the run's logs.
 
 - ``exact_eval``: label-based accuracy (token / exact match) of the current weights, over
-  ``eval.segments`` chained forward calls as TRM / HRM evaluate (SYSTEMS.md sections 1 and 4),
+  ``eval.segments`` chained forward calls as TRM / HRM evaluate (arXiv 2606.18206; TRM arXiv 2510.04871, HRM arXiv 2506.21734),
   sharded over ranks under DDP.
 - ``task_eval``: ``loopformer.eval.evaluate`` with the task's own validator, or, for a task
   without one (text), ``evaluate_lm``'s loss and bits per byte.

@@ -2,7 +2,7 @@
 
 - ``build_optimizer``: AdamW with two parameter groups. No weight decay on: tensors with fewer
   than two dimensions (biases, norm gains, per-channel residual scalars and gates: FPRM's
-  ``a = sigmoid(p)`` parameters, SYSTEMS.md section 1), parameters of normalisation modules,
+  ``a = sigmoid(p)`` parameters, arXiv 2606.18206), parameters of normalisation modules,
   the names a model lists in ``no_weight_decay()`` (optional; exact names or module prefixes),
   and embeddings when ``decay_embeddings`` is False. A model whose ``decay_vectors`` attribute is
   True has its one-dimensional parameters (biases) decayed as well.

@@ -6,8 +6,8 @@
 - ``task_model_defaults`` / ``build_run_model``: the model a recipe names, with the fields the
   task determines (vocabulary, sequence length, causality, puzzle ids, grid) filled in where the
   recipe leaves them unset; the fully resolved model config is written back into the run config.
-- ``loop_sampler``: simple mode's loop-count sampler (Loop, Think & Generalize, SYSTEMS.md
-  section 3: fixed, Poisson, log-normal Poisson), or None for ``train.loop_sampler: none``.
+- ``loop_sampler``: simple mode's loop-count sampler (Loop, Think & Generalize, arXiv
+  2604.07822: fixed, Poisson, log-normal Poisson), or None for ``train.loop_sampler: none``.
 """
 
 from __future__ import annotations

@@ -2,13 +2,13 @@
 
 Two modes (``train.mode``):
 
-- ``simple`` (Loop, Think & Generalize, SYSTEMS.md section 3): every step draws a fresh batch,
+- ``simple`` (Loop, Think & Generalize, arXiv 2604.07822): every step draws a fresh batch,
   a loop count ``R`` from ``loopformer.loop.make_sampler`` seeded by the global step (fixed,
   Poisson(4) clipped to [2, 8], log-normal Poisson), runs one forward with ``max_steps = R``
   and fixed halting (an ACT model keeps its learned halting with ``R`` as the cap), and steps.
   ``train.loop_sampler: none`` runs the training loop as configured instead (its own halting,
   e.g. an Attractor's Anderson solve to tolerance, capped at ``loop_train.max_steps``).
-- ``deep_supervision`` (TRM / HRM / FPRM, SYSTEMS.md sections 1 and 4): each optimiser step
+- ``deep_supervision`` (TRM / HRM / FPRM, arXiv 2606.18206; TRM arXiv 2510.04871, HRM arXiv 2506.21734): each optimiser step
   runs ONE segment on a carried batch of slots (``loopformer.train.carry``), takes the loss on
   that segment's output (plus the Q-head BCE against "the answer is exactly right"), steps,
   carries the detached state and replaces halted slots.
