@@ -19,7 +19,6 @@ import os
 import random
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -472,37 +471,78 @@ def _cli_eval(t: Tally, ckpt: Path, work: Path, names: list[str], args: tuple[in
 # ----------------------------------------------------------------------------------------------
 # kill and resume
 # ----------------------------------------------------------------------------------------------
-WORKER = r"""
-import re, sys, time
-sys.path.insert(0, sys.argv[3])
-from loopformer.config import build_config
-import loopformer.train.checkpoint as ck
-import loopformer.train.trainer as tr
-from test_train_utils import TinyLooped, tiny_dataset
-cfg = build_config(__import__("json").loads(sys.argv[1]))
-pause, at = sys.argv[2].split(":")  # where to wait for the SIGKILL, in the checkpoint of step `at`
-def step_of(path):
-    m = re.search(r"step_(\d+)", str(path))
-    return int(m.group(1)) if m else -1
-original_manifest, original_weights, original_save = ck.write_manifest, ck.save_weights, tr.Trainer.save
-def slow_manifest(folder):  # the checkpoint's files are written, the folder not yet renamed into place
-    if pause == "manifest" and step_of(folder) == int(at):
-        print("mid-checkpoint", flush=True); time.sleep(30)
-    original_manifest(folder)
-def slow_weights(tensors, path, metadata=None):
-    original_weights(tensors, path, metadata)
-    if pause == "weights" and path.name == "model.safetensors" and step_of(path) == int(at):
-        print("mid-checkpoint", flush=True); time.sleep(30)
-def save(self):
-    out = original_save(self)
-    print("saved", self.step, flush=True)
-    return out
-ck.write_manifest, ck.save_weights, tr.Trainer.save = slow_manifest, slow_weights, save
-trainer = tr.Trainer(cfg, model=TinyLooped(), train_data=tiny_dataset(64), eval_data=None)
-print("started", trainer.step, flush=True)
-trainer.fit()
-print("done", flush=True)
-"""
+def _worker(cfg: dict[str, Any], pause: str, conn: Any) -> None:
+    """The training process (forked): reports "started N", "saved N" and "mid-checkpoint" through
+    ``conn``; ``pause`` = "manifest:N" / "weights:N" waits for the SIGKILL inside step N's checkpoint
+    write (before the manifest, i.e. files written but the folder not renamed; or after model.safetensors)."""
+    import re
+
+    from test_train_utils import TinyLooped, tiny_dataset
+
+    import loopformer.train.checkpoint as ck
+    import loopformer.train.trainer as tr
+    from loopformer.config import build_config
+
+    where, at = pause.split(":")
+
+    def step_of(path: Any) -> int:
+        m = re.search(r"step_(\d+)", str(path))
+        return int(m.group(1)) if m else -1
+
+    original_manifest, original_weights, original_save = ck.write_manifest, ck.save_weights, tr.Trainer.save
+
+    def slow_manifest(folder: Path) -> None:
+        if where == "manifest" and step_of(folder) == int(at):
+            conn.send("mid-checkpoint")
+            time.sleep(60)
+        original_manifest(folder)
+
+    def slow_weights(tensors: Any, path: Path, metadata: Any = None) -> None:
+        original_weights(tensors, path, metadata)
+        if where == "weights" and path.name == "model.safetensors" and step_of(path) == int(at):
+            conn.send("mid-checkpoint")
+            time.sleep(60)
+
+    def save(self: Any) -> Path:
+        out = original_save(self)
+        conn.send(f"saved {self.step}")
+        return out
+
+    ck.write_manifest, ck.save_weights, tr.Trainer.save = slow_manifest, slow_weights, save
+    trainer = tr.Trainer(build_config(cfg), model=TinyLooped(), train_data=tiny_dataset(64), eval_data=None)
+    conn.send(f"started {trainer.step}")
+    trainer.fit()
+    conn.send("done")
+
+
+class _Run:
+    """A forked training process (no interpreter start-up: the parent has torch imported already)."""
+
+    def __init__(self, cfg: dict[str, Any], pause: str) -> None:
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("fork")
+        self._recv, send = ctx.Pipe(duplex=False)
+        self.proc = ctx.Process(target=_worker, args=(cfg, pause, send), daemon=True)
+        self.proc.start()
+        send.close()
+
+    def readline(self) -> str:
+        try:
+            return self._recv.recv()
+        except EOFError:
+            return ""
+
+    def running(self) -> bool:
+        return self.proc.is_alive()
+
+    def kill(self) -> None:
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.join()
+
+    def finish(self, timeout: float) -> int | None:
+        self.proc.join(timeout)
+        return self.proc.exitcode
 
 
 def _kill_config(out: Path, steps: int) -> dict[str, Any]:
@@ -528,15 +568,8 @@ def _kill_config(out: Path, steps: int) -> dict[str, Any]:
     }
 
 
-def _launch(cfg: dict[str, Any], pause: str) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen(
-        [sys.executable, "-c", WORKER, json.dumps(cfg), pause, str(Path(__file__).resolve().parent)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
+def _launch(cfg: dict[str, Any], pause: str) -> _Run:
+    return _Run(cfg, pause)
 
 
 def kill_resume_rounds(work: Path, kills: int = 4, steps: int = 30, seed: int = 0) -> dict[str, Any]:
@@ -554,15 +587,14 @@ def kill_resume_rounds(work: Path, kills: int = 4, steps: int = 30, seed: int = 
         pause = ("manifest", "none", "weights", "none")[k % 4]
         target = (k + 1) * steps // (kills + 1)  # spread the kills over the run
         proc = _launch(_kill_config(killed, steps), f"{pause}:{target}")
-        started = proc.stdout.readline().split()
+        started = proc.readline().split()
         wanted = "mid-checkpoint" if pause != "none" else f"saved {target}"
-        while (line := proc.stdout.readline()) and line.strip() != wanted:
+        while (line := proc.readline()) and line.strip() != wanted:
             pass
         if pause == "none":  # a random moment after the target step's checkpoint
             time.sleep(rng.uniform(0.0, 0.05))
-        running = proc.poll() is None
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
+        running = proc.running()
+        proc.kill()
         at = latest_checkpoint(killed / "checkpoints")
         events.append(
             {
@@ -578,10 +610,10 @@ def kill_resume_rounds(work: Path, kills: int = 4, steps: int = 30, seed: int = 
             }
         )
     final = _launch(_kill_config(killed, steps), "none:0")
-    out, err = final.communicate(timeout=300)
-    ref_out, ref_err = reference.communicate(timeout=300)
-    if final.returncode or reference.returncode:
-        raise RuntimeError(f"a run failed: {err[-2000:]} {ref_err[-2000:]}")
+    if final.finish(300) != 0 or reference.finish(300) != 0:
+        raise RuntimeError(
+            f"a training run failed (exit codes {final.proc.exitcode}, {reference.proc.exitcode})"
+        )
     a = load_weights(latest_checkpoint(killed / "checkpoints") / "model.safetensors")
     b = load_weights(latest_checkpoint(plain / "checkpoints") / "model.safetensors")
     ea = load_weights(latest_checkpoint(killed / "checkpoints") / "ema.safetensors")
