@@ -182,3 +182,29 @@ def test_wrong_kaggle_files_name_file_and_key(tmp_path, challenges, solutions, m
     (tmp_path / "c.json").write_bytes(b"\x80{}")
     with pytest.raises(TaskDataError, match=r"c\.json: not UTF-8"):
         load_kaggle(tmp_path / "c.json", tmp_path / "s.json")
+
+
+def test_a_data_path_from_a_config_never_has_its_first_line_quoted(tmp_path) -> None:
+    from loopformer.tasks.sudoku import SudokuTask
+
+    secret = tmp_path / "secret.csv"
+    secret.write_text("root:x:0:0:secret-token-xyz:/root:/bin/bash\n")
+    with pytest.raises(TaskDataError, match=r"line 1 \(the header\) lacks column") as info:
+        SudokuTask(4).load(secret)
+    assert "secret-token-xyz" not in str(info.value)
+
+
+def test_a_corrupt_npy_header_is_a_clear_error(tmp_path) -> None:
+    from loopformer.tasks.formats import load_hrm_folder, save_hrm_folder
+    from loopformer.tasks.sudoku import SudokuTask
+
+    task = SudokuTask(4)
+    save_hrm_folder(
+        task.generate(4, 0, min_blanks=4, max_blanks=6), tmp_path, "train", vocab_size=task.vocab_size
+    )
+    path = tmp_path / "train" / "all__inputs.npy"
+    data = path.read_bytes()
+    # an unbalanced header: numpy's parser raised tokenize.TokenError, which escaped before
+    path.write_bytes(data[:10] + b"{'descr': '<i8', 'fortran_order': (" + data[40:])
+    with pytest.raises(TaskDataError, match=r"all__inputs\.npy: unreadable or truncated \.npy file"):
+        load_hrm_folder(tmp_path, "train", task=task)

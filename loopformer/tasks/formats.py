@@ -27,6 +27,7 @@ Also here: the ``source,question,answer,rating`` CSV that Sudoku-Extreme and Maz
 from __future__ import annotations
 
 import json
+import tokenize
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -64,8 +65,8 @@ def _load_npy(path: Path) -> np.ndarray:
         raise TaskDataError(f"{path}: missing file")
     try:
         arr = np.load(path, mmap_mode="r", allow_pickle=False)
-    except (ValueError, OSError, EOFError) as exc:
-        raise TaskDataError(f"{path}: unreadable or truncated .npy file ({exc})") from None
+    except (ValueError, OSError, EOFError, SyntaxError, tokenize.TokenError) as exc:  # a corrupt header
+        raise TaskDataError(f"{path}: unreadable or truncated .npy file ({type(exc).__name__})") from None
     if arr.dtype.kind not in "biuf":
         raise TaskDataError(f"{path}: dtype {arr.dtype} is not numeric")
     return arr

@@ -316,7 +316,10 @@ def _read_header(path: Path, first: bytes) -> tuple[list[str], int]:
         raise TaskDataError(f"{path}: empty file (expected header {','.join(PUZZLE_CSV_COLUMNS)})")
     missing = [c for c in ("question", "answer") if c not in header]
     if missing:
-        raise TaskDataError(f"{path}: header {header} lacks column(s) {missing}")
+        # the header is not quoted: a data path read from a run's config.json may name any file
+        raise TaskDataError(
+            f"{path}: line 1 (the header) lacks column(s) {missing}; expected {','.join(PUZZLE_CSV_COLUMNS)}"
+        )
     return header, (len(first) if cut < 0 else cut + 1)
 
 
