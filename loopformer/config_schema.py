@@ -108,6 +108,7 @@ class TrainConfig:
     # deep supervision: carried slots, one segment per step
     max_segments: int = 16
     halt_on_q: bool = False  # TRM: a slot halts when its Q logit > 0
+    q_learning: bool = False  # HRM: Q-learning ACT loss (q_halt BCE + bootstrapped q_continue BCE)
     halt_exploration: float = 0.1  # TRM: probability of forcing a random minimum segment count
     halt_on_converged: bool = False  # FPRM: a slot halts when its loop converged
     # logging, evaluation, checkpoints

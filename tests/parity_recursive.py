@@ -14,7 +14,7 @@ from torch import Tensor
 from loopformer.convert import build_converted, converter, load_state_dict, read_reference_config
 from loopformer.convert.fixtures import FIXTURE_DIR, load_fixture, prefixed
 from loopformer.convert.recursive import permute_qkv
-from loopformer.train.losses import accuracy, q_halt_loss, sequence_loss
+from loopformer.train.losses import accuracy, q_halt_loss, q_learning_losses, sequence_loss
 from loopformer.train.optim import build_optimizer, set_lr
 
 LOGIT_ATOL, LOSS_RTOL, GRAD_RTOL, STEP_ATOL = 1e-5, 1e-6, 1e-5, 1e-6
@@ -63,11 +63,20 @@ def check_eval_logits(f: Loaded, q_of: str = "q_halt") -> None:
 
 def train_loss(f: Loaded) -> tuple[Tensor, dict[str, Tensor]]:
     """The trainer's segment loss (Trainer._loss: task loss + q_loss_weight * Q BCE) on the fixture batch."""
-    model = f.model.train()
+    model, tc = f.model.train(), f.config.train
     out = model(f.inputs, puzzle_ids=f.puzzle_ids)
-    task = sequence_loss(out.logits, f.labels, f.config.train.loss)
-    q = q_halt_loss(out.q_logits, accuracy(out.logits, f.labels).exact)
-    return task + f.config.train.q_loss_weight * q, {"lm_loss": task, "q_halt_loss": q}
+    task = sequence_loss(out.logits, f.labels, tc.loss)
+    exact = accuracy(out.logits, f.labels).exact
+    if not tc.q_learning:
+        q = q_halt_loss(out.q_logits, exact)
+        return task + tc.q_loss_weight * q, {"lm_loss": task, "q_halt_loss": q}
+    # HRM (Trainer._q_learning): the continue target comes from one more segment without gradient
+    with torch.no_grad():
+        q_next = model.q_values(model(f.inputs, state=out.state.detach(), puzzle_ids=f.puzzle_ids).state)
+    is_last = torch.full((f.inputs.shape[0],), 1 >= tc.max_segments)
+    halt, cont = q_learning_losses(model.q_values(out.state), q_next, exact, is_last)
+    parts = {"lm_loss": task, "q_halt_loss": halt, "q_continue_loss": cont}
+    return task + tc.q_loss_weight * (halt + cont), parts
 
 
 def check_loss_and_grads(f: Loaded, loss: Tensor, parts: dict[str, Tensor]) -> None:

@@ -61,7 +61,8 @@ from loopformer.models.trm import (
 
 @dataclass
 class HRMConfig(ModelConfig):
-    n_layers: int = 4  # layers in each of H and L
+    n_layers: int = 4  # layers in H (and in L unless l_layers is set)
+    l_layers: int = 0  # layers in L; 0 = n_layers (HRM's H_layers / L_layers, both 4 in its configs)
     l_cycles: int = 2  # L updates per H update
     one_step_grad: bool = True  # HRM's 1-step gradient: record only the last L call of a step
     learned_init: bool = False  # learn the zH / zL initial vectors instead of HRM's fixed buffers
@@ -86,7 +87,7 @@ class HRM(LoopedModel):
         check_family_config(config)
         self.embedding = PuzzleTokenEmbedding(config)
         self.H = ReasoningModule(config, config.n_layers)
-        self.L = ReasoningModule(config, config.n_layers)
+        self.L = ReasoningModule(config, config.l_layers or config.n_layers)
         d, flax = config.d_model, config.init == "lecun"
         if config.learned_init:
             self.h_init = init_vector(d, learned=True, flax=flax)

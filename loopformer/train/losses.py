@@ -7,6 +7,10 @@
   elsewhere), then the batch mean (TRM divides each sample's token loss by its label count).
 - ``q_halt_loss``: BCE of the Q / halting logit against "the whole answer is exactly right"
   (TRM's ``q_halt``; FPRM weighs it 0.5).
+- ``q_learning_losses``: HRM's Q-learning ACT head (its ``models/losses.py: ACTLossHead`` and
+  ``models/hrm/hrm_act_v1.py``): BCE of ``q_halt`` against "exactly right" and BCE of ``q_continue``
+  against ``sigmoid(q_halt')`` on a sample's last segment, ``sigmoid(max(q_halt', q_continue'))``
+  otherwise, where ' marks the Q values after one more (no-grad) segment; batch means.
 - ``jacobian_frobenius``: Hutchinson estimate of ``||J||_F^2`` at the final state,
   ``E_v ||v^T J||^2`` with ``v ~ N(0, I)``, per sample and divided by the state size (the DEQ
   Jacobian regulariser; FPRM ships it off by default).
@@ -86,6 +90,14 @@ def accuracy(logits: Tensor, labels: Tensor) -> Accuracy:
 def q_halt_loss(q_logits: Tensor, exact: Tensor) -> Tensor:
     """BCE-with-logits of the Q / halting head against ``exact`` (answer fully right), batch mean."""
     return F.binary_cross_entropy_with_logits(q_logits.float().reshape(-1), exact.float().reshape(-1))
+
+
+def q_learning_losses(q: Tensor, q_next: Tensor, exact: Tensor, is_last: Tensor) -> tuple[Tensor, Tensor]:
+    """(q_halt BCE, q_continue BCE) of HRM's Q-learning; ``q`` / ``q_next`` are ``[B, 2]`` (halt, continue)."""
+    q, q_next = q.float(), q_next.detach().float()
+    target = torch.sigmoid(torch.where(is_last.reshape(-1), q_next[:, 0], q_next.max(dim=-1).values))
+    halt = F.binary_cross_entropy_with_logits(q[:, 0], exact.float().reshape(-1))
+    return halt, F.binary_cross_entropy_with_logits(q[:, 1], target)
 
 
 def jacobian_frobenius(

@@ -82,7 +82,7 @@ from loopformer.train.checkpoint import (
     set_rng_state,
 )
 from loopformer.train.data import Curriculum, IndexStream, make_batch
-from loopformer.train.losses import accuracy, jacobian_frobenius, q_halt_loss, sequence_loss
+from loopformer.train.losses import accuracy, jacobian_frobenius, q_halt_loss, q_learning_losses, sequence_loss
 from loopformer.train.metrics import (
     bar_info,
     exact_eval,
@@ -364,7 +364,7 @@ class Trainer:
         acc = accuracy(out.logits, labels)
         parts = {"task_loss": task_loss}
         total = task_loss
-        if out.q_logits is not None and tc.q_loss_weight > 0:
+        if out.q_logits is not None and tc.q_loss_weight > 0 and not tc.q_learning:
             parts["q_loss"] = q_halt_loss(out.q_logits, acc.exact)
             total = total + tc.q_loss_weight * parts["q_loss"]
         if out.aux_loss is not None and tc.ponder_weight > 0:
@@ -378,6 +378,22 @@ class Trainer:
                 )
             total = total + tc.jacobian_weight * parts["jacobian"]
         return total, parts, acc
+
+    def _q_learning(self, out: ModelOutput, inputs: Tensor, puzzle_ids: Tensor | None, loop: LoopConfig,
+                    exact: Tensor, parts: dict) -> Tensor:
+        """HRM's Q-learning loss (``losses.q_learning_losses``); the target runs one more segment without
+        gradient from this segment's state, as HRM's ACT wrapper does."""
+        tc = self.config.train
+        q_values = getattr(self.model, "q_values", None)
+        if q_values is None:
+            raise ValueError(f"train.q_learning needs a model with q_values(); {type(self.model).__name__} has none")
+        q = q_values(out.state)
+        with torch.no_grad():
+            nxt = self.model(inputs, loop=loop, state=out.state.detach(), puzzle_ids=puzzle_ids)
+            q_next = q_values(nxt.state)
+        is_last = (self.carry.segments + 1 >= tc.max_segments).to(q.device)
+        parts["q_loss"], parts["q_continue_loss"] = q_learning_losses(q, q_next, exact, is_last)
+        return tc.q_loss_weight * (parts["q_loss"] + parts["q_continue_loss"])
 
     def _check(self, quantity: str, value: float, limit: float | None = None) -> None:
         if not math.isfinite(value) or (limit is not None and value > limit):
@@ -418,6 +434,8 @@ class Trainer:
             )
         lockstep.drain()
         loss, parts, acc = self._loss(out, inputs, labels, puzzle_ids)
+        if tc.q_learning and tc.mode == "deep_supervision":
+            loss = loss + self._q_learning(out, inputs, puzzle_ids, loop, acc.exact, parts)
         state_rms = float(out.state.detach().float().pow(2).flatten(1).mean(1).sqrt().mean())
         # every rank takes the same divergence decision (a NaN on one rank reaches all)
         checked = dist.all_reduce_mean({"loss": float(loss.detach()), "state_norm": state_rms})

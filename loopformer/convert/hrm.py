@@ -1,0 +1,81 @@
+"""``loopformer convert hrm``: an HRM checkpoint (sapientinc/HRM, or the HRM in TinyRecursiveModels)
+-> a loopformer ``hrm`` run folder.
+
+Key mapping and config discovery: ``loopformer.convert.recursive``. HRM specifics
+(``models/hrm/hrm_act_v1.py``): ``H_level`` / ``L_level`` -> ``H`` / ``L``; ``H_cycles`` -> the loop's
+``max_steps``, ``L_cycles`` -> ``l_cycles``, ``H_layers`` / ``L_layers`` -> ``n_layers`` / ``l_layers``;
+``ceil(puzzle_emb_ndim / d)`` puzzle tokens; the Q head's two rows (halt, continue).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor
+
+from loopformer.convert import Converted, KeyMap, strip_prefixes
+from loopformer.convert.recursive import (
+    PREFIXES,
+    arch_settings,
+    count_layers,
+    dataset_meta,
+    map_block,
+    task_section,
+    train_section,
+)
+
+
+def model_section(km: KeyMap, arch: dict[str, Any], ref: dict[str, Any]) -> dict[str, Any]:
+    vocab, d = km.state["embed_tokens.embedding_weight"].shape
+    ndim = km.state["puzzle_emb.weights"].shape[1] if km.has("puzzle_emb.weights") else 0
+    n_ids = km.state["puzzle_emb.weights"].shape[0] if ndim else 0
+    seq_len = arch.get("seq_len") or dataset_meta(ref).get("seq_len")
+    if seq_len is None:
+        raise ValueError(
+            "the HRM config gives no seq_len and the data path has no train/dataset.json; "
+            "pass --set model.seq_len=N"
+        )
+    if arch["pos_encodings"] != "rope":
+        raise NotImplementedError(f"HRM pos_encodings={arch['pos_encodings']!r} is not supported (rope only)")
+    return {
+        "name": "hrm",
+        "vocab_size": int(vocab),
+        "seq_len": int(seq_len),
+        "d_model": int(d),
+        "n_heads": int(arch["num_heads"]),
+        "n_layers": count_layers(km, "H_level.layers."),
+        "l_layers": count_layers(km, "L_level.layers."),
+        "expansion": float(arch["expansion"]),
+        "l_cycles": int(arch["L_cycles"]),
+        "num_puzzle_ids": int(n_ids),
+        "puzzle_emb_len": -(ndim // -d),
+        "puzzle_emb_dim": int(ndim),
+        "norm_eps": float(arch["rms_norm_eps"]),
+        "loop": {"max_steps": int(arch["H_cycles"])},
+    }
+
+
+def convert(state: dict[str, Tensor], ref: dict[str, Any]) -> Converted:
+    km = KeyMap(strip_prefixes(state, PREFIXES), "HRM checkpoint")
+    arch, train = arch_settings("hrm", ref)
+    model = model_section(km, arch, ref)
+    km.put("embedding.tokens.weight", "embed_tokens.embedding_weight")
+    if model["num_puzzle_ids"]:
+        km.put("embedding.puzzle_emb.weight", "puzzle_emb.weights")
+    for level, ours, n in (("H_level", "H", model["n_layers"]), ("L_level", "L", model["l_layers"])):
+        for i in range(n):
+            map_block(km, f"{level}.layers.{i}", f"{ours}.layers.{i}", model["n_heads"], True)
+    km.put("h_init", "H_init")
+    km.put("l_init", "L_init")
+    km.put("lm_head.weight", "lm_head.weight")
+    km.put("q_proj.weight", "q_head.weight")
+    km.put("q_proj.bias", "q_head.bias")
+    km.finish()
+    training = {**train_section(arch, train), "q_learning": True}
+    run = {
+        "model": model,
+        "data": task_section(ref, model["seq_len"]),
+        "train": training,
+        "eval": {"segments": int(arch["halt_max_steps"]), "batch_size": 64},
+    }
+    return Converted(run=run, weights=km.out, sources=km.sources)
