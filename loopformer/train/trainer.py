@@ -82,7 +82,13 @@ from loopformer.train.checkpoint import (
     set_rng_state,
 )
 from loopformer.train.data import Curriculum, IndexStream, make_batch
-from loopformer.train.losses import accuracy, jacobian_frobenius, q_halt_loss, q_learning_losses, sequence_loss
+from loopformer.train.losses import (
+    accuracy,
+    jacobian_frobenius,
+    q_halt_loss,
+    q_learning_losses,
+    sequence_loss,
+)
 from loopformer.train.metrics import (
     bar_info,
     exact_eval,
