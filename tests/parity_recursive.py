@@ -59,6 +59,11 @@ def check_eval_logits(f: Loaded, q_of: str = "q_halt") -> None:
                 torch.testing.assert_close(
                     out.q_logits, f.tensors["eval.q_halt"][s], rtol=0, atol=LOGIT_ATOL, check_dtype=False
                 )
+        # the converted run's evaluation loop: all segments as one loop (config loop_eval)
+        loop_eval = f.config.loop_config(model.config.loop, "eval")
+        assert loop_eval.max_steps == ref_logits.shape[0] * model.config.loop.max_steps
+        out = model(f.inputs, loop=loop_eval, puzzle_ids=f.puzzle_ids)
+        torch.testing.assert_close(out.logits, ref_logits[-1], rtol=0, atol=LOGIT_ATOL)
 
 
 def train_loss(f: Loaded) -> tuple[Tensor, dict[str, Tensor]]:

@@ -176,9 +176,10 @@ def test_paper_maze_hard_dry_run(model: str, tmp_path: Path) -> None:
 @pytest.mark.parametrize("model", PAPER_MODELS)
 def test_paper_arc1_dry_run(model: str, tmp_path: Path) -> None:
     folder = _arc_folder(tmp_path)
+    subsets = ["data.options.subsets=[evaluation]"] if model in ("trm", "hrm") else []  # TRM / HRM protocol
     _dry_run(ROOT / "recipes" / f"paper_arc1_{model}.yaml",
              [f"data.options.source={folder}", "data.options.augmentations=1", "data.train_size=8",
-              "data.eval_size=4", "train.max_segments=2", "eval.segments=2"], tmp_path)
+              "data.eval_size=4", "train.max_segments=2", "eval.segments=2", *subsets], tmp_path)
 
 
 @pytest.mark.slow

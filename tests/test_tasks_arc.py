@@ -45,8 +45,8 @@ def test_encode_decode_round_trip(grid, data):
     if c0 + w < 30:
         assert (canvas[r0 : r0 + h, c0 + w] == 1).all()  # EOS column right of it
     if r0 + h < 30 and c0 + w < 30:
-        assert canvas[r0 + h, c0 + w] == 1  # the corner closes the frame
-    eos = (r0 + h < 30) * (min(w + 1, 30 - c0)) + (c0 + w < 30) * h
+        assert canvas[r0 + h, c0 + w] == 0  # the corner stays PAD (TRM / HRM build_arc_dataset)
+    eos = (r0 + h < 30) * w + (c0 + w < 30) * h
     assert (canvas == 1).sum() == eos and (canvas == 0).sum() + eos + h * w == 900
     assert np.array_equal(decode_grid(tokens), grid)
 

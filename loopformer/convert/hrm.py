@@ -19,6 +19,7 @@ from loopformer.convert.recursive import (
     arch_settings,
     count_layers,
     dataset_meta,
+    eval_loop,
     map_block,
     task_section,
     train_section,
@@ -76,6 +77,7 @@ def convert(state: dict[str, Tensor], ref: dict[str, Any]) -> Converted:
         "model": model,
         "data": task_section(ref, model["seq_len"]),
         "train": training,
-        "eval": {"segments": int(arch["halt_max_steps"]), "batch_size": 64},
+        "eval": {"segments": 1, "batch_size": 64},
+        "loop_eval": eval_loop(model, arch),
     }
     return Converted(run=run, weights=km.out, sources=km.sources)

@@ -165,6 +165,14 @@ def task_section(ref: dict[str, Any], seq_len: int) -> dict[str, Any]:
     return data
 
 
+def eval_loop(model: dict[str, Any], arch: dict[str, Any]) -> dict[str, Any]:
+    """The reference evaluates ``halt_max_steps`` segments of ``H_cycles`` cycles each from the initial
+    state, never halting early (``pretrain.py: evaluate``); under no gradient that is one loop of
+    ``halt_max_steps * H_cycles`` steps (tested against the fixtures), which every loopformer evaluation
+    path runs (``eval.segments`` is honoured by the trainer's evaluation only)."""
+    return {"halting": "fixed", "max_steps": int(model["loop"]["max_steps"]) * int(arch["halt_max_steps"])}
+
+
 def train_section(arch: dict[str, Any], train: dict[str, Any]) -> dict[str, Any]:
     loss = arch.get("loss", {}).get("loss_type", "stablemax_cross_entropy")
     return {

@@ -18,6 +18,7 @@ from loopformer.convert.recursive import (
     arch_settings,
     count_layers,
     dataset_meta,
+    eval_loop,
     map_block,
     task_section,
     train_section,
@@ -83,7 +84,8 @@ def convert(state: dict[str, Tensor], ref: dict[str, Any]) -> Converted:
         "model": model,
         "data": task_section(ref, model["seq_len"]),
         "train": train_section(arch, train),
-        "eval": {"segments": int(arch["halt_max_steps"]), "batch_size": 64},
+        "eval": {"segments": 1, "batch_size": 64},
+        "loop_eval": eval_loop(model, arch),
     }
     notes = ["q_head row 1 (q_continue) dropped: TRM's no_ACT_continue never uses it"]
     return Converted(run=run, weights=km.out, notes=notes, sources=km.sources)

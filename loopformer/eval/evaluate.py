@@ -649,6 +649,13 @@ def arc_pass_at_k(
         dataset = task.generate(0, seed, part="test")
     if dataset.puzzle_ids is None:
         raise ValueError("ARC pass@k needs puzzle ids on the dataset (task, augmentation version of every row)")
-    predictions = predict(model, dataset, loop=loop, batch_size=batch_size, device=device, seed=seed)
-    result = task.evaluate(dataset.inputs, dataset.puzzle_ids, predictions, k)
+    predictions, q_logits = [], []  # the halting head's logits break vote ties (TRM evaluators/arc.py)
+    with torch.no_grad(), _EvalPass(model, dataset, loop, device, seed) as run:
+        for index in iter_batches(dataset, batch_size):
+            out = run.forward(index)[2]
+            predictions.append(out.logits.argmax(-1).cpu().numpy())
+            q_logits.append(None if out.q_logits is None else out.q_logits.float().cpu().numpy())
+    preds = np.concatenate(predictions) if predictions else np.zeros((0, dataset.inputs.shape[1]), dtype=np.int64)
+    q = None if not q_logits or any(x is None for x in q_logits) else np.concatenate(q_logits)
+    result = task.evaluate(dataset.inputs, dataset.puzzle_ids, preds, k, q_logits=q)
     return {**result, "k": float(k), "rows": float(len(dataset))}

@@ -67,7 +67,9 @@ class HRMConfig(ModelConfig):
     one_step_grad: bool = True  # HRM's 1-step gradient: record only the last L call of a step
     learned_init: bool = False  # learn the zH / zL initial vectors instead of HRM's fixed buffers
     q_head: bool = True
-    puzzle_emb_dim: int = 0  # values per puzzle-embedding row (HRM: d_model); 0 = puzzle_emb_len * d_model
+    puzzle_emb_dim: int = (
+        0  # values per puzzle-embedding row; 0 = puzzle_emb_len * d_model, -1 = d_model (HRM)
+    )
     norm_eps: float = 1e-5  # HRM models/layers.py rms_norm
     norm_gain: bool = False  # HRM's RMSNorm has no gain
     mlp_multiple: int = 256  # SwiGLU width rounding (HRM _find_multiple(.., 256))

@@ -74,7 +74,10 @@ class PuzzleTokenEmbedding(nn.Module):
                 f"num_puzzle_ids={config.num_puzzle_ids}, puzzle_emb_len={config.puzzle_emb_len}"
             )
         self.d, self.prefix_len, self.num_puzzle_ids = d, config.puzzle_emb_len, config.num_puzzle_ids
-        self.puzzle_dim = getattr(config, "puzzle_emb_dim", 0) or self.prefix_len * d
+        dim = getattr(
+            config, "puzzle_emb_dim", 0
+        )  # -1: d_model (TRM / HRM "puzzle_emb_ndim: ${.hidden_size}")
+        self.puzzle_dim = d if dim == -1 else (dim or self.prefix_len * d)
         if self.prefix_len and self.puzzle_dim > self.prefix_len * d:
             raise ValueError(
                 f"puzzle_emb_dim {self.puzzle_dim} does not fit in puzzle_emb_len * d_model = {self.prefix_len * d}"
@@ -207,7 +210,9 @@ class TRMConfig(ModelConfig):
     mixer: str = "attention"  # "attention" or "mlp" (MLP-mixer across positions, fixed-size grids)
     learned_init: bool = False  # learn the y / z initial vectors instead of TRM's fixed buffers
     q_head: bool = True
-    puzzle_emb_dim: int = 0  # values per puzzle-embedding row (TRM: d_model); 0 = puzzle_emb_len * d_model
+    puzzle_emb_dim: int = (
+        0  # values per puzzle-embedding row; 0 = puzzle_emb_len * d_model, -1 = d_model (TRM)
+    )
     norm_eps: float = 1e-5  # TRM models/layers.py rms_norm
     norm_gain: bool = False  # TRM's RMSNorm has no gain
     mlp_multiple: int = 256  # SwiGLU width rounding (TRM _find_multiple(.., 256))
@@ -222,8 +227,8 @@ def check_family_config(config: ModelConfig) -> None:
     init = getattr(config, "init", "torch")
     if init not in ("lecun", "torch"):
         raise ValueError(f"init must be 'lecun' (TRM / HRM) or 'torch', got {init!r}")
-    if getattr(config, "mlp_multiple", 1) < 1 or getattr(config, "puzzle_emb_dim", 0) < 0:
-        raise ValueError("mlp_multiple must be >= 1 and puzzle_emb_dim >= 0")
+    if getattr(config, "mlp_multiple", 1) < 1 or getattr(config, "puzzle_emb_dim", 0) < -1:
+        raise ValueError("mlp_multiple must be >= 1 and puzzle_emb_dim >= -1 (-1 = d_model)")
 
 
 class TRM(LoopedModel):

@@ -18,8 +18,9 @@ names the task id, the pair, the field and the row.
 Encoding (HRM / TRM convention): a 30x30 canvas flattened row-major to 900 tokens; PAD 0, EOS 1,
 colour c -> c + 2 (vocabulary 12). The grid sits at the top-left, or at a random translation for
 training pairs (the same offset for a pair's input and output); an EOS row runs under the grid
-(from its first column to the column after its last, i.e. including the corner) and an EOS
-column to its right, each omitted where it would fall off the canvas. ``decode_grid`` inverts
+(under its columns; the corner below-right stays PAD, as TRM's and HRM's
+``dataset/build_arc_dataset.py: np_grid_to_seq_translational_augment`` write it) and an EOS column
+to its right, each omitted where it would fall off the canvas. ``decode_grid`` inverts
 this and returns None for a malformed canvas.
 
 Augmentation: 8 dihedral transforms x permutations of colours 1..9 (colour 0, the background,
@@ -55,6 +56,7 @@ from typing import Any
 
 import numpy as np
 
+from loopformer.tasks.arc_paper import crop_grid, load_subsets, rank_votes
 from loopformer.tasks.base import IGNORE_INDEX, Task, TaskDataError, TokenDataset
 from loopformer.tasks.groups import load_npz, save_npz
 
@@ -279,8 +281,8 @@ def encode_grid(grid: np.ndarray, offset: tuple[int, int] = (0, 0)) -> np.ndarra
         raise TaskDataError(f"grid {h}x{w} at offset {offset} does not fit the {MAX_GRID}x{MAX_GRID} canvas")
     canvas = np.full((MAX_GRID, MAX_GRID), PAD, dtype=np.int64)
     canvas[r0 : r0 + h, c0 : c0 + w] = grid + COLOUR_OFFSET
-    if r0 + h < MAX_GRID:
-        canvas[r0 + h, c0 : min(c0 + w + 1, MAX_GRID)] = EOS
+    if r0 + h < MAX_GRID:  # TRM / HRM build_arc_dataset: the corner below-right stays PAD
+        canvas[r0 + h, c0 : c0 + w] = EOS
     if c0 + w < MAX_GRID:
         canvas[r0 : r0 + h, c0 + w] = EOS
     return canvas.reshape(-1)
@@ -373,18 +375,7 @@ class Augmentation:
 
 def vote(predictions: Iterable[np.ndarray | None]) -> list[tuple[np.ndarray, int]]:
     """Distinct grids with their vote counts, most votes first (ties: first seen); None entries are dropped."""
-    counts: dict[tuple, list] = {}
-    for grid in predictions:
-        if grid is None:
-            continue
-        grid = np.asarray(grid)
-        key = (grid.shape, grid.tobytes())
-        if key in counts:
-            counts[key][1] += 1
-        else:
-            counts[key] = [grid, 1, len(counts)]
-    ranked = sorted(counts.values(), key=lambda entry: (-entry[1], entry[2]))
-    return [(grid, count) for grid, count, _ in ranked]
+    return [(grid, n) for grid, n, _ in rank_votes(predictions)]
 
 
 def pass_at_k(attempts: Sequence[np.ndarray], target: np.ndarray, k: int = 2) -> bool:
@@ -473,11 +464,28 @@ class ArcTask(Task):
         aug_seed: int = 0,
         translate: bool = True,
         solutions: str | Path | None = None,
+        subsets: Sequence[str] = (),
+        test_subset: str = "evaluation",
+        ignore_pad: bool = False,
+        decode: str = "strict",
+        keep_one_untranslated: bool = False,
     ) -> None:
         if augmentations < 0:
             raise TaskDataError(f"augmentations must be >= 0, got {augmentations}")
+        if decode not in ("strict", "crop"):
+            raise TaskDataError(f"decode must be 'strict' or 'crop' (TRM / HRM evaluators), got {decode!r}")
         self.source, self.split = str(source), split
-        self.puzzles: list[ArcPuzzle] = load_source(source, split, solutions)
+        self.subsets, self.test_subset = tuple(subsets), test_subset
+        self.ignore_pad, self.decode, self.keep_one_untranslated = ignore_pad, decode, keep_one_untranslated
+        self.held_out: set[int] = set()
+        if self.subsets:  # TRM / HRM protocol (loopformer.tasks.arc_paper)
+            if test_subset not in self.subsets:
+                raise TaskDataError(f"test_subset {test_subset!r} is not one of subsets {list(self.subsets)}")
+            rows = load_subsets(self.source, self.subsets)
+            self.puzzles = [parse_puzzle(tid, task, sols) for _, tid, task, sols in rows]
+            self.held_out = {i for i, (sub, *_) in enumerate(rows) if sub == test_subset}
+        else:
+            self.puzzles = load_source(source, split, solutions)
         self.augmentations, self.aug_seed, self.translate = augmentations, aug_seed, translate
         self.versions = augmentations + 1
         self.num_puzzle_ids = 1 + len(self.puzzles) * self.versions
@@ -507,29 +515,30 @@ class ArcTask(Task):
         for t, puzzle in enumerate(self.puzzles):
             for v in range(self.versions):
                 aug = self.augmentation(t, v)
-                kinds = [("train", puzzle.train), ("test", puzzle.test)]
-                for kind, pairs in kinds:
-                    if part != "all" and kind != part:
-                        continue
-                    for pair in pairs:
-                        grid_in = aug.apply(pair.input)
-                        grid_out = None if pair.output is None else aug.apply(pair.output)
-                        offset = (0, 0)
-                        if translate and kind == "train":
-                            h = max(grid_in.shape[0], grid_out.shape[0])
-                            w = max(grid_in.shape[1], grid_out.shape[1])
-                            offset = (
-                                int(rng.integers(MAX_GRID - h + 1)),
-                                int(rng.integers(MAX_GRID - w + 1)),
-                            )
-                        inputs.append(encode_grid(grid_in, offset))
-                        if grid_out is None:
-                            labels.append(np.full(CANVAS_TOKENS, IGNORE_INDEX, dtype=np.int64))
-                            difficulty.append(np.nan)
-                        else:
-                            labels.append(encode_grid(grid_out, offset))
-                            difficulty.append(float(grid_out.size))
-                        puzzle_ids.append(self.puzzle_id(t, v))
+                chosen = self._pairs_for(t, part)
+                plain = int(rng.integers(len(chosen))) if self.keep_one_untranslated and chosen else -1
+                for i, (kind, pair) in enumerate(chosen):
+                    grid_in = aug.apply(pair.input)
+                    grid_out = None if pair.output is None else aug.apply(pair.output)
+                    offset = (0, 0)
+                    if translate and kind == "train" and i != plain:
+                        h = max(grid_in.shape[0], grid_out.shape[0])
+                        w = max(grid_in.shape[1], grid_out.shape[1])
+                        offset = (
+                            int(rng.integers(MAX_GRID - h + 1)),
+                            int(rng.integers(MAX_GRID - w + 1)),
+                        )
+                    inputs.append(encode_grid(grid_in, offset))
+                    if grid_out is None:
+                        labels.append(np.full(CANVAS_TOKENS, IGNORE_INDEX, dtype=np.int64))
+                        difficulty.append(np.nan)
+                    else:
+                        label = encode_grid(grid_out, offset)
+                        if self.ignore_pad:  # TRM / HRM: ignore_label_id = PAD (no loss off the frame)
+                            label = np.where(label == PAD, IGNORE_INDEX, label)
+                        labels.append(label)
+                        difficulty.append(float(grid_out.size))
+                    puzzle_ids.append(self.puzzle_id(t, v))
         dataset = TokenDataset(
             inputs=np.stack(inputs) if inputs else np.zeros((0, CANVAS_TOKENS), dtype=np.int64),
             labels=np.stack(labels) if labels else np.zeros((0, CANVAS_TOKENS), dtype=np.int64),
@@ -549,6 +558,23 @@ class ArcTask(Task):
                 f"{n} requested: raise augmentations"
             )
         return dataset.subset(np.sort(rng.choice(len(dataset), size=n, replace=False)))
+
+    def _pairs_for(self, t: int, part: str) -> list[tuple[str, ArcPair]]:
+        """(kind, pair) rows of task ``t`` in ``part``; "train" rows are translated. With ``subsets``
+        (TRM / HRM protocol) the test pairs of tasks outside ``test_subset`` are training rows."""
+        puzzle = self.puzzles[t]
+        demos = [("train", p) for p in puzzle.train]
+        tests = [("test", p) for p in puzzle.test]
+        if self.subsets and t not in self.held_out:
+            demos, tests = demos + [("train", p) for p in puzzle.test if p.output is not None], []
+        return {"train": demos, "test": tests, "all": demos + tests}[part]
+
+    def decode_prediction(self, tokens: np.ndarray) -> np.ndarray | None:
+        """A predicted canvas -> grid: strict ``decode_grid`` or the reference evaluators' ``crop_grid``."""
+        if self.decode == "crop":
+            grid = crop_grid(tokens)
+            return grid if grid.size else None
+        return decode_grid(tokens)
 
     # --- checking against the reference outputs
 
@@ -580,7 +606,7 @@ class ArcTask(Task):
         colour permutation (0 fixed) maps a loaded (input, output) pair onto (input, prediction).
         """
         grid_in, pairs = self._references(inputs)
-        grid_pred = decode_grid(prediction)
+        grid_pred = self.decode_prediction(prediction)
         if grid_pred is None:
             return False
         for pair in pairs:
@@ -601,16 +627,26 @@ class ArcTask(Task):
     # --- voting and scoring model predictions
 
     def vote_predictions(
-        self, inputs: np.ndarray, puzzle_ids: np.ndarray, predictions: np.ndarray, k: int = 2
+        self,
+        inputs: np.ndarray,
+        puzzle_ids: np.ndarray,
+        predictions: np.ndarray,
+        k: int = 2,
+        q_logits: np.ndarray | None = None,
     ) -> dict[str, list[list[np.ndarray]]]:
         """Test-pair predictions [N, 900] -> ``{task id: [top-k grids for each test pair]}`` in the task's frame.
 
         Each row is identified by its puzzle id (task, version) and its de-augmented input;
         rows whose input is not a test input of that task are ignored, invalid canvases dropped.
+        ``q_logits`` [N] (the halting head's logits): vote ties go to the higher mean
+        ``sigmoid(q)`` (TRM ``evaluators/arc.py``); without them, to the first seen.
         """
         buckets: dict[tuple[int, int], list[np.ndarray | None]] = {}
-        for x, pid, y in zip(
-            np.atleast_2d(inputs), np.asarray(puzzle_ids).reshape(-1), np.atleast_2d(predictions)
+        qs: dict[tuple[int, int], list[float]] = {}
+        n_rows = len(np.atleast_2d(inputs))
+        q_all = np.zeros(n_rows) if q_logits is None else 1 / (1 + np.exp(-np.asarray(q_logits, dtype=np.float64)))
+        for x, pid, y, q in zip(
+            np.atleast_2d(inputs), np.asarray(puzzle_ids).reshape(-1), np.atleast_2d(predictions), q_all.reshape(-1)
         ):
             t, v = self.task_version(int(pid))
             aug = self.augmentation(t, v)
@@ -620,29 +656,35 @@ class ArcTask(Task):
             original = aug.invert(grid_in)
             for j, pair in enumerate(self.puzzles[t].test):
                 if np.array_equal(pair.input, original):
-                    grid = decode_grid(y)
+                    grid = self.decode_prediction(y)
                     buckets.setdefault((t, j), []).append(None if grid is None else aug.invert(grid))
+                    qs.setdefault((t, j), []).append(float(q))
                     break
         attempts: dict[str, list[list[np.ndarray]]] = {}
         for (t, j), grids in buckets.items():
             puzzle = self.puzzles[t]
             slots = attempts.setdefault(puzzle.id, [[] for _ in puzzle.test])
-            slots[j] = [grid for grid, _ in vote(grids)[:k]]
+            slots[j] = [grid for grid, _, _ in rank_votes(grids, qs[(t, j)])[:k]]
         return attempts
 
     def solutions(self) -> dict[str, list[np.ndarray]]:
         """Known test outputs per task (tasks with any unknown test output are left out)."""
         return {
             p.id: [pair.output for pair in p.test]
-            for p in self.puzzles
-            if all(pair.output is not None for pair in p.test)
+            for i, p in enumerate(self.puzzles)
+            if all(pair.output is not None for pair in p.test) and (not self.subsets or i in self.held_out)
         }
 
     def evaluate(
-        self, inputs: np.ndarray, puzzle_ids: np.ndarray, predictions: np.ndarray, k: int = 2
+        self,
+        inputs: np.ndarray,
+        puzzle_ids: np.ndarray,
+        predictions: np.ndarray,
+        k: int = 2,
+        q_logits: np.ndarray | None = None,
     ) -> dict[str, float]:
         """pass@k of predictions for the test rows of this task set (see :func:`score`)."""
-        return score(self.vote_predictions(inputs, puzzle_ids, predictions, k), self.solutions(), k)
+        return score(self.vote_predictions(inputs, puzzle_ids, predictions, k, q_logits), self.solutions(), k)
 
     def render(self, inputs: np.ndarray, prediction: np.ndarray | None = None) -> str:
         grid = decode_grid(inputs if prediction is None else prediction)
