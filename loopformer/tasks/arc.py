@@ -512,7 +512,7 @@ class ArcTask(Task):
         translate = self.translate if translate is None else translate
         rng = np.random.default_rng([seed, 0x415243])
         inputs, labels, difficulty, puzzle_ids = [], [], [], []
-        for t, puzzle in enumerate(self.puzzles):
+        for t in range(len(self.puzzles)):
             for v in range(self.versions):
                 aug = self.augmentation(t, v)
                 chosen = self._pairs_for(t, part)
