@@ -34,3 +34,22 @@ def test_parity_trm_convert_then_eval_cli(tmp_path) -> None:
     res = runner.invoke(cli, ["eval", str(out), "--set", "data.eval_size=8"])
     assert res.exit_code == 0, res.output
     assert "held-out evaluation" in res.output
+
+
+def test_parity_trm_converter_names_unknown_and_missing_keys(tmp_path) -> None:
+    import pytest
+    import torch
+
+    from loopformer.convert import convert_checkpoint, load_state_dict
+    from loopformer.train.checkpoint import CheckpointError
+
+    state = load_state_dict(FIXTURE_DIR / "trm_attn" / "step_1")
+    config = FIXTURE_DIR / "trm_attn" / "all_config.yaml"
+    extra = dict(state, **{"model.inner.bogus.weight": torch.zeros(2)})
+    torch.save(extra, tmp_path / "extra.pt")
+    with pytest.raises(CheckpointError, match="bogus.weight"):
+        convert_checkpoint("trm", tmp_path / "extra.pt", tmp_path / "a", config)
+    missing = {k: v for k, v in state.items() if not k.endswith("lm_head.weight")}
+    torch.save(missing, tmp_path / "missing.pt")
+    with pytest.raises(CheckpointError, match="missing key 'lm_head.weight'"):
+        convert_checkpoint("trm", tmp_path / "missing.pt", tmp_path / "b", config)

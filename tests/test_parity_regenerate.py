@@ -1,0 +1,32 @@
+"""The fixture scripts regenerate the committed fixtures byte for byte (needs the reference checkouts:
+set LOOPFORMER_REF_TRM / LOOPFORMER_REF_HRM to their paths; skipped otherwise)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("script", "env"), [("trm.py", "LOOPFORMER_REF_TRM"), ("hrm.py", "LOOPFORMER_REF_HRM")]
+)
+def test_parity_fixture_scripts_regenerate_bit_identically(script: str, env: str) -> None:
+    ref = os.environ.get(env)
+    if not ref:
+        pytest.skip(f"{env} is not set (path of the reference checkout)")
+    res = subprocess.run(
+        [sys.executable, script, "--ref", ref, "--check"],
+        cwd=ROOT / "tools" / "parity",
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "regenerate bit-identically" in res.stdout
