@@ -40,7 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling fprm_com
 from fprm_common import MACHINE, pyplot, save_figure, script_parser
 
 from loopformer.config import RunConfig, load_config
-from loopformer.eval.evaluate import evaluate, score_predictions, with_budget
+from loopformer.eval.budget import with_budget
+from loopformer.eval.evaluate import evaluate, score_predictions
 from loopformer.models.attractor import Attractor
 from loopformer.tasks.base import TokenDataset
 from loopformer.train import Trainer

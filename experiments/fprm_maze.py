@@ -38,7 +38,7 @@ from fprm_common import (
     write_json,
 )
 
-from loopformer.eval.evaluate import easy_hard_steps, steps_vs_difficulty
+from loopformer.eval.budget import easy_hard_steps, steps_vs_difficulty
 
 RECIPE = REPO / "recipes" / "fprm_maze7.yaml"
 BASELINE = [

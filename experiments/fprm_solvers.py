@@ -35,7 +35,8 @@ from fprm_common import (
 )
 
 from loopformer.eval.analysis import spectral_radius_at_fixed_point, spectral_radius_summary
-from loopformer.eval.evaluate import eval_dataset, load_for_eval, steps_vs_difficulty
+from loopformer.eval.budget import steps_vs_difficulty
+from loopformer.runs import eval_dataset, load_for_eval
 
 TOLS = (0.1, 0.01, 0.001)
 SOLVERS: dict[str, dict[str, Any]] = {

@@ -41,7 +41,7 @@ from fprm_common import (
     write_json,
 )
 
-from loopformer.eval.evaluate import easy_hard_steps, steps_vs_difficulty
+from loopformer.eval.budget import easy_hard_steps, steps_vs_difficulty
 
 RECIPE = REPO / "recipes" / "fprm_sudoku4.yaml"
 SHARED = "d_model: 64, n_heads: 4, n_layers: 2"

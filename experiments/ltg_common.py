@@ -131,7 +131,7 @@ def train_or_load(
     ``info``: wall_time (s, of the training run), steps, parameters, curriculum history and final level,
     final training metrics, run_dir, reused (bool).
     """
-    from loopformer.eval.evaluate import load_for_eval
+    from loopformer.runs import load_for_eval
     from loopformer.train.trainer import Trainer
 
     cfg = load_config(recipe, overrides)

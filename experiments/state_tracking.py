@@ -65,7 +65,7 @@ def run(
     test_length: int | None = None,
 ) -> dict[str, Any]:
     from loopformer.config import load_config
-    from loopformer.eval.evaluate import with_budget
+    from loopformer.eval.budget import with_budget
     from loopformer.tasks.registry import get_task
 
     c = ltg_common

@@ -22,7 +22,8 @@ import numpy as np
 import torch
 
 from loopformer.devices import resolve_device
-from loopformer.eval.evaluate import LoadedRun, load_for_eval, with_budget
+from loopformer.eval.budget import with_budget
+from loopformer.runs import LoadedRun, load_for_eval
 from loopformer.tasks.base import Task, TaskDataError
 
 

@@ -1,8 +1,7 @@
 """The ``loopformer`` command: run | train | eval | solve | models | data | convert.
 
-Built on click: subcommands live in ``loopformer.commands`` (and ``data`` next to the tasks in
-``loopformer.tasks.cli``) and are attached here. Errors (bad config keys, missing or corrupt
-checkpoints, wrong task or model) print one line and exit with status 1; ``--debug`` (or
+Built on click: subcommands live in ``loopformer.commands`` and are attached here. Errors (bad config
+keys, missing or corrupt checkpoints, wrong task or model) print one line and exit with status 1; ``--debug`` (or
 ``LOOPFORMER_DEBUG=1``) shows the traceback instead.
 """
 
@@ -41,11 +40,11 @@ def setup_logging(quiet: bool = False) -> None:
 
 def _attach_subcommands() -> None:
     from loopformer.commands.convert import convert
+    from loopformer.commands.data import data
     from loopformer.commands.models import models
     from loopformer.commands.run import run
     from loopformer.commands.solve import solve
     from loopformer.commands.train_eval import evaluate_cmd, train
-    from loopformer.tasks.cli import data
 
     for command in (run, train, evaluate_cmd, solve, models, data, convert):
         cli.add_command(command)

@@ -46,7 +46,7 @@ class CurriculumConfig:
 class DataConfig:
     """Which task, its constructor options, and how the train / eval sets are produced.
 
-    Each set (``loopformer.train.data.load_split``) comes from ``<split>_path`` when given: a folder
+    Each set (``loopformer.runs.load_split``) comes from ``<split>_path`` when given: a folder
     is read as the HRM / TRM on-disk format (``<path>/train`` for training, ``<path>/test`` for
     evaluation, or the split folder itself), a file with ``task.load``; every row is used and the
     size is ignored. Otherwise ``task.generate(<split>_size, <split>_seed, **<split>_generate)``:
@@ -74,7 +74,8 @@ class DataConfig:
 class TrainConfig:
     """Optimisation, the training loop mode and logging / checkpoint cadence."""
 
-    mode: Literal["simple", "deep_supervision"] = "simple"
+    # a registered training mode (loopformer.train.modes.TRAINING_MODES): simple | deep_supervision | ...
+    mode: str = "simple"
     steps: int = 1000
     batch_size: int = 64
     # optimiser (AdamW) and schedule

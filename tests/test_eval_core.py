@@ -21,13 +21,8 @@ from loopformer.eval.analysis import (
     token_rank,
     trace_loops,
 )
-from loopformer.eval.evaluate import (
-    accuracy_vs_budget,
-    easy_hard_steps,
-    evaluate,
-    steps_vs_difficulty,
-    with_budget,
-)
+from loopformer.eval.budget import accuracy_vs_budget, easy_hard_steps, steps_vs_difficulty, with_budget
+from loopformer.eval.evaluate import evaluate
 from loopformer.loop import LoopConfig
 from loopformer.models.base import LoopedModel, ModelConfig
 from loopformer.tasks.base import IGNORE_INDEX, Task, TokenDataset

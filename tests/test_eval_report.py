@@ -10,7 +10,8 @@ import numpy as np
 
 from loopformer.eval import plots
 from loopformer.eval.analysis import LoopCurve, SignalCurve
-from loopformer.eval.evaluate import BudgetCurve, BudgetPoint, EvalResult, ExampleRecord, steps_vs_difficulty
+from loopformer.eval.budget import BudgetCurve, BudgetPoint, steps_vs_difficulty
+from loopformer.eval.evaluate import EvalResult, ExampleRecord
 from loopformer.eval.report import to_jsonable, write_report
 
 PNG = b"\x89PNG\r\n\x1a\n"

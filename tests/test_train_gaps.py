@@ -18,9 +18,11 @@ from test_train_utils import SEQ, VOCAB, TinyLooped, tiny_config
 
 from loopformer.cli import cli
 from loopformer.config import build_config
-from loopformer.eval.evaluate import arc_pass_at_k, eval_dataset, evaluate_lm
+from loopformer.eval.lm import evaluate_lm
+from loopformer.eval.predict import arc_pass_at_k
 from loopformer.loop import LoopConfig
 from loopformer.models.base import ModelOutput
+from loopformer.runs import eval_dataset
 from loopformer.tasks.arc import ArcTask, decode_grid
 from loopformer.tasks.base import IGNORE_INDEX, Task, TokenDataset
 from loopformer.tasks.formats import save_hrm_folder
@@ -48,7 +50,7 @@ def text_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Trainer, d
 
 def test_text_run_saves_its_checkpoint_and_reports_loss_and_bits_per_byte(text_run) -> None:
     out, trainer, summary = text_run
-    assert not trainer.has_validator
+    assert not trainer.task.has_validator
     assert summary["checkpoint"] and (Path(summary["checkpoint"]) / "model.safetensors").is_file()
     ev = summary["eval"]
     # oracle: float64 cross-entropy of the trained weights over the held-out windows

@@ -78,11 +78,11 @@ def test_deep_supervision_fresh_rows_get_init_state_and_others_keep_theirs(tmp_p
     c = tr.carry
     c.halted = torch.tensor([True, False] * 4)
     old_state = c.state.clone()
-    tr._refill()
+    tr.mode.batch(tr.step)  # refills the halted slots
     keep = ~torch.tensor([True, False] * 4)
     assert torch.equal(c.state[keep], old_state[keep])
     assert (c.segments[~keep] == 0).all() and (c.segments[keep] == 1).all()
-    fresh = tr._fresh_states(c.inputs[~keep], None, tr.step)
+    fresh = tr.fresh_states(c.inputs[~keep], None, tr.step)
     assert torch.equal(c.state[~keep], fresh)
 
 
@@ -195,9 +195,9 @@ def test_ema_weights_are_evaluated_and_saved(tmp_path) -> None:
     for name, p in ckpt.model.named_parameters():
         assert torch.equal(p, tr.ema.shadow[name])
     with torch.no_grad():
-        manual = tr.exact_eval(tr.eval_data)
+        manual = tr.score(tr.eval_data)
     with tr.ema.applied(tr.model):
-        ema_eval = tr.exact_eval(tr.eval_data)
+        ema_eval = tr.score(tr.eval_data)
     assert ema_eval == {k: v for k, v in tr.last_eval.items() if k != "weights"}
     assert manual["n"] == 32
 

@@ -1,5 +1,5 @@
 """Shared pieces of the ``loopformer`` commands: one-line errors, argument parsing; checkpoint + task
-loading (``load_run``) lives in ``loopformer.eval.evaluate.load_for_eval``.
+loading (``load_run``) lives in ``loopformer.runs``.
 
 Every command raises ordinary exceptions (``ConfigError``, ``CheckpointError``, ``TaskDataError``,
 ``KeyError`` from the registries, ``FileNotFoundError``...); ``CleanErrorGroup`` turns any of them
@@ -14,8 +14,7 @@ from typing import Any
 
 import click
 
-from loopformer.eval.evaluate import LoadedRun, eval_dataset, training_depth
-from loopformer.eval.evaluate import load_for_eval as load_run
+from loopformer.runs import LoadedRun, eval_dataset, load_run, training_depth
 
 # exceptions whose message is already meant for the user
 _USER_ERRORS = ("ConfigError", "CheckpointError", "TaskDataError", "FileNotFoundError", "KeyError",

@@ -41,7 +41,8 @@ import click
 from loopformer.commands.common import eval_dataset, load_run, training_depth
 from loopformer.commands.suite import ModelUnderTest, SuiteOptions, accuracy_table, run_suite
 from loopformer.devices import device_option, resolve_device
-from loopformer.eval.evaluate import evaluate_lm, model_device
+from loopformer.eval.evaluate import model_device
+from loopformer.eval.lm import evaluate_lm
 from loopformer.nn import autocast
 
 DEFAULT_RECIPE = "default"

@@ -23,44 +23,27 @@ from loopformer.tasks.base import Task, TaskDataError
 
 
 def parse_puzzle(task: Task, text: str) -> np.ndarray:
-    """Input tokens [T] for one puzzle given as text."""
-    if hasattr(task, "parse_grid"):
-        return np.asarray(task.parse_grid(text, "puzzle"), dtype=np.int64).reshape(-1)
-    parts = text.replace(",", " ").split()
-    try:
-        tokens = np.asarray([int(p) for p in parts], dtype=np.int64)
-    except ValueError:
-        raise TaskDataError(
-            f"task {task.name!r} reads a puzzle as whitespace-separated token ids, got {text!r}"
-        ) from None
-    if tokens.size == 0:
-        raise TaskDataError("the puzzle is empty")
-    if task.vocab_size and (tokens.min() < 0 or tokens.max() >= task.vocab_size):
-        raise TaskDataError(f"puzzle tokens must lie in [0, {task.vocab_size - 1}] for task {task.name!r}")
-    if task.seq_len and tokens.size != task.seq_len:
-        raise TaskDataError(f"task {task.name!r} expects {task.seq_len} tokens, got {tokens.size}")
-    return tokens
+    """Input tokens [T] for one puzzle given as text (``Task.parse_grid``)."""
+    return np.asarray(task.parse_grid(text, "puzzle"), dtype=np.int64).reshape(-1)
 
 
 def check_givens(task: Task, tokens: np.ndarray) -> dict[str, Any]:
     """What the task's exact solver says about the puzzle itself, before any model runs:
     ``{"status": "solvable" | "contradictory" | "unsolvable" | "not unique" | "unchecked", "detail": str | None}``
     (Sudoku: duplicated givens, then a solution count up to 2; maze: a unique start / goal joined by a path)."""
-    find_conflict = getattr(task, "find_conflict", None)
-    count_solutions = getattr(task, "count_solutions", None)
-    if callable(find_conflict) and callable(count_solutions):
-        conflict = find_conflict(tokens)
-        if conflict:
-            return {"status": "contradictory", "detail": f"the givens contradict each other: {conflict}"}
-        n = count_solutions(tokens, limit=2)
+    conflict = task.find_conflict(tokens)
+    if conflict:
+        return {"status": "contradictory", "detail": f"the givens contradict each other: {conflict}"}
+    n = task.count_solutions(tokens, limit=2)
+    if n is not None:
         if n == 0:
             return {"status": "unsolvable", "detail": "the givens admit no solution (the exact solver found none)"}
         if n > 1:
             return {"status": "not unique", "detail": "the givens admit more than one solution"}
         return {"status": "solvable", "detail": None}
-    path_length = getattr(task, "shortest_path_length", None)
-    if callable(path_length):
-        if path_length(tokens) < 0:
+    length = task.shortest_path_length(tokens)
+    if length is not None:
+        if length < 0:
             return {"status": "unsolvable", "detail": "no path joins a unique start S to a unique goal G"}
         return {"status": "solvable", "detail": None}
     return {"status": "unchecked", "detail": None}
@@ -82,12 +65,10 @@ def solve_record(**values: Any) -> dict[str, Any]:
 def format_answer(task: Task, tokens: np.ndarray) -> str | None:
     """The task's text for ``tokens`` (its CSV grid encoding; None for a prediction that is no well-formed
     grid), or the token ids joined by spaces for a task without a grid text."""
-    if hasattr(task, "format_grid"):
-        try:
-            return task.format_grid(tokens)
-        except (TaskDataError, ValueError, IndexError):
-            return None
-    return " ".join(str(int(t)) for t in tokens)
+    try:
+        return task.format_grid(tokens)
+    except (TaskDataError, ValueError, IndexError):
+        return None
 
 
 @click.command("solve")

@@ -25,15 +25,14 @@ from loopformer.eval.analysis import (
     spectral_radius_at_fixed_point,
 )
 from loopformer.eval.analysis import spectral_radius_summary as _radius_summary
-from loopformer.eval.evaluate import (
+from loopformer.eval.budget import (
     BudgetCurve,
     DifficultyStats,
-    EvalResult,
     accuracy_vs_budget,
     easy_hard_steps,
-    evaluate,
     steps_vs_difficulty,
 )
+from loopformer.eval.evaluate import EvalResult, evaluate
 from loopformer.eval.report import write_report
 from loopformer.loop import LoopConfig
 from loopformer.models.base import LoopedModel

@@ -11,7 +11,8 @@ import click
 from loopformer.commands.common import eval_dataset, load_run, parse_int_list, parse_pairs, training_depth
 from loopformer.commands.suite import ModelUnderTest, SuiteOptions, accuracy_table, run_suite
 from loopformer.devices import device_option, resolve_device
-from loopformer.eval.evaluate import arc_pass_at_k, evaluate_lm
+from loopformer.eval.lm import evaluate_lm
+from loopformer.eval.predict import arc_pass_at_k
 from loopformer.nn import autocast
 
 
@@ -48,7 +49,7 @@ def train(recipe: str, overrides: tuple[str, ...], resume: bool, out_dir: str | 
         click.echo(config_to_yaml(cfg), nl=False)
         return
     trainer = Trainer(cfg)
-    console = Console(highlight=False, quiet=not trainer.dist_env.is_main)  # rank 0 speaks under torchrun
+    console = Console(highlight=False, quiet=not trainer.strategy.is_main)  # rank 0 speaks under torchrun
     where = f" (resumed from {trainer.resumed_from}, step {trainer.step})" if trainer.resumed_from else ""
     console.print(f"training {cfg.model.name} ({trainer.model.num_parameters():,} parameters) on {cfg.data.task}"
                   f" for {cfg.train.steps} steps -> {cfg.out_dir}{where}")

@@ -12,15 +12,14 @@ from loopformer.eval.analysis import (
     spectral_radius_at_fixed_point,
     trace_loops,
 )
-from loopformer.eval.evaluate import (
+from loopformer.eval.budget import (
     BudgetCurve,
     DifficultyStats,
-    EvalResult,
     accuracy_vs_budget,
-    evaluate,
     steps_vs_difficulty,
     with_budget,
 )
+from loopformer.eval.evaluate import EvalResult, evaluate
 
 __all__ = [
     "BudgetCurve",

@@ -28,7 +28,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from loopformer.eval.evaluate import batch_tensors, iter_batches, model_device, score_predictions, with_budget
+from loopformer.eval.budget import with_budget
+from loopformer.eval.evaluate import batch_tensors, iter_batches, model_device, score_predictions
 from loopformer.loop import LoopConfig
 from loopformer.models.base import LoopedModel
 from loopformer.tasks.base import IGNORE_INDEX, Task, TokenDataset
@@ -164,8 +165,8 @@ def logit_lens(
     """Read out every loop state through the model's head: per-loop accuracies and logit margins.
 
     ``bridge_tokens`` ([N], -1 = skip that row) adds the bridge token's rank per loop, read at
-    ``bridge_positions`` (default: the last labelled position). When the task has a ``bridges(inputs)``
-    method (knowledge-graph queries) and no tokens are given, it is used.
+    ``bridge_positions`` (default: the last labelled position). When no tokens are given, the task's
+    ``bridges(inputs)`` (knowledge-graph queries; None for other tasks) is used.
     """
     if loops < 1:
         raise ValueError(f"loops must be >= 1, got {loops}")
@@ -174,8 +175,8 @@ def logit_lens(
     was_training = model.training
     model.eval()
     cfg = _fixed(model, loop, loops, halting)
-    if bridge_tokens is None and hasattr(task, "bridges"):
-        bridge_tokens = np.asarray(task.bridges(dataset.inputs))
+    if bridge_tokens is None and task is not None:
+        bridge_tokens = task.bridges(dataset.inputs)
     if bridge_tokens is not None:
         bridge_tokens = np.asarray(bridge_tokens, dtype=np.int64).reshape(-1)
         if len(bridge_tokens) != len(dataset):

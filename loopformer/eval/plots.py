@@ -19,7 +19,8 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from loopformer.eval.analysis import LoopCurve, SignalCurve
-from loopformer.eval.evaluate import BudgetCurve, EvalResult, steps_vs_difficulty
+from loopformer.eval.budget import BudgetCurve, steps_vs_difficulty
+from loopformer.eval.evaluate import EvalResult
 
 
 def _series(x: Any) -> Mapping[str, Any]:

@@ -16,7 +16,8 @@ from typing import Any
 import numpy as np
 
 from loopformer.eval.analysis import LoopCurve, SignalCurve
-from loopformer.eval.evaluate import BudgetCurve, DifficultyStats, EvalResult
+from loopformer.eval.budget import BudgetCurve, DifficultyStats
+from loopformer.eval.evaluate import EvalResult
 
 
 def _num(x: Any, pct: bool = False, digits: int = 2) -> str:

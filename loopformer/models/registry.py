@@ -50,3 +50,19 @@ def make_config(name: str, **fields: Any) -> ModelConfig:
 def build_model(name: str, config: ModelConfig | None = None, **fields: Any) -> LoopedModel:
     model_cls, _ = model_classes(name)
     return model_cls(config if config is not None else make_config(name, **fields))
+
+
+def register_model(name: str, model_cls: type[LoopedModel], config_cls: type[ModelConfig]) -> None:
+    """Add a model family defined outside the package: ``model.name=<name>`` in a recipe then
+    builds it, and its checkpoints record and reload the family (both classes must live in one
+    importable module, which is what ``MODELS`` stores)."""
+    if not (isinstance(model_cls, type) and issubclass(model_cls, LoopedModel)):
+        raise TypeError(f"register_model({name!r}): {model_cls!r} is not a LoopedModel subclass")
+    if not (isinstance(config_cls, type) and issubclass(config_cls, ModelConfig)):
+        raise TypeError(f"register_model({name!r}): {config_cls!r} is not a ModelConfig subclass")
+    if model_cls.__module__ != config_cls.__module__:
+        raise ValueError(f"register_model({name!r}): the model and config classes must be in one module")
+    spec = f"{model_cls.__module__}:{model_cls.__qualname__}:{config_cls.__qualname__}"
+    if MODELS.get(name, spec) != spec:
+        raise ValueError(f"a model family named {name!r} is already registered ({MODELS[name]})")
+    MODELS[name] = spec

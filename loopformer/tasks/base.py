@@ -79,9 +79,23 @@ class TokenDataset:
 class Task(ABC):
     """One task: vocabulary, generation with a difficulty knob, loading, checking, rendering.
 
-    Subclasses set ``name``, ``vocab_size``, ``seq_len`` (input length; 0 when variable) and
-    ``causal`` (True when the natural model for the task is causal: text, group word problems,
-    knowledge-graph queries).
+    This class declares everything the rest of the library reads from a task (the trainer, the
+    analyses, ``loopformer solve`` and ``loopformer data``), each with a default, so nothing
+    probes a task with ``getattr`` / ``hasattr``. A subclass sets the attributes that differ and
+    overrides the methods it supports:
+
+    - ``name``, ``vocab_size``, ``seq_len`` (input length; 0 when variable) and ``causal`` (True when
+      the natural model for the task is causal: text, group word problems, knowledge-graph queries);
+    - ``num_puzzle_ids``: rows of a per-puzzle embedding table (ARC), 0 when unused;
+    - ``has_validator``: False where ``check`` cannot judge a prediction (language modelling: the
+      task is then scored by loss and bits per byte, with ``tokens_per_byte`` tokens per byte);
+    - ``size`` / ``grid``: a square board's side (Sudoku, mazes) or an explicit (rows, cols) layout of
+      the input tokens; ``grid_shape()`` is what the models' 2-D position encodings use;
+    - ``generate`` and ``check`` (abstract); ``load`` / ``save`` (the task's file format);
+      ``difficulty``; ``render``; ``parse_grid`` / ``format_grid`` (the puzzle as text, used by
+      ``loopformer solve``); ``find_conflict`` / ``count_solutions`` / ``shortest_path_length`` (what an
+      exact solver says about a puzzle's givens, ``solve``'s check before the model runs); ``bridges`` (a multi-hop query's intermediate answers, used by the
+      logit lens); ``infer_options`` (task options read off a data file, used by ``loopformer data``).
     """
 
     name: str = ""
@@ -90,6 +104,18 @@ class Task(ABC):
     causal: bool = False
     num_puzzle_ids: int = 0  # size of a per-puzzle embedding table, 0 when unused
     has_validator: bool = True  # False where check() cannot judge a prediction (language modelling)
+    tokens_per_byte: float = 1.0  # for bits per byte (1 for byte-level tokens)
+    size: int = 0  # side length of a square board (Sudoku, maze); 0 when the task has none
+    grid: tuple[int, int] | None = None  # explicit (rows, cols) layout of the input tokens, when not square
+
+    def grid_shape(self) -> tuple[int, int] | None:
+        """(rows, cols) of the input tokens: ``grid``, else a ``size`` x ``size`` board that covers
+        ``seq_len`` exactly, else None (a sequence task)."""
+        if self.grid is not None:
+            return (int(self.grid[0]), int(self.grid[1]))
+        if self.size and self.seq_len == self.size * self.size:
+            return (self.size, self.size)
+        return None
 
     @abstractmethod
     def generate(self, n: int, seed: int, **difficulty: Any) -> TokenDataset:
@@ -114,3 +140,48 @@ class Task(ABC):
     def render(self, inputs: np.ndarray, prediction: np.ndarray | None = None) -> str:
         """A human-readable rendering for the terminal."""
         return " ".join(str(int(t)) for t in (inputs if prediction is None else prediction))
+
+    def parse_grid(self, text: str, what: str = "puzzle") -> np.ndarray:
+        """Input tokens [T] of one puzzle given as text (``what`` names it in errors). The default
+        reads whitespace- or comma-separated token ids and checks them against ``vocab_size`` and
+        ``seq_len``; a task with a board (Sudoku, maze) reads its own notation."""
+        parts = text.replace(",", " ").split()
+        try:
+            tokens = np.asarray([int(p) for p in parts], dtype=np.int64)
+        except ValueError:
+            raise TaskDataError(
+                f"task {self.name!r} reads a {what} as whitespace-separated token ids, got {text!r}"
+            ) from None
+        if tokens.size == 0:
+            raise TaskDataError(f"the {what} is empty")
+        if self.vocab_size and (tokens.min() < 0 or tokens.max() >= self.vocab_size):
+            raise TaskDataError(f"{what} tokens must lie in [0, {self.vocab_size - 1}] for task {self.name!r}")
+        if self.seq_len and tokens.size != self.seq_len:
+            raise TaskDataError(f"task {self.name!r} expects {self.seq_len} tokens, got {tokens.size}")
+        return tokens
+
+    def format_grid(self, tokens: np.ndarray) -> str:
+        """A prediction as the task writes it (a board as text); the default: the token ids joined by spaces."""
+        return " ".join(str(int(t)) for t in np.asarray(tokens).reshape(-1))
+
+    def find_conflict(self, inputs: np.ndarray) -> str | None:
+        """What makes a puzzle's givens contradict each other (Sudoku: a repeated digit), or None."""
+        return None
+
+    def count_solutions(self, inputs: np.ndarray, limit: int = 2) -> int | None:
+        """Solutions of the puzzle, counted up to ``limit`` by an exact solver; None: the task has none."""
+        return None
+
+    def shortest_path_length(self, inputs: np.ndarray) -> int | None:
+        """Length of the shortest start-goal path (-1: none); None: the task is not a path task."""
+        return None
+
+    def bridges(self, inputs: np.ndarray) -> np.ndarray | None:
+        """Per row, the intermediate answer token of a multi-hop query (-1: none); None when the task
+        has no such notion (the logit lens then reports no bridge ranks)."""
+        return None
+
+    @staticmethod
+    def infer_options(path: str | Path) -> dict[str, Any]:
+        """Task options that can be read off a data file (e.g. a board size); none by default."""
+        return {}

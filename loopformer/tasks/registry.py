@@ -35,3 +35,14 @@ def task_class(name: str) -> type[Task]:
 
 def get_task(name: str, **options: Any) -> Task:
     return task_class(name)(**options)
+
+
+def register_task(name: str, cls: type[Task]) -> None:
+    """Add a task defined outside the package: ``data.task=<name>`` (recipes, ``loopformer data``,
+    ``train`` / ``eval`` / ``solve``) then builds it from its importable module."""
+    if not (isinstance(cls, type) and issubclass(cls, Task)):
+        raise TypeError(f"register_task({name!r}): {cls!r} is not a Task subclass")
+    spec = f"{cls.__module__}:{cls.__qualname__}"
+    if TASKS.get(name, spec) != spec:
+        raise ValueError(f"a task named {name!r} is already registered ({TASKS[name]})")
+    TASKS[name] = spec

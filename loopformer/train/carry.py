@@ -13,8 +13,7 @@ Under torchrun each rank holds its contiguous share of the slots; the checkpoint
 global carry (``global_carry_state``) and ``carry_from_checkpoint`` takes this rank's share
 back, so a run resumes under any world size that divides the batch.
 
-Also here: the per-step random streams (``seed_for`` and the salts) that make every draw a
-function of (seed, global step), so a resumed run replays exactly.
+The halting exploration draws come from ``loopformer.train.seeding`` (a function of seed and step).
 """
 
 from __future__ import annotations
@@ -28,20 +27,14 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from loopformer.config import TrainConfig
 from loopformer.models.base import ModelOutput
 from loopformer.tasks.base import TokenDataset
 from loopformer.train import dist
 from loopformer.train.checkpoint import CheckpointError
 from loopformer.train.data import make_batch
-
-# salts that keep the per-step random streams independent
-SALT_INIT, SALT_EXPLORE, SALT_JAC, SALT_CURRICULUM = 11, 13, 17, 19
-
-
-def seed_for(seed: int, step: int, salt: int, rank: int | None = None) -> int:
-    """A 32-bit seed for the random stream (seed, step, salt[, rank])."""
-    entropy = [seed, step, salt] if rank is None else [seed, step, salt, rank]
-    return int(np.random.SeedSequence(entropy).generate_state(1)[0])
+from loopformer.train.dist import DistEnv
+from loopformer.train.seeding import SALT_EXPLORE, seed_for
 
 
 @dataclass
@@ -57,7 +50,10 @@ class Carry:
     halted: Tensor  # [B] bool (CPU): replace before the next segment
 
     def state_dict(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in ("index", "inputs", "labels", "puzzle_ids", "state", "segments", "halted")}
+        return {
+            k: getattr(self, k)
+            for k in ("index", "inputs", "labels", "puzzle_ids", "state", "segments", "halted")
+        }
 
     @classmethod
     def from_state(cls, state: dict[str, Any], device: torch.device) -> Carry:
@@ -75,31 +71,35 @@ class Carry:
         )
 
 
-def refill_carry(
-    carry: Carry | None,
-    dataset: TokenDataset,
-    take: Callable[[int], np.ndarray],
-    fresh_states: Callable[[Tensor, Tensor | None], Tensor],
-    global_batch: int,
-    world_size: int,
-    rank: int,
-    device: torch.device,
-) -> Carry:
+@dataclass
+class CarryFeed:
+    """Where a carry's new examples come from: ``take(n)`` draws ``n`` rows of the global index
+    stream of ``dataset``; ``fresh_states(inputs, puzzle_ids)`` returns detached initial states;
+    ``global_batch`` slots in all, this rank's share of them on ``device``."""
+
+    dataset: TokenDataset
+    take: Callable[[int], np.ndarray]
+    fresh_states: Callable[[Tensor, Tensor | None], Tensor]
+    global_batch: int
+    env: DistEnv
+    device: torch.device
+
+
+def refill_carry(carry: Carry | None, feed: CarryFeed) -> Carry:
     """Give halted (or all, when ``carry`` is None) slots new examples and fresh states.
 
-    ``take(n)`` draws ``n`` rows from the global index stream; ``fresh_states(inputs, puzzle_ids)``
-    returns detached initial states. An existing carry is updated in place and returned. Every
-    rank must call it (the halted counts are gathered so that the stream stays global).
+    An existing carry is updated in place and returned. Every rank must call it (the halted counts
+    are gathered so that the stream stays global).
     """
-    B = global_batch // world_size  # this rank's slots
     if carry is None:
-        batch = make_batch(dataset, dist.shard(take(global_batch)), device)
+        batch = make_batch(feed.dataset, dist.shard(feed.take(feed.global_batch)), feed.device)
+        B = feed.global_batch // feed.env.world_size  # this rank's slots
         return Carry(
             index=batch.index,
             inputs=batch.inputs,
             labels=batch.labels,
             puzzle_ids=batch.puzzle_ids,
-            state=fresh_states(batch.inputs, batch.puzzle_ids),
+            state=feed.fresh_states(batch.inputs, batch.puzzle_ids),
             segments=torch.zeros(B, dtype=torch.long),
             halted=torch.zeros(B, dtype=torch.bool),
         )
@@ -107,19 +107,19 @@ def refill_carry(
     rows = torch.nonzero(c.halted).reshape(-1)
     # the stream is global: draw every rank's halted slots, in rank order, and keep this rank's
     counts = dist.all_gather_counts(int(rows.numel()))
-    drawn = take(sum(counts))
-    first = sum(counts[:rank])
+    drawn = feed.take(sum(counts))
+    first = sum(counts[: feed.env.rank])
     if rows.numel() == 0:
         return c
-    new = make_batch(dataset, drawn[first : first + int(rows.numel())], device)
-    dev_rows = rows.to(device)
+    new = make_batch(feed.dataset, drawn[first : first + int(rows.numel())], feed.device)
+    dev_rows = rows.to(feed.device)
     c.index = c.index.clone()
     c.index[rows] = new.index
     c.inputs = c.inputs.index_copy(0, dev_rows, new.inputs)
     c.labels = c.labels.index_copy(0, dev_rows, new.labels)
     if c.puzzle_ids is not None and new.puzzle_ids is not None:
         c.puzzle_ids = c.puzzle_ids.index_copy(0, dev_rows, new.puzzle_ids)
-    fresh = fresh_states(new.inputs, new.puzzle_ids)
+    fresh = feed.fresh_states(new.inputs, new.puzzle_ids)
     c.state = c.state.index_copy(0, dev_rows, fresh.to(c.state.dtype))
     c.segments = c.segments.clone()
     c.segments[rows] = 0
@@ -127,32 +127,25 @@ def refill_carry(
     return c
 
 
-def advance_carry(
-    c: Carry,
-    out: ModelOutput,
-    max_segments: int,
-    halt_on_q: bool,
-    halt_exploration: float,
-    halt_on_converged: bool,
-    seed: int,
-    step: int,
-    world_size: int,
-) -> None:
-    """After a segment: carry ``out.state`` (detached), count the segment and mark halted slots."""
+def advance_carry(c: Carry, out: ModelOutput, tc: TrainConfig, seed: int, step: int, world_size: int) -> None:
+    """After a segment: carry ``out.state`` (detached), count the segment and mark halted slots
+    (``tc.max_segments``, ``tc.halt_on_q`` with ``tc.halt_exploration``, ``tc.halt_on_converged``)."""
     c.state = out.state.detach()
     c.segments = c.segments + 1
-    halted = c.segments >= max_segments
-    if halt_on_q and out.q_logits is not None:
+    halted = c.segments >= tc.max_segments
+    if tc.halt_on_q and out.q_logits is not None:
         q_halt = (out.q_logits.detach().float().reshape(-1) > 0).cpu()
-        if halt_exploration > 0:
+        if tc.halt_exploration > 0:
             # drawn for the global batch and sharded: the same draws as one process would make
             g = torch.Generator().manual_seed(seed_for(seed, step, SALT_EXPLORE))
             n_global = len(c.segments) * world_size
-            explore = dist.shard(torch.rand(n_global, generator=g) < halt_exploration)
-            min_segments = dist.shard(torch.randint(2, max_segments + 1, (n_global,), generator=g))
-            q_halt = q_halt & (c.segments >= torch.where(explore, min_segments, torch.zeros_like(min_segments)))
+            explore = dist.shard(torch.rand(n_global, generator=g) < tc.halt_exploration)
+            min_segments = dist.shard(torch.randint(2, tc.max_segments + 1, (n_global,), generator=g))
+            q_halt = q_halt & (
+                c.segments >= torch.where(explore, min_segments, torch.zeros_like(min_segments))
+            )
         halted = halted | q_halt
-    if halt_on_converged and out.loop is not None:
+    if tc.halt_on_converged and out.loop is not None:
         halted = halted | out.loop.converged.detach().cpu().reshape(-1)
     c.halted = halted
 

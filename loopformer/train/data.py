@@ -9,52 +9,20 @@
   whose difficulty <= level; start at ``start``; advance by ``step`` when the exact-match
   accuracy on the current level reaches ``threshold`` (0.95); stop at ``max_level``.
 - ``Batch`` / ``make_batch``: tensors of a set of rows of a ``TokenDataset`` on a device.
-- ``load_split``: a run's train / eval set from ``DataConfig``: a file (``task.load``), an HRM / TRM
-  folder (``loopformer.tasks.formats.load_hrm_folder``, HRM's dataset builders, arXiv 2506.21734) or ``task.generate``.
+
+A run's train / eval sets themselves come from ``loopformer.runs.load_split``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from loopformer.tasks.base import Task, TokenDataset
-
-HRM_SPLITS = {"train": "train", "eval": "test"}  # our split name -> HRM's folder name
-
-
-def load_split(task: Task, data: Any, split: str) -> TokenDataset | None:
-    """The ``split`` ("train" | "eval") set of ``data`` (a ``DataConfig``); see its docstring.
-
-    A path that is a folder is read with ``load_hrm_folder`` (``<path>/train`` or ``<path>/test``, or
-    the folder itself when it holds a ``dataset.json``); a file with ``task.load``. Without a path,
-    ``task.generate(size, seed, **options)``: size 0 asks for all rows (tasks with a finite pool, e.g.
-    ARC or KG, return them all; generators return none). None when that gives no rows.
-    """
-    if split not in HRM_SPLITS:
-        raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
-    path = data.train_path if split == "train" else data.eval_path
-    size = data.train_size if split == "train" else data.eval_size
-    if size < 0:
-        raise ValueError(f"data.{split}_size must be >= 0 (0 = all rows), got {size}")
-    if path:
-        folder = Path(path)
-        if folder.is_dir():
-            from loopformer.tasks.formats import load_hrm_folder
-
-            if (folder / "dataset.json").is_file():  # the split folder itself
-                return load_hrm_folder(folder.parent, folder.name, task=task)
-            return load_hrm_folder(folder, HRM_SPLITS[split], task=task)
-        return task.load(path)
-    seed = data.train_seed if split == "train" else data.eval_seed
-    options = data.train_generate if split == "train" else data.eval_generate
-    dataset = task.generate(size, seed, **options)
-    return dataset if len(dataset) else None
+from loopformer.tasks.base import TokenDataset
 
 
 @dataclass

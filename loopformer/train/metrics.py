@@ -1,14 +1,10 @@
-"""Evaluation during training, metrics and the run's logs.
+"""The run folder's logs and the progress bar (evaluation itself is ``loopformer.eval.evaluate``).
 
-- ``exact_eval``: label-based accuracy (token / exact match) of the current weights, over
-  ``eval.segments`` chained forward calls as TRM / HRM evaluate (arXiv 2606.18206; TRM arXiv 2510.04871, HRM arXiv 2506.21734),
-  sharded over ranks under DDP.
-- ``task_eval``: ``loopformer.eval.evaluate`` with the task's own validator, or, for a task
-  without one (text), ``evaluate_lm``'s loss and bits per byte.
-- ``reduce_metrics``: per-rank training metrics averaged over ranks; ``last_finite`` for the
-  loop's residual traces.
-- the run folder's logs: ``prepare_run_dir`` (config, stale metrics / checkpoints, TensorBoard),
-  ``write_metrics`` (one JSONL line, mirrored to TensorBoard) and the rich progress bar.
+- ``RunLog``: rank 0's writer for the run folder: ``open`` (``prepare_run_dir``: the config, a
+  resumed run's stale metrics, the trackers: TensorBoard / W&B), ``write`` (``write_metrics``: one
+  JSONL line, mirrored to the trackers), ``write_summary`` and ``close``; on other ranks every call
+  does nothing.
+- ``last_finite`` for the loop's residual traces; ``bar_info`` / ``progress_bar``: the rich bar.
 """
 
 from __future__ import annotations
@@ -19,18 +15,10 @@ import math
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor
 
-from loopformer.config import EvalConfig, RunConfig, save_config
-from loopformer.loop import LoopConfig
-from loopformer.models.base import LoopedModel
-from loopformer.nn import autocast
-from loopformer.tasks.base import Task, TokenDataset
-from loopformer.train import dist
-from loopformer.train.data import Batch, make_batch
-from loopformer.train.losses import accuracy
+from loopformer.config import RunConfig, save_config
 
 log = logging.getLogger("loopformer.train")
 
@@ -43,122 +31,6 @@ def last_finite(rows: Tensor) -> Tensor:
     last = (finite.cumsum(0) == finite.sum(0, keepdim=True)) & finite
     vals = torch.where(last, rows, torch.zeros_like(rows)).sum(0)
     return torch.where(finite.any(0), vals, torch.full_like(vals, float("nan")))
-
-
-# ----------------------------------------------------------------------------------------------
-# evaluation
-# ----------------------------------------------------------------------------------------------
-@torch.no_grad()
-def exact_eval(
-    model: LoopedModel,
-    dataset: TokenDataset,
-    rows: np.ndarray | None,
-    loop: LoopConfig,
-    ec: EvalConfig,
-    device: torch.device,
-    seed: int,
-    bf16: bool,
-    sync_halting: bool,
-) -> dict:
-    """Label-based accuracy of ``model``: token_acc, exact_acc, loop_steps, n.
-
-    Runs ``ec.segments`` chained forward calls (the state carried), as TRM / HRM evaluate.
-    Under DDP each rank evaluates its share of the rows and the counts are summed over ranks
-    (FSDP: every rank evaluates all rows, since each forward gathers the weights on all ranks).
-    With ``sync_halting`` every forward ends on the same global loop count on all ranks.
-    """
-    rows = np.arange(len(dataset)) if rows is None else np.asarray(rows)
-    if ec.max_examples:
-        rows = rows[: ec.max_examples]
-    sharded = dist.is_distributed() and not dist.is_fsdp(model)
-    local = rows[dist.eval_shard(len(rows))] if sharded else rows
-    segments = max(1, ec.segments)
-    lockstep = dist.LockstepHalting(sync_halting)
-    n_batches = math.ceil(len(local) / ec.batch_size)
-    if lockstep.enabled:  # a rank with fewer batches answers the others' lockstep all-reduces
-        n_batches = int(dist.all_reduce_max(n_batches))
-    was_training = model.training
-    model.eval()
-    generator = torch.Generator(device=device).manual_seed(seed)
-    right = count = exact = steps = 0.0
-    try:
-        for start in range(0, n_batches * ec.batch_size, ec.batch_size):
-            if start >= len(local):
-                for _ in range(segments):
-                    lockstep.drain()
-                continue
-            b: Batch = make_batch(dataset, local[start : start + ec.batch_size], device)
-            state = None
-            seg_steps = torch.zeros(len(b.index))
-            for _ in range(segments):
-                with autocast(device, bf16):
-                    out = model(
-                        b.inputs, loop=loop, state=state, puzzle_ids=b.puzzle_ids, generator=generator,
-                        callback=lockstep.callback if lockstep.enabled else None,
-                    )
-                lockstep.drain()
-                state = out.state
-                if out.loop is not None:
-                    seg_steps += out.loop.steps.float().cpu()
-            acc = accuracy(out.logits, b.labels)
-            right += float(acc.token_correct.sum())
-            count += float(acc.token_count.sum())
-            exact += float(acc.exact.sum())
-            steps += float(seg_steps.sum())
-    finally:
-        model.train(was_training)
-    if sharded:
-        right, count, exact, steps = dist.all_reduce_sum([right, count, exact, steps])
-    n = len(rows)
-    return {
-        "n": n,
-        "token_acc": right / max(count, 1.0),
-        "exact_acc": exact / max(n, 1),
-        "loop_steps": steps / max(n, 1),
-    }
-
-
-def task_eval(
-    model: LoopedModel,
-    task: Task,
-    data: TokenDataset,
-    has_validator: bool,
-    loop: LoopConfig,
-    ec: EvalConfig,
-    device: torch.device,
-    seed: int,
-) -> dict[str, Any]:
-    """``loopformer.eval.evaluate`` on ``data`` (the task's own validator); a task without a
-    validator (text) gets ``evaluate_lm``: loss (nats per token) and bits per byte."""
-    from loopformer.eval.evaluate import evaluate, evaluate_lm
-
-    if ec.max_examples:
-        data = data.subset(slice(0, ec.max_examples))
-    if not has_validator:
-        lm = evaluate_lm(model, task, data, loop=loop, batch_size=ec.batch_size, device=device, seed=seed)
-        return {"n": lm.n, "loss": lm.loss, "bits_per_byte": lm.bits_per_byte, "token_acc": lm.token_accuracy,
-                "exact_acc": lm.exact_accuracy, "loop_steps": lm.mean_steps}
-    res = evaluate(model, task, data, loop=loop, batch_size=ec.batch_size, device=device, seed=seed)
-    return {
-        "n": res.n,
-        "token_acc": res.token_accuracy,
-        "exact_acc": res.exact_accuracy,
-        "valid_acc": res.valid_accuracy,
-        "loop_steps": res.mean_steps,
-        "converged": res.converged_fraction,
-    }
-
-
-def reduce_metrics(metrics: dict[str, Any], world_size: int) -> dict[str, Any]:
-    """Per-rank metrics -> their mean over ranks ("halted": the total); shared values kept."""
-    shared = ("step", "lr", "grad_norm", "loops", "level")
-    keys = [k for k, v in metrics.items()
-            if k not in shared and isinstance(v, int | float) and not isinstance(v, bool)]
-    mean = dist.all_reduce_mean({k: metrics[k] for k in keys})
-    out = {**metrics, **mean}
-    if "halted" in out:
-        out["halted"] = int(round(mean["halted"] * world_size))
-    return out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -200,6 +72,32 @@ def write_metrics(run_dir: Path, record: dict[str, Any], tb: Any, step: int) -> 
         numbers = {k: v for k, v in record.items()
                    if k != "step" and isinstance(v, int | float) and not isinstance(v, bool)}  # fmt: skip
         tb.log(numbers, record.get("step", step))
+
+
+class RunLog:
+    """The run folder's metrics and summary, written by rank 0 only (``enabled``)."""
+
+    def __init__(self, run_dir: Path, enabled: bool = True) -> None:
+        self.run_dir = run_dir
+        self.enabled = enabled
+        self.trackers: Any = None  # loopformer.tracking.Trackers after open() when any tracker is on
+
+    def open(self, config: RunConfig, ckpt_dir: Path, resumed: bool, step: int) -> None:
+        if self.enabled:
+            self.trackers = prepare_run_dir(config, self.run_dir, ckpt_dir, resumed, step)
+
+    def write(self, record: dict[str, Any], step: int) -> None:
+        if self.enabled:
+            write_metrics(self.run_dir, record, self.trackers, step)
+
+    def write_summary(self, summary: dict[str, Any]) -> None:
+        if self.enabled:
+            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+
+    def close(self) -> None:
+        if self.trackers is not None:
+            self.trackers.close()
+            self.trackers = None
 
 
 def bar_info(m: dict[str, Any]) -> str:

@@ -2,7 +2,11 @@
 
 - ``physical_cores`` / ``resolve_device``: CPU float32 runs one thread per physical core;
   ``device: auto`` picks CUDA when there is one.
-- ``task_dataset``: a task's train / eval split (``loopformer.train.data.load_split``).
+- ``configure_process``: logging on ranks > 0, the global batch against the world size, CPU threads.
+- ``build_data``: the task and its train / eval splits (``loopformer.runs.task_dataset``), unless given.
+- ``prepare_model``: the given or the recipe's model on the device, its step compiled when asked.
+- ``make_optimizer``: the optimiser ``train`` names (``loopformer.train.optim.build_optimizer``).
+- ``make_curriculum``: the difficulty curriculum of ``data.curriculum`` (None when off).
 - ``task_model_defaults`` / ``build_run_model``: the model a recipe names, with the fields the
   task determines (vocabulary, sequence length, causality, puzzle ids, grid) filled in where the
   recipe leaves them unset; the fully resolved model config is written back into the run config.
@@ -13,16 +17,20 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from typing import Any
 
 import torch
 
-from loopformer.config import DataConfig, RunConfig, TrainConfig, to_dict
+from loopformer.config import CurriculumConfig, RunConfig, TrainConfig, to_dict
 from loopformer.loop import LoopConfig, make_sampler
 from loopformer.models.base import LoopedModel
+from loopformer.runs import run_task, task_dataset
 from loopformer.tasks.base import Task, TokenDataset
-from loopformer.train.data import load_split
+from loopformer.train.data import Curriculum
+from loopformer.train.dist import DistEnv
+from loopformer.train.optim import build_optimizer
 
 
 def physical_cores() -> int:
@@ -51,17 +59,77 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def task_dataset(task: Task | None, data_config: DataConfig, split: str) -> TokenDataset | None:
-    """The ``split`` ("train" / "eval") of ``task``; None for an eval split the task does not have."""
-    if task is None:
-        if split == "train":
-            raise ValueError("no training data: pass train_data or a task")
+def configure_process(tc: TrainConfig, env: DistEnv, device: torch.device) -> None:
+    """Quiet ranks > 0, check the global batch divides over the ranks, set the CPU threads."""
+    if env.enabled and not env.is_main:
+        logging.getLogger("loopformer").setLevel(logging.WARNING)  # logs come from rank 0
+    if env.enabled and tc.batch_size % env.world_size:
+        raise ValueError(
+            f"train.batch_size={tc.batch_size} (the global batch) must be divisible by the world size "
+            f"{env.world_size}"
+        )
+    if device.type == "cpu":
+        torch.set_flush_denormal(True)
+        torch.set_num_threads(tc.threads or max(1, physical_cores() // env.local_world_size))
+
+
+def build_data(
+    config: RunConfig,
+    task: Task | None,
+    train_data: TokenDataset | None,
+    eval_data: TokenDataset | None,
+    have_model: bool,
+) -> tuple[Task | None, TokenDataset, TokenDataset | None]:
+    """(task, train set, eval set): the given ones, else built from ``config.data``. A task is built
+    unless both the training data and the model are given (nothing else needs it then)."""
+    if task is None and (train_data is None or not have_model):
+        task = run_task(config.data)
+    train = train_data if train_data is not None else task_dataset(task, config.data, "train")
+    held_out = eval_data if eval_data is not None else task_dataset(task, config.data, "eval")
+    if len(train) == 0:
+        raise ValueError("the training set is empty")
+    return task, train, held_out
+
+
+def prepare_model(
+    config: RunConfig,
+    model: LoopedModel | None,
+    task: Task | None,
+    train_data: TokenDataset,
+    device: torch.device,
+) -> LoopedModel:
+    """``model`` (or the recipe's, ``build_run_model``) on ``device``; ``compile``: the looped body
+    is ``torch.compile``d (the hot path; the engine's loop stays eager)."""
+    if model is None:
+        model = build_run_model(config, task, train_data)
+    model = model.to(device)
+    if config.compile:
+        model.step = torch.compile(model.step)  # type: ignore[method-assign]
+    return model
+
+
+def make_optimizer(model: LoopedModel, tc: TrainConfig) -> torch.optim.Optimizer:
+    """``loopformer.train.optim.build_optimizer`` as ``tc`` asks: AdamW or AdamATan2, the weight-decay
+    groups, and TRM / HRM's sign-SGD puzzle-embedding group (``train.puzzle_emb_optimizer=sign_sgd``)."""
+    puzzle = (tc.puzzle_emb_lr, tc.puzzle_emb_weight_decay) if tc.puzzle_emb_optimizer == "sign_sgd" else None
+    return build_optimizer(
+        model,
+        tc.lr,
+        tc.weight_decay,
+        tuple(tc.betas),
+        tc.eps,
+        tc.decay_embeddings,
+        tc.optimizer,
+        tc.decay_all,
+        puzzle,
+    )
+
+
+def make_curriculum(cc: CurriculumConfig, train_data: TokenDataset) -> Curriculum | None:
+    """The difficulty curriculum over the training set's difficulty (None when ``enabled`` is off)."""
+    if not cc.enabled:
         return None
-    dataset = load_split(task, data_config, split)
-    if dataset is None and split == "train":
-        raise ValueError(f"the training set is empty: data.train_size=0 asks for all rows, but task "
-                         f"{task.name!r} generates rows on demand; set data.train_size > 0")
-    return dataset
+    return Curriculum(train_data.difficulty, cc.start, cc.step, cc.max_level, cc.threshold)
 
 
 def task_model_defaults(task: Task | None, train_data: TokenDataset) -> dict[str, Any]:
@@ -71,15 +139,12 @@ def task_model_defaults(task: Task | None, train_data: TokenDataset) -> dict[str
         if task.vocab_size:
             out["vocab_size"] = int(task.vocab_size)
         out["causal"] = bool(task.causal)
-        out["num_puzzle_ids"] = int(getattr(task, "num_puzzle_ids", 0) or 0)
+        out["num_puzzle_ids"] = int(task.num_puzzle_ids)
         if out["num_puzzle_ids"]:
             out["puzzle_emb_len"] = 1  # one prepended puzzle token unless the recipe asks for more
-        grid = getattr(task, "grid", None)
-        size = getattr(task, "size", None)
-        if grid is None and isinstance(size, int) and task.seq_len == size * size:
-            grid = (size, size)
+        grid = task.grid_shape()
         if grid is not None:
-            out["grid"] = tuple(grid)
+            out["grid"] = grid
     out["seq_len"] = int(train_data.inputs.shape[1])
     if "vocab_size" not in out:
         out["vocab_size"] = int(max(train_data.inputs.max(), train_data.labels.max()) + 1)

@@ -9,7 +9,7 @@
 ``task.generate`` (values parsed as YAML scalars / lists: ``--option box=[2,3]``, ``--option loops=0.1``);
 unknown keys are errors.  The file is written with ``task.save`` (Sudoku / maze: the Sudoku-Extreme /
 Maze-Hard CSV), or as an HRM folder with ``--format hrm``.  ``show`` / ``stats`` infer constructor options
-such as the grid size from the file when the task class offers ``infer_options(path)``.
+such as the grid size from the file (``Task.infer_options(path)``; none for most tasks).
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ def _make_task(name: str, options: dict[str, Any], path: Path | None = None) -> 
         cls = task_class(name)
     except KeyError as exc:
         raise click.UsageError(str(exc.args[0])) from None
-    if path is not None and hasattr(cls, "infer_options"):
+    if path is not None:
         try:
             inferred = cls.infer_options(path)
         except (OSError, ValueError, UnicodeDecodeError):

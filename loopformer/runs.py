@@ -1,0 +1,166 @@
+"""Run loading: a run's data splits, and a trained run ready to evaluate.
+
+Both sides use this module: the trainer builds its train / eval sets with ``task_dataset``, and
+``loopformer eval`` / ``loopformer run`` / ``solve`` / the experiments load a trained model with
+``load_run`` and its held-out set with ``eval_dataset``. Layering: this module imports the task
+registry and the checkpoint reader (``loopformer.train.checkpoint``, which imports nothing else of
+the trainer) and never ``loopformer.eval``; ``loopformer.eval`` imports neither, so there is no
+import cycle between training and evaluation (``tests/test_layering.py``).
+
+- ``load_split``: a run's train / eval set from ``DataConfig``: a file (``task.load``), an HRM / TRM
+  folder (``loopformer.tasks.formats.load_hrm_folder``) or ``task.generate``.
+- ``task_dataset``: ``load_split`` with the errors a training run needs (an empty training set).
+- ``eval_dataset``: the held-out set of a run (``eval.max_examples`` applied).
+- ``load_run`` (also ``load_for_eval``): a checkpoint's model (EMA weights when asked and present),
+  its task, run configuration and train / eval loops as a ``LoadedRun``.
+- ``training_depth``: loops per forward call in training (the depth an overthinking plot marks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from loopformer.config import ConfigError, DataConfig, RunConfig, apply_overrides, build_config, to_dict
+from loopformer.hub import resolve_source
+from loopformer.loop import LoopConfig
+from loopformer.models.base import LoopedModel
+from loopformer.tasks.base import Task, TokenDataset
+from loopformer.tasks.registry import get_task
+from loopformer.train.checkpoint import CheckpointError, load_checkpoint
+
+HRM_SPLITS = {"train": "train", "eval": "test"}  # our split name -> HRM's folder name
+EVAL_OVERRIDE_PREFIXES = ("data.", "eval.", "loop_eval.")
+
+
+def load_split(task: Task, data: DataConfig, split: str) -> TokenDataset | None:
+    """The ``split`` ("train" | "eval") set of ``data``.
+
+    A path that is a folder is read with ``load_hrm_folder`` (``<path>/train`` or ``<path>/test``, or
+    the folder itself when it holds a ``dataset.json``); a file with ``task.load``. Without a path,
+    ``task.generate(size, seed, **options)``: size 0 asks for all rows (tasks with a finite pool, e.g.
+    ARC or KG, return them all; generators return none). None when that gives no rows.
+    """
+    if split not in HRM_SPLITS:
+        raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+    path = data.train_path if split == "train" else data.eval_path
+    size = data.train_size if split == "train" else data.eval_size
+    if size < 0:
+        raise ValueError(f"data.{split}_size must be >= 0 (0 = all rows), got {size}")
+    if path:
+        folder = Path(path)
+        if folder.is_dir():
+            from loopformer.tasks.formats import load_hrm_folder
+
+            if (folder / "dataset.json").is_file():  # the split folder itself
+                return load_hrm_folder(folder.parent, folder.name, task=task)
+            return load_hrm_folder(folder, HRM_SPLITS[split], task=task)
+        return task.load(path)
+    seed = data.train_seed if split == "train" else data.eval_seed
+    options = data.train_generate if split == "train" else data.eval_generate
+    dataset = task.generate(size, seed, **options)
+    return dataset if len(dataset) else None
+
+
+def run_task(data: DataConfig) -> Task:
+    """The task a run's ``data`` section names, built with its options."""
+    return get_task(data.task, **data.options)
+
+
+def task_dataset(task: Task | None, data: DataConfig, split: str) -> TokenDataset | None:
+    """The ``split`` ("train" / "eval") of ``task``; None for an eval split the task does not have."""
+    if task is None:
+        if split == "train":
+            raise ValueError("no training data: pass train_data or a task")
+        return None
+    dataset = load_split(task, data, split)
+    if dataset is None and split == "train":
+        raise ValueError(
+            f"the training set is empty: data.train_size=0 asks for all rows, but task "
+            f"{task.name!r} generates rows on demand; set data.train_size > 0"
+        )
+    return dataset
+
+
+def eval_dataset(task: Task, config: RunConfig, max_examples: int = 0) -> TokenDataset:
+    """The run's held-out set: ``data.eval_path`` or ``task.generate(eval_size, eval_seed, **eval_generate)``
+    (``load_split``: a folder is HRM's format, ``eval_size`` 0 = all rows), cut to ``max_examples``
+    (default ``eval.max_examples``; 0 = all)."""
+    data = load_split(task, config.data, "eval")
+    if data is None or len(data) == 0:
+        raise ValueError(
+            f"the run has no held-out set (data.eval_size = {config.data.eval_size} gave no rows of task "
+            f"{task.name!r} and there is no data.eval_path)"
+        )
+    limit = max_examples or config.eval.max_examples
+    if limit and limit < len(data):
+        data = data.subset(slice(0, limit))
+    return data
+
+
+@dataclass
+class LoadedRun:
+    """A trained model ready to evaluate: the model (EMA weights when asked and present), its task,
+    run configuration and train / eval loops."""
+
+    path: Path
+    step: int
+    family: str
+    model: LoopedModel
+    task: Task
+    config: RunConfig
+    loop_eval: LoopConfig
+    loop_train: LoopConfig
+    weights: str  # "model" | "ema"
+
+
+def load_run(
+    path: str | Path, use_ema: bool = True, config_overrides: tuple[str, ...] = (), device: str = "cpu"
+) -> LoadedRun:
+    """Load a checkpoint (a checkpoint folder, a ``checkpoints/`` root, a run folder or a hub id) and its task,
+    with the EMA weights when ``use_ema`` and the checkpoint keeps an EMA.
+
+    ``config_overrides`` (``data.*``, ``eval.*``, ``loop_eval.*`` keys only) change how the run is
+    evaluated, never the model.
+    """
+    path = resolve_source(path)  # a hub id (owner/name) is downloaded, a local path kept
+    for text in config_overrides:
+        key = text.split("=", 1)[0]
+        if not key.startswith(EVAL_OVERRIDE_PREFIXES):
+            raise ConfigError(
+                f"override {text!r}: evaluation can only change data.*, eval.* and loop_eval.* keys"
+            )
+    ckpt = load_checkpoint(path, use_ema=use_ema, device=device)
+    config = ckpt.config
+    if config_overrides:
+        config = build_config(apply_overrides(to_dict(config), list(config_overrides)), check=False)
+    task = run_task(config.data)
+    model = ckpt.model
+    if not isinstance(model, LoopedModel):
+        raise CheckpointError(
+            f"checkpoint {ckpt.path} holds a {type(model).__name__}, not a loopformer model"
+        )
+    model.eval()
+    return LoadedRun(
+        path=ckpt.path,
+        step=ckpt.step,
+        family=ckpt.family,
+        model=model,
+        task=task,
+        config=config,
+        loop_eval=config.loop_config(model.config.loop, "eval"),
+        loop_train=config.loop_config(model.config.loop, "train"),
+        weights=ckpt.weights,
+    )
+
+
+load_for_eval = load_run  # the name the experiments and earlier releases used
+
+
+def training_depth(run: LoadedRun) -> int:
+    """Loops per forward call in training (the training depth an overthinking plot marks)."""
+    cfg = run.config
+    options = cfg.train.loop_sampler_options
+    if cfg.train.loop_sampler == "fixed" and "n" in options:
+        return int(options["n"])
+    return int(run.loop_train.max_steps)

@@ -1,0 +1,122 @@
+"""The trainer's checkpoints: what a bit-exact resume needs, written and read back.
+
+``save(trainer)`` writes ``checkpoints/step_N/`` through ``loopformer.train.checkpoint.save_checkpoint``:
+the weights (FSDP: gathered to full tensors by the strategy), the EMA, and ``training_state``:
+the optimiser (in the strategy's layout, tagged ``optimizer_layout``), the data stream, the
+curriculum, the training mode's carried state (``carry``), the RNG states and the elapsed time.
+``resume_folder`` finds the folder ``train.resume`` names (``true``: the run's newest good one, by
+its manifest; none -> a fresh start) and ``restore(trainer, folder)`` loads every piece back. Under torchrun every rank
+calls ``save`` (the mode's carry is gathered); only rank 0 writes.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from loopformer.train.checkpoint import (
+    CheckpointError,
+    latest_good_checkpoint,
+    load_training_state,
+    load_weights,
+    nonfinite_tensors,
+    resolve_checkpoint,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
+
+if TYPE_CHECKING:
+    from loopformer.train.trainer import Trainer
+
+log = logging.getLogger("loopformer.train")
+
+
+def training_state(tr: Trainer) -> dict[str, Any]:
+    """Everything but the weights that a bit-exact resume needs (collective under FSDP / with a carry)."""
+    return {
+        "optimizer": tr.strategy.optimizer_state(tr.model, tr.optimizer),
+        "optimizer_layout": tr.strategy.layout,
+        "stream": tr.stream.state_dict(),
+        "curriculum": tr.curriculum.state_dict() if tr.curriculum else None,
+        "carry": tr.mode.state_dict(),
+        "rng": rng_state(),
+        "elapsed": tr.elapsed(),
+    }
+
+
+def save(tr: Trainer) -> Path:
+    """Checkpoint the current step (atomic; keeps the newest ``train.keep_checkpoints``)."""
+    state = training_state(tr)
+    ema_state = tr.strategy.full_ema(tr.ema.state_dict() if tr.ema else None)
+    weights = tr.strategy.full_weights(tr.model)
+    bad = nonfinite_tensors(weights if weights is not None else tr.model.state_dict())
+    if bad:  # never write (or call good) a checkpoint of blown-up weights
+        tr.diverged("weights", float("nan"), f"non-finite parameter {bad[0]!r}")
+    if tr.strategy.is_main:
+        tr.last_checkpoint = save_checkpoint(
+            tr.ckpt_dir,
+            tr.step,
+            tr.model,
+            tr.config,
+            ema_state=ema_state,
+            training_state=state,
+            keep=tr.config.train.keep_checkpoints,
+            weights=weights,
+        )
+    else:
+        tr.last_checkpoint = tr.ckpt_dir / f"step_{tr.step:08d}"
+    if tr.folder.staging is not None:  # --overwrite: the old run is moved aside only now
+        tr.folder.complete_overwrite()
+        tr.run_dir, tr.ckpt_dir = tr.folder.write_dir, tr.folder.write_dir / "checkpoints"
+        tr.log.run_dir = tr.run_dir
+        tr.last_checkpoint = tr.ckpt_dir / tr.last_checkpoint.name
+    tr.strategy.barrier()
+    return tr.last_checkpoint
+
+
+def resume_folder(resume: bool | str, ckpt_dir: Path) -> Path | None:
+    """The checkpoint ``train.resume`` asks for: None (a fresh run), the latest one, or a named one."""
+    if resume is False or resume == "":
+        return None
+    if resume is True:
+        folder, skipped = latest_good_checkpoint(ckpt_dir)
+        for reason in skipped:
+            log.warning("resume: skipped %s", reason)
+        if folder is None:
+            log.info("resume: no usable checkpoint in %s, starting from scratch", ckpt_dir)
+        return folder
+    return resolve_checkpoint(resume)
+
+
+def restore(tr: Trainer, folder: Path) -> None:
+    """Restore weights, EMA, optimiser, data stream, curriculum, mode state and RNG from ``folder``."""
+    tr.strategy.load_weights(tr.model, folder / "model.safetensors")
+    state = load_training_state(folder)
+    _restore_ema(tr, folder)
+    tr.strategy.check_layout(state.get("optimizer_layout", "torch"), folder)
+    try:
+        tr.strategy.load_optimizer_state(tr.model, tr.optimizer, state["optimizer"])
+    except (ValueError, KeyError, RuntimeError) as err:
+        raise CheckpointError(f"optimizer state in {folder} does not fit this model: {err}") from None
+    if tr.curriculum is not None and state.get("curriculum"):
+        tr.curriculum.load_state_dict(state["curriculum"])
+        tr.stream.set_eligible(tr.curriculum.eligible())
+    tr.stream.load_state_dict(state["stream"])
+    tr.mode.load_state_dict(state.get("carry"), folder)
+    set_rng_state(state["rng"])
+    tr.step = int(state["step"])
+    tr.elapsed_before = float(state.get("elapsed", 0.0))
+    tr.resumed_from = folder
+    tr.last_checkpoint = folder
+    log.info("resumed from %s at step %d", folder, tr.step)
+
+
+def _restore_ema(tr: Trainer, folder: Path) -> None:
+    if tr.ema is None:
+        return
+    if not (folder / "ema.safetensors").is_file():
+        raise CheckpointError(f"{folder} has no ema.safetensors but this run keeps an EMA (train.ema > 0)")
+    ema = load_weights(folder / "ema.safetensors")
+    tr.ema.load_state_dict({k: tr.strategy.like(tr.ema.shadow.get(k), v) for k, v in ema.items()})
