@@ -128,3 +128,27 @@ def test_no_import_cycle_between_train_and_eval(graph) -> None:
 def test_lower_layers_do_not_import_upper_ones(graph, package: str, forbidden: tuple[str, ...]) -> None:
     bad = {m: sorted(x for x in _reachable(graph, m) if _in(x, *forbidden)) for m in graph if _in(m, package)}
     assert {k: v for k, v in bad.items() if v} == {}
+
+
+def test_the_trainer_never_tests_a_mode_or_strategy_name() -> None:
+    source = (PACKAGE / "train" / "trainer.py").read_text()
+    for name in ('"simple"', '"deep_supervision"', '"ddp"', '"fsdp"', "is_fsdp", "self.fsdp", "hasattr("):
+        assert name not in source, name
+
+
+@pytest.mark.parametrize("folder", ["train", "eval"])
+def test_train_and_eval_keep_functions_short_and_modules_small(folder: str) -> None:
+    long_functions, long_modules = [], []
+    for path in [*sorted((PACKAGE / folder).glob("*.py")), PACKAGE / "runs.py"]:
+        source = path.read_text()
+        if len(source.splitlines()) > 500:
+            long_modules.append(path.name)
+        if folder != "train":  # the 60-line limit is for train/ (and loop/, tested with the engine)
+            continue
+        for node in ast.walk(ast.parse(source)):
+            if (
+                isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+                and node.end_lineno - node.lineno >= 60
+            ):
+                long_functions.append(f"{path.name}:{node.lineno} {node.name}")
+    assert long_functions == [] and long_modules == []

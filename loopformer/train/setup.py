@@ -6,6 +6,7 @@
 - ``build_data``: the task and its train / eval splits (``loopformer.runs.task_dataset``), unless given.
 - ``prepare_model``: the given or the recipe's model on the device, its step compiled when asked.
 - ``make_optimizer``: the optimiser ``train`` names (``loopformer.train.optim.build_optimizer``).
+- ``lr_for``: the step's learning rate from the schedule ``train`` names.
 - ``make_curriculum``: the difficulty curriculum of ``data.curriculum`` (None when off).
 - ``task_model_defaults`` / ``build_run_model``: the model a recipe names, with the fields the
   task determines (vocabulary, sequence length, causality, puzzle ids, grid) filled in where the
@@ -30,7 +31,7 @@ from loopformer.runs import run_task, task_dataset
 from loopformer.tasks.base import Task, TokenDataset
 from loopformer.train.data import Curriculum
 from loopformer.train.dist import DistEnv
-from loopformer.train.optim import build_optimizer
+from loopformer.train.optim import build_optimizer, lr_at
 
 
 def physical_cores() -> int:
@@ -123,6 +124,11 @@ def make_optimizer(model: LoopedModel, tc: TrainConfig) -> torch.optim.Optimizer
         tc.decay_all,
         puzzle,
     )
+
+
+def lr_for(step: int, tc: TrainConfig) -> float:
+    """The learning rate of optimiser step ``step``: ``tc``'s warm-up, then constant or cosine."""
+    return lr_at(step, tc.lr, tc.warmup_steps, tc.steps, tc.schedule, tc.min_lr_ratio)
 
 
 def make_curriculum(cc: CurriculumConfig, train_data: TokenDataset) -> Curriculum | None:

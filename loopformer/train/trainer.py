@@ -56,13 +56,14 @@ from loopformer.train.losses import (
 )
 from loopformer.train.metrics import RunLog, bar_info, last_finite, progress_bar
 from loopformer.train.modes import SegmentBatch, TrainingMode, make_training_mode
-from loopformer.train.optim import EMA, lr_at, set_lr
+from loopformer.train.optim import EMA, set_lr
 from loopformer.train.run_folder import RunFolder
 from loopformer.train.seeding import SALT_CURRICULUM, SALT_INIT, SALT_JAC, seed_everything, step_generator
 from loopformer.train.setup import (
     build_data,
     configure_process,
     loop_sampler,
+    lr_for,
     make_curriculum,
     make_optimizer,
     prepare_model,
@@ -246,7 +247,7 @@ class Trainer:
         """One optimiser step (one segment in deep supervision); returns its metrics."""
         tc = self.config.train
         self.model.train()
-        lr = lr_at(self.step, tc.lr, tc.warmup_steps, tc.steps, tc.schedule, tc.min_lr_ratio)
+        lr = lr_for(self.step, tc)
         set_lr(self.optimizer, lr)
         batch = self.mode.batch(self.step)
         out = self._forward(batch)
