@@ -28,7 +28,7 @@ import types
 import typing
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 
@@ -37,6 +37,7 @@ from loopformer.config_schema import (
     DataConfig,
     EvalConfig,
     ModelSpec,
+    Registered,
     RunConfig,
     TrainConfig,
 )
@@ -111,6 +112,14 @@ def coerce(value: Any, tp: Any, path: str) -> Any:
         return value
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
+    if origin is Annotated:  # Annotated[T, Registered(...)]: a T that must name a registry entry
+        value = coerce(value, args[0], path)
+        for meta in tp.__metadata__:
+            if isinstance(meta, Registered) and value not in (names := meta.names()):
+                close = difflib.get_close_matches(str(value), names, n=1, cutoff=0.4)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                raise ConfigError(f"{path}: {value!r} is not one of {names}{hint}")
+        return value
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
@@ -190,7 +199,7 @@ def coerce(value: Any, tp: Any, path: str) -> Any:
 
 
 def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
+    return typing.get_type_hints(cls, include_extras=True)
 
 
 def from_dict(cls: type, data: Mapping[str, Any], path: str = "") -> Any:

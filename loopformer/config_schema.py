@@ -2,8 +2,22 @@
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
+
+
+@dataclass(frozen=True)
+class Registered:
+    """``Annotated[str, Registered("module:NAME")]``: the value must be a key of the registry dict
+    ``NAME`` in ``module`` (imported when a value is checked, by ``loopformer.config.coerce``), so
+    plug-ins registered outside the package are valid values and the list of choices is the registry's."""
+
+    registry: str
+
+    def names(self) -> list[str]:
+        module, attr = self.registry.split(":")
+        return list(getattr(importlib.import_module(module), attr))
 
 
 # --------------------------------------------------------------------------------------------
@@ -75,7 +89,7 @@ class TrainConfig:
     """Optimisation, the training loop mode and logging / checkpoint cadence."""
 
     # a registered training mode (loopformer.train.modes.TRAINING_MODES): simple | deep_supervision | ...
-    mode: str = "simple"
+    mode: Annotated[str, Registered("loopformer.train.modes:TRAINING_MODES")] = "simple"
     steps: int = 1000
     batch_size: int = 64
     # optimiser (AdamW) and schedule

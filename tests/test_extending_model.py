@@ -10,8 +10,10 @@ and sequence length filled in from the data), checkpoints record the family and 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+import pytest
 import torch
 from test_train_utils import VOCAB, tiny_config, tiny_dataset
 from torch import Tensor, nn
@@ -56,7 +58,12 @@ class GatedCell(LoopedModel):
         return self.head(z)
 
 
-register_model("gated_cell_test", GatedCell, GatedCellConfig)
+@pytest.fixture(autouse=True, scope="module")
+def registered() -> Iterator[None]:
+    """Register the family for this module's tests (undone afterwards: other tests see the built-ins)."""
+    register_model("gated_cell_test", GatedCell, GatedCellConfig)
+    yield
+    MODELS.pop("gated_cell_test")
 
 
 def test_registered_family_trains_from_a_config_and_evaluates(tmp_path) -> None:

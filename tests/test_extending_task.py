@@ -11,6 +11,7 @@ at the same position. ``check`` judges a prediction from the input alone (it nev
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -52,8 +53,6 @@ class SuccessorTask(Task):
         return "".join(str(int(t)) for t in tokens)
 
 
-register_task("successor_test", SuccessorTask)
-
 RECIPE = {
     "model": {"name": "recurrent", "d_model": 32, "n_heads": 2, "n_layers": 1},
     "data": {"task": "successor_test", "train_size": 512, "eval_size": 64},
@@ -75,8 +74,16 @@ RECIPE = {
 }
 
 
+@pytest.fixture(autouse=True, scope="module")
+def registered() -> Iterator[None]:
+    """Register the task for this module's tests (undone afterwards: other tests see the built-ins)."""
+    register_task("successor_test", SuccessorTask)
+    yield
+    TASKS.pop("successor_test")
+
+
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def trained(registered: None, tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("successor")
     (root / "recipe.yaml").write_text(yaml.safe_dump(RECIPE))
     result = CliRunner().invoke(cli, ["train", str(root / "recipe.yaml"), f"out_dir={root / 'run'}"])

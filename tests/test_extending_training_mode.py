@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,6 @@ from loopformer.train import Trainer
 from loopformer.train.modes import TRAINING_MODES, SegmentBatch, TrainingMode, register_training_mode
 
 
-@register_training_mode
 class DepthCurriculum(TrainingMode):
     """``1 + step // 2`` fixed loops per step (capped at ``loop_train.max_steps``)."""
 
@@ -57,6 +57,15 @@ class DepthCurriculum(TrainingMode):
         self.deepest = int(saved["deepest"])
 
 
+@pytest.fixture(autouse=True, scope="module")
+def registered() -> Iterator[None]:
+    """``register_training_mode`` (usually a class decorator), undone after this module's tests so
+    that other tests see the built-in registry."""
+    register_training_mode(DepthCurriculum)
+    yield
+    TRAINING_MODES.pop(DepthCurriculum.name)
+
+
 def _trainer(tmp_path: Path, *overrides: str) -> Trainer:
     cfg = tiny_config(tmp_path, "train.mode=depth_curriculum_test", "loop_train.max_steps=4", *overrides)
     return Trainer(
@@ -87,7 +96,18 @@ def test_the_mode_state_is_checkpointed_and_restored(tmp_path) -> None:
 
 
 def test_an_unknown_mode_names_the_registered_ones(tmp_path) -> None:
+    # the recipe key is checked against the registry when the config is read ...
     with pytest.raises(
-        ConfigError, match=r"unknown training mode 'deep_supervison'.*did you mean 'deep_supervision'"
+        ConfigError,
+        match=r"train.mode: 'deep_supervison' is not one of \['simple', 'deep_supervision', "
+        r"'depth_curriculum_test'\]; did you mean 'deep_supervision'",
     ):
         _trainer(tmp_path, "train.mode=deep_supervison")
+    # ... and a config changed in code meets the same registry in the trainer
+    cfg = tiny_config(tmp_path)
+    cfg.train.mode = "depth_curiculum_test"
+    with pytest.raises(
+        ConfigError,
+        match=r"unknown training mode 'depth_curiculum_test'.*did you mean 'depth_curriculum_test'",
+    ):
+        Trainer(cfg, model=TinyLooped(seed=0), train_data=tiny_dataset(8))
