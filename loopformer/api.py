@@ -69,16 +69,8 @@ def parse_puzzle(task: Task, puzzle: str | np.ndarray | list[int]) -> np.ndarray
     """Input tokens [T] for one puzzle: text through the task's parser, or token ids."""
     if not isinstance(puzzle, str):
         tokens = np.asarray(puzzle, dtype=np.int64).reshape(-1)
-    elif hasattr(task, "parse_grid"):
+    else:  # the task's notation (Task.parse_grid; by default whitespace- or comma-separated token ids)
         tokens = np.asarray(task.parse_grid(puzzle, "puzzle"), dtype=np.int64).reshape(-1)
-    else:
-        parts = puzzle.replace(",", " ").split()
-        try:
-            tokens = np.asarray([int(p) for p in parts], dtype=np.int64)
-        except ValueError:
-            raise TaskDataError(
-                f"task {task.name!r} reads a puzzle as whitespace-separated token ids, got {puzzle!r}"
-            ) from None
     if tokens.size == 0:
         raise TaskDataError("the puzzle is empty")
     if task.vocab_size and (tokens.min() < 0 or tokens.max() >= task.vocab_size):
@@ -89,13 +81,12 @@ def parse_puzzle(task: Task, puzzle: str | np.ndarray | list[int]) -> np.ndarray
 
 
 def format_answer(task: Task, tokens: np.ndarray) -> str | list[int]:
-    """The task's text form of a token array (a grid string) when it has one, else the token ids."""
-    if hasattr(task, "format_grid"):
-        try:
-            return task.format_grid(tokens)
-        except (TaskDataError, ValueError, IndexError):
-            pass
-    return [int(t) for t in tokens]
+    """The task's text form of a token array (``Task.format_grid``: a grid string, by default the token
+    ids joined by spaces); the token ids when the prediction is no well-formed grid."""
+    try:
+        return task.format_grid(tokens)
+    except (TaskDataError, ValueError, IndexError):
+        return [int(t) for t in tokens]
 
 
 @torch.no_grad()
