@@ -19,7 +19,7 @@ TASKS: dict[str, str] = {
     "arc": "loopformer.tasks.arc:ArcTask",
     "groups": "loopformer.tasks.groups:GroupTask",
     "kg_depth": "loopformer.tasks.kg:KGDepthTask",
-    "kg_systematic": "loopformer.tasks.kg:KGSystematicTask",
+    "kg_systematic": "loopformer.tasks.kg_systematic:KGSystematicTask",
     "text": "loopformer.tasks.text:TextTask",
 }
 
