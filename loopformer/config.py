@@ -37,7 +37,6 @@ from loopformer.config_schema import (
     DataConfig,
     EvalConfig,
     ModelSpec,
-    Registered,
     RunConfig,
     TrainConfig,
 )
@@ -112,14 +111,8 @@ def coerce(value: Any, tp: Any, path: str) -> Any:
         return value
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
-    if origin is Annotated:  # Annotated[T, Registered(...)]: a T that must name a registry entry
-        value = coerce(value, args[0], path)
-        for meta in tp.__metadata__:
-            if isinstance(meta, Registered) and value not in (names := meta.names()):
-                close = difflib.get_close_matches(str(value), names, n=1, cutoff=0.4)
-                hint = f"; did you mean {close[0]!r}?" if close else ""
-                raise ConfigError(f"{path}: {value!r} is not one of {names}{hint}")
-        return value
+    if origin is Annotated:  # Annotated[str, Registered(...)] (config_schema): one of the registry's names
+        return coerce(value, Literal[tuple(tp.__metadata__[0].names())], path)
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
