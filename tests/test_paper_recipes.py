@@ -53,7 +53,7 @@ def test_every_recipe_loads(path: Path, tmp_path: Path) -> None:
 
 def test_a_misspelled_key_in_a_paper_recipe_is_an_error(tmp_path: Path) -> None:
     """The loader the fast test relies on rejects unknown keys (so 'loads' means 'all keys valid')."""
-    raw = yaml.safe_load((ROOT / "recipes" / "paper_sudoku_extreme_attractor.yaml").read_text())
+    raw = yaml.safe_load((ROOT / "recipes" / "paper_sudoku_extreme_attractor_head.yaml").read_text())
     raw["model"]["n_backbones"] = 4
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump(raw))

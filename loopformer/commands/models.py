@@ -20,6 +20,7 @@ DESCRIPTIONS = {
     "ut_act": "Universal Transformer with ACT halting",
     "trm": "tiny recursive model, deep supervision",
     "hrm": "hierarchical reasoning model",
+    "attractor_puzzle": "Attractor puzzle model (TRM-DEQ): Anderson inner solve",
 }
 
 

@@ -21,6 +21,7 @@ MODELS: dict[str, str] = {
     "ut_act": "loopformer.models.ut_act:UniversalTransformer:UTConfig",
     "trm": "loopformer.models.trm:TRM:TRMConfig",
     "hrm": "loopformer.models.hrm:HRM:HRMConfig",
+    "attractor_puzzle": "loopformer.models.attractor_puzzle:AttractorPuzzle:AttractorPuzzleConfig",
 }
 
 

@@ -1,0 +1,185 @@
+"""Attractor puzzle model ("TRM-DEQ"): TRM whose inner latent recursion is an Anderson solve.
+
+The Attractor paper's puzzle results (Fein-Ashley and Rashidinejad, arXiv 2605.12466: Sudoku-Extreme
+91.4%, Maze-Hard 93.1% at 27M parameters) come from this model, not from the backbone + attractor
+head of ``loopformer.models.attractor``. Reference: github jacobfa/Attractor,
+``experiments/attractor_puzzles/trm/trm_deq.py`` (``TRMDEQ_Inner``, ``_InnerDEQ``,
+``_anderson_solve``), trained by ``train_trm_deq.py`` with the loss head of ``losses_deq.py``.
+
+One *step* of the outer loop (one of TRM's ``H_cycles``, the first ``H_cycles - 1`` without
+gradient: ``LoopConfig(halting="fixed", max_steps=3, grad="truncated", grad_steps=1)``) is
+
+    z_L* = solve  z_L = net(z_L, z_H + x)        # reference: _InnerDEQ, fmap(z) = L_level(z, ctx)
+    z_L  = net^K(z_L*)                           # K = bptt_through, with gradient ("phantom")
+    z_H  = net(z_H, z_L)                         # the explicit answer update, as TRM
+
+where ``net`` is TRM's reasoning module (post-norm blocks with additive injection, shared by both
+updates, ``loopformer.models.trm.ReasoningModule``). Everything around it is TRM: the state stacks
+``(z_H, z_L)``, the readout is ``lm_head(z_H)`` on the token positions, the Q head reads ``z_H`` at
+position 0, deep supervision / ACT segments and the halting head are the trainer's
+``deep_supervision`` mode (up to 16 segments, halt on q > 0 with exploration 0.1, 16 segments at
+evaluation).
+
+- Inner solve: ``run_loop`` without gradient on ``f(z) = net(z, z_H + x)`` from the carried ``z_L``,
+  with ``inner_loop`` (default: Anderson m 5, mixing 1.0, absolute regulariser 1e-4 as the
+  reference's ``1e-4 * eye``, residual ``||f(z) - z|| / ||f(z)||`` below ``deq_tol`` 1e-3 after
+  ``deq_min_iter`` 4 of at most ``deq_max_iter`` 8 map evaluations). The reference counts map
+  evaluations and returns the iterate whose residual it checked; the engine counts iterations and
+  returns the next iterate, so ``max_steps = deq_max_iter - 1`` and ``min_steps = deq_min_iter - 1``
+  reproduce the reference's iterate with fixed counts (docs/fidelity.md lists the differences).
+- Gradient through the last solver iterates: K = ``bptt_through`` (2) further applications of
+  ``f`` from the detached solution, by a second ``run_loop`` (Picard, fixed K steps, BPTT). As in
+  the reference their *value* is kept (``net^K(z*)``, not ``z*``), also in the no-gradient cycles.
+- Jacobian regulariser (Bai, Koltun and Kolter 2021; reference ``_InnerDEQ.forward``): at the
+  returned ``z_L`` of the differentiable cycle, ``mean((J^T v)^2)`` with ``v ~ N(0, 1/d)``, ``J``
+  the Jacobian of ``f`` (double backward, ``create_graph``), averaged over ``jacobian_samples``
+  probes. It is ``ModelOutput.aux_loss``, weighted by ``train.ponder_weight``: the reference adds
+  ``lambda * jac`` to a loss it sums over the batch and divides by the global batch, so the weight
+  here is ``lambda / global_batch`` (1e-3 / 768 in the paper recipes). Computed in training mode
+  only, like the reference, under the math attention kernel (the fused kernels have no double
+  backward; the reference forces it the same way).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from loopformer.loop import LoopConfig, LoopResult, run_loop
+from loopformer.models.base import ModelOutput
+from loopformer.models.trm import TRM, TRMConfig
+
+
+def _outer_loop() -> LoopConfig:
+    return LoopConfig(halting="fixed", max_steps=3, grad="truncated", grad_steps=1)
+
+
+@dataclass
+class AttractorPuzzleConfig(TRMConfig):
+    """TRM's fields plus the DEQ knobs, named as the reference's ``TRMDEQConfig``."""
+
+    n_layers: int = 2
+    deq_solver: str = "anderson"  # any engine solver for the inner solve
+    deq_max_iter: int = 8  # reference: map evaluations of the forward solve
+    deq_min_iter: int = 4
+    deq_tol: float = 1e-3
+    deq_anderson_m: int = 5
+    deq_anderson_beta: float = 1.0
+    deq_anderson_reg: float = 1e-4
+    deq_anderson_reg_relative: bool = False  # the reference adds 1e-4 * I to the raw Gram matrix
+    deq_halting: str = "residual"  # residual (per sample) | fixed (always deq_max_iter evaluations)
+    bptt_through: int = 2  # K differentiable applications of f after the solve (1 = IFT one-step)
+    jacobian_samples: int = 1  # Hutchinson probes of the Jacobian regulariser (0 = off)
+    loop: LoopConfig = field(default_factory=_outer_loop)
+
+    def inner_loop(self) -> LoopConfig:
+        """The engine configuration of the inner solve (reference counts -> engine counts)."""
+        if self.deq_max_iter < 2:
+            raise ValueError(
+                f"deq_max_iter must be >= 2 (the reference's two warm-up evaluations), got {self.deq_max_iter}"
+            )
+        steps = self.deq_max_iter - 1
+        return LoopConfig(
+            solver=self.deq_solver,
+            halting=self.deq_halting,
+            max_steps=steps,
+            min_steps=min(max(self.deq_min_iter - 1, 0), steps),
+            tol=self.deq_tol,
+            residual_norm="rel_l2",
+            anderson_m=self.deq_anderson_m,
+            anderson_beta=self.deq_anderson_beta,
+            anderson_reg=self.deq_anderson_reg,
+            anderson_reg_relative=self.deq_anderson_reg_relative,
+            grad="bptt",  # run without gradient (the model wraps it in no_grad)
+        )
+
+
+class AttractorPuzzle(TRM):
+    """TRM-DEQ on the one engine (see the module docstring)."""
+
+    config: AttractorPuzzleConfig
+
+    def __init__(self, config: AttractorPuzzleConfig) -> None:
+        super().__init__(config)
+        if config.bptt_through < 1:
+            raise ValueError(f"bptt_through must be >= 1, got {config.bptt_through}")
+        if config.jacobian_samples < 0:
+            raise ValueError(f"jacobian_samples must be >= 0, got {config.jacobian_samples}")
+        self.solve_loop = config.inner_loop()
+        self.phantom_loop = LoopConfig(
+            solver="picard", halting="fixed", max_steps=config.bptt_through, grad="bptt", trace=False
+        )
+        self._jac: Tensor | None = None
+        self._generator: torch.Generator | None = None
+        self.last_inner: LoopResult | None = None  # the latest inner solve (steps, residuals)
+        self.jacobian_probe: Tensor | None = None  # tests: a fixed probe v instead of a random one
+
+    # -- the inner solve ------------------------------------------------------------------------
+    def solve_latent(self, latent: Tensor, injection: Tensor) -> Tensor:
+        """``net^K(z*)`` with ``z* = solve z = net(z, injection)`` from ``latent``."""
+        with torch.no_grad():
+            res = run_loop(self.net, latent.detach(), self.solve_loop, ctx=(injection,))
+        self.last_inner = res
+        out = run_loop(self.net, res.state.detach(), self.phantom_loop, ctx=(injection,))
+        z = out.state
+        if torch.is_grad_enabled() and self.training and self.config.jacobian_samples > 0:
+            self._jac = self.jacobian_term(z, injection)
+        return z
+
+    def jacobian_term(self, z: Tensor, injection: Tensor) -> Tensor:
+        """``mean((J^T v)^2)`` at ``z`` (reference ``_InnerDEQ``), differentiable in the parameters."""
+        d = z.shape[-1]
+        total = z.new_zeros((), dtype=torch.float32)
+        for _ in range(self.config.jacobian_samples):
+            if self.jacobian_probe is not None:
+                v = self.jacobian_probe.to(z.dtype)
+            else:
+                noise = torch.randn(z.shape, generator=self._generator, device=z.device, dtype=z.dtype)
+                v = noise / math.sqrt(d)
+            z_in = z.detach().requires_grad_(True)
+            # the math kernel: the fused (flash) attention kernels have no double backward
+            with torch.enable_grad(), sdpa_kernel(SDPBackend.MATH):
+                fz = self.net(z_in, injection)
+                (jtv,) = torch.autograd.grad((v * fz).sum(), z_in, create_graph=True)
+            total = total + jtv.float().pow(2).mean()
+        return total / self.config.jacobian_samples
+
+    # -- the model contract ---------------------------------------------------------------------
+    def step(self, z: Tensor, *ctx: Tensor) -> Tensor:
+        x = ctx[0]
+        y, latent = z[:, 0], z[:, 1]
+        latent = self.solve_latent(latent, y + x)
+        y = self.net(y, latent)
+        return torch.stack((y, latent), dim=1)
+
+    def aux_loss(self, result: LoopResult) -> Tensor | None:
+        return self._jac
+
+    def forward(
+        self, inputs: Tensor, *args, generator: torch.Generator | None = None, **kwargs
+    ) -> ModelOutput:
+        self._jac, self._generator = None, generator
+        try:
+            return super().forward(inputs, *args, generator=generator, **kwargs)
+        finally:
+            self._generator = None
+
+
+def paper_config() -> AttractorPuzzleConfig:
+    """TRM-DEQ at the paper's 27M size (reference ``train_trm_deq.py`` defaults): d 512, 8 heads,
+    8 layers, expansion 4, H_cycles 3, Sudoku vocabulary 11 and 81 cells, 16 puzzle-embedding
+    tokens (one puzzle identifier)."""
+    return AttractorPuzzleConfig(
+        vocab_size=11,
+        seq_len=81,
+        d_model=512,
+        n_heads=8,
+        n_layers=8,
+        expansion=4.0,
+        num_puzzle_ids=1,
+        puzzle_emb_len=16,
+    )
