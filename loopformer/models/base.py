@@ -80,6 +80,12 @@ class LoopedModel(nn.Module):
         """Halting / Q logit [B] (TRM, HRM, FPRM); None when the model has none."""
         return None
 
+    def halting_readout(self, z: Tensor, *ctx: Tensor) -> Tensor:
+        """The logits the KL + entropy halting rule reads (default: ``readout``, every position).
+
+        A model may restrict them, e.g. to the answer position (``RecurrentConfig.halt_position``)."""
+        return self.readout(z, *ctx)
+
     def halt_prob(self, z: Tensor, *ctx: Tensor) -> Tensor:
         """ACT halting probability [B] or [B, T]; only models trained with ACT define it."""
         raise NotImplementedError(f"{type(self).__name__} has no ACT halting unit")
@@ -104,17 +110,19 @@ class LoopedModel(nn.Module):
         cfg = loop if loop is not None else self.config.loop
         ctx = self.embed(inputs, puzzle_ids)
         z0 = state if state is not None else self.init_state(ctx, generator)
+        own_halting_readout = type(self).halting_readout is not LoopedModel.halting_readout
         res = run_loop(
             self.step,
             z0,
             cfg,
             ctx=ctx,
-            readout=self.readout if cfg.halting == "kl_entropy" else None,
+            readout=self.halting_readout if cfg.halting == "kl_entropy" else None,
             halt_fn=self.halt_prob if cfg.halting == "act" else None,
             callback=callback,
             solver_state=solver_state,
         )
-        logits = res.logits if res.logits is not None else self.readout(res.state, *ctx)
+        reuse = res.logits is not None and not own_halting_readout
+        logits = res.logits if reuse else self.readout(res.state, *ctx)
         return ModelOutput(
             logits=logits,
             state=res.state,

@@ -25,6 +25,11 @@ Design choices:
   additive injection; it can then learn any linear mix.
 - ``parcae``: A (``injection_log_A``) initialised to 0 (exp(A) = 1), dt to 0 (softplus = ln 2, a
   decay of 0.5), B to the identity; Parcae's output projection C before the coda is omitted.
+- KL / entropy halting reads ``halting_readout``: with ``halt_position="all"`` every position (reduced
+  by ``LoopConfig.kl_reduce``), with ``"answer"`` only the answer position, the last token that is
+  not ``pad_id`` (the LTG reference's ``forward_adapative`` with ``pred_pos="inp_len"`` reads that
+  position; github OSU-NLP-Group/Loop-Think-Generalize, gpt_utils_extrapolation.py). Other positions
+  are replaced by a certain, constant distribution (KL 0, entropy 0), so they never block halting.
 - Default loop: 4 Picard steps, fixed halting, BPTT. LTG's Poisson(4) loop counts in [2, 8] come
   from the trainer's samplers; KL/entropy halting (``halting="kl_entropy"``) reads this readout.
 """
@@ -42,6 +47,7 @@ from loopformer.models.base import LoopedModel, ModelConfig
 from loopformer.models.transformer import InputEmbedding, OutputHead, make_blocks
 
 INJECTIONS = ("none", "add", "concat", "parcae")
+HALT_POSITIONS = ("all", "answer")
 INITS = ("auto", "embed", "zeros", "random")
 _AUTO_INIT = {"none": "embed", "add": "embed", "concat": "random", "parcae": "zeros"}
 
@@ -55,10 +61,14 @@ class RecurrentConfig(ModelConfig):
     n_prelude: int = 0  # distinct blocks before the loop
     n_coda: int = 0  # distinct blocks after the loop (part of the readout)
     injection: str = "add"  # none | add | concat | parcae
-    init: str = "auto"  # auto | embed | zeros | random (auto: embed for none/add, random concat, zeros parcae)
+    init: str = (
+        "auto"  # auto | embed | zeros | random (auto: embed for none/add, random concat, zeros parcae)
+    )
     init_std: float = 1.0  # std of the random initial state
     norm: str = "pre"  # pre | post | sandwich | peri (Huginn uses sandwich)
     out_init_scale: float = 0.1  # output projections scaled near zero at init (LTG)
+    halt_position: str = "all"  # positions KL / entropy halting reads: all | answer (last non-pad token)
+    pad_id: int | None = None  # the padding token (needed by halt_position="answer")
     loop: LoopConfig = field(default_factory=_default_loop)
 
 
@@ -97,6 +107,14 @@ class RecurrentDepth(LoopedModel):
             with torch.no_grad():
                 self.injection_B.weight.copy_(torch.eye(d))
         self.init_mode = _AUTO_INIT[config.injection] if config.init == "auto" else config.init
+        if config.halt_position not in HALT_POSITIONS:
+            raise ValueError(
+                f"unknown halt_position {config.halt_position!r}; choose one of {HALT_POSITIONS}"
+            )
+        if config.halt_position == "answer" and config.pad_id is None:
+            raise ValueError(
+                "halt_position='answer' needs pad_id (the answer is the last token that is not padding)"
+            )
 
     def no_weight_decay(self) -> set[str]:
         """Parcae's diagonal dynamics parameters (A, dt) are excluded from weight decay."""
@@ -106,7 +124,17 @@ class RecurrentDepth(LoopedModel):
         e = self.embedding(inputs, puzzle_ids)
         for block in self.prelude:
             e = block(e)
+        if self.config.halt_position == "answer":
+            return (e, answer_mask(inputs, self.config.pad_id))
         return (e,)
+
+    def halting_readout(self, z: Tensor, *ctx: Tensor) -> Tensor:
+        logits = self.readout(z, *ctx)
+        if self.config.halt_position == "all":
+            return logits
+        certain = torch.full_like(logits, -1e4)
+        certain[..., 0] = 0.0
+        return torch.where(ctx[1].unsqueeze(-1), logits, certain)
 
     def init_state(self, ctx: tuple[Tensor, ...], generator: torch.Generator | None = None) -> Tensor:
         e = ctx[0]
@@ -140,6 +168,14 @@ class RecurrentDepth(LoopedModel):
         for block in self.coda:
             z = block(z)
         return self.output(z)
+
+
+def answer_mask(inputs: Tensor, pad_id: int | None) -> Tensor:
+    """[B, T] bool, True at each row's last token that is not ``pad_id`` (right-padded queries)."""
+    real = inputs != pad_id
+    positions = torch.arange(inputs.shape[1], device=inputs.device).expand_as(inputs)
+    last = torch.where(real, positions, -1).amax(dim=1, keepdim=True)
+    return positions == last
 
 
 def paper_config() -> RecurrentConfig:
