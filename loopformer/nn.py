@@ -13,6 +13,10 @@
   ``sandwich`` / ``peri``  h = h (+) norm(S(norm(h)))  (Huginn sandwich, Peri-LN; FPRM's "peri-norm")
   where (+) is the residual update, ``h + u`` by default. FPRM replaces it with its tied
   scaling ``a1 * h + b1 * u`` through the ``residual`` hook, without a separate block class.
+- ``GPT2Block``: GPT-2's block as Hugging Face's ``GPT2Block`` computes it (the Loop, Think &
+  Generalize reference uses it): pre-LayerNorm with biases, fused qkv and output projections with
+  biases, tanh-GELU MLP of width ``expansion * d``, dropout on the attention weights and on both
+  residual branches; weights N(0, 0.02), biases 0, output projections times ``out_init_scale``.
 - ``DepthwiseConv1d`` (causal, kernel 4) and ``DepthwiseConv2d`` (grid, kernel 3): FPRM's optional
   token-mixing convolutions.
 - ``trunc_normal_state``: FPRM's truncated-normal initial iterate (std 6).
@@ -249,6 +253,54 @@ class Block(nn.Module):
             else:
                 h = residual(h, out_norm(layer(norm(h))))
         return h
+
+
+class GPT2Block(nn.Module):
+    """GPT-2 block (pre-LayerNorm, biases, tanh-GELU MLP, dropout); ``forward(h, residual=fn)`` as ``Block``."""
+
+    def __init__(
+        self,
+        dim: int,
+        n_heads: int,
+        causal: bool = True,
+        expansion: float = 4.0,
+        dropout: float = 0.0,
+        eps: float = 1e-5,
+        out_init_scale: float = 1.0,
+        init_std: float = 0.02,
+    ) -> None:
+        super().__init__()
+        if dim % n_heads:
+            raise ValueError(f"d_model {dim} is not divisible by n_heads {n_heads}")
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+        self.n_heads, self.head_dim, self.causal, self.dropout = n_heads, dim // n_heads, causal, dropout
+        hidden = int(round(expansion * dim))
+        self.ln_1, self.ln_2 = nn.LayerNorm(dim, eps=eps), nn.LayerNorm(dim, eps=eps)
+        self.c_attn, self.attn_proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.c_fc, self.mlp_proj = nn.Linear(dim, hidden), nn.Linear(hidden, dim)
+        self.drop = nn.Dropout(dropout)
+        with torch.no_grad():
+            for lin in (self.c_attn, self.attn_proj, self.c_fc, self.mlp_proj):
+                nn.init.normal_(lin.weight, std=init_std)
+                nn.init.zeros_(lin.bias)
+            for lin in self.output_projections():
+                lin.weight.mul_(out_init_scale)
+
+    def output_projections(self) -> list[nn.Linear]:
+        return [self.mlp_proj, self.attn_proj]
+
+    def attention(self, x: Tensor) -> Tensor:
+        B, T, D = x.shape
+        q, k, v = self.c_attn(x).view(B, T, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        p = self.dropout if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=self.causal)
+        return self.attn_proj(y.transpose(1, 2).reshape(B, T, D))
+
+    def forward(self, h: Tensor, residual: ResidualFn = _add) -> Tensor:
+        h = residual(h, self.drop(self.attention(self.ln_1(h))))
+        u = self.mlp_proj(F.gelu(self.c_fc(self.ln_2(h)), approximate="tanh"))
+        return residual(h, self.drop(u))
 
 
 class DepthwiseConv1d(nn.Module):

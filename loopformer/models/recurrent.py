@@ -30,6 +30,14 @@ Design choices:
   not ``pad_id`` (the LTG reference's ``forward_adapative`` with ``pred_pos="inp_len"`` reads that
   position; github OSU-NLP-Group/Loop-Think-Generalize, gpt_utils_extrapolation.py). Other positions
   are replaced by a certain, constant distribution (KL 0, entropy 0), so they never block halting.
+- ``block="gpt2"``: the LTG reference's architecture (github OSU-NLP-Group/Loop-Think-Generalize,
+  gpt_utils_extrapolation.py ``RecurrentGPT2Block``): Hugging Face ``GPT2Block`` layers
+  (``loopformer.nn.GPT2Block``: LayerNorm, GELU, biases, ``dropout`` on attention weights and both
+  residual branches, output projections times ``out_init_scale``, 0 = zero-initialised as the
+  reference's ``--c_scale 0``), a final LayerNorm, a token embedding ~ N(0, 1) used unscaled and
+  tied to the head, ``embed_dropout`` on the embedded input. ``norm`` must stay ``"pre"``.
+  With ``injection="add"`` and ``init="zeros"`` the loop is the reference's ``--input_injection``
+  (no injection before the first loop: ``h1 = core(e)``, then ``h <- core(h + e)``).
 - Default loop: 4 Picard steps, fixed halting, BPTT. LTG's Poisson(4) loop counts in [2, 8] come
   from the trainer's samplers; KL/entropy halting (``halting="kl_entropy"``) reads this readout.
 """
@@ -45,9 +53,11 @@ from torch import Tensor, nn
 from loopformer.loop import LoopConfig
 from loopformer.models.base import LoopedModel, ModelConfig
 from loopformer.models.transformer import InputEmbedding, OutputHead, make_blocks
+from loopformer.nn import GPT2Block
 
 INJECTIONS = ("none", "add", "concat", "parcae")
 HALT_POSITIONS = ("all", "answer")
+BLOCKS = ("loopformer", "gpt2")
 INITS = ("auto", "embed", "zeros", "random")
 _AUTO_INIT = {"none": "embed", "add": "embed", "concat": "random", "parcae": "zeros"}
 
@@ -68,6 +78,11 @@ class RecurrentConfig(ModelConfig):
     norm: str = "pre"  # pre | post | sandwich | peri (Huginn uses sandwich)
     out_init_scale: float = 0.1  # output projections scaled near zero at init (LTG)
     halt_position: str = "all"  # positions KL / entropy halting reads: all | answer (last non-pad token)
+    block: str = (
+        "loopformer"  # loopformer (nn.Block: RMSNorm, SwiGLU, no biases) | gpt2 (the LTG reference's)
+    )
+    dropout: float = 0.0  # gpt2 blocks: attention and residual dropout (GPT2Config default 0.1)
+    embed_dropout: float = 0.0  # gpt2: dropout on the embedded input (the reference's embd_pdrop)
     pad_id: int | None = None  # the padding token (needed by halt_position="answer")
     loop: LoopConfig = field(default_factory=_default_loop)
 
@@ -88,13 +103,19 @@ class RecurrentDepth(LoopedModel):
                 f"need n_layers >= 1 and n_prelude, n_coda >= 0; got {config.n_layers}, "
                 f"{config.n_prelude}, {config.n_coda}"
             )
+        if config.block not in BLOCKS:
+            raise ValueError(f"unknown block {config.block!r}; choose one of {BLOCKS}")
         d = config.d_model
         self.embedding = InputEmbedding(config)
-        kw = dict(norm=config.norm, out_init_scale=config.out_init_scale)
-        self.prelude = make_blocks(config, config.n_prelude, **kw)  # type: ignore[arg-type]
-        self.core = make_blocks(config, config.n_layers, **kw)  # type: ignore[arg-type]
-        self.coda = make_blocks(config, config.n_coda, **kw)  # type: ignore[arg-type]
-        self.output = OutputHead(config, self.embedding)
+        if config.block == "gpt2":
+            self._gpt2_layers(config)
+        else:
+            kw = dict(norm=config.norm, out_init_scale=config.out_init_scale)
+            self.prelude = make_blocks(config, config.n_prelude, **kw)  # type: ignore[arg-type]
+            self.core = make_blocks(config, config.n_layers, **kw)  # type: ignore[arg-type]
+            self.coda = make_blocks(config, config.n_coda, **kw)  # type: ignore[arg-type]
+            self.output = OutputHead(config, self.embedding)
+        self.embed_drop = nn.Dropout(config.embed_dropout)
         if config.injection == "concat":
             self.injection_proj = nn.Linear(2 * d, d, bias=False)
             with torch.no_grad():
@@ -116,12 +137,42 @@ class RecurrentDepth(LoopedModel):
                 "halt_position='answer' needs pad_id (the answer is the last token that is not padding)"
             )
 
+    def _gpt2_layers(self, config: RecurrentConfig) -> None:
+        """GPT-2 blocks, final LayerNorm, unscaled N(0, 1) token embedding (LTG's RecurrentGPT2Block)."""
+        if config.norm != "pre":
+            raise ValueError(f"block='gpt2' is pre-LayerNorm; norm must be 'pre', got {config.norm!r}")
+        if config.num_puzzle_ids:
+            raise ValueError("block='gpt2' has no per-puzzle embedding (num_puzzle_ids must be 0)")
+
+        def blocks(n: int) -> nn.ModuleList:
+            return nn.ModuleList(
+                GPT2Block(
+                    config.d_model,
+                    config.n_heads,
+                    causal=config.causal,
+                    expansion=config.expansion,
+                    dropout=config.dropout,
+                    out_init_scale=config.out_init_scale,
+                )
+                for _ in range(n)
+            )
+
+        self.prelude, self.core, self.coda = (
+            blocks(config.n_prelude),
+            blocks(config.n_layers),
+            blocks(config.n_coda),
+        )
+        self.embedding.scale = 1.0
+        nn.init.normal_(self.embedding.tokens.weight, std=1.0)  # nn.Embedding's default, as the reference
+        self.output = OutputHead(config, self.embedding)
+        self.output.norm = nn.LayerNorm(config.d_model, eps=1e-5)  # type: ignore[assignment]
+
     def no_weight_decay(self) -> set[str]:
         """Parcae's diagonal dynamics parameters (A, dt) are excluded from weight decay."""
         return {"injection_log_A", "injection_dt"} if self.config.injection == "parcae" else set()
 
     def embed(self, inputs: Tensor, puzzle_ids: Tensor | None = None) -> tuple[Tensor, ...]:
-        e = self.embedding(inputs, puzzle_ids)
+        e = self.embed_drop(self.embedding(inputs, puzzle_ids))
         for block in self.prelude:
             e = block(e)
         if self.config.halt_position == "answer":

@@ -1,0 +1,102 @@
+"""``loopformer convert ltg``: a Loop, Think & Generalize checkpoint -> a loopformer ``recurrent`` run folder.
+
+Reference: github OSU-NLP-Group/Loop-Think-Generalize, ``gpt_utils_extrapolation.py``
+(``RecurrentGPT2Block``: Hugging Face ``GPT2Block`` layers looped ``num_iterations`` times, a final
+LayerNorm, a head tied to the token embedding), trained by ``train_extrapolation.py`` /
+``train_systematicity.py``, which save ``{"model_state_dict": ...}`` (``torch.compile``'s ``_orig_mod.``
+prefix is stripped). The block maps to ``RecurrentConfig(block="gpt2")``; Hugging Face's ``Conv1D``
+weights are stored ``[in, out]`` and are transposed into ``nn.Linear``'s ``[out, in]``.
+
+``ref_config`` is the training script's arguments (``vars(args)`` as JSON / YAML; optional): ``num_heads``
+(default 12, as the script), ``input_injection`` (-> ``injection="add"``, ``init="zeros"``, which is the
+reference's "no injection before the first loop"), ``dropout`` (-> ``embed_dropout``), ``max_len``
+(-> ``seq_len``, default 50), ``recurrence`` / ``dynamic_max`` (the evaluation loop count).
+Learned or sinusoidal positions are not supported (the paper's runs use none: ``--positional_embedding_type none``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor
+
+from loopformer.convert import Converted, KeyMap, strip_prefixes
+
+BLOCK_KEYS = {  # loopformer GPT2Block name -> (reference name, transpose Conv1D)
+    "ln_1.weight": ("ln_1.weight", False),
+    "ln_1.bias": ("ln_1.bias", False),
+    "c_attn.weight": ("attn.c_attn.weight", True),
+    "c_attn.bias": ("attn.c_attn.bias", False),
+    "attn_proj.weight": ("attn.c_proj.weight", True),
+    "attn_proj.bias": ("attn.c_proj.bias", False),
+    "ln_2.weight": ("ln_2.weight", False),
+    "ln_2.bias": ("ln_2.bias", False),
+    "c_fc.weight": ("mlp.c_fc.weight", True),
+    "c_fc.bias": ("mlp.c_fc.bias", False),
+    "mlp_proj.weight": ("mlp.c_proj.weight", True),
+    "mlp_proj.bias": ("mlp.c_proj.bias", False),
+}
+# buffers older transformers versions save with every GPT2Attention (the causal mask and its fill value)
+BUFFERS = ("attn.bias", "attn.masked_bias")
+
+
+def _n_layers(km: KeyMap) -> int:
+    n = 0
+    while km.has(f"blocks.{n}.ln_1.weight"):
+        n += 1
+    if n == 0:
+        raise ValueError("LTG checkpoint: no blocks.0.* keys (is this a RecurrentGPT2Block state dict?)")
+    return n
+
+
+def model_section(km: KeyMap, ref: dict[str, Any]) -> dict[str, Any]:
+    if km.has("position_embedding.weight") or km.has("pe"):
+        raise NotImplementedError("LTG checkpoints with learned or sinusoidal positions are not supported (use none)")
+    vocab, d = km.state["token_embedding.weight"].shape
+    hidden = km.state["blocks.0.mlp.c_fc.weight"].shape[1]
+    inject = bool(ref.get("input_injection", False))
+    return {
+        "name": "recurrent",
+        "block": "gpt2",
+        "vocab_size": int(vocab),
+        "seq_len": int(ref.get("max_len", 50)),
+        "d_model": int(d),
+        "n_heads": int(ref.get("num_heads", 12)),
+        "n_layers": _n_layers(km),
+        "expansion": hidden / d,
+        "causal": True,
+        "rope": False,
+        "tie_embeddings": True,
+        "injection": "add" if inject else "none",
+        "init": "zeros" if inject else "embed",
+        "dropout": 0.1,  # GPT2Config's resid_pdrop / attn_pdrop (the scripts leave them at the default)
+        "embed_dropout": float(ref.get("dropout", 0.0)),
+        "out_init_scale": float(ref.get("c_scale", 0.0)),
+        "halt_position": "answer",
+        "pad_id": 0,  # load_vocab puts <pad> first
+        "loop": {"max_steps": int(ref.get("dynamic_max", ref.get("recurrence", 8)))},
+    }
+
+
+def convert(state: dict[str, Tensor], ref: dict[str, Any]) -> Converted:
+    km = KeyMap(strip_prefixes(state, ("_orig_mod.", "module.")), "LTG checkpoint")
+    model = model_section(km, ref)
+    out: dict[str, Tensor] = {}
+    for i in range(model["n_layers"]):
+        for dst, (src, transpose) in BLOCK_KEYS.items():
+            t = km.take(f"blocks.{i}.{src}")
+            out[f"core.{i}.{dst}"] = t.t().contiguous() if transpose else t
+    out["embedding.tokens.weight"] = km.take("token_embedding.weight")
+    out["output.head.weight"] = km.take("lm_head.weight") if km.has("lm_head.weight") else out["embedding.tokens.weight"]
+    out["output.norm.weight"] = km.take("ln_f.weight")
+    out["output.norm.bias"] = km.take("ln_f.bias")
+    km.finish(ignore=[k for k in km.state if k.endswith(BUFFERS)])
+    run = {
+        "model": model,
+        "loop_eval": {"halting": "fixed", "max_steps": model["loop"]["max_steps"]},
+    }
+    notes = [
+        "prediction position: the answer (last non-pad) token, the reference's --pred_pos inp_len",
+        "GPT2Block attention/residual dropout 0.1 (GPT2Config default), embedding dropout from --dropout",
+    ]
+    return Converted(run=run, weights=out, notes=notes)

@@ -1,0 +1,175 @@
+"""Parity fixtures for Loop, Think & Generalize (github OSU-NLP-Group/Loop-Think-Generalize).
+
+Imports ``gpt_utils_extrapolation.RecurrentGPT2Block`` from a checkout of the reference (``--ref``), builds
+it at a tiny size in float64 on CPU and saves, per fixture (``tests/fixtures/parity/ltg_*.safetensors``):
+the reference state dict (``ref.*``), an input batch (right-padded with ``<pad>`` = 0, as the reference's
+``custom_collate``), the logits of ``forward`` at a fixed loop count (eval mode), the final logits and
+per-sample iteration counts of ``forward_adapative`` (the KL + entropy halting of
+``inference_extrapolation_adaptive.py``, monitoring ``pred_pos="inp_len"``), the training loss of one
+step as ``train_extrapolation.train_model`` computes it (cross-entropy at the prediction position), the
+per-parameter gradient norms, and the weights after one ``torch.optim.AdamW(model.parameters(), lr,
+weight_decay)`` step (the optimiser ``train_model`` builds; its linear warm-up would make the first
+step's learning rate 0, so the step is taken at the base rate).
+
+Substitutions and fixture settings (also in each fixture's JSON):
+- transformers 4.46.3, the ``GPT2Block`` API the reference is written against (``block(...)[0]``, causal
+  mask inside the block); transformers 5 returns a tensor and builds the causal mask in ``GPT2Model``,
+  which silently breaks the reference code. The script refuses other major versions.
+- float64; dropout 0 (``embd_pdrop``, ``resid_pdrop``, ``attn_pdrop``) so that the training step is
+  deterministic (the scripts' default attention / residual dropout 0.1 is loopformer's ``dropout``);
+  ``c_scale`` 0.5 instead of the scripts' 0 (zero output projections would make every block the
+  identity at this weight draw); the weights are then redrawn (``_redraw``, seeded) so that the loop
+  moves the state and the halting rule sees a non-trivial trajectory.
+
+Usage: ``python tools/parity/ltg.py --ref /path/to/Loop-Think-Generalize [--out DIR | --check]``
+(``pip install transformers==4.46.3`` first, or put it on ``PYTHONPATH``).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import main  # noqa: E402
+
+from loopformer.convert.fixtures import save_fixture  # noqa: E402
+
+COMMITS = {  # the stored versions the checkout was laid out from (search tool read_file)
+    "gpt_utils_extrapolation.py": "1e9a4929b6984b308c22c28d69b74988730d663c",
+    "train_extrapolation.py": "90a7291f69725d43f6908eb022de4712a7f34ae6",
+    "inference_extrapolation_adaptive.py": "1e9a4929b6984b308c22c28d69b74988730d663c",
+}
+VOCAB, T, D, LAYERS, HEADS = 14, 8, 16, 2, 2
+LENGTHS = [8, 5, 3, 6]
+LR, WD, R_EVAL, R_TRAIN, R_MAX = 1e-3, 0.01, 3, 3, 8
+
+
+def _check_transformers() -> None:
+    import transformers
+
+    if not transformers.__version__.startswith("4."):
+        raise SystemExit(
+            f"transformers {transformers.__version__}: the reference needs the 4.x GPT2Block API "
+            "(pip install transformers==4.46.3)"
+        )
+
+
+def _batch() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    ids = torch.zeros(len(LENGTHS), T, dtype=torch.long)
+    for i, n in enumerate(LENGTHS):
+        ids[i, :n] = torch.randint(1, VOCAB, (n,), generator=g)
+    targets = torch.randint(1, VOCAB, (len(LENGTHS),), generator=g)
+    return {"input_ids": ids, "attention_mask": (ids != 0).long(), "input_lengths": torch.tensor(LENGTHS),
+            "targets": targets}
+
+
+def _redraw(model: torch.nn.Module) -> None:
+    """Weights with a non-trivial loop trajectory at this size (the init's 0.02-std blocks barely move the
+    state and the N(0, 1) tied embedding saturates the softmax): block matrices N(0, 0.3^2), biases
+    N(0, 0.1^2), LayerNorm gains 1 + N(0, 0.1^2), token embedding scaled by 0.3. Seeded."""
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g, dtype=p.dtype)
+            if name == "token_embedding.weight":
+                p.mul_(0.3)
+            elif "ln_" in name and name.endswith("weight"):
+                p.copy_(1 + 0.1 * noise)
+            elif p.dim() >= 2:
+                p.copy_(0.3 * noise)
+            else:
+                p.copy_(0.1 * noise)
+
+
+def _adaptive(model, b: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], float, float]:
+    """forward_adapative with the thresholds of a fixed grid that give the most distinct halting counts
+    (ties: the most samples halted before the cap, then the first in grid order)."""
+    model.num_iterations = R_MAX
+    best = None
+    for ent in (1.0, 1.5, 2.0, 2.2, 2.4, 2.5, 2.6, 2.7, 3.0):
+        for kl in (1e-4, 1e-3, 1e-2, 3e-2, 1e-1, 3e-1):
+            out = model.forward_adapative(b["input_ids"], b["attention_mask"], b["input_lengths"],
+                                          pred_pos="inp_len", eps_kl=kl, entropy_thresh=ent, min_iters=1)
+            used = out["iterations_used"]
+            score = (len(set(used.tolist())), int((used < R_MAX).sum()))
+            if best is None or score > best[0]:
+                best = (score, out, kl, ent)
+    if best[0][0] < 2:
+        raise SystemExit("no threshold pair gives distinct halting counts; change the seed or the grid")
+    return best[1], best[2], best[3]
+
+
+def build_one(name: str, inject: bool, out_dir: Path) -> str:
+    from gpt_utils_extrapolation import RecurrentGPT2Block
+    from transformers import GPT2Config
+
+    config = GPT2Config(vocab_size=VOCAB, n_positions=T, n_ctx=T, n_embd=D, n_layer=LAYERS, n_head=HEADS,
+                        embd_pdrop=0.0, resid_pdrop=0.0, attn_pdrop=0.0, _attn_implementation="eager")
+    torch.manual_seed(0)
+    model = RecurrentGPT2Block(config, R_EVAL, positional_embedding_type="none", input_injection=inject,
+                               c_scale=0.5).double()
+    _redraw(model)
+    b = _batch()
+    tensors = {f"ref.{k}": v.detach().clone() for k, v in model.state_dict().items()}
+    tensors.update({f"batch.{k}": v for k, v in b.items()})
+    model.eval()
+    with torch.no_grad():
+        model.num_iterations = R_EVAL
+        tensors["eval_logits"] = model(b["input_ids"], attention_mask=b["attention_mask"]).logits
+        adaptive, kl, ent = _adaptive(model, b)
+    tensors["adaptive_logits"] = adaptive["final_logits"]
+    tensors["adaptive_iterations"] = adaptive["iterations_used"]
+    model.train()
+    model.num_iterations = R_TRAIN
+    logits = model(b["input_ids"], attention_mask=b["attention_mask"]).logits
+    idx = (b["input_lengths"] - 1).view(-1, 1, 1).expand(-1, 1, logits.size(-1))
+    loss = F.cross_entropy(logits.gather(1, idx).squeeze(1), b["targets"])
+    loss.backward()
+    tensors["train_loss"] = loss.detach().reshape(1)
+    names = {id(p): n for n, p in model.named_parameters()}
+    for p in model.parameters():
+        tensors[f"grad_norm.{names[id(p)]}"] = p.grad.detach().norm().reshape(1)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    opt.step()
+    tensors.update({f"step.{k}": v.detach().clone() for k, v in model.state_dict().items()})
+    meta = {
+        "repository": "OSU-NLP-Group/Loop-Think-Generalize",
+        "commits": COMMITS,
+        "model": "gpt_utils_extrapolation.RecurrentGPT2Block",
+        "ref_config": {"num_heads": HEADS, "input_injection": inject, "dropout": 0.0, "c_scale": 0.5,
+                       "max_len": T, "dynamic_max": R_MAX},
+        "tiny": {"vocab": VOCAB, "n_positions": T, "n_embd": D, "n_layer": LAYERS, "n_head": HEADS,
+                 "lengths": LENGTHS, "dtype": "float64"},
+        "eval_loops": R_EVAL, "train_loops": R_TRAIN, "adaptive": {"max_loops": R_MAX, "eps_kl": kl,
+                                                                   "entropy_thresh": ent, "pred_pos": "inp_len"},
+        "optimizer": {"name": "AdamW", "lr": LR, "weight_decay": WD, "betas": [0.9, 0.999], "eps": 1e-8},
+        "train_pred_pos": "inp_len",
+        "substitutions": [
+            "transformers 4.46.3 (the GPT2Block API the reference is written against)",
+            "float64; dropout 0 (embd, resid, attn) for a deterministic training step",
+            "c_scale 0.5 instead of the scripts' 0 (non-trivial blocks at this size)",
+            "weights redrawn after construction (_redraw: seeded, non-trivial loop trajectory)",
+            "one AdamW step at the base learning rate (the warm-up schedule's first step would be 0)",
+        ],
+    }
+    save_fixture(out_dir, name, tensors, meta)
+    return name
+
+
+def build(ref_root: Path, out_dir: Path) -> list[str]:
+    _check_transformers()
+    torch.set_default_dtype(torch.float64)
+    try:
+        names = [build_one("ltg_rdt", False, out_dir), build_one("ltg_rdt_inject", True, out_dir)]
+    finally:
+        torch.set_default_dtype(torch.float32)
+    return [f"{n}.{ext}" for n in names for ext in ("safetensors", "json")]
+
+
+if __name__ == "__main__":
+    main(build, __doc__.splitlines()[0])
