@@ -32,6 +32,8 @@ CONVERTERS: dict[str, str] = {
     "fprm": "loopformer.convert.fprm",
     "trm": "loopformer.convert.trm",
     "hrm": "loopformer.convert.hrm",
+    "ltg": "loopformer.convert.ltg",
+    "attractor": "loopformer.convert.attractor",
 }
 
 

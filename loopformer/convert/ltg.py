@@ -51,7 +51,9 @@ def _n_layers(km: KeyMap) -> int:
 
 def model_section(km: KeyMap, ref: dict[str, Any]) -> dict[str, Any]:
     if km.has("position_embedding.weight") or km.has("pe"):
-        raise NotImplementedError("LTG checkpoints with learned or sinusoidal positions are not supported (use none)")
+        raise NotImplementedError(
+            "LTG checkpoints with learned or sinusoidal positions are not supported (use none)"
+        )
     vocab, d = km.state["token_embedding.weight"].shape
     hidden = km.state["blocks.0.mlp.c_fc.weight"].shape[1]
     inject = bool(ref.get("input_injection", False))
@@ -87,7 +89,9 @@ def convert(state: dict[str, Tensor], ref: dict[str, Any]) -> Converted:
             t = km.take(f"blocks.{i}.{src}")
             out[f"core.{i}.{dst}"] = t.t().contiguous() if transpose else t
     out["embedding.tokens.weight"] = km.take("token_embedding.weight")
-    out["output.head.weight"] = km.take("lm_head.weight") if km.has("lm_head.weight") else out["embedding.tokens.weight"]
+    out["output.head.weight"] = (
+        km.take("lm_head.weight") if km.has("lm_head.weight") else out["embedding.tokens.weight"]
+    )
     out["output.norm.weight"] = km.take("ln_f.weight")
     out["output.norm.bias"] = km.take("ln_f.bias")
     km.finish(ignore=[k for k in km.state if k.endswith(BUFFERS)])

@@ -172,7 +172,7 @@ class AttractorPuzzle(TRM):
 def paper_config() -> AttractorPuzzleConfig:
     """TRM-DEQ at the paper's 27M size (reference ``train_trm_deq.py`` defaults): d 512, 8 heads,
     8 layers, expansion 4, H_cycles 3, Sudoku vocabulary 11 and 81 cells, 16 puzzle-embedding
-    tokens (one puzzle identifier)."""
+    tokens holding one 512-value row (one puzzle identifier)."""
     return AttractorPuzzleConfig(
         vocab_size=11,
         seq_len=81,
@@ -182,4 +182,5 @@ def paper_config() -> AttractorPuzzleConfig:
         expansion=4.0,
         num_puzzle_ids=1,
         puzzle_emb_len=16,
+        puzzle_emb_dim=512,
     )

@@ -34,9 +34,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import main  # noqa: E402
+from common import main
 
-from loopformer.convert.fixtures import save_fixture  # noqa: E402
+from loopformer.convert.fixtures import save_fixture
 
 COMMITS = {  # the stored versions the checkout was laid out from (search tool read_file)
     "gpt_utils_extrapolation.py": "1e9a4929b6984b308c22c28d69b74988730d663c",
@@ -64,8 +64,12 @@ def _batch() -> dict[str, torch.Tensor]:
     for i, n in enumerate(LENGTHS):
         ids[i, :n] = torch.randint(1, VOCAB, (n,), generator=g)
     targets = torch.randint(1, VOCAB, (len(LENGTHS),), generator=g)
-    return {"input_ids": ids, "attention_mask": (ids != 0).long(), "input_lengths": torch.tensor(LENGTHS),
-            "targets": targets}
+    return {
+        "input_ids": ids,
+        "attention_mask": (ids != 0).long(),
+        "input_lengths": torch.tensor(LENGTHS),
+        "targets": targets,
+    }
 
 
 def _redraw(model: torch.nn.Module) -> None:
@@ -93,8 +97,15 @@ def _adaptive(model, b: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor
     best = None
     for ent in (1.0, 1.5, 2.0, 2.2, 2.4, 2.5, 2.6, 2.7, 3.0):
         for kl in (1e-4, 1e-3, 1e-2, 3e-2, 1e-1, 3e-1):
-            out = model.forward_adapative(b["input_ids"], b["attention_mask"], b["input_lengths"],
-                                          pred_pos="inp_len", eps_kl=kl, entropy_thresh=ent, min_iters=1)
+            out = model.forward_adapative(
+                b["input_ids"],
+                b["attention_mask"],
+                b["input_lengths"],
+                pred_pos="inp_len",
+                eps_kl=kl,
+                entropy_thresh=ent,
+                min_iters=1,
+            )
             used = out["iterations_used"]
             score = (len(set(used.tolist())), int((used < R_MAX).sum()))
             if best is None or score > best[0]:
@@ -108,11 +119,22 @@ def build_one(name: str, inject: bool, out_dir: Path) -> str:
     from gpt_utils_extrapolation import RecurrentGPT2Block
     from transformers import GPT2Config
 
-    config = GPT2Config(vocab_size=VOCAB, n_positions=T, n_ctx=T, n_embd=D, n_layer=LAYERS, n_head=HEADS,
-                        embd_pdrop=0.0, resid_pdrop=0.0, attn_pdrop=0.0, _attn_implementation="eager")
+    config = GPT2Config(
+        vocab_size=VOCAB,
+        n_positions=T,
+        n_ctx=T,
+        n_embd=D,
+        n_layer=LAYERS,
+        n_head=HEADS,
+        embd_pdrop=0.0,
+        resid_pdrop=0.0,
+        attn_pdrop=0.0,
+        _attn_implementation="eager",
+    )
     torch.manual_seed(0)
-    model = RecurrentGPT2Block(config, R_EVAL, positional_embedding_type="none", input_injection=inject,
-                               c_scale=0.5).double()
+    model = RecurrentGPT2Block(
+        config, R_EVAL, positional_embedding_type="none", input_injection=inject, c_scale=0.5
+    ).double()
     _redraw(model)
     b = _batch()
     tensors = {f"ref.{k}": v.detach().clone() for k, v in model.state_dict().items()}
@@ -141,12 +163,26 @@ def build_one(name: str, inject: bool, out_dir: Path) -> str:
         "repository": "OSU-NLP-Group/Loop-Think-Generalize",
         "commits": COMMITS,
         "model": "gpt_utils_extrapolation.RecurrentGPT2Block",
-        "ref_config": {"num_heads": HEADS, "input_injection": inject, "dropout": 0.0, "c_scale": 0.5,
-                       "max_len": T, "dynamic_max": R_MAX},
-        "tiny": {"vocab": VOCAB, "n_positions": T, "n_embd": D, "n_layer": LAYERS, "n_head": HEADS,
-                 "lengths": LENGTHS, "dtype": "float64"},
-        "eval_loops": R_EVAL, "train_loops": R_TRAIN, "adaptive": {"max_loops": R_MAX, "eps_kl": kl,
-                                                                   "entropy_thresh": ent, "pred_pos": "inp_len"},
+        "ref_config": {
+            "num_heads": HEADS,
+            "input_injection": inject,
+            "dropout": 0.0,
+            "c_scale": 0.5,
+            "max_len": T,
+            "dynamic_max": R_MAX,
+        },
+        "tiny": {
+            "vocab": VOCAB,
+            "n_positions": T,
+            "n_embd": D,
+            "n_layer": LAYERS,
+            "n_head": HEADS,
+            "lengths": LENGTHS,
+            "dtype": "float64",
+        },
+        "eval_loops": R_EVAL,
+        "train_loops": R_TRAIN,
+        "adaptive": {"max_loops": R_MAX, "eps_kl": kl, "entropy_thresh": ent, "pred_pos": "inp_len"},
         "optimizer": {"name": "AdamW", "lr": LR, "weight_decay": WD, "betas": [0.9, 0.999], "eps": 1e-8},
         "train_pred_pos": "inp_len",
         "substitutions": [

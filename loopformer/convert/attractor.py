@@ -1,0 +1,144 @@
+"""``loopformer convert attractor``: an Attractor puzzle checkpoint (TRM-DEQ) -> an ``attractor_puzzle`` run folder.
+
+Reference: github jacobfa/Attractor, ``experiments/attractor_puzzles/trm/trm_deq.py`` (``TRMDEQ``), trained
+by ``train_trm_deq.py``, which saves ``{"model_state": ACTLossHeadDEQ.state_dict(), "model_config": ...,
+"train_config": ...}`` (pass the state dict; ``--config`` a JSON / YAML with ``model_config`` and
+``train_config``, or the flat ``model_config.json`` the script writes). TRM-DEQ keeps TRM's module names
+(``embed_tokens``, ``L_level.layers.N``, ``H_init`` / ``L_init``, ``lm_head``, ``q_head``, ``puzzle_emb``),
+so the key mapping is TRM's (``loopformer.convert.trm``); the DEQ fields come from the model config:
+``deq_max_iter`` / ``deq_min_iter`` / ``deq_tol`` / ``deq_anderson_m`` / ``deq_anderson_beta`` /
+``bptt_through`` and, when ``jacobian_reg_lambda > 0``, ``jacobian_samples``; the regulariser's weight
+``lambda / global_batch_size`` becomes ``train.ponder_weight``. The optimiser is AdamW over every
+parameter (``_build_optimizers``) plus sign-SGD on the puzzle embedding.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor
+
+from loopformer.convert import Converted, KeyMap, strip_prefixes
+from loopformer.convert.recursive import PREFIXES, map_block, task_section
+from loopformer.convert.trm import model_section as trm_model_section
+
+# TrainTRMDEQConfig defaults (train_trm_deq.py)
+DEFAULTS: dict[str, Any] = {
+    "H_cycles": 3,
+    "L_cycles": 6,
+    "num_heads": 8,
+    "expansion": 4.0,
+    "pos_encodings": "rope",
+    "halt_max_steps": 16,
+    "halt_exploration_prob": 0.1,
+    "puzzle_emb_len": 16,
+    "no_ACT_continue": True,
+    "rms_norm_eps": 1e-5,
+    "deq_max_iter": 8,
+    "deq_min_iter": 4,
+    "deq_tol": 1e-3,
+    "deq_anderson_m": 5,
+    "deq_anderson_beta": 1.0,
+    "bptt_through": 2,
+    "jacobian_reg_lambda": 1e-3,
+    "jacobian_reg_n_samples": 1,
+    "global_batch_size": 768,
+    "lr": 1e-4,
+    "lr_min_ratio": 1.0,
+    "lr_warmup_steps": 2000,
+    "beta1": 0.9,
+    "beta2": 0.95,
+    "weight_decay": 1.0,
+    "puzzle_emb_lr": 1e-2,
+    "puzzle_emb_weight_decay": 1.0,
+    "ema": True,
+    "ema_rate": 0.999,
+    "loss_type": "stablemax_cross_entropy",
+}
+
+
+def settings(ref: dict[str, Any]) -> dict[str, Any]:
+    """Reference settings: defaults < train_config < model_config (or a flat dict)."""
+    merged = dict(DEFAULTS)
+    for part in ("train_config", "model_config"):
+        if isinstance(ref.get(part), dict):
+            merged.update(ref[part])
+    merged.update({k: v for k, v in ref.items() if k not in ("train_config", "model_config")})
+    return merged
+
+
+def model_section(km: KeyMap, s: dict[str, Any]) -> dict[str, Any]:
+    model = trm_model_section(km, s, {})
+    lam = float(s["jacobian_reg_lambda"])
+    model.update(
+        name="attractor_puzzle",
+        deq_max_iter=int(s["deq_max_iter"]),
+        deq_min_iter=int(s["deq_min_iter"]),
+        deq_tol=float(s["deq_tol"]),
+        deq_anderson_m=int(s["deq_anderson_m"]),
+        deq_anderson_beta=float(s["deq_anderson_beta"]),
+        deq_anderson_reg=1e-4,
+        deq_anderson_reg_relative=False,
+        bptt_through=int(s["bptt_through"]),
+        jacobian_samples=int(s["jacobian_reg_n_samples"]) if lam > 0 else 0,
+    )
+    model.pop("n_inner", None)  # TRM-DEQ's inner loop is the solve (L_cycles is informational only)
+    return model
+
+
+def train_section(s: dict[str, Any]) -> dict[str, Any]:
+    batch = int(s["global_batch_size"])
+    return {
+        "mode": "deep_supervision",
+        "batch_size": batch,
+        "lr": float(s["lr"]),
+        "weight_decay": float(s["weight_decay"]),
+        "betas": [float(s["beta1"]), float(s["beta2"])],
+        "warmup_steps": int(s["lr_warmup_steps"]),
+        "schedule": "constant" if float(s["lr_min_ratio"]) == 1.0 else "cosine",
+        "min_lr_ratio": float(s["lr_min_ratio"]),
+        "grad_clip": 0.0,
+        "optimizer": "adamw",
+        "decay_all": True,
+        "puzzle_emb_optimizer": "sign_sgd",
+        "puzzle_emb_lr": float(s["puzzle_emb_lr"]),
+        "puzzle_emb_weight_decay": float(s["puzzle_emb_weight_decay"]),
+        "ema": float(s["ema_rate"]) if s["ema"] else 0.0,
+        "ema_warmup": False,
+        "loss": "stablemax" if s["loss_type"] == "stablemax_cross_entropy" else "ce",
+        "q_loss_weight": 0.5,
+        "ponder_weight": float(s["jacobian_reg_lambda"]) / batch,
+        "max_segments": int(s["halt_max_steps"]),
+        "halt_on_q": True,
+        "halt_exploration": float(s["halt_exploration_prob"]),
+    }
+
+
+def convert(state: dict[str, Tensor], ref: dict[str, Any]) -> Converted:
+    km = KeyMap(strip_prefixes(state, PREFIXES), "Attractor TRM-DEQ checkpoint")
+    s = settings(ref)
+    model = model_section(km, s)
+    km.put("embedding.tokens.weight", "embed_tokens.embedding_weight")
+    if model["num_puzzle_ids"]:
+        km.put("embedding.puzzle_emb.weight", "puzzle_emb.weights")
+    for i in range(model["n_layers"]):
+        map_block(km, f"L_level.layers.{i}", f"net.layers.{i}", model["n_heads"], model["rope"])
+    km.put("y_init", "H_init")
+    km.put("z_init", "L_init")
+    km.put("lm_head.weight", "lm_head.weight")
+    km.put("q_proj.weight", "q_head.weight", lambda t: t[:1].clone())
+    km.put("q_proj.bias", "q_head.bias", lambda t: t[:1].clone())
+    km.finish()
+    data_ref = {"data_path": s.get("data_dir", "")} if s.get("data_dir") else {}
+    run = {
+        "model": model,
+        "data": task_section(data_ref, model["seq_len"]),
+        "train": train_section(s),
+        "eval": {"segments": int(s["halt_max_steps"]), "batch_size": 64},
+        "bf16": s.get("forward_dtype", "bfloat16") == "bfloat16",
+    }
+    notes = [
+        "q_head row 1 (q_continue) dropped: no_ACT_continue never uses it",
+        f"Jacobian regulariser weight train.ponder_weight = lambda / global batch = {run['train']['ponder_weight']:.3g}",
+    ]
+    return Converted(run=run, weights=km.out, notes=notes, sources=km.sources)
