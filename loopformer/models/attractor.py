@@ -80,18 +80,23 @@ class Attractor(LoopedModel):
     def __init__(self, config: AttractorConfig) -> None:
         super().__init__(config)
         if config.injection not in ATTRACTOR_INJECTIONS:
-            raise ValueError(f"AttractorConfig.injection={config.injection!r} is not one of {ATTRACTOR_INJECTIONS}")
-        if config.n_layers < 1 or config.n_backbone < 0:
-            raise ValueError(f"need n_layers >= 1 and n_backbone >= 0, got {config.n_layers}, {config.n_backbone}")
-        if not 0 < config.layer_scale_init < config.gamma_max:
             raise ValueError(
-                f"layer_scale_init must lie in (0, gamma_max={config.gamma_max}), got {config.layer_scale_init}"
+                f"AttractorConfig.injection={config.injection!r} is not one of {ATTRACTOR_INJECTIONS}"
+            )
+        if config.n_layers < 1 or config.n_backbone < 0:
+            raise ValueError(
+                f"need n_layers >= 1 and n_backbone >= 0, got {config.n_layers}, {config.n_backbone}"
+            )
+        if not 0 < config.layer_scale_init <= config.gamma_max:
+            raise ValueError(
+                f"layer_scale_init must lie in (0, gamma_max={config.gamma_max}], got {config.layer_scale_init}"
             )
         d = config.d_model
         self.embedding = InputEmbedding(config)
         self.backbone = make_blocks(config, config.n_backbone if config.proposal else 0)
         self.head_blocks = make_blocks(config, config.n_layers)
-        p = config.layer_scale_init / config.gamma_max
+        # the reference's FixedPointBlock clamps sigmoid(g) to [1e-6, 1 - 1e-6] (init 0.75 / 0.75 in its configs)
+        p = min(max(config.layer_scale_init / config.gamma_max, 1e-6), 1 - 1e-6)
         self.gate_logit = nn.Parameter(torch.full((config.n_layers, 2, d), math.log(p / (1 - p))))
         if config.injection == "concat":
             self.injection_proj = nn.Linear(2 * d, d, bias=False)
