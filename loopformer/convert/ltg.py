@@ -21,6 +21,7 @@ from typing import Any
 from torch import Tensor
 
 from loopformer.convert import Converted, KeyMap, strip_prefixes
+from loopformer.train.checkpoint import CheckpointError
 
 BLOCK_KEYS = {  # loopformer GPT2Block name -> (reference name, transpose Conv1D)
     "ln_1.weight": ("ln_1.weight", False),
@@ -45,7 +46,7 @@ def _n_layers(km: KeyMap) -> int:
     while km.has(f"blocks.{n}.ln_1.weight"):
         n += 1
     if n == 0:
-        raise ValueError("LTG checkpoint: no blocks.0.* keys (is this a RecurrentGPT2Block state dict?)")
+        raise CheckpointError("ltg checkpoint: no blocks.0.* keys (is this a RecurrentGPT2Block state dict?)")
     return n
 
 
@@ -54,6 +55,9 @@ def model_section(km: KeyMap, ref: dict[str, Any]) -> dict[str, Any]:
         raise NotImplementedError(
             "LTG checkpoints with learned or sinusoidal positions are not supported (use none)"
         )
+    for key in ("token_embedding.weight", "blocks.0.mlp.c_fc.weight"):
+        if not km.has(key):
+            raise CheckpointError(f"ltg checkpoint: missing key {key!r} (keys present: {km.sample()})")
     vocab, d = km.state["token_embedding.weight"].shape
     hidden = km.state["blocks.0.mlp.c_fc.weight"].shape[1]
     inject = bool(ref.get("input_injection", False))
@@ -81,7 +85,7 @@ def model_section(km: KeyMap, ref: dict[str, Any]) -> dict[str, Any]:
 
 
 def convert(state: dict[str, Tensor], ref: dict[str, Any]) -> Converted:
-    km = KeyMap(strip_prefixes(state, ("_orig_mod.", "module.")), "LTG checkpoint")
+    km = KeyMap(strip_prefixes(state, ("_orig_mod.", "module.")), "ltg checkpoint")
     model = model_section(km, ref)
     out: dict[str, Tensor] = {}
     for i in range(model["n_layers"]):
