@@ -13,7 +13,7 @@ outer cycle of that step, ``model.last_inner``). After training it evaluates hel
 token accuracy over ``eval.segments`` chained segments, EMA weights) with the inner solve capped at 1, 2, 4 iterations
 and with the recipe's adaptive solve.
 
-Usage: ``python experiments/attractor_puzzle_internalization.py [--quick] [--steps N] [--out DIR]`` writes
+Usage: ``python experiments/attractor_puzzle_internalization.py [--quick] [--steps N] [--set K=V] [--out DIR]`` writes
 ``DIR/attractor_puzzle_internalization.json``.
 """
 
@@ -83,8 +83,9 @@ def inference_table(trainer: Trainer) -> list[dict[str, Any]]:
 def main() -> None:
     parser = script_parser(__doc__, "attractor_puzzle", "attractor_puzzle")
     parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="recipe override")
     args = parser.parse_args()
-    overrides = [f"out_dir={args.runs / 'run'}", "train.progress=false", "train.threads=1"]
+    overrides = [f"out_dir={args.runs / 'run'}", "train.progress=false", "train.threads=1", *args.set]
     if args.steps is not None:
         overrides.append(f"train.steps={args.steps}")
     if args.quick:

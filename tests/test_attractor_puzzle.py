@@ -71,7 +71,7 @@ def test_forward_and_gradients_match_the_written_out_procedure() -> None:
 
 
 def test_anderson_solve_reaches_the_fixed_point_and_stops_per_sample() -> None:
-    model = _tiny(deq_max_iter=30, deq_min_iter=2, deq_tol=1e-8, deq_anderson_reg_relative=True)
+    model = _tiny(deq_solver="anderson", deq_max_iter=30, deq_min_iter=2, deq_tol=1e-8, deq_anderson_reg_relative=True)
     model.eval()
     tokens = torch.randint(0, 5, (3, 6), generator=torch.Generator().manual_seed(2))
     x = model.embedding(tokens)

@@ -4,6 +4,7 @@ docs/fidelity.md). No reference code is needed to run these tests."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from parity_recursive import LOGIT_ATOL, LOSS_RTOL, STEP_ATOL, Loaded, check_eval_logits, check_loss_and_grads
 
@@ -13,20 +14,23 @@ from loopformer.train.losses import accuracy, q_halt_loss, sequence_loss
 from loopformer.train.optim import build_optimizer, set_lr
 
 NAME = "attractor_puzzle"
+NAMES = ["attractor_puzzle", "attractor_puzzle_deq6"]  # deq_max_iter 3 and 6 (the reference's rolled history)
 
 
-def _loaded() -> Loaded:
-    return Loaded("attractor", NAME)
+def _loaded(name: str = NAME) -> Loaded:
+    return Loaded("attractor", name)
 
 
-def test_parity_attractor_puzzle_eval_logits() -> None:
-    check_eval_logits(_loaded())
+@pytest.mark.parametrize("name", NAMES)
+def test_parity_attractor_puzzle_eval_logits(name: str) -> None:
+    check_eval_logits(_loaded(name))
 
 
-def test_parity_attractor_puzzle_solver_iterates() -> None:
+@pytest.mark.parametrize("name", NAMES)
+def test_parity_attractor_puzzle_solver_iterates(name: str) -> None:
     """The inner Anderson solve from the initial carry: loopformer's iterates == the reference's (the
     reference's solver rounds its iterates to float32)."""
-    f = _loaded()
+    f = _loaded(name)
     model = f.model.eval()
     with torch.no_grad():
         x = model.embedding(f.inputs, f.puzzle_ids)
@@ -47,8 +51,9 @@ def test_parity_attractor_puzzle_solver_iterates() -> None:
     torch.testing.assert_close(seen[-1], ref[-1].double(), rtol=0, atol=1e-5)  # the returned solution
 
 
-def test_parity_attractor_puzzle_train_loss_grads_and_step() -> None:
-    f = _loaded()
+@pytest.mark.parametrize("name", NAMES)
+def test_parity_attractor_puzzle_train_loss_grads_and_step(name: str) -> None:
+    f = _loaded(name)
     model = f.model.train()
     model.jacobian_probe = f.tensors["train.jacobian_probe"]
     out = model(f.inputs, puzzle_ids=f.puzzle_ids)

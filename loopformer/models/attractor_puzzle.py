@@ -21,8 +21,10 @@ position 0, deep supervision / ACT segments and the halting head are the trainer
 evaluation).
 
 - Inner solve: ``run_loop`` without gradient on ``f(z) = net(z, z_H + x)`` from the carried ``z_L``,
-  with ``inner_loop`` (default: Anderson m 5, mixing 1.0, absolute regulariser 1e-4 as the
-  reference's ``1e-4 * eye``, residual ``||f(z) - z|| / ||f(z)||`` below ``deq_tol`` 1e-3 after
+  with ``inner_loop`` (default: the ``anderson_trmdeq`` solver plug-in, the reference's Anderson with
+  its rolled history buffer, ``loopformer.models.attractor_puzzle_solver``; ``deq_solver: anderson`` is
+  the engine's own, which keeps the true last iterates; m 5, mixing 1.0, absolute regulariser 1e-4 as
+  the reference's ``1e-4 * eye``, residual ``||f(z) - z|| / ||f(z)||`` below ``deq_tol`` 1e-3 after
   ``deq_min_iter`` 4 of at most ``deq_max_iter`` 8 map evaluations). The reference counts map
   evaluations and returns the iterate whose residual it checked; the engine counts iterations and
   returns the next iterate, so ``max_steps = deq_max_iter - 1`` and ``min_steps = deq_min_iter - 1``
@@ -50,6 +52,7 @@ from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from loopformer.loop import LoopConfig, LoopResult, run_loop
+from loopformer.models import attractor_puzzle_solver  # noqa: F401  (registers the anderson_trmdeq solver)
 from loopformer.models.base import ModelOutput
 from loopformer.models.trm import TRM, TRMConfig
 
@@ -63,7 +66,9 @@ class AttractorPuzzleConfig(TRMConfig):
     """TRM's fields plus the DEQ knobs, named as the reference's ``TRMDEQConfig``."""
 
     n_layers: int = 2
-    deq_solver: str = "anderson"  # any engine solver for the inner solve
+    deq_solver: str = (
+        "anderson_trmdeq"  # the reference's Anderson (attractor_puzzle_solver.py) or any engine solver
+    )
     deq_max_iter: int = 8  # reference: map evaluations of the forward solve
     deq_min_iter: int = 4
     deq_tol: float = 1e-3
@@ -83,6 +88,24 @@ class AttractorPuzzleConfig(TRMConfig):
                 f"deq_max_iter must be >= 2 (the reference's two warm-up evaluations), got {self.deq_max_iter}"
             )
         steps = self.deq_max_iter - 1
+        solver: dict = {}
+        if self.deq_solver == "anderson":
+            solver = dict(
+                anderson_m=self.deq_anderson_m,
+                anderson_beta=self.deq_anderson_beta,
+                anderson_reg=self.deq_anderson_reg,
+                anderson_reg_relative=self.deq_anderson_reg_relative,
+            )
+        elif self.deq_solver == "anderson_trmdeq":
+            solver = dict(
+                plugins={
+                    "anderson_trmdeq": {
+                        "m": self.deq_anderson_m,
+                        "reg": self.deq_anderson_reg,
+                        "beta": self.deq_anderson_beta,
+                    }
+                }
+            )
         return LoopConfig(
             solver=self.deq_solver,
             halting=self.deq_halting,
@@ -90,11 +113,8 @@ class AttractorPuzzleConfig(TRMConfig):
             min_steps=min(max(self.deq_min_iter - 1, 0), steps),
             tol=self.deq_tol,
             residual_norm="rel_l2",
-            anderson_m=self.deq_anderson_m,
-            anderson_beta=self.deq_anderson_beta,
-            anderson_reg=self.deq_anderson_reg,
-            anderson_reg_relative=self.deq_anderson_reg_relative,
             grad="bptt",  # run without gradient (the model wraps it in no_grad)
+            **solver,
         )
 
 

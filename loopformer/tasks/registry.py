@@ -20,6 +20,7 @@ TASKS: dict[str, str] = {
     "groups": "loopformer.tasks.groups:GroupTask",
     "kg_depth": "loopformer.tasks.kg:KGDepthTask",
     "kg_systematic": "loopformer.tasks.kg_systematic:KGSystematicTask",
+    "kg_files": "loopformer.tasks.kg_files:KGFilesTask",
     "text": "loopformer.tasks.text:TextTask",
 }
 

@@ -16,9 +16,10 @@ Substitutions (also in each fixture's JSON):
   ``forward_dtype`` float64 instead of bfloat16 (``tools/parity/recursive.py``, as for TRM).
 - ``_anderson_solve`` runs in float32 whatever the model's dtype (the reference's own choice, not
   substituted): its iterates are rounded to float32, loopformer's solve runs in float64.
-- ``deq_max_iter`` 3: the solve mixes the two warm-up iterates once. From 4 on, the reference's
-  history buffer (``torch.roll`` over m slots read from the front) mixes never-written zero slots
-  into the Anderson step; loopformer's Anderson uses the true last iterates (docs/fidelity.md).
+- two fixtures: ``attractor_puzzle`` (``deq_max_iter`` 3: the solve mixes the two warm-up iterates
+  once) and ``attractor_puzzle_deq6`` (6: from the 4th evaluation on, the reference's history buffer,
+  ``torch.roll`` over m slots read from the front, mixes never-written zero slots into the Anderson
+  step; loopformer reproduces it with the ``anderson_trmdeq`` solver plug-in).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ SUBSTITUTIONS = [
     "layers.rms_norm computes in the input dtype (float64) instead of upcasting to float32",
     "forward_dtype float64 instead of bfloat16",
     "none for _anderson_solve: it runs in float32 as in the reference (loopformer's solve: float64)",
+    "_train_step / _eval / the solver iterates are the reference's procedures written out at one segment",
 ]
 TINY: dict[str, Any] = dict(
     batch_size=4,
@@ -143,7 +145,7 @@ def _train_step(head: Any, sparse: Any, batch: dict[str, Tensor]) -> dict[str, T
     return out
 
 
-def _inner_iterates(deq: Any, head: Any, batch: dict[str, Tensor]) -> Tensor:
+def _inner_iterates(deq: Any, head: Any, batch: dict[str, Tensor], cfg: dict[str, Any]) -> Tensor:
     """The solver iterates of the first inner solve (fresh carry): y0, then each returned candidate."""
     inner = head.model.inner
     x = inner._input_embeddings(batch["inputs"], batch["puzzle_identifiers"])
@@ -160,29 +162,28 @@ def _inner_iterates(deq: Any, head: Any, batch: dict[str, Tensor]) -> Tensor:
         z_star, _ = deq._anderson_solve(
             fmap,
             z_l,
-            max_iter=TINY["deq_max_iter"],
-            tol=TINY["deq_tol"],
-            min_iter=TINY["deq_min_iter"],
-            m=TINY["deq_anderson_m"],
-            beta=TINY["deq_anderson_beta"],
+            max_iter=cfg["deq_max_iter"],
+            tol=cfg["deq_tol"],
+            min_iter=cfg["deq_min_iter"],
+            m=cfg["deq_anderson_m"],
+            beta=cfg["deq_anderson_beta"],
         )
     return torch.stack([*seen, z_star.to(seen[0].dtype)])
 
 
-def build(ref_root: Path, out_dir: Path) -> list[str]:
+def build_one(ref_root: Path, out_dir: Path, name: str, cfg: dict[str, Any]) -> list[str]:
     deq, losses, sparse = _import(ref_root)
     torch.manual_seed(0)
-    model = deq.TRMDEQ(dict(TINY))
+    model = deq.TRMDEQ(dict(cfg))
     head = losses.ACTLossHeadDEQ(
-        model, loss_type="stablemax_cross_entropy", jacobian_reg_lambda=TINY["jacobian_reg_lambda"]
+        model, loss_type="stablemax_cross_entropy", jacobian_reg_lambda=cfg["jacobian_reg_lambda"]
     )
     head = to_float64(head)
-    name = "attractor_puzzle"
     folder = out_dir / name
     folder.mkdir(parents=True, exist_ok=True)
     torch.save({k: v.detach().clone() for k, v in head.state_dict().items()}, folder / "step_1")
     train_config = {
-        "global_batch_size": TINY["batch_size"],
+        "global_batch_size": cfg["batch_size"],
         "lr": OPT["lr"],
         "lr_min_ratio": 1.0,
         "lr_warmup_steps": 0,
@@ -195,20 +196,20 @@ def build(ref_root: Path, out_dir: Path) -> list[str]:
         "data_dir": "data/sudoku-4x4-parity",
     }
     (folder / "all_config.yaml").write_text(
-        yaml.safe_dump({"model_config": dict(TINY), "train_config": train_config}, sort_keys=True)
+        yaml.safe_dump({"model_config": dict(cfg), "train_config": train_config}, sort_keys=True)
     )
-    batch = batch_for(TINY, seed=1)
+    batch = batch_for(cfg, seed=1)
     tensors: dict[str, Tensor] = {f"batch.{k}": v.clone() for k, v in batch.items()}
     logits, q_halt, q_cont = evaluate(head, batch)
     tensors.update({"eval.logits": logits, "eval.q_halt": q_halt, "eval.q_continue": q_cont})
-    tensors["solver.iterates"] = _inner_iterates(deq, head, batch)
+    tensors["solver.iterates"] = _inner_iterates(deq, head, batch, cfg)
     torch.manual_seed(2)  # the exploration and Jacobian-probe draws of the training segment
     tensors.update(_train_step(head, sparse, batch))
     meta = {
         "repository": "jacobfa/Attractor",
         "commit": COMMIT,
         "model": "experiments/attractor_puzzles/trm/trm_deq.py:TRMDEQ",
-        "config": TINY,
+        "config": cfg,
         "optimizer": OPT,
         "substitutions": SUBSTITUTIONS,
         "checkpoint": f"{name}/step_1",
@@ -216,6 +217,16 @@ def build(ref_root: Path, out_dir: Path) -> list[str]:
     }
     save_fixture(out_dir, name, tensors, meta)
     return [f"{name}.safetensors", f"{name}.json", f"{name}/step_1", f"{name}/all_config.yaml"]
+
+
+def build(ref_root: Path, out_dir: Path) -> list[str]:
+    # deq_max_iter 3: both Anderson forms agree; 6: the reference's rolled history (zero slots) is in play
+    return [
+        *build_one(ref_root, out_dir, "attractor_puzzle", TINY),
+        *build_one(
+            ref_root, out_dir, "attractor_puzzle_deq6", {**TINY, "deq_max_iter": 6, "deq_min_iter": 4}
+        ),
+    ]
 
 
 if __name__ == "__main__":

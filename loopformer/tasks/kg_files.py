@@ -1,0 +1,168 @@
+"""Knowledge-graph query files as the Loop, Think & Generalize and Grokked-Transformers code write them.
+
+Format (github OSU-NLP-Group/Loop-Think-Generalize, ``getNhopfact.py`` / ``create_dataset.py``; the
+Grokked-Transformers ``composition.*`` folders use the same one): a folder holding ``vocab.json`` (a JSON
+list of tokens; ``<pad>`` is put first when missing, as the reference's ``load_vocab`` does) and JSON lists
+of records ``{"input_text": "<e_3><r_1><r_7>", "target_text": "<e_3><r_1><r_7><e_9></a>", "type": "3hop_test"}``
+(``train.json``, ``test.json``, ``valid.json``, ...). Tokens are the ``<...>`` pieces of the strings
+(the reference's ``re.compile(r'<[^>]+>')``), ids are their vocabulary positions, so a model converted
+with ``loopformer convert ltg`` reads them unchanged.
+
+Encoding: inputs right-padded with ``<pad>`` (id 0) to ``width`` (default: the longest query); the label is
+the last token of ``target_text`` without ``</a>`` at the query's last position (the reference's
+``pred_pos="inp_len"``), IGNORE_INDEX elsewhere. ``difficulty`` is the hop count (tokens - 1); the
+record's ``type`` is kept in ``meta["types"]``.
+
+``check`` follows the relations through the atomic facts of the folder's ``train.json`` (records whose
+query is one entity and one relation), so it judges a prediction without the stored label; a query
+that needs a fact the training file does not hold cannot be judged and counts as wrong.
+
+Task options: ``path`` (the folder), ``width`` (optional). ``data.train_path`` / ``data.eval_path`` name
+files inside the folder (``train.json``, ``test.json``) or any path; ``data.options.types`` keeps only
+records of those types (e.g. ``["2hop_test", "3hop_test"]``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from loopformer.tasks.base import IGNORE_INDEX, Task, TaskDataError, TokenDataset
+
+TOKEN = re.compile(r"<[^>]+>")
+PAD, END = "<pad>", "</a>"
+
+
+def _read_json(path: Path) -> Any:
+    if not path.is_file():
+        raise TaskDataError(f"{path} does not exist")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise TaskDataError(f"{path}: not valid JSON ({err.msg} at line {err.lineno})") from None
+
+
+class KGFilesTask(Task):
+    name = "kg_files"
+    causal = True
+
+    def __init__(self, path: str | Path, width: int = 0, types: list[str] | None = None) -> None:
+        self.root = Path(path)
+        tokens = _read_json(self.root / "vocab.json")
+        if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
+            raise TaskDataError(f"{self.root / 'vocab.json'} must be a JSON list of token strings")
+        if PAD not in tokens:
+            tokens = [PAD, *tokens]
+        self.tokens = tokens
+        self.vocab = {t: i for i, t in enumerate(tokens)}
+        self.vocab_size = len(tokens)
+        self.pad = self.vocab[PAD]
+        self.width = int(width)
+        self.seq_len = self.width
+        self.types = set(types) if types else None
+        self._facts: dict[tuple[int, int], int] | None = None
+
+    # -- reading ---------------------------------------------------------------------------------
+    def _ids(self, text: str, where: str) -> list[int]:
+        pieces = TOKEN.findall(text)
+        unknown = [p for p in pieces if p not in self.vocab]
+        if unknown or not pieces:
+            raise TaskDataError(f"{where}: {'unknown tokens ' + str(unknown[:5]) if unknown else 'no <...> tokens'}")
+        return [self.vocab[p] for p in pieces]
+
+    def records(self, path: str | Path) -> list[tuple[list[int], int, str]]:
+        """(query ids, answer id, type) per record of ``path`` (a name inside the folder or a path)."""
+        file = Path(path) if Path(path).is_file() else self.root / path
+        data = _read_json(file)
+        if not isinstance(data, list):
+            raise TaskDataError(f"{file} must hold a JSON list of records")
+        out = []
+        for i, rec in enumerate(data):
+            where = f"{file} record {i}"
+            if not isinstance(rec, dict) or "input_text" not in rec or "target_text" not in rec:
+                raise TaskDataError(f"{where}: needs 'input_text' and 'target_text'")
+            kind = str(rec.get("type", ""))
+            if self.types is not None and kind not in self.types:
+                continue
+            query = self._ids(rec["input_text"], where)
+            target = [t for t in TOKEN.findall(rec["target_text"])]
+            if target and target[-1] == END:
+                target = target[:-1]
+            if not target:
+                raise TaskDataError(f"{where}: target_text has no answer token")
+            out.append((query, self._ids(target[-1], where)[0], kind))
+        return out
+
+    def load(self, path: str | Path) -> TokenDataset:
+        recs = self.records(path)
+        if not recs:
+            raise TaskDataError(f"{path}: no records" + (f" of types {sorted(self.types)}" if self.types else ""))
+        width = self.width or max(len(q) for q, _, _ in recs)
+        inputs = np.full((len(recs), width), self.pad, dtype=np.int64)
+        labels = np.full((len(recs), width), IGNORE_INDEX, dtype=np.int64)
+        for i, (query, answer, _) in enumerate(recs):
+            if len(query) > width:
+                raise TaskDataError(f"{path} record {i}: {len(query)} tokens do not fit width {width}")
+            inputs[i, : len(query)] = query
+            labels[i, len(query) - 1] = answer
+        hops = np.array([len(q) - 1 for q, _, _ in recs], dtype=np.float64)
+        return TokenDataset(inputs, labels, hops, None, {"task": self.name, "source": str(path),
+                                                          "types": [k for _, _, k in recs]})
+
+    def generate(self, n: int, seed: int, **difficulty: Any) -> TokenDataset:
+        raise TaskDataError("kg_files reads the reference's JSON files: set data.train_path / data.eval_path")
+
+    # -- truth -----------------------------------------------------------------------------------
+    @property
+    def facts(self) -> dict[tuple[int, int], int]:
+        """Atomic facts ``{(head, relation): tail}`` from the folder's ``train.json``."""
+        if self._facts is None:
+            keep, self.types = self.types, None
+            try:
+                recs = self.records("train.json")
+            finally:
+                self.types = keep
+            self._facts = {(q[0], q[1]): a for q, a, _ in recs if len(q) == 2}
+        return self._facts
+
+    def _query(self, inputs: np.ndarray) -> list[int]:
+        row = [int(t) for t in np.asarray(inputs).reshape(-1)]
+        while row and row[-1] == self.pad:
+            row.pop()
+        if len(row) < 2:
+            raise TaskDataError(f"query {row} has no relation")
+        return row
+
+    def check(self, inputs: np.ndarray, prediction: np.ndarray) -> bool:
+        query = self._query(inputs)
+        entity = query[0]
+        for rel in query[1:]:
+            if (entity, rel) not in self.facts:
+                return False
+            entity = self.facts[(entity, rel)]
+        return int(np.asarray(prediction).reshape(-1)[len(query) - 1]) == entity
+
+    def difficulty(self, inputs: np.ndarray) -> float:
+        return float(len(self._query(inputs)) - 1)
+
+    def render(self, inputs: np.ndarray, prediction: np.ndarray | None = None) -> str:
+        query = self._query(inputs)
+        text = "".join(self.tokens[t] for t in query)
+        if prediction is not None:
+            text += " -> " + self.tokens[int(np.asarray(prediction).reshape(-1)[len(query) - 1])]
+        return text
+
+    def save(self, dataset: TokenDataset, path: str | Path) -> None:
+        """Write ``dataset`` back in the reference's record format (``type`` from ``meta['types']``)."""
+        types = dataset.meta.get("types") or [""] * len(dataset)
+        out = []
+        for row, lab, kind in zip(dataset.inputs, dataset.labels, types):
+            query = self._query(row)
+            answer = int(lab[len(query) - 1])
+            text = "".join(self.tokens[t] for t in query)
+            out.append({"input_text": text, "target_text": text + self.tokens[answer] + END, "type": kind})
+        Path(path).write_text(json.dumps(out))
