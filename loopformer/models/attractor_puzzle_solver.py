@@ -23,7 +23,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from loopformer.loop.quasi_newton import gram_weights
+from loopformer.loop.quasi_newton import exact, gram_weights
 from loopformer.loop.solvers import SOLVERS, Info, Solver, State, option_error
 
 
@@ -71,7 +71,7 @@ class TRMDEQAnderson(Solver):
             return fz, {"Y": Y, "F": F, "k": 1}, {}
         F[:, 1 if k == 1 else -1] = ff  # f of the previous step's new iterate
         n_act = min(k + 1, opts.m)
-        with torch.no_grad():
+        with torch.no_grad(), exact(Y):  # outside autocast: the buffers' own dtype (no bf16 LU)
             g = F[:, :n_act] - Y[:, :n_act]
             alpha = gram_weights(torch.bmm(g, g.transpose(1, 2)), opts.reg, relative=False)
             mix = (alpha.unsqueeze(-1) * F[:, :n_act]).sum(1)
