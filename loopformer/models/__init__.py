@@ -1,6 +1,7 @@
 """Model families on the one loop engine; each defines embed / init_state / step / readout."""
 
 from loopformer.models import attractor_puzzle_solver  # noqa: F401  (registers the anderson_trmdeq solver: the
+
 # solver list, and so the tests parametrised over it, does not depend on which model module was imported)
 from loopformer.models.base import LoopedModel, ModelConfig, ModelOutput
 from loopformer.models.registry import MODELS, build_model, make_config, model_classes
