@@ -19,9 +19,9 @@ The halting exploration draws come from ``loopformer.train.seeding`` (a function
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -34,6 +34,9 @@ from loopformer.train import dist
 from loopformer.train.checkpoint import CheckpointError
 from loopformer.train.data import make_batch
 from loopformer.train.dist import DistEnv
+
+if TYPE_CHECKING:
+    from loopformer.loop.solvers import Solver
 from loopformer.train.seeding import SALT_EXPLORE, seed_for
 
 
@@ -48,12 +51,16 @@ class Carry:
     state: Tensor  # [B, ...] detached carried state
     segments: Tensor  # [B] segments run so far (CPU int64)
     halted: Tensor  # [B] bool (CPU): replace before the next segment
+    solver: dict[str, Tensor] = field(
+        default_factory=dict
+    )  # [B] per-sample solver state (carry_solver_state)
 
     def state_dict(self) -> dict[str, Any]:
-        return {
+        out = {
             k: getattr(self, k)
             for k in ("index", "inputs", "labels", "puzzle_ids", "state", "segments", "halted")
         }
+        return {**out, **{f"solver.{k}": v for k, v in self.solver.items()}}
 
     @classmethod
     def from_state(cls, state: dict[str, Any], device: torch.device) -> Carry:
@@ -68,6 +75,7 @@ class Carry:
             state=dev(state["state"]),
             segments=state["segments"].long(),
             halted=state["halted"].bool(),
+            solver={k[len("solver.") :]: v.to(device) for k, v in state.items() if k.startswith("solver.")},
         )
 
 
@@ -83,6 +91,7 @@ class CarryFeed:
     global_batch: int
     env: DistEnv
     device: torch.device
+    fresh_solver: Callable[[int], dict[str, Tensor]] | None = None  # n slots' fresh solver state
 
 
 def refill_carry(carry: Carry | None, feed: CarryFeed) -> Carry:
@@ -121,6 +130,9 @@ def refill_carry(carry: Carry | None, feed: CarryFeed) -> Carry:
         c.puzzle_ids = c.puzzle_ids.index_copy(0, dev_rows, new.puzzle_ids)
     fresh = feed.fresh_states(new.inputs, new.puzzle_ids)
     c.state = c.state.index_copy(0, dev_rows, fresh.to(c.state.dtype))
+    if c.solver and feed.fresh_solver is not None:  # a new example starts the solver afresh
+        fresh_solver = feed.fresh_solver(int(rows.numel()))
+        c.solver = {k: v.index_copy(0, dev_rows, fresh_solver[k].to(v)) for k, v in c.solver.items()}
     c.segments = c.segments.clone()
     c.segments[rows] = 0
     c.halted = torch.zeros_like(c.halted)
@@ -148,6 +160,18 @@ def advance_carry(c: Carry, out: ModelOutput, tc: TrainConfig, seed: int, step: 
     if tc.halt_on_converged and out.loop is not None:
         halted = halted | out.loop.converged.detach().cpu().reshape(-1)
     c.halted = halted
+
+
+def carry_solver_state(c: Carry, out: ModelOutput, solver: Solver) -> None:
+    """After a segment (``train.carry_solver_state``): keep each slot's final solver state
+    (``LoopResult.stats`` of the values ``solver`` declares) for its next segment, and halt the slots
+    whose step fell below the solver's ``min_step`` (FPRM: ``stepsize < 1e-3``)."""
+    if out.loop is None:
+        return
+    c.solver = {k: out.loop.stats[k].detach() for k in solver.stats if k in out.loop.stats}
+    min_step = getattr(solver.opts, "min_step", None)
+    if min_step is not None and "eta" in c.solver:
+        c.halted = c.halted | (c.solver["eta"] < min_step).cpu()
 
 
 def global_carry_state(carry: Carry | None, distributed: bool) -> dict[str, Any] | None:

@@ -37,16 +37,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
+import torch
 from torch import Tensor
 
 from loopformer.config import ConfigError
 from loopformer.loop import LoopConfig
+from loopformer.loop.solvers import SOLVERS, Solver
 from loopformer.models.base import ModelOutput
 from loopformer.train.carry import (
     Carry,
     CarryFeed,
     advance_carry,
     carry_from_checkpoint,
+    carry_solver_state,
     global_carry_state,
     refill_carry,
 )
@@ -66,6 +69,7 @@ class SegmentBatch:
     state: Tensor | None  # the state to start the loop from; None: the model's init_state
     loop: LoopConfig
     metrics: dict[str, Any] = field(default_factory=dict)  # logged with the step's metrics
+    solver_state: dict[str, Tensor] | None = None  # per-sample solver state to resume (FPRM's carry)
 
 
 class TrainingMode:
@@ -171,15 +175,24 @@ class DeepSupervisionMode(TrainingMode):
             env=trainer.strategy.env,
             device=trainer.device,
         )
+        self.solver: Solver | None = None
+        if trainer.config.train.carry_solver_state:  # FPRM: the damped solver's state spans segments
+            self.solver = SOLVERS.get(trainer.loop_train.solver)(trainer.loop_train)
+            self.feed.fresh_solver = lambda n: self.solver.init(torch.zeros(n, 1, device=trainer.device))
 
     def batch(self, step: int) -> SegmentBatch:
         self.carry = refill_carry(self.carry, self.feed)
         c = self.carry
-        return SegmentBatch(c.inputs, c.labels, c.puzzle_ids, c.state, self.trainer.loop_train)
+        solver_state = c.solver or None
+        return SegmentBatch(
+            c.inputs, c.labels, c.puzzle_ids, c.state, self.trainer.loop_train, solver_state=solver_state
+        )
 
     def after_step(self, batch: SegmentBatch, out: ModelOutput, step: int) -> dict[str, Any]:
         tr = self.trainer
         advance_carry(self.carry, out, tr.config.train, tr.config.seed, step, tr.strategy.env.world_size)
+        if self.solver is not None:
+            carry_solver_state(self.carry, out, self.solver)
         return {"segments": float(self.carry.segments.float().mean()), "halted": int(self.carry.halted.sum())}
 
     def probe_batch(self, rows: Batch) -> SegmentBatch:

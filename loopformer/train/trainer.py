@@ -239,6 +239,7 @@ class Trainer:
                 puzzle_ids=batch.puzzle_ids,
                 generator=self.generator(self.step, SALT_INIT),
                 callback=lockstep.callback if lockstep.enabled else None,
+                **({"solver_state": batch.solver_state} if batch.solver_state else {}),
             )
         lockstep.drain()
         return out
