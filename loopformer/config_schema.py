@@ -126,9 +126,10 @@ class TrainConfig:
     q_learning: bool = False  # HRM: Q-learning ACT loss (q_halt BCE + bootstrapped q_continue BCE)
     halt_exploration: float = 0.1  # TRM: probability of forcing a random minimum segment count
     halt_on_converged: bool = False  # FPRM: a slot halts when its loop converged
-    carry_solver_state: bool = False  # FPRM: the solver's per-sample state (damped: step, patience, best
-    # residual) carries across a slot's segments, reset when it halts; a slot whose step falls below
-    # the solver's min_step halts (with halt_on_converged)
+    # FPRM: the solver's per-sample state (damped: step size, patience, best residual) carries across a
+    # slot's segments and restarts with its next example; with halt_on_converged a slot whose step size
+    # fell below the solver's min_step halts too (deep_supervision only)
+    carry_solver_state: bool = False
     # logging, evaluation, checkpoints
     log_every: int = 10
     eval_every: int = 0  # 0: evaluate at the end only

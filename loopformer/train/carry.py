@@ -34,10 +34,10 @@ from loopformer.train import dist
 from loopformer.train.checkpoint import CheckpointError
 from loopformer.train.data import make_batch
 from loopformer.train.dist import DistEnv
+from loopformer.train.seeding import SALT_EXPLORE, seed_for
 
 if TYPE_CHECKING:
     from loopformer.loop.solvers import Solver
-from loopformer.train.seeding import SALT_EXPLORE, seed_for
 
 
 @dataclass
@@ -51,9 +51,8 @@ class Carry:
     state: Tensor  # [B, ...] detached carried state
     segments: Tensor  # [B] segments run so far (CPU int64)
     halted: Tensor  # [B] bool (CPU): replace before the next segment
-    solver: dict[str, Tensor] = field(
-        default_factory=dict
-    )  # [B] per-sample solver state (carry_solver_state)
+    # [B] per-sample solver state (train.carry_solver_state; damped: eta, best, patience); empty: none
+    solver: dict[str, Tensor] = field(default_factory=dict)
 
     def state_dict(self) -> dict[str, Any]:
         out = {
@@ -162,15 +161,21 @@ def advance_carry(c: Carry, out: ModelOutput, tc: TrainConfig, seed: int, step: 
     c.halted = halted
 
 
-def carry_solver_state(c: Carry, out: ModelOutput, solver: Solver) -> None:
-    """After a segment (``train.carry_solver_state``): keep each slot's final solver state
-    (``LoopResult.stats`` of the values ``solver`` declares) for its next segment, and halt the slots
-    whose step fell below the solver's ``min_step`` (FPRM: ``stepsize < 1e-3``)."""
+def carry_solver_state(c: Carry, out: ModelOutput, solver: Solver, halt_on_stall: bool) -> None:
+    """After a segment (``train.carry_solver_state``, after ``advance_carry``): keep each slot's
+    final solver state (the ``LoopResult.stats`` entries ``solver.stats`` names) for its next
+    segment; ``refill_carry`` restarts it for the slots that take a new example. With
+    ``halt_on_stall`` (``train.halt_on_converged``) a slot whose step size fell below the solver's
+    ``min_step`` halts too (FPRM's ``halting_mechanism: fixed_point``: residual < ``fp_thresh`` or
+    ``stepsize < 1e-3``, nilskiKonjIzDunava/fprm ``models/fixed_point_reasoning/fprm.py``)."""
     if out.loop is None:
-        return
-    c.solver = {k: out.loop.stats[k].detach() for k in solver.stats if k in out.loop.stats}
+        raise ValueError("train.carry_solver_state: the model returned no loop result to carry")
+    missing = [k for k in solver.stats if k not in out.loop.stats]
+    if missing:
+        raise ValueError(f"train.carry_solver_state: the loop reported no solver state {missing}")
+    c.solver = {k: out.loop.stats[k].detach() for k in solver.stats}
     min_step = getattr(solver.opts, "min_step", None)
-    if min_step is not None and "eta" in c.solver:
+    if halt_on_stall and min_step is not None and "eta" in c.solver:
         c.halted = c.halted | (c.solver["eta"] < min_step).cpu()
 
 

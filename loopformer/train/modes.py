@@ -138,6 +138,14 @@ class SimpleMode(TrainingMode):
 
     name = "simple"
 
+    def __init__(self, trainer: Trainer) -> None:
+        super().__init__(trainer)
+        if trainer.config.train.carry_solver_state:
+            raise ConfigError(
+                "train.carry_solver_state: only train.mode=deep_supervision carries the solver's state "
+                "across segments (train.mode is 'simple')"
+            )
+
     def loop_for(self, step: int) -> tuple[LoopConfig, int | None]:
         """The training loop with ``R`` steps drawn for ``step`` (the same on every rank);
         ``train.loop_sampler: none``: the training loop as configured and ``R`` None."""
@@ -159,6 +167,19 @@ class SimpleMode(TrainingMode):
         return SegmentBatch(rows.inputs, rows.labels, rows.puzzle_ids, None, self.loop_for(0)[0])
 
 
+def carried_solver(loop: LoopConfig) -> Solver:
+    """The training loop's solver for ``train.carry_solver_state``; ConfigError when it keeps no
+    per-sample state to carry (only ``damped`` does: step size, patience, best residual)."""
+    solver = SOLVERS.get(loop.solver)(loop)
+    if not solver.stats:
+        carrying = list(SOLVERS.select(lambda cls: bool(cls.stats)))
+        raise ConfigError(
+            f"train.carry_solver_state: loop_train.solver {loop.solver!r} keeps no per-sample state "
+            f"across segments (solvers that do: {carrying}); set train.carry_solver_state=false"
+        )
+    return solver
+
+
 @register_training_mode
 class DeepSupervisionMode(TrainingMode):
     """One segment per step on a carried batch of slots; halted slots replaced."""
@@ -177,7 +198,7 @@ class DeepSupervisionMode(TrainingMode):
         )
         self.solver: Solver | None = None
         if trainer.config.train.carry_solver_state:  # FPRM: the damped solver's state spans segments
-            self.solver = SOLVERS.get(trainer.loop_train.solver)(trainer.loop_train)
+            self.solver = carried_solver(trainer.loop_train)
             self.feed.fresh_solver = lambda n: self.solver.init(torch.zeros(n, 1, device=trainer.device))
 
     def batch(self, step: int) -> SegmentBatch:
@@ -192,7 +213,7 @@ class DeepSupervisionMode(TrainingMode):
         tr = self.trainer
         advance_carry(self.carry, out, tr.config.train, tr.config.seed, step, tr.strategy.env.world_size)
         if self.solver is not None:
-            carry_solver_state(self.carry, out, self.solver)
+            carry_solver_state(self.carry, out, self.solver, tr.config.train.halt_on_converged)
         return {"segments": float(self.carry.segments.float().mean()), "halted": int(self.carry.halted.sum())}
 
     def probe_batch(self, rows: Batch) -> SegmentBatch:
