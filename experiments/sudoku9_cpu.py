@@ -1,0 +1,348 @@
+"""9x9 Sudoku on a CPU: FPRM vs an equal-parameter transformer and TRM at equal training FLOPs.
+
+What a 2-core CPU learns on the papers' own task shape (81 tokens; FPRM arXiv 2606.18206, TRM
+arXiv 2510.04871, HRM arXiv 2506.21734 report Sudoku-Extreme):
+
+1. ``--phase probe``: FPRM's seconds per training step with ``--threads`` threads (default 1: one core,
+   the other one left to other work; pin the process with ``taskset -c 1`` to keep the figure clean) on
+   this machine (with the load average) -> ``steps_15``, the FPRM steps of 15 minutes of training. Budgets are step counts
+   from then on (15 / 30 / 60 min = 1 / 2 / 4 x ``steps_15``), so the results do not depend on the
+   load during the (long) training runs; each run's own wall time is recorded beside them.
+2. ``--phase train --only NAME``: trains one model to its 60-minute budget with a checkpoint at every
+   15-minute mark. FPRM trains ``recipes/sudoku9_fprm.yaml``; the baselines are that recipe with the
+   model table replaced (same width / heads / layers, so equal parameters up to a head) and their
+   step counts set to FPRM's training FLOPs (``torch.utils.flop_counter.FlopCounterMode`` over real
+   training steps, forward + backward) divided by their own FLOPs per step. Runs of different models
+   can go in parallel processes (one thread each).
+3. ``--phase eval``: every checkpoint on one held-out set (generated, seeded apart from training;
+   20-60 blanks): valid accuracy by the task's independent validator (rows / columns / boxes / givens
+   re-checked without the label) per blanks bin and per solving technique (the exact solver's
+   backtrack count: 0 = propagation by naked / hidden singles alone, > 0 = search needed), FPRM's loop
+   steps vs blanks (Spearman), and the hidden-difficulty check on the two real Sudoku-Extreme rows.
+   Writes ``results.json``, ``accuracy_vs_blanks.png`` and ``table.md`` (the markdown of the
+   "9x9 Sudoku on a CPU" section in docs/results.md).
+
+Usage: ``python experiments/sudoku9_cpu.py --phase all [--quick]`` or the phases one by one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from fprm_common import REPO, flops_per_step, make_config, pyplot, save_figure, write_json
+
+from loopformer.eval.budget import steps_vs_difficulty
+from loopformer.runs import load_run
+from loopformer.tasks.sudoku import SudokuTask
+from loopformer.train.trainer import Trainer
+
+RECIPE = REPO / "recipes" / "sudoku9_fprm.yaml"
+SHARED = "d_model: 64, n_heads: 4, n_layers: 2"
+BASELINES: dict[str, list[str]] = {
+    "transformer": [
+        f"model={{name: transformer, {SHARED}}}",
+        "train.mode=simple",
+        "loop_train={}",
+        "loop_eval={}",
+        "data.curriculum.enabled=false",
+    ],
+    "trm": [
+        f"model={{name: trm, {SHARED}, n_inner: 3}}",
+        "train.halt_on_q=true",
+        "train.halt_exploration=0.1",
+        "loop_train={}",
+        "loop_eval={}",
+    ],
+}
+MODELS = ("fprm", *BASELINES)
+MINUTES = (15, 30, 60)
+BLANK_BINS = ((20, 29), (30, 39), (40, 49), (50, 60))
+# the two real Sudoku-Extreme rows of tests/test_tasks_sudoku.py (sapientinc/sudoku-extreme test split)
+EXTREME_ROWS = (
+    "5...27..9..41......1..5.3...92.6.8...5......66..7..29.8...7...2.......8...9..36..",
+    ".....8..1.6.9..2...4.52.9..4..6......9..45..6....924..9......7........3.35.2..6..",
+)
+
+
+def configs(runs: Path, quick: bool) -> dict[str, Any]:
+    q = (
+        [
+            "data.train_size=64",
+            "data.eval_size=16",
+            "train.batch_size=8",
+            "loop_eval.max_steps=4",
+            "eval.batch_size=16",
+            "train.eval_every=0",
+        ]
+        if quick
+        else []
+    )
+    cfgs = {"fprm": make_config(RECIPE, [*q, f"out_dir={runs / 'fprm'}"])}
+    for name, over in BASELINES.items():
+        cfgs[name] = make_config(RECIPE, [*q, *over, f"out_dir={runs / name}"])
+    return cfgs
+
+
+def probe(args: argparse.Namespace) -> dict[str, Any]:
+    """FPRM s/step at ``args.threads`` threads (median of timed steps after a warm-up) and every model's FLOPs/step."""
+    cfgs = configs(args.runs, args.quick)
+    cfg = dataclasses.replace(cfgs["fprm"], out_dir=str(args.runs / "probe"))
+    cfg.data = dataclasses.replace(cfg.data, train_size=4 * cfg.train.batch_size, eval_size=0)
+    cfg.data.curriculum = dataclasses.replace(cfg.data.curriculum, enabled=False)
+    cfg.train.threads = args.threads
+    torch.set_num_threads(args.threads)
+    trainer = Trainer(cfg)
+    for _ in range(2):
+        trainer.train_step()
+        trainer.step += 1
+    times = []
+    for _ in range(3 if args.quick else 12):
+        t0 = time.perf_counter()
+        trainer.train_step()
+        trainer.step += 1
+        times.append(time.perf_counter() - t0)
+    s_per_step = float(np.median(times))
+    load = os.getloadavg()[0]
+    flops = {n: flops_per_step(c, steps=2, out_dir=args.runs / "probe") for n, c in cfgs.items()}
+    steps_15 = max(4, round(15 * 60 / s_per_step)) if not args.quick else 4
+    payload = {
+        "fprm_s_per_step": s_per_step,
+        "threads": args.threads,
+        "load_average": load,
+        "steps_15": steps_15,
+        "flops_per_step": flops,
+        # 15 / 30 / 60 minutes = 1 / 2 / 4 x each model's 15-minute step count (equal FLOPs)
+        "budget_steps": {
+            n: [k * max(1, round(steps_15 * flops["fprm"] / flops[n])) for k in (1, 2, 4)] for n in cfgs
+        },
+    }
+    write_json(args.runs / "probe.json", payload)
+    print(json.dumps(payload, indent=1), flush=True)
+    return payload
+
+
+def train_one(args: argparse.Namespace, name: str) -> None:
+    plan = json.loads((args.runs / "probe.json").read_text())
+    cfg = configs(args.runs, args.quick)[name]
+    first, *_, last = plan["budget_steps"][name]
+    cfg.train.steps = last
+    cfg.train.checkpoint_every = first
+    cfg.train.keep_checkpoints = 8
+    torch.set_num_threads(1)
+    t0 = time.perf_counter()
+    summary = Trainer(cfg).fit()
+    write_json(
+        args.runs / name / "experiment.json",
+        {
+            "steps": cfg.train.steps,
+            "checkpoint_every": first,
+            "wall_time_s": round(time.perf_counter() - t0, 1),
+            "load_average_end": os.getloadavg()[0],
+            "final_train": summary.get("train", {}),
+        },
+    )
+
+
+def eval_loop(name: str, run: Any) -> Any:
+    """FPRM: its damped fixed-point loop (cap 64); TRM: all max_segments segments chained (T cycles
+    each, no halting at evaluation, as TRM / HRM evaluate); the transformer: one pass."""
+    loop = run.loop_eval
+    if name == "trm":
+        loop = dataclasses.replace(loop, max_steps=loop.max_steps * run.config.train.max_segments)
+    return loop
+
+
+@torch.no_grad()
+def evaluate_checkpoint(name: str, path: Path, eval_set: Any, backtracks: np.ndarray) -> dict[str, Any]:
+    run = load_run(path, use_ema=True)
+    loop = eval_loop(name, run)
+    task: SudokuTask = run.task  # type: ignore[assignment]
+    valid, steps = [], []
+    for start in range(0, len(eval_set), 250):
+        x = torch.as_tensor(eval_set.inputs[start : start + 250], dtype=torch.long)
+        out = run.model(x, loop=loop, generator=torch.Generator().manual_seed(0))
+        pred = out.logits.argmax(-1).numpy()
+        valid += [task.check(a, b) for a, b in zip(eval_set.inputs[start : start + 250], pred)]
+        steps.append(out.loop.steps.numpy())
+    v = np.asarray(valid, dtype=bool)
+    s = np.concatenate(steps).astype(np.float64)
+    blanks = eval_set.difficulty
+    by_bin = {f"{lo}-{hi}": _frac(v[(blanks >= lo) & (blanks <= hi)]) for lo, hi in BLANK_BINS}
+    stats = steps_vs_difficulty(blanks, s, v)
+    extreme = []
+    for text in EXTREME_ROWS:
+        x = torch.as_tensor(task.parse_grid(text)[None], dtype=torch.long)
+        out = run.model(x, loop=loop, generator=torch.Generator().manual_seed(0))
+        extreme.append(
+            {
+                "valid": bool(task.check(x[0].numpy(), out.logits.argmax(-1)[0].numpy())),
+                "steps": int(out.loop.steps[0]),
+                "converged": bool(out.loop.converged[0]),
+            }
+        )
+    return {
+        "step": run.step,
+        "weights": run.weights,
+        "n": int(len(v)),
+        "valid": float(v.mean()),
+        "valid_30plus": _frac(v[blanks >= 30]),
+        "by_blanks": by_bin,
+        "propagation_only": _frac(v[backtracks == 0]),
+        "needs_search": _frac(v[backtracks > 0]),
+        "n_needs_search": int((backtracks > 0).sum()),
+        "mean_steps": float(s.mean()),
+        "steps_vs_blanks_spearman": stats.spearman_rho,
+        "spearman_p": stats.spearman_p,
+        "extreme": extreme,
+        "loop_max_steps": loop.max_steps,
+    }
+
+
+def _frac(mask: np.ndarray) -> float | None:
+    return float(mask.mean()) if len(mask) else None
+
+
+def evaluate(args: argparse.Namespace) -> None:
+    plan = json.loads((args.runs / "probe.json").read_text())
+    cfg = configs(args.runs, args.quick)["fprm"]
+    task = SudokuTask(9)
+    eval_set = task.generate(
+        16 if args.quick else args.eval_size, seed=cfg.data.eval_seed, min_blanks=20, max_blanks=60
+    )
+    backtracks = np.asarray(eval_set.meta["backtracks"])
+    results: dict[str, Any] = {}
+    for name in MODELS:
+        run_dir = args.runs / name
+        if not (run_dir / "checkpoints").is_dir():
+            print(f"{name}: no checkpoints in {run_dir}, skipped", flush=True)
+            continue
+        exp = json.loads((run_dir / "experiment.json").read_text())
+        times = _train_times(run_dir)
+        rows = []
+        for minutes, step in zip(MINUTES, plan["budget_steps"][name]):
+            ckpt = run_dir / "checkpoints" / f"step_{step:08d}"
+            if not ckpt.is_dir():
+                print(f"{name}: no checkpoint {ckpt}", flush=True)
+                continue
+            row = evaluate_checkpoint(name, ckpt, eval_set, backtracks)
+            row.update(minutes=minutes, train_time_s=times.get(step))
+            print(
+                name,
+                minutes,
+                {k2: row[k2] for k2 in ("valid", "valid_30plus", "by_blanks", "mean_steps")},
+                flush=True,
+            )
+            rows.append(row)
+        results[name] = {
+            "checkpoints": rows,
+            "train": exp,
+            "gflops_per_step": plan["flops_per_step"][name] / 1e9,
+        }
+    payload = {
+        "command": "python experiments/sudoku9_cpu.py --phase eval",
+        "probe": plan,
+        "eval_set": {
+            "n": len(eval_set),
+            "blanks": [20, 60],
+            "seed": cfg.data.eval_seed,
+            "needs_search": int((backtracks > 0).sum()),
+        },
+        "results": results,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_json(args.out / "results.json", payload)
+    (args.out / "table.md").write_text(markdown(payload))
+    plot(payload, args.out / "accuracy_vs_blanks.png")
+    print((args.out / "table.md").read_text())
+
+
+def _train_times(run_dir: Path) -> dict[int, float]:
+    """Training-loop seconds at each logged step (metrics.jsonl ``time``)."""
+    out = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        if "time" in rec and "step" in rec:
+            out[int(rec["step"])] = float(rec["time"])
+    return out
+
+
+def markdown(payload: dict[str, Any]) -> str:
+    head = "| model | budget (min) | steps | " + " | ".join(f"{lo}-{hi} blanks" for lo, hi in BLANK_BINS)
+    head += " | all | >= 30 blanks | propagation only | needs search | mean loops | rho(loops, blanks) |"
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for name, res in payload["results"].items():
+        for row in res["checkpoints"]:
+            cells = [name, str(row["minutes"]), str(row["step"])]
+            cells += [_pct(row["by_blanks"][f"{lo}-{hi}"]) for lo, hi in BLANK_BINS]
+            cells += [
+                _pct(row["valid"]),
+                _pct(row["valid_30plus"]),
+                _pct(row["propagation_only"]),
+                _pct(row["needs_search"]),
+                f"{row['mean_steps']:.1f}",
+                "-"
+                if row["steps_vs_blanks_spearman"] is None or np.isnan(row["steps_vs_blanks_spearman"])
+                else f"{row['steps_vs_blanks_spearman']:.2f}",
+            ]
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def plot(payload: dict[str, Any], path: Path) -> None:
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    centres = [(lo + hi) / 2 for lo, hi in BLANK_BINS]
+    for i, (name, res) in enumerate(payload["results"].items()):
+        for row, style in zip(res["checkpoints"], (":", "--", "-")):
+            ys = [row["by_blanks"][f"{lo}-{hi}"] for lo, hi in BLANK_BINS]
+            ax.plot(
+                centres,
+                [np.nan if y is None else y for y in ys],
+                style,
+                marker="o",
+                color=f"C{i}",
+                markersize=3,
+                label=f"{name} {row['minutes']} min",
+            )
+    ax.set_xlabel("blanks")
+    ax.set_ylabel("valid accuracy (held-out)")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=6, ncol=3)
+    ax.set_title("9x9 Sudoku, 2-core CPU: equal training FLOPs", fontsize=9)
+    save_figure(fig, path)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--phase", choices=("probe", "train", "eval", "all"), default="all")
+    parser.add_argument("--only", default="", help="comma-separated models for --phase train")
+    parser.add_argument("--quick", action="store_true", help="a few steps at tiny size (dry run)")
+    parser.add_argument("--threads", type=int, default=1, help="threads of the probe (the budgets' clock)")
+    parser.add_argument("--eval-size", type=int, default=1000)
+    parser.add_argument("--runs", type=Path, default=REPO / "runs" / "sudoku9")
+    parser.add_argument("--out", type=Path, default=REPO / "docs" / "figures" / "sudoku9")
+    args = parser.parse_args()
+    if args.phase in ("probe", "all"):
+        probe(args)
+    if args.phase in ("train", "all"):
+        for name in [s for s in args.only.split(",") if s] or MODELS:
+            train_one(args, name)
+    if args.phase in ("eval", "all"):
+        evaluate(args)
+
+
+if __name__ == "__main__":
+    main()
