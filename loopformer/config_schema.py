@@ -44,6 +44,10 @@ class CurriculumConfig:
     exact-match accuracy on the current level (measured every ``check_every`` steps on up to
     ``sample`` examples from the held-out set, or recent training examples when ``source`` is
     "train" or the held-out set has none at that level) reaches ``threshold``.
+    ``restart_optimizer``: at every level-up the optimiser's state (moments, step counts) is reset
+    and the learning-rate schedule (warm-up included) starts again, as the reference builds a new
+    AdamW and a new warm-up schedule for every stage (OSU-NLP-Group/Loop-Think-Generalize
+    ``train_extrapolation.py`` ``train_model``).
     """
 
     enabled: bool = False
@@ -54,6 +58,7 @@ class CurriculumConfig:
     check_every: int = 100
     sample: int = 256
     source: Literal["eval", "train"] = "eval"
+    restart_optimizer: bool = False
 
 
 @dataclass

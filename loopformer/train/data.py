@@ -115,6 +115,7 @@ class Curriculum:
         step: float = 1.0,
         max_level: float | None = None,
         threshold: float = 0.95,
+        restart_schedule: bool = False,
     ) -> None:
         if step <= 0:
             raise ValueError(f"curriculum step must be > 0, got {step}")
@@ -125,6 +126,8 @@ class Curriculum:
         self.threshold = float(threshold)
         self.level = min(self.start, self.max_level)
         self.history: list[dict[str, float]] = []
+        self.restart_schedule = bool(restart_schedule)
+        self.stage_start = 0  # the global step the current level began at
         if not (self.difficulty <= self.level).any():
             raise ValueError(
                 f"curriculum start level {self.level} is below every training difficulty "
@@ -145,16 +148,24 @@ class Curriculum:
         return np.flatnonzero((d > self.level - self.step) & (d <= self.level))
 
     def update(self, accuracy: float, global_step: int) -> bool:
-        """Record ``accuracy`` on the current level; advance one level when it passes the threshold."""
+        """Record ``accuracy`` on the current level (measured after ``global_step`` optimiser steps);
+        advance one level when it passes the threshold (the new level starts at ``global_step``)."""
         self.history.append({"step": float(global_step), "level": self.level, "accuracy": float(accuracy)})
         if accuracy >= self.threshold and not self.done:
             self.level = min(self.level + self.step, self.max_level)
+            self.stage_start = int(global_step)
             return True
         return False
 
+    def schedule_step(self, global_step: int) -> int:
+        """The step the learning-rate schedule is at for optimiser step ``global_step``: the steps
+        since the current level began with ``restart_schedule``, else ``global_step``."""
+        return global_step - self.stage_start if self.restart_schedule else global_step
+
     def state_dict(self) -> dict[str, Any]:
-        return {"level": self.level, "history": list(self.history)}
+        return {"level": self.level, "history": list(self.history), "stage_start": self.stage_start}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.level = float(state["level"])
         self.history = [dict(h) for h in state.get("history", [])]
+        self.stage_start = int(state.get("stage_start", 0))  # absent in checkpoints from before the option

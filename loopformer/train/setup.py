@@ -135,7 +135,9 @@ def make_curriculum(cc: CurriculumConfig, train_data: TokenDataset) -> Curriculu
     """The difficulty curriculum over the training set's difficulty (None when ``enabled`` is off)."""
     if not cc.enabled:
         return None
-    return Curriculum(train_data.difficulty, cc.start, cc.step, cc.max_level, cc.threshold)
+    return Curriculum(
+        train_data.difficulty, cc.start, cc.step, cc.max_level, cc.threshold, cc.restart_optimizer
+    )
 
 
 def task_model_defaults(task: Task | None, train_data: TokenDataset) -> dict[str, Any]:

@@ -248,7 +248,7 @@ class Trainer:
         """One optimiser step (one segment in deep supervision); returns its metrics."""
         tc = self.config.train
         self.model.train()
-        lr = lr_for(self.step, tc)
+        lr = lr_for(self.curriculum.schedule_step(self.step) if self.curriculum else self.step, tc)
         set_lr(self.optimizer, lr)
         batch = self.mode.batch(self.step)
         out = self._forward(batch)
@@ -366,6 +366,8 @@ class Trainer:
         acc = self.score(dataset, rows, self.loop_eval, check=False)["exact_acc"]
         if cur.update(acc, self.step):
             self.stream.set_eligible(cur.eligible())
+            if cc.restart_optimizer:  # a fresh optimiser for the new stage (the schedule: schedule_step)
+                self.optimizer.state.clear()
             log.info(
                 "curriculum: level %s passed (%.3f), now training up to %s",
                 cur.level - cur.step,
