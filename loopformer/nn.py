@@ -51,6 +51,27 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
+class LearnedPositions(nn.Module):
+    """``x + s * p[t]`` for a learned table ``p`` [seq_len, d] (TRM / HRM ``pos_encodings: learned``),
+    initialised like the token embeddings (truncated normal, std 1/sqrt(d)); ``s`` = sqrt(d) when ``scaled``
+    (embeddings that were already scaled by sqrt(d)), else 1."""
+
+    def __init__(self, seq_len: int, d_model: int, scaled: bool = True) -> None:
+        super().__init__()
+        std = 1.0 / math.sqrt(d_model)
+        self.seq_len = seq_len
+        self.scale = math.sqrt(d_model) if scaled else 1.0
+        self.table = nn.Parameter(torch.empty(seq_len, d_model))
+        nn.init.trunc_normal_(self.table, std=std, a=-2.0 * std, b=2.0 * std)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.shape[1] != self.seq_len:
+            raise ValueError(
+                f"learned positions cover exactly seq_len = {self.seq_len} tokens, got inputs of length {x.shape[1]}"
+            )
+        return x + self.table.to(x.dtype) * self.scale
+
+
 class Rotary(nn.Module):
     """Rotary position embedding (RoFormer, interleaved pairs): channel pair (2i, 2i + 1) at position t
     is rotated by the angle ``t * base^(-2i / head_dim)``.

@@ -29,6 +29,9 @@ class ModelConfig:
     expansion: float = 4.0  # SwiGLU width factor
     causal: bool = False
     rope: bool = True
+    # a learned absolute position table added to the token embeddings (TRM / HRM ``pos_encodings: learned``);
+    # independent of ``rope`` (set rope=false for learned positions only); needs inputs of length seq_len
+    learned_positions: bool = False
     grid: tuple[int, int] | None = None  # token layout for 2-D convolutions (e.g. (9, 9) for Sudoku)
     num_puzzle_ids: int = 0  # size of a per-puzzle embedding table (TRM/HRM ARC), 0 = none
     puzzle_emb_len: int = 0  # tokens the puzzle embedding occupies (prepended); 0 = none

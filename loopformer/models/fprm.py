@@ -194,6 +194,8 @@ class PaddedInputEmbedding(InputEmbedding):
         if puzzle_ids is None:  # the authors' Sudoku / maze data: one identifier (0) for every puzzle
             puzzle_ids = torch.zeros(inputs.shape[0], dtype=torch.long, device=inputs.device)
         x = self.tokens(inputs) * self.scale
+        if self.positions is not None:
+            x = self.positions(x)
         p = self.puzzle_emb(puzzle_ids)
         p = F.pad(p, (0, self.prefix_len * self.d_model - p.shape[-1]))
         p = p.view(inputs.shape[0], self.prefix_len, self.d_model) * self.scale

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from loopformer.loop import LoopConfig
 from loopformer.models.base import LoopedModel, ModelConfig
-from loopformer.nn import Block, RMSNorm
+from loopformer.nn import Block, LearnedPositions, RMSNorm
 
 
 class InputEmbedding(nn.Module):
@@ -53,11 +53,14 @@ class InputEmbedding(nn.Module):
         if self.prefix_len:
             self.puzzle_emb = nn.Embedding(config.num_puzzle_ids, self.prefix_len * d)
             nn.init.zeros_(self.puzzle_emb.weight)
+        self.positions = LearnedPositions(config.seq_len, d) if config.learned_positions else None
 
     def forward(self, inputs: Tensor, puzzle_ids: Tensor | None = None) -> Tensor:
         if inputs.dim() != 2 or inputs.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"inputs must be integer tokens of shape [B, T], got {tuple(inputs.shape)} {inputs.dtype}")
         x = self.tokens(inputs) * self.scale
+        if self.positions is not None:
+            x = self.positions(x)
         if self.puzzle_emb is None:
             return x
         if puzzle_ids is None:

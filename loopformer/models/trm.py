@@ -55,7 +55,7 @@ from torch import Tensor, nn
 
 from loopformer.loop import LoopConfig
 from loopformer.models.base import LoopedModel, ModelConfig
-from loopformer.nn import Block, trunc_normal_state
+from loopformer.nn import Block, LearnedPositions, trunc_normal_state
 
 Q_BIAS_INIT = -5.0  # TRM / HRM code: the halting head starts at "do not halt"
 
@@ -94,6 +94,7 @@ class PuzzleTokenEmbedding(nn.Module):
         if self.prefix_len > 0:
             self.puzzle_emb = nn.Embedding(self.num_puzzle_ids, self.puzzle_dim)
             nn.init.zeros_(self.puzzle_emb.weight)
+        self.positions = LearnedPositions(config.seq_len, d, scaled=False) if config.learned_positions else None
 
     def forward(self, inputs: Tensor, puzzle_ids: Tensor | None = None) -> Tensor:
         if inputs.dim() != 2 or inputs.dtype not in (torch.int64, torch.int32):
@@ -101,6 +102,8 @@ class PuzzleTokenEmbedding(nn.Module):
                 f"inputs must be integer tokens of shape [B, T], got {tuple(inputs.shape)} {inputs.dtype}"
             )
         h = self.tokens(inputs)
+        if self.positions is not None:  # unscaled here: the whole embedding is scaled by sqrt(d) below
+            h = self.positions(h)
         if self.puzzle_emb is not None:
             B = inputs.shape[0]
             if puzzle_ids is None:

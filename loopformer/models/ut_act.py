@@ -43,7 +43,7 @@ from torch import Tensor, nn
 
 from loopformer.loop import LoopConfig, LoopResult
 from loopformer.models.base import LoopedModel, ModelConfig
-from loopformer.nn import Block
+from loopformer.nn import Block, LearnedPositions
 
 
 def sinusoid_signal(positions: Tensor, dim: int, max_timescale: float = 1.0e4) -> Tensor:
@@ -85,6 +85,7 @@ class UniversalTransformer(LoopedModel):
         self.scale = math.sqrt(d)
         self.tokens = nn.Embedding(config.vocab_size, d)
         nn.init.normal_(self.tokens.weight, std=1.0 / self.scale)
+        self.positions = LearnedPositions(config.seq_len, d) if config.learned_positions else None
         self.blocks = nn.ModuleList(
             Block(
                 d,
@@ -110,7 +111,8 @@ class UniversalTransformer(LoopedModel):
             raise ValueError(
                 f"inputs must be integer tokens of shape [B, T], got {tuple(inputs.shape)} {inputs.dtype}"
             )
-        return (self.scale * self.tokens(inputs),)
+        x = self.scale * self.tokens(inputs)
+        return (x if self.positions is None else self.positions(x),)
 
     def init_state(self, ctx: tuple[Tensor, ...], generator: torch.Generator | None = None) -> Tensor:
         x = ctx[0]
