@@ -60,6 +60,8 @@ class ModelUnderTest:
     loop: LoopConfig
     train_depth: int | None = None
     description: str = ""
+    segments: int = 1  # chained forward calls carrying the state (eval.segments; TRM / HRM: 16)
+    seed: int = 0  # the initial iterates' generator (the run's seed, as the trainer's evaluation)
 
 
 def run_suite(
@@ -85,14 +87,14 @@ def run_suite(
     difficulty: dict[str, DifficultyStats] = {}
     log(f"evaluating {main.label} on {len(dataset)} held-out examples")
     results[main.label] = evaluate(main.model, task, dataset, loop=main.loop, batch_size=opts.batch_size,
-                                   progress=opts.progress)
+                                   progress=opts.progress, seed=main.seed, segments=main.segments)
     difficulty[main.label] = steps_vs_difficulty(
         results[main.label].difficulty, results[main.label].steps, results[main.label].valid
     )
     for b in baselines:
         log(f"evaluating {b.label}")
         results[b.label] = evaluate(b.model, task, dataset, loop=b.loop, batch_size=opts.batch_size,
-                                    progress=opts.progress)
+                                    progress=opts.progress, seed=b.seed, segments=b.segments)
         difficulty[b.label] = steps_vs_difficulty(results[b.label].difficulty, results[b.label].steps,
                                                   results[b.label].valid)
     plot_paths: dict[str, Path] = {}

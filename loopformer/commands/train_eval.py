@@ -98,6 +98,13 @@ def evaluate_cmd(checkpoint: str, max_steps: str | None, budget_mode: str, task_
         _evaluate(run, examples, out_dir, budgets, budget_mode, lens_loops, analyses)
 
 
+def _segment_note(segments: int) -> list[str]:
+    if segments <= 1:
+        return []
+    return [f"Accuracy and steps: {segments} chained segments carrying the state (eval.segments); the step "
+            "budgets and the per-loop analyses run one segment."]
+
+
 def _evaluate(run: Any, examples: int, out_dir: str | None, budgets: list[int], budget_mode: str,
               lens_loops: int | None, analyses: bool) -> None:  # fmt: skip
     from rich.console import Console
@@ -120,7 +127,7 @@ def _evaluate(run: Any, examples: int, out_dir: str | None, budgets: list[int], 
     batch_size = run.config.eval.batch_size
     if not run.task.has_validator:  # language modelling: loss and bits per byte
         lm = evaluate_lm(run.model, run.task, dataset, loop=run.loop_eval, batch_size=batch_size, progress=True,
-                         seed=run.config.seed)
+                         seed=run.config.seed, segments=run.config.eval.segments)
         write_json(out / "metrics.json", {"checkpoint": str(run.path), "step": run.step, "weights": run.weights,
                                           **lm.to_dict()})
         console.print(f"held-out ({lm.n} windows, {lm.tokens} tokens): loss {lm.loss:.4f} nats/token, "
@@ -131,7 +138,7 @@ def _evaluate(run: Any, examples: int, out_dir: str | None, budgets: list[int], 
     extra = {}
     if isinstance(run.task, ArcTask):  # pass@2 over every test pair x augmentation version
         arc = arc_pass_at_k(run.model, run.task, loop=run.loop_eval, k=2, batch_size=batch_size,
-                            seed=run.config.data.eval_seed)
+                            seed=run.config.data.eval_seed, segments=run.config.eval.segments)
         extra["arc_pass_at_2"] = arc
     depth = training_depth(run)
     lens = (2 * depth if lens_loops is None else lens_loops) if analyses else 0
@@ -142,8 +149,10 @@ def _evaluate(run: Any, examples: int, out_dir: str | None, budgets: list[int], 
     label = run.family or run.config.model.name
     suite = run_suite(
         out, f"evaluation of {label} ({run.path}, step {run.step}, {run.weights} weights)", run.task, dataset,
-        ModelUnderTest(label, run.model, run.loop_eval, depth), (), options,
-        notes=[f"Task: {run.config.data.task} {run.config.data.options}; {len(dataset)} held-out examples."],
+        ModelUnderTest(label, run.model, run.loop_eval, depth, segments=run.config.eval.segments,
+                       seed=run.config.seed), (), options,
+        notes=[f"Task: {run.config.data.task} {run.config.data.options}; {len(dataset)} held-out examples.",
+               *_segment_note(run.config.eval.segments)],
         log=lambda m: console.print(f"  {m}"), extra=extra,
     )
     console.print(accuracy_table(suite["results"]))

@@ -19,11 +19,14 @@ def predict(
     batch_size: int = 64,
     device: torch.device | str | None = None,
     seed: int = 0,
+    *,
+    segments: int = 1,
 ) -> np.ndarray:
-    """Arg-max predictions [N, T] of ``model`` on every row of ``dataset``."""
+    """Arg-max predictions [N, T] of ``model`` on every row of ``dataset`` (after ``segments`` chained
+    calls carrying the state, as ``evaluate``)."""
     rows = []
     with _EvalPass(model, dataset, loop, device, seed) as run:
-        for b in run.batches(batch_size):
+        for b in run.batches(batch_size, segments=segments):
             rows.append(b.out.logits.argmax(-1).cpu().numpy())
     return np.concatenate(rows) if rows else np.zeros((0, dataset.inputs.shape[1]), dtype=np.int64)
 
@@ -37,11 +40,14 @@ def arc_pass_at_k(
     batch_size: int = 64,
     device: torch.device | str | None = None,
     seed: int = 0,
+    *,
+    segments: int = 1,
 ) -> dict[str, float]:
     """ARC pass@k with voting over augmentations: ``task.evaluate`` of the model's predictions on
     ``dataset`` (default: every test pair under every augmentation version,
     ``task.generate(0, seed, part="test")``). Returns ``ArcTask.evaluate``'s dictionary
     (``score``, ``all_solved``, ``outputs_solved``, ``outputs``, ``tasks``) plus ``k`` and ``rows``.
+    ``segments``: chained calls carrying the state per batch (TRM / HRM: 16), as ``evaluate``.
     """
     from loopformer.tasks.arc import ArcTask
 
@@ -55,7 +61,7 @@ def arc_pass_at_k(
         )
     predictions, q_logits = [], []  # the halting head's logits break vote ties (TRM evaluators/arc.py)
     with torch.no_grad(), _EvalPass(model, dataset, loop, device, seed) as run:
-        for b in run.batches(batch_size):
+        for b in run.batches(batch_size, segments=segments):
             predictions.append(b.out.logits.argmax(-1).cpu().numpy())
             q_logits.append(None if b.out.q_logits is None else b.out.q_logits.float().cpu().numpy())
     preds = np.concatenate(predictions) if predictions else np.zeros((0, dataset.inputs.shape[1]), dtype=np.int64)
