@@ -37,3 +37,21 @@ def test_learned_positions_add_a_trained_table_that_changes_the_output(name: str
     # the table fixes the input length
     with pytest.raises(ValueError, match="seq_len = 16"):
         model(x[:, :15], generator=torch.Generator().manual_seed(1), **kwargs)
+
+
+def test_transformer_mlp_mixer_matches_fprm_parameter_count_and_mixes_tokens() -> None:
+    """The plain transformer with the MLP mixer: the same blocks as FPRM's (equal parameters up to FPRM's
+    residual scalars and Q head), and every output position depends on every input position."""
+    torch.manual_seed(0)
+    kw = {"vocab_size": 7, "seq_len": 16, "d_model": 16, "n_heads": 2, "n_layers": 2, "mixer": "mlp"}
+    tr = build_model("transformer", make_config("transformer", **kw))
+    fp = build_model("fprm", make_config("fprm", **kw, q_head=False))
+    blocks = lambda m: sum(p.numel() for n, p in m.named_parameters() if n.startswith("layers."))  # noqa: E731
+    assert blocks(tr) == blocks(fp) > 0
+    x = torch.randint(1, 7, (1, 16))
+    emb = tr.embedding(x).detach().requires_grad_(True)
+    out = tr.readout(tr.step(emb))
+    out[0, 0].sum().backward()
+    assert (emb.grad[0].abs().sum(-1) > 0).all()  # position 0 reads all 16 positions
+    with pytest.raises(ValueError, match="unknown mixer"):
+        build_model("transformer", make_config("transformer", **{**kw, "mixer": "conv"}))

@@ -110,6 +110,7 @@ def _single_pass() -> LoopConfig:
 @dataclass
 class TransformerConfig(ModelConfig):
     norm: str = "pre"  # pre | post | sandwich | peri (nn.Block)
+    mixer: str = "attention"  # attention | mlp (an MLP across the seq_len positions, TRM's mlp_t; fixed-size grids)
     loop: LoopConfig = field(default_factory=_single_pass)
 
 
@@ -122,8 +123,13 @@ class Transformer(LoopedModel):
         super().__init__(config)
         if config.n_layers < 1:
             raise ValueError(f"n_layers must be >= 1, got {config.n_layers}")
+        if config.mixer not in ("attention", "mlp"):
+            raise ValueError(f"unknown mixer {config.mixer!r}; choose 'attention' or 'mlp'")
         self.embedding = InputEmbedding(config)
-        self.layers = make_blocks(config, config.n_layers, norm=config.norm)
+        kw: dict[str, object] = {}
+        if config.mixer == "mlp":
+            kw = {"mixer": "mlp", "seq_len": config.seq_len + config.puzzle_emb_len}
+        self.layers = make_blocks(config, config.n_layers, norm=config.norm, **kw)
         self.output = OutputHead(config, self.embedding)
 
     def embed(self, inputs: Tensor, puzzle_ids: Tensor | None = None) -> tuple[Tensor, ...]:
