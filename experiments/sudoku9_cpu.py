@@ -52,7 +52,6 @@ BASELINES: dict[str, list[str]] = {
         "train.mode=simple",
         "loop_train={}",
         "loop_eval={}",
-        "data.curriculum.enabled=false",
     ],
     "trm": [
         f"model={{name: trm, {SHARED}, n_inner: 3}}",
