@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import pytest
 import torch
 from extending_common import DT, train_tiny_fprm
 
-from loopformer.loop import HALTINGS, Halting, LoopConfig, run_loop
+from loopformer.loop import HALTINGS, Halting, LoopConfig, make_sampler, run_loop
+from loopformer.train.modes import SimpleMode
 
 
 @dataclass(frozen=True)
@@ -85,3 +87,24 @@ def test_training_and_evaluation_run_the_new_rule_from_the_config(tmp_path) -> N
     )
     assert StepDrop.calls >= 2  # training steps and evaluation went through the rule
     assert "eval" in summary
+
+
+class LearnedStepDrop(StepDrop):
+    name = "learned_step_drop"
+    learned = True  # declares itself part of what training learns: simple mode keeps it
+
+
+@pytest.mark.parametrize(("rule", "kept"), [("step_drop", False), ("learned_step_drop", True), ("act", True)])
+def test_simple_mode_keeps_only_learned_rules_under_a_sampled_loop_count(rule: str, kept: bool) -> None:
+    # simple mode draws R and replaces the halting rule by ``fixed`` unless the rule declares
+    # ``learned`` (ACT does): the trainer asks the plug-in, it never tests a rule's name
+    HALTINGS.register(LearnedStepDrop)
+    try:
+        loop_train = LoopConfig(halting=rule, max_steps=9, min_steps=0 if rule == "act" else 5)
+        trainer = SimpleNamespace(loop_train=loop_train, sampler=make_sampler("fixed", n=3))
+        loop, R = SimpleMode(trainer).loop_for(step=7)
+        assert HALTINGS.get(rule).learned is kept
+    finally:
+        HALTINGS.unregister("learned_step_drop")
+    assert R == 3 and loop.max_steps == 3 and loop.min_steps == min(loop_train.min_steps, 3)
+    assert loop.halting == (rule if kept else "fixed")

@@ -1,6 +1,7 @@
 """Loop-count samplers: reproducible per global step, right distribution, clipped."""
 
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -8,7 +9,9 @@ import pytest
 from loopformer.loop import make_sampler
 
 
-@pytest.mark.parametrize("kind,kw", [("fixed", dict(n=5)), ("poisson", dict(seed=3)), ("lognormal_poisson", dict(seed=3))])
+@pytest.mark.parametrize(
+    "kind,kw", [("fixed", dict(n=5)), ("poisson", dict(seed=3)), ("lognormal_poisson", dict(seed=3))]
+)
 def test_same_global_step_same_count(kind, kw):
     a, b = make_sampler(kind, **kw), make_sampler(kind, **kw)  # e.g. two ranks, or a resumed run
     first = [a.sample(s) for s in range(200)]
@@ -52,3 +55,21 @@ def test_bad_sampler_arguments():
         make_sampler("poisson", lam=3)
     with pytest.raises(ValueError, match="global_step"):
         make_sampler("poisson").sample(-1)
+
+
+def test_each_sampler_declares_what_it_takes_from_the_run() -> None:
+    from loopformer.loop.samplers import SAMPLERS, sampler_defaults
+    from loopformer.train.setup import loop_sampler
+
+    assert sampler_defaults("fixed", max_steps=6, seed=3) == {"n": 6}
+    assert sampler_defaults("poisson", 6, 3) == sampler_defaults("lognormal_poisson", 6, 3) == {"seed": 3}
+    assert sampler_defaults("no_such_sampler", 6, 3) == {}
+    assert set(SAMPLERS) == {"fixed", "poisson", "lognormal_poisson"}
+    tc = SimpleNamespace(loop_sampler="fixed", loop_sampler_options={})
+    assert loop_sampler(tc, SimpleNamespace(max_steps=6), seed=3).n == 6
+    tc = SimpleNamespace(loop_sampler="poisson", loop_sampler_options={"seed": 11})
+    assert loop_sampler(tc, SimpleNamespace(max_steps=6), seed=3).seed == 11  # given options win
+    with pytest.raises(ValueError, match="unknown sampler 'nope'"):
+        loop_sampler(
+            SimpleNamespace(loop_sampler="nope", loop_sampler_options={}), SimpleNamespace(max_steps=6), 3
+        )

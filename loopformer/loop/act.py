@@ -36,6 +36,7 @@ class ACTHalting(Halting):
     every_step = True
     edits_iterate = True
     stats = ("ponder_cost",)
+    learned = True
 
     def __init__(self, cfg: LoopConfig, readout=None, halt_fn=None) -> None:
         if halt_fn is None:

@@ -51,7 +51,10 @@ class Halting:
       iterate); otherwise the engine calls it only when ``residual_bound`` says a sample could stop;
     - ``edits_iterate``: ``check`` may return a z_next other than the solver's;
     - ``stats``: per-sample values ``sample_stats(state)`` reports (``ponder_cost`` also becomes
-      ``LoopResult.ponder_cost``).
+      ``LoopResult.ponder_cost``);
+    - ``learned``: the rule is part of what training learns (ACT: the model's halting weights
+      enter its output and loss), so a training mode that fixes the loop count (simple mode's
+      sampled ``R``) keeps it with ``R`` as the cap; other rules give way to ``fixed`` there.
     """
 
     name: ClassVar[str] = ""
@@ -60,6 +63,7 @@ class Halting:
     every_step: ClassVar[bool] = False
     edits_iterate: ClassVar[bool] = False
     stats: ClassVar[tuple[str, ...]] = ()
+    learned: ClassVar[bool] = False
 
     def __init__(
         self,

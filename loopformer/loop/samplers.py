@@ -4,12 +4,14 @@ Every draw uses a fresh ``numpy.random.Generator`` seeded from ``SeedSequence([s
 so every DDP rank loops the same number of times (no stragglers) and a resumed run replays the
 same counts.
 
-- ``fixed``: always ``n``.
+- ``fixed``: always ``n`` (the training loop's ``max_steps`` unless given).
 - ``poisson``: ``R ~ Poisson(mean)`` clipped to ``[low, high]`` (LTG dynamic recurrence,
   arXiv 2604.07822: Poisson(4) clipped to [2, 8]).
 - ``lognormal_poisson``: Huginn (arXiv 2502.05171): ``tau ~ N(log(mean) - sigma^2 / 2, sigma)``,
   ``R = Poisson(exp(tau)) + 1`` clipped to ``[low, high]``.
-The curriculum over task difficulty belongs to the trainer, not here.
+The curriculum over task difficulty belongs to the trainer, not here. Each sampler declares the
+options it takes from the training run when they are not given (``defaults``): ``fixed`` its
+``n`` from the loop's ``max_steps``, the random ones their ``seed`` from the run's seed.
 """
 
 from __future__ import annotations
@@ -42,6 +44,10 @@ class FixedSampler:
     def sample(self, global_step: int) -> int:
         return self.n
 
+    @classmethod
+    def defaults(cls, max_steps: int, seed: int) -> dict[str, int]:
+        return {"n": max_steps}
+
 
 @dataclass(frozen=True)
 class PoissonSampler:
@@ -49,6 +55,10 @@ class PoissonSampler:
     low: int = 2
     high: int = 8
     seed: int = 0
+
+    @classmethod
+    def defaults(cls, max_steps: int, seed: int) -> dict[str, int]:
+        return {"seed": seed}
 
     def __post_init__(self) -> None:
         if not self.mean > 0:
@@ -68,6 +78,8 @@ class LogNormalPoissonSampler:
     high: int = 32
     seed: int = 0
 
+    defaults = PoissonSampler.defaults
+
     def __post_init__(self) -> None:
         if not self.mean > 0 or not self.sigma > 0:
             raise ValueError(f"lognormal_poisson needs mean > 0 and sigma > 0, got {self.mean}, {self.sigma}")
@@ -82,6 +94,13 @@ class LogNormalPoissonSampler:
 
 SAMPLERS = {"fixed": FixedSampler, "poisson": PoissonSampler, "lognormal_poisson": LogNormalPoissonSampler}
 Sampler = FixedSampler | PoissonSampler | LogNormalPoissonSampler
+
+
+def sampler_defaults(kind: str, max_steps: int, seed: int) -> dict[str, int]:
+    """The options sampler ``kind`` takes from the training run when not given ({} for an unknown
+    kind: ``make_sampler`` names the error)."""
+    cls = SAMPLERS.get(kind)
+    return {} if cls is None else cls.defaults(max_steps, seed)
 
 
 def make_sampler(kind: str, **kw) -> Sampler:

@@ -42,6 +42,7 @@ from torch import Tensor
 
 from loopformer.config import ConfigError
 from loopformer.loop import LoopConfig
+from loopformer.loop.halting import HALTINGS, FixedHalting
 from loopformer.loop.solvers import SOLVERS, Solver
 from loopformer.models.base import ModelOutput
 from loopformer.train.carry import (
@@ -153,7 +154,8 @@ class SimpleMode(TrainingMode):
         if self.trainer.sampler is None:
             return loop_train, None
         R = int(self.trainer.sampler.sample(step))
-        halting = "act" if loop_train.halting == "act" else "fixed"
+        rule = HALTINGS.get(loop_train.halting)  # a learned rule (ACT) stays, capped at R
+        halting = rule.name if rule.learned else FixedHalting.name
         return dataclasses.replace(
             loop_train, max_steps=R, min_steps=min(loop_train.min_steps, R), halting=halting
         ), R

@@ -26,6 +26,7 @@ import torch
 
 from loopformer.config import CurriculumConfig, RunConfig, TrainConfig, to_dict
 from loopformer.loop import LoopConfig, make_sampler
+from loopformer.loop.samplers import sampler_defaults
 from loopformer.models.base import LoopedModel
 from loopformer.runs import run_task, task_dataset
 from loopformer.tasks.base import Task, TokenDataset
@@ -180,9 +181,5 @@ def loop_sampler(tc: TrainConfig, loop_train: LoopConfig, seed: int) -> Any:
     """The simple-mode loop-count sampler; None for ``train.loop_sampler: none`` (loop_train as is)."""
     if tc.loop_sampler == "none":
         return None
-    options = dict(tc.loop_sampler_options)
-    if tc.loop_sampler == "fixed":
-        options.setdefault("n", loop_train.max_steps)
-    else:
-        options.setdefault("seed", seed)
-    return make_sampler(tc.loop_sampler, **options)
+    defaults = sampler_defaults(tc.loop_sampler, loop_train.max_steps, seed)
+    return make_sampler(tc.loop_sampler, **{**defaults, **tc.loop_sampler_options})
