@@ -11,6 +11,7 @@
 - Spectral radius of ``J = d step / dz`` at the (approximate) fixed point by power iteration with
   Jacobian-vector products (``torch.func.jvp``) or vector-Jacobian products (``J^T`` has the same
   spectrum). arXiv 2606.18206 (Theorem 3): damping matters when eigenvalues leave the unit circle.
+  It lives in :mod:`loopformer.eval.spectral` and is re-exported here.
 
 All per-loop readouts force the ``fixed`` halting rule by default, so every sample is read at every
 loop; a sample that halts earlier under another rule keeps its last readout.
@@ -18,9 +19,10 @@ loop; a sample that halts earlier under another rule keeps its last readout.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +32,7 @@ from torch import Tensor
 
 from loopformer.eval.budget import with_budget
 from loopformer.eval.evaluate import batch_tensors, iter_batches, model_device, score_predictions
+from loopformer.eval.spectral import spectral_radius, spectral_radius_at_fixed_point, spectral_radius_summary
 from loopformer.loop import LoopConfig
 from loopformer.models.base import LoopedModel
 from loopformer.tasks.base import IGNORE_INDEX, Task, TokenDataset
@@ -147,6 +150,117 @@ def _answer_positions(labels: np.ndarray) -> np.ndarray:
     return mask.shape[1] - 1 - np.argmax(mask[:, ::-1], axis=1)
 
 
+@contextlib.contextmanager
+def _eval_mode(model: LoopedModel, device: torch.device | str | None) -> Iterator[torch.device]:
+    """``model`` on ``device`` (default: where it is) in eval mode; its training mode restored on exit."""
+    device = torch.device(device) if device is not None else model_device(model)
+    model.to(device)
+    was_training = model.training
+    model.eval()
+    try:
+        yield device
+    finally:
+        model.train(was_training)
+
+
+def _ratio(a: np.ndarray, b: np.ndarray | float) -> list[float]:
+    """Elementwise a / b as floats, nan where b is 0."""
+    b = np.broadcast_to(np.asarray(b, dtype=np.float64), a.shape)
+    return [float(x / y) if y else float("nan") for x, y in zip(a, b)]
+
+
+def _bridge_targets(
+    task: Task | None,
+    dataset: TokenDataset,
+    bridge_tokens: np.ndarray | None,
+    bridge_positions: np.ndarray | int | None,
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """(bridge token [N] (-1 = none), position [N]) for the logit lens, or None when no row has one.
+
+    Without ``bridge_tokens`` the task's ``bridges(inputs)`` is used; without ``bridge_positions``
+    the last labelled position of each row."""
+    if bridge_tokens is None and task is not None:
+        bridge_tokens = task.bridges(dataset.inputs)
+    if bridge_tokens is None:
+        return None
+    bridge_tokens = np.asarray(bridge_tokens, dtype=np.int64).reshape(-1)
+    if len(bridge_tokens) != len(dataset):
+        raise ValueError(f"bridge_tokens has {len(bridge_tokens)} entries for {len(dataset)} examples")
+    if bridge_positions is None:
+        positions = _answer_positions(dataset.labels)
+    else:
+        positions = np.array(np.broadcast_to(np.asarray(bridge_positions, dtype=np.int64), (len(dataset),)))
+    return (bridge_tokens, positions) if (bridge_tokens >= 0).any() else None
+
+
+class _LensTally:
+    """The logit lens's per-loop sums over batches (index k is loop k + 1)."""
+
+    KEYS = ("right", "count", "exact", "valid", "margin", "margin_n", "rank", "top1", "bridge_n")
+
+    def __init__(self, task: Task, loops: int) -> None:
+        self.task, self.loops = task, loops
+        self.sums = {k: np.zeros(loops) for k in self.KEYS}
+        self.n = 0
+
+    def observer(
+        self, x_np: np.ndarray, y_np: np.ndarray, labels: Tensor, bridge: tuple[Tensor, Tensor] | None
+    ) -> LoopObserver:
+        """The ``trace_loops`` observer of one batch; ``bridge``: its (tokens, positions) or None."""
+        self.n += len(x_np)
+
+        def observe(t: int, z: Tensor, logits: Tensor) -> None:
+            if t <= self.loops:
+                self.add(t - 1, x_np, y_np, labels, logits, bridge)
+
+        return observe
+
+    def add(
+        self,
+        k: int,
+        x_np: np.ndarray,
+        y_np: np.ndarray,
+        labels: Tensor,
+        logits: Tensor,
+        bridge: tuple[Tensor, Tensor] | None,
+    ) -> None:
+        sums = self.sums
+        pred = logits.argmax(-1).cpu().numpy()
+        exact, valid, right, count = score_predictions(self.task, x_np, y_np, pred)
+        sums["right"][k] += right.sum()
+        sums["count"][k] += count.sum()
+        sums["exact"][k] += exact.sum()
+        sums["valid"][k] += valid.sum()
+        m = logit_margin(logits.double(), labels)
+        finite = ~torch.isnan(m)
+        sums["margin"][k] += float(m[finite].sum())
+        sums["margin_n"][k] += int(finite.sum())
+        if bridge is None:
+            return
+        tokens, positions = bridge
+        has_bridge = tokens >= 0
+        if bool(has_bridge.any()):
+            ranks = token_rank(logits, tokens.clamp_min(0), positions)[has_bridge]
+            sums["rank"][k] += float(ranks.sum())
+            sums["top1"][k] += float((ranks == 0).sum())
+            sums["bridge_n"][k] += int(has_bridge.sum())
+
+    def curve(self, train_depth: int | None, bridges: bool) -> LoopCurve:
+        sums = self.sums
+        curve = LoopCurve(
+            loops=list(range(1, self.loops + 1)),
+            token_accuracy=_ratio(sums["right"], sums["count"]),
+            exact_accuracy=_ratio(sums["exact"], self.n),
+            valid_accuracy=_ratio(sums["valid"], self.n),
+            margin=_ratio(sums["margin"], sums["margin_n"]),
+            train_depth=train_depth,
+        )
+        if bridges:
+            curve.bridge_rank = _ratio(sums["rank"], sums["bridge_n"])
+            curve.bridge_top1 = _ratio(sums["top1"], sums["bridge_n"])
+        return curve
+
+
 def logit_lens(
     model: LoopedModel,
     task: Task,
@@ -170,82 +284,19 @@ def logit_lens(
     """
     if loops < 1:
         raise ValueError(f"loops must be >= 1, got {loops}")
-    device = torch.device(device) if device is not None else model_device(model)
-    model.to(device)
-    was_training = model.training
-    model.eval()
-    cfg = _fixed(model, loop, loops, halting)
-    if bridge_tokens is None and task is not None:
-        bridge_tokens = task.bridges(dataset.inputs)
-    if bridge_tokens is not None:
-        bridge_tokens = np.asarray(bridge_tokens, dtype=np.int64).reshape(-1)
-        if len(bridge_tokens) != len(dataset):
-            raise ValueError(f"bridge_tokens has {len(bridge_tokens)} entries for {len(dataset)} examples")
-        if bridge_positions is None:
-            positions_all = _answer_positions(dataset.labels)
-        else:
-            positions_all = np.array(np.broadcast_to(np.asarray(bridge_positions, dtype=np.int64), (len(dataset),)))
-        if not (bridge_tokens >= 0).any():
-            bridge_tokens = None
-    sums = {k: np.zeros(loops) for k in ("right", "count", "exact", "valid", "margin", "margin_n", "rank",
-                                          "top1", "bridge_n")}
-    n_total = 0
-    generator = torch.Generator(device=device).manual_seed(seed)
-    try:
+    tally = _LensTally(task, loops)
+    with _eval_mode(model, device) as device:
+        cfg = _fixed(model, loop, loops, halting)
+        bridges = _bridge_targets(task, dataset, bridge_tokens, bridge_positions)
+        generator = torch.Generator(device=device).manual_seed(seed)
         for index in iter_batches(dataset, batch_size, max_batches):
             inputs, labels, puzzle_ids = batch_tensors(dataset, index, device)
-            x_np, y_np = dataset.inputs[index], dataset.labels[index]
-            n_total += len(x_np)
-            bt = bp = has_bridge = None
-            if bridge_tokens is not None:
-                bt = torch.as_tensor(bridge_tokens[index], device=device)
-                bp = torch.as_tensor(positions_all[index], device=device)
-                has_bridge = bt >= 0
-
-            def observe(
-                t: int, z: Tensor, logits: Tensor, x_np: np.ndarray = x_np, y_np: np.ndarray = y_np,
-                labels: Tensor = labels, bt: Tensor | None = bt, bp: Tensor | None = bp,
-                has_bridge: Tensor | None = has_bridge,
-            ) -> None:
-                if t > loops:
-                    return
-                k = t - 1
-                pred = logits.argmax(-1).cpu().numpy()
-                exact, valid, right, count = score_predictions(task, x_np, y_np, pred)
-                sums["right"][k] += right.sum()
-                sums["count"][k] += count.sum()
-                sums["exact"][k] += exact.sum()
-                sums["valid"][k] += valid.sum()
-                m = logit_margin(logits.double(), labels)
-                finite = ~torch.isnan(m)
-                sums["margin"][k] += float(m[finite].sum())
-                sums["margin_n"][k] += int(finite.sum())
-                if bt is not None and bp is not None and has_bridge is not None and bool(has_bridge.any()):
-                    ranks = token_rank(logits, bt.clamp_min(0), bp)[has_bridge]
-                    sums["rank"][k] += float(ranks.sum())
-                    sums["top1"][k] += float((ranks == 0).sum())
-                    sums["bridge_n"][k] += int(has_bridge.sum())
-
+            bridge = None
+            if bridges is not None:
+                bridge = tuple(torch.as_tensor(b[index], device=device) for b in bridges)
+            observe = tally.observer(dataset.inputs[index], dataset.labels[index], labels, bridge)
             trace_loops(model, inputs, cfg, observe, puzzle_ids, generator)
-    finally:
-        model.train(was_training)
-
-    def ratio(a: np.ndarray, b: np.ndarray | float) -> list[float]:
-        b = np.broadcast_to(np.asarray(b, dtype=np.float64), a.shape)
-        return [float(x / y) if y else float("nan") for x, y in zip(a, b)]
-
-    curve = LoopCurve(
-        loops=list(range(1, loops + 1)),
-        token_accuracy=ratio(sums["right"], sums["count"]),
-        exact_accuracy=ratio(sums["exact"], n_total),
-        valid_accuracy=ratio(sums["valid"], n_total),
-        margin=ratio(sums["margin"], sums["margin_n"]),
-        train_depth=train_depth,
-    )
-    if bridge_tokens is not None:
-        curve.bridge_rank = ratio(sums["rank"], sums["bridge_n"])
-        curve.bridge_top1 = ratio(sums["top1"], sums["bridge_n"])
-    return curve
+    return tally.curve(train_depth, bridges is not None)
 
 
 def overthinking(
@@ -265,8 +316,17 @@ def overthinking(
     The same per-loop readout as the logit lens, always with exactly ``max_loops`` fixed loops;
     ``curve.train_depth`` marks the training depth for the plot."""
     return logit_lens(
-        model, task, dataset, max_loops, loop=loop, halting="fixed", batch_size=batch_size,
-        max_batches=max_batches, device=device, train_depth=train_depth, seed=seed,
+        model,
+        task,
+        dataset,
+        max_loops,
+        loop=loop,
+        halting="fixed",
+        batch_size=batch_size,
+        max_batches=max_batches,
+        device=device,
+        train_depth=train_depth,
+        seed=seed,
         bridge_tokens=np.full(len(dataset), -1),
     )
 
@@ -309,15 +369,11 @@ def signal_propagation(
     """State RMS norm and update norm per loop, over ``loops`` fixed loops."""
     if loops < 1:
         raise ValueError(f"loops must be >= 1, got {loops}")
-    device = torch.device(device) if device is not None else model_device(model)
-    model.to(device)
-    was_training = model.training
-    model.eval()
-    cfg = _fixed(model, loop, loops, "fixed")
     sums = {k: np.zeros(loops) for k in ("rms", "upd", "rel")}
     n_total, rms0 = 0, 0.0
-    generator = torch.Generator(device=device).manual_seed(seed)
-    try:
+    with _eval_mode(model, device) as device:
+        cfg = _fixed(model, loop, loops, "fixed")
+        generator = torch.Generator(device=device).manual_seed(seed)
         for index in iter_batches(dataset, batch_size, max_batches):
             inputs, _, puzzle_ids = batch_tensors(dataset, index, device)
             prev: dict[str, Tensor] = {}
@@ -329,7 +385,9 @@ def signal_propagation(
                 d = (z - prev["z"]).flatten(1).double()
                 sums["rms"][k] += float(rms(z).sum())
                 sums["upd"][k] += float(d.norm(dim=1).sum())
-                sums["rel"][k] += float((d.norm(dim=1) / prev["z"].flatten(1).double().norm(dim=1).clamp_min(1e-30)).sum())
+                sums["rel"][k] += float(
+                    (d.norm(dim=1) / prev["z"].flatten(1).double().norm(dim=1).clamp_min(1e-30)).sum()
+                )
                 prev["z"] = z.clone()
 
             ctx = model.embed(inputs, puzzle_ids)
@@ -338,8 +396,6 @@ def signal_propagation(
             rms0 += float(rms(z0).sum())
             n_total += inputs.shape[0]
             trace_loops(model, inputs, cfg, observe, puzzle_ids, z0=z0, read=False)
-    finally:
-        model.train(was_training)
     return SignalCurve(
         loops=list(range(1, loops + 1)),
         state_rms=[float(x / n_total) for x in sums["rms"]],
@@ -347,117 +403,6 @@ def signal_propagation(
         relative_update=[float(x / n_total) for x in sums["rel"]],
         state_rms0=rms0 / n_total,
     )
-
-
-# ------------------------------------------------------------------------------------------------
-# spectral radius of the step's Jacobian
-# ------------------------------------------------------------------------------------------------
-
-
-def spectral_radius(
-    f: Callable[[Tensor], Tensor],
-    z: Tensor,
-    iters: int = 200,
-    tol: float = 1e-6,
-    method: str = "jvp",
-    generator: torch.Generator | None = None,
-    per_sample: bool = True,
-) -> Tensor:
-    """Spectral radius of ``J = df/dz`` at ``z`` by power iteration; [B] (per sample) or a scalar.
-
-    ``f`` must act on each sample independently (true of a transformer step), so ``J`` is block
-    diagonal and every sample is its own power iteration. ``method``: ``jvp`` iterates ``v <- J v``
-    (``torch.func.jvp``), ``vjp`` iterates ``v <- J^T v`` (autograd; same spectrum). The estimate is
-    the geometric mean of the growth ``||J v|| / ||v||`` over the second half of the iterations, which
-    also converges when the dominant eigenvalues are a complex pair. Stops early once two successive
-    windowed estimates agree to ``tol`` (relative).
-    """
-    if method not in ("jvp", "vjp"):
-        raise ValueError(f"unknown method {method!r} (jvp | vjp)")
-    z = z.detach()
-    batch = z.shape[0] if per_sample else 1
-    v = torch.randn(z.shape, generator=generator, dtype=z.dtype, device=z.device)
-
-    def norms(x: Tensor) -> Tensor:
-        flat = x.reshape(batch, -1)
-        return flat.norm(dim=1).clamp_min(torch.finfo(x.dtype).tiny)
-
-    def shape_b(n: Tensor) -> Tensor:
-        return n.reshape(batch, *([1] * (z.dim() - (1 if per_sample else 0))))
-
-    v = v / shape_b(norms(v))
-    if method == "vjp":
-        with torch.enable_grad():
-            z_req = z.clone().requires_grad_(True)
-            fz = f(z_req)
-
-        def apply(u: Tensor) -> Tensor:
-            (g,) = torch.autograd.grad(fz, z_req, u, retain_graph=True)
-            return g
-    else:
-
-        def apply(u: Tensor) -> Tensor:
-            return torch.func.jvp(f, (z,), (u,))[1]
-
-    logs: list[Tensor] = []
-    estimate = None
-    for k in range(iters):
-        w = apply(v).detach()
-        g = norms(w)
-        logs.append(g.log())
-        v = w / shape_b(g)
-        if k >= 9 and (k + 1) % 5 == 0:
-            window = torch.stack(logs[len(logs) // 2 :])
-            new = window.mean(0).exp()
-            if estimate is not None and bool(((new - estimate).abs() <= tol * estimate.abs().clamp_min(1e-12)).all()):
-                estimate = new
-                break
-            estimate = new
-    if estimate is None:
-        estimate = torch.stack(logs[len(logs) // 2 :]).mean(0).exp()
-    return estimate if per_sample else estimate.reshape(())
-
-
-@torch.no_grad()
-def spectral_radius_at_fixed_point(
-    model: LoopedModel,
-    inputs: Tensor,
-    loop: LoopConfig | None = None,
-    puzzle_ids: Tensor | None = None,
-    iters: int = 100,
-    tol: float = 1e-4,
-    method: str = "vjp",
-    seed: int = 0,
-) -> Tensor:
-    """Run the model's loop to its final (approximately fixed) state, then the spectral radius of the
-    step's Jacobian there, per sample [B]."""
-    was_training = model.training
-    model.eval()
-    try:
-        device = model_device(model)
-        inputs = inputs.to(device)
-        generator = torch.Generator(device=device).manual_seed(seed)
-        ctx = tuple(c.detach() if isinstance(c, Tensor) else c for c in model.embed(inputs, puzzle_ids))
-        z0 = model.init_state(ctx, generator)
-        out = model(inputs, loop=loop, state=z0, puzzle_ids=puzzle_ids)
-        z_star = out.state.detach()
-
-        def f(z: Tensor) -> Tensor:
-            return model.step(z, *ctx)
-
-        return spectral_radius(f, z_star, iters=iters, tol=tol, method=method, generator=generator)
-    finally:
-        model.train(was_training)
-
-
-def spectral_radius_summary(radii: Tensor) -> dict[str, float]:
-    r = radii.detach().double().cpu().numpy()
-    return {
-        "mean": float(r.mean()),
-        "median": float(np.median(r)),
-        "max": float(r.max()),
-        "fraction_below_1": float((r < 1).mean()),
-    }
 
 
 def finite_or_none(x: float) -> float | None:

@@ -64,6 +64,108 @@ def write_json(path: str | Path, data: Any) -> Path:
     return path
 
 
+def _shown_loops(loops: list[int]) -> list[int]:
+    """Indices of the loops a per-loop table shows: 1..12, every 4th, and the last."""
+    return [i for i, t in enumerate(loops) if t <= 12 or t % 4 == 0 or i == len(loops) - 1]
+
+
+def _results_section(results: Mapping[str, EvalResult]) -> list[str]:
+    rows = [
+        [
+            label,
+            str(r.n),
+            _num(r.valid_accuracy, True),
+            _num(r.exact_accuracy, True),
+            _num(r.token_accuracy, True),
+            _num(r.mean_steps),
+            _num(r.converged_fraction, True),
+        ]
+        for label, r in results.items()
+    ]
+    header = ["model", "examples", "valid (validator)", "exact", "token", "mean steps", "converged"]
+    return [
+        "## Held-out accuracy",
+        "",
+        *_table(header, rows),
+        "`valid` is judged by the task's independent validator, not by the labels.",
+        "",
+    ]
+
+
+def _difficulty_section(label: str, stats: DifficultyStats) -> list[str]:
+    def span(b: Any) -> str:
+        low = _num(b.low, digits=0)
+        return low if b.low == b.high else f"{low}-{_num(b.high, digits=0)}"
+
+    rows = [[span(b), str(b.count), _num(b.mean_steps), _num(b.valid_accuracy, True)] for b in stats.buckets]
+    return [
+        f"## Steps vs difficulty: {label}",
+        "",
+        *_table(["difficulty", "examples", "mean steps", "valid"], rows),
+        f"Spearman rho = {_num(stats.spearman_rho, digits=3)} (p = {stats.spearman_p:.2g})",
+        "",
+    ]
+
+
+def _budget_section(label: str, curve: BudgetCurve) -> list[str]:
+    rows = [
+        [str(p.budget), _num(p.valid_accuracy, True), _num(p.exact_accuracy, True), _num(p.mean_steps)]
+        for p in curve.points
+    ]
+    return [
+        f"## Accuracy vs step budget: {label} ({curve.mode})",
+        "",
+        *_table(["budget", "valid", "exact", "mean steps"], rows),
+    ]
+
+
+def _lens_section(lens: LoopCurve) -> list[str]:
+    has_bridge = bool(lens.bridge_rank)
+    header = ["loop", "valid", "token", "margin"] + (["bridge rank"] if has_bridge else [])
+    rows = []
+    for i in _shown_loops(lens.loops):
+        row = [
+            str(lens.loops[i]),
+            _num(lens.valid_accuracy[i], True),
+            _num(lens.token_accuracy[i], True),
+            _num(lens.margin[i]),
+        ]
+        if has_bridge:
+            row.append(_num(lens.bridge_rank[i]))
+        rows.append(row)
+    lines = ["## Logit lens / overthinking (readout of every loop state)", "", *_table(header, rows)]
+    if lens.train_depth:
+        lines += [f"Training depth: {lens.train_depth} loops per training forward call.", ""]
+    return lines
+
+
+def _signal_section(signal: SignalCurve) -> list[str]:
+    rows = [
+        [
+            str(signal.loops[i]),
+            _num(signal.state_rms[i], digits=3),
+            _num(signal.update_norm[i], digits=3),
+            f"{signal.relative_update[i]:.2e}",
+        ]
+        for i in _shown_loops(signal.loops)
+    ]
+    return [
+        "## Signal propagation",
+        "",
+        *_table(["loop", "state RMS", "update norm", "relative update"], rows),
+    ]
+
+
+def _plots_section(out: Path, plots: Mapping[str, str | Path]) -> list[str]:
+    lines = ["## Plots", ""]
+    for caption, p in plots.items():
+        path = Path(p)
+        inside = path.resolve().is_relative_to(out.resolve())
+        rel = path.resolve().relative_to(out.resolve()) if inside else path
+        lines += [f"![{caption}]({rel.as_posix()})", ""]
+    return lines
+
+
 def write_report(
     out_dir: str | Path,
     title: str,
@@ -88,59 +190,40 @@ def write_report(
     for note in notes or []:
         lines += [note, ""]
     if results:
-        lines += ["## Held-out accuracy", ""]
-        rows = [
-            [label, str(r.n), _num(r.valid_accuracy, True), _num(r.exact_accuracy, True),
-             _num(r.token_accuracy, True), _num(r.mean_steps), _num(r.converged_fraction, True)]
-            for label, r in results.items()
-        ]
-        lines += _table(["model", "examples", "valid (validator)", "exact", "token", "mean steps", "converged"], rows)
-        lines += ["`valid` is judged by the task's independent validator, not by the labels.", ""]
+        lines += _results_section(results)
     for label, stats in (difficulty or {}).items():
-        lines += [f"## Steps vs difficulty: {label}", ""]
-        rows = [
-            [_num(b.low, digits=0) if b.low == b.high else f"{_num(b.low, digits=0)}-{_num(b.high, digits=0)}",
-             str(b.count), _num(b.mean_steps), _num(b.valid_accuracy, True)]
-            for b in stats.buckets
-        ]
-        lines += _table(["difficulty", "examples", "mean steps", "valid"], rows)
-        lines += [f"Spearman rho = {_num(stats.spearman_rho, digits=3)} (p = {stats.spearman_p:.2g})", ""]
+        lines += _difficulty_section(label, stats)
     for label, curve in (budget or {}).items():
-        lines += [f"## Accuracy vs step budget: {label} ({curve.mode})", ""]
-        rows = [[str(p.budget), _num(p.valid_accuracy, True), _num(p.exact_accuracy, True), _num(p.mean_steps)]
-                for p in curve.points]
-        lines += _table(["budget", "valid", "exact", "mean steps"], rows)
+        lines += _budget_section(label, curve)
     if lens is not None:
-        lines += ["## Logit lens / overthinking (readout of every loop state)", ""]
-        has_bridge = bool(lens.bridge_rank)
-        header = ["loop", "valid", "token", "margin"] + (["bridge rank"] if has_bridge else [])
-        rows = []
-        shown = [i for i, t in enumerate(lens.loops) if t <= 12 or t % 4 == 0 or i == len(lens.loops) - 1]
-        for i in shown:
-            t = lens.loops[i]
-            row = [str(t), _num(lens.valid_accuracy[i], True), _num(lens.token_accuracy[i], True), _num(lens.margin[i])]
-            if has_bridge:
-                row.append(_num(lens.bridge_rank[i]))
-            rows.append(row)
-        lines += _table(header, rows)
-        if lens.train_depth:
-            lines += [f"Training depth: {lens.train_depth} loops per training forward call.", ""]
+        lines += _lens_section(lens)
     if signal is not None:
-        lines += ["## Signal propagation", ""]
-        rows = [[str(t), _num(signal.state_rms[i], digits=3), _num(signal.update_norm[i], digits=3),
-                 f"{signal.relative_update[i]:.2e}"] for i, t in enumerate(signal.loops)
-                if t <= 12 or t % 4 == 0 or i == len(signal.loops) - 1]
-        lines += _table(["loop", "state RMS", "update norm", "relative update"], rows)
+        lines += _signal_section(signal)
     if spectral:
         lines += ["## Jacobian spectral radius at the final state", ""]
         lines += _table(list(spectral), [[_num(v, digits=3) for v in spectral.values()]])
     if plots:
-        lines += ["## Plots", ""]
-        for caption, p in plots.items():
-            rel = Path(p).resolve().relative_to(out.resolve()) if Path(p).resolve().is_relative_to(out.resolve()) else Path(p)
-            lines += [f"![{caption}]({rel.as_posix()})", ""]
+        lines += _plots_section(out, plots)
     report = out / "report.md"
     report.write_text("\n".join(lines))
+    return report, write_json(
+        out / "metrics.json",
+        _metrics(title, results, budget, difficulty, lens, signal, spectral, plots, extra),
+    )
+
+
+def _metrics(
+    title: str,
+    results: Mapping[str, EvalResult],
+    budget: Mapping[str, BudgetCurve] | None,
+    difficulty: Mapping[str, DifficultyStats] | None,
+    lens: LoopCurve | None,
+    signal: SignalCurve | None,
+    spectral: Mapping[str, float] | None,
+    plots: Mapping[str, str | Path] | None,
+    extra: Mapping[str, Any] | None,
+) -> dict[str, Any]:
+    """What ``metrics.json`` holds: every piece given to ``write_report``, as plain values."""
     metrics: dict[str, Any] = {"title": title, "results": {k: v.to_dict() for k, v in results.items()}}
     if budget:
         metrics["budget"] = {k: v.to_dict() for k, v in budget.items()}
@@ -156,4 +239,4 @@ def write_report(
         metrics["plots"] = {k: str(v) for k, v in plots.items()}
     if extra:
         metrics.update(extra)
-    return report, write_json(out / "metrics.json", metrics)
+    return metrics
