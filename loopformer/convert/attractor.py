@@ -19,7 +19,9 @@ from typing import Any
 from torch import Tensor
 
 from loopformer.convert import Converted, KeyMap, strip_prefixes
-from loopformer.convert.recursive import PREFIXES, map_block, task_section
+from loopformer.convert.recursive import PREFIXES, task_section
+from loopformer.convert.recursive import train_section as recursive_train_section
+from loopformer.convert.trm import map_trm_weights
 from loopformer.convert.trm import model_section as trm_model_section
 
 # TrainTRMDEQConfig defaults (train_trm_deq.py)
@@ -87,47 +89,22 @@ def model_section(km: KeyMap, s: dict[str, Any]) -> dict[str, Any]:
 
 
 def train_section(s: dict[str, Any]) -> dict[str, Any]:
-    batch = int(s["global_batch_size"])
-    return {
-        "mode": "deep_supervision",
-        "batch_size": batch,
-        "lr": float(s["lr"]),
-        "weight_decay": float(s["weight_decay"]),
-        "betas": [float(s["beta1"]), float(s["beta2"])],
-        "warmup_steps": int(s["lr_warmup_steps"]),
-        "schedule": "constant" if float(s["lr_min_ratio"]) == 1.0 else "cosine",
-        "min_lr_ratio": float(s["lr_min_ratio"]),
-        "grad_clip": 0.0,
-        "optimizer": "adamw",
-        "decay_all": True,
-        "puzzle_emb_optimizer": "sign_sgd",
-        "puzzle_emb_lr": float(s["puzzle_emb_lr"]),
-        "puzzle_emb_weight_decay": float(s["puzzle_emb_weight_decay"]),
-        "ema": float(s["ema_rate"]) if s["ema"] else 0.0,
-        "ema_warmup": False,
-        "loss": "stablemax" if s["loss_type"] == "stablemax_cross_entropy" else "ce",
-        "q_loss_weight": 0.5,
-        "ponder_weight": float(s["jacobian_reg_lambda"]) / batch,
-        "max_segments": int(s["halt_max_steps"]),
-        "halt_on_q": True,
-        "halt_exploration": float(s["halt_exploration_prob"]),
-    }
+    """TRM's training section (``loopformer.convert.recursive.train_section``) with TRM-DEQ's
+    AdamW, sign-SGD puzzle embedding and the Jacobian regulariser as ``ponder_weight``."""
+    section = recursive_train_section({**s, "loss": {"loss_type": s["loss_type"]}}, s)
+    section.update(
+        optimizer="adamw",
+        puzzle_emb_optimizer="sign_sgd",
+        ponder_weight=float(s["jacobian_reg_lambda"]) / section["batch_size"],
+    )
+    return section
 
 
 def convert(state: dict[str, Tensor], ref: dict[str, Any]) -> Converted:
     km = KeyMap(strip_prefixes(state, PREFIXES), "Attractor TRM-DEQ checkpoint")
     s = settings(ref)
     model = model_section(km, s)
-    km.put("embedding.tokens.weight", "embed_tokens.embedding_weight")
-    if model["num_puzzle_ids"]:
-        km.put("embedding.puzzle_emb.weight", "puzzle_emb.weights")
-    for i in range(model["n_layers"]):
-        map_block(km, f"L_level.layers.{i}", f"net.layers.{i}", model["n_heads"], model["rope"])
-    km.put("y_init", "H_init")
-    km.put("z_init", "L_init")
-    km.put("lm_head.weight", "lm_head.weight")
-    km.put("q_proj.weight", "q_head.weight", lambda t: t[:1].clone())
-    km.put("q_proj.bias", "q_head.bias", lambda t: t[:1].clone())
+    map_trm_weights(km, model)
     km.finish()
     data_ref = {"data_path": s.get("data_dir", "")} if s.get("data_dir") else {}
     run = {

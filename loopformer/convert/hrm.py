@@ -18,24 +18,21 @@ from loopformer.convert.recursive import (
     PREFIXES,
     arch_settings,
     count_layers,
-    dataset_meta,
+    embedding_shapes,
     eval_loop,
-    map_block,
+    map_weights,
+    no_seq_len,
+    reference_seq_len,
     task_section,
     train_section,
 )
 
 
 def model_section(km: KeyMap, arch: dict[str, Any], ref: dict[str, Any]) -> dict[str, Any]:
-    vocab, d = km.state["embed_tokens.embedding_weight"].shape
-    ndim = km.state["puzzle_emb.weights"].shape[1] if km.has("puzzle_emb.weights") else 0
-    n_ids = km.state["puzzle_emb.weights"].shape[0] if ndim else 0
-    seq_len = arch.get("seq_len") or dataset_meta(ref).get("seq_len")
+    vocab, d, ndim, n_ids = embedding_shapes(km)
+    seq_len = reference_seq_len(arch, ref)
     if seq_len is None:
-        raise ValueError(
-            "the HRM config gives no seq_len and the data path has no train/dataset.json; "
-            "pass --set model.seq_len=N"
-        )
+        raise no_seq_len("HRM")
     if arch["pos_encodings"] != "rope":
         raise NotImplementedError(f"HRM pos_encodings={arch['pos_encodings']!r} is not supported (rope only)")
     return {
@@ -60,17 +57,8 @@ def convert(state: dict[str, Tensor], ref: dict[str, Any]) -> Converted:
     km = KeyMap(strip_prefixes(state, PREFIXES), "HRM checkpoint")
     arch, train = arch_settings("hrm", ref)
     model = model_section(km, arch, ref)
-    km.put("embedding.tokens.weight", "embed_tokens.embedding_weight")
-    if model["num_puzzle_ids"]:
-        km.put("embedding.puzzle_emb.weight", "puzzle_emb.weights")
-    for level, ours, n in (("H_level", "H", model["n_layers"]), ("L_level", "L", model["l_layers"])):
-        for i in range(n):
-            map_block(km, f"{level}.layers.{i}", f"{ours}.layers.{i}", model["n_heads"], True)
-    km.put("h_init", "H_init")
-    km.put("l_init", "L_init")
-    km.put("lm_head.weight", "lm_head.weight")
-    km.put("q_proj.weight", "q_head.weight")
-    km.put("q_proj.bias", "q_head.bias")
+    levels = (("H_level", "H", model["n_layers"]), ("L_level", "L", model["l_layers"]))
+    map_weights(km, model, levels, ("h_init", "l_init"), rope=True, q_rows=None)
     km.finish()
     training = {**train_section(arch, train), "q_learning": True}
     run = {

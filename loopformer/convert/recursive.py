@@ -129,6 +129,51 @@ def map_block(km: KeyMap, src: str, dst: str, n_heads: int, rope: bool) -> None:
     km.put(f"{dst}.mlp.down.weight", f"{src}.mlp.down_proj.weight")
 
 
+def map_weights(
+    km: KeyMap,
+    model: dict[str, Any],
+    levels: tuple[tuple[str, str, int], ...],
+    inits: tuple[str, str],
+    rope: bool,
+    q_rows: int | None,
+) -> None:
+    """The TRM / HRM key map: the token (and puzzle) embeddings; the blocks of every ``(reference
+    level, loopformer net, layers)``; ``H_init`` / ``L_init`` -> ``inits``; the head; the Q head
+    (its first ``q_rows`` rows, all when None)."""
+    km.put("embedding.tokens.weight", "embed_tokens.embedding_weight")
+    if model["num_puzzle_ids"]:
+        km.put("embedding.puzzle_emb.weight", "puzzle_emb.weights")
+    for level, ours, n in levels:
+        for i in range(n):
+            map_block(km, f"{level}.layers.{i}", f"{ours}.layers.{i}", model["n_heads"], rope)
+    km.put(inits[0], "H_init")
+    km.put(inits[1], "L_init")
+    km.put("lm_head.weight", "lm_head.weight")
+    rows = None if q_rows is None else (lambda t: t[:q_rows].clone())
+    km.put("q_proj.weight", "q_head.weight", rows)
+    km.put("q_proj.bias", "q_head.bias", rows)
+
+
+def embedding_shapes(km: KeyMap) -> tuple[int, int, int, int]:
+    """(vocab size, d_model, puzzle_emb_ndim, num_puzzle_identifiers) from the weights' shapes."""
+    vocab, d = km.state["embed_tokens.embedding_weight"].shape
+    ndim = km.state["puzzle_emb.weights"].shape[1] if km.has("puzzle_emb.weights") else 0
+    n_ids = km.state["puzzle_emb.weights"].shape[0] if ndim else 0
+    return int(vocab), int(d), int(ndim), int(n_ids)
+
+
+def reference_seq_len(arch: dict[str, Any], ref: dict[str, Any]) -> int | None:
+    """``arch.seq_len``, else the dataset's ``train/dataset.json``; None when neither has it."""
+    return arch.get("seq_len") or dataset_meta(ref).get("seq_len")
+
+
+def no_seq_len(system: str) -> ValueError:
+    return ValueError(
+        f"the {system} config gives no seq_len and the data path has no train/dataset.json; "
+        "pass --set model.seq_len=N"
+    )
+
+
 def count_layers(km: KeyMap, prefix: str) -> int:
     ids = {int(k[len(prefix) :].split(".")[0]) for k in km.keys_with(prefix)}
     if not ids or ids != set(range(len(ids))):

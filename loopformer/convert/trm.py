@@ -17,28 +17,25 @@ from loopformer.convert.recursive import (
     PREFIXES,
     arch_settings,
     count_layers,
-    dataset_meta,
+    embedding_shapes,
     eval_loop,
-    map_block,
+    map_weights,
+    no_seq_len,
+    reference_seq_len,
     task_section,
     train_section,
 )
 
 
 def model_section(km: KeyMap, arch: dict[str, Any], ref: dict[str, Any]) -> dict[str, Any]:
-    vocab, d = km.state["embed_tokens.embedding_weight"].shape
-    ndim = km.state["puzzle_emb.weights"].shape[1] if km.has("puzzle_emb.weights") else 0
-    n_ids = km.state["puzzle_emb.weights"].shape[0] if ndim else 0
+    vocab, d, ndim, n_ids = embedding_shapes(km)
     plen = (int(arch["puzzle_emb_len"]) or -(ndim // -d)) if ndim else 0
     mlp_t = km.has("L_level.layers.0.mlp_t.gate_up_proj.weight")
-    seq_len = arch.get("seq_len") or dataset_meta(ref).get("seq_len")
+    seq_len = reference_seq_len(arch, ref)
     if seq_len is None and mlp_t:
         seq_len = km.state["L_level.layers.0.mlp_t.gate_up_proj.weight"].shape[1] - plen
     if seq_len is None:
-        raise ValueError(
-            "the TRM config gives no seq_len and the data path has no train/dataset.json; "
-            "pass --set model.seq_len=N"
-        )
+        raise no_seq_len("TRM")
     pos = arch["pos_encodings"]
     if pos not in ("rope", "none"):
         raise NotImplementedError(f"TRM pos_encodings={pos!r} is not supported (rope or none)")
@@ -65,20 +62,18 @@ def model_section(km: KeyMap, arch: dict[str, Any], ref: dict[str, Any]) -> dict
     }
 
 
+def map_trm_weights(km: KeyMap, model: dict[str, Any]) -> None:
+    """TRM's one ``L_level`` net -> ``net``, ``H_init`` / ``L_init`` -> ``y_init`` / ``z_init``, the
+    Q head's row 0 (also TRM-DEQ's, ``loopformer.convert.attractor``)."""
+    levels = (("L_level", "net", model["n_layers"]),)
+    map_weights(km, model, levels, ("y_init", "z_init"), model["rope"], q_rows=1)
+
+
 def convert(state: dict[str, Tensor], ref: dict[str, Any]) -> Converted:
     km = KeyMap(strip_prefixes(state, PREFIXES), "TRM checkpoint")
     arch, train = arch_settings("trm", ref)
     model = model_section(km, arch, ref)
-    km.put("embedding.tokens.weight", "embed_tokens.embedding_weight")
-    if model["num_puzzle_ids"]:
-        km.put("embedding.puzzle_emb.weight", "puzzle_emb.weights")
-    for i in range(model["n_layers"]):
-        map_block(km, f"L_level.layers.{i}", f"net.layers.{i}", model["n_heads"], model["rope"])
-    km.put("y_init", "H_init")
-    km.put("z_init", "L_init")
-    km.put("lm_head.weight", "lm_head.weight")
-    km.put("q_proj.weight", "q_head.weight", lambda t: t[:1].clone())
-    km.put("q_proj.bias", "q_head.bias", lambda t: t[:1].clone())
+    map_trm_weights(km, model)
     km.finish()
     run = {
         "model": model,
