@@ -19,11 +19,10 @@ from loopformer.convert.recursive import (
     arch_settings,
     count_layers,
     embedding_shapes,
-    eval_loop,
     map_weights,
     no_seq_len,
     reference_seq_len,
-    task_section,
+    run_config,
     train_section,
 )
 
@@ -61,11 +60,5 @@ def convert(state: dict[str, Tensor], ref: dict[str, Any]) -> Converted:
     map_weights(km, model, levels, ("h_init", "l_init"), rope=True, q_rows=None)
     km.finish()
     training = {**train_section(arch, train), "q_learning": True}
-    run = {
-        "model": model,
-        "data": task_section(ref, model["seq_len"]),
-        "train": training,
-        "eval": {"segments": 1, "batch_size": 64},
-        "loop_eval": eval_loop(model, arch),
-    }
+    run = run_config(model, arch, ref, training)
     return Converted(run=run, weights=km.out, sources=km.sources)

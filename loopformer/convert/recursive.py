@@ -218,6 +218,20 @@ def eval_loop(model: dict[str, Any], arch: dict[str, Any]) -> dict[str, Any]:
     return {"halting": "fixed", "max_steps": int(model["loop"]["max_steps"]) * int(arch["halt_max_steps"])}
 
 
+def run_config(
+    model: dict[str, Any], arch: dict[str, Any], ref: dict[str, Any], train: dict[str, Any]
+) -> dict[str, Any]:
+    """The converted run: the model, the task named by the reference's data path, ``train``, and the
+    reference's evaluation as ``loop_eval``."""
+    return {
+        "model": model,
+        "data": task_section(ref, model["seq_len"]),
+        "train": train,
+        "eval": {"segments": 1, "batch_size": 64},
+        "loop_eval": eval_loop(model, arch),
+    }
+
+
 def train_section(arch: dict[str, Any], train: dict[str, Any]) -> dict[str, Any]:
     loss = arch.get("loss", {}).get("loss_type", "stablemax_cross_entropy")
     return {

@@ -18,11 +18,10 @@ from loopformer.convert.recursive import (
     arch_settings,
     count_layers,
     embedding_shapes,
-    eval_loop,
     map_weights,
     no_seq_len,
     reference_seq_len,
-    task_section,
+    run_config,
     train_section,
 )
 
@@ -75,12 +74,6 @@ def convert(state: dict[str, Tensor], ref: dict[str, Any]) -> Converted:
     model = model_section(km, arch, ref)
     map_trm_weights(km, model)
     km.finish()
-    run = {
-        "model": model,
-        "data": task_section(ref, model["seq_len"]),
-        "train": train_section(arch, train),
-        "eval": {"segments": 1, "batch_size": 64},
-        "loop_eval": eval_loop(model, arch),
-    }
+    run = run_config(model, arch, ref, train_section(arch, train))
     notes = ["q_head row 1 (q_continue) dropped: TRM's no_ACT_continue never uses it"]
     return Converted(run=run, weights=km.out, notes=notes, sources=km.sources)

@@ -33,7 +33,7 @@ import yaml
 from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import main
+from common import TINY_OPT, main
 from recursive import batch_for, evaluate, rms_norm_in_dtype, to_float64
 
 from loopformer.convert.fixtures import save_fixture
@@ -77,7 +77,7 @@ TINY: dict[str, Any] = dict(
     jacobian_reg_lambda=0.5,
     jacobian_reg_n_samples=1,
 )
-OPT = dict(lr=1e-3, weight_decay=0.1, beta1=0.9, beta2=0.95, puzzle_emb_lr=1e-2, puzzle_emb_weight_decay=0.1)
+OPT = TINY_OPT
 
 
 def _import(root: Path) -> tuple[Any, Any, Any]:

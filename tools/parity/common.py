@@ -4,6 +4,7 @@
   e.g. ``models``, are imported by name), after checking it exists.
 - ``stub_module(name, **attrs)``: a placeholder module for an import the reference makes at module
   level but the fixture does not use (e.g. ``wandb``); using an attribute that was not given fails.
+- ``TINY_OPT``: the optimiser settings the TRM, HRM and TRM-DEQ fixtures share.
 - ``main(build, name)``: the command line every script shares: ``--ref PATH --out DIR`` writes the
   fixtures; ``--check`` writes them to a temporary folder and compares SHA-256 hashes with the files
   in ``--out`` (exit status 1 on any difference), which is how bit-identical regeneration is tested.
@@ -22,6 +23,15 @@ from pathlib import Path
 import torch
 
 DEFAULT_OUT = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "parity"
+# the optimiser settings of the TRM / HRM / TRM-DEQ fixtures (pretrain.py's names)
+TINY_OPT = {
+    "lr": 1e-3,
+    "weight_decay": 0.1,
+    "beta1": 0.9,
+    "beta2": 0.95,
+    "puzzle_emb_lr": 1e-2,
+    "puzzle_emb_weight_decay": 0.1,
+}
 
 
 def reference_path(path: str | Path) -> Path:

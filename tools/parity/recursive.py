@@ -36,6 +36,8 @@ import yaml
 from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from common import TINY_OPT, git_commit
+
 from loopformer.convert.fixtures import save_fixture
 
 SUBSTITUTIONS = [
@@ -163,6 +165,51 @@ def to_float64(head: torch.nn.Module) -> torch.nn.Module:
             torch.zeros(lw.shape, dtype=torch.float64, requires_grad=True), persistent=False
         )
     return head
+
+
+# the shape of the tiny TRM and HRM fixture models (each script adds its cycles, layers and positions)
+TINY = dict(
+    batch_size=4,
+    seq_len=16,
+    vocab_size=6,
+    num_puzzle_identifiers=3,
+    hidden_size=16,
+    expansion=4,
+    num_heads=2,
+    halt_max_steps=3,
+    halt_exploration_prob=0.5,
+    forward_dtype="float64",
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+)
+
+
+def build_reference_fixtures(
+    root: Path, out: Path, repo: str, system: str, module: str, cls: str, configs: dict[str, tuple[int, dict]]
+) -> list[str]:
+    """For every ``name: (seed, cfg)``: the reference's ``models.<module>.<cls>(cfg)`` built after
+    ``torch.manual_seed(seed)``, in its ``ACTLossHead`` (stablemax) in float64 -> that fixture's files."""
+    import importlib
+
+    install_stubs()
+    layers = importlib.import_module("models.layers")
+    losses = importlib.import_module("models.losses")
+    model_module = importlib.import_module(f"models.{module}")
+    patch_rms_norm(layers, model_module)
+    meta = {
+        "repo": repo,
+        "commit": git_commit(root),
+        "model": f"models/{module.replace('.', '/')}.py: {cls}",
+        "system": system,
+        "model_name": f"{module}@{cls}",
+    }
+    written = []
+    for name, (seed, cfg) in configs.items():
+        torch.manual_seed(seed)
+        model = getattr(model_module, cls)(cfg)
+        head = to_float64(losses.ACTLossHead(model, loss_type="stablemax_cross_entropy"))
+        written += build_fixture(head, cfg, out, name, meta, TINY_OPT)
+    return written
 
 
 def build_fixture(
