@@ -152,6 +152,31 @@ def _ref_act(
 FPRM_K, FPRM_EVAL_STEPS = 6, 16
 
 
+def _pair(
+    ours: Any,
+    ref: Any,
+    shape: Shape,
+    train_loop: LoopConfig,
+    eval_loop: LoopConfig,
+    config: dict[str, Any],
+    subs: list[str],
+    set_iters: bool = False,
+) -> Pair:
+    """Both sides' training step and evaluation batch on one shared batch, with their parameter counts."""
+    batch = _batch(shape)
+    ours_train, ours_eval = _ours(ours, batch, train_loop, eval_loop)
+    ref_train, ref_eval = _ref_act(ref, batch, set_iters=set_iters)
+    params = {"loopformer": _count(ours), "reference": _count(ref)}
+    return Pair(ours_train, ref_train, ours_eval, ref_eval, config, subs, params)
+
+
+def _segment_loops(cycles: int, segments: int) -> tuple[LoopConfig, LoopConfig]:
+    """TRM / HRM: training runs one segment of ``cycles`` cycles (gradient through the last one),
+    evaluation ``segments`` segments as one loop, no gradient."""
+    train = LoopConfig(halting="fixed", max_steps=cycles, grad="truncated", grad_steps=1, trace=False)
+    return train, LoopConfig(halting="fixed", max_steps=cycles * segments, grad="truncated", trace=False)
+
+
 def build_fprm(root: Path, trm_root: Path | None, shape: Shape) -> Pair:
     from loopformer.models.fprm import FPRM, FPRMConfig
 
@@ -199,9 +224,6 @@ def build_fprm(root: Path, trm_root: Path | None, shape: Shape) -> Pair:
     damped = dict(solver="damped", damp_patience=5, halting="fixed", residual_norm="rel_sup", trace=False)
     train_loop = LoopConfig(**damped, damp_gamma=0.9, max_steps=FPRM_K, grad="bptt")
     eval_loop = LoopConfig(**damped, damp_gamma=0.99, max_steps=FPRM_EVAL_STEPS, grad="bptt")
-    batch = _batch(shape)
-    ours_train, ours_eval = _ours(ours, batch, train_loop, eval_loop)
-    ref_train, ref_eval = _ref_act(ref, batch, set_iters=True)
     subs.append("fp_thresh 0 so the reference's evaluation runs exactly max_iter_eval damped steps")
     config = {
         "training_step": f"one deep-supervision segment: {FPRM_K} damped steps (gamma 0.9), backprop "
@@ -210,15 +232,7 @@ def build_fprm(root: Path, trm_root: Path | None, shape: Shape) -> Pair:
         "one step per forward call (its evaluate loop)",
         "model": "pre-norm, 2 blocks, grid 2-D depthwise conv kernel 3, tied residual scaling a1 0.75 a2 0.25",
     }
-    return Pair(
-        ours_train,
-        ref_train,
-        ours_eval,
-        ref_eval,
-        config,
-        subs,
-        {"loopformer": _count(ours), "reference": _count(ref)},
-    )
+    return _pair(ours, ref, shape, train_loop, eval_loop, config, subs, set_iters=True)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -249,11 +263,6 @@ def build_trm(root: Path, shape: Shape, quick: bool) -> Pair:
             n_inner=TRM_L, num_puzzle_ids=1, puzzle_emb_len=emb_len, puzzle_emb_dim=shape.d, q_head=True,
         )
     )  # fmt: skip
-    train_loop = LoopConfig(halting="fixed", max_steps=TRM_H, grad="truncated", grad_steps=1, trace=False)
-    eval_loop = LoopConfig(halting="fixed", max_steps=TRM_H * TRM_SEGMENTS, grad="truncated", trace=False)
-    batch = _batch(shape)
-    ours_train, ours_eval = _ours(ours, batch, train_loop, eval_loop)
-    ref_train, ref_eval = _ref_act(ref, batch)
     config = {
         "training_step": f"one deep-supervision segment: T = {TRM_H} cycles of n = {TRM_L} latent updates "
         "+ 1 answer update, the first T - 1 without gradient; stablemax loss + 0.5 Q-halt BCE, AdamW",
@@ -266,15 +275,7 @@ def build_trm(root: Path, shape: Shape, quick: bool) -> Pair:
         "the reference's Attention at this commit calls F.scaled_dot_product_attention (flash-attn import "
         "commented out upstream)",
     ]
-    return Pair(
-        ours_train,
-        ref_train,
-        ours_eval,
-        ref_eval,
-        config,
-        subs,
-        {"loopformer": _count(ours), "reference": _count(ref)},
-    )
+    return _pair(ours, ref, shape, *_segment_loops(TRM_H, TRM_SEGMENTS), config, subs)
 
 
 HRM_H, HRM_L, HRM_LAYERS, HRM_SEGMENTS = 2, 2, 4, 8  # segments as for TRM
@@ -319,11 +320,6 @@ def build_hrm(root: Path, shape: Shape, quick: bool) -> Pair:
             n_layers=layers, l_cycles=HRM_L, num_puzzle_ids=1, puzzle_emb_len=emb_len, q_head=True,
         )
     )  # fmt: skip
-    train_loop = LoopConfig(halting="fixed", max_steps=HRM_H, grad="truncated", grad_steps=1, trace=False)
-    eval_loop = LoopConfig(halting="fixed", max_steps=HRM_H * HRM_SEGMENTS, grad="truncated", trace=False)
-    batch = _batch(shape)
-    ours_train, ours_eval = _ours(ours, batch, train_loop, eval_loop)
-    ref_train, ref_eval = _ref_act(ref, batch)
     config = {
         "training_step": f"one segment: {HRM_H} H cycles x {HRM_L} L cycles, 1-step gradient; stablemax "
         "loss + 0.5 Q-halt BCE, AdamW",
@@ -338,12 +334,4 @@ def build_hrm(root: Path, shape: Shape, quick: bool) -> Pair:
         "AdamATan2 (CUDA extension) -> torch.optim.AdamW on both sides; sparse puzzle-embedding "
         "sign-SGD not stepped",
     ]
-    return Pair(
-        ours_train,
-        ref_train,
-        ours_eval,
-        ref_eval,
-        config,
-        subs,
-        {"loopformer": _count(ours), "reference": _count(ref)},
-    )
+    return _pair(ours, ref, shape, *_segment_loops(HRM_H, HRM_SEGMENTS), config, subs)
