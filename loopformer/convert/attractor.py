@@ -19,7 +19,7 @@ from typing import Any
 from torch import Tensor
 
 from loopformer.convert import Converted, KeyMap, strip_prefixes
-from loopformer.convert.recursive import PREFIXES, task_section
+from loopformer.convert.recursive import PREFIXES, TRAIN_DEFAULTS, task_section
 from loopformer.convert.recursive import train_section as recursive_train_section
 from loopformer.convert.trm import map_trm_weights
 from loopformer.convert.trm import model_section as trm_model_section
@@ -44,17 +44,10 @@ DEFAULTS: dict[str, Any] = {
     "bptt_through": 2,
     "jacobian_reg_lambda": 1e-3,
     "jacobian_reg_n_samples": 1,
-    "global_batch_size": 768,
-    "lr": 1e-4,
-    "lr_min_ratio": 1.0,
-    "lr_warmup_steps": 2000,
-    "beta1": 0.9,
-    "beta2": 0.95,
+    **TRAIN_DEFAULTS,  # TRM's cfg_pretrain.yaml values, but for these three
     "weight_decay": 1.0,
-    "puzzle_emb_lr": 1e-2,
     "puzzle_emb_weight_decay": 1.0,
     "ema": True,
-    "ema_rate": 0.999,
     "loss_type": "stablemax_cross_entropy",
 }
 

@@ -14,51 +14,31 @@ from typing import Any
 from torch import Tensor
 
 from loopformer.convert import Converted, KeyMap, strip_prefixes
-from loopformer.convert.recursive import (
-    PREFIXES,
-    arch_settings,
-    count_layers,
-    embedding_shapes,
-    map_weights,
-    no_seq_len,
-    reference_seq_len,
-    run_config,
-    train_section,
-)
+from loopformer.convert import recursive as rec
 
 
 def model_section(km: KeyMap, arch: dict[str, Any], ref: dict[str, Any]) -> dict[str, Any]:
-    vocab, d, ndim, n_ids = embedding_shapes(km)
-    seq_len = reference_seq_len(arch, ref)
+    vocab, d, ndim, n_ids = rec.embedding_shapes(km)
+    seq_len = rec.reference_seq_len(arch, ref)
     if seq_len is None:
-        raise no_seq_len("HRM")
+        raise rec.no_seq_len("HRM")
     if arch["pos_encodings"] != "rope":
         raise NotImplementedError(f"HRM pos_encodings={arch['pos_encodings']!r} is not supported (rope only)")
     return {
         "name": "hrm",
-        "vocab_size": int(vocab),
-        "seq_len": int(seq_len),
-        "d_model": int(d),
-        "n_heads": int(arch["num_heads"]),
-        "n_layers": count_layers(km, "H_level.layers."),
-        "l_layers": count_layers(km, "L_level.layers."),
-        "expansion": float(arch["expansion"]),
+        **rec.model_fields(km, arch, seq_len, "H_level.layers.", -(ndim // -d)),
+        "l_layers": rec.count_layers(km, "L_level.layers."),
         "l_cycles": int(arch["L_cycles"]),
-        "num_puzzle_ids": int(n_ids),
-        "puzzle_emb_len": -(ndim // -d),
-        "puzzle_emb_dim": int(ndim),
-        "norm_eps": float(arch["rms_norm_eps"]),
-        "loop": {"max_steps": int(arch["H_cycles"])},
     }
 
 
 def convert(state: dict[str, Tensor], ref: dict[str, Any]) -> Converted:
-    km = KeyMap(strip_prefixes(state, PREFIXES), "HRM checkpoint")
-    arch, train = arch_settings("hrm", ref)
+    km = KeyMap(strip_prefixes(state, rec.PREFIXES), "HRM checkpoint")
+    arch, train = rec.arch_settings("hrm", ref)
     model = model_section(km, arch, ref)
     levels = (("H_level", "H", model["n_layers"]), ("L_level", "L", model["l_layers"]))
-    map_weights(km, model, levels, ("h_init", "l_init"), rope=True, q_rows=None)
+    rec.map_weights(km, model, levels, ("h_init", "l_init"), rope=True, q_rows=None)
     km.finish()
-    training = {**train_section(arch, train), "q_learning": True}
-    run = run_config(model, arch, ref, training)
+    training = {**rec.train_section(arch, train), "q_learning": True}
+    run = rec.run_config(model, arch, ref, training)
     return Converted(run=run, weights=km.out, sources=km.sources)

@@ -174,6 +174,27 @@ def no_seq_len(system: str) -> ValueError:
     )
 
 
+def model_fields(
+    km: KeyMap, arch: dict[str, Any], seq_len: int, layers: str, puzzle_emb_len: int
+) -> dict[str, Any]:
+    """The model fields TRM and HRM share: sizes from the weights' shapes and ``arch``, ``n_layers``
+    counted under the ``layers`` prefix, ``H_cycles`` as the loop's ``max_steps``."""
+    vocab, d, ndim, n_ids = embedding_shapes(km)
+    return {
+        "vocab_size": vocab,
+        "seq_len": int(seq_len),
+        "d_model": d,
+        "n_heads": int(arch["num_heads"]),
+        "n_layers": count_layers(km, layers),
+        "expansion": float(arch["expansion"]),
+        "num_puzzle_ids": n_ids,
+        "puzzle_emb_len": int(puzzle_emb_len),
+        "puzzle_emb_dim": ndim,
+        "norm_eps": float(arch["rms_norm_eps"]),
+        "loop": {"max_steps": int(arch["H_cycles"])},
+    }
+
+
 def count_layers(km: KeyMap, prefix: str) -> int:
     ids = {int(k[len(prefix) :].split(".")[0]) for k in km.keys_with(prefix)}
     if not ids or ids != set(range(len(ids))):

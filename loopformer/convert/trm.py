@@ -13,28 +13,18 @@ from typing import Any
 from torch import Tensor
 
 from loopformer.convert import Converted, KeyMap, strip_prefixes
-from loopformer.convert.recursive import (
-    PREFIXES,
-    arch_settings,
-    count_layers,
-    embedding_shapes,
-    map_weights,
-    no_seq_len,
-    reference_seq_len,
-    run_config,
-    train_section,
-)
+from loopformer.convert import recursive as rec
 
 
 def model_section(km: KeyMap, arch: dict[str, Any], ref: dict[str, Any]) -> dict[str, Any]:
-    vocab, d, ndim, n_ids = embedding_shapes(km)
+    vocab, d, ndim, n_ids = rec.embedding_shapes(km)
     plen = (int(arch["puzzle_emb_len"]) or -(ndim // -d)) if ndim else 0
     mlp_t = km.has("L_level.layers.0.mlp_t.gate_up_proj.weight")
-    seq_len = reference_seq_len(arch, ref)
+    seq_len = rec.reference_seq_len(arch, ref)
     if seq_len is None and mlp_t:
         seq_len = km.state["L_level.layers.0.mlp_t.gate_up_proj.weight"].shape[1] - plen
     if seq_len is None:
-        raise no_seq_len("TRM")
+        raise rec.no_seq_len("TRM")
     pos = arch["pos_encodings"]
     if pos not in ("rope", "none"):
         raise NotImplementedError(f"TRM pos_encodings={pos!r} is not supported (rope or none)")
@@ -44,20 +34,10 @@ def model_section(km: KeyMap, arch: dict[str, Any], ref: dict[str, Any]) -> dict
         )
     return {
         "name": "trm",
-        "vocab_size": int(vocab),
-        "seq_len": int(seq_len),
-        "d_model": int(d),
-        "n_heads": int(arch["num_heads"]),
-        "n_layers": count_layers(km, "L_level.layers."),
-        "expansion": float(arch["expansion"]),
+        **rec.model_fields(km, arch, seq_len, "L_level.layers.", plen),
         "n_inner": int(arch["L_cycles"]),
         "mixer": "mlp" if mlp_t else "attention",
         "rope": pos == "rope",
-        "num_puzzle_ids": int(n_ids),
-        "puzzle_emb_len": int(plen),
-        "puzzle_emb_dim": int(ndim),
-        "norm_eps": float(arch["rms_norm_eps"]),
-        "loop": {"max_steps": int(arch["H_cycles"])},
     }
 
 
@@ -65,15 +45,15 @@ def map_trm_weights(km: KeyMap, model: dict[str, Any]) -> None:
     """TRM's one ``L_level`` net -> ``net``, ``H_init`` / ``L_init`` -> ``y_init`` / ``z_init``, the
     Q head's row 0 (also TRM-DEQ's, ``loopformer.convert.attractor``)."""
     levels = (("L_level", "net", model["n_layers"]),)
-    map_weights(km, model, levels, ("y_init", "z_init"), model["rope"], q_rows=1)
+    rec.map_weights(km, model, levels, ("y_init", "z_init"), model["rope"], q_rows=1)
 
 
 def convert(state: dict[str, Tensor], ref: dict[str, Any]) -> Converted:
-    km = KeyMap(strip_prefixes(state, PREFIXES), "TRM checkpoint")
-    arch, train = arch_settings("trm", ref)
+    km = KeyMap(strip_prefixes(state, rec.PREFIXES), "TRM checkpoint")
+    arch, train = rec.arch_settings("trm", ref)
     model = model_section(km, arch, ref)
     map_trm_weights(km, model)
     km.finish()
-    run = run_config(model, arch, ref, train_section(arch, train))
+    run = rec.run_config(model, arch, ref, rec.train_section(arch, train))
     notes = ["q_head row 1 (q_continue) dropped: TRM's no_ACT_continue never uses it"]
     return Converted(run=run, weights=km.out, notes=notes, sources=km.sources)
