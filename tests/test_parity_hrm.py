@@ -3,6 +3,8 @@ see docs/fidelity.md). No reference code is needed to run these tests."""
 
 from __future__ import annotations
 
+import json
+
 from click.testing import CliRunner
 from parity_recursive import Loaded, check_eval_logits, check_loss_and_grads, check_optimizer_step, train_loss
 
@@ -27,3 +29,6 @@ def test_parity_hrm_convert_writes_a_run_folder(tmp_path) -> None:
     res = CliRunner().invoke(cli, ["convert", "hrm", str(FIXTURE_DIR / "hrm" / "step_1"), "--out", str(out)])
     assert res.exit_code == 0, res.output
     assert (out / "checkpoints" / "step_00000000" / "model.safetensors").is_file()
+    # no --config: the converter's find_config reads all_config.yaml beside the checkpoint
+    record = json.loads((out / "converted.json").read_text())
+    assert record["config"] == str((FIXTURE_DIR / "hrm" / "all_config.yaml").resolve())

@@ -6,7 +6,9 @@ reference's flat state dict (tensors only), ``ref_config`` the reference's confi
 JSON its training script saved next to the checkpoint, ``{}`` when none is given). It returns the
 loopformer run configuration (a nested dict, as a recipe) and the loopformer state dict. Every key of
 ``state`` must be used exactly once (``KeyMap`` tracks this): unknown keys are an error naming them,
-and ``check_weights`` names loopformer parameters the mapping did not fill.
+and ``check_weights`` names loopformer parameters the mapping did not fill. A converter module that
+can find the reference's configuration beside a checkpoint also defines ``find_config(checkpoint) ->
+Path | None`` (TRM and HRM: ``all_config.yaml``); it is used when no ``--config`` is given.
 
 Checkpoints are read with ``torch.load(weights_only=True)`` (no arbitrary unpickling) or as
 safetensors; the run folder is written by ``loopformer.train.checkpoint.save_checkpoint`` (step 0), so
@@ -196,9 +198,8 @@ def convert_checkpoint(
 
     fn = converter(system)
     state = load_state_dict(checkpoint)
-    if config_file is None and system in ("trm", "hrm"):
-        from loopformer.convert.recursive import find_config
-
+    find_config = getattr(importlib.import_module(CONVERTERS[system]), "find_config", None)
+    if config_file is None and find_config is not None:
         config_file = find_config(checkpoint)
     converted = fn(state, read_reference_config(config_file))
     out = Path(out_dir)

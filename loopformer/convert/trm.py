@@ -15,6 +15,8 @@ from torch import Tensor
 from loopformer.convert import Converted, KeyMap, strip_prefixes
 from loopformer.convert import recursive as rec
 
+find_config = rec.find_config  # all_config.yaml beside the checkpoint (used when no --config is given)
+
 
 def model_section(km: KeyMap, arch: dict[str, Any], ref: dict[str, Any]) -> dict[str, Any]:
     vocab, d, ndim, n_ids = rec.embedding_shapes(km)
