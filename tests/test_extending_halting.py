@@ -101,7 +101,8 @@ def test_simple_mode_keeps_only_learned_rules_under_a_sampled_loop_count(rule: s
     HALTINGS.register(LearnedStepDrop)
     try:
         loop_train = LoopConfig(halting=rule, max_steps=9, min_steps=0 if rule == "act" else 5)
-        trainer = SimpleNamespace(loop_train=loop_train, sampler=make_sampler("fixed", n=3))
+        config = SimpleNamespace(train=SimpleNamespace(carry_solver_state=False))
+        trainer = SimpleNamespace(config=config, loop_train=loop_train, sampler=make_sampler("fixed", n=3))
         loop, R = SimpleMode(trainer).loop_for(step=7)
         assert HALTINGS.get(rule).learned is kept
     finally:
