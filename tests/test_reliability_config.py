@@ -18,36 +18,36 @@ GOOD_GRID = [[1, 2], [3, 4]]
 GOOD_TASK = {"train": [{"input": GOOD_GRID, "output": GOOD_GRID}], "test": [{"input": GOOD_GRID}]}
 
 
-@pytest.mark.parametrize(
-    ("override", "key"),
-    [
-        ("eval.batch_size=0", "eval.batch_size"),
-        ("eval.max_examples=-1", "eval.max_examples"),
-        ("eval.segments=0", "eval.segments"),
-        ("model.d_model=0", "model.d_model"),
-        ("model.n_heads=0", "model.n_heads"),
-        ("model.d_model=30", "divisible by model.n_heads"),
-        ("model.expansion=-1", "model.expansion"),
-        ("data.options={no_such_option: 1}", "data.options.no_such_option"),
-        ("data.train_generate={bogus: 1}", "data.train_generate.bogus"),
-        ("data.task=sudokoo", "data.task"),
-        ("train.threads=100000", "train.threads"),
-        ("train.lr=1e39", "train.lr"),
-        ("train.lr=.nan", "train.lr"),
-        ("train.weight_decay=-0.1", "train.weight_decay"),
-        ("train.grad_clip=-1", "train.grad_clip"),
-        ("train.betas=[0.9, 1.5]", "train.betas[1]"),
-        ("train.eps=0", "train.eps"),
-        ("train.min_lr_ratio=2", "train.min_lr_ratio"),
-        ("train.max_loss=.nan", "train.max_loss"),
-        ("train.loop_sampler=poisson", "train.loop_sampler"),
-        ("train.loop_sampler_options={mean: 4, nope: 1}", "train.loop_sampler"),
-        ("data.curriculum.threshold=1.5", "data.curriculum.threshold"),
-        ("data.curriculum.step=0", "data.curriculum.step"),
-        ("data.train_size=-5", "data.train_size"),
-        ("seed=-1", "seed"),
-    ],
-)
+BAD_VALUES = [
+    ("eval.batch_size=0", "eval.batch_size"),
+    ("eval.max_examples=-1", "eval.max_examples"),
+    ("eval.segments=0", "eval.segments"),
+    ("model.d_model=0", "model.d_model"),
+    ("model.n_heads=0", "model.n_heads"),
+    ("model.d_model=30", "divisible by model.n_heads"),
+    ("model.expansion=-1", "model.expansion"),
+    ("data.options={no_such_option: 1}", "data.options.no_such_option"),
+    ("data.train_generate={bogus: 1}", "data.train_generate.bogus"),
+    ("data.task=sudokoo", "data.task"),
+    ("train.threads=100000", "train.threads"),
+    ("train.lr=1e39", "train.lr"),
+    ("train.lr=.nan", "train.lr"),
+    ("train.weight_decay=-0.1", "train.weight_decay"),
+    ("train.grad_clip=-1", "train.grad_clip"),
+    ("train.betas=[0.9, 1.5]", "train.betas[1]"),
+    ("train.eps=0", "train.eps"),
+    ("train.min_lr_ratio=2", "train.min_lr_ratio"),
+    ("train.max_loss=.nan", "train.max_loss"),
+    ("train.loop_sampler=poisson", "train.loop_sampler"),
+    ("train.loop_sampler_options={mean: 4, nope: 1}", "train.loop_sampler"),
+    ("data.curriculum.threshold=1.5", "data.curriculum.threshold"),
+    ("data.curriculum.step=0", "data.curriculum.step"),
+    ("data.train_size=-5", "data.train_size"),
+    ("seed=-1", "seed"),
+]
+
+
+@pytest.mark.parametrize(("override", "key"), BAD_VALUES, ids=[o for o, _ in BAD_VALUES])
 def test_bad_values_are_refused_when_the_config_is_built(override: str, key: str) -> None:
     extra = ["train.loop_sampler_options={}"] if override == "train.loop_sampler=poisson" else []
     if override == "train.loop_sampler=poisson":
@@ -157,6 +157,7 @@ def _task_file(folder, name: str, content: bytes | str) -> None:
         (json.dumps([1, 2]), r"t\.json: task t: expected an object"),
         ("[" * 100000, r"t\.json: (JSON nested too deeply|not valid JSON)"),
     ],
+    ids=["non-utf8", "bad-json", "train-int", "train-object", "bad-cell", "not-an-object", "deep-nesting"],
 )
 def test_wrong_arc_task_files_name_file_and_place(tmp_path, content, message) -> None:
     _task_file(tmp_path / "arc", "t.json", content)
@@ -173,6 +174,7 @@ def test_wrong_arc_task_files_name_file_and_place(tmp_path, content, message) ->
         ({"t1": {"train": 3, "test": []}}, {}, r"c\.json: task t1: 'train' must be a list"),
         ([GOOD_TASK], {}, r"c\.json: expected an object mapping task id"),
     ],
+    ids=["solutions-a-list", "solutions-not-grids", "solutions-empty", "train-int", "challenges-a-list"],
 )
 def test_wrong_kaggle_files_name_file_and_key(tmp_path, challenges, solutions, message) -> None:
     (tmp_path / "c.json").write_text(json.dumps(challenges))

@@ -86,7 +86,12 @@ def solve(task_name: str, puzzle: str, checkpoint: str, as_json: bool, max_steps
 
     Example: loopformer solve sudoku "5...27..9..41......1..5.3...92.6.8...5......66..7..29.8...7...2.......8...9..36.." -c runs/x
     """
-    run = load_run(checkpoint, use_ema=ema, device=str(resolve_device(device)))
+    try:
+        run = load_run(checkpoint, use_ema=ema, device=str(resolve_device(device)))
+    except NumericalFaultError as err:  # NaN / inf weights: refused at loading, still one JSON schema
+        if as_json:
+            click.echo(json.dumps(solve_record(task=task_name, puzzle=puzzle, valid=False, error=str(err))))
+        raise
     if run.config.data.task != task_name:
         raise ValueError(
             f"checkpoint {run.path} was trained on task {run.config.data.task!r}, not {task_name!r}"

@@ -160,7 +160,7 @@ def _check_difficulty(difficulty: np.ndarray, labels: np.ndarray, meta: dict[str
             )
 
 
-def _load_set(folder: Path, set_name: str, meta: dict[str, Any]) -> dict[str, np.ndarray]:
+def _load_set(folder: Path, set_name: str, meta: dict[str, Any], vocab_size: int) -> dict[str, np.ndarray]:
     arrays = {name: _load_npy(folder / f"{set_name}__{name}.npy") for name in ARRAY_FIELDS}
     inputs, labels = arrays["inputs"], arrays["labels"]
     p_inputs = folder / f"{set_name}__inputs.npy"
@@ -175,7 +175,7 @@ def _load_set(folder: Path, set_name: str, meta: dict[str, Any]) -> dict[str, np
             f"{p_inputs}: rows have {inputs.shape[1]} tokens, dataset.json says seq_len {meta['seq_len']}"
         )
     for name in ("inputs", "labels"):
-        _check_tokens(arrays[name], folder / f"{set_name}__{name}.npy", int(meta["vocab_size"]))
+        _check_tokens(arrays[name], folder / f"{set_name}__{name}.npy", vocab_size)
     for name in ("puzzle_identifiers", "puzzle_indices", "group_indices"):
         if arrays[name].dtype.kind not in "iu":
             raise TaskDataError(
@@ -241,7 +241,10 @@ def load_hrm_folder(path: str | Path, split: str = "train", task: Task | None = 
         raise TaskDataError(f"{meta_path}: missing field(s) {missing}")
     if not isinstance(meta["sets"], list) or not meta["sets"]:
         raise TaskDataError(f"{meta_path}: 'sets' must be a non-empty list of set names")
-    parts = [_load_set(folder, str(s), meta) for s in meta["sets"]]
+    vocab_size = int(meta["vocab_size"])
+    if task is not None and task.vocab_size:  # a folder prepared for a larger vocabulary: the task's bounds
+        vocab_size = min(vocab_size, int(task.vocab_size))
+    parts = [_load_set(folder, str(s), meta, vocab_size) for s in meta["sets"]]
     inputs = np.concatenate([p["inputs"] for p in parts]).astype(np.int64, copy=False)
     labels = np.concatenate([p["labels"] for p in parts]).astype(np.int64, copy=False)
     check_task_rows(task, inputs, labels, str(folder))
