@@ -94,7 +94,9 @@ def break_weights(run: Path, dest: Path, how: str) -> Path:
 
 def cli_text(result: Any) -> str:
     """Everything a CliRunner result says: its output and an exception click did not turn into one."""
-    extra = "" if result.exception is None or isinstance(result.exception, SystemExit) else repr(result.exception)
+    extra = (
+        "" if result.exception is None or isinstance(result.exception, SystemExit) else repr(result.exception)
+    )
     return result.output + extra
 
 

@@ -31,6 +31,7 @@ import numpy as np
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from reliability_common import TINY_RECIPE
 
 from loopformer.config import ConfigError
 from loopformer.numerics import NumericalFaultError
@@ -40,32 +41,6 @@ from loopformer.train.run_folder import RunFolderError
 
 PROJECT_ERRORS = (ConfigError, TaskDataError, CheckpointError, NumericalFaultError, RunFolderError)
 REPO = Path(__file__).resolve().parent.parent
-
-TINY_RECIPE = {
-    "model": {"name": "fprm", "d_model": 16, "n_heads": 2, "n_layers": 1, "conv": "grid2d"},
-    "data": {
-        "task": "sudoku",
-        "options": {"size": 4},
-        "train_generate": {"min_blanks": 4, "max_blanks": 8},
-        "eval_generate": {"min_blanks": 4, "max_blanks": 8},
-        "train_size": 16,
-        "eval_size": 4,
-    },
-    "train": {
-        "mode": "deep_supervision",
-        "steps": 2,
-        "batch_size": 4,
-        "max_segments": 2,
-        "progress": False,
-        "ema": 0.9,
-        "log_every": 1,
-        "threads": 1,
-    },
-    "loop_train": {"max_steps": 2},
-    "loop_eval": {"max_steps": 2},
-    "eval": {"batch_size": 8},
-    "device": "cpu",
-}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -572,11 +547,24 @@ def _launch(cfg: dict[str, Any], pause: str) -> _Run:
     return _Run(cfg, pause)
 
 
+def _import_before_forking() -> None:
+    """What every training process imports, once in the parent: each forked child then starts in
+    milliseconds instead of importing the trainer and torch._dynamo (which AdamW's constructor pulls
+    in lazily, about a second) itself."""
+    import test_train_utils  # noqa: F401
+    import torch
+
+    import loopformer.train.trainer  # noqa: F401
+
+    torch.optim.AdamW([torch.zeros(1, requires_grad=True)])
+
+
 def kill_resume_rounds(work: Path, kills: int = 4, steps: int = 30, seed: int = 0) -> dict[str, Any]:
     """One run SIGKILLed ``kills`` times (alternately inside a checkpoint write and at a random moment),
     resumed after each kill, then to the end; and an uninterrupted run. Returns the record."""
     from loopformer.train.checkpoint import latest_checkpoint, load_weights
 
+    _import_before_forking()
     rng = random.Random(seed)
     killed, plain = work / "killed", work / "plain"
     for folder in (killed, plain):
@@ -644,6 +632,7 @@ def crash_report(scale: float = 1.0, kills: int = 4) -> tuple[Tally, dict[str, A
             run(tally)
         fuzz_time = time.perf_counter() - t0
         kill = kill_resume_rounds(Path(tmp) / "kill", kills=kills)
+        kill["seconds"] = time.perf_counter() - t0 - fuzz_time
     return tally, kill, fuzz_time
 
 
@@ -670,7 +659,7 @@ def markdown(tally: Tally, kill: dict[str, Any], fuzz_time: float) -> str:
             "",
             f"Kill-resume: one {kill['steps']}-step run SIGKILLed {kill['kills']} times, resumed after each; "
             f"final weights (and EMA) identical to an uninterrupted run: **{kill['identical_weights']}**; "
-            f"metrics.jsonl steps {kill['metric_steps']}.",
+            f"metrics.jsonl steps {kill['metric_steps']} ({kill['seconds']:.1f} s for both runs).",
             "",
             *kills,
             *(

@@ -51,6 +51,13 @@ def _metric_steps(run: Path) -> list[int]:
     return [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines() if line]
 
 
+def _error_line(text: str) -> str:
+    """The line of a CLI output that carries the error (the last non-empty one otherwise), shortened."""
+    lines = [x.strip() for x in text.splitlines() if x.strip()]
+    line = next((x for x in reversed(lines) if x.startswith("Error")), lines[-1] if lines else "")
+    return line[:160]
+
+
 def _files(folder: Path) -> dict[str, bytes]:
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
@@ -78,7 +85,9 @@ def test_fresh_train_into_a_run_folder_deletes_nothing(recipe, tmp_path, monkeyp
     monkeypatch.setattr(torch.optim.AdamW, "step", killed)
     result = _train(recipe, run, "train.steps=4", "train.checkpoint_every=2")
     after = _files(run / "checkpoints") if (run / "checkpoints").is_dir() else {}
-    after["metrics.jsonl"] = (run / "metrics.jsonl").read_bytes() if (run / "metrics.jsonl").is_file() else b""
+    after["metrics.jsonl"] = (
+        (run / "metrics.jsonl").read_bytes() if (run / "metrics.jsonl").is_file() else b""
+    )
     lost = sorted(k for k in before if after.get(k) != before[k])
     assert not lost, f"the fresh run destroyed {lost} (exit {result.exit_code})"
     assert "train.resume=true" in result.output and "--overwrite" in result.output, result.output
@@ -122,7 +131,7 @@ def test_two_trainings_into_one_folder_at_once(recipe, tmp_path) -> None:
     finally:
         hold.unlink()
         out, _ = first.communicate(timeout=300)
-    assert second.exit_code != 0, f"the second training into a folder in use was not refused: {second.output}"
+    assert second.exit_code != 0, "the second training into a folder in use was not refused (exit 0)"
     assert f"process {first.pid}" in second.output, second.output
     assert first.returncode == 0, out
     assert _metric_steps(run) == [1, 2, 3, 4]
@@ -134,7 +143,7 @@ def test_resume_falls_back_past_a_corrupt_latest_checkpoint(recipe, tmp_path) ->
     weights = run / "checkpoints" / "step_00000004" / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])  # a torn write
     result = _train(recipe, run, "train.steps=6", "train.checkpoint_every=2", "train.resume=true")
-    assert result.exit_code == 0, f"resume stopped with an error: {cli_text(result).strip()[-300:]}"
+    assert result.exit_code == 0, f"resume stopped with an error: {_error_line(cli_text(result))}"
     assert (run / "checkpoints" / "step_00000006").is_dir()
     assert _metric_steps(run) == [1, 2, 3, 4, 5, 6]
 
@@ -185,7 +194,7 @@ def test_divergence_never_names_a_nan_checkpoint_good(recipe, tmp_path, monkeypa
     text = cli_text(result)
     assert result.exit_code != 0 and "diverged" in text, text
     good = text.split("last good checkpoint", 1)[-1]
-    assert "step_00000004" not in good, f"a NaN checkpoint is called good: {text.strip()[-200:]}"
+    assert "step_00000004" not in good, "the error calls step_00000004 (NaN weights) the last good checkpoint"
     assert "step_00000002" in good, text
 
 
@@ -236,7 +245,9 @@ def _hrm_folder(tmp_path: Path, how: str) -> Path:
 
     task = SudokuTask(4)
     root = tmp_path / "hrm"
-    save_hrm_folder(task.generate(16, 0, min_blanks=4, max_blanks=8), root, "train", vocab_size=task.vocab_size)
+    save_hrm_folder(
+        task.generate(16, 0, min_blanks=4, max_blanks=8), root, "train", vocab_size=task.vocab_size
+    )
     folder = root / "train"
     inputs, labels = np.load(folder / "all__inputs.npy"), np.load(folder / "all__labels.npy")
     meta = json.loads((folder / "dataset.json").read_text())
@@ -274,7 +285,7 @@ def test_a_bad_numpy_folder_is_refused_before_training(recipe, tmp_path, how, ne
     result = _train(recipe, tmp_path / "run", f"data.train_path={root}", "train.steps=3")
     text = cli_text(result)
     assert result.exit_code != 0, f"a numpy folder with a bad {how} trained and exited 0"
-    assert needle in text, f"the error does not name the problem ({needle!r}): {text.strip()[-200:]}"
+    assert needle in text, f"the error does not name the problem ({needle!r}): {_error_line(text)}"
     assert not (tmp_path / "run" / "metrics.jsonl").exists(), "training started on the bad folder"
 
 
@@ -287,7 +298,7 @@ def test_a_bad_numpy_folder_is_refused_before_training(recipe, tmp_path, how, ne
 def test_solve_says_when_givens_contradict_each_other(tiny_run, puzzle, status) -> None:
     """Why 9: solve never said that a puzzle's givens contradict each other (it printed INVALID)."""
     result = CliRunner().invoke(cli, ["solve", "sudoku", puzzle, "-c", str(tiny_run)])
-    assert status in result.output, f"solve did not say {status!r}: {result.output.strip()[-200:]}"
+    assert status in result.output, f"solve did not say {status!r}: {_error_line(result.output)}"
 
 
 @pytest.fixture(autouse=True)

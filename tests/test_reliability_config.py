@@ -181,8 +181,16 @@ def test_wrong_kaggle_files_name_file_and_key(tmp_path, challenges, solutions, m
     (tmp_path / "s.json").write_text(json.dumps(solutions))
     with pytest.raises(TaskDataError, match=message):
         load_kaggle(tmp_path / "c.json", tmp_path / "s.json")
+
+
+def test_non_utf8_kaggle_files_name_the_file(tmp_path) -> None:
     (tmp_path / "c.json").write_bytes(b"\x80{}")
+    (tmp_path / "s.json").write_text("{}")
     with pytest.raises(TaskDataError, match=r"c\.json: not UTF-8"):
+        load_kaggle(tmp_path / "c.json", tmp_path / "s.json")
+    (tmp_path / "c.json").write_text(json.dumps({"t1": GOOD_TASK}))
+    (tmp_path / "s.json").write_bytes(b'{"t1": "\xff"}')
+    with pytest.raises(TaskDataError, match=r"s\.json: not UTF-8"):
         load_kaggle(tmp_path / "c.json", tmp_path / "s.json")
 
 

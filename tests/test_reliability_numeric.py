@@ -9,40 +9,12 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
 from click.testing import CliRunner
-from safetensors.torch import load_file
+from reliability_common import PUZZLE, break_weights, fails_cleanly, tiny_recipe
 
 from loopformer.cli import cli
 from loopformer.commands.solve import SOLVE_JSON_KEYS
 from loopformer.config import build_config
-from loopformer.train.checkpoint import resolve_checkpoint, save_weights
-from loopformer.train.manifest import write_manifest
-
-TINY = {
-    "model": {"name": "fprm", "d_model": 16, "n_heads": 2, "n_layers": 1, "conv": "grid2d"},
-    "data": {
-        "task": "sudoku",
-        "options": {"size": 4},
-        "train_generate": {"min_blanks": 4, "max_blanks": 8},
-        "eval_generate": {"min_blanks": 4, "max_blanks": 8},
-        "train_size": 16,
-        "eval_size": 6,
-    },
-    "train": {
-        "mode": "deep_supervision",
-        "steps": 2,
-        "batch_size": 8,
-        "max_segments": 2,
-        "progress": False,
-        "ema": 0.9,
-        "log_every": 1,
-    },
-    "loop_train": {"max_steps": 2},
-    "loop_eval": {"max_steps": 3},
-    "eval": {"batch_size": 16},
-}
-PUZZLE = ".2.34....4.2..3."  # a 4x4 puzzle with one solution
 
 
 @pytest.fixture(scope="module")
@@ -50,53 +22,21 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from loopformer.train.trainer import Trainer
 
     out = tmp_path_factory.mktemp("tiny_run")
-    Trainer(build_config({**TINY, "out_dir": str(out)})).fit()
+    Trainer(build_config({**tiny_recipe(), "out_dir": str(out)})).fit()
     return out
 
 
-def _broken_copy(run: Path, dest: Path, how: str) -> Path:
-    shutil.copytree(run, dest)
-    folder = resolve_checkpoint(dest)
-    for name in ("model.safetensors", "ema.safetensors"):
-        tensors = load_file(str(folder / name))
-        key = next(k for k, v in tensors.items() if v.is_floating_point() and v.dim() == 2)
-        if how == "nan":
-            tensors[key] = torch.full_like(tensors[key], float("nan"))
-        else:  # diverged: finite, astronomically large weights
-            tensors = {k: v * 1e30 if v.is_floating_point() else v for k, v in tensors.items()}
-        save_weights(tensors, folder / name)
-    write_manifest(folder)  # a consistent checkpoint whose values are broken
-    return dest
-
-
-def _fails_cleanly(result, *needles: str) -> str:
-    assert result.exit_code == 1, result.output
-    assert "Traceback" not in result.output and "internal error" not in result.output
-    for needle in needles:
-        assert needle in result.output, result.output
-    return result.output
-
-
-def test_eval_and_solve_refuse_nan_weights(tiny_run, tmp_path) -> None:
-    run = _broken_copy(tiny_run, tmp_path / "nan", "nan")
+# eval of NaN / diverged weights: tests/test_reliability_cases.py::test_eval_refuses_broken_weights
+@pytest.mark.parametrize("how", ["nan", "diverged"])
+def test_solve_refuses_broken_weights_with_one_json_schema(tiny_run, tmp_path, how) -> None:
+    # NaN weights are refused when the checkpoint loads, diverged ones when their logits are not finite
+    run = break_weights(tiny_run, tmp_path / how, how)
     runner = CliRunner()
-    _fails_cleanly(runner.invoke(cli, ["eval", str(run), "--no-analyses", "-n", "4"]), "NaN or infinite")
-    assert not list(run.glob("eval-*/report.md"))  # no report of a broken model
-    result = runner.invoke(cli, ["solve", "sudoku", PUZZLE, "-c", str(run)])
-    _fails_cleanly(result, "NaN or infinite")
-
-
-def test_eval_and_solve_refuse_diverged_weights(tiny_run, tmp_path) -> None:
-    run = _broken_copy(tiny_run, tmp_path / "big", "diverged")
-    runner = CliRunner()
-    out = _fails_cleanly(
-        runner.invoke(cli, ["eval", str(run), "--no-analyses", "-n", "4"]), "NaN or infinite"
-    )
-    assert "0.0%" not in out
+    fails_cleanly(runner.invoke(cli, ["solve", "sudoku", PUZZLE, "-c", str(run)]), "NaN or infinite")
     result = runner.invoke(cli, ["solve", "sudoku", PUZZLE, "-c", str(run), "--json"])
     assert result.exit_code == 1
     record = json.loads(result.output.strip().splitlines()[0])
-    assert tuple(record) == SOLVE_JSON_KEYS
+    assert tuple(record) == SOLVE_JSON_KEYS and record["schema"] == "loopformer.solve/1"
     assert record["solution"] is None and "NaN or infinite" in record["error"] and record["valid"] is False
 
 
@@ -152,7 +92,7 @@ def test_eval_is_kept_out_of_a_run_folder_in_use(tiny_run, tmp_path) -> None:
     try:
         assert proc.stdout.readline().strip() == "locked"
         result = CliRunner().invoke(cli, ["eval", str(run), "--no-analyses", "-n", "2"])
-        _fails_cleanly(result, f"in use by process {proc.pid}")
+        fails_cleanly(result, f"in use by process {proc.pid}")
     finally:
         proc.kill()
         proc.wait()

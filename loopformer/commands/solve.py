@@ -37,7 +37,10 @@ def check_givens(task: Task, tokens: np.ndarray) -> dict[str, Any]:
     n = task.count_solutions(tokens, limit=2)
     if n is not None:
         if n == 0:
-            return {"status": "unsolvable", "detail": "the givens admit no solution (the exact solver found none)"}
+            return {
+                "status": "unsolvable",
+                "detail": "the givens admit no solution (the exact solver found none)",
+            }
         if n > 1:
             return {"status": "not unique", "detail": "the givens admit more than one solution"}
         return {"status": "solvable", "detail": None}
@@ -51,8 +54,20 @@ def check_givens(task: Task, tokens: np.ndarray) -> dict[str, Any]:
 
 # solve --json: schema (str), task, puzzle, solution (str | null: not a well-formed grid), solution_tokens (list[int] | null), valid (bool),
 # steps (int | null), trajectory (list[str | null] | null), checkpoint, weights (str), givens ({status, detail}), error (str | null)
-SOLVE_JSON_KEYS = ("schema", "task", "puzzle", "givens", "solution", "solution_tokens", "valid", "steps",
-                   "trajectory", "checkpoint", "weights", "error")
+SOLVE_JSON_KEYS = (
+    "schema",
+    "task",
+    "puzzle",
+    "givens",
+    "solution",
+    "solution_tokens",
+    "valid",
+    "steps",
+    "trajectory",
+    "checkpoint",
+    "weights",
+    "error",
+)
 
 
 def solve_record(**values: Any) -> dict[str, Any]:
@@ -74,14 +89,26 @@ def format_answer(task: Task, tokens: np.ndarray) -> str | None:
 @click.command("solve")
 @click.argument("task_name", metavar="TASK")
 @click.argument("puzzle")
-@click.option("--checkpoint", "-c", required=True, help="run folder, checkpoints/ folder or checkpoint folder")
+@click.option(
+    "--checkpoint", "-c", required=True, help="run folder, checkpoints/ folder or checkpoint folder"
+)
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object (solution, valid, steps, ...)")
 @click.option("--max-steps", type=int, default=None, help="cap on loops (default: the run's evaluation loop)")
-@click.option("--ema/--no-ema", default=True, show_default=True, help="use the EMA weights when the checkpoint has them")
+@click.option(
+    "--ema/--no-ema", default=True, show_default=True, help="use the EMA weights when the checkpoint has them"
+)
 @click.option("--all-loops", is_flag=True, help="print every loop, not only those where the answer changed")
 @device_option()
-def solve(task_name: str, puzzle: str, checkpoint: str, as_json: bool, max_steps: int | None, ema: bool,
-          all_loops: bool, device: str) -> None:
+def solve(
+    task_name: str,
+    puzzle: str,
+    checkpoint: str,
+    as_json: bool,
+    max_steps: int | None,
+    ema: bool,
+    all_loops: bool,
+    device: str,
+) -> None:
     """Solve PUZZLE with a trained model, printing the answer as the loop refines it.
 
     Example: loopformer solve sudoku "5...27..9..41......1..5.3...92.6.8...5......66..7..29.8...7...2.......8...9..36.." -c runs/x
@@ -101,8 +128,13 @@ def solve(task_name: str, puzzle: str, checkpoint: str, as_json: bool, max_steps
     if task.seq_len and tokens.size != task.seq_len:
         raise TaskDataError(f"the puzzle has {tokens.size} tokens, the model's task expects {task.seq_len}")
     givens = check_givens(task, tokens)
-    common = {"task": task.name, "puzzle": format_answer(task, tokens), "givens": givens,
-              "checkpoint": str(run.path), "weights": run.weights}
+    common = {
+        "task": task.name,
+        "puzzle": format_answer(task, tokens),
+        "givens": givens,
+        "checkpoint": str(run.path),
+        "weights": run.weights,
+    }
     try:
         frames, final = _think(run, tokens, max_steps)
     except NumericalFaultError as err:
@@ -112,10 +144,18 @@ def solve(task_name: str, puzzle: str, checkpoint: str, as_json: bool, max_steps
     valid = bool(task.check(tokens, final))
     steps = len(frames)
     if as_json:
-        click.echo(json.dumps(solve_record(
-            **common, solution=format_answer(task, final), solution_tokens=[int(t) for t in final], valid=valid,
-            steps=steps, trajectory=[format_answer(task, f) for f in frames],
-        )))
+        click.echo(
+            json.dumps(
+                solve_record(
+                    **common,
+                    solution=format_answer(task, final),
+                    solution_tokens=[int(t) for t in final],
+                    valid=valid,
+                    steps=steps,
+                    trajectory=[format_answer(task, f) for f in frames],
+                )
+            )
+        )
         return
     from rich.console import Console
 
@@ -126,14 +166,18 @@ def solve(task_name: str, puzzle: str, checkpoint: str, as_json: bool, max_steps
     if givens["detail"]:
         from rich.markup import escape
 
-        console.print(f"[bold red]{escape(givens['status'])}[/bold red]: {escape(givens['detail'])} "
-                      "(the task's exact solver); the model's answer follows")
+        console.print(
+            f"[bold red]{escape(givens['status'])}[/bold red]: {escape(givens['detail'])} "
+            "(the task's exact solver); the model's answer follows"
+        )
     previous: np.ndarray | None = None
     for t, pred in enumerate(frames, start=1):
         changed = int((pred != previous).sum()) if previous is not None else int(pred.size)
         if previous is None or changed or all_loops or t == steps:
             ok = task.check(tokens, pred)
-            console.print(f"\n[bold]loop {t}[/bold]: {changed} token(s) changed, {'valid' if ok else 'not yet valid'}")
+            console.print(
+                f"\n[bold]loop {t}[/bold]: {changed} token(s) changed, {'valid' if ok else 'not yet valid'}"
+            )
             console.print(render(tokens, pred))
         previous = pred
     verdict = "[bold green]VALID[/bold green]" if valid else "[bold red]INVALID[/bold red]"

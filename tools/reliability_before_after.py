@@ -1,0 +1,245 @@
+"""Issue 16 before/after evidence: every case of the issue's "Why" has a test that fails on the code from
+before the reliability work and passes on the current code.
+
+    python tools/reliability_before_after.py                      # print the table
+    python tools/reliability_before_after.py --write docs/reliability.md
+
+It makes a temporary git worktree at ``--before`` (default: the parent of the first reliability commit,
+"Run folders: lock file ..."), copies the current test files that hold the cases (they use only entry
+points the old code has too: the ``loopformer`` CLI, ``loopformer.config``, the task loaders, files on
+disk) into its ``tests/``, runs the cases' tests there with that worktree first on ``PYTHONPATH``, then
+the same tests on the current checkout, and writes one row per case: the test, the outcome before with
+the first line of the failure, the outcome now. A test that errors or is skipped is reported as such,
+never counted as "fail before".
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+# 5b98703: "FPRM parity: loopformer convert fprm -> run folder -> loopformer eval, through the CLI", the
+# parent of 212e8c2 "Run folders: lock file ..." (the first commit of the issue-16 work; the CSV / numpy
+# folder checks of a80b8e4 and 4e9254c came after it on main)
+BEFORE = "5b98703"
+COPIED = [
+    "tests/conftest.py",
+    "tests/reliability_common.py",
+    "tests/test_reliability_cases.py",
+    "tests/test_reliability_config.py",
+    "tests/test_data_loading.py",
+]
+C = "tests/test_reliability_cases.py::"
+G = "tests/test_reliability_config.py::"
+D = "tests/test_data_loading.py::"
+BAD = G + "test_bad_values_are_refused_when_the_config_is_built"
+ARC = G + "test_wrong_arc_task_files_name_file_and_place"
+KAGGLE = G + "test_wrong_kaggle_files_name_file_and_key"
+NPY = C + "test_a_bad_numpy_folder_is_refused_before_training"
+# (Why bullet, case, test node id)
+CASES: list[tuple[int, str, str]] = [
+    (
+        1,
+        "fresh train into a run folder deletes its checkpoints / metrics",
+        C + "test_fresh_train_into_a_run_folder_deletes_nothing",
+    ),
+    (2, "two trainings into one folder at once", C + "test_two_trainings_into_one_folder_at_once"),
+    (
+        3,
+        "resume from a corrupt latest checkpoint stops",
+        C + "test_resume_falls_back_past_a_corrupt_latest_checkpoint",
+    ),
+    (4, "eval of NaN weights exits 0 with 0%", C + "test_eval_refuses_broken_weights[nan]"),
+    (4, "eval of diverged weights exits 0 with 0%", C + "test_eval_refuses_broken_weights[diverged]"),
+    (4, "solve --json of NaN weights returns padding tokens", C + "test_solve_json_refuses_nan_weights"),
+    (
+        4,
+        "divergence names a NaN checkpoint 'last good'",
+        C + "test_divergence_never_names_a_nan_checkpoint_good",
+    ),
+    (
+        4,
+        "divergence leaves two metrics records for one step",
+        C + "test_divergence_leaves_one_metrics_record_per_step",
+    ),
+    (
+        5,
+        "absolute `latest` pointer sends eval's report into another run",
+        C + "test_latest_pointer_with_an_absolute_path_keeps_eval_in_its_folder",
+    ),
+    (5, "config.json data path: its first line echoed (eval)", C + "test_a_config_data_path_is_never_echoed"),
+    (
+        5,
+        "data file's first line echoed (loader)",
+        G + "test_a_data_path_from_a_config_never_has_its_first_line_quoted",
+    ),
+    (6, "numpy folder: input token outside the task's vocabulary", NPY + "[input-token]"),
+    (6, "numpy folder: label token outside the task's vocabulary", NPY + "[label-token]"),
+    (6, "numpy folder: wrong sequence length", NPY + "[sequence-length]"),
+    (6, "numpy folder: NaN inputs", NPY + "[nan-input]"),
+    (6, "numpy folder: float inputs silently truncated (CLI)", NPY + "[float-input]"),
+    (6, "numpy folder: float inputs (loader)", D + "test_float_inputs_are_an_error_not_truncated"),
+    (
+        6,
+        "numpy folder: token / label-input agreement (loader)",
+        D + "test_token_and_agreement_errors_name_row_and_column",
+    ),
+    (7, "eval.batch_size=0", BAD + "[eval.batch_size=0]"),
+    (7, "eval.max_examples=-1", BAD + "[eval.max_examples=-1]"),
+    (7, "model.d_model=0", BAD + "[model.d_model=0]"),
+    (7, "model.n_heads=0", BAD + "[model.n_heads=0]"),
+    (7, "unknown task options", BAD + "[data.options={no_such_option: 1}]"),
+    (7, "device=cuda without CUDA", G + "test_device_cuda_without_cuda_is_refused"),
+    (7, "train.threads=100000", BAD + "[train.threads=100000]"),
+    (7, "train.lr=1e39", BAD + "[train.lr=1e39]"),
+    (7, "negative weight decay", BAD + "[train.weight_decay=-0.1]"),
+    (7, "negative clip", BAD + "[train.grad_clip=-1]"),
+    (7, "duplicate YAML keys", G + "test_duplicate_yaml_keys_are_errors_naming_file_and_line"),
+    (7, "10^6-alias YAML", G + "test_an_alias_bomb_is_refused_quickly"),
+    (8, "non-UTF-8 CSV", D + "test_non_utf8_is_an_error_naming_the_line"),
+    (8, "non-UTF-8 ARC file", ARC + "[non-utf8]"),
+    (8, "non-UTF-8 recipe / config.json", G + "test_non_utf8_recipe_and_config_files_name_the_file"),
+    (8, "ARC JSON: invalid JSON", ARC + "[bad-json]"),
+    (8, "ARC JSON: nested past the parser's depth", ARC + "[deep-nesting]"),
+    (8, "ARC JSON: 'train' a number", ARC + "[train-int]"),
+    (8, "ARC JSON: 'train' an object", ARC + "[train-object]"),
+    (8, "ARC JSON: a bad grid cell", ARC + "[bad-cell]"),
+    (8, "ARC JSON: not an object", ARC + "[not-an-object]"),
+    (8, "Kaggle JSON: solutions file a list", KAGGLE + "[solutions-a-list]"),
+    (8, "Kaggle JSON: solutions not a list of grids", KAGGLE + "[solutions-not-grids]"),
+    (8, "Kaggle JSON: 'train' a number", KAGGLE + "[train-int]"),
+    (8, "non-UTF-8 Kaggle JSON", G + "test_non_utf8_kaggle_files_name_the_file"),
+    (8, "CSV rating nan", D + "test_non_finite_rating_is_an_error[nan]"),
+    (8, "CSV rating inf", D + "test_non_finite_rating_is_an_error[inf]"),
+    (8, "CSV last line cut inside the rating", D + "test_truncated_last_line_is_an_error"),
+    (
+        8,
+        "file without newlines rejected in bounded memory",
+        D + "test_file_without_newlines_is_rejected_in_bounded_memory",
+    ),
+    (
+        9,
+        "solve: contradictory givens",
+        C + "test_solve_says_when_givens_contradict_each_other[contradictory]",
+    ),
+    (9, "solve: unsolvable givens", C + "test_solve_says_when_givens_contradict_each_other[unsolvable]"),
+]
+
+
+def git(*args: str, cwd: Path = REPO) -> str:
+    return subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True, text=True).stdout.strip()
+
+
+def run_tests(root: Path, ids: list[str], report: Path, timeout: int) -> dict[str, tuple[str, str]]:
+    """{node id: (outcome, first line of the failure)} of ``ids`` run by pytest in ``root`` (its package
+    first on PYTHONPATH); outcome is pass / fail / error / skip / missing."""
+    env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1")
+    env.pop("LOOPFORMER_DEBUG", None)
+    where = subprocess.run(
+        [sys.executable, "-c", "import loopformer; print(loopformer.__file__)"],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    if not Path(where).resolve().is_relative_to(root.resolve()):
+        raise RuntimeError(f"the tests in {root} would import loopformer from {where}")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", "-o", "addopts=",
+           f"--timeout={timeout}", f"--junitxml={report}", *ids]  # fmt: skip
+    subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True)
+    found: dict[str, tuple[str, str]] = {}
+    for case in ET.parse(report).getroot().iter("testcase"):
+        module = case.get("classname", "").replace(".", "/")
+        node = f"{module}.py::{case.get('name')}"
+        outcome, reason = "pass", ""
+        for tag in ("failure", "error", "skipped"):
+            el = case.find(tag)
+            if el is not None:
+                outcome = {"failure": "fail", "error": "error", "skipped": "skip"}[tag]
+                reason = (el.get("message") or el.text or "").strip()
+                if "Regex pattern did not match" in reason:  # pytest.raises(match=...): show what was raised
+                    got = [
+                        x for x in (el.text or "").splitlines() if x.strip().startswith("E") and "Input:" in x
+                    ]
+                    reason = "raised, but " + (
+                        got[0].split("Input:", 1)[1].strip() if got else "another message"
+                    )
+                break
+        found[node] = (outcome, reason)
+    return {i: found.get(i, ("missing", "not collected")) for i in ids}
+
+
+def one_line(text: str, width: int = 110) -> str:
+    line = next((x.strip() for x in text.splitlines() if x.strip()), "")
+    line = line.replace("|", "\\|").replace("`", "'")
+    return line if len(line) <= width else line[: width - 3] + "..."
+
+
+def before_after(before: str, timeout: int) -> tuple[dict, dict, str, float]:
+    ids = list(dict.fromkeys(node for _, _, node in CASES))
+    commit = git("rev-parse", "--short", before)
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="lf-before-") as tmp:
+        old = Path(tmp) / "before"
+        git("worktree", "add", "--detach", str(old), commit)
+        try:
+            for rel in COPIED:
+                shutil.copy2(REPO / rel, old / rel)
+            then = run_tests(old, ids, Path(tmp) / "before.xml", timeout)
+        finally:
+            git("worktree", "remove", "--force", str(old))
+        now = run_tests(REPO, ids, Path(tmp) / "now.xml", timeout)
+    return then, now, commit, time.perf_counter() - t0
+
+
+def markdown(then: dict, now: dict, commit: str, seconds: float) -> str:
+    rows = ["| Why | case | test | before | now |", "|---:|---|---|---|---|"]
+    good = 0
+    for why, case, node in CASES:
+        b, reason = then[node]
+        n, now_reason = now[node]
+        good += b == "fail" and n == "pass"
+        before_cell = f"{b}: {one_line(reason)}" if reason else b
+        now_cell = n if n == "pass" else f"{n}: {one_line(now_reason)}"
+        rows.append(f"| {why} | {case} | `{node.split('/')[-1]}` | {before_cell} | {now_cell} |")
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    head = (
+        f"{good} of {len(CASES)} cases fail before (commit {commit}) and pass now "
+        f"({seconds:.0f} s for both runs, load average {load})."
+    )
+    return "\n".join([head, "", *rows])
+
+
+BEGIN, END = "<!-- before-after:begin -->", "<!-- before-after:end -->"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--before", default=BEFORE, help="the commit before the reliability work")
+    parser.add_argument("--write", type=Path, help="replace the table between the markers in this file")
+    parser.add_argument("--timeout", type=int, default=300, help="per-test timeout in seconds")
+    args = parser.parse_args()
+    then, now, commit, seconds = before_after(args.before, args.timeout)
+    table = markdown(then, now, commit, seconds)
+    if args.write:
+        text = args.write.read_text()
+        start, end = text.index(BEGIN) + len(BEGIN), text.index(END)
+        args.write.write_text(text[:start] + "\n" + table + "\n" + text[end:])
+    print(table)
+    bad = [node for _, _, node in CASES if not (then[node][0] == "fail" and now[node][0] == "pass")]
+    if bad:
+        print(f"\nnot fail-before / pass-now: {bad}", file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
