@@ -167,12 +167,12 @@ def run_tests(root: Path, ids: list[str], report: Path, timeout: int) -> dict[st
                 outcome = {"failure": "fail", "error": "error", "skipped": "skip"}[tag]
                 reason = (el.get("message") or el.text or "").strip()
                 if "Regex pattern did not match" in reason:  # pytest.raises(match=...): show what was raised
+                    lines = [x.strip() for x in (el.text or "").splitlines()]
+                    marks = ("Actual message:", "Input:")  # pytest >= 8.4 / older pytest
                     got = [
-                        x for x in (el.text or "").splitlines() if x.strip().startswith("E") and "Input:" in x
+                        x.split(m, 1)[1].strip() for x in lines for m in marks if x.startswith("E") and m in x
                     ]
-                    reason = "raised, but " + (
-                        got[0].split("Input:", 1)[1].strip() if got else "another message"
-                    )
+                    reason = "raised, but with the message " + (got[0] if got else "(not shown)")
                 break
         found[node] = (outcome, reason)
     return {i: found.get(i, ("missing", "not collected")) for i in ids}
