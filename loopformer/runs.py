@@ -24,6 +24,7 @@ from pathlib import Path
 from loopformer.config import ConfigError, DataConfig, RunConfig, apply_overrides, build_config, to_dict
 from loopformer.hub import resolve_source
 from loopformer.loop import LoopConfig
+from loopformer.loop.samplers import SAMPLERS, make_sampler, sampler_defaults
 from loopformer.models.base import LoopedModel
 from loopformer.tasks.base import Task, TokenDataset
 from loopformer.tasks.registry import get_task
@@ -160,7 +161,11 @@ load_for_eval = load_run  # the name the experiments and earlier releases used
 def training_depth(run: LoadedRun) -> int:
     """Loops per forward call in training (the training depth an overthinking plot marks)."""
     cfg = run.config
-    options = cfg.train.loop_sampler_options
-    if cfg.train.loop_sampler == "fixed" and "n" in options:
-        return int(options["n"])
-    return int(run.loop_train.max_steps)
+    kind, max_steps = cfg.train.loop_sampler, int(run.loop_train.max_steps)
+    if kind not in SAMPLERS:  # "none": the training loop config as is
+        return max_steps
+    sampler = make_sampler(
+        kind, **{**sampler_defaults(kind, max_steps, cfg.seed), **cfg.train.loop_sampler_options}
+    )
+    depth = sampler.constant_depth
+    return max_steps if depth is None else int(depth)

@@ -44,6 +44,11 @@ class FixedSampler:
     def sample(self, global_step: int) -> int:
         return self.n
 
+    @property
+    def constant_depth(self) -> int | None:
+        """The loop count every step uses (None for samplers that vary it)."""
+        return self.n
+
     @classmethod
     def defaults(cls, max_steps: int, seed: int) -> dict[str, int]:
         return {"n": max_steps}
@@ -65,6 +70,8 @@ class PoissonSampler:
             raise ValueError(f"poisson sampler needs mean > 0, got {self.mean}")
         _check_range(self.low, self.high)
 
+    constant_depth = None  # the loop count varies from step to step
+
     def sample(self, global_step: int) -> int:
         r = int(_rng(self.seed, global_step).poisson(self.mean))
         return min(max(r, self.low), self.high)
@@ -79,6 +86,7 @@ class LogNormalPoissonSampler:
     seed: int = 0
 
     defaults = PoissonSampler.defaults
+    constant_depth = None
 
     def __post_init__(self) -> None:
         if not self.mean > 0 or not self.sigma > 0:
