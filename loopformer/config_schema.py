@@ -117,6 +117,7 @@ class TrainConfig:
     ema_warmup: bool = True  # decay_t = min(ema, (1 + t) / (10 + t)); False = TRM's plain EMA
     # losses
     loss: Literal["ce", "stablemax"] = "ce"
+    label_smoothing: float = 0.0  # in [0, 1): uniform-target mixing (LTG systematicity: 0.1)
     q_loss_weight: float = 0.5  # BCE of the Q / halting head (models with one)
     ponder_weight: float = 0.01  # times ModelOutput.aux_loss (ACT ponder cost)
     jacobian_weight: float = 0.0  # Hutchinson ||J||_F^2 at the final state; 0 = off

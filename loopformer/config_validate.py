@@ -141,7 +141,7 @@ def _check_train(cfg: RunConfig) -> None:
     _at_least(t, "train", 0, "warmup_steps", "eval_every", "checkpoint_every", "keep_checkpoints", "threads")
     if not (math.isfinite(t.lr) and 0 < t.lr <= MAX_LR):
         raise ConfigError(f"train.lr must be a finite number in (0, {MAX_LR:g}], got {t.lr}")
-    _finite(t, "train", 0.0, 1.0, "ema", open_high=True)
+    _finite(t, "train", 0.0, 1.0, "ema", "label_smoothing", open_high=True)
     _finite(t, "train", 0.0, 1.0, "min_lr_ratio", "halt_exploration")
     _finite(
         t,

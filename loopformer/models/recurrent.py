@@ -164,6 +164,9 @@ class RecurrentDepth(LoopedModel):
         )
         self.embedding.scale = 1.0
         nn.init.normal_(self.embedding.tokens.weight, std=1.0)  # nn.Embedding's default, as the reference
+        if self.embedding.positions is not None:  # gpt_utils_systematicity.py: position_embedding, an
+            self.embedding.positions.scale = 1.0  # nn.Embedding added to the token embeddings: N(0, 1)
+            nn.init.normal_(self.embedding.positions.table, std=1.0)
         self.output = OutputHead(config, self.embedding)
         self.output.norm = nn.LayerNorm(config.d_model, eps=1e-5)  # type: ignore[assignment]
 

@@ -5,6 +5,8 @@
   ``log p_i = log s(x_i) - log sum_j s(x_j)``, computed in float64 as TRM does.
 - ``sequence_loss``: per-sample mean over the positions that carry a label (``IGNORE_INDEX``
   elsewhere), then the batch mean (TRM divides each sample's token loss by its label count).
+  ``label_smoothing`` eps: ``(1 - eps) nll + eps mean_c(-log p_c)``, PyTorch's ``cross_entropy``
+  formula (Loop, Think & Generalize's systematicity script trains with 0.1).
 - ``q_halt_loss``: BCE of the Q / halting logit against "the whole answer is exactly right"
   (TRM's ``q_halt``; FPRM weighs it 0.5).
 - ``q_learning_losses``: HRM's Q-learning ACT head (its ``models/losses.py: ACTLossHead`` and
@@ -36,11 +38,16 @@ def stablemax_log_probs(logits: Tensor, dim: int = -1) -> Tensor:
     return torch.log(s) - torch.log(s.sum(dim=dim, keepdim=True))
 
 
-def token_losses(logits: Tensor, labels: Tensor, kind: str = "ce") -> tuple[Tensor, Tensor]:
+def token_losses(
+    logits: Tensor, labels: Tensor, kind: str = "ce", label_smoothing: float = 0.0
+) -> tuple[Tensor, Tensor]:
     """Per-position losses ``[B, T]`` (zero where ignored) and the label mask ``[B, T]``.
 
-    ``kind``: "ce" (softmax cross-entropy in float32) or "stablemax" (float64).
+    ``kind``: "ce" (softmax cross-entropy in float32) or "stablemax" (float64); ``label_smoothing``
+    in [0, 1) mixes in the uniform target as PyTorch's ``cross_entropy`` does.
     """
+    if not 0.0 <= label_smoothing < 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing!r}")
     if logits.shape[:-1] != labels.shape:
         raise ValueError(f"logits {tuple(logits.shape)} do not match labels {tuple(labels.shape)} + [V]")
     mask = labels != IGNORE_INDEX
@@ -52,12 +59,14 @@ def token_losses(logits: Tensor, labels: Tensor, kind: str = "ce") -> tuple[Tens
     else:
         raise ValueError(f"unknown loss {kind!r}; expected 'ce' or 'stablemax'")
     nll = -logp.gather(-1, safe.unsqueeze(-1)).squeeze(-1)
+    if label_smoothing:
+        nll = (1.0 - label_smoothing) * nll - label_smoothing * logp.mean(-1)
     return torch.where(mask, nll, torch.zeros_like(nll)), mask
 
 
-def sequence_loss(logits: Tensor, labels: Tensor, kind: str = "ce") -> Tensor:
+def sequence_loss(logits: Tensor, labels: Tensor, kind: str = "ce", label_smoothing: float = 0.0) -> Tensor:
     """Mean over samples of each sample's mean token loss (float32 scalar)."""
-    losses, mask = token_losses(logits, labels, kind)
+    losses, mask = token_losses(logits, labels, kind, label_smoothing)
     per_sample = losses.sum(-1) / mask.sum(-1).clamp(min=1)
     return per_sample.mean().float()
 

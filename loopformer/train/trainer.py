@@ -180,7 +180,7 @@ class Trainer:
     def loss(self, out: ModelOutput, batch: SegmentBatch) -> tuple[Tensor, dict[str, Tensor], Any]:
         """(total loss, its named parts, accuracy) of ``out`` on ``batch``."""
         tc = self.config.train
-        task_loss = sequence_loss(out.logits, batch.labels, tc.loss)
+        task_loss = sequence_loss(out.logits, batch.labels, tc.loss, tc.label_smoothing)
         acc = accuracy(out.logits, batch.labels)
         parts = {"task_loss": task_loss}
         total = task_loss
