@@ -192,3 +192,24 @@ def test_the_option_is_refused_where_nothing_carries(tmp_path) -> None:
     cfg = tiny_config(tmp_path / "b", "train.mode=simple", "train.carry_solver_state=true")
     with pytest.raises(ConfigError, match="only train.mode=deep_supervision"):
         Trainer(cfg, model=TinyLooped(seed=0), train_data=tiny_dataset(64), eval_data=None)
+
+
+@pytest.mark.parametrize("group", ["a5", "s5"])
+def test_the_state_tracking_paper_recipes_train_with_the_carry(tmp_path, group: str) -> None:
+    from pathlib import Path
+
+    from loopformer.config import build_config, read_recipe
+
+    raw = read_recipe(
+        Path(__file__).resolve().parents[1] / "loopformer" / "recipes" / f"groups_{group}_fprm.yaml"
+    )
+    overrides = ["model.d_model=16", "model.n_heads=2", "model.n_layers=1", "data.options.length=6",
+                 "data.train_generate.length=6", "data.eval_generate.length=6", "data.train_size=32",
+                 "data.eval_size=8", "train.batch_size=8", "train.steps=3", "train.progress=false",
+                 "train.threads=1", "train.checkpoint_every=0", "eval.batch_size=8", "bf16=false", "device=cpu",
+                 f"out_dir={tmp_path}"]  # fmt: skip
+    tr = Trainer(build_config(raw, overrides))
+    assert tr.config.train.carry_solver_state and tr.config.train.max_segments == 128
+    summary = tr.fit()
+    assert summary["steps"] == 3 and set(tr.carry.solver) == {"eta", "best", "patience"}
+    assert summary["eval"]["n"] == 8
