@@ -116,7 +116,7 @@ def _could_stop(lp: LoopState, t: int, it: _Iteration) -> bool:
     # with the rule's bound > 0 a non-finite ||f(z)|| already shows as a residual of 0 or NaN
     if not (lp.norm_is_step and bound > 0) and not it.nrm.amax().item() < INF:
         return True
-    if lp.watch_stalls and bool(it.info["stalled"].any()):
+    if lp.watch_stalls and bool(_stalled(lp, it).any()):
         return True
     return lp.every_step and bool(it.done.any())
 
@@ -130,8 +130,17 @@ def _stop_masks(lp: LoopState, t: int, it: _Iteration, last: bool) -> tuple[Tens
     bad = ~((it.res <= lp.cfg.diverge_threshold) & (it.nrm < INF))
     finished = torch.ones_like(it.done) if last else it.done | bad
     if lp.watch_stalls:
-        finished = finished | it.info["stalled"]
+        finished = finished | _stalled(lp, it)
     return finished, bad, it.conv & ~bad
+
+
+def _stalled(lp: LoopState, it: _Iteration) -> Tensor:
+    """The active samples a solver stall stops: the stalled ones, or with ``batch_stalls`` all of
+    them once every one has stalled (and none before)."""
+    stalled = it.info["stalled"]
+    if lp.batch_stalls:
+        return stalled.all().expand_as(stalled)
+    return stalled
 
 
 def _retire(lp: LoopState, t: int, it: _Iteration, finished: Tensor, bad: Tensor, conv: Tensor) -> None:

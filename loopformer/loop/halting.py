@@ -54,7 +54,9 @@ class Halting:
       ``LoopResult.ponder_cost``);
     - ``learned``: the rule is part of what training learns (ACT: the model's halting weights
       enter its output and loss), so a training mode that fixes the loop count (simple mode's
-      sampled ``R``) keeps it with ``R`` as the cap; other rules give way to ``fixed`` there.
+      sampled ``R``) keeps it with ``R`` as the cap; other rules give way to ``fixed`` there;
+    - ``batch_stalls``: a solver's stall stops the batch only once every running sample has
+      stalled (until then a stalled sample keeps iterating); otherwise each stalled sample stops.
     """
 
     name: ClassVar[str] = ""
@@ -64,6 +66,7 @@ class Halting:
     edits_iterate: ClassVar[bool] = False
     stats: ClassVar[tuple[str, ...]] = ()
     learned: ClassVar[bool] = False
+    batch_stalls: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -132,9 +135,12 @@ class BatchResidualHalting(Halting):
     """Every running sample halts at the first step (>= min_steps) where the *largest* residual of
     the running batch is below tol; until then all keep iterating. FPRM's inference in the authors'
     code (nilskiKonjIzDunava/fprm ``FixedPointReasoningModel_ACTV1.forward`` in eval mode:
-    ``residues.max() < fp_thresh``). The engine's stall / divergence stops still act per sample."""
+    ``residues.max() < fp_thresh``). Stalls too are batch-wide, as that code stops when
+    ``stepsize.max() < 1e-3``: a sample whose step size fell below ``min_step`` keeps iterating
+    until every running sample's has. Divergence still stops a sample on its own."""
 
     name = "batch_residual"
+    batch_stalls = True
 
     def residual_bound(self, t: int) -> float:
         return self.cfg.tol if t + 1 >= self.cfg.min_steps else 0.0

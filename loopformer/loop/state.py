@@ -84,6 +84,7 @@ class LoopState:
         self.grad = GRADS.get(cfg.grad)(cfg, self.solver, self.halting)
         # what the plug-ins declare, read once
         self.watch_stalls = self.solver.can_stall and self.halting.stops_early
+        self.batch_stalls = self.halting.batch_stalls  # stalls stop all running samples, or none
         self.solver.report_stalls = self.watch_stalls
         self.norm_is_step = self.solver.returns_step and not self.halting.edits_iterate
         self.every_step = self.halting.every_step
