@@ -186,3 +186,21 @@ def test_default_recipe_is_found_from_any_folder(tmp_path: Path, monkeypatch: py
     assert base.train.mode == "simple" and base.loop_train == {} and description
     for key in ("d_model", "n_heads", "n_layers"):
         assert base.model.fields[key] == main.model.fields[key]
+
+
+def test_run_evaluates_with_the_configured_segments(tiny_recipe: Path, tmp_path: Path) -> None:
+    """``loopformer run`` passes eval.segments (and the run's seed) to its evaluation, like ``loopformer eval``."""
+    from loopformer.commands.common import eval_dataset, load_run
+
+    out = tmp_path / "run"
+    result = CliRunner().invoke(cli, ["run", "--recipe", str(tiny_recipe), "--out", str(out), "train.steps=2",
+                                      "run.spectral=false", "eval.segments=3", "seed=5"])
+    assert result.exit_code == 0, result.output
+    metrics = json.loads((out / "metrics.json").read_text())["results"]["fprm"]
+    run = load_run(json.loads((out / "summary.json").read_text())["checkpoint"])
+    dataset = eval_dataset(run.task, run.config)
+    by_hand = {s: evaluate(run.model, run.task, dataset, loop=run.loop_eval, batch_size=16, seed=5, segments=s)
+               for s in (1, 3)}
+    assert metrics["token_accuracy"] == pytest.approx(by_hand[3].token_accuracy)
+    assert metrics["mean_steps"] == pytest.approx(by_hand[3].mean_steps)
+    assert by_hand[3].mean_steps != pytest.approx(by_hand[1].mean_steps)  # the check can fail

@@ -268,12 +268,14 @@ def _run(recipe: str, out_dir: str | None, overwrite: bool, overrides: tuple[str
     if not main_run.task.has_validator:  # language modelling: held-out loss and bits per byte
         _run_lm(out, main_label, main_run, base_summary, base_cfg, dataset, console.print)
         return
-    main = ModelUnderTest(main_label, main_run.model, main_run.loop_eval, training_depth(main_run))
+    main = ModelUnderTest(main_label, main_run.model, main_run.loop_eval, training_depth(main_run),
+                          segments=main_run.config.eval.segments, seed=main_run.config.seed)
     baselines = []
     base_run = None
     if base_summary is not None:
         base_run = load_run(base_summary["checkpoint"], use_ema=base_cfg.eval.use_ema, device=str(dev))
-        baselines.append(ModelUnderTest(f"baseline ({base_cfg.model.name})", base_run.model, base_run.loop_eval))
+        baselines.append(ModelUnderTest(f"baseline ({base_cfg.model.name})", base_run.model, base_run.loop_eval,
+                                        segments=base_run.config.eval.segments, seed=base_run.config.seed))
     options = SuiteOptions(
         budgets=section.budgets, budget_mode=section.budget_mode, lens_loops=section.lens_loops,
         signal_loops=section.signal_loops, spectral=section.spectral, analysis_examples=section.analysis_examples,
