@@ -322,7 +322,7 @@ def plot(payload: dict[str, Any], path: Path) -> None:
     ax.set_ylim(-0.02, 1.02)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=6, ncol=3)
-    ax.set_title("9x9 Sudoku, 2-core CPU: equal training FLOPs", fontsize=9)
+    ax.set_title("9x9 Sudoku, one CPU core: equal training FLOPs per budget", fontsize=9)
     save_figure(fig, path)
 
 
