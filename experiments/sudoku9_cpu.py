@@ -135,13 +135,17 @@ def train_one(args: argparse.Namespace, name: str) -> None:
     first, last = budgets[0], budgets[-1]
     cfg.train.steps = last
     cfg.train.checkpoint_every = first
+    cfg.train.resume = bool(args.resume)  # continue a shorter budget's run (bit-identical to one long run)
     cfg.train.keep_checkpoints = 8
     torch.set_num_threads(1)
     t0, c0 = time.perf_counter(), time.process_time()
     summary = Trainer(cfg).fit()
+    record = args.runs / name / "experiment.json"
+    earlier = json.loads(record.read_text()) if args.resume and record.is_file() else None
     write_json(
-        args.runs / name / "experiment.json",
+        record,
         {
+            "earlier_part": earlier,  # the shorter budget's run this one continued (--resume)
             "steps": cfg.train.steps,
             "checkpoint_every": first,
             "wall_time_s": round(time.perf_counter() - t0, 1),
@@ -333,6 +337,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a few steps at tiny size (dry run)")
     parser.add_argument("--threads", type=int, default=1, help="threads of the probe (the budgets' clock)")
     parser.add_argument("--max-minutes", type=int, default=60, help="train to this budget (15, 30 or 60)")
+    parser.add_argument("--resume", action="store_true", help="continue each run from its last checkpoint")
     parser.add_argument("--eval-size", type=int, default=1000)
     parser.add_argument("--runs", type=Path, default=REPO / "runs" / "sudoku9")
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "figures" / "sudoku9")
