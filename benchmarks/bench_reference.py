@@ -3,7 +3,7 @@
     LOOPFORMER_REFS=/path/to/checkouts python -m benchmarks --only reference
     python -m benchmarks.bench_reference --model fprm --ref /path/to/fprm      # one pair, prints JSON
 
-For each of FPRM, TRM and HRM: time per training step (forward + backward + optimiser step) and per
+For each of FPRM, TRM, HRM and the Attractor puzzle model (TRM-DEQ): time per training step (forward + backward + optimiser step) and per
 evaluation batch, loopformer vs the authors' code at the same model configuration, batch, loop
 counts and dtype (float32, CPU; see benchmarks/reference_builders.py), the two interleaved in
 rotating order. Figure: loopformer time / reference time (median of paired ratios; < 1 = loopformer
@@ -13,8 +13,7 @@ torch thread the clock is CPU time (steadier on a shared machine), otherwise wal
 Checkouts: ``LOOPFORMER_REF_<MODEL>`` (FPRM, TRM, HRM, ATTRACTOR) or ``LOOPFORMER_REFS/<repository
 name>``; a model whose checkout is absent is skipped with a message. Each pair runs in its own
 subprocess (the FPRM, TRM and HRM codes all import a top-level ``models`` package). The commit each
-reference was taken at is recorded. The Attractor comparison is not implemented yet (its row says
-why).
+reference was taken at is recorded.
 """
 
 from __future__ import annotations
@@ -88,6 +87,8 @@ def measure(model: str, ref: Path, quick: bool) -> dict[str, Any]:
         pair = rb.build_trm(ref, shape, quick)
     elif model == "hrm":
         pair = rb.build_hrm(ref, shape, quick)
+    elif model == "attractor":
+        pair = rb.build_attractor(ref, shape, quick)
     else:
         raise ValueError(f"no builder for {model!r}")
     clock, clock_name = _clock()
@@ -132,12 +133,6 @@ def run_model(model: str, quick: bool) -> list[Result]:
             f"LOOPFORMER_REFS to a folder holding {info['dir']}/)"
         )
         return [_row(model, "train", None, None, why, info)]
-    if model == "attractor":
-        why = (
-            "skipped: not implemented; the Attractor puzzle model the reference's TRM-DEQ "
-            "(experiments/attractor_puzzles/trm/trm_deq.py) would be compared with is not in loopformer yet"
-        )
-        return [_row(model, "train", None, None, why, dict(info, path=str(ref)))]
     return run_model_at(model, ref, quick)
 
 
@@ -191,7 +186,7 @@ def run(quick: bool = False) -> list[Result]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="loopformer vs one reference implementation")
-    parser.add_argument("--model", required=True, choices=[m for m in REFS if m != "attractor"])
+    parser.add_argument("--model", required=True, choices=list(REFS))
     parser.add_argument("--ref", type=Path, required=True, help="the reference checkout")
     parser.add_argument("--json", type=Path, default=None, help="write the result here (default: print)")
     parser.add_argument("--threads", type=int, default=1)

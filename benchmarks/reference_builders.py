@@ -85,7 +85,11 @@ def _import_path(root: Path, extra: list[Path] | None = None) -> None:
 # loopformer's side: model forward through the engine, the trainer's losses, AdamW
 # ----------------------------------------------------------------------------------------------------
 def _ours(
-    model: torch.nn.Module, batch: dict[str, torch.Tensor], train_loop: LoopConfig, eval_loop: LoopConfig
+    model: torch.nn.Module,
+    batch: dict[str, torch.Tensor],
+    train_loop: LoopConfig,
+    eval_loop: LoopConfig,
+    aux_weight: float = 0.0,
 ) -> tuple[Callable[[], Any], Callable[[], Any]]:
     inputs, labels = batch["inputs"], batch["labels"]
     params = [p for n, p in model.named_parameters() if "puzzle_emb" not in n]
@@ -98,6 +102,8 @@ def _ours(
         loss = sequence_loss(out.logits, labels, "stablemax")
         if out.q_logits is not None:
             loss = loss + 0.5 * q_halt_loss(out.q_logits, accuracy(out.logits, labels).exact)
+        if aux_weight and out.aux_loss is not None:  # e.g. the Attractor puzzle model's Jacobian term
+            loss = loss + aux_weight * out.aux_loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -161,10 +167,11 @@ def _pair(
     config: dict[str, Any],
     subs: list[str],
     set_iters: bool = False,
+    aux_weight: float = 0.0,
 ) -> Pair:
     """Both sides' training step and evaluation batch on one shared batch, with their parameter counts."""
     batch = _batch(shape)
-    ours_train, ours_eval = _ours(ours, batch, train_loop, eval_loop)
+    ours_train, ours_eval = _ours(ours, batch, train_loop, eval_loop, aux_weight)
     ref_train, ref_eval = _ref_act(ref, batch, set_iters=set_iters)
     params = {"loopformer": _count(ours), "reference": _count(ref)}
     return Pair(ours_train, ref_train, ours_eval, ref_eval, config, subs, params)
@@ -335,3 +342,57 @@ def build_hrm(root: Path, shape: Shape, quick: bool) -> Pair:
         "sign-SGD not stepped",
     ]
     return _pair(ours, ref, shape, *_segment_loops(HRM_H, HRM_SEGMENTS), config, subs)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Attractor puzzle model (jacobfa/Attractor, experiments/attractor_puzzles/trm/trm_deq.py: TRM-DEQ)
+# ----------------------------------------------------------------------------------------------------
+DEQ_ITERS, DEQ_MIN, BPTT_THROUGH, JAC_LAMBDA = 8, 4, 2, 1e-3  # TrainTRMDEQConfig's defaults
+
+
+def build_attractor(root: Path, shape: Shape, quick: bool) -> Pair:
+    """TRM-DEQ against ``attractor_puzzle`` built from the reference's own weights through
+    ``loopformer convert attractor`` (so both sides start from the same parameters)."""
+    from loopformer.convert import build_converted
+    from loopformer.convert.attractor import convert
+
+    _import_path(root)
+    import importlib
+
+    pkg = "experiments.attractor_puzzles.trm"
+    deq = importlib.import_module(f"{pkg}.trm_deq")
+    losses = importlib.import_module(f"{pkg}.losses_deq")
+    emb_len = 2 if quick else 16
+    cfg = dict(
+        batch_size=shape.batch, seq_len=shape.tokens, puzzle_emb_ndim=shape.d, puzzle_emb_len=emb_len,
+        num_puzzle_identifiers=1, vocab_size=shape.vocab, H_cycles=TRM_H, L_cycles=TRM_L, H_layers=0,
+        L_layers=2, hidden_size=shape.d, expansion=4, num_heads=shape.heads, pos_encodings="rope",
+        halt_max_steps=TRM_SEGMENTS, halt_exploration_prob=0.1, forward_dtype="float32", mlp_t=False,
+        no_ACT_continue=True, deq_inner=True, deq_max_iter=DEQ_ITERS, deq_min_iter=DEQ_MIN, deq_tol=1e-12,
+        deq_anderson_m=5, deq_anderson_beta=1.0, bptt_through=BPTT_THROUGH,
+        jacobian_reg_lambda=JAC_LAMBDA, jacobian_reg_n_samples=1,
+    )  # fmt: skip
+    ref = losses.ACTLossHeadDEQ(
+        deq.TRMDEQ(dict(cfg)), loss_type="stablemax_cross_entropy", jacobian_reg_lambda=JAC_LAMBDA
+    )
+    state = {k: v.detach().clone() for k, v in ref.state_dict().items()}
+    converted = convert(state, {"model_config": cfg, "train_config": {"global_batch_size": shape.batch}})
+    _, ours = build_converted(converted)
+    config = {
+        "training_step": f"one deep-supervision segment: T = {TRM_H} cycles, each an Anderson solve of the "
+        f"latent ({DEQ_ITERS} map evaluations, m 5, no gradient) + {BPTT_THROUGH} phantom-gradient "
+        "applications + 1 answer update, the first T - 1 cycles without gradient; stablemax loss + 0.5 "
+        f"Q-halt BCE + {JAC_LAMBDA} x Hutchinson Jacobian term (1 probe), AdamW",
+        "eval_batch": f"{TRM_SEGMENTS} segments, no gradient",
+        "model": f"TRM-DEQ: post-norm, 2 layers, {emb_len} puzzle-embedding tokens; loopformer's "
+        "attractor_puzzle built by loopformer convert attractor from the reference's weights",
+    }
+    subs = [
+        "AdamATan2 (CUDA extension) -> torch.optim.AdamW on both sides; sparse puzzle-embedding "
+        "sign-SGD not stepped",
+        "deq_tol 1e-12 (default 1e-3) so both sides take exactly deq_max_iter map evaluations per solve "
+        "(the reference stops on the batch's largest residual, loopformer per sample)",
+    ]
+    train_loop, eval_loop = _segment_loops(TRM_H, TRM_SEGMENTS)
+    aux = float(converted.run["train"]["ponder_weight"])
+    return _pair(ours, ref, shape, train_loop, eval_loop, config, subs, aux_weight=aux)

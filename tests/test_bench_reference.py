@@ -46,7 +46,7 @@ def test_bad_reference_folder_is_reported(monkeypatch, tmp_path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", ["fprm", "trm", "hrm"])
+@pytest.mark.parametrize("model", ["fprm", "trm", "hrm", "attractor"])
 def test_quick_pair_runs_against_the_checkout(model: str) -> None:
     if br.find_reference(model) is None:
         pytest.skip(f"no {model} checkout (LOOPFORMER_REF_{model.upper()} / LOOPFORMER_REFS)")
