@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
 import os
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -150,6 +151,7 @@ def shutdown(sync: bool = True) -> None:
     if dist.is_available() and dist.is_initialized():
         if sync and dist.get_world_size() > 1:
             dist.barrier()
+        gc.collect()  # free dropped DDP reducers (reference cycles) that still hold the group
         dist.destroy_process_group()
 
 

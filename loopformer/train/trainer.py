@@ -426,6 +426,9 @@ class Trainer:
         finally:
             self.folder.close()
             self.log.close()
+            # the DDP wrapper's reducer holds the process group: drop it first, so the group's threads
+            # are joined when it is destroyed here, not by a destructor at interpreter exit
+            self.forward_model = self.model
             self.strategy.shutdown(sync=sys.exc_info()[0] is None)
         return self.summary()
 
