@@ -54,22 +54,25 @@ class RMSNorm(nn.Module):
 class LearnedPositions(nn.Module):
     """``x + s * p[t]`` for a learned table ``p`` [seq_len, d] (TRM / HRM ``pos_encodings: learned``),
     initialised like the token embeddings (truncated normal, std 1/sqrt(d)); ``s`` = sqrt(d) when ``scaled``
-    (embeddings that were already scaled by sqrt(d)), else 1."""
+    (embeddings that were already scaled by sqrt(d)), else 1. ``prefix=True`` also accepts inputs shorter
+    than ``seq_len`` and adds the table's first rows (GPT-2's ``position_embedding(arange(T))``)."""
 
-    def __init__(self, seq_len: int, d_model: int, scaled: bool = True) -> None:
+    def __init__(self, seq_len: int, d_model: int, scaled: bool = True, prefix: bool = False) -> None:
         super().__init__()
         std = 1.0 / math.sqrt(d_model)
-        self.seq_len = seq_len
+        self.seq_len, self.prefix = seq_len, prefix
         self.scale = math.sqrt(d_model) if scaled else 1.0
         self.table = nn.Parameter(torch.empty(seq_len, d_model))
         nn.init.trunc_normal_(self.table, std=std, a=-2.0 * std, b=2.0 * std)
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.shape[1] != self.seq_len:
+        n = x.shape[1]
+        if n > self.seq_len or (n < self.seq_len and not self.prefix):
             raise ValueError(
-                f"learned positions cover exactly seq_len = {self.seq_len} tokens, got inputs of length {x.shape[1]}"
+                f"learned positions cover {'at most' if self.prefix else 'exactly'} seq_len = {self.seq_len} "
+                f"tokens, got inputs of length {n}"
             )
-        return x + self.table.to(x.dtype) * self.scale
+        return x + self.table[:n].to(x.dtype) * self.scale
 
 
 class Rotary(nn.Module):
@@ -311,15 +314,23 @@ class GPT2Block(nn.Module):
     def output_projections(self) -> list[nn.Linear]:
         return [self.mlp_proj, self.attn_proj]
 
-    def attention(self, x: Tensor) -> Tensor:
+    def attention(self, x: Tensor, key_mask: Tensor | None = None) -> Tensor:
+        """``key_mask`` [B, T] bool (True = a real token): other keys are masked out, as the padding
+        ``attention_mask`` Hugging Face's GPT-2 adds (-10000, which is exactly 0 weight after the softmax)."""
         B, T, D = x.shape
         q, k, v = self.c_attn(x).view(B, T, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         p = self.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=self.causal)
+        if key_mask is None:
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=self.causal)
+        else:
+            mask = key_mask[:, None, None, :].bool()
+            if self.causal:
+                mask = mask & torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
         return self.attn_proj(y.transpose(1, 2).reshape(B, T, D))
 
-    def forward(self, h: Tensor, residual: ResidualFn = _add) -> Tensor:
-        h = residual(h, self.drop(self.attention(self.ln_1(h))))
+    def forward(self, h: Tensor, residual: ResidualFn = _add, key_mask: Tensor | None = None) -> Tensor:
+        h = residual(h, self.drop(self.attention(self.ln_1(h), key_mask)))
         u = self.mlp_proj(F.gelu(self.c_fc(self.ln_2(h)), approximate="tanh"))
         return residual(h, self.drop(u))
 

@@ -75,8 +75,10 @@ def test_gpt2_learned_positions_are_the_references_unscaled_normal_table() -> No
     torch.testing.assert_close(
         e, model.embedding.tokens.weight[ids] + table[None]
     )  # token + position, unscaled
-    with pytest.raises(ValueError, match="seq_len = 5"):
-        model.embed(ids[:, :4])
+    short = model.embed(ids[:, :3])[0]  # T < seq_len: the table's first T rows (position_embedding(arange(T)))
+    torch.testing.assert_close(short, model.embedding.tokens.weight[ids[:, :3]] + table[None, :3])
+    with pytest.raises(ValueError, match="at most seq_len = 5"):
+        model.embed(torch.ones(1, 6, dtype=torch.long))
 
 
 E, R = 6, 2
@@ -118,6 +120,10 @@ def test_paper_ltg_depth_recipe_trains_with_the_references_curriculum(tmp_path: 
 
     cfg = load_config(RECIPES / "paper_ltg_kg_depth.yaml")
     cc, tc = cfg.data.curriculum, cfg.train
+    # train_extrapolation.py's default --pred_pos last_token at --max_len 50, pad keys masked, halting there
+    assert cfg.data.options["pred_pos"] == "last" and cfg.data.options["width"] == 50
+    m = cfg.model.fields
+    assert (m["halt_position"], m["pad_mask"], m["pad_id"]) == ("last", True, 0)
     assert (cc.start, cc.threshold, cc.source, cc.restart_optimizer) == (2.0, 0.95, "eval", True)
     assert (tc.lr, tc.weight_decay, tc.warmup_steps, tc.grad_clip, tc.batch_size) == (
         1e-4,

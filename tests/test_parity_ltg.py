@@ -1,6 +1,8 @@
 """LTG parity: loopformer's ``recurrent`` (block="gpt2") against OSU-NLP-Group/Loop-Think-Generalize's
-``RecurrentGPT2Block`` (fixtures written by ``tools/parity/ltg.py``; see docs/fidelity.md). No reference
-code (and no transformers) is needed to run these tests."""
+``RecurrentGPT2Block`` (fixtures written by ``tools/parity/ltg.py``; see docs/fidelity.md): the extrapolation
+model with the answer at the query's last token (``ltg_rdt``, ``ltg_rdt_inject``) or at the padded batch's
+last position (``ltg_rdt_last``, the scripts' default ``pred_pos last_token``), and the systematicity model
+with learned positions (``ltg_rdt_learned``). No reference code (and no transformers) is needed."""
 
 from __future__ import annotations
 
@@ -12,9 +14,12 @@ from loopformer.convert import build_converted, converter
 from loopformer.convert.fixtures import load_fixture, prefixed
 from loopformer.convert.ltg import BLOCK_KEYS
 from loopformer.loop import LoopConfig
+from loopformer.tasks.base import IGNORE_INDEX
+from loopformer.train.losses import sequence_loss
 from loopformer.train.optim import build_optimizer, set_lr
 
-NAMES = ["ltg_rdt", "ltg_rdt_inject"]
+NAMES = ["ltg_rdt", "ltg_rdt_inject", "ltg_rdt_last", "ltg_rdt_learned"]
+ADAPTIVE = ["ltg_rdt", "ltg_rdt_inject", "ltg_rdt_last"]  # the systematicity model has no forward_adapative
 LOGIT_ATOL, LOSS_RTOL, GRAD_RTOL, STEP_ATOL = 1e-5, 1e-6, 1e-5, 1e-6
 
 
@@ -26,11 +31,16 @@ class Loaded:
         self.config, self.model = build_converted(self.converted, ["model.dropout=0.0"], dtype=torch.float64)
         b = prefixed(self.tensors, "batch")
         self.inputs, self.targets, self.lengths = b["input_ids"], b["targets"], b["input_lengths"]
-        self.real = b["attention_mask"].bool()  # the reference masks pad keys; compare real positions
         self.rows = torch.arange(len(self.inputs))
 
-    def answer(self, logits: torch.Tensor) -> torch.Tensor:
-        return logits[self.rows, self.lengths - 1]
+    def labels(self) -> torch.Tensor:
+        """[B, T] labels as ``kg_files`` lays them out: the target at the prediction position
+        (``pred_pos: last`` -> T - 1, ``answer`` -> the query's last token), IGNORE_INDEX elsewhere."""
+        labels = torch.full_like(self.inputs, IGNORE_INDEX)
+        last = self.meta["train_pred_pos"] == "last_token"
+        cols = torch.full_like(self.lengths, self.inputs.shape[1] - 1) if last else self.lengths - 1
+        labels[self.rows, cols] = self.targets
+        return labels
 
     def ref_name(self, ours: str) -> tuple[str, bool]:
         """Reference state-dict key of a loopformer parameter, and whether it is a transposed Conv1D."""
@@ -40,6 +50,7 @@ class Loaded:
             return f"blocks.{i}.{src}", transpose
         return {
             "embedding.tokens.weight": "token_embedding.weight",
+            "embedding.positions.table": "position_embedding.weight",
             "output.norm.weight": "ln_f.weight",
             "output.norm.bias": "ln_f.bias",
         }[ours], False
@@ -54,13 +65,25 @@ def test_parity_ltg_eval_logits(name: str) -> None:
     f = Loaded(name)
     with torch.no_grad():
         out = f.model.eval()(f.inputs, loop=_fixed(f.meta["eval_loops"]))
-    ref = f.tensors["eval_logits"]
-    torch.testing.assert_close(out.logits[f.real], ref[f.real], rtol=0, atol=LOGIT_ATOL)
+    # every position, pads included: pad_mask masks padding keys as the reference's attention_mask
+    torch.testing.assert_close(out.logits, f.tensors["eval_logits"], rtol=0, atol=LOGIT_ATOL)
 
 
-@pytest.mark.parametrize("name", NAMES)
+def test_ltg_convert_maps_pred_pos_and_positions() -> None:
+    """The converter follows the fixture's prediction position and maps the position table."""
+    assert Loaded("ltg_rdt").model.config.halt_position == "answer"  # pred_pos inp_len
+    assert Loaded("ltg_rdt_last").model.config.halt_position == "last"  # pred_pos last_token
+    learned = Loaded("ltg_rdt_learned")  # no pred_pos argument: the systematicity script reads [:, -1]
+    assert learned.model.config.halt_position == "last" and learned.model.config.learned_positions
+    table = learned.model.embedding.positions.table
+    assert table.shape[0] == learned.meta["tiny"]["n_positions"] > learned.inputs.shape[1]
+    torch.testing.assert_close(table.detach(), learned.tensors["ref.position_embedding.weight"], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", ADAPTIVE)
 def test_parity_ltg_kl_entropy_halting_at_the_answer(name: str) -> None:
-    """forward_adapative: halt at the first loop t >= 2 with KL < eps and H < thresh at the answer."""
+    """forward_adapative: halt at the first loop t >= 2 with KL < eps and H < thresh at the monitored
+    position (the query's last token for pred_pos inp_len, position T - 1 for last_token)."""
     f = Loaded(name)
     a = f.meta["adaptive"]
     loop = LoopConfig(
@@ -75,8 +98,7 @@ def test_parity_ltg_kl_entropy_halting_at_the_answer(name: str) -> None:
         out = f.model.eval()(f.inputs, loop=loop)
     assert out.loop.steps.tolist() == f.tensors["adaptive_iterations"].tolist()
     assert len(set(out.loop.steps.tolist())) >= 2  # the fixture exercises per-sample halting
-    ref = f.tensors["adaptive_logits"]
-    torch.testing.assert_close(out.logits[f.real], ref[f.real], rtol=0, atol=LOGIT_ATOL)
+    torch.testing.assert_close(out.logits, f.tensors["adaptive_logits"], rtol=0, atol=LOGIT_ATOL)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -84,8 +106,16 @@ def test_parity_ltg_train_loss_grads_and_step(name: str) -> None:
     f = Loaded(name)
     model = f.model.train()
     out = model(f.inputs, loop=_fixed(f.meta["train_loops"]))
-    loss = F.cross_entropy(f.answer(out.logits), f.targets)  # the trainer's CE at the answer position
-    torch.testing.assert_close(loss, f.tensors["train_loss"].reshape(()), rtol=LOSS_RTOL, atol=0)
+    # cross-entropy on kg_files' label layout (label smoothing 0.1 for the systematicity fixture), in
+    # float64; the trainer's sequence_loss (float32 softmax) gives the same value within float32
+    labels, smoothing = f.labels(), f.meta["label_smoothing"]
+    ref_loss = f.tensors["train_loss"].reshape(())
+    trainer_loss = sequence_loss(out.logits.detach(), labels, "ce", smoothing).double()
+    torch.testing.assert_close(trainer_loss, ref_loss, rtol=LOSS_RTOL, atol=0)
+    loss = F.cross_entropy(
+        out.logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, label_smoothing=smoothing
+    )
+    torch.testing.assert_close(loss, ref_loss, rtol=LOSS_RTOL, atol=0)
     loss.backward()
     for ours, p in model.named_parameters():
         ref_key, _ = f.ref_name(ours)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from loopformer.tasks.base import IGNORE_INDEX, TaskDataError
 from loopformer.tasks.registry import get_task
@@ -93,3 +94,50 @@ def test_trains_a_gpt2_recurrent_model_on_the_files(tmp_path: Path) -> None:
     })
     summary = Trainer(cfg).fit()
     assert summary["steps"] == 2 and summary["eval"]["n"] == 12
+
+
+def test_pred_pos_last_puts_the_label_at_the_padded_rows_last_position(tmp_path: Path) -> None:
+    """--pred_pos last_token: the label at width - 1 (a pad position for shorter queries); check, render and
+    save read the prediction there."""
+    _write_folder(tmp_path)
+    task = get_task("kg_files", path=str(tmp_path), width=6, pred_pos="last")
+    ds = task.load("test.json")
+    ref = get_task("kg_files", path=str(tmp_path)).load("test.json")
+    assert ds.inputs.shape == (12, 6)
+    for row, lab, ref_lab in zip(ds.inputs, ds.labels, ref.labels):
+        assert np.flatnonzero(lab != IGNORE_INDEX).tolist() == [5] and row[5] == task.pad
+        assert lab[5] == ref_lab[ref_lab != IGNORE_INDEX][0]  # the same answer, at the last position
+        assert task.check(row, lab)
+        shifted = np.roll(lab, -1)  # the answer one position earlier: wrong for pred_pos last
+        assert not task.check(row, shifted)
+        assert task.render(row, lab).endswith(task.tokens[int(lab[5])])
+    task.save(ds, tmp_path / "again.json")
+    again = task.load(tmp_path / "again.json")
+    assert np.array_equal(again.labels, ds.labels)
+    with pytest.raises(TaskDataError, match="pred_pos 'middle'"):
+        get_task("kg_files", path=str(tmp_path), pred_pos="middle")
+
+
+def test_trains_with_pred_pos_last_pad_mask_and_halting_there(tmp_path: Path) -> None:
+    from loopformer.config import build_config
+    from loopformer.train import Trainer
+
+    _write_folder(tmp_path)
+    cfg = build_config({
+        "model": {"name": "recurrent", "block": "gpt2", "d_model": 16, "n_heads": 2, "n_layers": 1,
+                  "causal": True, "rope": False, "tie_embeddings": True, "injection": "none",
+                  "halt_position": "last", "pad_id": 0, "pad_mask": True},
+        "data": {"task": "kg_files", "options": {"path": str(tmp_path), "pred_pos": "last", "width": 6},
+                 "train_path": "train.json", "eval_path": "test.json"},
+        "train": {"steps": 2, "batch_size": 4, "warmup_steps": 1, "progress": False, "threads": 1,
+                  "betas": [0.9, 0.999], "decay_all": True, "grad_clip": 0.0},
+        "loop_eval": {"halting": "kl_entropy", "max_steps": 16, "min_steps": 2},
+        "out_dir": str(tmp_path / "run"), "device": "cpu",
+    })  # fmt: skip
+    tr = Trainer(cfg)
+    summary = tr.fit()
+    assert summary["steps"] == 2 and summary["eval"]["n"] == 12
+    ids = torch.as_tensor(tr.task.load("test.json").inputs[:2])
+    ctx = tr.model.embed(ids)
+    assert ctx[1].nonzero()[:, 1].tolist() == [5, 5]  # KL + entropy halting monitors position width - 1
+    assert torch.equal(ctx[-1], ids != 0)  # pad_mask: real tokens are the attended keys

@@ -1,17 +1,22 @@
 """``loopformer convert ltg``: a Loop, Think & Generalize checkpoint -> a loopformer ``recurrent`` run folder.
 
-Reference: github OSU-NLP-Group/Loop-Think-Generalize, ``gpt_utils_extrapolation.py``
-(``RecurrentGPT2Block``: Hugging Face ``GPT2Block`` layers looped ``num_iterations`` times, a final
-LayerNorm, a head tied to the token embedding), trained by ``train_extrapolation.py`` /
-``train_systematicity.py``, which save ``{"model_state_dict": ...}`` (``torch.compile``'s ``_orig_mod.``
+Reference: github OSU-NLP-Group/Loop-Think-Generalize, ``gpt_utils_extrapolation.py`` /
+``gpt_utils_systematicity.py`` (``RecurrentGPT2Block``: Hugging Face ``GPT2Block`` layers looped
+``num_iterations`` times, a final LayerNorm, a head tied to the token embedding; the systematicity model and
+``--positional_embedding_type learned`` add a ``position_embedding`` table once before the loop), trained
+by ``train_extrapolation.py`` / ``train_systematicity.py``, which save ``{"model_state_dict": ...}`` (``torch.compile``'s ``_orig_mod.``
 prefix is stripped). The block maps to ``RecurrentConfig(block="gpt2")``; Hugging Face's ``Conv1D``
 weights are stored ``[in, out]`` and are transposed into ``nn.Linear``'s ``[out, in]``.
 
 ``ref_config`` is the training script's arguments (``vars(args)`` as JSON / YAML; optional): ``num_heads``
 (default 12, as the script), ``input_injection`` (-> ``injection="add"``, ``init="zeros"``, which is the
 reference's "no injection before the first loop"), ``dropout`` (-> ``embed_dropout``), ``max_len``
-(-> ``seq_len``, default 50), ``recurrence`` / ``dynamic_max`` (the evaluation loop count).
-Learned or sinusoidal positions are not supported (the paper's runs use none: ``--positional_embedding_type none``).
+(-> ``seq_len``, default 50; a position table's row count wins), ``recurrence`` / ``dynamic_max`` (the
+evaluation loop count), ``pred_pos`` (``last_token``, the scripts' default and what the systematicity
+script always reads, -> ``halt_position: last``; ``inp_len`` -> ``answer``). The reference masks padding
+keys in every attention: ``pad_mask: true``. A learned ``position_embedding`` maps onto
+``learned_positions`` (its first T rows for T tokens, as the reference); sinusoidal positions (the ``pe``
+buffer) are refused (loopformer has no sinusoidal table; the paper's runs use none or learned).
 """
 
 from __future__ import annotations
@@ -50,36 +55,50 @@ def _n_layers(km: KeyMap) -> int:
     return n
 
 
+PRED_POS = {"last_token": "last", "inp_len": "answer"}
+
+
+def _halt_position(ref: dict[str, Any]) -> str:
+    pred_pos = ref.get("pred_pos", "last_token")
+    if pred_pos not in PRED_POS:
+        raise CheckpointError(f"ltg config: pred_pos {pred_pos!r} is not one of {sorted(PRED_POS)}")
+    return PRED_POS[pred_pos]
+
+
 def model_section(km: KeyMap, ref: dict[str, Any]) -> dict[str, Any]:
-    if km.has("position_embedding.weight") or km.has("pe"):
+    if km.has("pe"):
         raise NotImplementedError(
-            "LTG checkpoints with learned or sinusoidal positions are not supported (use none)"
+            "LTG checkpoints with sinusoidal positions (the 'pe' buffer) are not supported (none or learned are)"
         )
+    learned = km.has("position_embedding.weight")
     for key in ("token_embedding.weight", "blocks.0.mlp.c_fc.weight"):
         if not km.has(key):
             raise CheckpointError(f"ltg checkpoint: missing key {key!r} (keys present: {km.sample()})")
     vocab, d = km.state["token_embedding.weight"].shape
     hidden = km.state["blocks.0.mlp.c_fc.weight"].shape[1]
     inject = bool(ref.get("input_injection", False))
+    seq_len = int(km.state["position_embedding.weight"].shape[0]) if learned else int(ref.get("max_len", 50))
     return {
         "name": "recurrent",
         "block": "gpt2",
         "vocab_size": int(vocab),
-        "seq_len": int(ref.get("max_len", 50)),
+        "seq_len": seq_len,
         "d_model": int(d),
         "n_heads": int(ref.get("num_heads", 12)),
         "n_layers": _n_layers(km),
         "expansion": hidden / d,
         "causal": True,
         "rope": False,
+        "learned_positions": learned,
         "tie_embeddings": True,
         "injection": "add" if inject else "none",
         "init": "zeros" if inject else "embed",
         "dropout": 0.1,  # GPT2Config's resid_pdrop / attn_pdrop (the scripts leave them at the default)
         "embed_dropout": float(ref.get("dropout", 0.0)),
-        "out_init_scale": float(ref.get("c_scale", 0.0)),
-        "halt_position": "answer",
+        "out_init_scale": float(ref.get("c_scale", 1.0 if learned else 0.0)),
+        "halt_position": _halt_position(ref),
         "pad_id": 0,  # load_vocab puts <pad> first
+        "pad_mask": True,  # the reference's attention_mask: padding keys get -10000
         "loop": {"max_steps": int(ref.get("dynamic_max", ref.get("recurrence", 8)))},
     }
 
@@ -93,6 +112,8 @@ def convert(state: dict[str, Tensor], ref: dict[str, Any]) -> Converted:
             t = km.take(f"blocks.{i}.{src}")
             out[f"core.{i}.{dst}"] = t.t().contiguous() if transpose else t
     out["embedding.tokens.weight"] = km.take("token_embedding.weight")
+    if model["learned_positions"]:
+        out["embedding.positions.table"] = km.take("position_embedding.weight")
     out["output.head.weight"] = (
         km.take("lm_head.weight") if km.has("lm_head.weight") else out["embedding.tokens.weight"]
     )
@@ -103,8 +124,11 @@ def convert(state: dict[str, Tensor], ref: dict[str, Any]) -> Converted:
         "model": model,
         "loop_eval": {"halting": "fixed", "max_steps": model["loop"]["max_steps"]},
     }
+    where = {"last": "the last position of the padded query (--pred_pos last_token)",
+             "answer": "the query's last token (--pred_pos inp_len)"}[model["halt_position"]]  # fmt: skip
     notes = [
-        "prediction position: the answer (last non-pad) token, the reference's --pred_pos inp_len",
+        f"prediction position: {where}; evaluate with data.options.pred_pos "
+        f"{'last and width = max_len' if model['halt_position'] == 'last' else 'answer'} (kg_files)",
         "GPT2Block attention/residual dropout 0.1 (GPT2Config default), embedding dropout from --dropout",
     ]
     return Converted(run=run, weights=out, notes=notes)

@@ -28,14 +28,22 @@ Design choices:
 - KL / entropy halting reads ``halting_readout``: with ``halt_position="all"`` every position (reduced
   by ``LoopConfig.kl_reduce``), with ``"answer"`` only the answer position, the last token that is
   not ``pad_id`` (the LTG reference's ``forward_adapative`` with ``pred_pos="inp_len"`` reads that
-  position; github OSU-NLP-Group/Loop-Think-Generalize, gpt_utils_extrapolation.py). Other positions
-  are replaced by a certain, constant distribution (KL 0, entropy 0), so they never block halting.
+  position; github OSU-NLP-Group/Loop-Think-Generalize, gpt_utils_extrapolation.py), with ``"last"``
+  only the last position of the padded sequence (``pred_pos="last_token"``, the reference's default; the
+  task must put the label there: ``kg_files`` with ``pred_pos: last``). Other positions are replaced by a
+  certain, constant distribution (KL 0, entropy 0), so they never block halting.
+- ``pad_mask=True`` (``block="gpt2"``): padding keys (``pad_id``) are masked out of every attention, as
+  the reference's ``attention_mask`` does; the outputs at pad positions then equal the reference's too
+  (needed when the answer is read at a pad position, ``halt_position="last"``). Real positions of
+  right-padded queries are the same either way (causal attention never reaches a later pad).
 - ``block="gpt2"``: the LTG reference's architecture (github OSU-NLP-Group/Loop-Think-Generalize,
   gpt_utils_extrapolation.py ``RecurrentGPT2Block``): Hugging Face ``GPT2Block`` layers
   (``loopformer.nn.GPT2Block``: LayerNorm, GELU, biases, ``dropout`` on attention weights and both
   residual branches, output projections times ``out_init_scale``, 0 = zero-initialised as the
   reference's ``--c_scale 0``), a final LayerNorm, a token embedding ~ N(0, 1) used unscaled and
-  tied to the head, ``embed_dropout`` on the embedded input. ``norm`` must stay ``"pre"``.
+  tied to the head, ``embed_dropout`` on the embedded input, ``learned_positions``: an N(0, 1) table
+  added once, unscaled, whose first T rows serve inputs of T <= ``seq_len`` tokens
+  (gpt_utils_systematicity.py ``position_embedding``). ``norm`` must stay ``"pre"``.
   With ``injection="add"`` and ``init="zeros"`` the loop is the reference's ``--input_injection``
   (no injection before the first loop: ``h1 = core(e)``, then ``h <- core(h + e)``).
 - Default loop: 4 Picard steps, fixed halting, BPTT. LTG's Poisson(4) loop counts in [2, 8] come
@@ -56,7 +64,7 @@ from loopformer.models.transformer import InputEmbedding, OutputHead, make_block
 from loopformer.nn import GPT2Block
 
 INJECTIONS = ("none", "add", "concat", "parcae")
-HALT_POSITIONS = ("all", "answer")
+HALT_POSITIONS = ("all", "answer", "last")
 BLOCKS = ("loopformer", "gpt2")
 INITS = ("auto", "embed", "zeros", "random")
 _AUTO_INIT = {"none": "embed", "add": "embed", "concat": "random", "parcae": "zeros"}
@@ -77,13 +85,14 @@ class RecurrentConfig(ModelConfig):
     init_std: float = 1.0  # std of the random initial state
     norm: str = "pre"  # pre | post | sandwich | peri (Huginn uses sandwich)
     out_init_scale: float = 0.1  # output projections scaled near zero at init (LTG)
-    halt_position: str = "all"  # positions KL / entropy halting reads: all | answer (last non-pad token)
+    halt_position: str = "all"  # KL / entropy halting reads: all | answer (last non-pad token) | last position
     block: str = (
         "loopformer"  # loopformer (nn.Block: RMSNorm, SwiGLU, no biases) | gpt2 (the LTG reference's)
     )
     dropout: float = 0.0  # gpt2 blocks: attention and residual dropout (GPT2Config default 0.1)
     embed_dropout: float = 0.0  # gpt2: dropout on the embedded input (the reference's embd_pdrop)
-    pad_id: int | None = None  # the padding token (needed by halt_position="answer")
+    pad_id: int | None = None  # the padding token (needed by halt_position="answer" and pad_mask)
+    pad_mask: bool = False  # gpt2: mask padding keys (pad_id) out of attention, as the LTG reference
     loop: LoopConfig = field(default_factory=_default_loop)
 
 
@@ -136,6 +145,8 @@ class RecurrentDepth(LoopedModel):
             raise ValueError(
                 "halt_position='answer' needs pad_id (the answer is the last token that is not padding)"
             )
+        if config.pad_mask and (config.pad_id is None or config.block != "gpt2"):
+            raise ValueError("pad_mask needs block='gpt2' and pad_id (the token whose keys are masked)")
 
     def _gpt2_layers(self, config: RecurrentConfig) -> None:
         """GPT-2 blocks, final LayerNorm, unscaled N(0, 1) token embedding (LTG's RecurrentGPT2Block)."""
@@ -165,7 +176,8 @@ class RecurrentDepth(LoopedModel):
         self.embedding.scale = 1.0
         nn.init.normal_(self.embedding.tokens.weight, std=1.0)  # nn.Embedding's default, as the reference
         if self.embedding.positions is not None:  # gpt_utils_systematicity.py: position_embedding, an
-            self.embedding.positions.scale = 1.0  # nn.Embedding added to the token embeddings: N(0, 1)
+            self.embedding.positions.scale = 1.0  # nn.Embedding added to the token embeddings: N(0, 1),
+            self.embedding.positions.prefix = True  # rows 0..T-1 for T tokens
             nn.init.normal_(self.embedding.positions.table, std=1.0)
         self.output = OutputHead(config, self.embedding)
         self.output.norm = nn.LayerNorm(config.d_model, eps=1e-5)  # type: ignore[assignment]
@@ -175,12 +187,24 @@ class RecurrentDepth(LoopedModel):
         return {"injection_log_A", "injection_dt"} if self.config.injection == "parcae" else set()
 
     def embed(self, inputs: Tensor, puzzle_ids: Tensor | None = None) -> tuple[Tensor, ...]:
+        """``(e, [monitored positions (halt_position answer / last)], [real tokens (pad_mask)])``."""
+        keys = inputs != self.config.pad_id if self.config.pad_mask else None
         e = self.embed_drop(self.embedding(inputs, puzzle_ids))
-        for block in self.prelude:
-            e = block(e)
+        e = self._blocks(self.prelude, e, keys)
+        ctx: tuple[Tensor, ...] = (e,)
         if self.config.halt_position == "answer":
-            return (e, answer_mask(inputs, self.config.pad_id))
-        return (e,)
+            ctx += (answer_mask(inputs, self.config.pad_id),)
+        elif self.config.halt_position == "last":
+            ctx += (torch.arange(inputs.shape[1], device=inputs.device).expand_as(inputs) == inputs.shape[1] - 1,)
+        return ctx if keys is None else (*ctx, keys)
+
+    def _blocks(self, blocks: nn.ModuleList, h: Tensor, keys: Tensor | None) -> Tensor:
+        for block in blocks:
+            h = block(h) if keys is None else block(h, key_mask=keys)
+        return h
+
+    def _keys(self, ctx: tuple[Tensor, ...]) -> Tensor | None:
+        return ctx[-1] if self.config.pad_mask else None
 
     def halting_readout(self, z: Tensor, *ctx: Tensor) -> Tensor:
         logits = self.readout(z, *ctx)
@@ -213,15 +237,10 @@ class RecurrentDepth(LoopedModel):
         return decay * h + dt * self.injection_B(e)
 
     def step(self, z: Tensor, *ctx: Tensor) -> Tensor:
-        h = self.inject(z, ctx[0])
-        for block in self.core:
-            h = block(h)
-        return h
+        return self._blocks(self.core, self.inject(z, ctx[0]), self._keys(ctx))
 
     def readout(self, z: Tensor, *ctx: Tensor) -> Tensor:
-        for block in self.coda:
-            z = block(z)
-        return self.output(z)
+        return self.output(self._blocks(self.coda, z, self._keys(ctx) if ctx else None))
 
 
 def answer_mask(inputs: Tensor, pad_id: int | None) -> Tensor:

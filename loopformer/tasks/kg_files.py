@@ -9,15 +9,20 @@ of records ``{"input_text": "<e_3><r_1><r_7>", "target_text": "<e_3><r_1><r_7><e
 with ``loopformer convert ltg`` reads them unchanged.
 
 Encoding: inputs right-padded with ``<pad>`` (id 0) to ``width`` (default: the longest query); the label is
-the last token of ``target_text`` without ``</a>`` at the query's last position (the reference's
-``pred_pos="inp_len"``), IGNORE_INDEX elsewhere. ``difficulty`` is the hop count (tokens - 1); the
+the last token of ``target_text`` without ``</a>`` at the prediction position, IGNORE_INDEX elsewhere.
+``pred_pos``: ``answer`` (default) puts it at the query's last token (the reference's ``pred_pos="inp_len"``);
+``last`` at position ``width - 1``, a pad position for shorter queries (``pred_pos="last_token"``, the
+default of ``train_extrapolation.py``, which pads to ``--max_len`` 50: set ``width: 50``;
+``train_systematicity.py`` reads ``logits[:, -1]`` of each batch padded to its longest query, which is
+``width`` = the longest query whenever a batch holds one). A model reading ``last`` should mask padding keys
+as the reference does (``model.pad_mask: true``) and halt on that position (``model.halt_position: last``). ``difficulty`` is the hop count (tokens - 1); the
 record's ``type`` is kept in ``meta["types"]``.
 
 ``check`` follows the relations through the atomic facts of the folder's ``train.json`` (records whose
 query is one entity and one relation), so it judges a prediction without the stored label; a query
 that needs a fact the training file does not hold cannot be judged and counts as wrong.
 
-Task options: ``path`` (the folder), ``width`` (optional). ``data.train_path`` / ``data.eval_path`` name
+Task options: ``path`` (the folder), ``width`` (optional), ``pred_pos`` (``answer`` | ``last``). ``data.train_path`` / ``data.eval_path`` name
 files inside the folder (``train.json``, ``test.json``) or any path; ``data.options.types`` keeps only
 records of those types (e.g. ``["2hop_test", "3hop_test"]``).
 """
@@ -35,6 +40,7 @@ from loopformer.tasks.base import IGNORE_INDEX, Task, TaskDataError, TokenDatase
 
 TOKEN = re.compile(r"<[^>]+>")
 PAD, END = "<pad>", "</a>"
+PRED_POS = ("answer", "last")
 
 
 def _read_json(path: Path) -> Any:
@@ -50,7 +56,12 @@ class KGFilesTask(Task):
     name = "kg_files"
     causal = True
 
-    def __init__(self, path: str | Path, width: int = 0, types: list[str] | None = None) -> None:
+    def __init__(
+        self, path: str | Path, width: int = 0, types: list[str] | None = None, pred_pos: str = "answer"
+    ) -> None:
+        if pred_pos not in PRED_POS:
+            raise TaskDataError(f"kg_files: pred_pos {pred_pos!r} is not one of {PRED_POS}")
+        self.pred_pos = pred_pos
         self.root = Path(path)
         tokens = _read_json(self.root / "vocab.json")
         if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
@@ -108,7 +119,7 @@ class KGFilesTask(Task):
             if len(query) > width:
                 raise TaskDataError(f"{path} record {i}: {len(query)} tokens do not fit width {width}")
             inputs[i, : len(query)] = query
-            labels[i, len(query) - 1] = answer
+            labels[i, self._pos(len(query), width)] = answer
         hops = np.array([len(q) - 1 for q, _, _ in recs], dtype=np.float64)
         return TokenDataset(inputs, labels, hops, None, {"task": self.name, "source": str(path),
                                                           "types": [k for _, _, k in recs]})
@@ -129,6 +140,10 @@ class KGFilesTask(Task):
             self._facts = {(q[0], q[1]): a for q, a, _ in recs if len(q) == 2}
         return self._facts
 
+    def _pos(self, query_len: int, width: int) -> int:
+        """The prediction position of a query of ``query_len`` tokens in a row of ``width``."""
+        return width - 1 if self.pred_pos == "last" else query_len - 1
+
     def _query(self, inputs: np.ndarray) -> list[int]:
         row = [int(t) for t in np.asarray(inputs).reshape(-1)]
         while row and row[-1] == self.pad:
@@ -144,7 +159,12 @@ class KGFilesTask(Task):
             if (entity, rel) not in self.facts:
                 return False
             entity = self.facts[(entity, rel)]
-        return int(np.asarray(prediction).reshape(-1)[len(query) - 1]) == entity
+        return self._answer(inputs, prediction) == entity
+
+    def _answer(self, inputs: np.ndarray, prediction: np.ndarray) -> int:
+        """The predicted token at the prediction position of the row ``inputs``."""
+        width = np.asarray(inputs).reshape(-1).size
+        return int(np.asarray(prediction).reshape(-1)[self._pos(len(self._query(inputs)), width)])
 
     def difficulty(self, inputs: np.ndarray) -> float:
         return float(len(self._query(inputs)) - 1)
@@ -153,7 +173,7 @@ class KGFilesTask(Task):
         query = self._query(inputs)
         text = "".join(self.tokens[t] for t in query)
         if prediction is not None:
-            text += " -> " + self.tokens[int(np.asarray(prediction).reshape(-1)[len(query) - 1])]
+            text += " -> " + self.tokens[self._answer(inputs, prediction)]
         return text
 
     def save(self, dataset: TokenDataset, path: str | Path) -> None:
@@ -162,7 +182,7 @@ class KGFilesTask(Task):
         out = []
         for row, lab, kind in zip(dataset.inputs, dataset.labels, types):
             query = self._query(row)
-            answer = int(lab[len(query) - 1])
+            answer = int(lab[self._pos(len(query), len(row))])
             text = "".join(self.tokens[t] for t in query)
             out.append({"input_text": text, "target_text": text + self.tokens[answer] + END, "type": kind})
         Path(path).write_text(json.dumps(out))

@@ -1,11 +1,17 @@
 """Parity fixtures for Loop, Think & Generalize (github OSU-NLP-Group/Loop-Think-Generalize).
 
-Imports ``gpt_utils_extrapolation.RecurrentGPT2Block`` from a checkout of the reference (``--ref``), builds
-it at a tiny size in float64 on CPU and saves, per fixture (``tests/fixtures/parity/ltg_*.safetensors``):
+Imports ``gpt_utils_extrapolation.RecurrentGPT2Block`` (fixtures ``ltg_rdt``, ``ltg_rdt_inject``: the answer
+read at the query's last token, ``pred_pos="inp_len"``; ``ltg_rdt_last``: ``pred_pos="last_token"``, the
+scripts' default, position ``max_len - 1``, a pad position for shorter queries) and
+``gpt_utils_systematicity.RecurrentGPT2Block`` (``ltg_rdt_learned``: the learned ``position_embedding`` added
+once before the loop, a table of ``n_positions`` = T + 2 rows for a batch of T tokens, the loss of
+``train_systematicity.train_model``: cross-entropy with label smoothing 0.1 at ``logits[:, -1]``, AdamW
+weight decay 0.1; the model has no ``forward_adapative``) from a checkout of the reference (``--ref``),
+builds each at a tiny size in float64 on CPU and saves, per fixture (``tests/fixtures/parity/ltg_*.safetensors``):
 the reference state dict (``ref.*``), an input batch (right-padded with ``<pad>`` = 0, as the reference's
 ``custom_collate``), the logits of ``forward`` at a fixed loop count (eval mode), the final logits and
 per-sample iteration counts of ``forward_adapative`` (the KL + entropy halting of
-``inference_extrapolation_adaptive.py``, monitoring ``pred_pos="inp_len"``), the training loss of one
+``inference_extrapolation_adaptive.py``, monitoring the fixture's ``pred_pos``), the training loss of one
 step as ``train_extrapolation.train_model`` computes it (cross-entropy at the prediction position), the
 per-parameter gradient norms, and the weights after one ``torch.optim.AdamW(model.parameters(), lr,
 weight_decay)`` step (the optimiser ``train_model`` builds; its linear warm-up would make the first
@@ -43,9 +49,14 @@ COMMITS = {  # the stored versions the checkout was laid out from (search tool r
     "train_extrapolation.py": "90a7291f69725d43f6908eb022de4712a7f34ae6",
     "inference_extrapolation_adaptive.py": "1e9a4929b6984b308c22c28d69b74988730d663c",
 }
+COMMITS_SYSTEMATICITY = {
+    "gpt_utils_systematicity.py": "8229260e7b1e051e465d25736877c35780f57620",
+    "train_systematicity.py": "8229260e7b1e051e465d25736877c35780f57620",
+}
 VOCAB, T, D, LAYERS, HEADS = 14, 8, 16, 2, 2
 LENGTHS = [8, 5, 3, 6]
 LR, WD, R_EVAL, R_TRAIN, R_MAX = 1e-3, 0.01, 3, 3, 8
+WD_SYSTEMATICITY, LABEL_SMOOTHING = 0.1, 0.1  # train_systematicity.py: --weight_decay, CrossEntropyLoss
 
 
 def _check_transformers() -> None:
@@ -90,7 +101,9 @@ def _redraw(model: torch.nn.Module) -> None:
                 p.copy_(0.1 * noise)
 
 
-def _adaptive(model, b: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], float, float]:
+def _adaptive(
+    model, b: dict[str, torch.Tensor], pred_pos: str
+) -> tuple[dict[str, torch.Tensor], float, float]:
     """forward_adapative with the thresholds of a fixed grid that give the most distinct halting counts
     (ties: the most samples halted before the cap, then the first in grid order)."""
     model.num_iterations = R_MAX
@@ -101,7 +114,7 @@ def _adaptive(model, b: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor
                 b["input_ids"],
                 b["attention_mask"],
                 b["input_lengths"],
-                pred_pos="inp_len",
+                pred_pos=pred_pos,
                 eps_kl=kl,
                 entropy_thresh=ent,
                 min_iters=1,
@@ -115,14 +128,13 @@ def _adaptive(model, b: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor
     return best[1], best[2], best[3]
 
 
-def build_one(name: str, inject: bool, out_dir: Path) -> str:
-    from gpt_utils_extrapolation import RecurrentGPT2Block
+def _gpt2_config(n_positions: int):
     from transformers import GPT2Config
 
-    config = GPT2Config(
+    return GPT2Config(
         vocab_size=VOCAB,
-        n_positions=T,
-        n_ctx=T,
+        n_positions=n_positions,
+        n_ctx=n_positions,
         n_embd=D,
         n_layer=LAYERS,
         n_head=HEADS,
@@ -131,34 +143,57 @@ def build_one(name: str, inject: bool, out_dir: Path) -> str:
         attn_pdrop=0.0,
         _attn_implementation="eager",
     )
-    torch.manual_seed(0)
-    model = RecurrentGPT2Block(
-        config, R_EVAL, positional_embedding_type="none", input_injection=inject, c_scale=0.5
-    ).double()
-    _redraw(model)
-    b = _batch()
-    tensors = {f"ref.{k}": v.detach().clone() for k, v in model.state_dict().items()}
-    tensors.update({f"batch.{k}": v for k, v in b.items()})
-    model.eval()
-    with torch.no_grad():
-        model.num_iterations = R_EVAL
-        tensors["eval_logits"] = model(b["input_ids"], attention_mask=b["attention_mask"]).logits
-        adaptive, kl, ent = _adaptive(model, b)
-    tensors["adaptive_logits"] = adaptive["final_logits"]
-    tensors["adaptive_iterations"] = adaptive["iterations_used"]
+
+
+def _predicted(logits: torch.Tensor, b: dict[str, torch.Tensor], pred_pos: str) -> torch.Tensor:
+    """train_model's logits at the prediction position ([:, -1] for last_token, else the query's last)."""
+    if pred_pos == "last_token":
+        return logits[:, -1, :]
+    idx = (b["input_lengths"] - 1).view(-1, 1, 1).expand(-1, 1, logits.size(-1))
+    return logits.gather(1, idx).squeeze(1)
+
+
+def _train_step(model, b, tensors, pred_pos: str, loss_fn, weight_decay: float) -> None:
+    """One train_model step at R_TRAIN loops: the loss, every gradient norm, the weights after AdamW."""
     model.train()
     model.num_iterations = R_TRAIN
     logits = model(b["input_ids"], attention_mask=b["attention_mask"]).logits
-    idx = (b["input_lengths"] - 1).view(-1, 1, 1).expand(-1, 1, logits.size(-1))
-    loss = F.cross_entropy(logits.gather(1, idx).squeeze(1), b["targets"])
+    loss = loss_fn(_predicted(logits, b, pred_pos), b["targets"])
     loss.backward()
     tensors["train_loss"] = loss.detach().reshape(1)
     names = {id(p): n for n, p in model.named_parameters()}
     for p in model.parameters():
         tensors[f"grad_norm.{names[id(p)]}"] = p.grad.detach().norm().reshape(1)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=weight_decay)
     opt.step()
     tensors.update({f"step.{k}": v.detach().clone() for k, v in model.state_dict().items()})
+
+
+def _start(model) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Redrawn weights, the batch, and the fixture's tensors so far (the state dict and the batch)."""
+    _redraw(model)
+    b = _batch()
+    tensors = {f"ref.{k}": v.detach().clone() for k, v in model.state_dict().items()}
+    tensors.update({f"batch.{k}": v for k, v in b.items()})
+    return b, tensors
+
+
+def build_one(name: str, inject: bool, out_dir: Path, pred_pos: str = "inp_len") -> str:
+    from gpt_utils_extrapolation import RecurrentGPT2Block
+
+    torch.manual_seed(0)
+    model = RecurrentGPT2Block(
+        _gpt2_config(T), R_EVAL, positional_embedding_type="none", input_injection=inject, c_scale=0.5
+    ).double()
+    b, tensors = _start(model)
+    model.eval()
+    with torch.no_grad():
+        model.num_iterations = R_EVAL
+        tensors["eval_logits"] = model(b["input_ids"], attention_mask=b["attention_mask"]).logits
+        adaptive, kl, ent = _adaptive(model, b, pred_pos)
+    tensors["adaptive_logits"] = adaptive["final_logits"]
+    tensors["adaptive_iterations"] = adaptive["iterations_used"]
+    _train_step(model, b, tensors, pred_pos, F.cross_entropy, WD)
     meta = {
         "repository": "OSU-NLP-Group/Loop-Think-Generalize",
         "commits": COMMITS,
@@ -170,6 +205,7 @@ def build_one(name: str, inject: bool, out_dir: Path) -> str:
             "c_scale": 0.5,
             "max_len": T,
             "dynamic_max": R_MAX,
+            "pred_pos": pred_pos,
         },
         "tiny": {
             "vocab": VOCAB,
@@ -182,9 +218,10 @@ def build_one(name: str, inject: bool, out_dir: Path) -> str:
         },
         "eval_loops": R_EVAL,
         "train_loops": R_TRAIN,
-        "adaptive": {"max_loops": R_MAX, "eps_kl": kl, "entropy_thresh": ent, "pred_pos": "inp_len"},
+        "adaptive": {"max_loops": R_MAX, "eps_kl": kl, "entropy_thresh": ent, "pred_pos": pred_pos},
         "optimizer": {"name": "AdamW", "lr": LR, "weight_decay": WD, "betas": [0.9, 0.999], "eps": 1e-8},
-        "train_pred_pos": "inp_len",
+        "train_pred_pos": pred_pos,
+        "label_smoothing": 0.0,
         "substitutions": [
             "transformers 4.46.3 (the GPT2Block API the reference is written against)",
             "float64; dropout 0 (embd, resid, attn) for a deterministic training step",
@@ -197,11 +234,66 @@ def build_one(name: str, inject: bool, out_dir: Path) -> str:
     return name
 
 
+def build_learned(name: str, out_dir: Path) -> str:
+    """gpt_utils_systematicity.RecurrentGPT2Block: learned positions, fixed R, the answer at logits[:, -1]."""
+    from gpt_utils_systematicity import RecurrentGPT2Block
+
+    n_positions = T + 2  # a table longer than the batch: the reference adds its first T rows
+    torch.manual_seed(0)
+    model = RecurrentGPT2Block(_gpt2_config(n_positions), R_EVAL).double()
+    b, tensors = _start(model)
+    model.eval()
+    with torch.no_grad():
+        model.num_iterations = R_EVAL  # evaluate_model_test at --recurrence
+        tensors["eval_logits"] = model(b["input_ids"], attention_mask=b["attention_mask"]).logits
+    criterion = torch.nn.CrossEntropyLoss(label_smoothing=LABEL_SMOOTHING)
+    _train_step(model, b, tensors, "last_token", criterion, WD_SYSTEMATICITY)
+    meta = {
+        "repository": "OSU-NLP-Group/Loop-Think-Generalize",
+        "commits": COMMITS_SYSTEMATICITY,
+        "model": "gpt_utils_systematicity.RecurrentGPT2Block",
+        "ref_config": {"num_heads": HEADS, "recurrence": R_EVAL, "dropout": 0.0},
+        "tiny": {
+            "vocab": VOCAB,
+            "n_positions": n_positions,
+            "n_embd": D,
+            "n_layer": LAYERS,
+            "n_head": HEADS,
+            "lengths": LENGTHS,
+            "dtype": "float64",
+        },
+        "eval_loops": R_EVAL,
+        "train_loops": R_TRAIN,
+        "optimizer": {
+            "name": "AdamW",
+            "lr": LR,
+            "weight_decay": WD_SYSTEMATICITY,
+            "betas": [0.9, 0.999],
+            "eps": 1e-8,
+        },
+        "train_pred_pos": "last_token",
+        "label_smoothing": LABEL_SMOOTHING,
+        "substitutions": [
+            "transformers 4.46.3 (the GPT2Block API the reference is written against)",
+            "float64; dropout 0 (embd, resid, attn) for a deterministic training step",
+            "weights redrawn after construction (_redraw: seeded, non-trivial loop trajectory)",
+            "one AdamW step at the base learning rate (the warm-up schedule's first step would be 0)",
+        ],
+    }
+    save_fixture(out_dir, name, tensors, meta)
+    return name
+
+
 def build(ref_root: Path, out_dir: Path) -> list[str]:
     _check_transformers()
     torch.set_default_dtype(torch.float64)
     try:
-        names = [build_one("ltg_rdt", False, out_dir), build_one("ltg_rdt_inject", True, out_dir)]
+        names = [
+            build_one("ltg_rdt", False, out_dir),
+            build_one("ltg_rdt_inject", True, out_dir),
+            build_one("ltg_rdt_last", False, out_dir, pred_pos="last_token"),
+            build_learned("ltg_rdt_learned", out_dir),
+        ]
     finally:
         torch.set_default_dtype(torch.float32)
     return [f"{n}.{ext}" for n in names for ext in ("safetensors", "json")]
