@@ -75,7 +75,9 @@ def test_gpt2_learned_positions_are_the_references_unscaled_normal_table() -> No
     torch.testing.assert_close(
         e, model.embedding.tokens.weight[ids] + table[None]
     )  # token + position, unscaled
-    short = model.embed(ids[:, :3])[0]  # T < seq_len: the table's first T rows (position_embedding(arange(T)))
+    short = model.embed(ids[:, :3])[
+        0
+    ]  # T < seq_len: the table's first T rows (position_embedding(arange(T)))
     torch.testing.assert_close(short, model.embedding.tokens.weight[ids[:, :3]] + table[None, :3])
     with pytest.raises(ValueError, match="at most seq_len = 5"):
         model.embed(torch.ones(1, 6, dtype=torch.long))

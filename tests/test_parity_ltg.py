@@ -77,7 +77,9 @@ def test_ltg_convert_maps_pred_pos_and_positions() -> None:
     assert learned.model.config.halt_position == "last" and learned.model.config.learned_positions
     table = learned.model.embedding.positions.table
     assert table.shape[0] == learned.meta["tiny"]["n_positions"] > learned.inputs.shape[1]
-    torch.testing.assert_close(table.detach(), learned.tensors["ref.position_embedding.weight"], rtol=0, atol=0)
+    torch.testing.assert_close(
+        table.detach(), learned.tensors["ref.position_embedding.weight"], rtol=0, atol=0
+    )
 
 
 @pytest.mark.parametrize("name", ADAPTIVE)
@@ -143,3 +145,33 @@ def test_ltg_convert_rejects_unknown_keys() -> None:
     state["blocks.0.extra.weight"] = torch.zeros(1)
     with pytest.raises(CheckpointError, match="blocks.0.extra.weight"):
         converter("ltg")(state, meta["ref_config"])
+
+
+def test_ltg_convert_cli_writes_a_learned_position_run(tmp_path) -> None:
+    """``loopformer convert ltg`` on the systematicity checkpoint (train_systematicity.py's layout); the run
+    folder's model has the reference's position table."""
+    import json
+
+    import yaml
+    from click.testing import CliRunner
+    from safetensors.torch import load_file
+
+    from loopformer.cli import cli
+
+    tensors, meta = load_fixture("ltg_rdt_learned")
+    ckpt = tmp_path / "checkpoint_epoch_1.pt"
+    torch.save({"epoch": 0, "model_state_dict": prefixed(tensors, "ref")}, ckpt)
+    (tmp_path / "args.json").write_text(json.dumps(meta["ref_config"]))
+    out = tmp_path / "run"
+    res = CliRunner().invoke(
+        cli, ["convert", "ltg", str(ckpt), "--config", str(tmp_path / "args.json"), "--out", str(out)]
+    )
+    assert res.exit_code == 0, res.output
+    model = yaml.safe_load((out / "config.yaml").read_text())["model"]
+    assert model["learned_positions"] is True and model["seq_len"] == meta["tiny"]["n_positions"]
+    assert model["halt_position"] == "last" and model["pad_mask"] is True
+    weights = load_file(next(out.glob("checkpoints/*/model.safetensors")))
+    ref = tensors["ref.position_embedding.weight"]
+    torch.testing.assert_close(
+        weights["embedding.positions.table"], ref.to(weights["embedding.positions.table"].dtype)
+    )

@@ -20,7 +20,9 @@ def _write_folder(root: Path) -> dict[tuple[int, int], int]:
     rng = np.random.default_rng(0)
     perms = [rng.permutation(E) for _ in range(R)]
     facts = {(h, r): int(perms[r][h]) for h in range(E) for r in range(R)}
-    vocab = [f"<e_{i}>" for i in range(E)] + [f"<r_{i}>" for i in range(R)] + ["<mask>", "<sep>", "<a>", "</a>"]
+    vocab = (
+        [f"<e_{i}>" for i in range(E)] + [f"<r_{i}>" for i in range(R)] + ["<mask>", "<sep>", "<a>", "</a>"]
+    )
     (root / "vocab.json").write_text(json.dumps(vocab))
 
     def rec(h: int, rels: list[int], kind: str) -> dict:
@@ -32,7 +34,9 @@ def _write_folder(root: Path) -> dict[tuple[int, int], int]:
 
     train = [rec(h, [r], "atomic") for h in range(E) for r in range(R)]
     train += [rec(h, [0, 1], "2hop_train") for h in range(E)]
-    test = [rec(h, [1, 0, 1], "3hop_test") for h in range(E)] + [rec(h, [1, 1], "2hop_test") for h in range(E)]
+    test = [rec(h, [1, 0, 1], "3hop_test") for h in range(E)] + [
+        rec(h, [1, 1], "2hop_test") for h in range(E)
+    ]
     (root / "train.json").write_text(json.dumps(train))
     (root / "test.json").write_text(json.dumps(test))
     return facts
@@ -80,18 +84,44 @@ def test_trains_a_gpt2_recurrent_model_on_the_files(tmp_path: Path) -> None:
     from loopformer.train import Trainer
 
     _write_folder(tmp_path)
-    cfg = build_config({
-        "model": {"name": "recurrent", "block": "gpt2", "d_model": 16, "n_heads": 2, "n_layers": 1,
-                  "causal": True, "rope": False, "tie_embeddings": True, "injection": "none",
-                  "halt_position": "answer", "pad_id": 0},
-        "data": {"task": "kg_files", "options": {"path": str(tmp_path)}, "train_path": "train.json",
-                 "eval_path": "test.json"},
-        "train": {"steps": 2, "batch_size": 4, "warmup_steps": 1, "progress": False, "threads": 1,
-                  "loop_sampler": "poisson", "loop_sampler_options": {"mean": 4, "low": 2, "high": 8},
-                  "betas": [0.9, 0.999], "decay_all": True, "grad_clip": 0.0},
-        "loop_eval": {"halting": "kl_entropy", "max_steps": 16, "min_steps": 2},
-        "out_dir": str(tmp_path / "run"), "device": "cpu",
-    })
+    cfg = build_config(
+        {
+            "model": {
+                "name": "recurrent",
+                "block": "gpt2",
+                "d_model": 16,
+                "n_heads": 2,
+                "n_layers": 1,
+                "causal": True,
+                "rope": False,
+                "tie_embeddings": True,
+                "injection": "none",
+                "halt_position": "answer",
+                "pad_id": 0,
+            },
+            "data": {
+                "task": "kg_files",
+                "options": {"path": str(tmp_path)},
+                "train_path": "train.json",
+                "eval_path": "test.json",
+            },
+            "train": {
+                "steps": 2,
+                "batch_size": 4,
+                "warmup_steps": 1,
+                "progress": False,
+                "threads": 1,
+                "loop_sampler": "poisson",
+                "loop_sampler_options": {"mean": 4, "low": 2, "high": 8},
+                "betas": [0.9, 0.999],
+                "decay_all": True,
+                "grad_clip": 0.0,
+            },
+            "loop_eval": {"halting": "kl_entropy", "max_steps": 16, "min_steps": 2},
+            "out_dir": str(tmp_path / "run"),
+            "device": "cpu",
+        }
+    )
     summary = Trainer(cfg).fit()
     assert summary["steps"] == 2 and summary["eval"]["n"] == 12
 

@@ -129,7 +129,8 @@ def load_state_dict(path: str | Path) -> dict[str, Tensor]:
             f"{path} is not a PyTorch state dict loadable with weights_only=True "
             f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"
         ) from None
-    for wrapper in ("state_dict", "model"):  # {"model": {...}} / {"state_dict": {...}} wrappers
+    # {"model": {...}} / {"state_dict": {...}} / LTG's {"model_state_dict": {...}, "epoch": ..., ...} wrappers
+    for wrapper in ("state_dict", "model", "model_state_dict"):
         if isinstance(obj, dict) and isinstance(obj.get(wrapper), dict):
             obj = obj[wrapper]
     if not isinstance(obj, dict) or not all(

@@ -85,7 +85,7 @@ class RecurrentConfig(ModelConfig):
     init_std: float = 1.0  # std of the random initial state
     norm: str = "pre"  # pre | post | sandwich | peri (Huginn uses sandwich)
     out_init_scale: float = 0.1  # output projections scaled near zero at init (LTG)
-    halt_position: str = "all"  # KL / entropy halting reads: all | answer (last non-pad token) | last position
+    halt_position: str = "all"  # KL / entropy halting reads: all | answer (last non-pad) | last
     block: str = (
         "loopformer"  # loopformer (nn.Block: RMSNorm, SwiGLU, no biases) | gpt2 (the LTG reference's)
     )
@@ -195,7 +195,9 @@ class RecurrentDepth(LoopedModel):
         if self.config.halt_position == "answer":
             ctx += (answer_mask(inputs, self.config.pad_id),)
         elif self.config.halt_position == "last":
-            ctx += (torch.arange(inputs.shape[1], device=inputs.device).expand_as(inputs) == inputs.shape[1] - 1,)
+            ctx += (
+                torch.arange(inputs.shape[1], device=inputs.device).expand_as(inputs) == inputs.shape[1] - 1,
+            )
         return ctx if keys is None else (*ctx, keys)
 
     def _blocks(self, blocks: nn.ModuleList, h: Tensor, keys: Tensor | None) -> Tensor:

@@ -82,7 +82,9 @@ class KGFilesTask(Task):
         pieces = TOKEN.findall(text)
         unknown = [p for p in pieces if p not in self.vocab]
         if unknown or not pieces:
-            raise TaskDataError(f"{where}: {'unknown tokens ' + str(unknown[:5]) if unknown else 'no <...> tokens'}")
+            raise TaskDataError(
+                f"{where}: {'unknown tokens ' + str(unknown[:5]) if unknown else 'no <...> tokens'}"
+            )
         return [self.vocab[p] for p in pieces]
 
     def records(self, path: str | Path) -> list[tuple[list[int], int, str]]:
@@ -111,7 +113,9 @@ class KGFilesTask(Task):
     def load(self, path: str | Path) -> TokenDataset:
         recs = self.records(path)
         if not recs:
-            raise TaskDataError(f"{path}: no records" + (f" of types {sorted(self.types)}" if self.types else ""))
+            raise TaskDataError(
+                f"{path}: no records" + (f" of types {sorted(self.types)}" if self.types else "")
+            )
         width = self.width or max(len(q) for q, _, _ in recs)
         inputs = np.full((len(recs), width), self.pad, dtype=np.int64)
         labels = np.full((len(recs), width), IGNORE_INDEX, dtype=np.int64)
@@ -121,8 +125,13 @@ class KGFilesTask(Task):
             inputs[i, : len(query)] = query
             labels[i, self._pos(len(query), width)] = answer
         hops = np.array([len(q) - 1 for q, _, _ in recs], dtype=np.float64)
-        return TokenDataset(inputs, labels, hops, None, {"task": self.name, "source": str(path),
-                                                          "types": [k for _, _, k in recs]})
+        return TokenDataset(
+            inputs,
+            labels,
+            hops,
+            None,
+            {"task": self.name, "source": str(path), "types": [k for _, _, k in recs]},
+        )
 
     def generate(self, n: int, seed: int, **difficulty: Any) -> TokenDataset:
         raise TaskDataError("kg_files reads the reference's JSON files: set data.train_path / data.eval_path")
