@@ -1,5 +1,6 @@
 """The fixture scripts regenerate the committed fixtures byte for byte (needs the reference checkouts:
-set LOOPFORMER_REF_TRM / LOOPFORMER_REF_HRM to their paths; skipped otherwise)."""
+set LOOPFORMER_REF_TRM / LOOPFORMER_REF_HRM / LOOPFORMER_REF_LTG to their paths; skipped otherwise; the LTG
+script also needs transformers 4.x importable, e.g. on PYTHONPATH)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("script", "env"), [("trm.py", "LOOPFORMER_REF_TRM"), ("hrm.py", "LOOPFORMER_REF_HRM")]
+    ("script", "env"),
+    [("trm.py", "LOOPFORMER_REF_TRM"), ("hrm.py", "LOOPFORMER_REF_HRM"), ("ltg.py", "LOOPFORMER_REF_LTG")],
 )
 def test_parity_fixture_scripts_regenerate_bit_identically(script: str, env: str) -> None:
     ref = os.environ.get(env)
