@@ -7,9 +7,11 @@
 
 ``load`` returns a ``LoadedRun``: ``.model`` (EMA weights when the run keeps them), ``.task``, ``.config``
 (the resolved run configuration) and ``.loop_eval`` (the evaluation loop: solver, halting, cap).
-``solve`` runs the loop once on one puzzle and records the answer read out after every loop (the logit
-lens of ``loopformer.eval.analysis.trace_loops``); ``valid`` is the task's independent validator's
-verdict, never a comparison with a stored label.  ``loopformer solve`` prints exactly this.
+``solve`` runs the run's evaluation on one puzzle (``eval.segments`` chained loops carrying the state, as
+``loopformer eval``; TRM / HRM / Attractor-puzzle runs evaluate 16) and records the answer read out after
+every loop of every segment (the logit lens of ``loopformer.eval.analysis.trace_loops``); ``valid`` is the
+task's independent validator's verdict, never a comparison with a stored label.  ``loopformer solve``
+prints exactly this.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ class Solution:
     tokens: np.ndarray  # the answer's tokens after the last loop
     answer: str | list[int]  # the answer in the task's text format (grid string) or as token ids
     valid: bool  # the task's independent validator (task.check)
-    steps: int  # loops run
+    steps: int  # loops run, summed over the segments
     trajectory: list[np.ndarray] = field(repr=False)  # the answer read out after loop 1, 2, ..., steps
     checkpoint: str = ""
     weights: str = ""
@@ -91,11 +93,13 @@ def format_answer(task: Task, tokens: np.ndarray) -> str | list[int]:
 
 @torch.no_grad()
 def solve(model: LoadedRun | str | Path, puzzle: str | np.ndarray | list[int], max_steps: int | None = None,
-          seed: int | None = None) -> Solution:  # fmt: skip
+          seed: int | None = None, segments: int | None = None) -> Solution:  # fmt: skip
     """Solve one puzzle with a trained model (a ``LoadedRun``, or anything ``load`` accepts).
 
-    ``max_steps`` caps the loops (default: the run's evaluation loop); ``seed`` seeds the initial iterate
-    (default: the run's seed).  Runs on the model's device, under bf16 autocast when the run trained in bf16.
+    ``segments`` chained loops carry the state (default: the run's ``eval.segments``, so the answer is
+    ``loopformer eval``'s prediction for this puzzle); ``max_steps`` caps each segment's loops (default: the
+    run's evaluation loop); ``seed`` seeds the initial iterate (default: the run's seed).  Runs on the
+    model's device, under bf16 autocast when the run trained in bf16.
     """
     from loopformer.eval.analysis import trace_loops
     from loopformer.eval.evaluate import model_device
@@ -106,6 +110,7 @@ def solve(model: LoadedRun | str | Path, puzzle: str | np.ndarray | list[int], m
     task = run.task
     tokens = parse_puzzle(task, puzzle)
     loop = run.loop_eval if max_steps is None else with_budget(run.loop_eval, max_steps, "capped")
+    segments = run.config.eval.segments if segments is None else segments
     device = model_device(run.model)
     frames: list[np.ndarray] = []
 
@@ -119,9 +124,11 @@ def solve(model: LoadedRun | str | Path, puzzle: str | np.ndarray | list[int], m
     run.model.eval()
     with autocast(device, run.config.bf16):
         _, final_logits = trace_loops(run.model, torch.as_tensor(tokens[None], device=device), loop, observe,
-                                      generator=generator)  # fmt: skip
+                                      generator=generator, segments=segments)  # fmt: skip
     if not bool(torch.isfinite(final_logits).all()):
-        raise NumericalFaultError("solve: the model's final logits hold NaN or infinite values; no answer is reported")
+        raise NumericalFaultError(
+            "solve: the model's final logits hold NaN or infinite values; no answer is reported"
+        )
     final = final_logits[0].argmax(-1).cpu().numpy()
     return Solution(task.name, tokens, final, format_answer(task, final), bool(task.check(tokens, final)),
                     len(frames), frames, str(run.path), run.weights)  # fmt: skip

@@ -149,3 +149,47 @@ def test_arc_pass_at_k_chains_segments(tmp_path: Path) -> None:
     model = _AnswersOnItsSecondSegment({x.tobytes(): y for x, y in zip(test.inputs, test.labels)})
     assert arc_pass_at_k(model, task, batch_size=3)["score"] == 0.0
     assert arc_pass_at_k(model, task, batch_size=3, segments=2)["score"] == 1.0
+
+
+def test_solve_chains_eval_segments_as_loopformer_eval(trm_run: Path) -> None:
+    """``loopformer.solve`` runs the run's ``eval.segments`` (3) chained segments carrying the state: its
+    answer is ``predict``'s / ``evaluate``'s for the same puzzle, its steps the summed loop steps, and its
+    trajectory covers every loop of every segment (one segment reads a different answer on some row)."""
+    import loopformer
+    from loopformer.eval.evaluate import evaluate
+
+    run = load_run(trm_run)
+    data = eval_dataset(run.task, run.config)
+    segments, seed = run.config.eval.segments, run.config.seed
+    preds = predict(run.model, data, loop=run.loop_eval, seed=seed, segments=segments)
+    one = predict(run.model, data, loop=run.loop_eval, seed=seed, segments=1)
+    result = evaluate(run.model, run.task, data, loop=run.loop_eval, seed=seed, segments=segments)
+    differs = [i for i in range(len(data)) if not np.array_equal(preds[i], one[i])]
+    assert differs, "every row reads the same answer after 1 and 3 segments: the test would not bite"
+    for i in {0, differs[0]}:
+        sol = loopformer.solve(run, data.inputs[i])
+        assert np.array_equal(sol.tokens, preds[i])
+        assert sol.steps == result.records[i].steps == segments * run.loop_eval.max_steps
+        assert len(sol.trajectory) == sol.steps and np.array_equal(sol.trajectory[-1], sol.tokens)
+        assert sol.valid == bool(run.task.check(data.inputs[i], preds[i])) == result.records[i].valid
+    single = loopformer.solve(run, data.inputs[differs[0]], segments=1)  # one segment: today's old answer
+    assert np.array_equal(single.tokens, one[differs[0]]) and single.steps == run.loop_eval.max_steps
+
+
+def test_logit_lens_and_signal_propagation_chain_segments(trm_run: Path) -> None:
+    """With ``segments`` the per-loop analyses carry the state across segments as ``evaluate`` does: the lens
+    reads ``evaluate``'s accuracies after each segment's last loop, and the curves cover every loop."""
+    from loopformer.eval.analysis import logit_lens, signal_propagation
+    from loopformer.eval.evaluate import evaluate
+
+    run = load_run(trm_run)
+    data = eval_dataset(run.task, run.config)
+    per, segments, seed = run.loop_eval.max_steps, run.config.eval.segments, run.config.seed
+    lens = logit_lens(run.model, run.task, data, per, loop=run.loop_eval, seed=seed, segments=segments)
+    assert lens.loops == list(range(1, per * segments + 1))
+    for k in range(1, segments + 1):
+        ev = evaluate(run.model, run.task, data, loop=run.loop_eval, seed=seed, segments=k)
+        assert lens.exact_accuracy[k * per - 1] == pytest.approx(ev.exact_accuracy)
+        assert lens.token_accuracy[k * per - 1] == pytest.approx(ev.token_accuracy)
+    sig = signal_propagation(run.model, data, per, loop=run.loop_eval, seed=seed, segments=segments)
+    assert len(sig.update_norm) == per * segments and all(u > 0 for u in sig.update_norm)

@@ -14,7 +14,9 @@
   It lives in :mod:`loopformer.eval.spectral` and is re-exported here.
 
 All per-loop readouts force the ``fixed`` halting rule by default, so every sample is read at every
-loop; a sample that halts earlier under another rule keeps its last readout.
+loop; a sample that halts earlier under another rule keeps its last readout. ``segments`` (default 1)
+chains that many engine calls of ``loops`` loops each, carrying the state as ``evaluate(segments=)``
+does (``eval.segments``); the curves then cover ``segments * loops`` loops.
 """
 
 from __future__ import annotations
@@ -57,13 +59,18 @@ def trace_loops(
     generator: torch.Generator | None = None,
     z0: Tensor | None = None,
     read: bool = True,
+    segments: int = 1,
 ) -> tuple[Tensor, Tensor]:
     """Run ``model`` on one batch and call ``observe(t, z_t, logits_t)`` after every loop t = 1, 2, ...
 
-    States and logits are full-batch: rows of samples that already halted keep their last value.
-    With ``read=False`` no readout is taken and ``logits_t`` is passed as ``z_t``.
-    Returns ``(z0, final logits)``.
+    ``segments`` chained engine calls carry the state (each runs ``loop``), as ``evaluate(segments=)``
+    does (``eval.segments``: TRM / HRM evaluate 16); t counts on across segments. States and logits are
+    full-batch: rows of samples that already halted keep their last value (within a segment; every
+    segment restarts every row). With ``read=False`` no readout is taken and ``logits_t`` is passed as
+    ``z_t``. Returns ``(z0, final logits)``: the last segment's.
     """
+    if segments < 1:
+        raise ValueError(f"segments must be >= 1, got {segments}")
     ctx = model.embed(inputs, puzzle_ids)
     if z0 is None:
         z0 = model.init_state(ctx, generator)
@@ -89,7 +96,12 @@ def trace_loops(
         current["logits"][active_idx] = logits_active
         observe(current["t"], z_full, current["logits"])
 
-    out = model(inputs, loop=loop, state=z0, puzzle_ids=puzzle_ids, callback=callback)
+    state = z0
+    for k in range(segments):
+        if k:
+            current["z"] = state.clone()
+        out = model(inputs, loop=loop, state=state, puzzle_ids=puzzle_ids, callback=callback)
+        state = out.state
     return z0, out.logits
 
 
@@ -275,6 +287,7 @@ def logit_lens(
     device: torch.device | str | None = None,
     train_depth: int | None = None,
     seed: int = 0,
+    segments: int = 1,
 ) -> LoopCurve:
     """Read out every loop state through the model's head: per-loop accuracies and logit margins.
 
@@ -282,9 +295,9 @@ def logit_lens(
     ``bridge_positions`` (default: the last labelled position). When no tokens are given, the task's
     ``bridges(inputs)`` (knowledge-graph queries; None for other tasks) is used.
     """
-    if loops < 1:
-        raise ValueError(f"loops must be >= 1, got {loops}")
-    tally = _LensTally(task, loops)
+    if loops < 1 or segments < 1:
+        raise ValueError(f"loops and segments must be >= 1, got {loops} and {segments}")
+    tally = _LensTally(task, loops * segments)
     with _eval_mode(model, device) as device:
         cfg = _fixed(model, loop, loops, halting)
         bridges = _bridge_targets(task, dataset, bridge_tokens, bridge_positions)
@@ -295,7 +308,7 @@ def logit_lens(
             if bridges is not None:
                 bridge = tuple(torch.as_tensor(b[index], device=device) for b in bridges)
             observe = tally.observer(dataset.inputs[index], dataset.labels[index], labels, bridge)
-            trace_loops(model, inputs, cfg, observe, puzzle_ids, generator)
+            trace_loops(model, inputs, cfg, observe, puzzle_ids, generator, segments=segments)
     return tally.curve(train_depth, bridges is not None)
 
 
@@ -310,6 +323,7 @@ def overthinking(
     max_batches: int | None = None,
     device: torch.device | str | None = None,
     seed: int = 0,
+    segments: int = 1,
 ) -> LoopCurve:
     """Logit margin and accuracy vs inference loops 1..max_loops (run past ``train_depth``).
 
@@ -328,6 +342,7 @@ def overthinking(
         train_depth=train_depth,
         seed=seed,
         bridge_tokens=np.full(len(dataset), -1),
+        segments=segments,
     )
 
 
@@ -365,14 +380,16 @@ def signal_propagation(
     max_batches: int | None = 1,
     device: torch.device | str | None = None,
     seed: int = 0,
+    segments: int = 1,
 ) -> SignalCurve:
-    """State RMS norm and update norm per loop, over ``loops`` fixed loops."""
-    if loops < 1:
-        raise ValueError(f"loops must be >= 1, got {loops}")
+    """State RMS norm and update norm per loop, over ``segments`` chained segments of ``loops`` fixed loops."""
+    if loops < 1 or segments < 1:
+        raise ValueError(f"loops and segments must be >= 1, got {loops} and {segments}")
+    cfg_loops, loops = loops, loops * segments
     sums = {k: np.zeros(loops) for k in ("rms", "upd", "rel")}
     n_total, rms0 = 0, 0.0
     with _eval_mode(model, device) as device:
-        cfg = _fixed(model, loop, loops, "fixed")
+        cfg = _fixed(model, loop, cfg_loops, "fixed")
         generator = torch.Generator(device=device).manual_seed(seed)
         for index in iter_batches(dataset, batch_size, max_batches):
             inputs, _, puzzle_ids = batch_tensors(dataset, index, device)
@@ -395,7 +412,7 @@ def signal_propagation(
             prev["z"] = z0.clone()
             rms0 += float(rms(z0).sum())
             n_total += inputs.shape[0]
-            trace_loops(model, inputs, cfg, observe, puzzle_ids, z0=z0, read=False)
+            trace_loops(model, inputs, cfg, observe, puzzle_ids, z0=z0, read=False, segments=segments)
     return SignalCurve(
         loops=list(range(1, loops + 1)),
         state_rms=[float(x / n_total) for x in sums["rms"]],
