@@ -3,7 +3,9 @@
 The puzzle is read through the task's own parser (``parse_grid`` for Sudoku / maze: the CSV text,
 '.' for blanks) or, for other tasks, as whitespace / comma separated token ids. Every loop state
 is read out through the model's head (the engine callback, as in the logit lens) and printed
-when the predicted answer changes; the final answer is judged by the task's independent validator.
+when the predicted answer changes, over the run's ``eval.segments`` chained segments (the state carried,
+as ``loopformer eval``: the answer is eval's prediction); the final answer is judged by the task's
+independent validator.
 ``--json`` prints one JSON object instead.
 """
 
