@@ -175,3 +175,47 @@ def test_ltg_convert_cli_writes_a_learned_position_run(tmp_path) -> None:
     torch.testing.assert_close(
         weights["embedding.positions.table"], ref.to(weights["embedding.positions.table"].dtype)
     )
+
+
+def test_ltg_converted_run_reads_the_references_answers_from_kg_files(tmp_path) -> None:
+    """End to end at the reference's prediction position: the systematicity checkpoint converted by the
+    CLI, evaluated on a ``kg_files`` folder holding the fixture's batch (``pred_pos: last``, width 8), gets
+    every answer the reference reads at ``logits[:, -1]`` (stored as the labels); ``solve`` agrees."""
+    import json
+
+    from click.testing import CliRunner
+
+    import loopformer
+    from loopformer.cli import cli
+    from loopformer.eval.evaluate import evaluate
+    from loopformer.runs import eval_dataset
+
+    tensors, meta = load_fixture("ltg_rdt_learned")
+    torch.save({"model_state_dict": prefixed(tensors, "ref")}, tmp_path / "ck.pt")
+    (tmp_path / "args.json").write_text(json.dumps(meta["ref_config"]))
+    folder = tmp_path / "kg"
+    folder.mkdir()
+    vocab = [f"<t_{i}>" for i in range(1, meta["tiny"]["vocab"])]  # <pad> is put first: ids unchanged
+    (folder / "vocab.json").write_text(json.dumps(vocab))
+    answers = tensors["eval_logits"][:, -1].argmax(-1)
+    records = []
+    for row, n, answer in zip(tensors["batch.input_ids"], tensors["batch.input_lengths"], answers):
+        text = "".join(f"<t_{int(t)}>" for t in row[:n])
+        records.append({"input_text": text, "target_text": f"{text}<t_{int(answer)}></a>", "type": "x"})
+    (folder / "test.json").write_text(json.dumps(records))
+    (folder / "train.json").write_text(json.dumps(records))  # solve's validator reads the atomic facts here
+    width = tensors["batch.input_ids"].shape[1]
+    sets = [f"data.options.path={folder}", "data.task=kg_files", "data.options.pred_pos=last",
+            f"data.options.width={width}", "data.eval_path=test.json", "data.train_path=test.json"]  # fmt: skip
+    args = ["convert", "ltg", str(tmp_path / "ck.pt"), "--config", str(tmp_path / "args.json")]
+    res = CliRunner().invoke(
+        cli, [*args, "--out", str(tmp_path / "run"), *[x for s in sets for x in ("--set", s)]]
+    )
+    assert res.exit_code == 0, res.output
+    run = loopformer.load(tmp_path / "run", device="cpu")
+    data = eval_dataset(run.task, run.config)
+    assert run.loop_eval.max_steps == meta["eval_loops"] and (data.labels[:, -1] == answers.numpy()).all()
+    result = evaluate(run.model, run.task, data, loop=run.loop_eval, check=False)
+    assert result.exact_accuracy == 1.0  # every row's answer is the reference's
+    sol = loopformer.solve(run, data.inputs[1])  # a 5-token query: the answer at the pad position 7
+    assert int(sol.tokens[-1]) == int(answers[1]) and sol.steps == meta["eval_loops"]

@@ -103,6 +103,14 @@ def model_section(km: KeyMap, ref: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _data_hint(model: dict[str, Any]) -> str:
+    if model["halt_position"] == "answer":
+        return "answer"
+    if model["learned_positions"]:  # train_systematicity.py: logits[:, -1] of the batch padded to its longest
+        return "last (width: the longest query)"
+    return f"last, width {model['seq_len']} (--max_len)"
+
+
 def convert(state: dict[str, Tensor], ref: dict[str, Any]) -> Converted:
     km = KeyMap(strip_prefixes(state, ("_orig_mod.", "module.")), "ltg checkpoint")
     model = model_section(km, ref)
@@ -127,8 +135,7 @@ def convert(state: dict[str, Tensor], ref: dict[str, Any]) -> Converted:
     where = {"last": "the last position of the padded query (--pred_pos last_token)",
              "answer": "the query's last token (--pred_pos inp_len)"}[model["halt_position"]]  # fmt: skip
     notes = [
-        f"prediction position: {where}; evaluate with data.options.pred_pos "
-        f"{'last and width = max_len' if model['halt_position'] == 'last' else 'answer'} (kg_files)",
+        f"prediction position: {where}; evaluate with data.options.pred_pos {_data_hint(model)} (kg_files)",
         "GPT2Block attention/residual dropout 0.1 (GPT2Config default), embedding dropout from --dropout",
     ]
     return Converted(run=run, weights=out, notes=notes)
