@@ -262,6 +262,17 @@ def _check_task(cfg: RunConfig) -> None:
         )
 
 
+def _check_prediction_position(cfg: RunConfig) -> None:
+    """``kg_files``' label position and the recurrent model's monitored position must agree (LTG's pred_pos)."""
+    pred_pos = cfg.data.options.get("pred_pos", "answer") if cfg.data.task == "kg_files" else None
+    halt = cfg.model.fields.get("halt_position", "all") if cfg.model.name == "recurrent" else "all"
+    if pred_pos is not None and halt != "all" and halt != pred_pos:
+        raise ConfigError(
+            f"model.halt_position={halt!r} monitors another position than data.options.pred_pos={pred_pos!r} "
+            f"labels; set model.halt_position={pred_pos}"
+        )
+
+
 def _check_options(
     fn: Any, options: dict[str, Any], prefix: str, what: str, skip: tuple[str, ...] = ("self",)
 ) -> None:
@@ -296,4 +307,5 @@ def validate(cfg: RunConfig) -> RunConfig:
     _check_train(cfg)
     _check_run(cfg)
     _check_task(cfg)
+    _check_prediction_position(cfg)
     return cfg

@@ -171,3 +171,17 @@ def test_trains_with_pred_pos_last_pad_mask_and_halting_there(tmp_path: Path) ->
     ctx = tr.model.embed(ids)
     assert ctx[1].nonzero()[:, 1].tolist() == [5, 5]  # KL + entropy halting monitors position width - 1
     assert torch.equal(ctx[-1], ids != 0)  # pad_mask: real tokens are the attended keys
+
+
+def test_halt_position_must_follow_pred_pos(tmp_path: Path) -> None:
+    from loopformer.config import ConfigError, build_config
+
+    _write_folder(tmp_path)
+    base = {"model": {"name": "recurrent", "block": "gpt2", "d_model": 16, "n_heads": 2, "n_layers": 1,
+                      "halt_position": "answer", "pad_id": 0},
+            "data": {"task": "kg_files", "options": {"path": str(tmp_path), "pred_pos": "last"}},
+            "out_dir": str(tmp_path / "run")}  # fmt: skip
+    with pytest.raises(ConfigError, match="set model.halt_position=last"):
+        build_config(base)
+    base["model"]["halt_position"] = "last"
+    assert build_config(base).model.fields["halt_position"] == "last"
