@@ -101,6 +101,13 @@ def test_parity_ltg_kl_entropy_halting_at_the_answer(name: str) -> None:
     assert out.loop.steps.tolist() == f.tensors["adaptive_iterations"].tolist()
     assert len(set(out.loop.steps.tolist())) >= 2  # the fixture exercises per-sample halting
     torch.testing.assert_close(out.logits, f.tensors["adaptive_logits"], rtol=0, atol=LOGIT_ATOL)
+    if f.meta["adaptive"]["pred_pos"] == "last_token":  # the fixture tells the monitored positions apart
+        _, other = build_converted(
+            f.converted, ["model.dropout=0.0", "model.halt_position=answer"], dtype=torch.float64
+        )
+        with torch.no_grad():
+            steps = other.eval()(f.inputs, loop=loop).loop.steps.tolist()
+        assert steps != f.tensors["adaptive_iterations"].tolist()
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -105,25 +105,28 @@ def _adaptive(
     model, b: dict[str, torch.Tensor], pred_pos: str
 ) -> tuple[dict[str, torch.Tensor], float, float]:
     """forward_adapative with the thresholds of a fixed grid that give the most distinct halting counts
-    (ties: the most samples halted before the cap, then the first in grid order)."""
+    (ties: the most samples halted before the cap, then the first in grid order). For ``last_token`` the
+    first criterion is that the counts differ from those of ``inp_len`` at the same thresholds, so that
+    the fixture tells the two monitored positions apart."""
     model.num_iterations = R_MAX
+
+    def run(pos: str, kl: float, ent: float) -> dict[str, torch.Tensor]:
+        ids, mask, lengths = b["input_ids"], b["attention_mask"], b["input_lengths"]
+        return model.forward_adapative(
+            ids, mask, lengths, pred_pos=pos, eps_kl=kl, entropy_thresh=ent, min_iters=1
+        )
+
     best = None
     for ent in (1.0, 1.5, 2.0, 2.2, 2.4, 2.5, 2.6, 2.7, 3.0):
         for kl in (1e-4, 1e-3, 1e-2, 3e-2, 1e-1, 3e-1):
-            out = model.forward_adapative(
-                b["input_ids"],
-                b["attention_mask"],
-                b["input_lengths"],
-                pred_pos=pred_pos,
-                eps_kl=kl,
-                entropy_thresh=ent,
-                min_iters=1,
-            )
+            out = run(pred_pos, kl, ent)
             used = out["iterations_used"]
-            score = (len(set(used.tolist())), int((used < R_MAX).sum()))
+            score: tuple[int, ...] = (len(set(used.tolist())), int((used < R_MAX).sum()))
+            if pred_pos == "last_token":
+                score = (int(not torch.equal(used, run("inp_len", kl, ent)["iterations_used"])), *score)
             if best is None or score > best[0]:
                 best = (score, out, kl, ent)
-    if best[0][0] < 2:
+    if best[0][-2] < 2 or (pred_pos == "last_token" and not best[0][0]):
         raise SystemExit("no threshold pair gives distinct halting counts; change the seed or the grid")
     return best[1], best[2], best[3]
 
