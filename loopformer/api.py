@@ -93,13 +93,15 @@ def format_answer(task: Task, tokens: np.ndarray) -> str | list[int]:
 
 @torch.no_grad()
 def solve(model: LoadedRun | str | Path, puzzle: str | np.ndarray | list[int], max_steps: int | None = None,
-          seed: int | None = None, segments: int | None = None) -> Solution:  # fmt: skip
+          seed: int | None = None, segments: int | None = None, puzzle_id: int | None = None) -> Solution:  # fmt: skip
     """Solve one puzzle with a trained model (a ``LoadedRun``, or anything ``load`` accepts).
 
     ``segments`` chained loops carry the state (default: the run's ``eval.segments``, so the answer is
     ``loopformer eval``'s prediction for this puzzle); ``max_steps`` caps each segment's loops (default: the
     run's evaluation loop); ``seed`` seeds the initial iterate (default: the run's seed).  Runs on the
-    model's device, under bf16 autocast when the run trained in bf16.
+    model's device, under bf16 autocast when the run trained in bf16. ``puzzle_id``: the row of the model's
+    per-puzzle embedding table (TRM / HRM on ARC: the puzzle's task id, as in the run's dataset); required
+    when the table has more than one row, 0 for a one-row table.
     """
     from loopformer.eval.analysis import trace_loops
     from loopformer.eval.evaluate import model_device
@@ -123,8 +125,9 @@ def solve(model: LoadedRun | str | Path, puzzle: str | np.ndarray | list[int], m
     generator = torch.Generator(device=device).manual_seed(run.config.seed if seed is None else seed)
     run.model.eval()
     with autocast(device, run.config.bf16):
+        ids = _puzzle_ids(run, puzzle_id, device)
         _, final_logits = trace_loops(run.model, torch.as_tensor(tokens[None], device=device), loop, observe,
-                                      generator=generator, segments=segments)  # fmt: skip
+                                      puzzle_ids=ids, generator=generator, segments=segments)  # fmt: skip
     if not bool(torch.isfinite(final_logits).all()):
         raise NumericalFaultError(
             "solve: the model's final logits hold NaN or infinite values; no answer is reported"
@@ -132,3 +135,20 @@ def solve(model: LoadedRun | str | Path, puzzle: str | np.ndarray | list[int], m
     final = final_logits[0].argmax(-1).cpu().numpy()
     return Solution(task.name, tokens, final, format_answer(task, final), bool(task.check(tokens, final)),
                     len(frames), frames, str(run.path), run.weights)  # fmt: skip
+
+
+def _puzzle_ids(run: LoadedRun, puzzle_id: int | None, device: torch.device) -> torch.Tensor | None:
+    """[1] puzzle id for models with a per-puzzle embedding table; ValueError naming the problem."""
+    n = int(getattr(run.model.config, "num_puzzle_ids", 0) or 0)
+    if n == 0:
+        if puzzle_id is not None:
+            raise ValueError(f"puzzle id {puzzle_id} given, but the model in {run.path} has no per-puzzle embedding")
+        return None
+    if puzzle_id is None:
+        if n > 1:
+            raise ValueError(f"the model in {run.path} has a per-puzzle embedding of {n} rows (one per task): give "
+                             "the puzzle's id (--puzzle-id / puzzle_id=), as its dataset numbers it")  # fmt: skip
+        puzzle_id = 0
+    if not 0 <= puzzle_id < n:
+        raise ValueError(f"puzzle id {puzzle_id} is out of range: the model's table has ids 0..{n - 1}")
+    return torch.tensor([puzzle_id], dtype=torch.long, device=device)

@@ -100,6 +100,8 @@ def format_answer(task: Task, tokens: np.ndarray) -> str | None:
     "--ema/--no-ema", default=True, show_default=True, help="use the EMA weights when the checkpoint has them"
 )
 @click.option("--all-loops", is_flag=True, help="print every loop, not only those where the answer changed")
+@click.option("--puzzle-id", type=int, default=None,
+              help="row of the model's per-puzzle embedding (TRM / HRM on ARC: the task's id in the run's data)")
 @device_option()
 def solve(
     task_name: str,
@@ -109,6 +111,7 @@ def solve(
     max_steps: int | None,
     ema: bool,
     all_loops: bool,
+    puzzle_id: int | None,
     device: str,
 ) -> None:
     """Solve PUZZLE with a trained model, printing the answer as the loop refines it.
@@ -138,7 +141,7 @@ def solve(
         "weights": run.weights,
     }
     try:
-        frames, final = _think(run, tokens, max_steps)
+        frames, final = _think(run, tokens, max_steps, puzzle_id)
     except NumericalFaultError as err:
         if as_json:
             click.echo(json.dumps(solve_record(**common, valid=False, error=str(err))))
@@ -188,10 +191,12 @@ def solve(
         console.print(f"the puzzle itself is {givens['status']}: no valid answer exists")
 
 
-def _think(run: Any, tokens: np.ndarray, max_steps: int | None) -> tuple[list[np.ndarray], np.ndarray]:
+def _think(
+    run: Any, tokens: np.ndarray, max_steps: int | None, puzzle_id: int | None = None
+) -> tuple[list[np.ndarray], np.ndarray]:
     """(the answer read out at every loop, the final answer) from ``loopformer.solve``; NumericalFaultError
     on NaN / inf logits or states."""
-    solution = solve_puzzle(run, tokens, max_steps=max_steps)
+    solution = solve_puzzle(run, tokens, max_steps=max_steps, puzzle_id=puzzle_id)
     return solution.trajectory, solution.tokens
 
 
