@@ -108,6 +108,11 @@ class TrainConfig:
     puzzle_emb_optimizer: Literal["same", "sign_sgd"] = "same"
     puzzle_emb_lr: float = 1e-2  # sign-SGD rate of the puzzle embedding (TRM / HRM puzzle_emb_lr)
     puzzle_emb_weight_decay: float = 0.1  # its decoupled weight decay (puzzle_emb_weight_decay)
+    # the model's head group (head_parameter_prefixes(), the Attractor head): its rate is lr times
+    # head_lr_scale, its matrices' weight decay head_weight_decay (None: train.weight_decay); the
+    # Attractor LM's fp_lr_scale / fp_wd
+    head_lr_scale: float = 1.0
+    head_weight_decay: float | None = None
     warmup_steps: int = 100
     schedule: Literal["constant", "cosine"] = "constant"
     min_lr_ratio: float = 0.0  # cosine floor as a fraction of lr
@@ -148,8 +153,12 @@ class TrainConfig:
     max_state_norm: float = 1e6  # a larger mean state norm counts as divergence
     max_loss: float = 1e4  # a larger loss counts as divergence
     progress: bool = True  # rich progress bar
-    tensorboard: bool = False  # TensorBoard event files in <run>/tensorboard (pip install 'loopformer[tensorboard]')
-    wandb: bool = False  # Weights & Biases tracking (pip install 'loopformer[wandb]'), see loopformer/tracking.py
+    tensorboard: bool = (
+        False  # TensorBoard event files in <run>/tensorboard (pip install 'loopformer[tensorboard]')
+    )
+    wandb: bool = (
+        False  # Weights & Biases tracking (pip install 'loopformer[wandb]'), see loopformer/tracking.py
+    )
     wandb_project: str = "loopformer"
     wandb_mode: Literal["online", "offline", "disabled"] = "online"
     threads: int = 0  # CPU threads; 0 = physical cores

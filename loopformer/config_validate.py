@@ -160,6 +160,12 @@ def _check_train(cfg: RunConfig) -> None:
         raise ConfigError(
             f"train.puzzle_emb_lr must be a finite number in (0, {MAX_LR:g}], got {t.puzzle_emb_lr}"
         )
+    if not (math.isfinite(t.head_lr_scale) and t.head_lr_scale > 0):
+        raise ConfigError(f"train.head_lr_scale must be a finite number > 0, got {t.head_lr_scale}")
+    if t.head_weight_decay is not None and not (
+        math.isfinite(t.head_weight_decay) and t.head_weight_decay >= 0
+    ):
+        raise ConfigError(f"train.head_weight_decay must be >= 0 (or null), got {t.head_weight_decay}")
     if not (math.isfinite(t.eps) and 0 < t.eps < 1):
         raise ConfigError(f"train.eps must be a finite number in (0, 1), got {t.eps}")
     for i, beta in enumerate(t.betas):

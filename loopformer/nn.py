@@ -7,6 +7,8 @@
   bidirectional), so CUDA gets flash / memory-efficient kernels and CPU the math kernel;
   no flash-attn dependency.
 - ``SwiGLU``: gated MLP, hidden width ``expansion * d * 2/3`` rounded up (TRM / FPRM sizing).
+- ``ReLU2MLP``: ``down(relu(up(x))^2 / 2)``, hidden width ``expansion * d`` (the Attractor LM's
+  ``BaseMLP`` with ``ReLU2``, github jacobfa/Attractor ``attractor/modules/mlp.py`` / ``basic.py``).
 - ``Block``: attention + MLP with the norm placement chosen by name (arXiv 2606.18206; TRM arXiv 2510.04871, HRM arXiv 2506.21734):
   ``pre``  h = h (+) S(norm(h))            (GPT-2, FPRM, Attractor)
   ``post`` h = norm(h (+) S(h))            (original Transformer, TRM, HRM, UT)
@@ -144,14 +146,27 @@ class Rotary(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, dim: int, n_heads: int, causal: bool = False, rope: bool = True) -> None:
+    """Multi-head attention (fused qkv, no biases). ``qk_norm``: q and k are RMS-normalised per head
+    after the rotation, without gain and with PyTorch's default epsilon (the Attractor LM's
+    ``CausalSelfAttention`` with ``qk_norm=True``); ``rope_base``: the rotary base."""
+
+    def __init__(
+        self,
+        dim: int,
+        n_heads: int,
+        causal: bool = False,
+        rope: bool = True,
+        qk_norm: bool = False,
+        rope_base: float = 10000.0,
+    ) -> None:
         super().__init__()
         if dim % n_heads:
             raise ValueError(f"d_model {dim} is not divisible by n_heads {n_heads}")
         self.n_heads, self.head_dim, self.causal = n_heads, dim // n_heads, causal
+        self.qk_norm = qk_norm
         self.qkv = nn.Linear(dim, 3 * dim, bias=False)
         self.proj = nn.Linear(dim, dim, bias=False)
-        self.rotary = Rotary(self.head_dim) if rope else None
+        self.rotary = Rotary(self.head_dim, rope_base) if rope else None
 
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
@@ -163,6 +178,8 @@ class Attention(nn.Module):
             v = qkv[:, :, 2].transpose(1, 2)
         else:
             q, k, v = qkv.permute(2, 0, 3, 1, 4)
+        if self.qk_norm:
+            q, k = F.rms_norm(q, (self.head_dim,)), F.rms_norm(k, (self.head_dim,))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
         return self.proj(y.transpose(1, 2).reshape(B, T, D)).reshape(shape)
 
@@ -184,6 +201,22 @@ class SwiGLU(nn.Module):
         return self.down(F.silu(gate) * up)
 
 
+class ReLU2MLP(nn.Module):
+    """``down(relu(up(x))^2 / 2)`` with hidden width ``round(expansion * d)``, no biases."""
+
+    def __init__(self, dim: int, expansion: float = 4.0) -> None:
+        super().__init__()
+        hidden = int(round(expansion * dim))
+        self.up = nn.Linear(dim, hidden, bias=False)
+        self.down = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down(F.relu(self.up(x)).pow(2).mul(0.5))
+
+
+MLP_KINDS = ("swiglu", "relu2")
+
+
 class MLPMixer(nn.Module):
     """Token mixing by an MLP across positions (TRM's attention-free variant for fixed-size grids)."""
 
@@ -203,7 +236,8 @@ class Block(nn.Module):
     ``norm_eps`` / ``norm_gain``: the RMSNorms' epsilon and learnable gain (TRM / HRM: 1e-5, no gain);
     ``mlp_multiple``: SwiGLU widths round up to this (TRM / HRM: 256; MLP-mixer: ``mixer_multiple``);
     ``mixer_norm_over_tokens``: with the MLP mixer and post-norm, normalise the token-mixing sub-layer
-    over the positions (TRM's ``mlp_t`` block norms ``h^T + mlp_t(h^T)`` before transposing back).
+    over the positions (TRM's ``mlp_t`` block norms ``h^T + mlp_t(h^T)`` before transposing back);
+    ``mlp``: ``swiglu`` (default) or ``relu2`` (``ReLU2MLP``); ``qk_norm`` / ``rope_base``: see ``Attention``.
     """
 
     def __init__(
@@ -222,13 +256,18 @@ class Block(nn.Module):
         mlp_multiple: int = 64,
         mixer_multiple: int = 8,
         mixer_norm_over_tokens: bool = False,
+        mlp: str = "swiglu",
+        qk_norm: bool = False,
+        rope_base: float = 10000.0,
     ) -> None:
         super().__init__()
+        if mlp not in MLP_KINDS:
+            raise ValueError(f"unknown MLP {mlp!r}; choose one of {MLP_KINDS}")
         if norm not in NORM_PLACEMENTS:
             raise ValueError(f"unknown norm placement {norm!r}; choose one of {NORM_PLACEMENTS}")
         self.norm = "sandwich" if norm == "peri" else norm
         if mixer == "attention":
-            self.mix: nn.Module = Attention(dim, n_heads, causal=causal, rope=rope)
+            self.mix: nn.Module = Attention(dim, n_heads, causal, rope, qk_norm, rope_base)
         elif mixer == "mlp":
             if seq_len is None or causal:
                 raise ValueError("the MLP-mixer needs a fixed seq_len and bidirectional inputs")
@@ -238,7 +277,7 @@ class Block(nn.Module):
         self.mix_over_tokens = mixer_norm_over_tokens and mixer == "mlp"
         if self.mix_over_tokens and self.norm != "post":
             raise ValueError("mixer_norm_over_tokens needs norm='post' (TRM's mlp_t block)")
-        self.mlp = SwiGLU(dim, expansion, mlp_multiple)
+        self.mlp = SwiGLU(dim, expansion, mlp_multiple) if mlp == "swiglu" else ReLU2MLP(dim, expansion)
 
         def make_norm(n: int) -> RMSNorm:
             return RMSNorm(n, eps=norm_eps, learnable=norm_gain)

@@ -10,6 +10,9 @@ so the key mapping is TRM's (``loopformer.convert.trm``); the DEQ fields come fr
 ``bptt_through`` and, when ``jacobian_reg_lambda > 0``, ``jacobian_samples``; the regulariser's weight
 ``lambda / global_batch_size`` becomes ``train.ponder_weight``. The optimiser is AdamW over every
 parameter (``_build_optimizers``) plus sign-SGD on the puzzle embedding.
+
+A state dict of the Attractor *language model* (``attractor/models/attractor/attractor.py``, keys
+``transformer.wte.weight``, ...) goes to ``loopformer.convert.attractor_lm`` instead.
 """
 
 from __future__ import annotations
@@ -94,6 +97,11 @@ def train_section(s: dict[str, Any]) -> dict[str, Any]:
 
 
 def convert(state: dict[str, Tensor], ref: dict[str, Any]) -> Converted:
+    lm_state = strip_prefixes(state, ("_orig_mod.", "module."))
+    if "transformer.wte.weight" in lm_state:  # the language model (attractor/models/attractor)
+        from loopformer.convert import attractor_lm
+
+        return attractor_lm.convert(lm_state, ref)
     km = KeyMap(strip_prefixes(state, PREFIXES), "Attractor TRM-DEQ checkpoint")
     s = settings(ref)
     model = model_section(km, s)

@@ -13,7 +13,20 @@ A backbone proposes output embeddings, an attractor head refines them to an equi
     ``concat`` (the paper's alternative)    ``f(y, c) = c + Delta(W [y; c])``, W: 2d -> d
                initialised to ``[I, I]`` so it starts equal to the additive form;
   solved ``y* = f(y*, c)`` from ``y0 = c`` (``init_state`` returns c).
-- output: tied unembedding of ``RMSNorm(y*)`` (``tie_embeddings`` True by default).
+- output: tied unembedding of ``RMSNorm(y*)`` (``tie_embeddings`` True by default), times ``logit_scale``.
+
+The authors' language model (github jacobfa/Attractor, ``attractor/models/attractor/attractor.py``,
+``configs/attractor/attractor-small-140m.py``) is reached with options, all off by default:
+``mlp: relu2`` (``BaseMLP`` + ``ReLU2``: ``relu(x)^2 / 2``, width ``expansion * d``), ``qk_norm``
+(per-head RMSNorm of q and k after RoPE), ``norm_eps`` (every RMSNorm), ``rope_base`` (the reference's
+50000), ``embed_scale`` (the token embedding's multiplier; 0 = loopformer's sqrt(d), the reference: 1),
+``logit_scale``, ``init: scaled_zero`` (the reference's ``scaled-zero`` strategy with
+``init_orthogonal``: matrices orthogonal with gain ``std * sqrt(max(rows, cols))``, std = sqrt(2/(5d)),
+the embedding likewise, backbone output projections zero, head output projections truncated
+N(0, 2/(5d)) at +-3 std because they would be zero), and ``head_parameter_prefixes()`` for the
+optimiser's head group (``train.head_lr_scale`` / ``train.head_weight_decay``: the reference's
+``fp_lr_scale`` / ``fp_wd``). The solver plug-in ``anderson_attractor``
+(``loopformer/models/attractor_solver.py``) returns the reference's ``f(x_k)``.
 
 Default loop: Anderson (m 5, relative regulariser 1e-4, mixing 1.0), residual halting at
 ``||f(y) - y|| / ||y||`` < 3e-4 between 4 and 12 iterations (puzzles; language uses 6..64 through the
@@ -42,8 +55,10 @@ from torch import Tensor, nn
 from loopformer.loop import LoopConfig
 from loopformer.models.base import LoopedModel, ModelConfig
 from loopformer.models.transformer import InputEmbedding, OutputHead, make_blocks
+from loopformer.nn import MLP_KINDS
 
 ATTRACTOR_INJECTIONS = ("add", "concat")
+ATTRACTOR_INITS = ("default", "scaled_zero")
 
 
 def _default_loop() -> LoopConfig:
@@ -69,7 +84,30 @@ class AttractorConfig(ModelConfig):
     injection: str = "add"  # add | concat
     proposal: bool = True  # False: DEQ-style ablation (inject E(x), start from 0)
     tie_embeddings: bool = True
+    # the authors' language model (module docstring); the defaults are loopformer's own choices
+    mlp: str = "swiglu"  # swiglu | relu2
+    qk_norm: bool = False
+    norm_eps: float = 1e-6  # every RMSNorm (blocks and the final norm)
+    rope_base: float = 10000.0
+    embed_scale: float = 0.0  # token-embedding multiplier; 0 = sqrt(d_model)
+    logit_scale: float = 1.0
+    init: str = "default"  # default (PyTorch's) | scaled_zero (the reference's)
+    init_orthogonal: bool = True  # scaled_zero: orthogonal matrices (else truncated normal)
     loop: LoopConfig = field(default_factory=_default_loop)
+
+    def __post_init__(self) -> None:
+        if self.mlp not in MLP_KINDS:
+            raise ValueError(f"AttractorConfig.mlp={self.mlp!r} is not one of {MLP_KINDS}")
+        if self.init not in ATTRACTOR_INITS:
+            raise ValueError(f"AttractorConfig.init={self.init!r} is not one of {ATTRACTOR_INITS}")
+        for key in ("norm_eps", "rope_base", "logit_scale"):
+            value = getattr(self, key)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValueError(f"AttractorConfig.{key} must be a finite number > 0, got {value!r}")
+        if not (math.isfinite(self.embed_scale) and self.embed_scale >= 0):
+            raise ValueError(
+                f"AttractorConfig.embed_scale must be >= 0 (0 = sqrt(d)), got {self.embed_scale!r}"
+            )
 
 
 class Attractor(LoopedModel):
@@ -93,8 +131,13 @@ class Attractor(LoopedModel):
             )
         d = config.d_model
         self.embedding = InputEmbedding(config)
-        self.backbone = make_blocks(config, config.n_backbone if config.proposal else 0)
-        self.head_blocks = make_blocks(config, config.n_layers)
+        if config.embed_scale:
+            self.embedding.scale = float(config.embed_scale)
+        kw = dict(
+            mlp=config.mlp, qk_norm=config.qk_norm, rope_base=config.rope_base, norm_eps=config.norm_eps
+        )
+        self.backbone = make_blocks(config, config.n_backbone if config.proposal else 0, **kw)
+        self.head_blocks = make_blocks(config, config.n_layers, **kw)
         # the reference's FixedPointBlock clamps sigmoid(g) to [1e-6, 1 - 1e-6] (init 0.75 / 0.75 in its configs)
         p = min(max(config.layer_scale_init / config.gamma_max, 1e-6), 1 - 1e-6)
         self.gate_logit = nn.Parameter(torch.full((config.n_layers, 2, d), math.log(p / (1 - p))))
@@ -104,10 +147,17 @@ class Attractor(LoopedModel):
                 eye = torch.eye(d)
                 self.injection_proj.weight.copy_(torch.cat([eye, eye], dim=1))
         self.output = OutputHead(config, self.embedding)
+        self.output.norm.eps = config.norm_eps
+        if config.init == "scaled_zero":
+            scaled_zero_init(self, config.init_orthogonal)
 
     def no_weight_decay(self) -> set[str]:
         """The layer-scale gate logits are excluded from weight decay (as in the authors' code)."""
         return {"gate_logit"}
+
+    def head_parameter_prefixes(self) -> set[str]:
+        """The attractor head's parameters (blocks and gates): the optimiser's head group."""
+        return {"head_blocks", "gate_logit"}
 
     def gammas(self) -> Tensor:
         """Per-channel sub-layer gates [n_layers, 2, d] in (0, gamma_max)."""
@@ -144,7 +194,8 @@ class Attractor(LoopedModel):
         return c + self.delta(u)
 
     def readout(self, z: Tensor, *ctx: Tensor) -> Tensor:
-        return self.output(z)
+        logits = self.output(z)
+        return logits if self.config.logit_scale == 1.0 else logits * self.config.logit_scale
 
     @torch.no_grad()
     def internalization_gap(self, inputs: Tensor, puzzle_ids: Tensor | None = None) -> Tensor:
@@ -156,7 +207,73 @@ class Attractor(LoopedModel):
         return (fy - y0).reshape(B, -1).norm(dim=1) / fy.reshape(B, -1).norm(dim=1).clamp_min(1e-8)
 
 
+def _matrix_init(w: Tensor, std: float, orthogonal: bool) -> None:
+    """The reference's ``Init.normal_``: orthogonal with gain ``std * sqrt(max(rows, cols))``
+    (``wrapped_trunc_ortho``) or a normal truncated at +-3 std (``wrapped_trunc_normal``)."""
+    if std == 0:
+        nn.init.zeros_(w)
+    elif orthogonal:
+        nn.init.orthogonal_(w, gain=std * math.sqrt(max(w.shape)))
+    else:
+        nn.init.trunc_normal_(w, std=std, a=-3 * std, b=3 * std)
+
+
+@torch.no_grad()
+def scaled_zero_init(model: Attractor, orthogonal: bool = True) -> None:
+    """github jacobfa/Attractor ``init_strategy="scaled-zero"`` (``attractor/utils/init.py``
+    ``get_factor_table``): std sqrt(2/(5d)) for the embedding, q, k, v (each d x d block of the fused
+    qkv on its own), the MLP input and an untied head; output projections 0; then the attractor head's
+    zero output projections are re-drawn as truncated N(0, 2/(5d)) (``FixedPointBlock.__init__``).
+    Norm gains are 1; the gates keep their ``layer_scale_init`` value."""
+    d = model.config.d_model
+    std = math.sqrt(2.0 / (5.0 * d))
+    if model.embedding.tokens.weight.is_meta:  # built on the meta device (parameter counts): nothing to fill
+        return
+    _matrix_init(model.embedding.tokens.weight, std, orthogonal)
+    if not model.config.tie_embeddings:
+        _matrix_init(model.output.head.weight, std, orthogonal)
+    for blocks, head in ((model.backbone, False), (model.head_blocks, True)):
+        for block in blocks:
+            for chunk in block.mix.qkv.weight.chunk(3, dim=0):
+                _matrix_init(chunk, std, orthogonal)
+            mlp_in = block.mlp.up if hasattr(block.mlp, "up") else block.mlp.gate_up
+            _matrix_init(mlp_in.weight, std, orthogonal)
+            for lin in block.output_projections():
+                if head:
+                    nn.init.trunc_normal_(lin.weight, std=std, a=-3 * std, b=3 * std)
+                else:
+                    nn.init.zeros_(lin.weight)
+            for norm in (block.norm1, block.norm2):
+                if norm.weight is not None:
+                    nn.init.ones_(norm.weight)
+
+
 def paper_config() -> AttractorConfig:
     """Attractor at the puzzle size (arXiv 2605.12466: 27M parameters): Sudoku vocab 11, 81 tokens, d 512,
     8 heads, 4 backbone + 4 head blocks (~25.7M; the block split is this library's assumption)."""
     return AttractorConfig(vocab_size=11, seq_len=81, d_model=512, n_heads=8, n_backbone=4, n_layers=4)
+
+
+def lm_paper_config(vocab_size: int = 32768) -> AttractorConfig:
+    """The authors' 140M language model (github jacobfa/Attractor ``configs/attractor/attractor-small-140m.py``):
+    d 1024, 8 heads, ReLU^2 MLP 4096, qk-norm, RMSNorm eps 1e-5, 7 backbone + 1 head block, RoPE base 50000,
+    context 2048, tied embeddings, scaled-zero orthogonal init, gates 0.75 / 0.75, vocabulary 32768 (its BPE
+    tokenizer; ``recipes/paper_lm_attractor_140m.yaml`` is byte-level: ``vocab_size=256``)."""
+    return AttractorConfig(
+        vocab_size=vocab_size,
+        seq_len=2048,
+        d_model=1024,
+        n_heads=8,
+        n_backbone=7,
+        n_layers=1,
+        expansion=4.0,
+        causal=True,
+        layer_scale_init=0.75,
+        gamma_max=0.75,
+        mlp="relu2",
+        qk_norm=True,
+        norm_eps=1e-5,
+        rope_base=50000.0,
+        embed_scale=1.0,
+        init="scaled_zero",
+    )

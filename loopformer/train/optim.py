@@ -5,7 +5,11 @@
   ``a = sigmoid(p)`` parameters, arXiv 2606.18206), parameters of normalisation modules,
   the names a model lists in ``no_weight_decay()`` (optional; exact names or module prefixes),
   and embeddings when ``decay_embeddings`` is False. A model whose ``decay_vectors`` attribute is
-  True has its one-dimensional parameters (biases) decayed as well.
+  True has its one-dimensional parameters (biases) decayed as well. ``head=(lr_scale, weight_decay)``
+  moves the parameters under the model's ``head_parameter_prefixes()`` into their own groups at
+  ``lr_scale`` times the rate (a group's ``lr_mult``, which ``set_lr`` keeps), the head's matrices
+  decayed by ``weight_decay`` (None: as the other groups): the Attractor LM's ``fp_lr_scale`` /
+  ``fp_wd`` (github jacobfa/Attractor ``recpre/optim/muon_adamw.py: get_muon_param_groups``).
 - ``AdamATan2``: Adam with ``atan2`` in place of the division (Everett et al., arXiv 2407.05872), in
   the form of the ``adam-atan2`` package TRM and HRM train with (a CUDA kernel; here plain PyTorch):
   ``p <- p (1 - lr wd)``, ``m <- b1 m + (1 - b1) g``, ``v <- b2 v + (1 - b2) g^2``,
@@ -182,6 +186,7 @@ def build_optimizer(
     kind: str = "adamw",
     decay_all: bool = False,
     puzzle_emb: tuple[float, float] | None = None,
+    head: tuple[float, float | None] | None = None,
 ) -> torch.optim.Optimizer:
     """AdamW (``kind="adamw"``, foreach, deterministic) or ``AdamATan2`` over ``parameter_groups``.
 
@@ -198,6 +203,8 @@ def build_optimizer(
         ]
     if puzzle_emb is not None:
         groups = split_puzzle_group(groups, model, lr, puzzle_emb)
+    if head is not None:
+        groups = split_head_groups(groups, model, lr, head)
     groups = [g for g in groups if g["params"]]
     if not groups:
         raise ValueError(f"{type(model).__name__} has no trainable parameters")
@@ -239,6 +246,33 @@ def split_puzzle_group(
     return out
 
 
+def split_head_groups(
+    groups: list[dict], model: nn.Module, lr: float, head: tuple[float, float | None]
+) -> list[dict]:
+    """Move the head's parameters (``model.head_parameter_prefixes()``) of each group into a copy of
+    that group at ``lr_mult = head[0]``; decayed matrices take weight decay ``head[1]`` unless None."""
+    prefixes_fn = getattr(model, "head_parameter_prefixes", None)
+    if not callable(prefixes_fn):
+        raise ValueError(
+            f"{type(model).__name__} defines no head_parameter_prefixes(): train.head_lr_scale / "
+            "train.head_weight_decay need a model with an attractor head"
+        )
+    prefixes = set(prefixes_fn())
+    scale, head_wd = head
+    out: list[dict] = []
+    for g in groups:
+        inside = [_listed(n, prefixes) or n in prefixes for n in g["names"]]
+        rest = {**g, "params": [p for p, i in zip(g["params"], inside) if not i]}
+        rest["names"] = [n for n, i in zip(g["names"], inside) if not i]
+        moved = {**g, "params": [p for p, i in zip(g["params"], inside) if i], "lr_mult": scale}
+        moved["names"] = [n for n, i in zip(g["names"], inside) if i]
+        moved["lr"] = lr * scale
+        if head_wd is not None and g["weight_decay"] > 0:
+            moved["weight_decay"] = head_wd
+        out += [rest, moved]
+    return out
+
+
 def lr_at(
     step: int,
     lr: float,
@@ -260,9 +294,10 @@ def lr_at(
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
-    """Set every group's scheduled rate (``AdamATan2`` groups apply their own ``lr_scale`` on top)."""
+    """Set every group's scheduled rate times its ``lr_mult`` (``AdamATan2`` groups apply their own
+    ``lr_scale`` on top)."""
     for group in optimizer.param_groups:
-        group["lr"] = lr
+        group["lr"] = lr * group.get("lr_mult", 1.0)
 
 
 def clip_grad_norm(parameters: list[Tensor], max_norm: float) -> float:

@@ -114,6 +114,9 @@ def make_optimizer(model: LoopedModel, tc: TrainConfig) -> torch.optim.Optimizer
     """``loopformer.train.optim.build_optimizer`` as ``tc`` asks: AdamW or AdamATan2, the weight-decay
     groups, and TRM / HRM's sign-SGD puzzle-embedding group (``train.puzzle_emb_optimizer=sign_sgd``)."""
     puzzle = (tc.puzzle_emb_lr, tc.puzzle_emb_weight_decay) if tc.puzzle_emb_optimizer == "sign_sgd" else None
+    head = None
+    if tc.head_lr_scale != 1.0 or tc.head_weight_decay is not None:  # the Attractor LM's fp_lr_scale / fp_wd
+        head = (tc.head_lr_scale, tc.head_weight_decay)
     return build_optimizer(
         model,
         tc.lr,
@@ -124,6 +127,7 @@ def make_optimizer(model: LoopedModel, tc: TrainConfig) -> torch.optim.Optimizer
         tc.optimizer,
         tc.decay_all,
         puzzle,
+        head,
     )
 
 
