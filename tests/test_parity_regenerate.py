@@ -1,6 +1,6 @@
 """The fixture scripts regenerate the committed fixtures byte for byte (needs the reference checkouts:
-set LOOPFORMER_REF_TRM / LOOPFORMER_REF_HRM / LOOPFORMER_REF_LTG to their paths; skipped otherwise; the LTG
-script also needs transformers 4.x importable, e.g. on PYTHONPATH)."""
+set LOOPFORMER_REF_TRM / LOOPFORMER_REF_HRM / LOOPFORMER_REF_LTG / LOOPFORMER_REF_ATTRACTOR to their
+paths; skipped otherwise; the LTG script also needs transformers 4.x importable, e.g. on PYTHONPATH)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,12 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("script", "env"),
-    [("trm.py", "LOOPFORMER_REF_TRM"), ("hrm.py", "LOOPFORMER_REF_HRM"), ("ltg.py", "LOOPFORMER_REF_LTG")],
+    [
+        ("trm.py", "LOOPFORMER_REF_TRM"),
+        ("hrm.py", "LOOPFORMER_REF_HRM"),
+        ("ltg.py", "LOOPFORMER_REF_LTG"),
+        ("attractor_lm.py", "LOOPFORMER_REF_ATTRACTOR"),
+    ],
 )
 def test_parity_fixture_scripts_regenerate_bit_identically(script: str, env: str) -> None:
     ref = os.environ.get(env)
