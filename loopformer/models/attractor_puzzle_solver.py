@@ -11,6 +11,15 @@ close to 0. From k = m + 2 on the buffer holds real iterates again. The regulari
 added to the raw Gram matrix. The engine's ``anderson`` keeps the true last m iterates; with at most
 3 map evaluations (``deq_max_iter`` 3) both give the same iterates.
 
+The weights solve the reference's bordered system ``[[0, 1^T], [1, G G^T + reg I]] [_, a] = e_0``
+(``torch.linalg.solve``). When LU finds that system singular for any sample of the batch, the reference's
+``except RuntimeError: break`` ends the whole solve and returns its last slot (the current iterate; zeros
+if it happens at the first mix, before any roll); in float32 (the
+reference's solver precision, also under bf16 training) this happens within the zero-slot steps: on the
+head-to-head benchmark's model, at random initialisation, every solve of ``deq_max_iter`` 8 stopped after
+5 or 6 map evaluations. Here the same check reports every sample as stalled (``can_stall``): the engine
+stops the solve and keeps that slot.
+
 Per-sample state: ``Y``, ``F`` [B, m, n] (in at least float32) and the step counter ``k`` (a plain
 int, the same for every sample: the reference solves the batch in lock step).
 """
@@ -23,7 +32,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from loopformer.loop.quasi_newton import exact, gram_weights
+from loopformer.loop.quasi_newton import exact
 from loopformer.loop.solvers import SOLVERS, Info, Solver, State, option_error
 
 
@@ -49,6 +58,7 @@ class TRMDEQAnderson(Solver):
 
     name = "anderson_trmdeq"
     Options = TRMDEQAndersonOptions
+    can_stall = True  # a singular mixing system ends the solve for the batch (the reference's ``break``)
 
     def init(self, z: Tensor) -> State:
         b, m = z.shape[0], self.opts.m
@@ -68,16 +78,38 @@ class TRMDEQAnderson(Solver):
         ff = fz.detach().reshape(b, -1).to(Y.dtype)
         if k == 0:  # Y0 = y0, F0 = f(y0); the next iterate is Y1 = F0
             Y[:, 0], F[:, 0], Y[:, 1] = zf, ff, ff
-            return fz, {"Y": Y, "F": F, "k": 1}, {}
+            return fz, {"Y": Y, "F": F, "k": 1}, self._no_stall(b, z)
         F[:, 1 if k == 1 else -1] = ff  # f of the previous step's new iterate
         n_act = min(k + 1, opts.m)
         with torch.no_grad(), exact(Y):  # outside autocast: the buffers' own dtype (no bf16 LU)
             g = F[:, :n_act] - Y[:, :n_act]
-            alpha = gram_weights(torch.bmm(g, g.transpose(1, 2)), opts.reg, relative=False)
+            alpha, singular = bordered_weights(torch.bmm(g, g.transpose(1, 2)), opts.reg)
+            if bool(singular.any()):  # the reference: ``except RuntimeError: break`` (the whole batch)
+                stalled = torch.ones(b, dtype=torch.bool, device=z.device)
+                # it returns its last slot: the current iterate, or 0 before the first roll
+                last = Y[:, -1].reshape(z.shape).to(z.dtype)
+                return last, {"Y": Y, "F": F, "k": k}, ({"stalled": stalled} if self.report_stalls else {})
             mix = (alpha.unsqueeze(-1) * F[:, :n_act]).sum(1)
             if opts.beta != 1.0:
                 mix = opts.beta * mix + (1 - opts.beta) * (alpha.unsqueeze(-1) * Y[:, :n_act]).sum(1)
         Y, F = torch.roll(Y, -1, dims=1), torch.roll(F, -1, dims=1)
         Y[:, -1] = mix
         z_next = mix.reshape(z.shape).to(z.dtype)
-        return z_next, {"Y": Y, "F": F, "k": k + 1}, {}
+        return z_next, {"Y": Y, "F": F, "k": k + 1}, self._no_stall(b, z)
+
+    def _no_stall(self, b: int, z: Tensor) -> Info:
+        return {"stalled": torch.zeros(b, dtype=torch.bool, device=z.device)} if self.report_stalls else {}
+
+
+def bordered_weights(gram: Tensor, reg: float) -> tuple[Tensor, Tensor]:
+    """Anderson weights [B, n] from ``[[0, 1^T], [1, gram + reg I]] x = e_0`` (x = [lambda, a]), and
+    [B] whether LU found the system singular (``torch.linalg.solve_ex`` info > 0)."""
+    b, n = gram.shape[0], gram.shape[-1]
+    h = gram.new_zeros(b, n + 1, n + 1)
+    h[:, 0, 1:] = 1.0
+    h[:, 1:, 0] = 1.0
+    h[:, 1:, 1:] = gram + reg * torch.eye(n, dtype=gram.dtype, device=gram.device)
+    rhs = gram.new_zeros(b, n + 1, 1)
+    rhs[:, 0] = 1.0
+    x, info = torch.linalg.solve_ex(h, rhs)
+    return x[:, 1:, 0], info > 0
