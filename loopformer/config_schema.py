@@ -114,8 +114,10 @@ class TrainConfig:
     head_lr_scale: float = 1.0
     head_weight_decay: float | None = None
     warmup_steps: int = 100
-    schedule: Literal["constant", "cosine"] = "constant"
-    min_lr_ratio: float = 0.0  # cosine floor as a fraction of lr
+    # trapezoid: constant, then linear to 0 over the last cooldown_fraction of the steps (Attractor LM)
+    schedule: Literal["constant", "cosine", "trapezoid"] = "constant"
+    min_lr_ratio: float = 0.0  # cosine / trapezoid floor as a fraction of lr
+    cooldown_fraction: float = 0.0  # trapezoid: the share of train.steps that cools down
     grad_clip: float = 1.0  # max global grad norm; 0 = off
     decay_embeddings: bool = True  # False: embeddings get no weight decay
     ema: float = 0.0  # EMA decay of the weights (0.999 in TRM / FPRM); 0 = off

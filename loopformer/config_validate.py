@@ -142,7 +142,7 @@ def _check_train(cfg: RunConfig) -> None:
     if not (math.isfinite(t.lr) and 0 < t.lr <= MAX_LR):
         raise ConfigError(f"train.lr must be a finite number in (0, {MAX_LR:g}], got {t.lr}")
     _finite(t, "train", 0.0, 1.0, "ema", "label_smoothing", open_high=True)
-    _finite(t, "train", 0.0, 1.0, "min_lr_ratio", "halt_exploration")
+    _finite(t, "train", 0.0, 1.0, "min_lr_ratio", "halt_exploration", "cooldown_fraction")
     _finite(
         t,
         "train",

@@ -106,3 +106,18 @@ def test_new_keys_are_validated() -> None:
         build_config({}, [*base, "train.head_weight_decay=-1"])
     cfg = build_config({}, [*base, "model.mlp=relu2", "model.qk_norm=true", "train.head_weight_decay=0.1"])
     assert cfg.model_config().mlp == "relu2" and cfg.train.head_weight_decay == 0.1
+
+
+def test_trapezoid_schedule_is_the_references_get_lr() -> None:
+    """recpre/schedulers/base.py LRScheduler.get_lr without warm-up: base until step > max - cool, then
+    base * (max - step) / cool, floored at min_lr (here min_lr_ratio * lr)."""
+    from loopformer.train.optim import lr_at
+
+    total, lr = 100, 8e-3
+    for step in (0, 49, 50, 51, 75, 99, 100):
+        ref = lr if step <= total - 50 else max(lr * (total - step) / 50, 0.0)
+        assert lr_at(step, lr, 0, total, "trapezoid", 0.0, 0.5) == pytest.approx(ref, abs=1e-15), step
+    assert lr_at(99, lr, 0, total, "trapezoid", 0.1, 0.5) == pytest.approx(0.1 * lr)  # the floor
+    assert lr_at(99, lr, 0, total, "trapezoid", 0.0, 0.0) == lr  # no cool-down: constant
+    with pytest.raises(ConfigError, match="cooldown_fraction"):
+        build_config({}, ["model.name=attractor", "train.cooldown_fraction=1.5"])

@@ -211,3 +211,4 @@ def test_paper_lm_attractor_recipe_size() -> None:
     )
     assert (mc.n_backbone, mc.n_layers, mc.d_model, mc.n_heads) == (7, 1, 1024, 8)
     assert (cfg.train.head_lr_scale, cfg.train.head_weight_decay) == (0.5, 0.1)
+    assert (cfg.train.schedule, cfg.train.cooldown_fraction, cfg.train.warmup_steps) == ("trapezoid", 0.5, 0)

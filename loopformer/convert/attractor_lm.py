@@ -193,6 +193,7 @@ def train_section(ref: dict[str, Any], s: dict[str, Any], seq_len: int) -> dict[
         "grad_clip": float(tc.get("grad_clip", 1.0)),
         "warmup_steps": 0,
         "loss": "ce",
+        **_schedule(tc, float(opt.get("lr", 3e-4))),
         "mode": "deep_supervision",
         "max_segments": 1,
     }
@@ -201,6 +202,24 @@ def train_section(ref: dict[str, Any], s: dict[str, Any], seq_len: int) -> dict[
         if "max_tokens" in tc:
             section["steps"] = max(1, int(float(tc["max_tokens"]) // (section["batch_size"] * seq_len)))
     return section
+
+
+def _schedule(tc: dict[str, Any], lr: float) -> dict[str, Any]:
+    """``lr_schedule`` trapezoid / constant (``cooldown_steps`` as a fraction of the run, ``warmup_steps`` 0)."""
+    kind = tc.get("lr_schedule", "constant")
+    if kind not in ("constant", "trapezoid") or float(tc.get("warmup_steps", 0)) != 0:
+        raise CheckpointError(
+            f"{SOURCE}: lr_schedule={kind!r} with warmup_steps={tc.get('warmup_steps')} is not supported "
+            "(constant / trapezoid without warm-up)"
+        )
+    cool = float(tc.get("cooldown_steps", 0.0))
+    if not 0 <= cool < 1:
+        raise CheckpointError(f"{SOURCE}: cooldown_steps={cool} must be a fraction of the run in [0, 1)")
+    return {
+        "schedule": "trapezoid",
+        "cooldown_fraction": cool,
+        "min_lr_ratio": float(tc.get("min_lr", 0.0)) / lr,
+    }
 
 
 def _block(km: KeyMap, src: str, dst: str) -> None:

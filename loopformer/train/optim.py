@@ -19,7 +19,10 @@
   ``p <- p (1 - lr wd) - lr sign(g)``; rows it did not use are left alone (no decay). A group's
   ``lr_scale`` multiplies the scheduled rate (TRM's ``puzzle_emb_lr`` follows the same warm-up).
 - ``lr_at``: linear warm-up then constant (FPRM: constant after 2000 warm-up steps) or cosine
-  down to ``min_lr_ratio * lr``. A pure function of the step, so the schedule's only state is
+  down to ``min_lr_ratio * lr``, or ``trapezoid``: constant, then linear to 0 over the last
+  ``cooldown_fraction`` of the steps, floored at ``min_lr_ratio * lr`` (the Attractor LM's
+  ``lr_schedule: trapezoid``, github jacobfa/Attractor ``recpre/schedulers/base.py: LRScheduler.get_lr``).
+  A pure function of the step, so the schedule's only state is
   the step counter the checkpoint already holds.
 - ``clip_grad_norm``: global-norm clipping returning the pre-clip norm (for divergence checks).
 - ``EMA``: exponential moving average of the weights (TRM / FPRM use 0.999), with a
@@ -280,17 +283,23 @@ def lr_at(
     total_steps: int,
     schedule: str = "constant",
     min_lr_ratio: float = 0.0,
+    cooldown_fraction: float = 0.0,
 ) -> float:
-    """Learning rate for optimiser step ``step`` (0-based): warm-up, then constant or cosine."""
+    """Learning rate for optimiser step ``step`` (0-based): warm-up, then constant, cosine or trapezoid."""
     if warmup_steps > 0 and step < warmup_steps:
         return lr * (step + 1) / warmup_steps
     if schedule == "constant":
+        return lr
+    if schedule == "trapezoid":
+        cool = int(cooldown_fraction * total_steps)
+        if cool > 0 and step > total_steps - cool:
+            return max(lr * (total_steps - step) / cool, min_lr_ratio * lr)
         return lr
     if schedule == "cosine":
         span = max(1, total_steps - warmup_steps)
         progress = min(1.0, (step - warmup_steps) / span)
         return lr * (min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
-    raise ValueError(f"unknown schedule {schedule!r}; expected 'constant' or 'cosine'")
+    raise ValueError(f"unknown schedule {schedule!r}; expected 'constant', 'cosine' or 'trapezoid'")
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:

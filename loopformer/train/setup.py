@@ -133,7 +133,7 @@ def make_optimizer(model: LoopedModel, tc: TrainConfig) -> torch.optim.Optimizer
 
 def lr_for(step: int, tc: TrainConfig) -> float:
     """The learning rate of optimiser step ``step``: ``tc``'s warm-up, then constant or cosine."""
-    return lr_at(step, tc.lr, tc.warmup_steps, tc.steps, tc.schedule, tc.min_lr_ratio)
+    return lr_at(step, tc.lr, tc.warmup_steps, tc.steps, tc.schedule, tc.min_lr_ratio, tc.cooldown_fraction)
 
 
 def make_curriculum(cc: CurriculumConfig, train_data: TokenDataset) -> Curriculum | None:
