@@ -2,7 +2,9 @@
 
 Both keep their history in preallocated batch-first buffers, written in place one slot per
 iteration (no re-stacking): Anderson a ring of the last m f(X_i) and residuals g_i with the Gram
-matrix G_ij = g_i . g_j updated by one new row per step (O(m D) instead of O(m^2 D)); Broyden
+matrix G_ij = g_i . g_j updated by one new row per step (O(m D) instead of O(m^2 D), as the row
+vector g_k^T G^T: ``_dots``), the whole update in one no_grad region without autocast bookkeeping
+outside autocast (the per-step cost beside the map: benchmarks/bench_solvers.py); Broyden
 the rank-one terms u_i, v_i of its inverse-Jacobian estimate, applied with two batched matrix
 products. Every sample has its own history, so samples converge (and leave the batch) one by one.
 """
@@ -10,6 +12,7 @@ products. Every sample has its own history, so samples converge (and leave the b
 from __future__ import annotations
 
 import functools
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -45,10 +48,19 @@ class Terms:
         return self.buf[:, : self.n]
 
 
-def exact(like: Tensor) -> torch.autocast:
+def _dots(terms: Tensor, y: Tensor) -> Tensor:
+    """``terms @ y`` per sample, [B, n], for terms [B, n, D] and y [B, D], computed as the row vector
+    ``y^T terms^T``: on CPU the matrix-vector form ``bmm(terms, y[..., None])`` is ~10x slower."""
+    return torch.bmm(y.unsqueeze(1), terms.transpose(1, 2)).squeeze(1)
+
+
+def exact(like: Tensor) -> AbstractContextManager:
     """Solver arithmetic runs outside autocast (a bf16 region would run the Gram matrix, the
-    solves and the mixing in bf16, and there is no bf16 LU): in the buffers' own dtype."""
-    return torch.autocast(like.device.type, enabled=False)
+    solves and the mixing in bf16, and there is no bf16 LU): in the buffers' own dtype. Outside
+    an autocast region this is a no-op context (entering torch.autocast costs per solver step)."""
+    if torch.is_autocast_enabled(like.device.type):
+        return torch.autocast(like.device.type, enabled=False)
+    return nullcontext()
 
 
 def anderson_weights(g: Tensor, reg: float, relative: bool = True) -> Tensor:
@@ -98,7 +110,8 @@ def gram_weights(gram: Tensor, reg: float, relative: bool = True, valid: Tensor 
     w, _ = torch.linalg.solve_ex(a, rhs)
     w = w.squeeze(-1)
     w = w / w.sum(dim=1, keepdim=True)
-    return torch.where(torch.isfinite(trace).unsqueeze(-1), w, uniform)
+    # trace >= 0 or NaN, so ``trace < inf`` is isfinite(trace) in one comparison
+    return torch.where((trace < float("inf")).unsqueeze(-1), w, uniform)
 
 
 @dataclass(frozen=True)
@@ -158,20 +171,19 @@ class Anderson(Solver):
             "best": torch.full((b,), float("inf"), dtype=dtype, device=z.device),
         }
 
-    @torch.no_grad()
     def _record(self, z: Tensor, fz: Tensor, res: Tensor | None, state: State) -> State:
-        """Write (f(z), g = f(z) - z) into the next ring slot and its row of the Gram matrix."""
+        """Write (f(z), g = f(z) - z) into the next ring slot and its row of the Gram matrix
+        (in place, under no_grad: the caller's)."""
         dtype = torch.promote_types(z.dtype, torch.float32)
         if "f" not in state:
             state = {**state, **self._buffers(z, dtype), "n": 0, "valid": None}
         b, k = z.shape[0], state["k"]
-        f_flat, z_flat = fz.reshape(b, -1), z.reshape(b, -1)
+        f_flat, z_flat = fz.detach().reshape(b, -1), z.detach().reshape(b, -1)
         if f_flat.dtype != dtype:
             f_flat, z_flat = f_flat.to(dtype), z_flat.to(dtype)
-        g_flat = f_flat - z_flat
-        state["f"][:, k] = f_flat
-        state["g"][:, k] = g_flat
-        row = torch.bmm(state["g"], g_flat.unsqueeze(-1)).squeeze(-1)
+        state["f"][:, k].copy_(f_flat)
+        g_flat = torch.sub(f_flat, z_flat, out=state["g"][:, k])  # written into its slot
+        row = _dots(state["g"], g_flat)
         state["gram"][:, k, :] = row
         state["gram"][:, :, k] = row
         n = min(state["n"] + 1, self.opts.m)
@@ -197,26 +209,27 @@ class Anderson(Solver):
     def update(self, z: Tensor, fz: Tensor, res: Tensor | None, state: State) -> tuple[Tensor, State, Info]:
         opts = self.opts
         k = state["k"]
-        with exact(z):
+        graph = "fz" in state or (fz.requires_grad and torch.is_grad_enabled())
+        with torch.no_grad(), exact(z):  # one no_grad / autocast region for the whole update
             state = self._record(z, fz, res, state)
-        if "fz" in state or (fz.requires_grad and torch.is_grad_enabled()):
-            return self._mix_with_graph(z, fz, k, state)
-        with torch.no_grad(), exact(z):
             alpha, n = self._weights(state)
-            mixed = torch.bmm(alpha.unsqueeze(1), state["f"][:, :n]).squeeze(1)
-            if opts.beta != 1.0:
-                mixed = mixed - (1 - opts.beta) * torch.bmm(alpha.unsqueeze(1), state["g"][:, :n]).squeeze(1)
-        return mixed.reshape(z.shape).to(z.dtype), state, {}
+            if not graph:
+                mixed = torch.bmm(alpha.unsqueeze(1), state["f"][:, :n]).squeeze(1)
+                if opts.beta != 1.0:
+                    mixed = mixed - (1 - opts.beta) * torch.bmm(
+                        alpha.unsqueeze(1), state["g"][:, :n]
+                    ).squeeze(1)
+                return mixed.reshape(z.shape).to(z.dtype), state, {}
+        return self._mix_with_graph(z, fz, k, alpha.to(z.dtype), n, state)
 
-    def _mix_with_graph(self, z: Tensor, fz: Tensor, k: int, state: State) -> tuple[Tensor, State, Info]:
+    def _mix_with_graph(
+        self, z: Tensor, fz: Tensor, k: int, alpha: Tensor, n: int, state: State
+    ) -> tuple[Tensor, State, Info]:
         """bptt through Anderson: the mixed iterate keeps the graph of the f(X_i) (and X_i) it uses."""
         opts = self.opts
         fzs = list(state.get("fz", [None] * opts.m))
         xs = list(state.get("x", [None] * opts.m))
         fzs[k], xs[k] = fz, z
-        with torch.no_grad(), exact(z):
-            alpha, n = self._weights(state)
-            alpha = alpha.to(z.dtype)
         shape = (-1, *([1] * (z.dim() - 1)))
         mixed = torch.zeros_like(fz)
         for i in range(n):
@@ -239,7 +252,8 @@ class BroydenOptions:
 
 
 def _uvy(u: Tensor, v: Tensor, y: Tensor) -> Tensor:
-    """U^T (V y) for flat y [B, D] and terms u, v [B, n, D]."""
+    """U^T (V y) for flat y [B, D] and terms u, v [B, n, D]. (The row-vector form of ``_dots`` would
+    be faster on CPU, but Broyden's last steps at tight tolerances amplify its different rounding.)"""
     return torch.bmm(u.transpose(1, 2), torch.bmm(v, y.unsqueeze(-1))).squeeze(-1)
 
 
