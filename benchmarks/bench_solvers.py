@@ -7,7 +7,11 @@ Problems:
   ``d<w, z*>/dx = (I - W)^-T w`` are known, so each method's IFT gradient error is reported against
   the closed form;
 - a trained FPRM's real fixed points (the 4x4 Sudoku model of the halting benchmark, float32,
-  tolerance 1e-4: float32 cannot certify 1e-6 on a 1024-number state).
+  tolerance 1e-4: float32 cannot certify 1e-6 on a 1024-number state);
+- a trained Attractor head's fixed points (recipes/attractor_sudoku4.yaml trained for
+  ``ATTRACTOR_TRAIN_STEPS`` steps, cached under benchmarks/.cache like the FPRM: the weight-tied
+  gated head ``y = c + Delta(y + c)`` from ``y0 = c``, arXiv 2605.12466), float32, at the model's
+  own tolerance (3e-4, rel_l2).
 
 loopformer: ``run_loop`` with picard / damped / anderson (m 5, relative regulariser) / safe_anderson
 (m 20, regulariser 1e-10, restart when the residual rises tenfold) / broyden (bounded memory, m 16)
@@ -18,10 +22,11 @@ TorchDEQ 0.1.0 (``get_deq(f_solver=..., b_solver=..., ift=True, f_stop_mode="rel
 
 Map evaluations per sample: every call of the map is counted with the number of rows it was given
 (loopformer evaluates only the active samples; TorchDEQ the whole batch until the last converges),
-including the one recomputed step both make for the implicit gradient; divided by the batch. Wall
-time of the forward solve (with gradient tracking on, as in training), median of interleaved
-repetitions. Figures: loopformer's best median time / TorchDEQ's best; targets: <= 0.3 (trained FPRM:
-<= 0.6), and loopformer's fewest map evaluations per sample no more than TorchDEQ's fewest. Without TorchDEQ
+including the one recomputed step both make for the implicit gradient; divided by the batch. Time
+of the forward solve (with gradient tracking on, as in training), median of interleaved repetitions;
+with one torch thread the clock is this process's CPU time (steadier on a shared core), otherwise
+wall time (``details.clock``). Figures: loopformer's best median time / TorchDEQ's best; targets: <= 0.3 (trained FPRM
+and Attractor head: <= 0.6), and loopformer's fewest map evaluations per sample no more than TorchDEQ's fewest. Without TorchDEQ
 installed (``pip install torchdeq==0.1.0``) the comparison is recorded as skipped (met = null).
 The IFT row: the largest relative gradient error of loopformer's default IFT over the linear
 problems (target <= 1e-6), with its backward iteration counts.
@@ -29,7 +34,10 @@ problems (target <= 1e-6), with its backward iteration counts.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
+import time
 from collections.abc import Callable
 
 import torch
@@ -57,6 +65,14 @@ def torchdeq_version() -> str | None:
     except ImportError:
         return None
     return getattr(torchdeq, "__version__", "0.1.0")
+
+
+def _clock() -> tuple[Callable[[], float], str]:
+    """With one torch thread this process's CPU time (other processes on a shared core do not
+    inflate it, as in the flops and reference benchmarks), otherwise wall time."""
+    if torch.get_num_threads() == 1:
+        return time.process_time, "process CPU time"
+    return time.perf_counter, "wall time"
 
 
 def linear_problem(d: int, b: int, rho: float, seed: int = 0):
@@ -154,7 +170,8 @@ def compare(
     for name, fn in solves.items():
         stats[name] = _once(fn, step, z0, x, grad_check)
         variants[name] = lambda fn=fn: fn(step, z0, x)
-    times = side_by_side(variants, repeats=repeats, warmup=0)
+    clock, clock_name = _clock()
+    times = side_by_side(variants, repeats=repeats, warmup=0, clock=clock)
     for name, ts in times.items():
         stats[name]["median_s"] = median(ts)
 
@@ -169,6 +186,7 @@ def compare(
     details = {
         "problem": problem,
         "tol": tol,
+        "clock": clock_name,
         "solvers": stats,
         "loopformer_best": lf_name,
         "loopformer_fewest_map_evals_per_sample": lf_evals,
@@ -307,11 +325,89 @@ def model_result(quick: bool, have_tdq: bool) -> Result:
     )
 
 
+ATTRACTOR_TRAIN_STEPS = 600
+
+
+def attractor_run_config(quick: bool):
+    """recipes/attractor_sudoku4.yaml (Attractor backbone + weight-tied attractor head, arXiv
+    2605.12466), shortened as the halting benchmark shortens FPRM's recipe."""
+    from loopformer.config import load_config
+
+    overrides = [
+        f"train.steps={20 if quick else ATTRACTOR_TRAIN_STEPS}",
+        "train.progress=false",
+        "train.eval_every=0",
+        "train.checkpoint_every=0",
+        "train.warmup_steps=50",
+        "data.eval_size=0",
+        "device=cpu",
+    ]
+    if quick:
+        overrides += ["model.d_model=32", "data.train_size=64", "train.batch_size=16"]
+    return load_config("attractor_sudoku4", overrides)
+
+
+def trained_attractor(quick: bool):
+    """Train (or load the cached) Attractor model; returns (model, trained_now, train seconds).
+    Cached under benchmarks/.cache keyed by a hash of the resolved config, like the FPRM of the
+    halting benchmark."""
+    from benchmarks.bench_halting import CACHE
+    from loopformer.config import to_dict
+    from loopformer.train import Trainer, load_checkpoint
+
+    cfg = attractor_run_config(quick)
+    key = hashlib.sha256(json.dumps(to_dict(cfg), sort_keys=True, default=str).encode()).hexdigest()[:12]
+    folder = CACHE / f"sudoku4_attractor-{'quick' if quick else 'full'}-{key}"
+    cfg.out_dir = str(folder)
+    threads = torch.get_num_threads()
+    cfg.train.threads = threads  # not part of the cache key: it does not change the recipe
+    trained_now = False
+    if not (folder / "summary.json").is_file():
+        summary_ = Trainer(cfg).fit()
+        torch.set_num_threads(threads)  # the trainer sets its own thread count
+        trained_now, seconds = True, float(summary_["wall_time"])
+    else:
+        seconds = float(json.loads((folder / "summary.json").read_text()).get("wall_time", 0.0))
+    ckpt = load_checkpoint(folder, use_ema=False)
+    ckpt.model.eval()
+    return ckpt.model, trained_now, seconds
+
+
+def attractor_result(quick: bool, have_tdq: bool) -> Result:
+    """The trained Attractor head's fixed points y* = c + Delta(y* + c) from y0 = c (the backbone's
+    proposal), at the model's own tolerance (``loop.tol``, rel_l2) with a cap of 300 iterations."""
+    from loopformer.tasks.registry import get_task
+
+    model, _, _ = trained_attractor(quick)
+    data = get_task("sudoku", size=4).generate(8 if quick else 32, seed=777, min_blanks=6, max_blanks=12)
+    inputs = torch.as_tensor(data.inputs, dtype=torch.long)
+    with torch.no_grad():
+        ctx = model.embed(inputs)
+        z0 = model.init_state(ctx).detach().clone()
+    c = ctx[0].detach()
+    result = compare(
+        "attractor_head_sudoku4",
+        model.step,
+        z0,
+        c,
+        model.config.loop.tol,
+        100 if quick else 300,
+        1 if quick else 3,
+        have_tdq,
+        target=TARGET_TIME_MODEL,
+    )
+    result.details["model"] = "recipes/attractor_sudoku4.yaml, " + (
+        "quick" if quick else f"{ATTRACTOR_TRAIN_STEPS} training steps"
+    )
+    return result
+
+
 def run(quick: bool = False) -> list[Result]:
     have_tdq = torchdeq_version() is not None
     results = linear_results(quick, have_tdq)
     results.append(ift_result(results))
     results.append(model_result(quick, have_tdq))
+    results.append(attractor_result(quick, have_tdq))
     for r in results:
         r.details["torchdeq"] = torchdeq_version()
         if r.value is not None and not math.isfinite(r.value):

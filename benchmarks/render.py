@@ -46,12 +46,14 @@ METHODS = {
     "solvers": (
         "5. Solvers vs TorchDEQ",
         "Forward solve to tolerance (gradient tracking on, IFT backward attached) on linear maps with "
-        "spectral radius 0.9 / 0.99 (float64, d 128, batch 8, tol 1e-3 and 1e-6) and on the trained FPRM's "
-        "fixed points (float32, tol 1e-4). Map evaluations per sample count every row the map was given "
+        "spectral radius 0.9 / 0.99 (float64, d 128, batch 8, tol 1e-3 and 1e-6), on the trained FPRM's "
+        "fixed points (float32, tol 1e-4) and on a trained Attractor head's (recipes/attractor_sudoku4.yaml "
+        "trained 600 steps, float32, the model's tol 3e-4; both models cached under benchmarks/.cache). Map evaluations per sample count every row the map was given "
         "(loopformer evaluates only the samples still running; TorchDEQ the whole batch), including the "
         "step recomputed for the implicit gradient. IFT gradient error against the closed form, with "
         "loopformer's backward iterations (max over samples). Ratio = loopformer's fastest solver / "
-        "TorchDEQ's fastest; loopformer's IFT at its defaults (safe_anderson backward, tol 1e-9, cap 200).",
+        "TorchDEQ's fastest (process CPU time with one thread); loopformer's IFT at its defaults "
+        "(safe_anderson backward, tol 1e-9, cap 200).",
     ),
     "compile": (
         "6. torch.compile and threads",

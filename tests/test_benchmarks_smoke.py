@@ -101,6 +101,10 @@ def test_flops_halting_solvers_compile_values(quick_run):
             assert r["met"] is None and r["value"] is None
         else:
             assert r["value"] > 0 and any(k.startswith("torchdeq.") for k in stats)
+    head = res["solvers.attractor_head_sudoku4"]  # the trained Attractor head (a 20-step model in --quick)
+    assert head["details"]["tol"] == 3e-4 and "loopformer.safe_anderson" in head["details"]["solvers"]
+    assert all(s["map_evals_per_sample"] >= 1 for s in head["details"]["solvers"].values())
+    assert (head["value"] is None) == (head["details"]["torchdeq"] is None)
     for k, s in res["solvers.linear_rho0.9"]["details"]["solvers"].items():
         assert s["grad_rel_err"] < 0.05, (k, s)  # quick tol 1e-3 / (1 - 0.9)
     comp = res["compile.speedup"]
