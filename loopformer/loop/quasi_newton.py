@@ -183,10 +183,12 @@ class Anderson(Solver):
             f_flat, z_flat = f_flat.to(dtype), z_flat.to(dtype)
         state["f"][:, k].copy_(f_flat)
         g_flat = torch.sub(f_flat, z_flat, out=state["g"][:, k])  # written into its slot
-        row = _dots(state["g"], g_flat)
-        state["gram"][:, k, :] = row
-        state["gram"][:, :, k] = row
         n = min(state["n"] + 1, self.opts.m)
+        # the ring fills slots 0, 1, ... in order before it wraps: the first n slots are the ones in
+        # use (the rest are zeros, whose Gram entries stay 0)
+        row = _dots(state["g"][:, :n], g_flat)
+        state["gram"][:, k, :n] = row
+        state["gram"][:, :n, k] = row
         valid = state["valid"]
         if self.opts.restart is not None and res is not None:
             rose = res > self.opts.restart * state["best"]
