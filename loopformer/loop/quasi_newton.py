@@ -75,13 +75,11 @@ def anderson_weights(g: Tensor, reg: float, relative: bool = True) -> Tensor:
 
 
 @functools.lru_cache(maxsize=32)
-def _ones(b: int, n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
-    return torch.ones(b, n, 1, dtype=dtype, device=device)
-
-
-@functools.lru_cache(maxsize=32)
-def _uniform(b: int, n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
-    return torch.full((b, n), 1.0 / n, dtype=dtype, device=device)
+def _constants(b: int, n: int, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor]:
+    """The right-hand side ones [b, n, 1] and the uniform weights [b, n] of an n-slot solve."""
+    return torch.ones(b, n, 1, dtype=dtype, device=device), torch.full(
+        (b, n), 1.0 / n, dtype=dtype, device=device
+    )
 
 
 def gram_weights(gram: Tensor, reg: float, relative: bool = True, valid: Tensor | None = None) -> Tensor:
@@ -94,24 +92,25 @@ def gram_weights(gram: Tensor, reg: float, relative: bool = True, valid: Tensor 
     tiny = torch.finfo(gram.dtype).tiny
     if valid is None:
         a = gram.clone()
-        rhs = _ones(b, n, gram.dtype, gram.device)
-        uniform = _uniform(b, n, gram.dtype, gram.device)
-        trace = a.diagonal(dim1=1, dim2=2).sum(-1)
-        shift = (trace * (reg / n)).clamp_min_(tiny) if relative else trace.new_full((b,), reg)
+        rhs, uniform = _constants(b, n, gram.dtype, gram.device)
+        diag = a.diagonal(dim1=1, dim2=2)
+        trace = diag.sum(-1, keepdim=True)  # [B, 1]
+        shift = (trace * (reg / n)).clamp_min_(tiny) if relative else torch.full_like(trace, reg)
+        diag.add_(shift)
     else:
         vm = valid.to(gram.dtype)
         a = gram * (vm.unsqueeze(2) * vm.unsqueeze(1))
         count = vm.sum(-1, keepdim=True)
         rhs, uniform = vm.unsqueeze(-1), vm / count
-        trace = a.diagonal(dim1=1, dim2=2).sum(-1)
-        shift = (trace * reg / count.squeeze(-1)).clamp_min_(tiny) if relative else trace.new_full((b,), reg)
-    shift = shift.unsqueeze(-1)
-    a.diagonal(dim1=1, dim2=2).add_(shift if valid is None else torch.where(valid, shift, 1.0))
+        diag = a.diagonal(dim1=1, dim2=2)
+        trace = diag.sum(-1, keepdim=True)
+        shift = (trace * reg / count).clamp_min_(tiny) if relative else torch.full_like(trace, reg)
+        diag.add_(torch.where(valid, shift, 1.0))
     w, _ = torch.linalg.solve_ex(a, rhs)
     w = w.squeeze(-1)
-    w = w / w.sum(dim=1, keepdim=True)
+    w = w.div_(w.sum(dim=1, keepdim=True))
     # trace >= 0 or NaN, so ``trace < inf`` is isfinite(trace) in one comparison
-    return torch.where((trace < float("inf")).unsqueeze(-1), w, uniform)
+    return torch.where(trace < float("inf"), w, uniform)
 
 
 @dataclass(frozen=True)
@@ -181,7 +180,7 @@ class Anderson(Solver):
         f_flat, z_flat = fz.detach().reshape(b, -1), z.detach().reshape(b, -1)
         if f_flat.dtype != dtype:
             f_flat, z_flat = f_flat.to(dtype), z_flat.to(dtype)
-        state["f"][:, k].copy_(f_flat)
+        state["f"][:, k] = f_flat
         g_flat = torch.sub(f_flat, z_flat, out=state["g"][:, k])  # written into its slot
         n = min(state["n"] + 1, self.opts.m)
         # the ring fills slots 0, 1, ... in order before it wraps: the first n slots are the ones in
