@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from loopformer.models.attractor import Attractor, AttractorConfig, paper_config
+from loopformer.models.attractor import Attractor, AttractorConfig, paper_config, puzzle_head_config
 
 D, T, B, V = 16, 8, 3, 9
 
@@ -125,6 +125,9 @@ def test_bad_config_raises() -> None:
         tiny(layer_scale_init=1.5)  # above gamma_max (1.0); equal is allowed (clamped, as the reference)
 
 
-def test_paper_size_is_about_27m() -> None:
-    n = Attractor(paper_config()).num_parameters()
+def test_paper_sizes() -> None:
+    with torch.device("meta"):
+        n = Attractor(puzzle_head_config()).num_parameters()
+        lm = Attractor(paper_config()).num_parameters()  # the authors' 140M LM (attractor-small-140m.py)
     assert abs(n - 27e6) / 27e6 < 0.15, n
+    assert lm == 134_237_184

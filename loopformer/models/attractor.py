@@ -249,8 +249,15 @@ def scaled_zero_init(model: Attractor, orthogonal: bool = True) -> None:
 
 
 def paper_config() -> AttractorConfig:
-    """Attractor at the puzzle size (arXiv 2605.12466: 27M parameters): Sudoku vocab 11, 81 tokens, d 512,
-    8 heads, 4 backbone + 4 head blocks (~25.7M; the block split is this library's assumption)."""
+    """The family's paper size: the authors' 140M language model (``lm_paper_config``, 134.24M parameters;
+    ``loopformer models`` counts it). Their puzzle results come from ``attractor_puzzle`` (TRM-DEQ)."""
+    return lm_paper_config()
+
+
+def puzzle_head_config() -> AttractorConfig:
+    """Backbone + attractor head at the puzzle size (arXiv 2605.12466: 27M parameters): Sudoku vocab 11, 81
+    tokens, d 512, 8 heads, 4 backbone + 4 head blocks (~25.7M; the block split is this library's assumption;
+    ``paper_sudoku_extreme_attractor_head.yaml``; not the authors' puzzle model)."""
     return AttractorConfig(vocab_size=11, seq_len=81, d_model=512, n_heads=8, n_backbone=4, n_layers=4)
 
 
