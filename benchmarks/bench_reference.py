@@ -191,12 +191,24 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", type=Path, default=None, help="write the result here (default: print)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile both sides (loopformer: model.step, as train.compile; reference: its loss head, "
+        "as its pretrain.py does)",
+    )
     args = parser.parse_args(argv)
     if not args.ref.is_dir():
         raise SystemExit(f"--ref {args.ref}: not a folder")
     torch.set_num_threads(args.threads)
     torch.set_flush_denormal(True)
-    text = json.dumps(measure(args.model, args.ref.resolve(), args.quick), indent=2, default=str)
+    if args.compile:
+        from benchmarks import reference_builders as rb
+
+        rb.COMPILE["enabled"] = True
+    result = measure(args.model, args.ref.resolve(), args.quick)
+    result["compiled"] = args.compile
+    text = json.dumps(result, indent=2, default=str)
     if args.json is None:
         print(text)
     else:

@@ -27,6 +27,9 @@ from loopformer.loop import LoopConfig
 from loopformer.train.losses import accuracy, q_halt_loss, sequence_loss
 
 LR, BETAS, WEIGHT_DECAY = 1e-4, (0.9, 0.95), 0.1
+# ``bench_reference --compile``: loopformer's step as ``train.compile: true`` compiles it (model.step) and
+# the reference's loss head as TinyRecursiveModels / HRM ``pretrain.py`` compile it (torch.compile(model))
+COMPILE = {"enabled": False}
 
 
 @dataclass(frozen=True)
@@ -171,9 +174,12 @@ def _pair(
 ) -> Pair:
     """Both sides' training step and evaluation batch on one shared batch, with their parameter counts."""
     batch = _batch(shape)
+    params = {"loopformer": _count(ours), "reference": _count(ref)}
+    if COMPILE["enabled"]:
+        ours.step = torch.compile(ours.step)
+        ref = torch.compile(ref)
     ours_train, ours_eval = _ours(ours, batch, train_loop, eval_loop, aux_weight)
     ref_train, ref_eval = _ref_act(ref, batch, set_iters=set_iters)
-    params = {"loopformer": _count(ours), "reference": _count(ref)}
     return Pair(ours_train, ref_train, ours_eval, ref_eval, config, subs, params)
 
 
@@ -380,7 +386,7 @@ def build_attractor(root: Path, shape: Shape, quick: bool) -> Pair:
     _, ours = build_converted(converted)
     config = {
         "training_step": f"one deep-supervision segment: T = {TRM_H} cycles, each an Anderson solve of the "
-        f"latent ({DEQ_ITERS} map evaluations, m 5, no gradient) + {BPTT_THROUGH} phantom-gradient "
+        f"latent (at most {DEQ_ITERS} map evaluations, m 5, no gradient) + {BPTT_THROUGH} phantom-gradient "
         "applications + 1 answer update, the first T - 1 cycles without gradient; stablemax loss + 0.5 "
         f"Q-halt BCE + {JAC_LAMBDA} x Hutchinson Jacobian term (1 probe), AdamW",
         "eval_batch": f"{TRM_SEGMENTS} segments, no gradient",
@@ -390,8 +396,9 @@ def build_attractor(root: Path, shape: Shape, quick: bool) -> Pair:
     subs = [
         "AdamATan2 (CUDA extension) -> torch.optim.AdamW on both sides; sparse puzzle-embedding "
         "sign-SGD not stepped",
-        "deq_tol 1e-12 (default 1e-3) so both sides take exactly deq_max_iter map evaluations per solve "
-        "(the reference stops on the batch's largest residual, loopformer per sample)",
+        "deq_tol 1e-12 (default 1e-3) so no solve stops on its residual; both sides stop a solve when its "
+        "float32 mixing system turns singular (the reference's except RuntimeError: break), here after 5-6 "
+        "evaluations (docs/fidelity.md, Attractor puzzle model)",
     ]
     train_loop, eval_loop = _segment_loops(TRM_H, TRM_SEGMENTS)
     aux = float(converted.run["train"]["ponder_weight"])
