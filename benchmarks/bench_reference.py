@@ -75,7 +75,22 @@ def _clock():
     )
 
 
-def measure(model: str, ref: Path, quick: bool) -> dict[str, Any]:
+def profile_step(step: Any, steps: int = 4, top: int = 12) -> dict[str, Any]:
+    """Per-step self CPU time (ms) and calls of the ``top`` operators of ``step`` (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(2):
+        step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
+    events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+    total = sum(e.self_cpu_time_total for e in events) / steps / 1e3
+    ops = {e.key: [round(e.self_cpu_time_total / steps / 1e3, 2), e.count / steps] for e in events[:top]}
+    return {"total_ms": round(total, 1), "top_ops_ms_calls": ops}
+
+
+def measure(model: str, ref: Path, quick: bool, profile: bool = False) -> dict[str, Any]:
     """Build the pair and time it (runs inside the subprocess)."""
     from benchmarks import reference_builders as rb
 
@@ -115,6 +130,11 @@ def measure(model: str, ref: Path, quick: bool) -> dict[str, Any]:
             "reference_median_s": median(times["reference"]),
         }
     out["clock"], out["threads"] = clock_name, torch.get_num_threads()
+    if profile:
+        out["profile"] = {
+            "loopformer": profile_step(pair.ours_train),
+            "reference": profile_step(pair.ref_train),
+        }
     return out
 
 
@@ -192,6 +212,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="also profile both sides' training step: per-step self CPU ms and calls of the top operators",
+    )
+    parser.add_argument(
         "--compile",
         action="store_true",
         help="torch.compile both sides (loopformer: model.step, as train.compile; reference: its loss head, "
@@ -206,7 +231,7 @@ def main(argv: list[str] | None = None) -> None:
         from benchmarks import reference_builders as rb
 
         rb.COMPILE["enabled"] = True
-    result = measure(args.model, args.ref.resolve(), args.quick)
+    result = measure(args.model, args.ref.resolve(), args.quick, profile=args.profile)
     result["compiled"] = args.compile
     text = json.dumps(result, indent=2, default=str)
     if args.json is None:
