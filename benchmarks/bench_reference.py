@@ -86,8 +86,8 @@ def profile_step(step: Any, steps: int = 4, top: int = 12) -> dict[str, Any]:
             step()
     events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
     total = sum(e.self_cpu_time_total for e in events) / steps / 1e3
-    ops = {e.key: [round(e.self_cpu_time_total / steps / 1e3, 2), e.count / steps] for e in events[:top]}
-    return {"total_ms": round(total, 1), "top_ops_ms_calls": ops}
+    ops = {e.key: [round(e.self_cpu_time_total / steps / 1e3, 3), e.count / steps] for e in events[:top]}
+    return {"total_ms": round(total, 3), "top_ops_ms_calls": ops}
 
 
 def measure(model: str, ref: Path, quick: bool, profile: bool = False) -> dict[str, Any]:

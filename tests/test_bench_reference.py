@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = str(Path(__file__).resolve().parents[1])
 if ROOT not in sys.path:  # benchmarks/ is a top-level package of the repository
@@ -56,3 +57,15 @@ def test_quick_pair_runs_against_the_checkout(model: str) -> None:
         assert r.value is not None and 0.05 < r.value < 20, r
     params = rows[0].details["params"]
     assert abs(params["loopformer"] - params["reference"]) / params["reference"] < 0.01  # same matrices
+
+
+def test_profile_step_reports_the_top_operators_per_step() -> None:
+    a = torch.randn(64, 64)
+
+    def step() -> None:
+        (a @ a).relu_()
+
+    prof = br.profile_step(step, steps=3, top=5)
+    mm_ms, mm_calls = prof["top_ops_ms_calls"]["aten::mm"]
+    assert mm_calls == 1.0 and 0 < mm_ms <= prof["total_ms"]
+    assert prof["top_ops_ms_calls"]["aten::relu_"][1] == 1.0
