@@ -102,7 +102,18 @@ class TrainConfig:
     weight_decay: float = 0.1
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
-    optimizer: Literal["adamw", "adam_atan2"] = "adamw"  # adam_atan2: TRM / HRM (train/optim.py AdamATan2)
+    # adam_atan2: TRM / HRM (train/optim.py AdamATan2); muon_adamw: the Attractor LM's Muon on the hidden
+    # matrices + AdamW on the rest (train/muon.py), the muon_* keys below (defaults: the reference's)
+    optimizer: Literal["adamw", "adam_atan2", "muon_adamw"] = "adamw"
+    muon_lr: float | None = None  # Muon's rate (muon_lr; None: train.lr), on train.schedule
+    muon_momentum: float = 0.95
+    muon_weight_decay: float = 0.2  # cautious decay (muon_wd), tapered linearly to 0 over train.steps
+    muon_weight_decay_taper: bool = True
+    muon_ns_steps: int = 5  # Polar Express steps, 1..5
+    muon_beta2: float = 0.95  # second-moment EMA of the orthogonalised update
+    muon_momentum_warmup_start: float = 0.85  # momentum warms up linearly from this value ...
+    muon_momentum_warmup_steps: int = 300  # ... over these steps (0: none)
+    muon_ns_dtype: Literal["bfloat16", "float32", "float64"] = "bfloat16"  # the iteration's precision
     decay_all: bool = False  # weight decay on every parameter, biases included (TRM / HRM)
     # sign_sgd: TRM / HRM's sparse-embedding SignSGD
     puzzle_emb_optimizer: Literal["same", "sign_sgd"] = "same"

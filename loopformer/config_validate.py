@@ -27,6 +27,37 @@ MAX_YAML_NODES = 100_000
 MAX_LR = 10.0
 
 
+def _check_muon(t: Any) -> None:
+    """``train.muon_*`` (read by ``optimizer: muon_adamw``; checked whatever the optimiser)."""
+    if t.muon_lr is not None and not (math.isfinite(t.muon_lr) and 0 < t.muon_lr <= MAX_LR):
+        raise ConfigError(
+            f"train.muon_lr must be null or a finite number in (0, {MAX_LR:g}], got {t.muon_lr}"
+        )
+    for key in ("muon_momentum", "muon_beta2", "muon_momentum_warmup_start"):
+        value = getattr(t, key)
+        if not (math.isfinite(value) and 0 <= value < 1):
+            raise ConfigError(f"train.{key} must be in [0, 1), got {value}")
+    if not (math.isfinite(t.muon_weight_decay) and t.muon_weight_decay >= 0):
+        raise ConfigError(f"train.muon_weight_decay must be a finite number >= 0, got {t.muon_weight_decay}")
+    if isinstance(t.muon_ns_steps, bool) or not 1 <= t.muon_ns_steps <= 5:
+        raise ConfigError(
+            f"train.muon_ns_steps must be an integer in 1..5 (Polar Express steps), got {t.muon_ns_steps}"
+        )
+    if isinstance(t.muon_momentum_warmup_steps, bool) or t.muon_momentum_warmup_steps < 0:
+        raise ConfigError(
+            f"train.muon_momentum_warmup_steps must be >= 0, got {t.muon_momentum_warmup_steps}"
+        )
+    if t.optimizer == "muon_adamw" and t.strategy == "fsdp":
+        raise ConfigError(
+            "train.optimizer=muon_adamw needs whole matrices (Muon orthogonalises each); "
+            "train.strategy=fsdp shards them: use train.strategy=ddp"
+        )
+    if t.optimizer == "muon_adamw" and (t.puzzle_emb_optimizer == "sign_sgd" or t.decay_all):
+        raise ConfigError(
+            "train.optimizer=muon_adamw takes neither train.puzzle_emb_optimizer=sign_sgd nor train.decay_all"
+        )
+
+
 # --------------------------------------------------------------------------------------------
 # YAML
 # --------------------------------------------------------------------------------------------
@@ -166,6 +197,7 @@ def _check_train(cfg: RunConfig) -> None:
         math.isfinite(t.head_weight_decay) and t.head_weight_decay >= 0
     ):
         raise ConfigError(f"train.head_weight_decay must be >= 0 (or null), got {t.head_weight_decay}")
+    _check_muon(t)
     if not (math.isfinite(t.eps) and 0 < t.eps < 1):
         raise ConfigError(f"train.eps must be a finite number in (0, 1), got {t.eps}")
     for i, beta in enumerate(t.betas):

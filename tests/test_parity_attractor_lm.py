@@ -3,10 +3,11 @@
 docs/fidelity.md). The reference's state dict goes through ``loopformer convert attractor`` into a float64
 model, which must reproduce the reference's inference logits (Anderson solve), the solve's iterates and
 residuals, the training loss, every gradient norm through the ``onestep`` IFT backward and one optimiser
-step with the head's learning-rate scale and weight decay. No reference code is needed."""
+step of ``muon_adamw`` (the reference's MuonAdamW) with the head's learning-rate scale and weight decay. No reference code is needed."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -17,6 +18,7 @@ from loopformer.convert.fixtures import FIXTURE_DIR, load_fixture, prefixed
 from loopformer.loop import run_loop
 from loopformer.train.checkpoint import CheckpointError
 from loopformer.train.losses import sequence_loss
+from loopformer.train.muon import MuonAdamW
 from loopformer.train.optim import set_lr
 from loopformer.train.setup import make_optimizer
 
@@ -108,7 +110,10 @@ def test_parity_attractor_lm_solver_iterates_and_residuals(fixture: Loaded) -> N
 
 def test_parity_attractor_lm_train_loss_grads_and_step(fixture: Loaded) -> None:
     """Training step: token-mean cross-entropy, onestep IFT gradients (clipped J^T v in ``_stop``), then one
-    AdamW step over the reference's parameter groups (head at fp_lr_scale x lr, its matrices decayed by fp_wd)."""
+    ``muon_adamw`` step = the reference's ``MuonAdamW`` step: Muon on the backbone's matrices (c_q / c_k / c_v
+    of our fused qkv apart) at the recorded optimiser step of the momentum warm-up and decay taper, AdamW
+    on the rest (head at fp_lr_scale x lr, its matrices decayed by fp_wd). The fixture ran the reference's
+    bfloat16 iteration in float64, so ours runs in float64 too (``muon_ns_dtype``)."""
     f = fixture
     model = f.model.train()
     out = model(f.inputs, loop=f.loop("train"))
@@ -122,14 +127,25 @@ def test_parity_attractor_lm_train_loss_grads_and_step(fixture: Loaded) -> None:
             torch.linalg.vector_norm(p.grad), torch.tensor(ref, dtype=torch.float64), rtol=GRAD_RTOL, atol=1e-12,
             msg=name,
         )  # fmt: skip
-    tc = f.config.train
+    sched = f.meta["optimizer_schedule"]
+    tc = dataclasses.replace(f.config.train, steps=sched["max_steps"], muon_ns_dtype="float64")
+    assert tc.optimizer == "muon_adamw"
     optimizer = make_optimizer(model, tc)
     set_lr(optimizer, tc.lr)
-    ours = {n: (g["lr"], g["weight_decay"]) for g in optimizer.param_groups for n in g["names"]}
-    ref = {n: (g["lr"], g["weight_decay"]) for g in f.meta["optimizer_groups"] for n in g["names"]}
+    for g in optimizer.param_groups:
+        if g["kind"] == "muon":
+            g["t"] = sched["optimizer_step"]
+            MuonAdamW.schedule_(g)
+    keys = ("kind", "lr", "weight_decay", "momentum")
+    ours = {n: tuple(g.get(k) for k in keys) for g in optimizer.param_groups for n in g["names"]}
+    ref = {n: tuple(g.get(k) for k in keys) for g in f.meta["optimizer_groups"] for n in g["names"]}
     for name in ours:
         for src in f.sources(name):
-            assert ours[name] == pytest.approx(ref[src]), f"{name} ({src}): lr / weight decay"
+            assert ours[name] == pytest.approx(ref[src]), (
+                f"{name} ({src}): kind / lr / weight decay / momentum"
+            )
+    muon = {n for g in optimizer.param_groups if g["kind"] == "muon" for n in g["names"]}
+    assert muon == {n for n, _ in model.named_parameters() if n.startswith("backbone.") and ".norm" not in n}
     optimizer.step()
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.detach(), f.ref_tensor("step", name), rtol=0, atol=STEP_ATOL, msg=name)
@@ -211,4 +227,25 @@ def test_paper_lm_attractor_recipe_size() -> None:
     )
     assert (mc.n_backbone, mc.n_layers, mc.d_model, mc.n_heads) == (7, 1, 1024, 8)
     assert (cfg.train.head_lr_scale, cfg.train.head_weight_decay) == (0.5, 0.1)
+    t = cfg.train  # launch_configs/attractor-small-140m.yaml + recpre/settings.py defaults
+    assert (t.optimizer, t.lr, t.weight_decay, t.betas, t.eps) == (
+        "muon_adamw",
+        8e-3,
+        0.0,
+        (0.8, 0.95),
+        1e-10,
+    )
+    assert (t.muon_lr, t.muon_momentum, t.muon_weight_decay, t.muon_ns_steps, t.muon_beta2) == (
+        8e-3,
+        0.95,
+        0.2,
+        5,
+        0.95,
+    )
+    assert (t.muon_momentum_warmup_start, t.muon_momentum_warmup_steps, t.muon_ns_dtype) == (
+        0.85,
+        300,
+        "bfloat16",
+    )
+    assert t.muon_weight_decay_taper
     assert (cfg.train.schedule, cfg.train.cooldown_fraction, cfg.train.warmup_steps) == ("trapezoid", 0.5, 0)

@@ -178,8 +178,27 @@ def loop_section(s: dict[str, Any], train: bool) -> dict[str, Any]:
     return loop
 
 
+def _muon_section(tc: dict[str, Any], opt: dict[str, Any]) -> dict[str, Any]:
+    """``optimizer: MuonAdamW`` as ``train.optimizer: muon_adamw``: AdamW's decay is ``weight_decay`` when
+    ``no_weight_decay_for_bias_and_norm_params`` (get_muon_param_groups_from_config), else 0."""
+    adamw_wd = (
+        float(opt.get("weight_decay", 0.1)) if tc.get("no_weight_decay_for_bias_and_norm_params") else 0.0
+    )
+    return {
+        "optimizer": "muon_adamw",
+        "weight_decay": adamw_wd,
+        "decay_embeddings": adamw_wd > 0,
+        "muon_lr": float(opt.get("muon_lr", 0.02)),
+        "muon_momentum": float(opt.get("muon_momentum", 0.95)),
+        "muon_weight_decay": float(opt.get("muon_wd", 0.2)),
+        "muon_ns_steps": int(opt.get("muon_ns_steps", 5)),
+        "muon_momentum_warmup_start": float(opt.get("muon_momentum_warmup_start", 0.85)),
+        "muon_momentum_warmup_steps": int(opt.get("muon_momentum_warmup_steps", 300)),
+    }
+
+
 def train_section(ref: dict[str, Any], s: dict[str, Any], seq_len: int) -> dict[str, Any]:
-    """The launch config's optimiser as loopformer's AdamW (Muon's matrices included, at its rate)."""
+    """The launch config's optimiser: ``MuonAdamW`` as ``muon_adamw``, else loopformer's AdamW."""
     tc = ref.get("train_config") if isinstance(ref.get("train_config"), dict) else {}
     opt = tc.get("optim_config", {})
     section: dict[str, Any] = {
@@ -197,6 +216,8 @@ def train_section(ref: dict[str, Any], s: dict[str, Any], seq_len: int) -> dict[
         "mode": "deep_supervision",
         "max_segments": 1,
     }
+    if tc.get("optimizer", "AdamW") == "MuonAdamW":  # scripts/train.py + recpre/optim/muon_adamw.py
+        section.update(_muon_section(tc, opt))
     if "world_batch_size" in tc:
         section["batch_size"] = int(tc["world_batch_size"])
         if "max_tokens" in tc:

@@ -8,7 +8,7 @@
   True has its one-dimensional parameters (biases) decayed as well. ``head=(lr_scale, weight_decay)``
   moves the parameters under the model's ``head_parameter_prefixes()`` into their own groups at
   ``lr_scale`` times the rate (a group's ``lr_mult``, which ``set_lr`` keeps), the head's matrices
-  decayed by ``weight_decay`` (None: as the other groups): the Attractor LM's ``fp_lr_scale`` /
+  decayed by ``weight_decay`` (None: as the other groups; also when ``train.weight_decay`` is 0): the Attractor LM's ``fp_lr_scale`` /
   ``fp_wd`` (github jacobfa/Attractor ``recpre/optim/muon_adamw.py: get_muon_param_groups``).
 - ``AdamATan2``: Adam with ``atan2`` in place of the division (Everett et al., arXiv 2407.05872), in
   the form of the ``adam-atan2`` package TRM and HRM train with (a CUDA kernel; here plain PyTorch):
@@ -28,6 +28,7 @@
 - ``EMA``: exponential moving average of the weights (TRM / FPRM use 0.999), with a
   ``state_dict`` of plain tensors (saved to ``ema.safetensors``) and ``applied(model)`` to
   evaluate with the averaged weights.
+- ``kind="muon_adamw"``: the Attractor LM's Muon + AdamW (``loopformer.train.muon``).
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ from collections.abc import Iterator
 
 import torch
 from torch import Tensor, nn
+
+from loopformer.train.muon import muon_adamw
 
 _NORM_TYPES: tuple[type[nn.Module], ...] = (nn.LayerNorm, nn.GroupNorm, nn.BatchNorm1d, nn.RMSNorm)
 
@@ -72,8 +75,8 @@ def parameter_groups(model: nn.Module, weight_decay: float, decay_embeddings: bo
         target[0].append(p)
         target[1].append(name)
     groups = [
-        {"params": decay[0], "names": decay[1], "weight_decay": weight_decay},
-        {"params": no_decay[0], "names": no_decay[1], "weight_decay": 0.0},
+        {"params": decay[0], "names": decay[1], "weight_decay": weight_decay, "decayed": True},
+        {"params": no_decay[0], "names": no_decay[1], "weight_decay": 0.0, "decayed": False},
     ]
     return [g for g in groups if g["params"]]
 
@@ -190,20 +193,23 @@ def build_optimizer(
     decay_all: bool = False,
     puzzle_emb: tuple[float, float] | None = None,
     head: tuple[float, float | None] | None = None,
+    muon: dict | None = None,
 ) -> torch.optim.Optimizer:
     """AdamW (``kind="adamw"``, foreach, deterministic) or ``AdamATan2`` over ``parameter_groups``.
 
     ``decay_all``: one decayed group of every parameter (TRM / HRM pass ``model.parameters()`` to
     one optimiser). ``puzzle_emb=(lr, weight_decay)``: parameters named ``*puzzle_emb*`` get their own
     sign-SGD group at that rate (TRM / HRM's sparse-embedding optimiser with ``kind="adam_atan2"``;
-    FPRM's with ``kind="adamw"``: ``AdamWSignSGD``).
+    FPRM's with ``kind="adamw"``: ``AdamWSignSGD``). ``kind="muon_adamw"``: ``muon.MuonAdamW`` with the
+    settings ``muon`` (``muon.muon_adamw``), the weight-decay and head groups as for AdamW.
     """
     groups = parameter_groups(model, weight_decay, decay_embeddings)
     if decay_all:
         params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         groups = [
-            {"params": [p for _, p in params], "names": [n for n, _ in params], "weight_decay": weight_decay}
-        ]
+            {"params": [p for _, p in params], "names": [n for n, _ in params], "weight_decay": weight_decay,
+             "decayed": True}
+        ]  # fmt: skip
     if puzzle_emb is not None:
         groups = split_puzzle_group(groups, model, lr, puzzle_emb)
     if head is not None:
@@ -211,12 +217,16 @@ def build_optimizer(
     groups = [g for g in groups if g["params"]]
     if not groups:
         raise ValueError(f"{type(model).__name__} has no trainable parameters")
+    if kind == "muon_adamw":
+        if muon is None or puzzle_emb is not None:
+            raise ValueError("muon_adamw needs its Muon settings and takes no sign-SGD puzzle group")
+        return muon_adamw(model, groups, lr, betas, eps, muon)
     if kind == "adamw":
         cls = AdamWSignSGD if puzzle_emb is not None else torch.optim.AdamW
         return cls(groups, lr=lr, betas=betas, eps=eps)
     if kind == "adam_atan2":
         return AdamATan2(groups, lr=lr, betas=betas, weight_decay=weight_decay)
-    raise ValueError(f"unknown optimizer {kind!r}; expected 'adamw' or 'adam_atan2'")
+    raise ValueError(f"unknown optimizer {kind!r}; expected 'adamw', 'adam_atan2' or 'muon_adamw'")
 
 
 def split_puzzle_group(
@@ -270,7 +280,9 @@ def split_head_groups(
         moved = {**g, "params": [p for p, i in zip(g["params"], inside) if i], "lr_mult": scale}
         moved["names"] = [n for n, i in zip(g["names"], inside) if i]
         moved["lr"] = lr * scale
-        if head_wd is not None and g["weight_decay"] > 0:
+        if head_wd is not None and g.get(
+            "decayed", g["weight_decay"] > 0
+        ):  # even when train.weight_decay is 0
             moved["weight_decay"] = head_wd
         out += [rest, moved]
     return out

@@ -111,7 +111,7 @@ def prepare_model(
 
 
 def make_optimizer(model: LoopedModel, tc: TrainConfig) -> torch.optim.Optimizer:
-    """``loopformer.train.optim.build_optimizer`` as ``tc`` asks: AdamW or AdamATan2, the weight-decay
+    """``loopformer.train.optim.build_optimizer`` as ``tc`` asks: AdamW, AdamATan2 or MuonAdamW, the weight-decay
     groups, and TRM / HRM's sign-SGD puzzle-embedding group (``train.puzzle_emb_optimizer=sign_sgd``)."""
     puzzle = (tc.puzzle_emb_lr, tc.puzzle_emb_weight_decay) if tc.puzzle_emb_optimizer == "sign_sgd" else None
     head = None
@@ -128,7 +128,22 @@ def make_optimizer(model: LoopedModel, tc: TrainConfig) -> torch.optim.Optimizer
         tc.decay_all,
         puzzle,
         head,
+        muon_settings(tc) if tc.optimizer == "muon_adamw" else None,
     )
+
+
+def muon_settings(tc: TrainConfig) -> dict:
+    """The ``muon`` settings of ``build_optimizer`` from ``train.muon_*``."""
+    return {
+        "lr": tc.lr if tc.muon_lr is None else tc.muon_lr,
+        "momentum": tc.muon_momentum,
+        "weight_decay": tc.muon_weight_decay,
+        "taper_steps": tc.steps if tc.muon_weight_decay_taper else 0,
+        "ns_steps": tc.muon_ns_steps,
+        "beta2": tc.muon_beta2,
+        "ns_dtype": tc.muon_ns_dtype,
+        "momentum_warmup": (tc.muon_momentum_warmup_start, tc.muon_momentum_warmup_steps),
+    }
 
 
 def lr_for(step: int, tc: TrainConfig) -> float:

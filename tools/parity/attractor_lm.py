@@ -1,7 +1,7 @@
 """Parity fixtures for the Attractor language model (github jacobfa/Attractor, ``Attractor``).
 
 Imports ``attractor/models/attractor/attractor.py`` (``Attractor``), ``config.py`` (``AttractorConfig``),
-``solvers.py`` (``anderson_solve``) and ``recpre/optim/muon_adamw.py`` (``get_muon_param_groups``) from a
+``solvers.py`` (``anderson_solve``) and ``recpre/optim/muon_adamw.py`` (``MuonAdamW``, ``get_muon_param_groups``) from a
 checkout of the reference (``--ref``), builds a tiny model in float64 on CPU with the 140M config's
 architecture and settings (``configs/attractor/attractor-small-140m.py``: RMSNorm eps 1e-5, ``BaseMLP`` +
 ``ReLU2``, qk-norm, no biases, tied embeddings, ``scaled-zero`` + orthogonal init, gates 0.75 / 0.75,
@@ -27,9 +27,11 @@ normalisers cannot disagree about the step) after 3..24 evaluations, ``adjoint_g
 Substitutions (also in each fixture's JSON):
 - ``Tensor.float()`` returns float64 tensors unchanged while the reference runs (its RMSNorm, RoPE,
   logits and the Anderson Gram solve upcast bf16 to float32; applied to float64 it would round).
-- ``MuonAdamW``'s compiled ``adamw_step`` is ``torch.optim.AdamW``'s update (same formula); its Muon
-  groups (the backbone's matrices) take that AdamW step too, with the group's rate and decay: loopformer
-  has no Muon (docs/fidelity.md). The groups themselves are the reference's ``get_muon_param_groups``.
+- the optimiser step is the reference's ``MuonAdamW.step`` over ``get_muon_param_groups``, its group
+  settings as ``scripts/train.py`` sets them at optimiser step ``SCHEDULE["optimizer_step"]`` of
+  ``SCHEDULE["max_steps"]`` (Muon momentum warm-up, weight-decay taper), with the ``torch.compile``d
+  ``muon_step`` / ``adamw_step`` run as their Python functions (``__wrapped__``) and ``Tensor.bfloat16()``
+  keeping float64 tensors (the Newton-Schulz iteration runs in bfloat16 in the reference).
 - attention: the reference's own CPU path (``flash_attention._sdpa_attention``, causal SDPA); no FA3.
 """
 
@@ -55,8 +57,9 @@ COMMIT = "fcf045f9fb9d458f9e1574bd4036cd2fb63b3697"
 SUBSTITUTIONS = [
     "Tensor.float() keeps float64 tensors while the reference runs (RMSNorm, RoPE, logits and the Anderson "
     "Gram solve upcast to float32 in the reference; in float64 that would round)",
-    "MuonAdamW's compiled adamw_step is torch.optim.AdamW's update (same formula); the Muon groups take "
-    "that AdamW step with their rate and weight decay (loopformer has no Muon); groups from get_muon_param_groups",
+    "MuonAdamW.step runs its torch.compile'd muon_step / adamw_step as Python functions (__wrapped__), eager on CPU",
+    "Tensor.bfloat16() keeps float64 tensors in the optimiser step (the reference's Newton-Schulz iteration and "
+    "Muon update run in bfloat16; in float64 that would round)",
     "attention: the reference's CPU path (flash_attention._sdpa_attention, causal SDPA)",
 ]
 TINY: dict[str, Any] = dict(
@@ -116,6 +119,14 @@ OPT: dict[str, Any] = {
     "muon_wd": 0.2,
     "muon_ns_steps": 5,
 }
+# scripts/train.py's per-step Muon settings (momentum warm-up from 0.85 over 300 steps, weight decay
+# tapered to 0 over max_steps) at this optimiser step of a run of max_steps steps
+SCHEDULE: dict[str, Any] = {
+    "optimizer_step": 3,
+    "max_steps": 10,
+    "muon_momentum_warmup_start": 0.85,
+    "muon_momentum_warmup_steps": 300,
+}
 BATCH, SEQ, PERTURB = 3, 12, 0.05
 
 
@@ -162,6 +173,38 @@ def _solve_trace(ref: Any, model: Any, input_ids: Tensor) -> dict[str, Tensor]:
     }
 
 
+@contextlib.contextmanager
+def eager_float64_muon(muon: Any) -> Iterator[None]:
+    """``muon_adamw``'s compiled kernels as Python functions, ``Tensor.bfloat16()`` keeping float64."""
+    kernels = {k: getattr(muon, k) for k in ("muon_step", "adamw_step")}
+    original = torch.Tensor.bfloat16
+
+    def keep(self: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        return self if self.dtype == torch.float64 else original(self, *args, **kwargs)
+
+    for k, fn in kernels.items():
+        setattr(muon, k, fn.__wrapped__)
+    torch.Tensor.bfloat16 = keep  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.Tensor.bfloat16 = original  # type: ignore[method-assign]
+        for k, fn in kernels.items():
+            setattr(muon, k, fn)
+
+
+def _scheduled(groups: list[dict[str, Any]]) -> None:
+    """``scripts/train.py``'s settings of the Muon groups at optimiser step ``SCHEDULE["optimizer_step"]``."""
+    t, total = SCHEDULE["optimizer_step"], SCHEDULE["max_steps"]
+    start, warm = SCHEDULE["muon_momentum_warmup_start"], SCHEDULE["muon_momentum_warmup_steps"]
+    for g in groups:
+        if g["kind"] != "muon":
+            continue
+        if not g.get("pin_wd", False):
+            g["weight_decay"] = max(0.0, OPT["muon_wd"] * (1 - t / total))
+        g["momentum"] = start + min(t / warm, 1.0) * (OPT["muon_momentum"] - start)
+
+
 def _optimizer_step(muon: Any, model: Any) -> tuple[dict[str, Tensor], list[dict[str, Any]]]:
     names = {id(p): n for n, p in model.named_parameters()}
     groups = muon.get_muon_param_groups(
@@ -175,17 +218,9 @@ def _optimizer_step(muon: Any, model: Any) -> tuple[dict[str, Tensor], list[dict
         muon_wd=OPT["muon_wd"],
         muon_ns_steps=OPT["muon_ns_steps"],
     )
-    adam_groups = [
-        {
-            "params": g["params"],
-            "lr": g["lr"],
-            "betas": tuple(OPT["betas"]),
-            "eps": OPT["eps"],
-            "weight_decay": g["weight_decay"],
-        }
-        for g in groups
-    ]
-    torch.optim.AdamW(adam_groups, foreach=False).step()
+    _scheduled(groups)
+    with eager_float64_muon(muon):
+        muon.MuonAdamW(groups).step()
     out = {
         f"step.{k}": v.detach().clone() for k, v in model.state_dict().items() if v.dtype.is_floating_point
     }
@@ -194,6 +229,7 @@ def _optimizer_step(muon: Any, model: Any) -> tuple[dict[str, Tensor], list[dict
             "kind": g["kind"],
             "lr": g["lr"],
             "weight_decay": g["weight_decay"],
+            **({"momentum": g["momentum"], "ns_steps": g["ns_steps"]} if g["kind"] == "muon" else {}),
             "names": sorted(names[id(p)] for p in g["params"]),
         }
         for g in groups
@@ -222,7 +258,9 @@ def build_one(out_dir: Path, name: str, cfg: dict[str, Any]) -> list[str]:
     model_config = {k: v for k, v in cfg.items() if k != "name"}
     (folder / "config.json").write_text(
         json.dumps(
-            {"model_config": model_config, "train_config": {"optim_config": OPT}}, indent=1, sort_keys=True
+            {"model_config": model_config, "train_config": {"optimizer": "MuonAdamW", "optim_config": OPT}},
+            indent=1,
+            sort_keys=True,
         )
         + "\n"
     )
@@ -250,6 +288,7 @@ def build_one(out_dir: Path, name: str, cfg: dict[str, Any]) -> list[str]:
         "config": model_config,
         "optimizer": OPT,
         "optimizer_groups": groups,
+        "optimizer_schedule": SCHEDULE,
         "perturbation": PERTURB,
         "substitutions": SUBSTITUTIONS,
         "checkpoint": f"{name}/model.pt",
