@@ -6,7 +6,11 @@ The papers train on FineWeb-Edu; nothing is downloaded here. Sources:
   79 topics, ~0.47 MB of English and code on CPython 3.11), joined in sorted key order;
 * a text file (any bytes: a non-UTF-8 file is read as raw bytes all the same);
 * a folder: every ``*.txt`` and ``*.md`` below it, in sorted path order;
-* a ``.parquet`` file with a text column (needs pyarrow, an optional dependency).
+* a ``.parquet`` file with a text column (needs pyarrow, an optional dependency);
+* a ``.npy`` file: an already tokenized corpus, one 1-D integer array of token ids (e.g. FineWeb-Edu
+  through the authors' BPE tokenizer of vocabulary 32768, arXiv 2605.12466), memory-mapped, with
+  ``vocab_size`` (default: the largest id + 1) and ``tokens_per_byte`` (tokens per byte of the text it
+  encodes, required: bits per byte are reported from it). Everything below then holds per token.
 
 Tokens are bytes (vocabulary 256); the task is causal: ``inputs = x[s : s+T]``,
 ``labels = x[s+1 : s+T+1]``. Train / validation split: the corpus is cut into contiguous blocks
@@ -78,8 +82,31 @@ def read_corpus(path: str | Path | None, text_column: str = "text") -> bytes:
     return data
 
 
+def read_token_ids(path: str | Path, vocab_size: int | None) -> tuple[np.ndarray, int]:
+    """A memory-mapped 1-D integer token array and its vocabulary size; TaskDataError naming the problem."""
+    path = Path(path)
+    if not path.is_file():
+        raise TaskDataError(f"{path}: no such file")
+    try:
+        data = np.load(path, mmap_mode="r", allow_pickle=False)
+    except (ValueError, OSError) as error:
+        raise TaskDataError(f"{path}: not a readable .npy array ({error})") from error
+    if data.ndim != 1 or not np.issubdtype(data.dtype, np.integer):
+        raise TaskDataError(f"{path}: expected a 1-D integer array of token ids, got {data.dtype} {data.shape}")
+    if data.size == 0:
+        raise TaskDataError(f"{path}: the token array is empty")
+    lo, hi = int(data.min()), int(data.max())
+    if lo < 0:
+        raise TaskDataError(f"{path}: token ids must be >= 0, found {lo}")
+    if vocab_size is None:
+        vocab_size = hi + 1
+    elif hi >= vocab_size:
+        raise TaskDataError(f"{path}: token id {hi} does not fit vocab_size {vocab_size}")
+    return data, int(vocab_size)
+
+
 class TextTask(Task):
-    """Byte-level causal LM windows: ``generate(n, seed, split="train" | "val")``."""
+    """Causal LM windows of bytes (or of a tokenized corpus' ids): ``generate(n, seed, split="train" | "val")``."""
 
     name = "text"
     vocab_size = 256
@@ -93,6 +120,8 @@ class TextTask(Task):
         val_fraction: float = 0.05,
         block_bytes: int | None = None,
         text_column: str = "text",
+        vocab_size: int | None = None,
+        tokens_per_byte: float | None = None,
     ) -> None:
         if seq_len < 1:
             raise TaskDataError(f"seq_len must be >= 1, got {seq_len}")
@@ -101,7 +130,21 @@ class TextTask(Task):
         self.path = None if path is None else str(path)
         self.seq_len = seq_len
         self.val_fraction = val_fraction
-        self.data = np.frombuffer(read_corpus(path, text_column), dtype=np.uint8)
+        if path is not None and Path(path).suffix.lower() == ".npy":
+            self.data, self.vocab_size = read_token_ids(path, vocab_size)
+            if tokens_per_byte is None or not tokens_per_byte > 0:
+                raise TaskDataError(
+                    f"{path}: a tokenized corpus needs data.options.tokens_per_byte > 0 (tokens per byte of "
+                    f"the text it encodes, e.g. its token count / its UTF-8 size), got {tokens_per_byte!r}"
+                )
+            self.tokens_per_byte = float(tokens_per_byte)
+        else:
+            if vocab_size not in (None, 256) or tokens_per_byte not in (None, 1.0):
+                raise TaskDataError(
+                    "vocab_size / tokens_per_byte apply to a tokenized corpus (a .npy of token ids); "
+                    f"{path or 'the built-in corpus'} is read as bytes (vocabulary 256)"
+                )
+            self.data = np.frombuffer(read_corpus(path, text_column), dtype=np.uint8)
         self.block_bytes = int(block_bytes) if block_bytes is not None else 16 * (seq_len + 1)
         if self.block_bytes < seq_len + 1:
             raise TaskDataError(f"block_bytes {self.block_bytes} must be >= seq_len + 1 = {seq_len + 1}")
@@ -187,6 +230,8 @@ class TextTask(Task):
 
     def render(self, inputs: np.ndarray, prediction: np.ndarray | None = None) -> str:
         tokens = np.asarray(inputs if prediction is None else prediction).reshape(-1)
+        if self.vocab_size != 256:  # token ids: no tokenizer here to decode them
+            return " ".join(str(int(t)) for t in tokens)
         return bytes(int(t) & 0xFF for t in tokens).decode("utf-8", errors="replace")
 
     def save(self, dataset: TokenDataset, path: str | Path) -> None:
