@@ -23,8 +23,14 @@ Design choices:
   orders tokens).
 - ``concat``: W is initialised to ``[I, I]``, so at init ``W[h; e] = h + e`` and concat starts as
   additive injection; it can then learn any linear mix.
-- ``parcae``: A (``injection_log_A``) initialised to 0 (exp(A) = 1), dt to 0 (softplus = ln 2, a
-  decay of 0.5), B to the identity; Parcae's output projection C before the coda is omitted.
+- ``parcae``: A (``injection_log_A``) initialised to 0 (exp(A) = 1), dt so that the initial decay is
+  ``parcae_decay`` (default 0.5: dt = 0; the reference's ``ssm_decay`` sqrt(1/5)), B to the identity.
+  ``coda_proj`` adds Parcae's output projection C (d x d, before the coda; github jacobfa/Attractor
+  ``attractor/models/parcae/parcae.py``), ``prelude_norm`` an RMSNorm after the prelude (its
+  ``prelude_norm``).
+- The Attractor paper's LM layer options of ``transformer.LMLayerOptions`` (``mlp: relu2``, ``qk_norm``,
+  ``norm_eps``, ``rope_base``, ``embed_scale``, ``logit_scale``, ``init_orthogonal``) with
+  ``weight_init: scaled_zero`` (``init`` here is the initial state); loopformer blocks only.
 - KL / entropy halting reads ``halting_readout``: with ``halt_position="all"`` every position (reduced
   by ``LoopConfig.kl_reduce``), with ``"answer"`` only the answer position, the last token that is
   not ``pad_id`` (the LTG reference's ``forward_adapative`` with ``pred_pos="inp_len"`` reads that
@@ -52,6 +58,7 @@ Design choices:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -60,8 +67,17 @@ from torch import Tensor, nn
 
 from loopformer.loop import LoopConfig
 from loopformer.models.base import LoopedModel, ModelConfig
-from loopformer.models.transformer import InputEmbedding, OutputHead, make_blocks
-from loopformer.nn import GPT2Block
+from loopformer.models.transformer import (
+    InputEmbedding,
+    LMLayerOptions,
+    OutputHead,
+    apply_layer_options,
+    make_blocks,
+    matrix_init,
+    scaled_zero_blocks,
+    scaled_zero_io,
+)
+from loopformer.nn import GPT2Block, RMSNorm
 
 INJECTIONS = ("none", "add", "concat", "parcae")
 HALT_POSITIONS = ("all", "answer", "last")
@@ -75,7 +91,7 @@ def _default_loop() -> LoopConfig:
 
 
 @dataclass
-class RecurrentConfig(ModelConfig):
+class RecurrentConfig(LMLayerOptions, ModelConfig):
     n_prelude: int = 0  # distinct blocks before the loop
     n_coda: int = 0  # distinct blocks after the loop (part of the readout)
     injection: str = "add"  # none | add | concat | parcae
@@ -93,7 +109,25 @@ class RecurrentConfig(ModelConfig):
     embed_dropout: float = 0.0  # gpt2: dropout on the embedded input (the reference's embd_pdrop)
     pad_id: int | None = None  # the padding token (needed by halt_position="answer" and pad_mask)
     pad_mask: bool = False  # gpt2: mask padding keys (pad_id) out of attention, as the LTG reference
+    weight_init: str = "default"  # default | scaled_zero (the Attractor paper's baselines)
+    prelude_norm: bool = False  # Parcae: RMSNorm after the prelude
+    coda_proj: bool = False  # Parcae: linear C (d x d, no bias) on the state before the coda
+    parcae_decay: float = 0.5  # injection=parcae: initial per-channel decay exp(-softplus(dt) exp(A))
     loop: LoopConfig = field(default_factory=_default_loop)
+
+    def __post_init__(self) -> None:
+        self.check_layer_options("weight_init")
+        if not (isinstance(self.parcae_decay, (int, float)) and 0 < self.parcae_decay < 1):
+            raise ValueError(f"RecurrentConfig.parcae_decay must lie in (0, 1), got {self.parcae_decay!r}")
+        if self.block == "gpt2":
+            defaults = LMLayerOptions()
+            changed = [k for k in vars(defaults) if getattr(self, k) != getattr(defaults, k)]
+            changed += ["weight_init"] * (self.weight_init != "default")
+            changed += [k for k in ("prelude_norm", "coda_proj") if getattr(self, k)]
+            if changed:
+                raise ValueError(
+                    f"RecurrentConfig: block='gpt2' has its own layers; {changed} need block='loopformer'"
+                )
 
 
 class RecurrentDepth(LoopedModel):
@@ -119,11 +153,14 @@ class RecurrentDepth(LoopedModel):
         if config.block == "gpt2":
             self._gpt2_layers(config)
         else:
-            kw = dict(norm=config.norm, out_init_scale=config.out_init_scale)
+            kw = dict(norm=config.norm, out_init_scale=config.out_init_scale, **config.layer_kwargs())
             self.prelude = make_blocks(config, config.n_prelude, **kw)  # type: ignore[arg-type]
             self.core = make_blocks(config, config.n_layers, **kw)  # type: ignore[arg-type]
             self.coda = make_blocks(config, config.n_coda, **kw)  # type: ignore[arg-type]
             self.output = OutputHead(config, self.embedding)
+            apply_layer_options(config, self.embedding, self.output)
+        self.prelude_out_norm = RMSNorm(d, eps=config.norm_eps) if config.prelude_norm else None
+        self.coda_in = nn.Linear(d, d, bias=False) if config.coda_proj else None
         self.embed_drop = nn.Dropout(config.embed_dropout)
         if config.injection == "concat":
             self.injection_proj = nn.Linear(2 * d, d, bias=False)
@@ -136,6 +173,15 @@ class RecurrentDepth(LoopedModel):
             self.injection_B = nn.Linear(d, d, bias=False)
             with torch.no_grad():
                 self.injection_B.weight.copy_(torch.eye(d))
+                dt = -math.log(config.parcae_decay)  # softplus(raw) = dt: raw = dt + log(1 - exp(-dt))
+                self.injection_dt.fill_(dt + math.log(-math.expm1(-dt)))
+        if config.weight_init == "scaled_zero":
+            std = scaled_zero_io(config, self.embedding, self.output, config.init_orthogonal)
+            for blocks in (self.prelude, self.core, self.coda):
+                scaled_zero_blocks(blocks, std, config.init_orthogonal)
+            if self.coda_in is not None and not self.coda_in.weight.is_meta:
+                with torch.no_grad():
+                    matrix_init(self.coda_in.weight, std, config.init_orthogonal)
         self.init_mode = _AUTO_INIT[config.injection] if config.init == "auto" else config.init
         if config.halt_position not in HALT_POSITIONS:
             raise ValueError(
@@ -183,14 +229,21 @@ class RecurrentDepth(LoopedModel):
         self.output.norm = nn.LayerNorm(config.d_model, eps=1e-5)  # type: ignore[assignment]
 
     def no_weight_decay(self) -> set[str]:
-        """Parcae's diagonal dynamics parameters (A, dt) are excluded from weight decay."""
-        return {"injection_log_A", "injection_dt"} if self.config.injection == "parcae" else set()
+        """Parcae's diagonal dynamics parameters (A, dt) are excluded from weight decay; with
+        ``weight_init="scaled_zero"`` (the Attractor paper's Parcae) B too, and C always, as the
+        reference's optimiser groups (``recpre/optim/muon_adamw.py``: ``adapter.B``, ``transformer.C``)."""
+        names = {"injection_log_A", "injection_dt"} if self.config.injection == "parcae" else set()
+        if names and self.config.weight_init == "scaled_zero":
+            names.add("injection_B")
+        return names | ({"coda_in"} if self.coda_in is not None else set())
 
     def embed(self, inputs: Tensor, puzzle_ids: Tensor | None = None) -> tuple[Tensor, ...]:
         """``(e, [monitored positions (halt_position answer / last)], [real tokens (pad_mask)])``."""
         keys = inputs != self.config.pad_id if self.config.pad_mask else None
         e = self.embed_drop(self.embedding(inputs, puzzle_ids))
         e = self._blocks(self.prelude, e, keys)
+        if self.prelude_out_norm is not None:
+            e = self.prelude_out_norm(e)
         ctx: tuple[Tensor, ...] = (e,)
         if self.config.halt_position == "answer":
             ctx += (answer_mask(inputs, self.config.pad_id),)
@@ -242,7 +295,10 @@ class RecurrentDepth(LoopedModel):
         return self._blocks(self.core, self.inject(z, ctx[0]), self._keys(ctx))
 
     def readout(self, z: Tensor, *ctx: Tensor) -> Tensor:
-        return self.output(self._blocks(self.coda, z, self._keys(ctx) if ctx else None))
+        if self.coda_in is not None:
+            z = self.coda_in(z)
+        logits = self.output(self._blocks(self.coda, z, self._keys(ctx) if ctx else None))
+        return logits if self.config.logit_scale == 1.0 else logits * self.config.logit_scale
 
 
 def answer_mask(inputs: Tensor, pad_id: int | None) -> Tensor:

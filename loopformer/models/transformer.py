@@ -9,6 +9,10 @@ Design choices (the puzzle papers' baseline, "a plain transformer of equal param
 - Bidirectional (puzzles) or causal (language, state tracking) through ``config.causal``;
   rotary positions unless ``config.rope`` is False.
 - Readout ``head(RMSNorm(z))``; ``tie_embeddings`` shares the head with the token embedding.
+- The Attractor paper's LM layer options (opt-in, defaults unchanged; ``LMLayerOptions``, shared with
+  the ``recurrent`` family): ``mlp: relu2``, ``qk_norm``, ``norm_eps``, ``rope_base``, ``embed_scale``,
+  ``logit_scale``, ``init: scaled_zero`` (+ ``init_orthogonal``; ``weight_init`` in ``recurrent``), as in the ``attractor`` family: github
+  jacobfa/Attractor ``attractor/configs/gpt/gpt-small-140m.py`` and ``parcae/parcae-small-140m.py``.
 
 Shared layers, used by every family in this package:
 - ``InputEmbedding``: token embedding with TRM / FPRM scaling (weights ~ N(0, 1/d) truncated, output
@@ -30,7 +34,9 @@ from torch import Tensor, nn
 
 from loopformer.loop import LoopConfig
 from loopformer.models.base import LoopedModel, ModelConfig
-from loopformer.nn import Block, LearnedPositions, RMSNorm
+from loopformer.nn import MLP_KINDS, Block, LearnedPositions, RMSNorm
+
+LM_INITS = ("default", "scaled_zero")
 
 
 class InputEmbedding(nn.Module):
@@ -42,7 +48,9 @@ class InputEmbedding(nn.Module):
         self.d_model = d
         self.scale = math.sqrt(d)
         self.tokens = nn.Embedding(config.vocab_size, d)
-        nn.init.trunc_normal_(self.tokens.weight, std=1.0 / self.scale, a=-2.0 / self.scale, b=2.0 / self.scale)
+        nn.init.trunc_normal_(
+            self.tokens.weight, std=1.0 / self.scale, a=-2.0 / self.scale, b=2.0 / self.scale
+        )
         if (config.num_puzzle_ids > 0) != (config.puzzle_emb_len > 0):
             raise ValueError(
                 "num_puzzle_ids and puzzle_emb_len must both be > 0 (a puzzle embedding) or both 0, "
@@ -57,14 +65,18 @@ class InputEmbedding(nn.Module):
 
     def forward(self, inputs: Tensor, puzzle_ids: Tensor | None = None) -> Tensor:
         if inputs.dim() != 2 or inputs.dtype not in (torch.int64, torch.int32):
-            raise ValueError(f"inputs must be integer tokens of shape [B, T], got {tuple(inputs.shape)} {inputs.dtype}")
+            raise ValueError(
+                f"inputs must be integer tokens of shape [B, T], got {tuple(inputs.shape)} {inputs.dtype}"
+            )
         x = self.tokens(inputs) * self.scale
         if self.positions is not None:
             x = self.positions(x)
         if self.puzzle_emb is None:
             return x
         if puzzle_ids is None:
-            raise ValueError("this model has a per-puzzle embedding table (num_puzzle_ids > 0): pass puzzle_ids")
+            raise ValueError(
+                "this model has a per-puzzle embedding table (num_puzzle_ids > 0): pass puzzle_ids"
+            )
         p = self.puzzle_emb(puzzle_ids).view(inputs.shape[0], self.prefix_len, self.d_model) * self.scale
         return torch.cat([p, x], dim=1)
 
@@ -86,7 +98,9 @@ class OutputHead(nn.Module):
         return self.head(self.norm(z))
 
 
-def make_blocks(config: ModelConfig, n: int, norm: str = "pre", out_init_scale: float = 1.0, **kw: object) -> nn.ModuleList:
+def make_blocks(
+    config: ModelConfig, n: int, norm: str = "pre", out_init_scale: float = 1.0, **kw: object
+) -> nn.ModuleList:
     """``n`` distinct ``nn.Block``s sized by ``config`` (d_model, heads, expansion, causal, rope)."""
     return nn.ModuleList(
         Block(
@@ -103,15 +117,107 @@ def make_blocks(config: ModelConfig, n: int, norm: str = "pre", out_init_scale: 
     )
 
 
+@dataclass
+class LMLayerOptions:
+    """The Attractor paper's LM layer options (mixed into a family's config; defaults are loopformer's)."""
+
+    mlp: str = "swiglu"  # swiglu | relu2 (the reference's BaseMLP + ReLU2)
+    qk_norm: bool = False  # parameter-free RMSNorm of q and k after RoPE
+    norm_eps: float = 1e-6  # every RMSNorm (blocks and the final norm)
+    rope_base: float = 10000.0
+    embed_scale: float = 0.0  # token-embedding multiplier; 0 = sqrt(d_model)
+    logit_scale: float = 1.0
+    init_orthogonal: bool = True  # scaled_zero: orthogonal matrices (else truncated normal)
+
+    def check_layer_options(self, init_key: str = "init") -> None:
+        """Validate the options; ``init_key`` names the weight-init field (default | scaled_zero)."""
+        name = type(self).__name__
+        if self.mlp not in MLP_KINDS:
+            raise ValueError(f"{name}.mlp={self.mlp!r} is not one of {MLP_KINDS}")
+        init = getattr(self, init_key)
+        if init not in LM_INITS:
+            raise ValueError(f"{name}.{init_key}={init!r} is not one of {LM_INITS}")
+        for key in ("norm_eps", "rope_base", "logit_scale"):
+            value = getattr(self, key)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValueError(f"{name}.{key} must be a finite number > 0, got {value!r}")
+        if not (
+            isinstance(self.embed_scale, (int, float))
+            and math.isfinite(self.embed_scale)
+            and self.embed_scale >= 0
+        ):
+            raise ValueError(f"{name}.embed_scale must be >= 0 (0 = sqrt(d)), got {self.embed_scale!r}")
+
+    def layer_kwargs(self) -> dict[str, object]:
+        """``nn.Block`` keyword arguments for these options."""
+        return dict(mlp=self.mlp, qk_norm=self.qk_norm, rope_base=self.rope_base, norm_eps=self.norm_eps)
+
+
+def apply_layer_options(config: LMLayerOptions, embedding: InputEmbedding, output: OutputHead) -> None:
+    """``embed_scale`` on the embedding and ``norm_eps`` on the final norm (``logit_scale``: the readout)."""
+    if config.embed_scale:
+        embedding.scale = float(config.embed_scale)
+    output.norm.eps = config.norm_eps
+
+
+def matrix_init(w: Tensor, std: float, orthogonal: bool) -> None:
+    """The reference's ``Init.normal_``: orthogonal with gain ``std * sqrt(max(rows, cols))``
+    (``wrapped_trunc_ortho``) or a normal truncated at +-3 std (``wrapped_trunc_normal``)."""
+    if std == 0:
+        nn.init.zeros_(w)
+    elif orthogonal:
+        nn.init.orthogonal_(w, gain=std * math.sqrt(max(w.shape)))
+    else:
+        nn.init.trunc_normal_(w, std=std, a=-3 * std, b=3 * std)
+
+
+@torch.no_grad()
+def scaled_zero_blocks(blocks: nn.ModuleList, std: float, orthogonal: bool) -> None:
+    """github jacobfa/Attractor ``init_strategy="scaled-zero"`` (``attractor/utils/init.py``
+    ``get_factor_table``) on ``nn.Block``s: q, k, v (each d x d block of the fused qkv) and the MLP input
+    ``std``; output projections 0; norm gains 1."""
+    for block in blocks:
+        if block.output_projections()[0].weight.is_meta:  # built on the meta device: nothing to fill
+            return
+        for chunk in block.mix.qkv.weight.chunk(3, dim=0):
+            matrix_init(chunk, std, orthogonal)
+        mlp_in = block.mlp.up if hasattr(block.mlp, "up") else block.mlp.gate_up
+        matrix_init(mlp_in.weight, std, orthogonal)
+        for lin in block.output_projections():
+            nn.init.zeros_(lin.weight)
+        for norm in (block.norm1, block.norm2):
+            if norm.weight is not None:
+                nn.init.ones_(norm.weight)
+
+
+@torch.no_grad()
+def scaled_zero_io(
+    config: ModelConfig, embedding: InputEmbedding, output: OutputHead, orthogonal: bool
+) -> float:
+    """Scaled-zero std sqrt(2/(5d)) on the token embedding and an untied head; returns the std."""
+    std = math.sqrt(2.0 / (5.0 * config.d_model))
+    if not embedding.tokens.weight.is_meta:
+        matrix_init(embedding.tokens.weight, std, orthogonal)
+        if not config.tie_embeddings:
+            matrix_init(output.head.weight, std, orthogonal)
+    return std
+
+
 def _single_pass() -> LoopConfig:
     return LoopConfig(solver="picard", halting="fixed", max_steps=1, grad="bptt")
 
 
 @dataclass
-class TransformerConfig(ModelConfig):
+class TransformerConfig(LMLayerOptions, ModelConfig):
     norm: str = "pre"  # pre | post | sandwich | peri (nn.Block)
-    mixer: str = "attention"  # attention | mlp (an MLP across the seq_len positions, TRM's mlp_t; fixed-size grids)
+    mixer: str = (
+        "attention"  # attention | mlp (an MLP across the seq_len positions, TRM's mlp_t; fixed-size grids)
+    )
+    init: str = "default"  # default (PyTorch's) | scaled_zero (the reference's)
     loop: LoopConfig = field(default_factory=_single_pass)
+
+    def __post_init__(self) -> None:
+        self.check_layer_options()
 
 
 class Transformer(LoopedModel):
@@ -129,8 +235,12 @@ class Transformer(LoopedModel):
         kw: dict[str, object] = {}
         if config.mixer == "mlp":
             kw = {"mixer": "mlp", "seq_len": config.seq_len + config.puzzle_emb_len}
-        self.layers = make_blocks(config, config.n_layers, norm=config.norm, **kw)
+        self.layers = make_blocks(config, config.n_layers, norm=config.norm, **kw, **config.layer_kwargs())
         self.output = OutputHead(config, self.embedding)
+        apply_layer_options(config, self.embedding, self.output)
+        if config.init == "scaled_zero":
+            std = scaled_zero_io(config, self.embedding, self.output, config.init_orthogonal)
+            scaled_zero_blocks(self.layers, std, config.init_orthogonal)
 
     def embed(self, inputs: Tensor, puzzle_ids: Tensor | None = None) -> tuple[Tensor, ...]:
         return (self.embedding(inputs, puzzle_ids),)
@@ -144,7 +254,8 @@ class Transformer(LoopedModel):
         return z
 
     def readout(self, z: Tensor, *ctx: Tensor) -> Tensor:
-        return self.output(z)
+        logits = self.output(z)
+        return logits if self.config.logit_scale == 1.0 else logits * self.config.logit_scale
 
 
 def paper_config() -> TransformerConfig:
