@@ -139,3 +139,35 @@ def test_parcae_defaults_unchanged() -> None:
 def test_recurrent_bad_options_are_errors(kw: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         RecurrentConfig(**kw)
+
+
+@pytest.mark.parametrize("recipe", ["transformer", "parcae"])
+def test_paper_recipe_optimiser_groups(recipe: str) -> None:
+    """MuonAdamW's groups as the reference's ``get_muon_param_groups`` forms them: Muon on the blocks' 2-D
+    matrices; AdamW with weight decay 0 on the tied embedding, the norms and Parcae's A_log, dt, B, C."""
+    import re
+    from pathlib import Path
+
+    from loopformer.config import load_config
+    from loopformer.models.registry import build_model
+    from loopformer.train.setup import make_optimizer
+
+    root = Path(__file__).resolve().parent.parent
+    cfg = load_config(
+        root / "recipes" / f"paper_lm_{recipe}_140m.yaml", ["model.d_model=32", "model.n_heads=2"]
+    )
+    model = build_model(cfg.model.name, config=cfg.model_config(vocab_size=256, seq_len=64, causal=True))
+    opt = make_optimizer(model, cfg.train)
+    muon = {n for g in opt.param_groups if g["kind"] == "muon" for n in g["names"]}
+    block_matrix = re.compile(
+        r"^(layers|prelude|core|coda)\.\d+\.(mix\.qkv|mix\.proj|mlp\.up|mlp\.down)\.weight$"
+    )
+    names = {n for n, _ in model.named_parameters()}
+    assert muon == {n for n in names if block_matrix.match(n)}
+    adamw = [g for g in opt.param_groups if g["kind"] == "adamw"]
+    assert all(g["weight_decay"] == 0.0 for g in adamw)
+    assert {n for g in adamw for n in g["names"]} == names - muon
+    muon_group = next(g for g in opt.param_groups if g["kind"] == "muon")
+    assert muon_group["weight_decay"] == 0.2 and muon_group["lr"] == 8e-3
+    if recipe == "parcae":
+        assert {"injection_B.weight", "coda_in.weight", "injection_dt", "injection_log_A"} <= names - muon
