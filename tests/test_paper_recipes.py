@@ -100,20 +100,24 @@ def test_paper_lm_recipes_have_the_reference_parameter_counts() -> None:
 
     from loopformer.models.registry import build_model
 
-    counts = {}
-    for name in PAPER_LM:
+    def count(name: str, vocab: int) -> int:
         cfg = load_config(ROOT / "recipes" / f"paper_lm_{name}_140m.yaml")
-        model_cfg = cfg.model_config(vocab_size=256, seq_len=2048, causal=True)
+        model_cfg = cfg.model_config(vocab_size=vocab, seq_len=2048, causal=True)
         with torch.device("meta"):
             model = build_model(cfg.model.name, config=model_cfg)
-        counts[name] = sum(p.numel() for p in model.parameters())
+        return sum(p.numel() for p in model.parameters())
+
+    counts = {name: count(name, 256) for name in PAPER_LM}
     # the Attractor recipe has the authors' 140M architecture (attractor-small-140m.py: 134.24M with their
     # 32768-token vocabulary, 100.94M at 256 bytes; tests/test_parity_attractor_lm.py checks its layers)
     assert counts["attractor"] == 134_237_184 - (32768 - 256) * 1024, counts
     for name, reference in (("transformer", _reference_gpt), ("parcae", _reference_parcae)):
         total, ve = reference(256)
         assert counts[name] == total - ve, (name, counts[name], total, ve)
-        assert 140e6 < reference(32768)[0] < 146e6, name  # the paper's "140M" size class
+        # a tokenized corpus at the authors' vocabulary (data.options.vocab_size)
+        total, ve = reference(32768)
+        assert 140e6 < total < 146e6, name  # the paper's "140M" size class
+        assert count(name, 32768) == total - ve, name
     assert counts["transformer"] == 42_673_920 and counts["parcae"] == 43_855_872, counts
 
 
