@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Iterator
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -148,7 +149,10 @@ class Rotary(nn.Module):
 class Attention(nn.Module):
     """Multi-head attention (fused qkv, no biases). ``qk_norm``: q and k are RMS-normalised per head
     after the rotation, without gain and with PyTorch's default epsilon (the Attractor LM's
-    ``CausalSelfAttention`` with ``qk_norm=True``); ``rope_base``: the rotary base."""
+    ``CausalSelfAttention`` with ``qk_norm=True``); ``rope_base``: the rotary base.
+    ``forward(x, ve)``: a value embedding ``ve`` [B, T, dim] is added to v through ``ve_gate`` (set by the
+    model, ``Linear(c, n_heads)``): ``v + 2 sigmoid(ve_gate(x[..., :c])) ve`` per head (github
+    jacobfa/Attractor ``attractor/modules/mixer.py``, the GPT / Parcae baselines' value embeddings)."""
 
     def __init__(
         self,
@@ -167,8 +171,9 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(dim, 3 * dim, bias=False)
         self.proj = nn.Linear(dim, dim, bias=False)
         self.rotary = Rotary(self.head_dim, rope_base) if rope else None
+        self.ve_gate: nn.Linear | None = None
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, ve: Tensor | None = None) -> Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-2], shape[-1])  # any leading dims fold into the batch
         B, T, D = x.shape
@@ -178,6 +183,12 @@ class Attention(nn.Module):
             v = qkv[:, :, 2].transpose(1, 2)
         else:
             q, k, v = qkv.permute(2, 0, 3, 1, 4)
+        if ve is not None:
+            if self.ve_gate is None:
+                raise ValueError("a value embedding needs the attention's ve_gate")
+            gate = 2 * torch.sigmoid(self.ve_gate(x[..., : self.ve_gate.in_features]))  # [B, T, H]
+            ve = ve.reshape(B, T, self.n_heads, self.head_dim) * gate.unsqueeze(-1)
+            v = v + ve.transpose(1, 2)
         if self.qk_norm:
             q, k = F.rms_norm(q, (self.head_dim,)), F.rms_norm(k, (self.head_dim,))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
@@ -303,12 +314,15 @@ class Block(nn.Module):
         yield self.mix, self.norm1, getattr(self, "out_norm1", None)
         yield self.mlp, self.norm2, getattr(self, "out_norm2", None)
 
-    def forward(self, h: Tensor, residual: ResidualFn = _add) -> Tensor:
+    def forward(self, h: Tensor, residual: ResidualFn = _add, ve: Tensor | None = None) -> Tensor:
+        """``ve``: a value embedding for the attention (``Attention.forward``)."""
         if self.mix_over_tokens:  # TRM mlp_t: norm(h^T + mlp_t(h^T)) over positions, then the MLP
             t = h.transpose(-1, -2)
             h = self.norm1(residual(t, self.mix.mlp(t))).transpose(-1, -2)
             return self.norm2(residual(h, self.mlp(h)))
         for layer, norm, out_norm in self.sublayers():
+            if ve is not None and layer is self.mix:
+                layer = partial(self.mix, ve=ve)
             if self.norm == "pre":
                 h = residual(h, layer(norm(h)))
             elif self.norm == "post":

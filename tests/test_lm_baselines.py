@@ -160,7 +160,7 @@ def test_paper_recipe_optimiser_groups(recipe: str) -> None:
     opt = make_optimizer(model, cfg.train)
     muon = {n for g in opt.param_groups if g["kind"] == "muon" for n in g["names"]}
     block_matrix = re.compile(
-        r"^(layers|prelude|core|coda)\.\d+\.(mix\.qkv|mix\.proj|mlp\.up|mlp\.down)\.weight$"
+        r"^(layers|prelude|core|coda)\.\d+\.(mix\.qkv|mix\.proj|mix\.ve_gate|mlp\.up|mlp\.down)\.weight$"
     )
     names = {n for n, _ in model.named_parameters()}
     assert muon == {n for n in names if block_matrix.match(n)}
@@ -171,3 +171,61 @@ def test_paper_recipe_optimiser_groups(recipe: str) -> None:
     assert muon_group["weight_decay"] == 0.2 and muon_group["lr"] == 8e-3
     if recipe == "parcae":
         assert {"injection_B.weight", "coda_in.weight", "injection_dt", "injection_log_A"} <= names - muon
+
+
+def test_value_embedding_attention_against_a_closed_form() -> None:
+    """``v + 2 sigmoid(ve_gate(x[..., :c])) ve`` per head, then causal softmax attention (float64)."""
+    from loopformer.nn import Attention
+
+    torch.manual_seed(0)
+    d, h, B, T = 16, 2, 2, 5
+    attn = Attention(d, h, causal=True, rope=False).double()
+    attn.ve_gate = torch.nn.Linear(8, h, bias=False).double()
+    x, ve = torch.randn(B, T, d, dtype=torch.float64), torch.randn(B, T, d, dtype=torch.float64)
+    q, k, v = (x @ attn.qkv.weight.T).split(d, dim=-1)
+    gate = 2 * torch.sigmoid(x[..., :8] @ attn.ve_gate.weight.T)  # [B, T, h]
+    v = v + (ve.view(B, T, h, d // h) * gate[..., None]).view(B, T, d)
+    heads = [slice(i * (d // h), (i + 1) * (d // h)) for i in range(h)]
+    mask = torch.ones(T, T, dtype=torch.bool).tril()
+    out = []
+    for s in heads:
+        scores = (q[..., s] @ k[..., s].transpose(-1, -2)) / math.sqrt(d // h)
+        out.append(torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1) @ v[..., s])
+    expected = torch.cat(out, dim=-1) @ attn.proj.weight.T
+    assert torch.allclose(attn(x, ve), expected, atol=1e-12)
+    with pytest.raises(ValueError, match="ve_gate"):
+        Attention(d, h).double()(x, ve)
+
+
+def test_value_embedding_layers() -> None:
+    """The reference's has_ve: layers 1, 3, 5 of 6 (GPT) and the effective layers 1, 3, 5 of Parcae's
+    prelude + core + coda; the core's and coda's tables reach step / readout through the context."""
+    torch.manual_seed(0)
+    gpt = Transformer(TransformerConfig(**LM, n_layers=6, value_embeddings=True))  # type: ignore[arg-type]
+    assert list(gpt.value_embeds.keys()) == ["1", "3", "5"]
+    assert [layer.mix.ve_gate is not None for layer in gpt.layers] == [False, True] * 3
+    x = torch.randint(0, 64, (2, 16))
+    ctx = gpt.embed(x)
+    assert len(ctx) == 4 and torch.equal(ctx[2], gpt.value_embeds["3"](x))
+    with torch.no_grad():
+        base = gpt.step(ctx[0], *ctx)
+        assert not torch.allclose(gpt.step(ctx[0], ctx[0], ctx[1], torch.zeros_like(ctx[2]), ctx[3]), base)
+    model = _parcae(n_prelude=2, n_layers=2, n_coda=2, value_embeddings=True, weight_init="default")
+    assert [len(t) for t in (model.ve_prelude, model.ve_core, model.ve_coda)] == [1, 1, 1]
+    for blocks in (model.prelude, model.core, model.coda):
+        assert [b.mix.ve_gate is not None for b in blocks] == [False, True]
+    ctx = model.embed(x)
+    assert len(ctx) == 3  # e, the core's, the coda's
+    z = torch.randn(2, 16, 32)
+    with torch.no_grad():
+        assert not torch.allclose(
+            model.step(z, ctx[0], torch.zeros_like(ctx[1]), ctx[2]), model.step(z, *ctx)
+        )
+        assert not torch.allclose(
+            model.readout(z, ctx[0], ctx[1], torch.zeros_like(ctx[2])), model.readout(z, *ctx)
+        )
+    with pytest.raises(ValueError, match="value embeddings"):
+        model.readout(z)
+    assert model(x).logits.shape == (2, 16, 64)
+    with pytest.raises(ValueError, match="value_embeddings"):
+        RecurrentConfig(block="gpt2", value_embeddings=True)

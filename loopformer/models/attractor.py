@@ -93,11 +93,17 @@ class AttractorConfig(ModelConfig):
     logit_scale: float = 1.0
     init: str = "default"  # default (PyTorch's) | scaled_zero (the reference's)
     init_orthogonal: bool = True  # scaled_zero: orthogonal matrices (else truncated normal)
+    value_embeddings: bool = False  # the authors' Attractor removes them (ve_gate = None); False only
     loop: LoopConfig = field(default_factory=_default_loop)
 
     def __post_init__(self) -> None:
         if self.mlp not in MLP_KINDS:
             raise ValueError(f"AttractorConfig.mlp={self.mlp!r} is not one of {MLP_KINDS}")
+        if self.value_embeddings:
+            raise ValueError(
+                "AttractorConfig.value_embeddings is not available (the authors' Attractor removes them); "
+                "set it false"
+            )
         if self.init not in ATTRACTOR_INITS:
             raise ValueError(f"AttractorConfig.init={self.init!r} is not one of {ATTRACTOR_INITS}")
         for key in ("norm_eps", "rope_base", "logit_scale"):

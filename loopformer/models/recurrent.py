@@ -27,7 +27,9 @@ Design choices:
   ``parcae_decay`` (default 0.5: dt = 0; the reference's ``ssm_decay`` sqrt(1/5)), B to the identity.
   ``coda_proj`` adds Parcae's output projection C (d x d, before the coda; github jacobfa/Attractor
   ``attractor/models/parcae/parcae.py``), ``prelude_norm`` an RMSNorm after the prelude (its
-  ``prelude_norm``).
+  ``prelude_norm``). ``value_embeddings``: Parcae's per-token tables added to v (``transformer.value_embeddings``)
+  on the effective layers ``i % 2 == (n - 1) % 2`` of prelude + core + coda; the core's and the coda's
+  are computed in ``embed`` and travel at the end of the context.
 - The Attractor paper's LM layer options of ``transformer.LMLayerOptions`` (``mlp: relu2``, ``qk_norm``,
   ``norm_eps``, ``rope_base``, ``embed_scale``, ``logit_scale``, ``init_orthogonal``) with
   ``weight_init: scaled_zero`` (``init`` here is the initial state); loopformer blocks only.
@@ -76,6 +78,7 @@ from loopformer.models.transformer import (
     matrix_init,
     scaled_zero_blocks,
     scaled_zero_io,
+    value_embeddings,
 )
 from loopformer.nn import GPT2Block, RMSNorm
 
@@ -113,6 +116,7 @@ class RecurrentConfig(LMLayerOptions, ModelConfig):
     prelude_norm: bool = False  # Parcae: RMSNorm after the prelude
     coda_proj: bool = False  # Parcae: linear C (d x d, no bias) on the state before the coda
     parcae_decay: float = 0.5  # injection=parcae: initial per-channel decay exp(-softplus(dt) exp(A))
+    value_embeddings: bool = False  # Parcae: gated per-token tables added to v (prelude + core + coda layers)
     loop: LoopConfig = field(default_factory=_default_loop)
 
     def __post_init__(self) -> None:
@@ -123,11 +127,13 @@ class RecurrentConfig(LMLayerOptions, ModelConfig):
             defaults = LMLayerOptions()
             changed = [k for k in vars(defaults) if getattr(self, k) != getattr(defaults, k)]
             changed += ["weight_init"] * (self.weight_init != "default")
-            changed += [k for k in ("prelude_norm", "coda_proj") if getattr(self, k)]
+            changed += [k for k in ("prelude_norm", "coda_proj", "value_embeddings") if getattr(self, k)]
             if changed:
                 raise ValueError(
                     f"RecurrentConfig: block='gpt2' has its own layers; {changed} need block='loopformer'"
                 )
+        if self.value_embeddings and self.num_puzzle_ids:
+            raise ValueError("RecurrentConfig.value_embeddings needs no puzzle embedding (num_puzzle_ids 0)")
 
 
 class RecurrentDepth(LoopedModel):
@@ -159,6 +165,13 @@ class RecurrentDepth(LoopedModel):
             self.coda = make_blocks(config, config.n_coda, **kw)  # type: ignore[arg-type]
             self.output = OutputHead(config, self.embedding)
             apply_layer_options(config, self.embedding, self.output)
+        self.ve_prelude = self.ve_core = self.ve_coda = None
+        if config.value_embeddings:  # effective layers prelude, core (once), coda, as Parcae counts them
+            n_p, n_c = config.n_prelude, config.n_layers
+            total = n_p + n_c + config.n_coda
+            self.ve_prelude = value_embeddings(config, self.prelude, 0, total)
+            self.ve_core = value_embeddings(config, self.core, n_p, total)
+            self.ve_coda = value_embeddings(config, self.coda, n_p + n_c, total)
         self.prelude_out_norm = RMSNorm(d, eps=config.norm_eps) if config.prelude_norm else None
         self.coda_in = nn.Linear(d, d, bias=False) if config.coda_proj else None
         self.embed_drop = nn.Dropout(config.embed_dropout)
@@ -241,7 +254,12 @@ class RecurrentDepth(LoopedModel):
         """``(e, [monitored positions (halt_position answer / last)], [real tokens (pad_mask)])``."""
         keys = inputs != self.config.pad_id if self.config.pad_mask else None
         e = self.embed_drop(self.embedding(inputs, puzzle_ids))
-        e = self._blocks(self.prelude, e, keys)
+        if self.ve_prelude is not None:
+            e = self._ve_blocks(
+                self.prelude, self.ve_prelude, e, [t(inputs) for t in self.ve_prelude.values()]
+            )
+        else:
+            e = self._blocks(self.prelude, e, keys)
         if self.prelude_out_norm is not None:
             e = self.prelude_out_norm(e)
         ctx: tuple[Tensor, ...] = (e,)
@@ -251,7 +269,28 @@ class RecurrentDepth(LoopedModel):
             ctx += (
                 torch.arange(inputs.shape[1], device=inputs.device).expand_as(inputs) == inputs.shape[1] - 1,
             )
+        if self.ve_core is not None and self.ve_coda is not None:  # the core's, then the coda's, at the end
+            ctx += tuple(t(inputs) for t in (*self.ve_core.values(), *self.ve_coda.values()))
         return ctx if keys is None else (*ctx, keys)
+
+    def _ve_blocks(
+        self, blocks: nn.ModuleList, tables: nn.ModuleDict, h: Tensor, ves: list[Tensor]
+    ) -> Tensor:
+        by_layer = dict(zip(tables.keys(), ves))
+        for i, block in enumerate(blocks):
+            h = block(h, ve=by_layer.get(str(i)))
+        return h
+
+    def _ctx_ves(self, ctx: tuple[Tensor, ...]) -> tuple[list[Tensor], list[Tensor]]:
+        """The core's and the coda's value embeddings from the end of ``ctx`` (``embed``)."""
+        assert self.ve_core is not None and self.ve_coda is not None
+        n_core, n_coda = len(self.ve_core), len(self.ve_coda)
+        if len(ctx) < 1 + n_core + n_coda:
+            raise ValueError(
+                "this model has value embeddings: pass the context from embed() to step / readout"
+            )
+        tail = list(ctx[len(ctx) - n_core - n_coda :])
+        return tail[:n_core], tail[n_core:]
 
     def _blocks(self, blocks: nn.ModuleList, h: Tensor, keys: Tensor | None) -> Tensor:
         for block in blocks:
@@ -292,12 +331,18 @@ class RecurrentDepth(LoopedModel):
         return decay * h + dt * self.injection_B(e)
 
     def step(self, z: Tensor, *ctx: Tensor) -> Tensor:
+        if self.ve_core is not None:
+            return self._ve_blocks(self.core, self.ve_core, self.inject(z, ctx[0]), self._ctx_ves(ctx)[0])
         return self._blocks(self.core, self.inject(z, ctx[0]), self._keys(ctx))
 
     def readout(self, z: Tensor, *ctx: Tensor) -> Tensor:
         if self.coda_in is not None:
             z = self.coda_in(z)
-        logits = self.output(self._blocks(self.coda, z, self._keys(ctx) if ctx else None))
+        if self.ve_coda is not None:
+            z = self._ve_blocks(self.coda, self.ve_coda, z, self._ctx_ves(ctx)[1])
+        else:
+            z = self._blocks(self.coda, z, self._keys(ctx) if ctx else None)
+        logits = self.output(z)
         return logits if self.config.logit_scale == 1.0 else logits * self.config.logit_scale
 
 

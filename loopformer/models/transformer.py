@@ -203,6 +203,27 @@ def scaled_zero_io(
     return std
 
 
+def value_embedding_layers(n_layers: int) -> list[int]:
+    """The layers with a value embedding: ``i % 2 == (n - 1) % 2`` (github jacobfa/Attractor
+    ``attractor/modules/mixer.py: has_ve``: every other layer, the last always)."""
+    return [i for i in range(n_layers) if i % 2 == (n_layers - 1) % 2]
+
+
+def value_embeddings(
+    config: ModelConfig, blocks: nn.ModuleList, offset: int = 0, total: int = 0
+) -> nn.ModuleDict:
+    """The reference's value embeddings for ``blocks`` (effective layers ``offset..`` of ``total``, default
+    just these): a ``vocab x d`` table per chosen layer (``nn.Embedding``'s N(0, 1), as the reference leaves
+    it) and the layer attention's ``ve_gate`` ``Linear(32, n_heads)`` (PyTorch's default init, as there)."""
+    chosen = set(value_embedding_layers(total or len(blocks)))
+    tables = {}
+    for i, block in enumerate(blocks):
+        if offset + i in chosen:
+            tables[str(i)] = nn.Embedding(config.vocab_size, config.d_model)
+            block.mix.ve_gate = nn.Linear(min(32, config.d_model), config.n_heads, bias=False)
+    return nn.ModuleDict(tables)
+
+
 def _single_pass() -> LoopConfig:
     return LoopConfig(solver="picard", halting="fixed", max_steps=1, grad="bptt")
 
@@ -214,10 +235,15 @@ class TransformerConfig(LMLayerOptions, ModelConfig):
         "attention"  # attention | mlp (an MLP across the seq_len positions, TRM's mlp_t; fixed-size grids)
     )
     init: str = "default"  # default (PyTorch's) | scaled_zero (the reference's)
+    value_embeddings: bool = False  # the Attractor paper's GPT: gated per-token tables added to v
     loop: LoopConfig = field(default_factory=_single_pass)
 
     def __post_init__(self) -> None:
         self.check_layer_options()
+        if self.value_embeddings and (self.mixer != "attention" or self.num_puzzle_ids):
+            raise ValueError(
+                "TransformerConfig.value_embeddings needs mixer='attention' and no puzzle embedding"
+            )
 
 
 class Transformer(LoopedModel):
@@ -236,6 +262,7 @@ class Transformer(LoopedModel):
         if config.mixer == "mlp":
             kw = {"mixer": "mlp", "seq_len": config.seq_len + config.puzzle_emb_len}
         self.layers = make_blocks(config, config.n_layers, norm=config.norm, **kw, **config.layer_kwargs())
+        self.value_embeds = value_embeddings(config, self.layers) if config.value_embeddings else None
         self.output = OutputHead(config, self.embedding)
         apply_layer_options(config, self.embedding, self.output)
         if config.init == "scaled_zero":
@@ -243,14 +270,23 @@ class Transformer(LoopedModel):
             scaled_zero_blocks(self.layers, std, config.init_orthogonal)
 
     def embed(self, inputs: Tensor, puzzle_ids: Tensor | None = None) -> tuple[Tensor, ...]:
-        return (self.embedding(inputs, puzzle_ids),)
+        """``(x, [the value embeddings of the layers that take one, in layer order]))``."""
+        x = self.embedding(inputs, puzzle_ids)
+        if self.value_embeds is None:
+            return (x,)
+        return (x, *(table(inputs) for table in self.value_embeds.values()))
 
     def init_state(self, ctx: tuple[Tensor, ...], generator: torch.Generator | None = None) -> Tensor:
         return ctx[0]
 
     def step(self, z: Tensor, *ctx: Tensor) -> Tensor:
-        for layer in self.layers:
-            z = layer(z)
+        if self.value_embeds is None:
+            for layer in self.layers:
+                z = layer(z)
+            return z
+        ves = dict(zip(self.value_embeds.keys(), ctx[1:]))
+        for i, layer in enumerate(self.layers):
+            z = layer(z, ve=ves.get(str(i)))
         return z
 
     def readout(self, z: Tensor, *ctx: Tensor) -> Tensor:
