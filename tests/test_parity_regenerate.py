@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
         ("hrm.py", "LOOPFORMER_REF_HRM"),
         ("ltg.py", "LOOPFORMER_REF_LTG"),
         ("attractor_lm.py", "LOOPFORMER_REF_ATTRACTOR"),
+        ("lm_baselines.py", "LOOPFORMER_REF_ATTRACTOR"),
     ],
 )
 def test_parity_fixture_scripts_regenerate_bit_identically(script: str, env: str) -> None:
