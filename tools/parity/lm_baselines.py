@@ -1,4 +1,4 @@
-"""Parity fixture for the Attractor paper's GPT baseline (github jacobfa/Attractor, ``GPT``).
+"""Parity fixtures for the Attractor paper's LM baselines (github jacobfa/Attractor, ``GPT`` and ``Parcae``).
 
 Imports ``attractor/models/gpt/gpt.py`` (``GPT``) and ``config.py`` (``GPTConfig``) from a checkout of the
 reference (``--ref``), builds a tiny model in float64 on CPU with the 140M config's architecture
@@ -8,10 +8,15 @@ reference (``--ref``), builds a tiny model in float64 on CPU with the 140M confi
 N(0, 0.05^2) so that no projection is zero, and writes ``tests/fixtures/parity/gpt_lm.safetensors`` +
 ``.json``: the weights (``weights.<reference key>``), an input batch and labels, the logits of
 ``forward(return_logits=True)`` (eval mode), the training loss of ``forward(labels=...)`` and every
-parameter's gradient norm.
+parameter's gradient norm. ``parcae_lm`` does the same for ``attractor/models/parcae/parcae.py`` (``Parcae``)
+with ``configs/parcae/parcae-small-140m.py``'s architecture (prelude 2, core 2, coda 2, ``prelude_norm``, the
+diagonal injection, C, value embeddings on the effective layers 1, 3, 5) from a zero state (``state_init:
+zero``) with ``num_steps_pair`` (2, 2): 2 loops without gradient, then 2 with (the random like-init state and
+per-sequence loop counts of the 140M run are not reproducible across codes).
 
 Substitutions (also in the fixture's JSON): ``Tensor.float()`` keeps float64 tensors (the reference upcasts
-its RMSNorm, RoPE and logits to float32); attention is the reference's CPU path (causal SDPA).
+its RMSNorm, RoPE and logits to float32); attention is the reference's CPU path (causal SDPA); the non-fused
+heads (``use_fused_head=False``; the fused one is Triton).
 """
 
 from __future__ import annotations
@@ -61,49 +66,85 @@ TINY: dict[str, Any] = dict(
     use_fused_head=False,  # the fused (Triton) head needs a GPU; the tied logits are wte^T x either way
 )
 BATCH, SEQ, PERTURB = 3, 12, 0.05
+# parcae-small-140m.py's architecture at the same tiny size; the initial state zero and the loop count fixed
+# (num_steps_pair: 2 loops without gradient, then 2 with) so the fixture is deterministic
+PARCAE: dict[str, Any] = {
+    **{k: v for k, v in TINY.items() if k not in ("name", "n_layer")},
+    "name": "parcae-parity-tiny",
+    "prelude_norm": True,
+    "injection_type": "diagonal",
+    "state_init": "zero",
+    "recurrent_embedding_dimension": 32,
+    "recurrent_intermediation_embedding_dimension": 128,
+    "n_layers_in_recurrent_block": 2,
+    "n_layers_in_prelude": 2,
+    "n_layers_in_coda": 2,
+    "mean_recurrence": 4,
+    "sampling_scheme": "poisson-truncated-full",
+    "mean_backprop_depth": 2,
+    "recurrent_iteration_method": "per-sequence",
+}
+STEPS = (2, 2)  # (without gradient, with gradient)
 
 
-def build(ref_root: Path, out_dir: Path) -> list[str]:
-    config_mod = importlib.import_module("attractor.models.gpt.config")
-    arch = importlib.import_module("attractor.models.gpt.gpt")
-    torch.manual_seed(0)
-    model = arch.GPT(config_mod.GPTConfig(**TINY)).double()
+def _record(out_dir: Path, model: Any, cfg: dict[str, Any], name: str, source: str, **kw: Any) -> list[str]:
     with torch.no_grad():
         for p in model.parameters():
             p.add_(PERTURB * torch.randn_like(p))
-    # lm_head: with use_fused_head=False an unused, untied Linear (the tied logits read wte): left out
+    # lm_head: GPT with use_fused_head=False has an unused, untied Linear (the tied logits read wte): left out
     tensors: dict[str, Tensor] = {
         f"weights.{k}": v.detach().clone()
         for k, v in model.state_dict().items()
         if k not in ("freqs_cis", "lm_head.weight")
     }
     g = torch.Generator().manual_seed(1)
-    input_ids = torch.randint(0, TINY["vocab_size"], (BATCH, SEQ), generator=g)
-    labels = torch.randint(0, TINY["vocab_size"], (BATCH, SEQ), generator=g)
+    input_ids = torch.randint(0, cfg["vocab_size"], (BATCH, SEQ), generator=g)
+    labels = torch.randint(0, cfg["vocab_size"], (BATCH, SEQ), generator=g)
     tensors.update({"batch.input_ids": input_ids, "batch.labels": labels})
     with float64_kept():
         model.eval()
         with torch.no_grad():
-            tensors["eval.logits"] = model(input_ids, return_logits=True)["logits"]
+            tensors["eval.logits"] = model(input_ids, return_logits=True, **kw)["logits"]
         model.train()
-        out = model(input_ids, labels=labels)
+        out = model(input_ids, labels=labels, **kw)
         out["loss"].backward()
     tensors["train.loss"] = out["loss"].detach().reshape(1)
     for n, p in model.named_parameters():
-        if n == "lm_head.weight":
-            continue
-        tensors[f"grad_norm.{n}"] = torch.linalg.vector_norm(p.grad).reshape(1)
+        if p.grad is not None:
+            tensors[f"grad_norm.{n}"] = torch.linalg.vector_norm(p.grad).reshape(1)
     meta = {
         "repository": "jacobfa/Attractor",
         "commit": COMMIT,
-        "model": "attractor/models/gpt/gpt.py:GPT",
-        "config": {k: v for k, v in TINY.items() if k != "name"},
+        "model": source,
+        "config": {k: v for k, v in cfg.items() if k != "name"},
         "perturbation": PERTURB,
         "substitutions": SUBSTITUTIONS,
         "dtype": "float64",
+        **({"num_steps_pair": list(STEPS)} if "num_steps_pair" in kw else {}),
     }
-    save_fixture(out_dir, "gpt_lm", tensors, meta)
-    return ["gpt_lm.safetensors", "gpt_lm.json"]
+    save_fixture(out_dir, name, tensors, meta)
+    return [f"{name}.safetensors", f"{name}.json"]
+
+
+def build(ref_root: Path, out_dir: Path) -> list[str]:
+    gpt_config = importlib.import_module("attractor.models.gpt.config")
+    gpt = importlib.import_module("attractor.models.gpt.gpt")
+    parcae_config = importlib.import_module("attractor.models.parcae.config")
+    parcae = importlib.import_module("attractor.models.parcae.parcae")
+    torch.manual_seed(0)
+    model = gpt.GPT(gpt_config.GPTConfig(**TINY)).double()
+    files = _record(out_dir, model, TINY, "gpt_lm", "attractor/models/gpt/gpt.py:GPT")
+    torch.manual_seed(0)
+    model = parcae.Parcae(parcae_config.ParcaeConfig(**PARCAE)).double()
+    files += _record(
+        out_dir,
+        model,
+        PARCAE,
+        "parcae_lm",
+        "attractor/models/parcae/parcae.py:Parcae",
+        num_steps_pair=torch.tensor(STEPS),
+    )
+    return files
 
 
 if __name__ == "__main__":
