@@ -54,7 +54,13 @@ from torch import Tensor, nn
 
 from loopformer.loop import LoopConfig
 from loopformer.models.base import LoopedModel, ModelConfig
-from loopformer.models.transformer import InputEmbedding, OutputHead, make_blocks
+from loopformer.models.transformer import (
+    InputEmbedding,
+    OutputHead,
+    make_blocks,
+    scaled_zero_blocks,
+    scaled_zero_io,
+)
 from loopformer.nn import MLP_KINDS
 
 ATTRACTOR_INJECTIONS = ("add", "concat")
@@ -213,45 +219,22 @@ class Attractor(LoopedModel):
         return (fy - y0).reshape(B, -1).norm(dim=1) / fy.reshape(B, -1).norm(dim=1).clamp_min(1e-8)
 
 
-def _matrix_init(w: Tensor, std: float, orthogonal: bool) -> None:
-    """The reference's ``Init.normal_``: orthogonal with gain ``std * sqrt(max(rows, cols))``
-    (``wrapped_trunc_ortho``) or a normal truncated at +-3 std (``wrapped_trunc_normal``)."""
-    if std == 0:
-        nn.init.zeros_(w)
-    elif orthogonal:
-        nn.init.orthogonal_(w, gain=std * math.sqrt(max(w.shape)))
-    else:
-        nn.init.trunc_normal_(w, std=std, a=-3 * std, b=3 * std)
-
-
 @torch.no_grad()
 def scaled_zero_init(model: Attractor, orthogonal: bool = True) -> None:
     """github jacobfa/Attractor ``init_strategy="scaled-zero"`` (``attractor/utils/init.py``
     ``get_factor_table``): std sqrt(2/(5d)) for the embedding, q, k, v (each d x d block of the fused
     qkv on its own), the MLP input and an untied head; output projections 0; then the attractor head's
     zero output projections are re-drawn as truncated N(0, 2/(5d)) (``FixedPointBlock.__init__``).
-    Norm gains are 1; the gates keep their ``layer_scale_init`` value."""
-    d = model.config.d_model
-    std = math.sqrt(2.0 / (5.0 * d))
+    Norm gains are 1; the gates keep their ``layer_scale_init`` value. The embedding / head and the
+    per-block part are the transformer family's (``scaled_zero_io``, ``scaled_zero_blocks``)."""
+    std = scaled_zero_io(model.config, model.embedding, model.output, orthogonal)
     if model.embedding.tokens.weight.is_meta:  # built on the meta device (parameter counts): nothing to fill
         return
-    _matrix_init(model.embedding.tokens.weight, std, orthogonal)
-    if not model.config.tie_embeddings:
-        _matrix_init(model.output.head.weight, std, orthogonal)
-    for blocks, head in ((model.backbone, False), (model.head_blocks, True)):
-        for block in blocks:
-            for chunk in block.mix.qkv.weight.chunk(3, dim=0):
-                _matrix_init(chunk, std, orthogonal)
-            mlp_in = block.mlp.up if hasattr(block.mlp, "up") else block.mlp.gate_up
-            _matrix_init(mlp_in.weight, std, orthogonal)
-            for lin in block.output_projections():
-                if head:
-                    nn.init.trunc_normal_(lin.weight, std=std, a=-3 * std, b=3 * std)
-                else:
-                    nn.init.zeros_(lin.weight)
-            for norm in (block.norm1, block.norm2):
-                if norm.weight is not None:
-                    nn.init.ones_(norm.weight)
+    scaled_zero_blocks(model.backbone, std, orthogonal)
+    for block in model.head_blocks:  # block by block: the draws in the order they always had
+        scaled_zero_blocks([block], std, orthogonal)
+        for lin in block.output_projections():
+            nn.init.trunc_normal_(lin.weight, std=std, a=-3 * std, b=3 * std)
 
 
 def paper_config() -> AttractorConfig:

@@ -27,6 +27,7 @@ Shared layers, used by every family in this package:
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -172,7 +173,7 @@ def matrix_init(w: Tensor, std: float, orthogonal: bool) -> None:
 
 
 @torch.no_grad()
-def scaled_zero_blocks(blocks: nn.ModuleList, std: float, orthogonal: bool) -> None:
+def scaled_zero_blocks(blocks: Iterable[Block], std: float, orthogonal: bool) -> None:
     """github jacobfa/Attractor ``init_strategy="scaled-zero"`` (``attractor/utils/init.py``
     ``get_factor_table``) on ``nn.Block``s: q, k, v (each d x d block of the fused qkv) and the MLP input
     ``std``; output projections 0; norm gains 1."""
