@@ -36,7 +36,8 @@ MAX_STEPS = 64
 TRAIN_STEPS = 600
 
 
-def run_config(quick: bool):
+def run_config(quick: bool, recipe: str = "sudoku4_fprm"):
+    """``recipe`` shortened for the benchmarks (TRAIN_STEPS steps, no evaluation or checkpoints)."""
     from loopformer.config import load_config
 
     steps = 20 if quick else TRAIN_STEPS
@@ -51,17 +52,20 @@ def run_config(quick: bool):
     ]
     if quick:
         overrides += ["model.d_model=32", "data.train_size=64", "train.batch_size=16"]
-    return load_config("sudoku4_fprm", overrides)
+    return load_config(recipe, overrides)
 
 
-def trained_model(quick: bool):
-    """Train (or load the cached) FPRM; returns (model, run config, trained_now, train seconds)."""
+def trained_model(
+    quick: bool, recipe: str = "sudoku4_fprm", cache_name: str | None = None, use_ema: bool = True
+):
+    """Train (or load the cached) model of ``recipe`` (``run_config``); returns (model, run config,
+    trained_now, train seconds). Cached under benchmarks/.cache/<cache_name>-<size>-<hash of the config>."""
     from loopformer.config import to_dict
     from loopformer.train import Trainer, load_checkpoint
 
-    cfg = run_config(quick)
+    cfg = run_config(quick, recipe)
     key = hashlib.sha256(json.dumps(to_dict(cfg), sort_keys=True, default=str).encode()).hexdigest()[:12]
-    folder = CACHE / f"sudoku4_fprm-{'quick' if quick else 'full'}-{key}"
+    folder = CACHE / f"{cache_name or recipe}-{'quick' if quick else 'full'}-{key}"
     cfg.out_dir = str(folder)
     cfg.train.threads = torch.get_num_threads()  # not part of the cache key: it does not change the model
     threads = torch.get_num_threads()
@@ -72,7 +76,7 @@ def trained_model(quick: bool):
         trained_now, seconds = True, float(summary_["wall_time"])
     else:
         seconds = float(json.loads((folder / "summary.json").read_text()).get("wall_time", 0.0))
-    ckpt = load_checkpoint(folder, use_ema=True)
+    ckpt = load_checkpoint(folder, use_ema=use_ema)
     ckpt.model.eval()
     return ckpt.model, ckpt.config, trained_now, seconds
 

@@ -9,7 +9,7 @@ Problems:
 - a trained FPRM's real fixed points (the 4x4 Sudoku model of the halting benchmark, float32,
   tolerance 1e-4: float32 cannot certify 1e-6 on a 1024-number state);
 - a trained Attractor head's fixed points (recipes/attractor_sudoku4.yaml trained for
-  ``ATTRACTOR_TRAIN_STEPS`` steps, cached under benchmarks/.cache like the FPRM: the weight-tied
+  ``bench_halting.TRAIN_STEPS`` steps, cached under benchmarks/.cache like the FPRM: the weight-tied
   gated head ``y = c + Delta(y + c)`` from ``y0 = c``, arXiv 2605.12466), float32, at the model's
   own tolerance (3e-4, rel_l2).
 
@@ -34,8 +34,6 @@ problems (target <= 1e-6), with its backward iteration counts.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 import time
 from collections.abc import Callable
@@ -325,60 +323,15 @@ def model_result(quick: bool, have_tdq: bool) -> Result:
     )
 
 
-ATTRACTOR_TRAIN_STEPS = 600
-
-
-def attractor_run_config(quick: bool):
-    """recipes/attractor_sudoku4.yaml (Attractor backbone + weight-tied attractor head, arXiv
-    2605.12466), shortened as the halting benchmark shortens FPRM's recipe."""
-    from loopformer.config import load_config
-
-    overrides = [
-        f"train.steps={20 if quick else ATTRACTOR_TRAIN_STEPS}",
-        "train.progress=false",
-        "train.eval_every=0",
-        "train.checkpoint_every=0",
-        "train.warmup_steps=50",
-        "data.eval_size=0",
-        "device=cpu",
-    ]
-    if quick:
-        overrides += ["model.d_model=32", "data.train_size=64", "train.batch_size=16"]
-    return load_config("attractor_sudoku4", overrides)
-
-
-def trained_attractor(quick: bool):
-    """Train (or load the cached) Attractor model; returns (model, trained_now, train seconds).
-    Cached under benchmarks/.cache keyed by a hash of the resolved config, like the FPRM of the
-    halting benchmark."""
-    from benchmarks.bench_halting import CACHE
-    from loopformer.config import to_dict
-    from loopformer.train import Trainer, load_checkpoint
-
-    cfg = attractor_run_config(quick)
-    key = hashlib.sha256(json.dumps(to_dict(cfg), sort_keys=True, default=str).encode()).hexdigest()[:12]
-    folder = CACHE / f"sudoku4_attractor-{'quick' if quick else 'full'}-{key}"
-    cfg.out_dir = str(folder)
-    threads = torch.get_num_threads()
-    cfg.train.threads = threads  # not part of the cache key: it does not change the recipe
-    trained_now = False
-    if not (folder / "summary.json").is_file():
-        summary_ = Trainer(cfg).fit()
-        torch.set_num_threads(threads)  # the trainer sets its own thread count
-        trained_now, seconds = True, float(summary_["wall_time"])
-    else:
-        seconds = float(json.loads((folder / "summary.json").read_text()).get("wall_time", 0.0))
-    ckpt = load_checkpoint(folder, use_ema=False)
-    ckpt.model.eval()
-    return ckpt.model, trained_now, seconds
-
-
 def attractor_result(quick: bool, have_tdq: bool) -> Result:
     """The trained Attractor head's fixed points y* = c + Delta(y* + c) from y0 = c (the backbone's
     proposal), at the model's own tolerance (``loop.tol``, rel_l2) with a cap of 300 iterations."""
+    from benchmarks.bench_halting import TRAIN_STEPS, trained_model
     from loopformer.tasks.registry import get_task
 
-    model, _, _ = trained_attractor(quick)
+    # recipes/attractor_sudoku4.yaml (Attractor backbone + weight-tied attractor head, arXiv 2605.12466),
+    # shortened as the FPRM's recipe; it keeps no EMA
+    model, _, _, _ = trained_model(quick, "attractor_sudoku4", cache_name="sudoku4_attractor", use_ema=False)
     data = get_task("sudoku", size=4).generate(8 if quick else 32, seed=777, min_blanks=6, max_blanks=12)
     inputs = torch.as_tensor(data.inputs, dtype=torch.long)
     with torch.no_grad():
@@ -397,7 +350,7 @@ def attractor_result(quick: bool, have_tdq: bool) -> Result:
         target=TARGET_TIME_MODEL,
     )
     result.details["model"] = "recipes/attractor_sudoku4.yaml, " + (
-        "quick" if quick else f"{ATTRACTOR_TRAIN_STEPS} training steps"
+        "quick" if quick else f"{TRAIN_STEPS} training steps"
     )
     return result
 
