@@ -21,9 +21,11 @@ In ``--quick`` mode the model is a few training steps old (the figure then only 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -55,6 +57,23 @@ def run_config(quick: bool, recipe: str = "sudoku4_fprm"):
     return load_config(recipe, overrides)
 
 
+@contextlib.contextmanager
+def _exclusive(folder: Path) -> Iterator[None]:
+    """Hold an exclusive lock on ``<folder>.lock`` (POSIX ``flock``; without ``fcntl``, no lock)."""
+    try:
+        import fcntl
+    except ImportError:  # Windows: concurrent benchmark processes are the user's to avoid
+        yield
+        return
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with open(folder.with_name(folder.name + ".lock"), "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def trained_model(
     quick: bool, recipe: str = "sudoku4_fprm", cache_name: str | None = None, use_ema: bool = True
 ):
@@ -70,12 +89,13 @@ def trained_model(
     cfg.train.threads = torch.get_num_threads()  # not part of the cache key: it does not change the model
     threads = torch.get_num_threads()
     trained_now, seconds = False, 0.0
-    if not (folder / "summary.json").is_file():
-        summary_ = Trainer(cfg).fit()
-        torch.set_num_threads(threads)  # the trainer sets its own thread count
-        trained_now, seconds = True, float(summary_["wall_time"])
-    else:
-        seconds = float(json.loads((folder / "summary.json").read_text()).get("wall_time", 0.0))
+    with _exclusive(folder):  # two benchmark processes (pytest -n 2) wanting one model: the second waits
+        if not (folder / "summary.json").is_file():
+            summary_ = Trainer(cfg).fit()
+            torch.set_num_threads(threads)  # the trainer sets its own thread count
+            trained_now, seconds = True, float(summary_["wall_time"])
+        else:
+            seconds = float(json.loads((folder / "summary.json").read_text()).get("wall_time", 0.0))
     ckpt = load_checkpoint(folder, use_ema=use_ema)
     ckpt.model.eval()
     return ckpt.model, ckpt.config, trained_now, seconds
