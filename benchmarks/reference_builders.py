@@ -254,6 +254,17 @@ def build_fprm(root: Path, trm_root: Path | None, shape: Shape) -> Pair:
 TRM_H, TRM_L, TRM_SEGMENTS = 3, 6, 8  # segments: the ACT cap (16 in the paper), also the eval length
 
 
+def _trm_config(shape: Shape, emb_len: int) -> dict[str, Any]:
+    """TinyRecursiveModels' ``TinyRecursiveReasoningModel_ACTV1`` config at ``shape`` (also TRM-DEQ's base)."""
+    return dict(
+        batch_size=shape.batch, seq_len=shape.tokens, puzzle_emb_ndim=shape.d, puzzle_emb_len=emb_len,
+        num_puzzle_identifiers=1, vocab_size=shape.vocab, H_cycles=TRM_H, L_cycles=TRM_L, H_layers=0,
+        L_layers=2, hidden_size=shape.d, expansion=4, num_heads=shape.heads, pos_encodings="rope",
+        halt_max_steps=TRM_SEGMENTS, halt_exploration_prob=0.1, forward_dtype="float32", mlp_t=False,
+        no_ACT_continue=True,
+    )  # fmt: skip
+
+
 def build_trm(root: Path, shape: Shape, quick: bool) -> Pair:
     from loopformer.models.trm import TRM, TRMConfig
 
@@ -262,13 +273,7 @@ def build_trm(root: Path, shape: Shape, quick: bool) -> Pair:
     from models.recursive_reasoning.trm import TinyRecursiveReasoningModel_ACTV1
 
     emb_len = 2 if quick else 16
-    cfg = dict(
-        batch_size=shape.batch, seq_len=shape.tokens, puzzle_emb_ndim=shape.d, puzzle_emb_len=emb_len,
-        num_puzzle_identifiers=1, vocab_size=shape.vocab, H_cycles=TRM_H, L_cycles=TRM_L, H_layers=0,
-        L_layers=2, hidden_size=shape.d, expansion=4, num_heads=shape.heads, pos_encodings="rope",
-        halt_max_steps=TRM_SEGMENTS, halt_exploration_prob=0.1, forward_dtype="float32", mlp_t=False,
-        no_ACT_continue=True,
-    )  # fmt: skip
+    cfg = _trm_config(shape, emb_len)
     ref = ACTLossHead(TinyRecursiveReasoningModel_ACTV1(cfg), loss_type="stablemax_cross_entropy")
     ours = TRM(
         TRMConfig(
@@ -370,12 +375,8 @@ def build_attractor(root: Path, shape: Shape, quick: bool) -> Pair:
     losses = importlib.import_module(f"{pkg}.losses_deq")
     emb_len = 2 if quick else 16
     cfg = dict(
-        batch_size=shape.batch, seq_len=shape.tokens, puzzle_emb_ndim=shape.d, puzzle_emb_len=emb_len,
-        num_puzzle_identifiers=1, vocab_size=shape.vocab, H_cycles=TRM_H, L_cycles=TRM_L, H_layers=0,
-        L_layers=2, hidden_size=shape.d, expansion=4, num_heads=shape.heads, pos_encodings="rope",
-        halt_max_steps=TRM_SEGMENTS, halt_exploration_prob=0.1, forward_dtype="float32", mlp_t=False,
-        no_ACT_continue=True, deq_inner=True, deq_max_iter=DEQ_ITERS, deq_min_iter=DEQ_MIN, deq_tol=1e-12,
-        deq_anderson_m=5, deq_anderson_beta=1.0, bptt_through=BPTT_THROUGH,
+        _trm_config(shape, emb_len), deq_inner=True, deq_max_iter=DEQ_ITERS, deq_min_iter=DEQ_MIN,
+        deq_tol=1e-12, deq_anderson_m=5, deq_anderson_beta=1.0, bptt_through=BPTT_THROUGH,
         jacobian_reg_lambda=JAC_LAMBDA, jacobian_reg_n_samples=1,
     )  # fmt: skip
     ref = losses.ACTLossHeadDEQ(
