@@ -75,8 +75,23 @@ def _clock():
     )
 
 
+MATMUL_OPS = frozenset({"aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm", "aten::addbmm"})
+
+
+def is_arithmetic_kernel(op: str) -> bool:
+    """The compute-bound kernels both sides call with the same shapes: matmuls, attention (SDPA and
+    its backward) and convolutions (FPRM's depthwise grid conv); everything else is elementwise /
+    bookkeeping work an implementation can fuse or remove."""
+    return (
+        op in MATMUL_OPS
+        or op.startswith(("aten::_scaled_dot_product", "aten::_flash_attention"))
+        or ("convolution" in op and op.startswith("aten::"))
+    )
+
+
 def profile_step(step: Any, steps: int = 4, top: int = 12) -> dict[str, Any]:
-    """Per-step self CPU time (ms) and calls of the ``top`` operators of ``step`` (torch.profiler)."""
+    """Per-step self CPU time (ms) and calls of the ``top`` operators of ``step`` (torch.profiler), and
+    ``arithmetic_ms``: the self time of its arithmetic kernels (``is_arithmetic_kernel``)."""
     from torch.profiler import ProfilerActivity, profile
 
     for _ in range(2):
@@ -86,8 +101,48 @@ def profile_step(step: Any, steps: int = 4, top: int = 12) -> dict[str, Any]:
             step()
     events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
     total = sum(e.self_cpu_time_total for e in events) / steps / 1e3
+    arithmetic = sum(e.self_cpu_time_total for e in events if is_arithmetic_kernel(e.key)) / steps / 1e3
     ops = {e.key: [round(e.self_cpu_time_total / steps / 1e3, 3), e.count / steps] for e in events[:top]}
-    return {"total_ms": round(total, 3), "top_ops_ms_calls": ops}
+    return {"total_ms": round(total, 3), "arithmetic_ms": round(arithmetic, 3), "top_ops_ms_calls": ops}
+
+
+def counted_flops(step: Any) -> int:
+    """FLOPs of one call of ``step`` by ``torch.utils.flop_counter``'s formulas (matmuls and
+    convolutions; it has none for CPU flash attention, so attention is not in the count). A plain
+    dispatch mode rather than ``FlopCounterMode``: the latter's module hooks break steps that call
+    ``torch.autograd.grad`` inside their forward (the Attractor reference's Jacobian term)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils.flop_counter import flop_registry
+
+    class Count(TorchDispatchMode):
+        total = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            formula = flop_registry.get(func._overloadpacket)
+            if formula is not None:
+                self.total += formula(*args, **kwargs, out_val=out)
+            return out
+
+    with Count() as counter:
+        step()
+    return int(counter.total)
+
+
+def kernel_floor(ours_step: Any, ref_step: Any, steps: int = 4) -> dict[str, Any]:
+    """How low the training-step ratio can go at equal work: loopformer's arithmetic kernels' time
+    over the reference's whole step, both under the profiler, with both sides' counted FLOPs (equal
+    FLOPs and equal kernel times show the two do the same arithmetic). The profiler's per-operator
+    overhead lands mostly on the reference's many small operators, so this floor is, if anything,
+    understated."""
+    ours, ref = profile_step(ours_step, steps), profile_step(ref_step, steps)
+    return {
+        "floor": ours["arithmetic_ms"] / ref["total_ms"],
+        "flops": {"loopformer": counted_flops(ours_step), "reference": counted_flops(ref_step)},
+        "loopformer": ours,
+        "reference": ref,
+    }
 
 
 def measure(model: str, ref: Path, quick: bool, profile: bool = False) -> dict[str, Any]:
@@ -130,6 +185,7 @@ def measure(model: str, ref: Path, quick: bool, profile: bool = False) -> dict[s
             "reference_median_s": median(times["reference"]),
         }
     out["clock"], out["threads"] = clock_name, torch.get_num_threads()
+    out["floor"] = kernel_floor(pair.ours_train, pair.ref_train, steps=2 if quick else 4)
     if profile:
         out["profile"] = {
             "loopformer": profile_step(pair.ours_train),
@@ -188,10 +244,24 @@ def run_model_at(model: str, ref: Path, quick: bool) -> list[Result]:
             reason += "; one run only (time budget), stability not checked"
         elif not r["stable_within_10pct"]:
             reason += f"; runs did not agree within 10%: {[round(x, 3) for x in r['runs']]}"
+        if kind == "train":
+            reason += f"; floor at equal work {data['floor']['floor']:.2f}x (vs_reference.{model}_floor)"
         results.append(
             _row(model, kind, value, met, reason, details if kind == "train" else {"runs": r["runs"]})
         )
+    results.append(_floor_row(model, data["floor"]))
     return results
+
+
+def _floor_row(model: str, floor: dict[str, Any]) -> Result:
+    ours, ref, flops = floor["loopformer"], floor["reference"], floor["flops"]
+    reason = (
+        f"loopformer's matmul, attention and convolution kernels alone take {ours['arithmetic_ms']:.1f} ms "
+        f"per training step, {floor['floor']:.2f}x the reference's whole step ({ref['total_ms']:.1f} ms; its "
+        f"own kernels {ref['arithmetic_ms']:.1f} ms); counted FLOPs per step loopformer "
+        f"{flops['loopformer'] / 1e9:.2f} G, reference {flops['reference'] / 1e9:.2f} G (torch.profiler)"
+    )
+    return Result("reference", f"vs_reference.{model}_floor", floor["floor"], "x", None, None, reason, floor)
 
 
 def run(quick: bool = False) -> list[Result]:

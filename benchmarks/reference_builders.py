@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from loopformer.loop import LoopConfig
-from loopformer.train.losses import accuracy, q_halt_loss, sequence_loss
+from loopformer.train.losses import accuracy, q_halt_loss, q_learning_losses, sequence_loss
 
 LR, BETAS, WEIGHT_DECAY = 1e-4, (0.9, 0.95), 0.1
 # ``bench_reference --compile``: loopformer's step as ``train.compile: true`` compiles it (model.step) and
@@ -93,18 +93,33 @@ def _ours(
     train_loop: LoopConfig,
     eval_loop: LoopConfig,
     aux_weight: float = 0.0,
+    q_learning_segments: int = 0,
 ) -> tuple[Callable[[], Any], Callable[[], Any]]:
+    """``q_learning_segments`` > 0: HRM's Q-learning as ``train.q_learning`` runs it (the trainer's
+    ``_q_learning``): Q-halt and Q-continue BCE, the target from one more segment without gradient,
+    the last of every ``q_learning_segments`` segments bootstrapping from Q-halt alone."""
     inputs, labels = batch["inputs"], batch["labels"]
     params = [p for n, p in model.named_parameters() if "puzzle_emb" not in n]
     opt = _adamw(params)
-    carry: dict[str, torch.Tensor | None] = {"state": None}
+    carry: dict[str, Any] = {"state": None, "segment": 0}
+
+    def q_terms(out: Any) -> torch.Tensor:
+        exact = accuracy(out.logits, labels).exact
+        if not q_learning_segments:
+            return q_halt_loss(out.q_logits, exact)
+        q = model.q_values(out.state)
+        with torch.no_grad():
+            q_next = model.q_values(model(inputs, loop=train_loop, state=out.state.detach()).state)
+        carry["segment"] = (carry["segment"] + 1) % q_learning_segments
+        is_last = torch.full((inputs.shape[0],), carry["segment"] == 0)
+        return sum(q_learning_losses(q, q_next, exact, is_last))
 
     def train() -> None:
         model.train()
         out = model(inputs, loop=train_loop, state=carry["state"])
         loss = sequence_loss(out.logits, labels, "stablemax")
         if out.q_logits is not None:
-            loss = loss + 0.5 * q_halt_loss(out.q_logits, accuracy(out.logits, labels).exact)
+            loss = loss + 0.5 * q_terms(out)
         if aux_weight and out.aux_loss is not None:  # e.g. the Attractor puzzle model's Jacobian term
             loss = loss + aux_weight * out.aux_loss
         loss.backward()
@@ -171,6 +186,7 @@ def _pair(
     subs: list[str],
     set_iters: bool = False,
     aux_weight: float = 0.0,
+    q_learning_segments: int = 0,
 ) -> Pair:
     """Both sides' training step and evaluation batch on one shared batch, with their parameter counts."""
     batch = _batch(shape)
@@ -178,7 +194,7 @@ def _pair(
     if COMPILE["enabled"]:
         ours.step = torch.compile(ours.step)
         ref = torch.compile(ref)
-    ours_train, ours_eval = _ours(ours, batch, train_loop, eval_loop, aux_weight)
+    ours_train, ours_eval = _ours(ours, batch, train_loop, eval_loop, aux_weight, q_learning_segments)
     ref_train, ref_eval = _ref_act(ref, batch, set_iters=set_iters)
     return Pair(ours_train, ref_train, ours_eval, ref_eval, config, subs, params)
 
@@ -340,19 +356,18 @@ def build_hrm(root: Path, shape: Shape, quick: bool) -> Pair:
     )  # fmt: skip
     config = {
         "training_step": f"one segment: {HRM_H} H cycles x {HRM_L} L cycles, 1-step gradient; stablemax "
-        "loss + 0.5 Q-halt BCE, AdamW",
+        "loss + 0.5 (Q-halt BCE + Q-continue BCE against a target from one more segment without gradient: "
+        "HRM's ACT Q-learning, loopformer's train.q_learning), AdamW",
         "eval_batch": f"{HRM_SEGMENTS} segments, no gradient",
         "model": f"post-norm, {layers} + {layers} layers, 1 puzzle-embedding token",
-        "caveat": "not the same training algorithm: the reference's training step also runs one extra "
-        "no-gradient forward for its Q-continue target (HRM's ACT Q-learning), loopformer's HRM has no "
-        "continue head",
     }
     subs = [
         "flash_attn_func -> F.scaled_dot_product_attention (a stand-in flash_attn_interface module)",
         "AdamATan2 (CUDA extension) -> torch.optim.AdamW on both sides; sparse puzzle-embedding "
         "sign-SGD not stepped",
     ]
-    return _pair(ours, ref, shape, *_segment_loops(HRM_H, HRM_SEGMENTS), config, subs)
+    loops = _segment_loops(HRM_H, HRM_SEGMENTS)
+    return _pair(ours, ref, shape, *loops, config, subs, q_learning_segments=HRM_SEGMENTS)
 
 
 # ----------------------------------------------------------------------------------------------------

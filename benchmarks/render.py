@@ -186,6 +186,8 @@ def _details(r: dict[str, Any]) -> list[str]:
             f"{d['params']['reference']:,}; " + "; ".join(f"{k}: {v}" for k, v in d["config"].items())
         )
         lines.append("  substitutions: " + "; ".join(d["substitutions"]))
+    elif r["benchmark"] == "reference" and r["name"].endswith("_floor"):
+        lines.append(f"- `{name}`: {r['reason']}")
     elif r["benchmark"] == "reference" and r["value"] is None:
         lines.append(f"- `{name}`: {r['reason']}")
     elif r["benchmark"] == "solvers" and "solvers" in d:

@@ -52,11 +52,18 @@ def test_quick_pair_runs_against_the_checkout(model: str) -> None:
     if br.find_reference(model) is None:
         pytest.skip(f"no {model} checkout (LOOPFORMER_REF_{model.upper()} / LOOPFORMER_REFS)")
     rows = br.run_model(model, quick=True)
-    assert [r.name for r in rows] == [f"vs_reference.{model}", f"vs_reference.{model}_eval"]
+    assert [r.name for r in rows] == [f"vs_reference.{model}{s}" for s in ("", "_eval", "_floor")]
     for r in rows:
         assert r.value is not None and 0.05 < r.value < 20, r
     params = rows[0].details["params"]
     assert abs(params["loopformer"] - params["reference"]) / params["reference"] < 0.01  # same matrices
+    flops = rows[2].details["flops"]
+    assert flops["loopformer"] > 0 and flops["reference"] > 0
+    if model != "attractor":  # same loop counts, same arithmetic: equal counted FLOPs per training step
+        # (the Attractor pair's Anderson solves stop where each side's float32 mixing system turns
+        # singular, so its map evaluations, and FLOPs, may differ)
+        assert abs(flops["loopformer"] - flops["reference"]) / flops["reference"] < 0.02
+    assert rows[2].value < rows[0].value * 1.5  # kernels alone take less than a whole step
 
 
 def test_profile_step_reports_the_top_operators_per_step() -> None:
@@ -69,3 +76,36 @@ def test_profile_step_reports_the_top_operators_per_step() -> None:
     mm_ms, mm_calls = prof["top_ops_ms_calls"]["aten::mm"]
     assert mm_calls == 1.0 and 0 < mm_ms <= prof["total_ms"]
     assert prof["top_ops_ms_calls"]["aten::relu_"][1] == 1.0
+
+
+def test_arithmetic_kernels_are_matmuls_attention_and_convolutions() -> None:
+    for op in ("aten::mm", "aten::bmm", "aten::addmm", "aten::_scaled_dot_product_flash_attention_for_cpu",
+               "aten::_scaled_dot_product_flash_attention_for_cpu_backward", "aten::convolution_backward",
+               "aten::mkldnn_convolution"):  # fmt: skip
+        assert br.is_arithmetic_kernel(op), op
+    for op in ("aten::mul", "aten::silu", "aten::cat", "aten::copy_", "aten::matmul_backward_helper", "mm"):
+        assert not br.is_arithmetic_kernel(op), op
+
+
+def test_kernel_floor_is_the_kernel_time_over_the_other_steps_total() -> None:
+    a = torch.randn(96, 96)
+    b = torch.randn(96, 96, 8)
+
+    def ours() -> None:
+        (a @ a).relu_()
+
+    def ref() -> None:  # the same matmul plus elementwise work
+        c = a @ a
+        for _ in range(20):
+            c = (c * 1.0001).tanh()
+        b.sum()
+
+    floor = br.kernel_floor(ours, ref, steps=3)
+    assert floor["flops"] == {"loopformer": 2 * 96**3, "reference": 2 * 96**3}
+    ours_mm = floor["loopformer"]["top_ops_ms_calls"]["aten::mm"][0]
+    assert floor["loopformer"]["arithmetic_ms"] == pytest.approx(ours_mm, abs=1e-3)
+    assert floor["reference"]["arithmetic_ms"] < floor["reference"]["total_ms"]
+    assert floor["floor"] == pytest.approx(
+        floor["loopformer"]["arithmetic_ms"] / floor["reference"]["total_ms"]
+    )
+    assert 0 < floor["floor"] < 1
