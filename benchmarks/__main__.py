@@ -76,6 +76,16 @@ def merge(old: list[dict[str, Any]], new: list[dict[str, Any]], ran: list[str]) 
     return sorted(kept + new, key=lambda r: order.get(r.get("benchmark"), len(order)))
 
 
+def provenance(results: list[dict[str, Any]]) -> list[tuple[str, int | None, int]]:
+    """(command, torch threads, rows) for each run whose rows are in ``results`` (merged results
+    hold rows of several runs), most rows first."""
+    counts: dict[tuple[str, int | None], int] = {}
+    for r in results:
+        key = (r.get("command") or "python -m benchmarks", r.get("threads"))
+        counts[key] = counts.get(key, 0) + 1
+    return [(c, t, n) for (c, t), n in sorted(counts.items(), key=lambda kv: -kv[1])]
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiniest sizes (the smoke test)")
@@ -113,9 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         if not out.is_file():
             raise SystemExit(f"--render-only: no results file {out}; run the benchmarks first")
         results = json.loads(out.read_text())
-        commands = [r.get("command") for r in results if r.get("command")]
-        info["command"] = max(set(commands), key=commands.count) if commands else "python -m benchmarks"
-        info["torch_threads"] = max((r.get("threads", 0) for r in results), default=info["torch_threads"])
+        info["runs"] = provenance(results)
         doc.parent.mkdir(parents=True, exist_ok=True)
         doc.write_text(render(results, info))
         print(f"[benchmarks] rendered {doc} from {out}")
@@ -149,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         except json.JSONDecodeError:
             old = []
     results = merge(old, new, names)
+    info["runs"] = provenance(results)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n")
     doc.parent.mkdir(parents=True, exist_ok=True)

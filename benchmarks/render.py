@@ -209,6 +209,22 @@ def _details(r: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _runs_lines(info: dict[str, Any], quick: bool) -> list[str]:
+    """Which commands produced the rows (a merged results file holds several runs' rows)."""
+    suffix = " (quick sizes)" if quick else ""
+    runs = info.get("runs")
+    if not runs:
+        return [
+            f"- command: `{info.get('command', 'python -m benchmarks')}`{suffix}, torch threads {info['torch_threads']}"
+        ]
+    lines = ["- rows from these runs:" + suffix]
+    for command, threads, rows in runs:
+        lines.append(
+            f"  - `{command}`: {rows} row{'s' if rows != 1 else ''}, torch threads {threads if threads is not None else 'not recorded'}"
+        )
+    return lines
+
+
 def render(results: list[dict[str, Any]], info: dict[str, Any]) -> str:
     quick = any(r.get("quick") for r in results)
     out = [
@@ -234,9 +250,9 @@ def render(results: list[dict[str, Any]], info: dict[str, Any]) -> str:
         "",
         "## Machine",
         "",
-        f"- command: `{info.get('command', 'python -m benchmarks')}`" + (" (quick sizes)" if quick else ""),
+        *_runs_lines(info, quick),
         f"- rendered: {time.strftime('%Y-%m-%d %H:%M:%S')}",
-        f"- CPU: {info['cpu']} ({info['logical_cpus']} logical CPUs), torch threads {info['torch_threads']}",
+        f"- CPU: {info['cpu']} ({info['logical_cpus']} logical CPUs)",
         f"- torch {info['torch']}, Python {info['python']}, CUDA available: {info['cuda']}",
         f"- load average when rendered: {', '.join(map(str, info['load_average']))}",
         "",

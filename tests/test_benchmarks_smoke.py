@@ -21,7 +21,7 @@ if ROOT not in sys.path:  # benchmarks/ is a top-level package of the repository
     sys.path.insert(0, ROOT)
 
 from benchmarks import BENCHMARKS  # noqa: E402
-from benchmarks.__main__ import main, merge  # noqa: E402
+from benchmarks.__main__ import main, merge, provenance  # noqa: E402
 from benchmarks.common import REQUIRED_FIELDS, paired_ratio, side_by_side  # noqa: E402
 
 
@@ -129,6 +129,16 @@ def test_only_merges_into_existing_results(quick_run):
     doc.unlink()
     assert main(["--render-only", "--out", str(out), "--doc", str(doc)]) == 0
     assert all(f"`{r['name']}`" in doc.read_text() for r in merged)
+    # the page names each run whose rows the merged file holds, with its row count and threads
+    memory_rows = sum(r["benchmark"] == "memory" for r in merged)
+    only = f"python -m benchmarks --quick --threads 1 --only memory --out {out} --doc {doc}"
+    assert f"`{only}`: {memory_rows} row" in doc.read_text()
+    first = f"python -m benchmarks --quick --threads 1 --out {out} --doc {doc}"
+    assert f"`{first}`: {len(merged) - memory_rows} row" in doc.read_text()
+    assert provenance([{"command": "a", "threads": 1}, {"command": "b", "threads": 2}, {"command": "b", "threads": 2}]) == [
+        ("b", 2, 2),
+        ("a", 1, 1),
+    ]
     assert merge(
         [{"benchmark": "engine", "name": "a"}], [{"benchmark": "memory", "name": "b"}], ["memory"]
     ) == [{"benchmark": "engine", "name": "a"}, {"benchmark": "memory", "name": "b"}]
