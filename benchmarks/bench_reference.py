@@ -10,6 +10,12 @@ rotating order. Figure: loopformer time / reference time (median of paired ratio
 faster); runs of interleaved rounds repeat until two consecutive runs agree within 10%. With one
 torch thread the clock is CPU time (steadier on a shared machine), otherwise wall time.
 
+Every pair runs on the CPU; when CUDA is available, ``python -m benchmarks --only reference`` also
+runs each on the GPU (rows ``vs_reference.<model>_cuda``, float32 as on the CPU, wall time with a
+synchronize after every call; ``--device cuda`` for one pair). The ``_floor`` rows (CPU only) put
+loopformer's matmul / attention / convolution kernel time over the reference's whole step: the
+lowest ratio reachable at equal arithmetic with PyTorch's kernels.
+
 Checkouts: ``LOOPFORMER_REF_<MODEL>`` (FPRM, TRM, HRM, ATTRACTOR) or ``LOOPFORMER_REFS/<repository
 name>``; a model whose checkout is absent is skipped with a message. Each pair runs in its own
 subprocess (the FPRM, TRM and HRM codes all import a top-level ``models`` package). The commit each
@@ -67,10 +73,10 @@ def find_reference(model: str) -> Path | None:
     return None
 
 
-def _clock():
+def _clock(device: str = "cpu"):
     return (
         (time.process_time, "process CPU time")
-        if torch.get_num_threads() == 1
+        if torch.get_num_threads() == 1 and device == "cpu"
         else (time.perf_counter, "wall time")
     )
 
@@ -145,23 +151,28 @@ def kernel_floor(ours_step: Any, ref_step: Any, steps: int = 4) -> dict[str, Any
     }
 
 
-def measure(model: str, ref: Path, quick: bool, profile: bool = False) -> dict[str, Any]:
-    """Build the pair and time it (runs inside the subprocess)."""
+def measure(
+    model: str, ref: Path, quick: bool, profile: bool = False, settings: Any = None
+) -> dict[str, Any]:
+    """Build the pair and time it (runs inside the subprocess). ``settings``: a
+    ``reference_builders.Settings`` (compile, device); default eager on the CPU. The kernel floor
+    is measured on the CPU only (its profile reads operators' CPU self time)."""
     from benchmarks import reference_builders as rb
 
+    settings = settings or rb.Settings()
     shape = rb.QUICK_SHAPE if quick else rb.SHAPE
     torch.manual_seed(0)
     if model == "fprm":
-        pair = rb.build_fprm(ref, find_reference("trm"), shape)
+        pair = rb.build_fprm(ref, find_reference("trm"), shape, settings)
     elif model == "trm":
-        pair = rb.build_trm(ref, shape, quick)
+        pair = rb.build_trm(ref, shape, quick, settings)
     elif model == "hrm":
-        pair = rb.build_hrm(ref, shape, quick)
+        pair = rb.build_hrm(ref, shape, quick, settings)
     elif model == "attractor":
-        pair = rb.build_attractor(ref, shape, quick)
+        pair = rb.build_attractor(ref, shape, quick, settings)
     else:
         raise ValueError(f"no builder for {model!r}")
-    clock, clock_name = _clock()
+    clock, clock_name = _clock(settings.device)
     out: dict[str, Any] = {"config": pair.config, "substitutions": pair.substitutions, "params": pair.params}
     out["shape"] = shape.__dict__
     start = time.perf_counter()
@@ -184,8 +195,11 @@ def measure(model: str, ref: Path, quick: bool, profile: bool = False) -> dict[s
             "loopformer_median_s": median(times["loopformer"]),
             "reference_median_s": median(times["reference"]),
         }
-    out["clock"], out["threads"] = clock_name, torch.get_num_threads()
-    out["floor"] = kernel_floor(pair.ours_train, pair.ref_train, steps=2 if quick else 4)
+    out["clock"], out["threads"], out["device"] = clock_name, torch.get_num_threads(), settings.device
+    if settings.device == "cuda":
+        out["gpu"] = torch.cuda.get_device_name()
+    else:
+        out["floor"] = kernel_floor(pair.ours_train, pair.ref_train, steps=2 if quick else 4)
     if profile:
         out["profile"] = {
             "loopformer": profile_step(pair.ours_train),
@@ -194,13 +208,27 @@ def measure(model: str, ref: Path, quick: bool, profile: bool = False) -> dict[s
     return out
 
 
-def _row(model: str, kind: str, value: float | None, met: bool | None, reason: str, details: dict) -> Result:
-    target = f"<= {TARGETS[model]} x the authors' step" if kind == "train" and model in TARGETS else None
-    suffix = "" if kind == "train" else "_eval"
-    return Result("reference", f"vs_reference.{model}{suffix}", value, "x", target, met, reason, details)
+def _row(
+    model: str,
+    kind: str,
+    value: float | None,
+    met: bool | None,
+    reason: str,
+    details: dict,
+    device: str = "cpu",
+) -> Result:
+    """``vs_reference.<model>[_cuda][_eval]``; the targets are the CPU training-step rows'."""
+    targeted = kind == "train" and model in TARGETS and device == "cpu"
+    target = f"<= {TARGETS[model]} x the authors' step" if targeted else None
+    name = (
+        f"vs_reference.{model}"
+        + ("" if device == "cpu" else f"_{device}")
+        + ("" if kind == "train" else "_eval")
+    )
+    return Result("reference", name, value, "x", target, met, reason, details)
 
 
-def run_model(model: str, quick: bool) -> list[Result]:
+def run_model(model: str, quick: bool, device: str = "cpu") -> list[Result]:
     info = dict(REFS[model])
     ref = find_reference(model)
     if ref is None:
@@ -208,19 +236,18 @@ def run_model(model: str, quick: bool) -> list[Result]:
             f"skipped: no checkout of {info['repo']} (set LOOPFORMER_REF_{model.upper()} or "
             f"LOOPFORMER_REFS to a folder holding {info['dir']}/)"
         )
-        return [_row(model, "train", None, None, why, info)]
-    return run_model_at(model, ref, quick)
+        return [_row(model, "train", None, None, why, info, device)]
+    return run_model_at(model, ref, quick, device)
 
 
-def run_model_at(model: str, ref: Path, quick: bool) -> list[Result]:
+def run_model_at(model: str, ref: Path, quick: bool, device: str = "cpu") -> list[Result]:
     """Time one pair against the checkout at ``ref`` in a subprocess; RuntimeError if it fails."""
     info = dict(REFS[model])
     with tempfile.TemporaryDirectory() as tmp:
         out_file = Path(tmp) / "out.json"
         cmd = [sys.executable, "-m", "benchmarks.bench_reference", "--model", model, "--ref", str(ref)]
-        cmd += ["--json", str(out_file), "--threads", str(torch.get_num_threads())] + (
-            ["--quick"] if quick else []
-        )
+        cmd += ["--json", str(out_file), "--threads", str(torch.get_num_threads()), "--device", device]
+        cmd += ["--quick"] if quick else []
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800)
         if proc.returncode != 0 or not out_file.is_file():
             tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
@@ -231,7 +258,7 @@ def run_model_at(model: str, ref: Path, quick: bool) -> list[Result]:
     for kind in ("train", "eval"):
         r = data[kind]
         value = r["ratio"]
-        limit = TARGETS.get(model) if kind == "train" and not quick else None
+        limit = TARGETS.get(model) if kind == "train" and not quick and device == "cpu" else None
         met = None if limit is None else bool(value <= limit and r["stable_within_10pct"])
         what = "training step" if kind == "train" else "evaluation batch"
         reason = (
@@ -244,12 +271,14 @@ def run_model_at(model: str, ref: Path, quick: bool) -> list[Result]:
             reason += "; one run only (time budget), stability not checked"
         elif not r["stable_within_10pct"]:
             reason += f"; runs did not agree within 10%: {[round(x, 3) for x in r['runs']]}"
-        if kind == "train":
+        if kind == "train" and "floor" in data:
             reason += f"; floor at equal work {data['floor']['floor']:.2f}x (vs_reference.{model}_floor)"
-        results.append(
-            _row(model, kind, value, met, reason, details if kind == "train" else {"runs": r["runs"]})
-        )
-    results.append(_floor_row(model, data["floor"]))
+        if "gpu" in data:
+            reason += f"; {data['gpu']}"
+        kept = details if kind == "train" else {"runs": r["runs"]}
+        results.append(_row(model, kind, value, met, reason, kept, device))
+    if "floor" in data:
+        results.append(_floor_row(model, data["floor"]))
     return results
 
 
@@ -274,12 +303,16 @@ def _floor_row(model: str, floor: dict[str, Any]) -> Result:
 
 
 def run(quick: bool = False) -> list[Result]:
+    """Every pair on the CPU, and on the GPU as well when CUDA is available (rows ``*_cuda``)."""
     results: list[Result] = []
-    for model in REFS:
-        try:
-            results += run_model(model, quick)
-        except (RuntimeError, subprocess.TimeoutExpired, OSError) as err:
-            results.append(_row(model, "train", None, False, f"failed: {err}"[:400], dict(REFS[model])))
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    for device in devices:
+        for model in REFS:
+            try:
+                results += run_model(model, quick, device)
+            except (RuntimeError, subprocess.TimeoutExpired, OSError) as err:
+                why = f"failed: {err}"[:400]
+                results.append(_row(model, "train", None, False, why, dict(REFS[model]), device))
     return results
 
 
@@ -301,16 +334,25 @@ def main(argv: list[str] | None = None) -> None:
         help="torch.compile both sides (loopformer: model.step, as train.compile; reference: its loss head, "
         "as its pretrain.py does)",
     )
+    parser.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="where both sides run (cuda: wall time with a synchronize after every call; no kernel floor)",
+    )
     args = parser.parse_args(argv)
     if not args.ref.is_dir():
         raise SystemExit(f"--ref {args.ref}: not a folder")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: CUDA is not available on this machine")
+    if args.profile and args.device != "cpu":
+        raise SystemExit("--profile reads CPU operator times: use it with --device cpu")
     torch.set_num_threads(args.threads)
     torch.set_flush_denormal(True)
-    if args.compile:
-        from benchmarks import reference_builders as rb
+    from benchmarks import reference_builders as rb
 
-        rb.COMPILE["enabled"] = True
-    result = measure(args.model, args.ref.resolve(), args.quick, profile=args.profile)
+    settings = rb.Settings(compile=args.compile, device=args.device)
+    result = measure(args.model, args.ref.resolve(), args.quick, profile=args.profile, settings=settings)
     result["compiled"] = args.compile
     text = json.dumps(result, indent=2, default=str)
     if args.json is None:

@@ -27,9 +27,19 @@ from loopformer.loop import LoopConfig
 from loopformer.train.losses import accuracy, q_halt_loss, q_learning_losses, sequence_loss
 
 LR, BETAS, WEIGHT_DECAY = 1e-4, (0.9, 0.95), 0.1
-# ``bench_reference --compile``: loopformer's step as ``train.compile: true`` compiles it (model.step) and
-# the reference's loss head as TinyRecursiveModels / HRM ``pretrain.py`` compile it (torch.compile(model))
-COMPILE = {"enabled": False}
+
+
+@dataclass(frozen=True)
+class Settings:
+    """How a pair runs. ``compile`` (``bench_reference --compile``): loopformer's step as
+    ``train.compile: true`` compiles it (model.step), the reference's loss head as TinyRecursiveModels /
+    HRM ``pretrain.py`` compile it (torch.compile(model)). ``device``: both sides' models and batch
+    live there; the reference's calls run under ``torch.device(device)`` (its carries are created on
+    the default device, as its ``pretrain.py`` sets it), and on CUDA every call ends with a
+    synchronize so a timer sees the whole step."""
+
+    compile: bool = False
+    device: str = "cpu"
 
 
 @dataclass(frozen=True)
@@ -95,7 +105,8 @@ def _ours(
     aux_weight: float = 0.0,
     q_learning_segments: int = 0,
 ) -> tuple[Callable[[], Any], Callable[[], Any]]:
-    """``q_learning_segments`` > 0: HRM's Q-learning as ``train.q_learning`` runs it (the trainer's
+    """loopformer's training step and evaluation batch on ``batch`` (already on the model's device).
+    ``q_learning_segments`` > 0: HRM's Q-learning as ``train.q_learning`` runs it (the trainer's
     ``_q_learning``): Q-halt and Q-continue BCE, the target from one more segment without gradient,
     the last of every ``q_learning_segments`` segments bootstrapping from Q-halt alone."""
     inputs, labels = batch["inputs"], batch["labels"]
@@ -111,7 +122,7 @@ def _ours(
         with torch.no_grad():
             q_next = model.q_values(model(inputs, loop=train_loop, state=out.state.detach()).state)
         carry["segment"] = (carry["segment"] + 1) % q_learning_segments
-        is_last = torch.full((inputs.shape[0],), carry["segment"] == 0)
+        is_last = torch.full((inputs.shape[0],), carry["segment"] == 0, device=inputs.device)
         return sum(q_learning_losses(q, q_next, exact, is_last))
 
     def train() -> None:
@@ -139,7 +150,8 @@ def _ours(
 def _ref_act(
     head: torch.nn.Module, batch: dict[str, torch.Tensor], set_iters: bool = False
 ) -> tuple[Callable[[], Any], Callable[[], Any]]:
-    """The authors' ``pretrain.train_batch`` / ``evaluate`` loops around their ``ACTLossHead``."""
+    """The authors' ``pretrain.train_batch`` / ``evaluate`` loops around their ``ACTLossHead``
+    (called under ``torch.device(<batch's device>)``, see ``_on``)."""
     opt = _adamw([p for n, p in head.named_parameters() if p.requires_grad and "puzzle_emb" not in n])
     state: dict[str, Any] = {}
 
@@ -170,6 +182,25 @@ def _ref_act(
     return train, evaluate
 
 
+def _on(device: torch.device, fn: Callable[[], Any], default_device: bool = False) -> Callable[[], Any]:
+    """``fn`` as a step on ``device``: optionally under ``torch.device(device)`` (the reference's
+    factory calls), and on CUDA followed by a synchronize (so wall time covers the kernels)."""
+    if device.type == "cpu" and not default_device:
+        return fn
+
+    def step() -> Any:
+        if default_device:
+            with device:
+                out = fn()
+        else:
+            out = fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return out
+
+    return step
+
+
 # ----------------------------------------------------------------------------------------------------
 # FPRM (nilskiKonjIzDunava/fprm)
 # ----------------------------------------------------------------------------------------------------
@@ -187,16 +218,24 @@ def _pair(
     set_iters: bool = False,
     aux_weight: float = 0.0,
     q_learning_segments: int = 0,
+    settings: Settings = Settings(),
 ) -> Pair:
     """Both sides' training step and evaluation batch on one shared batch, with their parameter counts."""
-    batch = _batch(shape)
+    device = torch.device(settings.device)
+    batch = {k: v.to(device) for k, v in _batch(shape).items()}
     params = {"loopformer": _count(ours), "reference": _count(ref)}
-    if COMPILE["enabled"]:
+    ours.to(device)
+    ref.to(device)
+    if settings.compile:
         ours.step = torch.compile(ours.step)
         ref = torch.compile(ref)
     ours_train, ours_eval = _ours(ours, batch, train_loop, eval_loop, aux_weight, q_learning_segments)
     ref_train, ref_eval = _ref_act(ref, batch, set_iters=set_iters)
-    return Pair(ours_train, ref_train, ours_eval, ref_eval, config, subs, params)
+    return Pair(
+        _on(device, ours_train), _on(device, ref_train, default_device=True),
+        _on(device, ours_eval), _on(device, ref_eval, default_device=True),
+        config, subs, params,
+    )  # fmt: skip
 
 
 def _segment_loops(cycles: int, segments: int) -> tuple[LoopConfig, LoopConfig]:
@@ -206,7 +245,7 @@ def _segment_loops(cycles: int, segments: int) -> tuple[LoopConfig, LoopConfig]:
     return train, LoopConfig(halting="fixed", max_steps=cycles * segments, grad="truncated", trace=False)
 
 
-def build_fprm(root: Path, trm_root: Path | None, shape: Shape) -> Pair:
+def build_fprm(root: Path, trm_root: Path | None, shape: Shape, settings: Settings = Settings()) -> Pair:
     from loopformer.models.fprm import FPRM, FPRMConfig
 
     subs = ["the reference's Attention already calls F.scaled_dot_product_attention (no flash-attn)"]
@@ -261,7 +300,7 @@ def build_fprm(root: Path, trm_root: Path | None, shape: Shape) -> Pair:
         "one step per forward call (its evaluate loop)",
         "model": "pre-norm, 2 blocks, grid 2-D depthwise conv kernel 3, tied residual scaling a1 0.75 a2 0.25",
     }
-    return _pair(ours, ref, shape, train_loop, eval_loop, config, subs, set_iters=True)
+    return _pair(ours, ref, shape, train_loop, eval_loop, config, subs, set_iters=True, settings=settings)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -281,7 +320,7 @@ def _trm_config(shape: Shape, emb_len: int) -> dict[str, Any]:
     )  # fmt: skip
 
 
-def build_trm(root: Path, shape: Shape, quick: bool) -> Pair:
+def build_trm(root: Path, shape: Shape, quick: bool, settings: Settings = Settings()) -> Pair:
     from loopformer.models.trm import TRM, TRMConfig
 
     _import_path(root)
@@ -309,7 +348,7 @@ def build_trm(root: Path, shape: Shape, quick: bool) -> Pair:
         "the reference's Attention at this commit calls F.scaled_dot_product_attention (flash-attn import "
         "commented out upstream)",
     ]
-    return _pair(ours, ref, shape, *_segment_loops(TRM_H, TRM_SEGMENTS), config, subs)
+    return _pair(ours, ref, shape, *_segment_loops(TRM_H, TRM_SEGMENTS), config, subs, settings=settings)
 
 
 HRM_H, HRM_L, HRM_LAYERS, HRM_SEGMENTS = 2, 2, 4, 8  # segments as for TRM
@@ -331,7 +370,7 @@ def _flash_attn_shim() -> None:
     sys.modules.setdefault("flash_attn_interface", module)
 
 
-def build_hrm(root: Path, shape: Shape, quick: bool) -> Pair:
+def build_hrm(root: Path, shape: Shape, quick: bool, settings: Settings = Settings()) -> Pair:
     from loopformer.models.hrm import HRM, HRMConfig
 
     _flash_attn_shim()
@@ -367,7 +406,7 @@ def build_hrm(root: Path, shape: Shape, quick: bool) -> Pair:
         "sign-SGD not stepped",
     ]
     loops = _segment_loops(HRM_H, HRM_SEGMENTS)
-    return _pair(ours, ref, shape, *loops, config, subs, q_learning_segments=HRM_SEGMENTS)
+    return _pair(ours, ref, shape, *loops, config, subs, q_learning_segments=HRM_SEGMENTS, settings=settings)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -376,7 +415,7 @@ def build_hrm(root: Path, shape: Shape, quick: bool) -> Pair:
 DEQ_ITERS, DEQ_MIN, BPTT_THROUGH, JAC_LAMBDA = 8, 4, 2, 1e-3  # TrainTRMDEQConfig's defaults
 
 
-def build_attractor(root: Path, shape: Shape, quick: bool) -> Pair:
+def build_attractor(root: Path, shape: Shape, quick: bool, settings: Settings = Settings()) -> Pair:
     """TRM-DEQ against ``attractor_puzzle`` built from the reference's own weights through
     ``loopformer convert attractor`` (so both sides start from the same parameters)."""
     from loopformer.convert import build_converted
@@ -418,4 +457,4 @@ def build_attractor(root: Path, shape: Shape, quick: bool) -> Pair:
     ]
     train_loop, eval_loop = _segment_loops(TRM_H, TRM_SEGMENTS)
     aux = float(converted.run["train"]["ponder_weight"])
-    return _pair(ours, ref, shape, train_loop, eval_loop, config, subs, aux_weight=aux)
+    return _pair(ours, ref, shape, train_loop, eval_loop, config, subs, aux_weight=aux, settings=settings)

@@ -109,3 +109,28 @@ def test_kernel_floor_is_the_kernel_time_over_the_other_steps_total() -> None:
         floor["loopformer"]["arithmetic_ms"] / floor["reference"]["total_ms"]
     )
     assert 0 < floor["floor"] < 1
+
+
+def test_reference_calls_run_under_the_pair_device_and_rows_name_it(tmp_path) -> None:
+    from benchmarks import reference_builders as rb
+
+    seen: list[str] = []
+
+    def ref_step() -> None:  # the references create their carries with plain factory calls
+        seen.append(torch.empty(1).device.type)
+
+    rb._on(torch.device("meta"), ref_step, default_device=True)()
+    plain = rb._on(torch.device("cpu"), ref_step)
+    assert plain is ref_step and seen == ["meta"]
+    cpu = br._row("fprm", "train", 0.9, False, "r", {})
+    gpu = br._row("fprm", "train", 0.9, None, "r", {}, device="cuda")
+    gpu_eval = br._row("fprm", "eval", 0.9, None, "r", {}, device="cuda")
+    assert (cpu.name, gpu.name, gpu_eval.name) == (
+        "vs_reference.fprm",
+        "vs_reference.fprm_cuda",
+        "vs_reference.fprm_cuda_eval",
+    )
+    assert cpu.target is not None and gpu.target is None  # the targets are the CPU rows'
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="CUDA is not available"):
+            br.main(["--model", "fprm", "--ref", str(tmp_path), "--device", "cuda"])
