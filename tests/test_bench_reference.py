@@ -120,8 +120,9 @@ def test_reference_calls_run_under_the_pair_device_and_rows_name_it(tmp_path) ->
         seen.append(torch.empty(1).device.type)
 
     rb._on(torch.device("meta"), ref_step, default_device=True)()
-    plain = rb._on(torch.device("cpu"), ref_step)
-    assert plain is ref_step and seen == ["meta"]
+    assert seen == ["meta"]
+    for default_device in (False, True):  # on the CPU no wrapper (and no function mode) at all
+        assert rb._on(torch.device("cpu"), ref_step, default_device) is ref_step
     cpu = br._row("fprm", "train", 0.9, False, "r", {})
     gpu = br._row("fprm", "train", 0.9, None, "r", {}, device="cuda")
     gpu_eval = br._row("fprm", "eval", 0.9, None, "r", {}, device="cuda")
