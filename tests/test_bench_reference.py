@@ -51,6 +51,8 @@ def test_bad_reference_folder_is_reported(monkeypatch, tmp_path) -> None:
 def test_quick_pair_runs_against_the_checkout(model: str) -> None:
     if br.find_reference(model) is None:
         pytest.skip(f"no {model} checkout (LOOPFORMER_REF_{model.upper()} / LOOPFORMER_REFS)")
+    for module in ("einops", "pydantic"):  # the references' own imports: pip install -e ".[bench]"
+        pytest.importorskip(module, reason=f"the reference code imports {module}: pip install -e '.[bench]'")
     rows = br.run_model(model, quick=True)
     assert [r.name for r in rows] == [f"vs_reference.{model}{s}" for s in ("", "_eval", "_floor")]
     for r in rows:
