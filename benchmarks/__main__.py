@@ -118,7 +118,6 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(choose_threads(args.threads))
     info = machine()
     command = ("python -m benchmarks " + " ".join(argv if argv is not None else sys.argv[1:])).strip()
-    info["command"] = command
     if args.render_only:
         if not out.is_file():
             raise SystemExit(f"--render-only: no results file {out}; run the benchmarks first")

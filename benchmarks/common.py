@@ -140,7 +140,6 @@ def machine() -> dict[str, Any]:
         "cpu": cpu_model(),
         "logical_cpus": os.cpu_count(),
         "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
         "python": platform.python_version(),
         "platform": platform.platform(),
         "cuda": torch.cuda.is_available(),

@@ -13,6 +13,7 @@ table is left out of its optimiser to match).
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import types
 from collections.abc import Callable
@@ -191,10 +192,7 @@ def _on(device: torch.device, fn: Callable[[], Any], default_device: bool = Fals
         return fn
 
     def step() -> Any:
-        if default_device:
-            with device:
-                out = fn()
-        else:
+        with device if default_device else contextlib.nullcontext():
             out = fn()
         if device.type == "cuda":
             torch.cuda.synchronize(device)

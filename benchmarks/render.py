@@ -211,14 +211,8 @@ def _details(r: dict[str, Any]) -> list[str]:
 
 def _runs_lines(info: dict[str, Any], quick: bool) -> list[str]:
     """Which commands produced the rows (a merged results file holds several runs' rows)."""
-    suffix = " (quick sizes)" if quick else ""
-    runs = info.get("runs")
-    if not runs:
-        return [
-            f"- command: `{info.get('command', 'python -m benchmarks')}`{suffix}, torch threads {info['torch_threads']}"
-        ]
-    lines = ["- rows from these runs:" + suffix]
-    for command, threads, rows in runs:
+    lines = ["- rows from these runs:" + (" (quick sizes)" if quick else "")]
+    for command, threads, rows in info["runs"]:
         lines.append(
             f"  - `{command}`: {rows} row{'s' if rows != 1 else ''}, torch threads {threads if threads is not None else 'not recorded'}"
         )
