@@ -61,7 +61,44 @@ BASELINES: dict[str, list[str]] = {
         "loop_eval={}",
     ],
 }
-MODELS = ("fprm", *BASELINES)
+# The authors' protocols (second rerun): FPRM trained as nilskiKonjIzDunava/fprm trains it (a slot halts when
+# its fixed-point residual is below fp_thresh or its step size below 1e-3, pretrain.py / FixedPointOptimizer;
+# the damped solver's step size / patience / best residual carried across a sample's segments and reset only
+# when it halts; arch.max_iter 12 segments; rel_sup residual) and evaluated as its eval loop does
+# (the whole batch stops when its largest residual is below 0.1, cap max_iter_eval 1000, step decay 0.997 and
+# patience 10: the model card's Sudoku protocol); TRM as SamsungSAILMontreal/TinyRecursiveModels trains and
+# evaluates it (halt_max_steps 16 segments, Q-halting with exploration 0.1; evaluation runs all 16
+# segments). The curriculum check scores each model as it is evaluated (TRM: 16 chained segments; FPRM: the
+# authors' solver and halting, its cap bounded at 64 steps for cost: data.curriculum.max_steps).
+FPRM_AUTHORS_EVAL = (
+    "loop_eval={solver: damped, damp_gamma: 0.997, damp_patience: 10, damp_min_step: 1.0e-3, tol: 0.1, "
+    "residual_norm: rel_sup, halting: batch_residual, max_steps: 1000}"
+)
+AUTHORS: dict[str, list[str]] = {
+    "fprm_authors": [
+        "train.halt_on_converged=true",
+        "train.carry_solver_state=true",
+        "train.max_segments=12",
+        "loop_train.residual_norm=rel_sup",
+        "loop_train.damp_min_step=1.0e-3",
+        FPRM_AUTHORS_EVAL,
+        "data.curriculum.max_steps=64",
+    ],
+    "trm_authors": [*BASELINES["trm"], "train.max_segments=16", "eval.segments=16"],
+}
+MODELS = ("fprm", *BASELINES, *AUTHORS)
+PROTOCOL = {
+    "fprm": "ours: fixed-length segments (8 per slot, lock-step refill), eval per-sample residual halting, cap 64",
+    "transformer": "one pass",
+    "trm": "ours: 8 segments, eval 8 segments chained, curriculum check 1 segment",
+    "fprm_authors": "authors': halt on convergence, solver state carried, 12 segments; eval batch-wide, "
+    "cap 1000, decay 0.997, patience 10",
+    "trm_authors": "authors': 16 segments, Q-halting; eval 16 segments chained (curriculum check too)",
+}
+# test-time compute: transformer blocks applied per loop step (FPRM: its n_layers blocks; TRM: n_inner
+# latent updates + 1 answer update, each through its n_layers blocks)
+BLOCKS_PER_STEP = {"fprm_authors": 2, "trm_authors": (3 + 1) * 2}
+BUDGETS = {"fprm_authors": [2**k for k in range(11)], "trm_authors": [1, 2, 3, 6, 12, 24, 48]}
 MINUTES = (15, 30, 60)
 BLANK_BINS = ((20, 29), (30, 39), (40, 49), (50, 60))
 # the two real Sudoku-Extreme rows of tests/test_tasks_sudoku.py (sapientinc/sudoku-extreme test split)
@@ -85,14 +122,18 @@ def configs(runs: Path, quick: bool) -> dict[str, Any]:
         else []
     )
     cfgs = {"fprm": make_config(RECIPE, [*q, f"out_dir={runs / 'fprm'}"])}
-    for name, over in BASELINES.items():
+    for name, over in {**BASELINES, **AUTHORS}.items():
         cfgs[name] = make_config(RECIPE, [*q, *over, f"out_dir={runs / name}"])
     return cfgs
 
 
 def probe(args: argparse.Namespace) -> dict[str, Any]:
-    """FPRM s/step at ``args.threads`` threads (median of timed steps after a warm-up) and every model's FLOPs/step."""
+    """FPRM s/step at ``args.threads`` threads (median of timed steps after a warm-up) and every model's
+    FLOPs/step. ``--clock FILE`` keeps an earlier probe's clock (``steps_15``) and FLOPs (a probe.json or a
+    results.json holding one) and counts only the models it lacks, so new rows share the old budgets."""
     cfgs = configs(args.runs, args.quick)
+    if args.clock is not None:
+        return extend_probe(args, cfgs)
     cfg = dataclasses.replace(cfgs["fprm"], out_dir=str(args.runs / "probe"))
     cfg.data = dataclasses.replace(cfg.data, train_size=4 * cfg.train.batch_size, eval_size=0)
     cfg.data.curriculum = dataclasses.replace(cfg.data.curriculum, enabled=False)
@@ -119,6 +160,28 @@ def probe(args: argparse.Namespace) -> dict[str, Any]:
         "steps_15": steps_15,
         "flops_per_step": flops,
         # 15 / 30 / 60 minutes = 1 / 2 / 4 x each model's 15-minute step count (equal FLOPs)
+        "budget_steps": {
+            n: [k * max(1, round(steps_15 * flops["fprm"] / flops[n])) for k in (1, 2, 4)] for n in cfgs
+        },
+    }
+    write_json(args.runs / "probe.json", payload)
+    print(json.dumps(payload, indent=1), flush=True)
+    return payload
+
+
+def extend_probe(args: argparse.Namespace, cfgs: dict[str, Any]) -> dict[str, Any]:
+    """The probe of ``args.clock`` with the FLOPs and budgets of the models it does not hold."""
+    held = json.loads(args.clock.read_text())
+    plan = dict(held.get("probe", held))
+    flops = dict(plan["flops_per_step"])
+    for n, c in cfgs.items():
+        if n not in flops:
+            flops[n] = flops_per_step(c, steps=2, out_dir=args.runs / "probe")
+    steps_15 = plan["steps_15"]
+    payload = {
+        **plan,
+        "clock_from": str(args.clock.relative_to(REPO) if args.clock.is_relative_to(REPO) else args.clock),
+        "flops_per_step": flops,
         "budget_steps": {
             n: [k * max(1, round(steps_15 * flops["fprm"] / flops[n])) for k in (1, 2, 4)] for n in cfgs
         },
@@ -339,6 +402,9 @@ def main() -> None:
     parser.add_argument("--max-minutes", type=int, default=60, help="train to this budget (15, 30 or 60)")
     parser.add_argument("--resume", action="store_true", help="continue each run from its last checkpoint")
     parser.add_argument("--eval-size", type=int, default=1000)
+    parser.add_argument(
+        "--clock", type=Path, default=None, help="keep this probe's clock and FLOPs (probe.json or results.json)"
+    )
     parser.add_argument("--runs", type=Path, default=REPO / "runs" / "sudoku9")
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "figures" / "sudoku9")
     args = parser.parse_args()

@@ -48,6 +48,9 @@ class CurriculumConfig:
     and the learning-rate schedule (warm-up included) starts again, as the reference builds a new
     AdamW and a new warm-up schedule for every stage (OSU-NLP-Group/Loop-Think-Generalize
     ``train_extrapolation.py`` ``train_model``).
+    The check scores the current weights as the run is evaluated (``loop_eval`` with
+    ``eval.segments`` chained calls); ``max_steps`` > 0 caps the check's loop at that many steps
+    (a cost bound for evaluation loops with a cap of thousands, e.g. FPRM's 1000).
     """
 
     enabled: bool = False
@@ -59,6 +62,7 @@ class CurriculumConfig:
     sample: int = 256
     source: Literal["eval", "train"] = "eval"
     restart_optimizer: bool = False
+    max_steps: int = 0  # > 0: the check's loop cap (0: loop_eval's own)
 
 
 @dataclass

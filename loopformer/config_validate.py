@@ -242,6 +242,7 @@ def _check_run(cfg: RunConfig) -> None:
     d, c = cfg.data, cfg.data.curriculum
     _at_least(d, "data", 0, "train_size", "eval_size", "train_seed", "eval_seed")
     _at_least(c, "data.curriculum", 1, "check_every", "sample")
+    _at_least(c, "data.curriculum", 0, "max_steps")
     _finite(c, "data.curriculum", 0.0, 1.0, "threshold")
     if not (math.isfinite(c.step) and c.step > 0):
         raise ConfigError(f"data.curriculum.step must be > 0, got {c.step}")

@@ -26,6 +26,7 @@ trainer on its contiguous shard of each global batch; files, progress bars and l
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import sys
@@ -363,7 +364,10 @@ class Trainer:
         if len(rows) > cc.sample:
             rng = np.random.default_rng([self.config.seed, self.step, SALT_CURRICULUM])
             rows = np.sort(rng.choice(rows, size=cc.sample, replace=False))
-        acc = self.score(dataset, rows, self.loop_eval, check=False)["exact_acc"]
+        loop = self.loop_eval
+        if cc.max_steps and cc.max_steps < loop.max_steps:
+            loop = dataclasses.replace(loop, max_steps=cc.max_steps, min_steps=min(loop.min_steps, cc.max_steps))
+        acc = self.score(dataset, rows, loop, check=False)["exact_acc"]
         if cur.update(acc, self.step):
             self.stream.set_eligible(cur.eligible())
             if cc.restart_optimizer:  # a fresh optimiser for the new stage (the schedule: schedule_step)
