@@ -39,8 +39,11 @@ import numpy as np
 import torch
 from fprm_common import REPO, flops_per_step, make_config, pyplot, save_figure, write_json
 
-from loopformer.eval.budget import steps_vs_difficulty
+from loopformer.eval.budget import steps_vs_difficulty, with_budget
+from loopformer.eval.evaluate import evaluate as evaluate_data
+from loopformer.eval.evaluate import loop_summary
 from loopformer.runs import load_run
+from loopformer.tasks.base import TokenDataset
 from loopformer.tasks.sudoku import SudokuTask
 from loopformer.train.trainer import Trainer
 
@@ -274,6 +277,87 @@ def evaluate_checkpoint(name: str, path: Path, eval_set: Any, backtracks: np.nda
     }
 
 
+def authors_eval(run: Any, budget: int | None = None) -> tuple[Any, int]:
+    """(loop, chained segments) of a run as its authors evaluate it (``loop_eval`` with ``eval.segments``
+    chained calls), or at a test-time ``budget`` of loop steps: FPRM's own halting capped at ``budget``
+    steps; TRM's ``budget`` cycles as whole segments where it is a multiple of a segment's cycles."""
+    loop, segments = run.loop_eval, run.config.eval.segments
+    if budget is None:
+        return loop, segments
+    if segments > 1 and budget % loop.max_steps == 0:
+        return loop, budget // loop.max_steps
+    return with_budget(loop, budget, "capped" if segments == 1 else "fixed"), 1
+
+
+def score_authors(run: Any, eval_set: Any, budget: int | None = None) -> Any:
+    """``loopformer.eval.evaluate`` of ``run``'s weights (EMA) under :func:`authors_eval` (250 a batch)."""
+    loop, segments = authors_eval(run, budget)
+    return evaluate_data(run.model, run.task, eval_set, loop=loop, batch_size=250, seed=0, segments=segments)
+
+
+@torch.no_grad()
+def evaluate_authors(
+    name: str, path: Path, eval_set: Any, backtracks: np.ndarray, curve: bool
+) -> dict[str, Any]:
+    """One checkpoint of an authors'-protocol model: accuracy as its authors evaluate it, test-time compute
+    (loop steps x blocks per step), the Sudoku-Extreme rows, and with ``curve`` accuracy vs loop budget."""
+    run = load_run(path, use_ema=True)
+    res = score_authors(run, eval_set)
+    v, s = res.valid, res.steps.astype(np.float64)
+    blanks = eval_set.difficulty
+    stats = steps_vs_difficulty(blanks, s, v)
+    loop, segments = authors_eval(run)
+    extreme = []
+    for text in EXTREME_ROWS:
+        grid = run.task.parse_grid(text)[None].astype(np.int64)
+        one = TokenDataset(grid, grid.copy(), np.zeros(1))  # the validator scores it; the label is unused
+        r = evaluate_data(run.model, run.task, one, loop=loop, batch_size=1, seed=0, segments=segments)
+        extreme.append(
+            {
+                "valid": bool(r.records[0].valid),
+                "steps": int(r.steps[0]),
+                "converged": bool(r.records[0].converged),
+                "protocol": PROTOCOL[name],
+            }
+        )
+    row: dict[str, Any] = {
+        "step": run.step,
+        "weights": run.weights,
+        "protocol": PROTOCOL[name],
+        "loop": {**loop_summary(loop), "segments": segments},
+        "n": int(len(v)),
+        "valid": float(v.mean()),
+        "valid_30plus": _frac(v[blanks >= 30]),
+        "by_blanks": {f"{lo}-{hi}": _frac(v[(blanks >= lo) & (blanks <= hi)]) for lo, hi in BLANK_BINS},
+        "propagation_only": _frac(v[backtracks == 0]),
+        "needs_search": _frac(v[backtracks > 0]),
+        "n_needs_search": int((backtracks > 0).sum()),
+        "mean_steps": float(s.mean()),
+        "blocks_per_step": BLOCKS_PER_STEP[name],
+        "mean_blocks": float(s.mean()) * BLOCKS_PER_STEP[name],
+        "converged": float(res.converged_fraction),
+        "steps_vs_blanks_spearman": stats.spearman_rho,
+        "spearman_p": stats.spearman_p,
+        "extreme": extreme,
+    }
+    if curve:
+        points = []
+        for b in BUDGETS[name]:
+            r = score_authors(run, eval_set, b)
+            points.append(
+                {
+                    "budget_steps": b,
+                    "blocks": b * BLOCKS_PER_STEP[name],
+                    "valid": float(r.valid.mean()),
+                    "mean_steps": float(r.mean_steps),
+                    "mean_blocks": float(r.mean_steps) * BLOCKS_PER_STEP[name],
+                }
+            )
+            print(name, "budget", points[-1], flush=True)
+        row["budget_curve"] = points
+    return row
+
+
 def _frac(mask: np.ndarray) -> float | None:
     return float(mask.mean()) if len(mask) else None
 
@@ -286,8 +370,14 @@ def evaluate(args: argparse.Namespace) -> None:
         16 if args.quick else args.eval_size, seed=cfg.data.eval_seed, min_blanks=20, max_blanks=60
     )
     backtracks = np.asarray(eval_set.meta["backtracks"])
-    results: dict[str, Any] = {}
-    for name in MODELS:
+    only = [n for n in args.only.split(",") if n]
+    unknown = sorted(set(only) - set(MODELS))
+    if unknown:
+        raise SystemExit(f"--only: unknown model(s) {', '.join(unknown)} (known: {', '.join(MODELS)})")
+    # rows of models not evaluated now (--only, or no run folder here) stay as the earlier eval wrote them
+    earlier = args.out / "results.json"
+    results: dict[str, Any] = json.loads(earlier.read_text())["results"] if earlier.is_file() else {}
+    for name in only or MODELS:
         run_dir = args.runs / name
         if not (run_dir / "checkpoints").is_dir():
             print(f"{name}: no checkpoints in {run_dir}, skipped", flush=True)
@@ -300,7 +390,10 @@ def evaluate(args: argparse.Namespace) -> None:
             if not ckpt.is_dir():
                 print(f"{name}: no checkpoint {ckpt}", flush=True)
                 continue
-            row = evaluate_checkpoint(name, ckpt, eval_set, backtracks)
+            if name in AUTHORS:
+                row = evaluate_authors(name, ckpt, eval_set, backtracks, curve=minutes == MINUTES[-1])
+            else:
+                row = evaluate_checkpoint(name, ckpt, eval_set, backtracks)
             row.update(minutes=minutes, train_time_s=times.get(step))
             print(
                 name,
@@ -310,12 +403,14 @@ def evaluate(args: argparse.Namespace) -> None:
             )
             rows.append(row)
         results[name] = {
+            "protocol": PROTOCOL[name],
             "checkpoints": rows,
             "train": exp,
             "gflops_per_step": plan["flops_per_step"][name] / 1e9,
         }
+    results = {n: results[n] for n in MODELS if n in results}
     payload = {
-        "command": "python experiments/sudoku9_cpu.py --phase eval",
+        "command": "python experiments/sudoku9_cpu.py --phase eval [--only NAME,...]",
         "probe": plan,
         "eval_set": {
             "n": len(eval_set),
@@ -329,6 +424,8 @@ def evaluate(args: argparse.Namespace) -> None:
     write_json(args.out / "results.json", payload)
     (args.out / "table.md").write_text(markdown(payload))
     plot(payload, args.out / "accuracy_vs_blanks.png")
+    if any("budget_curve" in r for res in results.values() for r in res["checkpoints"]):
+        plot_budget(payload, args.out / "accuracy_vs_budget.png")
     print((args.out / "table.md").read_text())
 
 
@@ -343,10 +440,38 @@ def _train_times(run_dir: Path) -> dict[int, float]:
 
 
 def markdown(payload: dict[str, Any]) -> str:
+    """The first rerun's table (our protocol), then the authors'-protocol table with test-time compute,
+    then the accuracy-vs-budget points."""
+    ours = {n: r for n, r in payload["results"].items() if n not in AUTHORS}
+    theirs = {n: r for n, r in payload["results"].items() if n in AUTHORS}
+    text = _table(ours, compute=False)
+    if theirs:
+        text += (
+            "\nUnder the authors' protocols (" + "; ".join(f"{n}: {PROTOCOL[n]}" for n in theirs) + "):\n\n"
+        )
+        text += _table(theirs, compute=True)
+        curves = [(n, r) for n, res in theirs.items() for r in res["checkpoints"] if "budget_curve" in r]
+        if curves:
+            text += "\nAccuracy vs test-time compute (60-minute checkpoints; blocks = loop steps x blocks per step):\n\n"
+            text += (
+                "| model | loop budget (steps) | blocks | valid | mean blocks used |\n|---|---|---|---|---|\n"
+            )
+            for n, r in curves:
+                for p in r["budget_curve"]:
+                    text += (
+                        f"| {n} | {p['budget_steps']} | {p['blocks']} | {_pct(p['valid'])} "
+                        f"| {p['mean_blocks']:.1f} |\n"
+                    )
+    return text
+
+
+def _table(results: dict[str, Any], compute: bool) -> str:
     head = "| model | budget (min) | steps | " + " | ".join(f"{lo}-{hi} blanks" for lo, hi in BLANK_BINS)
     head += " | all | >= 30 blanks | propagation only | needs search | mean loops | rho(loops, blanks) |"
+    if compute:
+        head += " test-time blocks per puzzle | converged | Sudoku-Extreme rows (valid, steps, converged) |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
-    for name, res in payload["results"].items():
+    for name, res in results.items():
         for row in res["checkpoints"]:
             cells = [name, str(row["minutes"]), str(row["step"])]
             cells += [_pct(row["by_blanks"][f"{lo}-{hi}"]) for lo, hi in BLANK_BINS]
@@ -360,6 +485,16 @@ def markdown(payload: dict[str, Any]) -> str:
                 if row["steps_vs_blanks_spearman"] is None or np.isnan(row["steps_vs_blanks_spearman"])
                 else f"{row['steps_vs_blanks_spearman']:.2f}",
             ]
+            if compute:
+                cells += [
+                    f"{row['mean_blocks']:.0f}",
+                    _pct(row["converged"]),
+                    "; ".join(
+                        f"{'valid' if e['valid'] else 'invalid'}, {e['steps']}, "
+                        f"{'converged' if e['converged'] else 'not converged'}"
+                        for e in row["extreme"]
+                    ),
+                ]
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -393,17 +528,60 @@ def plot(payload: dict[str, Any], path: Path) -> None:
     save_figure(fig, path)
 
 
+def plot_budget(payload: dict[str, Any], path: Path) -> None:
+    """Held-out valid accuracy vs test-time compute (transformer blocks applied per puzzle, log2 axis) of
+    the authors'-protocol 60-minute checkpoints; each model's own evaluation (its authors' protocol) as a
+    marker."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    for i, (name, res) in enumerate(payload["results"].items()):
+        for row in res["checkpoints"]:
+            if "budget_curve" not in row:
+                continue
+            pts = row["budget_curve"]
+            ax.plot(
+                [p["blocks"] for p in pts],
+                [p["valid"] for p in pts],
+                "-",
+                marker="o",
+                markersize=3,
+                color=f"C{i}",
+                label=f"{name}, loop budget (cap)",
+            )
+            ax.plot(
+                [max(row["mean_blocks"], 1.0)],
+                [row["valid"]],
+                "*",
+                markersize=10,
+                color=f"C{i}",
+                label=f"{name}, authors' evaluation ({row['mean_blocks']:.0f} blocks used)",
+            )
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("test-time compute: blocks applied per puzzle (loop steps x blocks per step)")
+    ax.set_ylabel("valid accuracy (held-out, 1,000)")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=6)
+    ax.set_title(
+        "9x9 Sudoku, 60 min on one CPU core, equal training FLOPs: accuracy vs test-time compute", fontsize=8
+    )
+    save_figure(fig, path)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--phase", choices=("probe", "train", "eval", "all"), default="all")
-    parser.add_argument("--only", default="", help="comma-separated models for --phase train")
+    parser.add_argument("--only", default="", help="comma-separated models for --phase train / eval")
     parser.add_argument("--quick", action="store_true", help="a few steps at tiny size (dry run)")
     parser.add_argument("--threads", type=int, default=1, help="threads of the probe (the budgets' clock)")
     parser.add_argument("--max-minutes", type=int, default=60, help="train to this budget (15, 30 or 60)")
     parser.add_argument("--resume", action="store_true", help="continue each run from its last checkpoint")
     parser.add_argument("--eval-size", type=int, default=1000)
     parser.add_argument(
-        "--clock", type=Path, default=None, help="keep this probe's clock and FLOPs (probe.json or results.json)"
+        "--clock",
+        type=Path,
+        default=None,
+        help="keep this probe's clock and FLOPs (probe.json or results.json)",
     )
     parser.add_argument("--runs", type=Path, default=REPO / "runs" / "sudoku9")
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "figures" / "sudoku9")
