@@ -106,7 +106,9 @@ def test_info_messages_shown_unless_quiet(tmp_path: Path) -> None:
     args = ["train", str(recipe), f"out_dir={tmp_path / 'r'}", "train.resume=true"]
     loud = CliRunner().invoke(cli, args)
     assert loud.exit_code == 0, loud.output
-    assert "INFO" in loud.output and "resume: no usable checkpoint" in loud.output  # a log.info of the trainer
+    assert (
+        "INFO" in loud.output and "resume: no usable checkpoint" in loud.output
+    )  # a log.info of the trainer
     quiet = CliRunner().invoke(cli, ["-q", *args[:2], f"out_dir={tmp_path / 'q'}", "train.resume=true"])
     assert quiet.exit_code == 0 and "resume: no usable checkpoint" not in quiet.output
     assert logging.getLogger("loopformer").level == logging.WARNING
@@ -115,9 +117,11 @@ def test_info_messages_shown_unless_quiet(tmp_path: Path) -> None:
 
 
 def test_training_bar_has_an_eta() -> None:
+    import io
+
     from rich.progress import TimeRemainingColumn
 
-    from loopformer.train.metrics import progress_bar
+    from loopformer.train.progress import TrainProgress
 
-    bar = progress_bar(True, 10, 0)
-    assert any(isinstance(c, TimeRemainingColumn) for c in bar.columns)
+    with TrainProgress(True, 10, 0, log_every=1, stream=io.StringIO(), tty=True) as p:
+        assert any(isinstance(c, TimeRemainingColumn) for c in p.bar.columns)

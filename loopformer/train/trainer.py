@@ -55,7 +55,8 @@ from loopformer.train.losses import (
     q_learning_losses,
     sequence_loss,
 )
-from loopformer.train.metrics import RunLog, bar_info, last_finite, progress_bar
+from loopformer.train.metrics import RunLog, last_finite
+from loopformer.train.progress import TrainProgress
 from loopformer.train.modes import SegmentBatch, TrainingMode, make_training_mode
 from loopformer.train.optim import EMA, set_lr
 from loopformer.train.run_folder import RunFolder
@@ -125,6 +126,7 @@ class Trainer:
         self.params = [p for g in self.optimizer.param_groups for p in g["params"]]
         self.ema = EMA(self.model, tc.ema, tc.ema_warmup) if tc.ema > 0 else None
         # lock the folder; a fresh run never destroys a previous one (loopformer.train.run_folder)
+        self.progress = TrainProgress(False, 0, 0, 1)  # fit() replaces it with the run's console output
         self.folder = RunFolder(Path(config.out_dir), bool(tc.resume), tc.overwrite, self.strategy.is_main)
         self.run_dir, self.ckpt_dir = self.folder.write_dir, self.folder.write_dir / "checkpoints"
         self.log = RunLog(self.run_dir, enabled=self.strategy.is_main)
@@ -206,10 +208,14 @@ class Trainer:
         tc = self.config.train
         q_values = getattr(self.model, "q_values", None)
         if q_values is None:
-            raise ValueError(f"train.q_learning needs a model with q_values(); {type(self.model).__name__} has none")
+            raise ValueError(
+                f"train.q_learning needs a model with q_values(); {type(self.model).__name__} has none"
+            )
         q = q_values(out.state)
         with torch.no_grad():
-            nxt = self.model(batch.inputs, loop=batch.loop, state=out.state.detach(), puzzle_ids=batch.puzzle_ids)
+            nxt = self.model(
+                batch.inputs, loop=batch.loop, state=out.state.detach(), puzzle_ids=batch.puzzle_ids
+            )
             q_next = q_values(nxt.state)
         is_last = (self.carry.segments + 1 >= tc.max_segments).to(q.device)
         parts["q_loss"], parts["q_continue_loss"] = q_learning_losses(q, q_next, exact, is_last)
@@ -366,7 +372,9 @@ class Trainer:
             rows = np.sort(rng.choice(rows, size=cc.sample, replace=False))
         loop = self.loop_eval
         if cc.max_steps and cc.max_steps < loop.max_steps:
-            loop = dataclasses.replace(loop, max_steps=cc.max_steps, min_steps=min(loop.min_steps, cc.max_steps))
+            loop = dataclasses.replace(
+                loop, max_steps=cc.max_steps, min_steps=min(loop.min_steps, cc.max_steps)
+            )
         acc = self.score(dataset, rows, loop, check=False)["exact_acc"]
         if cur.update(acc, self.step):
             self.stream.set_eligible(cur.eligible())
@@ -391,6 +399,7 @@ class Trainer:
         record = metrics if self.step % tc.log_every == 0 or self.step == tc.steps else {}
         if tc.eval_every and self.step % tc.eval_every == 0 and self.step < tc.steps:
             self.last_eval = self.evaluate()
+            self.progress.evaluation(self.step, self.last_eval)
             record = {**record, "step": self.step, **{f"eval_{k}": v for k, v in self.last_eval.items()}}
         if record and self.step < tc.steps:
             self.log.write(record, self.step)
@@ -405,6 +414,7 @@ class Trainer:
         self.last_eval = {}
         try:
             self.last_eval = self.evaluate()
+            self.progress.evaluation(self.step, self.last_eval, final=True)
         finally:
             record.update({f"eval_{k}": v for k, v in self.last_eval.items()})
             if record:
@@ -418,15 +428,16 @@ class Trainer:
         self.strategy.barrier()  # rank 0 has written the run folder's config before anyone goes on
         self.t0 = time.perf_counter()
         try:
-            with progress_bar(tc.progress and self.strategy.is_main, tc.steps, self.step) as bar:
-                task_id = bar.add_task("train", total=tc.steps, completed=self.step, info="") if bar else None
+            self.progress = TrainProgress(
+                tc.progress and self.strategy.is_main, tc.steps, self.step, tc.log_every
+            )
+            with self.progress:
                 while self.step < tc.steps:
                     metrics = self.train_step()
                     self.step += 1
                     self._after_step(metrics)
-                    if bar:
-                        bar.update(task_id, completed=self.step, info=bar_info(metrics))
-            self._finish()
+                    self.progress.update(self.step, metrics)
+                self._finish()
         finally:
             self.folder.close()
             self.log.close()
