@@ -56,9 +56,9 @@ from loopformer.train.losses import (
     sequence_loss,
 )
 from loopformer.train.metrics import RunLog, last_finite
-from loopformer.train.progress import TrainProgress
 from loopformer.train.modes import SegmentBatch, TrainingMode, make_training_mode
 from loopformer.train.optim import EMA, set_lr
+from loopformer.train.progress import TrainProgress
 from loopformer.train.run_folder import RunFolder
 from loopformer.train.seeding import SALT_CURRICULUM, SALT_INIT, SALT_JAC, seed_everything, step_generator
 from loopformer.train.setup import (
