@@ -409,7 +409,8 @@ def evaluate(args: argparse.Namespace) -> None:
         if not (run_dir / "checkpoints").is_dir():
             print(f"{name}: no checkpoints in {run_dir}, skipped", flush=True)
             continue
-        exp = json.loads((run_dir / "experiment.json").read_text())
+        record = run_dir / "experiment.json"  # written when the training process finishes
+        exp = json.loads(record.read_text()) if record.is_file() else {"unfinished": True}
         times = _train_times(run_dir)
         rows = []
         for minutes, step in zip(MINUTES, plan["budget_steps"][name]):
