@@ -137,6 +137,10 @@ class TrainConfig:
     decay_embeddings: bool = True  # False: embeddings get no weight decay
     ema: float = 0.0  # EMA decay of the weights (0.999 in TRM / FPRM); 0 = off
     ema_warmup: bool = True  # decay_t = min(ema, (1 + t) / (10 + t)); False = TRM's plain EMA
+    # False: the EMA leaves the puzzle-embedding tables (*puzzle_emb*) out, so evaluation with the EMA
+    # weights uses the live table: the references' EMA (their tables are buffers; TRM / HRM / FPRM /
+    # Attractor models/ema.py EMAHelper averages named_parameters() only)
+    ema_puzzle_embeddings: bool = True
     # losses
     loss: Literal["ce", "stablemax"] = "ce"
     label_smoothing: float = 0.0  # in [0, 1): uniform-target mixing (LTG systematicity: 0.1)

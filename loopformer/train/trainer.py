@@ -123,7 +123,7 @@ class Trainer:
         # built after wrapping: FSDP2 turns the parameters into shards
         self.optimizer = make_optimizer(self.model, tc)
         self.params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        self.ema = EMA(self.model, tc.ema, tc.ema_warmup) if tc.ema > 0 else None
+        self.ema = EMA(self.model, tc.ema, tc.ema_warmup, tc.ema_puzzle_embeddings) if tc.ema > 0 else None
         # lock the folder; a fresh run never destroys a previous one (loopformer.train.run_folder)
         self.folder = RunFolder(Path(config.out_dir), bool(tc.resume), tc.overwrite, self.strategy.is_main)
         self.run_dir, self.ckpt_dir = self.folder.write_dir, self.folder.write_dir / "checkpoints"
