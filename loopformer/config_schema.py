@@ -141,6 +141,11 @@ class TrainConfig:
     # weights uses the live table: the references' EMA (their tables are buffers; TRM / HRM / FPRM /
     # Attractor models/ema.py EMAHelper averages named_parameters() only)
     ema_puzzle_embeddings: bool = True
+    # always: the model trains in training mode (dropout on) at every step; first_epoch: only during the
+    # first epoch (ceil(rows / batch_size) steps) of the run and of each curriculum stage, in eval mode
+    # (dropout off) after it, as the Loop, Think & Generalize scripts leave it (train_model calls
+    # model.train() once per stage; evaluate_model_test, run after every epoch, calls model.eval())
+    dropout_schedule: Literal["always", "first_epoch"] = "always"
     # losses
     loss: Literal["ce", "stablemax"] = "ce"
     label_smoothing: float = 0.0  # in [0, 1): uniform-target mixing (LTG systematicity: 0.1)

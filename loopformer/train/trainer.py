@@ -200,16 +200,34 @@ class Trainer:
             total = total + tc.jacobian_weight * parts["jacobian"]
         return total, parts, acc
 
+    def first_epoch_steps(self) -> int:
+        """Optimiser steps in one epoch of the current stage: ``ceil(rows / train.batch_size)`` over the
+        rows the stream draws from (the curriculum's eligible rows, else the whole training set)."""
+        rows = len(self.curriculum.eligible()) if self.curriculum is not None else len(self.train_data)
+        return math.ceil(rows / self.config.train.batch_size)
+
+    def dropout_on(self) -> bool:
+        """Whether step ``self.step`` trains in training mode (``train.dropout_schedule``): always, or
+        with ``first_epoch`` only in the first epoch of the run / of the current curriculum stage."""
+        if self.config.train.dropout_schedule == "always":
+            return True
+        stage_start = self.curriculum.stage_start if self.curriculum is not None else 0
+        return self.step - stage_start < self.first_epoch_steps()
+
     def _q_learning(self, out: ModelOutput, batch: SegmentBatch, exact: Tensor, parts: dict) -> Tensor:
         """HRM's Q-learning loss (``losses.q_learning_losses``) for a mode with a carry; the target runs
         one more segment without gradient from this segment's state, as HRM's ACT wrapper does."""
         tc = self.config.train
         q_values = getattr(self.model, "q_values", None)
         if q_values is None:
-            raise ValueError(f"train.q_learning needs a model with q_values(); {type(self.model).__name__} has none")
+            raise ValueError(
+                f"train.q_learning needs a model with q_values(); {type(self.model).__name__} has none"
+            )
         q = q_values(out.state)
         with torch.no_grad():
-            nxt = self.model(batch.inputs, loop=batch.loop, state=out.state.detach(), puzzle_ids=batch.puzzle_ids)
+            nxt = self.model(
+                batch.inputs, loop=batch.loop, state=out.state.detach(), puzzle_ids=batch.puzzle_ids
+            )
             q_next = q_values(nxt.state)
         is_last = (self.carry.segments + 1 >= tc.max_segments).to(q.device)
         parts["q_loss"], parts["q_continue_loss"] = q_learning_losses(q, q_next, exact, is_last)
@@ -248,7 +266,7 @@ class Trainer:
     def train_step(self) -> dict[str, Any]:
         """One optimiser step (one segment in deep supervision); returns its metrics."""
         tc = self.config.train
-        self.model.train()
+        self.model.train(self.dropout_on())
         lr = lr_for(self.curriculum.schedule_step(self.step) if self.curriculum else self.step, tc)
         set_lr(self.optimizer, lr)
         batch = self.mode.batch(self.step)
@@ -366,7 +384,9 @@ class Trainer:
             rows = np.sort(rng.choice(rows, size=cc.sample, replace=False))
         loop = self.loop_eval
         if cc.max_steps and cc.max_steps < loop.max_steps:
-            loop = dataclasses.replace(loop, max_steps=cc.max_steps, min_steps=min(loop.min_steps, cc.max_steps))
+            loop = dataclasses.replace(
+                loop, max_steps=cc.max_steps, min_steps=min(loop.min_steps, cc.max_steps)
+            )
         acc = self.score(dataset, rows, loop, check=False)["exact_acc"]
         if cur.update(acc, self.step):
             self.stream.set_eligible(cur.eligible())
