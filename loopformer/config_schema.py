@@ -205,6 +205,12 @@ class EvalConfig:
     use_ema: bool = True  # evaluate the EMA weights when the run keeps an EMA
     segments: int = 1  # chained forward calls carrying the state (TRM / HRM evaluate 16)
     check: bool = True  # also score with the task's independent validator
+    # clean: loopformer.eval.evaluate (eval mode, eval.segments chained calls, every example scored);
+    # authors_trm_deq: the Attractor puzzle authors' _eval (loopformer.eval.authors: training mode, Q halting
+    # with train.halt_exploration, halted examples restarted within eval.segments calls, only those halted
+    # at the last call counted, authors_max_batches batches); both: the clean metrics plus authors_* ones
+    protocol: Literal["clean", "authors_trm_deq", "both"] = "clean"
+    authors_max_batches: int = 200  # authors_trm_deq: batches of eval.batch_size per process (0: all)
 
 
 @dataclass

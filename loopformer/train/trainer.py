@@ -39,6 +39,7 @@ import torch
 from torch import Tensor
 
 from loopformer.config import RunConfig
+from loopformer.eval.authors import evaluate_authors_trm_deq
 from loopformer.eval.evaluate import evaluate
 from loopformer.eval.lm import evaluate_lm
 from loopformer.loop import LoopConfig
@@ -358,13 +359,36 @@ class Trainer:
             self.model, self.task, data, check=ec.check if check is None else check, **kwargs
         ).summary()
 
+    def score_authors(self, dataset: TokenDataset) -> dict[str, Any]:
+        """The Attractor puzzle authors' evaluation (``eval.protocol``, ``loopformer.eval.authors``): training
+        mode, halting on the Q head with ``train.halt_exploration``, ``eval.segments`` calls per batch of
+        ``eval.batch_size``, ``eval.authors_max_batches`` batches, seeded by ``seed``."""
+        ec = self.config.eval
+        data = dataset
+        if ec.max_examples and ec.max_examples < len(data):
+            data = data.subset(slice(0, ec.max_examples))
+        return evaluate_authors_trm_deq(
+            self.model, self.task, data, loop=self.loop_eval, batch_size=ec.batch_size,
+            max_batches=ec.authors_max_batches, calls=ec.segments, exploration=self.config.train.halt_exploration,
+            device=self.device, seed=self.config.seed, check=ec.check, bf16=self.config.bf16, comm=self.strategy,
+        ).summary()  # fmt: skip
+
     def evaluate(self) -> dict[str, Any]:
-        """Evaluate on the held-out set (EMA weights when ``eval.use_ema`` and an EMA exists)."""
+        """Evaluate on the held-out set (EMA weights when ``eval.use_ema`` and an EMA exists) under
+        ``eval.protocol``: the clean metrics, the authors' (``authors_trm_deq``), or both (the authors'
+        prefixed ``authors_``)."""
         if self.eval_data is None or len(self.eval_data) == 0:
             return {}
+        protocol = self.config.eval.protocol
         use_ema = self.ema is not None and self.config.eval.use_ema
         with self.ema.applied(self.model) if use_ema else contextlib.nullcontext():
-            result = self.score(self.eval_data)
+            if protocol == "authors_trm_deq":
+                result = self.score_authors(self.eval_data)
+            else:
+                result = self.score(self.eval_data)
+                if protocol == "both":
+                    authors = self.score_authors(self.eval_data)
+                    result.update({f"authors_{k}": v for k, v in authors.items() if k != "protocol"})
         result["weights"] = "ema" if use_ema else "model"
         return result
 
