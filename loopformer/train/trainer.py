@@ -201,19 +201,14 @@ class Trainer:
             total = total + tc.jacobian_weight * parts["jacobian"]
         return total, parts, acc
 
-    def first_epoch_steps(self) -> int:
-        """Optimiser steps in one epoch of the current stage: ``ceil(rows / train.batch_size)`` over the
-        rows the stream draws from (the curriculum's eligible rows, else the whole training set)."""
-        rows = len(self.curriculum.eligible()) if self.curriculum is not None else len(self.train_data)
-        return math.ceil(rows / self.config.train.batch_size)
-
     def dropout_on(self) -> bool:
-        """Whether step ``self.step`` trains in training mode (``train.dropout_schedule``): always, or
-        with ``first_epoch`` only in the first epoch of the run / of the current curriculum stage."""
-        if self.config.train.dropout_schedule == "always":
+        """``train.dropout_schedule``: always, or (``first_epoch``) in the first ``ceil(rows / batch_size)`` steps of
+        the run and of the current curriculum stage (rows: the stream's, the curriculum's eligible rows if any)."""
+        cur, tc = self.curriculum, self.config.train
+        if tc.dropout_schedule == "always":
             return True
-        stage_start = self.curriculum.stage_start if self.curriculum is not None else 0
-        return self.step - stage_start < self.first_epoch_steps()
+        rows = len(cur.eligible()) if cur is not None else len(self.train_data)
+        return self.step - (cur.stage_start if cur is not None else 0) < math.ceil(rows / tc.batch_size)
 
     def _q_learning(self, out: ModelOutput, batch: SegmentBatch, exact: Tensor, parts: dict) -> Tensor:
         """HRM's Q-learning loss (``losses.q_learning_losses``) for a mode with a carry; the target runs
@@ -360,13 +355,9 @@ class Trainer:
         ).summary()
 
     def score_authors(self, dataset: TokenDataset) -> dict[str, Any]:
-        """The Attractor puzzle authors' evaluation (``eval.protocol``, ``loopformer.eval.authors``): training
-        mode, halting on the Q head with ``train.halt_exploration``, ``eval.segments`` calls per batch of
-        ``eval.batch_size``, ``eval.authors_max_batches`` batches, seeded by ``seed``."""
+        """The Attractor puzzle authors' evaluation (``eval.protocol``, ``loopformer.eval.authors``)."""
         ec = self.config.eval
-        data = dataset
-        if ec.max_examples and ec.max_examples < len(data):
-            data = data.subset(slice(0, ec.max_examples))
+        data = dataset.subset(slice(0, ec.max_examples)) if 0 < ec.max_examples < len(dataset) else dataset
         return evaluate_authors_trm_deq(
             self.model, self.task, data, loop=self.loop_eval, batch_size=ec.batch_size,
             max_batches=ec.authors_max_batches, calls=ec.segments, exploration=self.config.train.halt_exploration,
