@@ -137,6 +137,15 @@ class TrainConfig:
     decay_embeddings: bool = True  # False: embeddings get no weight decay
     ema: float = 0.0  # EMA decay of the weights (0.999 in TRM / FPRM); 0 = off
     ema_warmup: bool = True  # decay_t = min(ema, (1 + t) / (10 + t)); False = TRM's plain EMA
+    # False: the EMA leaves the puzzle-embedding tables (*puzzle_emb*) out, so evaluation with the EMA
+    # weights uses the live table: the references' EMA (their tables are buffers; TRM / HRM / FPRM /
+    # Attractor models/ema.py EMAHelper averages named_parameters() only)
+    ema_puzzle_embeddings: bool = True
+    # always: the model trains in training mode (dropout on) at every step; first_epoch: only during the
+    # first epoch (ceil(rows / batch_size) steps) of the run and of each curriculum stage, in eval mode
+    # (dropout off) after it, as the Loop, Think & Generalize scripts leave it (train_model calls
+    # model.train() once per stage; evaluate_model_test, run after every epoch, calls model.eval())
+    dropout_schedule: Literal["always", "first_epoch"] = "always"
     # losses
     loss: Literal["ce", "stablemax"] = "ce"
     label_smoothing: float = 0.0  # in [0, 1): uniform-target mixing (LTG systematicity: 0.1)
@@ -196,6 +205,12 @@ class EvalConfig:
     use_ema: bool = True  # evaluate the EMA weights when the run keeps an EMA
     segments: int = 1  # chained forward calls carrying the state (TRM / HRM evaluate 16)
     check: bool = True  # also score with the task's independent validator
+    # clean: loopformer.eval.evaluate (eval mode, eval.segments chained calls, every example scored);
+    # authors_trm_deq: the Attractor puzzle authors' _eval (loopformer.eval.authors: training mode, Q halting
+    # with train.halt_exploration, halted examples restarted within eval.segments calls, only those halted
+    # at the last call counted, authors_max_batches batches); both: the clean metrics plus authors_* ones
+    protocol: Literal["clean", "authors_trm_deq", "both"] = "clean"
+    authors_max_batches: int = 200  # authors_trm_deq: batches of eval.batch_size per process (0: all)
 
 
 @dataclass

@@ -238,7 +238,7 @@ def _check_run(cfg: RunConfig) -> None:
             )
     e = cfg.eval
     _at_least(e, "eval", 1, "batch_size", "segments")
-    _at_least(e, "eval", 0, "max_examples")
+    _at_least(e, "eval", 0, "max_examples", "authors_max_batches")
     d, c = cfg.data, cfg.data.curriculum
     _at_least(d, "data", 0, "train_size", "eval_size", "train_seed", "eval_seed")
     _at_least(c, "data.curriculum", 1, "check_every", "sample")

@@ -120,6 +120,34 @@ def test_paper_lm_recipes_have_the_reference_parameter_counts() -> None:
     assert counts["transformer"] == 43_264_320 and counts["parcae"] == 44_446_272, counts
 
 
+@pytest.mark.parametrize("task", ["sudoku_extreme", "maze_hard"])
+def test_paper_attractor_head_recipes_are_the_authors_sudoku_27m_config(task: str) -> None:
+    """``paper_*_attractor_head`` build the architecture of github jacobfa/Attractor
+    ``attractor/configs/attractor/attractor-sudoku-27m.py``: 4 backbone + 4 head blocks at d 512 with a ReLU^2 MLP
+    of 2304, qk-norm, two per-channel gates per head block, tied embedding, final norm; counted in closed form
+    (the reference pads the 11-token vocabulary to 16 rows, loopformer does not: 5 rows fewer)."""
+    import torch
+
+    from loopformer.models.registry import build_model
+
+    cfg = load_config(ROOT / "recipes" / f"paper_{task}_attractor_head.yaml")
+    vocab, seq = (11, 81) if task == "sudoku_extreme" else (6, 900)
+    mc = cfg.model_config(vocab_size=vocab, seq_len=seq, causal=False)
+    assert (mc.n_backbone, mc.n_layers, mc.mlp, mc.qk_norm) == (4, 4, "relu2", True)
+    assert (mc.layer_scale_init, mc.gamma_max, mc.norm_eps, mc.init) == (0.5, 0.75, 1e-5, "scaled_zero")
+    with torch.device("meta"):
+        model = build_model(cfg.model.name, config=mc)
+    d = 512
+    expected = 8 * _reference_block(d, 2304) + 4 * 2 * d + vocab * d + d
+    assert sum(p.numel() for p in model.parameters()) == expected
+    loop = cfg.loop_config(mc.loop, "train")
+    assert (loop.solver, loop.halting, loop.tol, loop.min_steps, loop.max_steps) == (
+        "anderson_attractor", "batch_residual", 3e-4, 4, 12,
+    )  # fmt: skip
+    assert (loop.grad, loop.grad_steps, loop.neumann.clip) == ("neumann", 1, 1.0)
+    assert (cfg.train.head_lr_scale, cfg.train.head_weight_decay) == (0.5, 0.0)
+
+
 # ------------------------------------------------------------------------------------------------
 # slow: dry runs on small generated files
 # ------------------------------------------------------------------------------------------------

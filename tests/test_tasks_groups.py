@@ -134,3 +134,25 @@ def test_registry_and_errors():
     with pytest.raises(TypeError, match="unknown options"):
         task.generate(2, 0, lenght=4)
     assert "(" in task.render(task.generate(1, 0).inputs[0])
+
+
+def test_pad_to_stores_the_same_words_at_the_test_width():
+    """FPRM's builder stores its length-32 training words at 128 positions (PAD 0, label ignored)."""
+    from loopformer.tasks.base import IGNORE_INDEX
+
+    task = GroupTask("A5", length=32)
+    plain = task.generate(6, seed=3)
+    padded = task.generate(6, seed=3, pad_to=128)
+    assert padded.inputs.shape == padded.labels.shape == (6, 128)
+    assert np.array_equal(padded.inputs[:, :32], plain.inputs)
+    assert np.array_equal(padded.labels[:, :32], plain.labels)
+    assert (padded.inputs[:, 32:] == 0).all() and (padded.labels[:, 32:] == IGNORE_INDEX).all()
+    assert (padded.difficulty == 32).all() and padded.meta["width"] == 128
+    assert all(task.difficulty(x) == 32 for x in padded.inputs)
+    # the validator skips PAD positions: the true products are accepted, a wrong word position is not
+    assert all(task.check(x, y) for x, y in zip(padded.inputs, np.where(padded.labels < 0, 0, padded.labels)))
+    bad = np.where(padded.labels < 0, 0, padded.labels)[0].copy()
+    bad[31] = bad[31] % 60 + 1
+    assert not task.check(padded.inputs[0], bad)
+    with pytest.raises(TaskDataError, match="pad_to"):
+        task.generate(2, 0, pad_to=16)

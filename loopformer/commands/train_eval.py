@@ -89,6 +89,7 @@ def evaluate_cmd(checkpoint: str, max_steps: str | None, budget_mode: str, task_
     """Evaluate CHECKPOINT (a run folder or checkpoint folder) on its held-out set; write a report.
 
     Text (no validator): loss and bits per byte. ARC: also pass@2, voting over augmentations.
+    ``--set eval.protocol=authors_trm_deq`` (or ``both``): also the Attractor puzzle authors' evaluation.
     """
     overrides = list(sets) + [f"data.eval_generate.{k}={v}" for k, v in parse_pairs(task_options, "--task-option").items()]
     budgets = parse_int_list(max_steps, "--max-steps")
@@ -140,6 +141,15 @@ def _evaluate(run: Any, examples: int, out_dir: str | None, budgets: list[int], 
         arc = arc_pass_at_k(run.model, run.task, loop=run.loop_eval, k=2, batch_size=batch_size,
                             seed=run.config.data.eval_seed, segments=run.config.eval.segments)
         extra["arc_pass_at_2"] = arc
+    if run.config.eval.protocol != "clean":  # the Attractor puzzle authors' _eval, beside the clean metrics
+        from loopformer.eval.authors import evaluate_authors_trm_deq
+
+        ec = run.config.eval
+        authors = evaluate_authors_trm_deq(run.model, run.task, dataset, loop=run.loop_eval, batch_size=batch_size,
+                                           max_batches=ec.authors_max_batches, calls=ec.segments,
+                                           exploration=run.config.train.halt_exploration, seed=run.config.seed,
+                                           check=ec.check).summary()
+        extra["authors_trm_deq"] = authors
     depth = training_depth(run)
     lens = (2 * depth if lens_loops is None else lens_loops) if analyses else 0
     options = SuiteOptions(
@@ -160,6 +170,11 @@ def _evaluate(run: Any, examples: int, out_dir: str | None, budgets: list[int], 
         arc = extra["arc_pass_at_2"]
         console.print(f"ARC pass@2 (voting over {run.task.versions} augmentation versions): {100 * arc['score']:.1f}% "
                       f"of {int(arc['tasks'])} tasks ({int(arc['outputs_solved'])}/{int(arc['outputs'])} test outputs)")
+    if "authors_trm_deq" in extra:
+        a = extra["authors_trm_deq"]
+        console.print(f"authors' evaluation (eval.protocol, train_trm_deq.py _eval: training mode, Q halting with "
+                      f"exploration, {run.config.eval.segments} calls): exact {100 * a['exact_acc']:.1f}% of the "
+                      f"{a['n']} examples halted at the last call ({a['evaluated']} evaluated)")
     stats = suite["difficulty"][label]
     console.print(f"steps vs difficulty: Spearman rho {stats.spearman_rho:.2f} (p={stats.spearman_p:.2g})")
     console.print(f"report: {suite['report']}  metrics: {suite['metrics']}")

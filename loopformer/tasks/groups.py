@@ -15,7 +15,8 @@ always element 0.
 
 Tokens: element id e (0-based, in that order) is token e + 1; token 0 is PAD (vocabulary |G| + 1:
 61 for A5, 121 for S5, as in FPRM). Labels use the same element tokens; PAD positions carry
-IGNORE_INDEX. The task is causal: the label at i depends on inputs 0..i only.
+IGNORE_INDEX. The task is causal: the label at i depends on inputs 0..i only. ``generate(..., pad_to=W)``
+stores words at W positions (PAD after the word), as FPRM's training words are stored at the test length.
 Difficulty is the word length. Files: ``.npz`` (see :func:`save_npz`).
 """
 
@@ -30,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from loopformer.tasks.base import Task, TaskDataError, TokenDataset
+from loopformer.tasks.base import IGNORE_INDEX, Task, TaskDataError, TokenDataset
 
 Perm = tuple[int, ...]
 
@@ -161,17 +162,30 @@ class GroupTask(Task):
             out[:, i] = state
         return out
 
-    def generate(self, n: int, seed: int, length: int | None = None, **unused: Any) -> TokenDataset:
+    def generate(
+        self, n: int, seed: int, length: int | None = None, pad_to: int | None = None, **unused: Any
+    ) -> TokenDataset:
+        """``n`` words of ``length`` elements; ``pad_to`` > ``length`` appends PAD inputs (labels
+        IGNORE_INDEX) up to that many positions, as FPRM's builder stores its training words at the
+        test length (nilskiKonjIzDunava/fprm ``dataset/build_state_tracking_dataset.py`` ``build``:
+        ``seq_len = k_eval_max``), so the model runs, and its fixed-point residual is measured, over
+        the padding too. The words drawn do not depend on ``pad_to``."""
         if unused:
             raise TypeError(f"GroupTask.generate got unknown options {sorted(unused)}")
         length = self.seq_len if length is None else int(length)
         if length < 1 or n < 0:
             raise TaskDataError(f"need n >= 0 and length >= 1, got n={n}, length={length}")
+        width = length if pad_to is None else int(pad_to)
+        if width < length:
+            raise TaskDataError(f"pad_to must be >= the word length {length}, got {pad_to}")
         rng = np.random.default_rng(seed)
         ids = rng.integers(0, self.order, size=(n, length), dtype=np.int64)
-        labels = self.running_products(ids) + 1
+        inputs = np.full((n, width), PAD, dtype=np.int64)
+        labels = np.full((n, width), IGNORE_INDEX, dtype=np.int64)
+        inputs[:, :length] = ids + 1
+        labels[:, :length] = self.running_products(ids) + 1
         return TokenDataset(
-            inputs=ids + 1,
+            inputs=inputs,
             labels=labels,
             difficulty=np.full(n, float(length)),
             meta={
@@ -179,6 +193,7 @@ class GroupTask(Task):
                 "group": self.group,
                 "order": self.order,
                 "length": length,
+                "width": width,
                 "seed": seed,
             },
         )

@@ -27,7 +27,8 @@
 - ``clip_grad_norm``: global-norm clipping returning the pre-clip norm (for divergence checks).
 - ``EMA``: exponential moving average of the weights (TRM / FPRM use 0.999), with a
   ``state_dict`` of plain tensors (saved to ``ema.safetensors``) and ``applied(model)`` to
-  evaluate with the averaged weights.
+  evaluate with the averaged weights; ``puzzle_embeddings=False`` keeps the puzzle-embedding
+  tables out of it (the references' EMA: their tables are buffers).
 - ``kind="muon_adamw"``: the Attractor LM's Muon + AdamW (``loopformer.train.muon``).
 """
 
@@ -331,21 +332,36 @@ def clip_grad_norm(parameters: list[Tensor], max_norm: float) -> float:
     return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in grads])))
 
 
+PUZZLE_EMBEDDING = "puzzle_emb"  # the name part of the puzzle-embedding tables (sign-SGD group, counts)
+
+
 class EMA:
     """Exponential moving average of a model's parameters: ``s <- d * s + (1 - d) * p``.
 
     ``d = decay``, or with ``warmup`` ``d_t = min(decay, (1 + t) / (10 + t))`` at optimiser step
     ``t``, so short (CPU-sized) runs do not evaluate weights that are still mostly the random
     init (0.999^150 = 0.86); TRM's code uses the plain form (``warmup=False``).
+
+    ``puzzle_embeddings=False`` leaves the puzzle-embedding tables (parameters named ``*puzzle_emb*``)
+    out of the average: ``applied`` / ``copy_to`` and checkpoints loaded with their EMA weights then
+    use the live table. This is the references' behaviour: their tables are buffers
+    (``CastedSparseEmbedding.weights``, ``models/sparse_embedding.py`` in TinyRecursiveModels, HRM,
+    FPRM and the Attractor puzzle code) and ``EMAHelper.register`` / ``ema_copy`` (``models/ema.py``)
+    average ``named_parameters()`` only.
     """
 
-    def __init__(self, model: nn.Module, decay: float, warmup: bool = False) -> None:
+    def __init__(
+        self, model: nn.Module, decay: float, warmup: bool = False, puzzle_embeddings: bool = True
+    ) -> None:
         if not 0.0 < decay < 1.0:
             raise ValueError(f"EMA decay must be in (0, 1), got {decay}")
         self.decay = decay
         self.warmup = warmup
+        self.puzzle_embeddings = puzzle_embeddings
         self.shadow: dict[str, Tensor] = {
-            name: p.detach().clone() for name, p in model.named_parameters() if p.dtype.is_floating_point
+            name: p.detach().clone()
+            for name, p in model.named_parameters()
+            if p.dtype.is_floating_point and (puzzle_embeddings or PUZZLE_EMBEDDING not in name)
         }
 
     def decay_at(self, step: int | None) -> float:

@@ -39,6 +39,7 @@ import torch
 from torch import Tensor
 
 from loopformer.config import RunConfig
+from loopformer.eval.authors import evaluate_authors_trm_deq
 from loopformer.eval.evaluate import evaluate
 from loopformer.eval.lm import evaluate_lm
 from loopformer.loop import LoopConfig
@@ -124,7 +125,7 @@ class Trainer:
         # built after wrapping: FSDP2 turns the parameters into shards
         self.optimizer = make_optimizer(self.model, tc)
         self.params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        self.ema = EMA(self.model, tc.ema, tc.ema_warmup) if tc.ema > 0 else None
+        self.ema = EMA(self.model, tc.ema, tc.ema_warmup, tc.ema_puzzle_embeddings) if tc.ema > 0 else None
         # lock the folder; a fresh run never destroys a previous one (loopformer.train.run_folder)
         self.progress = TrainProgress(False, 0, 0, 1)  # fit() replaces it with the run's console output
         self.folder = RunFolder(Path(config.out_dir), bool(tc.resume), tc.overwrite, self.strategy.is_main)
@@ -202,6 +203,15 @@ class Trainer:
             total = total + tc.jacobian_weight * parts["jacobian"]
         return total, parts, acc
 
+    def dropout_on(self) -> bool:
+        """``train.dropout_schedule``: always, or (``first_epoch``) in the first ``ceil(rows / batch_size)`` steps of
+        the run and of the current curriculum stage (rows: the stream's, the curriculum's eligible rows if any)."""
+        cur, tc = self.curriculum, self.config.train
+        if tc.dropout_schedule == "always":
+            return True
+        rows = len(cur.eligible()) if cur is not None else len(self.train_data)
+        return self.step - (cur.stage_start if cur is not None else 0) < math.ceil(rows / tc.batch_size)
+
     def _q_learning(self, out: ModelOutput, batch: SegmentBatch, exact: Tensor, parts: dict) -> Tensor:
         """HRM's Q-learning loss (``losses.q_learning_losses``) for a mode with a carry; the target runs
         one more segment without gradient from this segment's state, as HRM's ACT wrapper does."""
@@ -254,7 +264,7 @@ class Trainer:
     def train_step(self) -> dict[str, Any]:
         """One optimiser step (one segment in deep supervision); returns its metrics."""
         tc = self.config.train
-        self.model.train()
+        self.model.train(self.dropout_on())
         lr = lr_for(self.curriculum.schedule_step(self.step) if self.curriculum else self.step, tc)
         set_lr(self.optimizer, lr)
         batch = self.mode.batch(self.step)
@@ -346,13 +356,32 @@ class Trainer:
             self.model, self.task, data, check=ec.check if check is None else check, **kwargs
         ).summary()
 
+    def score_authors(self, dataset: TokenDataset) -> dict[str, Any]:
+        """The Attractor puzzle authors' evaluation (``eval.protocol``, ``loopformer.eval.authors``)."""
+        ec = self.config.eval
+        data = dataset.subset(slice(0, ec.max_examples)) if 0 < ec.max_examples < len(dataset) else dataset
+        return evaluate_authors_trm_deq(
+            self.model, self.task, data, loop=self.loop_eval, batch_size=ec.batch_size,
+            max_batches=ec.authors_max_batches, calls=ec.segments, exploration=self.config.train.halt_exploration,
+            device=self.device, seed=self.config.seed, check=ec.check, bf16=self.config.bf16, comm=self.strategy,
+        ).summary()  # fmt: skip
+
     def evaluate(self) -> dict[str, Any]:
-        """Evaluate on the held-out set (EMA weights when ``eval.use_ema`` and an EMA exists)."""
+        """Evaluate on the held-out set (EMA weights when ``eval.use_ema`` and an EMA exists) under
+        ``eval.protocol``: the clean metrics, the authors' (``authors_trm_deq``), or both (the authors'
+        prefixed ``authors_``)."""
         if self.eval_data is None or len(self.eval_data) == 0:
             return {}
+        protocol = self.config.eval.protocol
         use_ema = self.ema is not None and self.config.eval.use_ema
         with self.ema.applied(self.model) if use_ema else contextlib.nullcontext():
-            result = self.score(self.eval_data)
+            if protocol == "authors_trm_deq":
+                result = self.score_authors(self.eval_data)
+            else:
+                result = self.score(self.eval_data)
+                if protocol == "both":
+                    authors = self.score_authors(self.eval_data)
+                    result.update({f"authors_{k}": v for k, v in authors.items() if k != "protocol"})
         result["weights"] = "ema" if use_ema else "model"
         return result
 
