@@ -414,22 +414,26 @@ def evaluate(args: argparse.Namespace) -> None:
         times = _train_times(run_dir)
         rows = []
         for minutes, step in zip(MINUTES, plan["budget_steps"][name]):
+            saved = run_dir / f"eval-{minutes}min.json"  # one file per checkpoint: parallel evals never race
             ckpt = run_dir / "checkpoints" / f"step_{step:08d}"
-            if not ckpt.is_dir():
-                print(f"{name}: no checkpoint {ckpt}", flush=True)
-                continue
-            if name in AUTHORS:
-                row = evaluate_authors(name, ckpt, eval_set, backtracks, curve=minutes == MINUTES[-1])
-            else:
-                row = evaluate_checkpoint(name, ckpt, eval_set, backtracks)
-            row.update(minutes=minutes, train_time_s=times.get(step))
-            print(
-                name,
-                minutes,
-                {k2: row[k2] for k2 in ("valid", "valid_30plus", "by_blanks", "mean_steps")},
-                flush=True,
-            )
-            rows.append(row)
+            if minutes in args.minutes and not args.assemble:
+                if not ckpt.is_dir():
+                    print(f"{name}: no checkpoint {ckpt}", flush=True)
+                    continue
+                if name in AUTHORS:
+                    row = evaluate_authors(name, ckpt, eval_set, backtracks, curve=minutes == MINUTES[-1])
+                else:
+                    row = evaluate_checkpoint(name, ckpt, eval_set, backtracks)
+                row.update(minutes=minutes, train_time_s=times.get(step))
+                write_json(saved, row)
+                print(
+                    name,
+                    minutes,
+                    {k2: row[k2] for k2 in ("valid", "valid_30plus", "by_blanks", "mean_steps")},
+                    flush=True,
+                )
+            if saved.is_file():
+                rows.append(json.loads(saved.read_text()))
         results[name] = {
             "protocol": PROTOCOL[name],
             "checkpoints": rows,
@@ -600,6 +604,17 @@ def main() -> None:
     parser.add_argument("--max-minutes", type=int, default=60, help="train to this budget (15, 30 or 60)")
     parser.add_argument("--resume", action="store_true", help="continue each run from its last checkpoint")
     parser.add_argument("--eval-size", type=int, default=1000)
+    parser.add_argument(
+        "--minutes",
+        type=lambda t: [int(m) for m in t.split(",")],
+        default=list(MINUTES),
+        help="--phase eval: the budgets' checkpoints to score, e.g. 30 or 15,60 (one process each can run in parallel)",
+    )
+    parser.add_argument(
+        "--assemble",
+        action="store_true",
+        help="--phase eval: score nothing, gather the saved rows into the outputs",
+    )
     parser.add_argument(
         "--clock",
         type=Path,
