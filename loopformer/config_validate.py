@@ -350,9 +350,14 @@ def validate(cfg: RunConfig) -> RunConfig:
     cfg.loop_periodic = to_dict(_loop_fields(cfg.loop_periodic, "loop_periodic"))
     _check_model(cfg)
     base = cfg.model_config().loop
-    _check_sampler(cfg, cfg.loop_config(base, "train"))
-    cfg.loop_config(base, "eval")
-    cfg.loop_config(base, "periodic")
+    loops = {phase: cfg.loop_config(base, phase) for phase in ("train", "eval", "periodic")}
+    _check_sampler(cfg, loops["train"])
+    for phase, loop in loops.items():
+        if loop.state_dtype == "bfloat16" and cfg.bf16 is False:
+            raise ConfigError(
+                f"loop_{phase}.state_dtype=bfloat16 runs the looped body in bf16, which needs bf16 autocast: "
+                "set bf16: true (or auto on CUDA)"
+            )
     _check_train(cfg)
     _check_run(cfg)
     _check_task(cfg)

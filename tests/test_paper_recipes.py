@@ -86,6 +86,9 @@ def test_fprm_paper_recipes_evaluate_under_the_published_protocol(task: str, gam
         )
         assert loop.damped.min_step == 1e-3
     assert cfg.train.keep_best == "exact_acc" and cfg.train.keep_best_mode == "max"
+    # the reference's precision: FixedPointOptimizer keeps the iterate and its step size in bf16
+    assert {cfg.loop_config(base, p).state_dtype for p in ("train", "eval", "periodic")} == {"bfloat16"}
+    assert cfg.bf16 is True
     shown = CliRunner().invoke(cli, ["train", f"paper_{task}_fprm", "--print-config"])
     assert shown.exit_code == 0, shown.output
     printed = yaml.safe_load(shown.output)
