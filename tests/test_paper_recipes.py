@@ -304,7 +304,7 @@ def test_paper_maze_hard_dry_run(model: str, tmp_path: Path) -> None:
 @pytest.mark.parametrize("model", PAPER_MODELS)
 def test_paper_arc1_dry_run(model: str, tmp_path: Path) -> None:
     folder = _arc_folder(tmp_path)
-    subsets = ["data.options.subsets=[evaluation]"] if model in ("trm", "hrm") else []  # TRM / HRM protocol
+    subsets = ["data.options.subsets=[evaluation]"] if model in ("trm", "hrm", "fprm") else []  # TRM / HRM protocol
     _dry_run(
         ROOT / "recipes" / f"paper_arc1_{model}.yaml",
         [
