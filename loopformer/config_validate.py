@@ -198,6 +198,14 @@ def _check_train(cfg: RunConfig) -> None:
     ):
         raise ConfigError(f"train.head_weight_decay must be >= 0 (or null), got {t.head_weight_decay}")
     _check_muon(t)
+    if t.keep_best and not t.keep_best.isidentifier():
+        raise ConfigError(
+            f"train.keep_best must name an evaluation metric (e.g. exact_acc, valid_acc), got {t.keep_best!r}"
+        )
+    if t.keep_best.startswith("eval_"):
+        raise ConfigError(
+            f"train.keep_best names the metric without its log prefix: {t.keep_best[5:]!r}, not {t.keep_best!r}"
+        )
     if not (math.isfinite(t.eps) and 0 < t.eps < 1):
         raise ConfigError(f"train.eps must be a finite number in (0, 1), got {t.eps}")
     for i, beta in enumerate(t.betas):
@@ -339,10 +347,17 @@ def validate(cfg: RunConfig) -> RunConfig:
     cfg.model.fields = {k: to_dict(v) for k, v in fields_.items()}
     cfg.loop_train = to_dict(_loop_fields(cfg.loop_train, "loop_train"))
     cfg.loop_eval = to_dict(_loop_fields(cfg.loop_eval, "loop_eval"))
+    cfg.loop_periodic = to_dict(_loop_fields(cfg.loop_periodic, "loop_periodic"))
     _check_model(cfg)
     base = cfg.model_config().loop
-    _check_sampler(cfg, cfg.loop_config(base, "train"))
-    cfg.loop_config(base, "eval")
+    loops = {phase: cfg.loop_config(base, phase) for phase in ("train", "eval", "periodic")}
+    _check_sampler(cfg, loops["train"])
+    for phase, loop in loops.items():
+        if loop.state_dtype == "bfloat16" and cfg.bf16 is False:
+            raise ConfigError(
+                f"loop_{phase}.state_dtype=bfloat16 runs the looped body in bf16, which needs bf16 autocast: "
+                "set bf16: true (or auto on CUDA)"
+            )
     _check_train(cfg)
     _check_run(cfg)
     _check_task(cfg)

@@ -108,9 +108,15 @@ def model_card(config: dict[str, Any], summary: dict[str, Any] | None, family: s
         if summary.get(key) is not None:
             rows.append((label, summary[key]))
     if rows:
-        lines += ["## Results", "", "| metric | value |", "|---|---|"]
+        lines += ["## Results", ""]
+        if summary.get("eval_label"):  # which checkpoint the numbers are of: "final (step N)"
+            lines += [f"Evaluated: {summary['eval_label']}.", ""]
+        lines += ["| metric | value |", "|---|---|"]
         lines += [f"| {k} | {v:.4f} |" if isinstance(v, float) else f"| {k} | {v} |" for k, v in rows]
         lines.append("")
+    best = summary.get("best")
+    if isinstance(best, dict) and "label" in best:  # train.keep_best
+        lines += [f"The run also kept its {best['label']}: eval_{best['metric']} {best['value']:.4f}.", ""]
     by_difficulty = summary.get("mean_steps_by_difficulty")
     if by_difficulty:
         lines += ["## Steps vs difficulty", "", "| difficulty | mean loop steps |", "|---|---|"]

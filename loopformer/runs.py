@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from loopformer.config import ConfigError, DataConfig, RunConfig, apply_overrides, build_config, to_dict
 from loopformer.hub import resolve_source
@@ -28,7 +29,8 @@ from loopformer.loop.samplers import SAMPLERS, make_sampler, sampler_defaults
 from loopformer.models.base import LoopedModel
 from loopformer.tasks.base import Task, TokenDataset
 from loopformer.tasks.registry import get_task
-from loopformer.train.checkpoint import CheckpointError, load_checkpoint
+from loopformer.train.best import best_label, best_record_for, find_best
+from loopformer.train.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
 
 HRM_SPLITS = {"train": "train", "eval": "test"}  # our split name -> HRM's folder name
 EVAL_OVERRIDE_PREFIXES = ("data.", "eval.", "loop_eval.")
@@ -113,18 +115,38 @@ class LoadedRun:
     loop_eval: LoopConfig
     loop_train: LoopConfig
     weights: str  # "model" | "ema"
+    # "best (by eval_<metric>, step N)" for the run's best checkpoint (train.keep_best), "latest (step N)"
+    # for its newest one, else "step N"
+    label: str = ""
+    best: dict[str, Any] | None = None  # the checkpoints/best record when this is the best checkpoint
+
+
+def checkpoint_label(folder: Path, step: int) -> tuple[str, dict[str, Any] | None]:
+    """(the label reports give checkpoint ``folder``, its best record when it is the run's best)."""
+    record = best_record_for(folder)
+    if record is not None:
+        return best_label(record), record
+    latest = latest_checkpoint(folder.parent)
+    return (f"latest (step {step})" if latest == folder else f"step {step}"), None
 
 
 def load_run(
-    path: str | Path, use_ema: bool = True, config_overrides: tuple[str, ...] = (), device: str = "cpu"
+    path: str | Path,
+    use_ema: bool = True,
+    config_overrides: tuple[str, ...] = (),
+    device: str = "cpu",
+    best: bool = False,
 ) -> LoadedRun:
     """Load a checkpoint (a checkpoint folder, a ``checkpoints/`` root, a run folder or a hub id) and its task,
-    with the EMA weights when ``use_ema`` and the checkpoint keeps an EMA.
+    with the EMA weights when ``use_ema`` and the checkpoint keeps an EMA. ``best``: the run's best
+    checkpoint (``checkpoints/best``, ``train.keep_best``) instead of its latest.
 
     ``config_overrides`` (``data.*``, ``eval.*``, ``loop_eval.*`` keys only) change how the run is
     evaluated, never the model.
     """
     path = resolve_source(path)  # a hub id (owner/name) is downloaded, a local path kept
+    if best:
+        path = find_best(path)[0]
     for text in config_overrides:
         key = text.split("=", 1)[0]
         if not key.startswith(EVAL_OVERRIDE_PREFIXES):
@@ -142,6 +164,7 @@ def load_run(
             f"checkpoint {ckpt.path} holds a {type(model).__name__}, not a loopformer model"
         )
     model.eval()
+    label, record = checkpoint_label(ckpt.path, ckpt.step)
     return LoadedRun(
         path=ckpt.path,
         step=ckpt.step,
@@ -152,6 +175,8 @@ def load_run(
         loop_eval=config.loop_config(model.config.loop, "eval"),
         loop_train=config.loop_config(model.config.loop, "train"),
         weights=ckpt.weights,
+        label=label,
+        best=record,
     )
 
 

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = ["model.d_model=16", "model.n_heads=2", "model.n_layers=1", "model.puzzle_emb_dim=16", "train.steps=2", "train.batch_size=8",
         "train.max_segments=1", "train.warmup_steps=0", "train.progress=false", "train.log_every=1",
         "train.eval_every=0", "train.checkpoint_every=0", "loop_train.max_steps=2", "loop_train.grad_steps=1",
-        "loop_eval.max_steps=3", "eval.batch_size=8"]  # fmt: skip
+        "loop_eval.max_steps=3", "loop_periodic.max_steps=3", "eval.batch_size=8"]  # fmt: skip
 
 
 def _steps(data: Path, run: Path, repo: Path) -> list[list[str]]:

@@ -63,6 +63,40 @@ def test_a_misspelled_key_in_a_paper_recipe_is_an_error(tmp_path: Path) -> None:
         load_config(bad)
 
 
+@pytest.mark.parametrize(("task", "gamma"), [("sudoku_extreme", 0.997), ("maze_hard", 0.996)])
+def test_fprm_paper_recipes_evaluate_under_the_published_protocol(task: str, gamma: float) -> None:
+    """The model card of the released checkpoints (huggingface.co/fixed-point-reasoners/fprm): max_iter 35000,
+    step decay 0.997 (Sudoku) / 0.996 (maze), patience 10, best checkpoint; the trainer's own evaluations keep
+    the authors' in-run protocol (config/cfg_pretrain_*.yaml: max_iter_eval 1000, decay 0.99, patience 5)."""
+    from click.testing import CliRunner
+
+    from loopformer.cli import cli
+
+    cfg = load_config(ROOT / "recipes" / f"paper_{task}_fprm.yaml")
+    base = cfg.model_config().loop
+    published, periodic = cfg.loop_config(base, "eval"), cfg.loop_config(base, "periodic")
+    assert (published.max_steps, published.damped.gamma, published.damped.patience) == (35000, gamma, 10)
+    assert (periodic.max_steps, periodic.damped.gamma, periodic.damped.patience) == (1000, 0.99, 5)
+    for loop in (published, periodic):
+        assert (loop.solver, loop.halting, loop.tol, loop.residual_norm) == (
+            "damped",
+            "batch_residual",
+            0.1,
+            "rel_sup",
+        )
+        assert loop.damped.min_step == 1e-3
+    assert cfg.train.keep_best == "exact_acc" and cfg.train.keep_best_mode == "max"
+    # the reference's precision: FixedPointOptimizer keeps the iterate and its step size in bf16
+    assert {cfg.loop_config(base, p).state_dtype for p in ("train", "eval", "periodic")} == {"bfloat16"}
+    assert cfg.bf16 is True
+    shown = CliRunner().invoke(cli, ["train", f"paper_{task}_fprm", "--print-config"])
+    assert shown.exit_code == 0, shown.output
+    printed = yaml.safe_load(shown.output)
+    assert printed["loop_eval"]["max_steps"] == 35000
+    assert printed["loop_eval"]["damped"] == {"gamma": gamma, "patience": 10, "min_step": 1e-3}
+    assert printed["train"]["keep_best"] == "exact_acc"
+
+
 def _reference_block(d: int, inter: int) -> int:
     """One TransformerPreNormBlock of github jacobfa/Attractor: q, k, v, out (d x d, no bias), BaseMLP d x inter
     and inter x d, two RMSNorm gains (its qk-norm is parameter-free)."""
@@ -243,9 +277,9 @@ def _loop_overrides(recipe: Path) -> list[str]:
     """Short solver caps for the dry run, only where the recipe sets its own loop tables."""
     raw = read_recipe(recipe)
     out = []
-    for table in ("loop_train", "loop_eval"):
+    for table in ("loop_train", "loop_eval", "loop_periodic"):
         if "max_steps" in (raw.get(table) or {}):
-            out += [f"{table}.min_steps=1", f"{table}.max_steps={4 if table == 'loop_eval' else 2}"]
+            out += [f"{table}.min_steps=1", f"{table}.max_steps={2 if table == 'loop_train' else 4}"]
             if (raw.get(table) or {}).get("grad") == "truncated":
                 out.append(f"{table}.grad_steps=2")
     return out
@@ -298,7 +332,7 @@ def test_paper_maze_hard_dry_run(model: str, tmp_path: Path) -> None:
 @pytest.mark.parametrize("model", PAPER_MODELS)
 def test_paper_arc1_dry_run(model: str, tmp_path: Path) -> None:
     folder = _arc_folder(tmp_path)
-    subsets = ["data.options.subsets=[evaluation]"] if model in ("trm", "hrm") else []  # TRM / HRM protocol
+    subsets = ["data.options.subsets=[evaluation]"] if model in ("trm", "hrm", "fprm") else []  # TRM / HRM protocol
     _dry_run(
         ROOT / "recipes" / f"paper_arc1_{model}.yaml",
         [

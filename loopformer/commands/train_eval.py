@@ -21,11 +21,20 @@ from loopformer.nn import autocast
 @click.argument("overrides", nargs=-1)
 @click.option("--resume", is_flag=True, help="continue from the run folder's latest checkpoint")
 @click.option("--out", "-o", "out_dir", default=None, help="run folder (overrides out_dir)")
-@click.option("--overwrite", is_flag=True,
-              help="replace a previous run in the folder (moved aside once the new run's first checkpoint is written)")
+@click.option(
+    "--overwrite",
+    is_flag=True,
+    help="replace a previous run in the folder (moved aside once the new run's first checkpoint is written)",
+)
 @click.option("--print-config", is_flag=True, help="print the resolved configuration (YAML) and exit")
-def train(recipe: str, overrides: tuple[str, ...], resume: bool, out_dir: str | None, overwrite: bool,
-          print_config: bool) -> None:
+def train(
+    recipe: str,
+    overrides: tuple[str, ...],
+    resume: bool,
+    out_dir: str | None,
+    overwrite: bool,
+    print_config: bool,
+) -> None:
     """Train the model of RECIPE (a name in recipes/ or a path); OVERRIDES are key=value pairs."""
     from rich.console import Console
 
@@ -51,50 +60,119 @@ def train(recipe: str, overrides: tuple[str, ...], resume: bool, out_dir: str | 
     trainer = Trainer(cfg)
     console = Console(highlight=False, quiet=not trainer.strategy.is_main)  # rank 0 speaks under torchrun
     where = f" (resumed from {trainer.resumed_from}, step {trainer.step})" if trainer.resumed_from else ""
-    console.print(f"training {cfg.model.name} ({trainer.model.num_parameters():,} parameters) on {cfg.data.task}"
-                  f" for {cfg.train.steps} steps -> {cfg.out_dir}{where}")
+    console.print(
+        f"training {cfg.model.name} ({trainer.model.num_parameters():,} parameters) on {cfg.data.task}"
+        f" for {cfg.train.steps} steps -> {cfg.out_dir}{where}"
+    )
     summary = trainer.fit()
     ev = summary.get("eval") or {}
     if "bits_per_byte" in ev:
-        console.print(f"held-out: loss {ev['loss']:.4f} nats/token, {ev['bits_per_byte']:.4f} bits per byte, "
-                      f"token accuracy {100 * ev['token_acc']:.1f}%")
+        console.print(
+            f"held-out: loss {ev['loss']:.4f} nats/token, {ev['bits_per_byte']:.4f} bits per byte, "
+            f"token accuracy {100 * ev['token_acc']:.1f}%"
+        )
     elif ev:
         acc = ev.get("valid_acc", ev.get("exact_acc"))
-        console.print(f"held-out: {'valid' if 'valid_acc' in ev else 'exact'} accuracy {100 * acc:.1f}%, "
-                      f"exact {100 * ev.get('exact_acc', float('nan')):.1f}%, mean steps {ev.get('loop_steps', float('nan')):.2f}")
+        console.print(
+            f"held-out, {summary['eval_label']}: {'valid' if 'valid_acc' in ev else 'exact'} accuracy "
+            f"{100 * acc:.1f}%, exact {100 * ev.get('exact_acc', float('nan')):.1f}%, "
+            f"mean steps {ev.get('loop_steps', float('nan')):.2f}"
+        )
+    best = summary.get("best")
+    if best:
+        console.print(
+            f"held-out, {best['label']}: eval_{best['metric']} {best['value']:.4g}  -> {best['checkpoint']}"
+        )
     console.print(f"checkpoint: {summary['checkpoint']}  ({summary['wall_time']:.0f} s)")
+    if best:
+        console.print(
+            f"the published protocol (loop_eval) on the best checkpoint: loopformer eval {cfg.out_dir} --best"
+        )
 
 
 @click.command("eval")
 @click.argument("checkpoint")
-@click.option("--max-steps", "max_steps", default=None, metavar="B1,B2,...",
-              help="inference step budgets for the accuracy-vs-compute curve, e.g. 1,2,4,8,16")
-@click.option("--budget-mode", type=click.Choice(["capped", "fixed"]), default="capped", show_default=True,
-              help="capped: the halting rule with the cap; fixed: exactly that many loops")
-@click.option("--task-option", "--task-options", "-t", "task_options", multiple=True, metavar="KEY=VALUE",
-              help="held-out generation option (data.eval_generate), e.g. -t min_blanks=40")
-@click.option("--set", "-s", "sets", multiple=True, metavar="KEY=VALUE",
-              help="config override for evaluation: data.*, eval.*, loop_eval.* (e.g. loop_eval.max_steps=64)")
-@click.option("--examples", "-n", type=int, default=0, help="evaluate on the first N held-out examples (0 = all)")
-@click.option("--lens-loops", type=int, default=None,
-              help="logit lens / overthinking loops (default: 2x the training depth; 0 = off)")
-@click.option("--analyses/--no-analyses", default=True, show_default=True,
-              help="logit lens, overthinking, signal propagation, spectral radius")
+@click.option(
+    "--max-steps",
+    "max_steps",
+    default=None,
+    metavar="B1,B2,...",
+    help="inference step budgets for the accuracy-vs-compute curve, e.g. 1,2,4,8,16",
+)
+@click.option(
+    "--budget-mode",
+    type=click.Choice(["capped", "fixed"]),
+    default="capped",
+    show_default=True,
+    help="capped: the halting rule with the cap; fixed: exactly that many loops",
+)
+@click.option(
+    "--task-option",
+    "--task-options",
+    "-t",
+    "task_options",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="held-out generation option (data.eval_generate), e.g. -t min_blanks=40",
+)
+@click.option(
+    "--set",
+    "-s",
+    "sets",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="config override for evaluation: data.*, eval.*, loop_eval.* (e.g. loop_eval.max_steps=64)",
+)
+@click.option(
+    "--examples", "-n", type=int, default=0, help="evaluate on the first N held-out examples (0 = all)"
+)
+@click.option(
+    "--lens-loops",
+    type=int,
+    default=None,
+    help="logit lens / overthinking loops (default: 2x the training depth; 0 = off)",
+)
+@click.option(
+    "--analyses/--no-analyses",
+    default=True,
+    show_default=True,
+    help="logit lens, overthinking, signal propagation, spectral radius",
+)
 @click.option("--ema/--no-ema", default=True, show_default=True, help="use the EMA weights when present")
-@click.option("--out", "-o", "out_dir", default=None, help="report folder (default <run>/eval-step<N>-<time>)")
+@click.option(
+    "--best",
+    is_flag=True,
+    help="the run's best checkpoint (checkpoints/best, kept by train.keep_best) instead of its latest",
+)
+@click.option(
+    "--out", "-o", "out_dir", default=None, help="report folder (default <run>/eval-step<N>-<time>)"
+)
 @device_option()
-def evaluate_cmd(checkpoint: str, max_steps: str | None, budget_mode: str, task_options: tuple[str, ...],
-                 sets: tuple[str, ...], examples: int, lens_loops: int | None, analyses: bool, ema: bool,
-                 out_dir: str | None, device: str) -> None:
+def evaluate_cmd(
+    checkpoint: str,
+    max_steps: str | None,
+    budget_mode: str,
+    task_options: tuple[str, ...],
+    sets: tuple[str, ...],
+    examples: int,
+    lens_loops: int | None,
+    analyses: bool,
+    ema: bool,
+    best: bool,
+    out_dir: str | None,
+    device: str,
+) -> None:
     """Evaluate CHECKPOINT (a run folder or checkpoint folder) on its held-out set; write a report.
 
     Text (no validator): loss and bits per byte. ARC: also pass@2, voting over augmentations.
     ``--set eval.protocol=authors_trm_deq`` (or ``both``): also the Attractor puzzle authors' evaluation.
     """
-    overrides = list(sets) + [f"data.eval_generate.{k}={v}" for k, v in parse_pairs(task_options, "--task-option").items()]
+    overrides = list(sets) + [
+        f"data.eval_generate.{k}={v}" for k, v in parse_pairs(task_options, "--task-option").items()
+    ]
     budgets = parse_int_list(max_steps, "--max-steps")
     dev = resolve_device(device)
-    run = load_run(checkpoint, use_ema=ema, config_overrides=tuple(overrides), device=str(dev))
+    run = load_run(checkpoint, use_ema=ema, config_overrides=tuple(overrides), device=str(dev), best=best)
     with autocast(dev, run.config.bf16):  # evaluate in the precision the run trained in
         _evaluate(run, examples, out_dir, budgets, budget_mode, lens_loops, analyses)
 
@@ -102,8 +180,10 @@ def evaluate_cmd(checkpoint: str, max_steps: str | None, budget_mode: str, task_
 def _segment_note(segments: int) -> list[str]:
     if segments <= 1:
         return []
-    return [f"Accuracy and steps: {segments} chained segments carrying the state (eval.segments); the step "
-            "budgets and the per-loop analyses run one segment."]
+    return [
+        f"Accuracy and steps: {segments} chained segments carrying the state (eval.segments); the step "
+        "budgets and the per-loop analyses run one segment."
+    ]
 
 
 def _evaluate(run: Any, examples: int, out_dir: str | None, budgets: list[int], budget_mode: str,
@@ -127,19 +207,45 @@ def _evaluate(run: Any, examples: int, out_dir: str | None, budgets: list[int], 
     console = Console(highlight=False)
     batch_size = run.config.eval.batch_size
     if not run.task.has_validator:  # language modelling: loss and bits per byte
-        lm = evaluate_lm(run.model, run.task, dataset, loop=run.loop_eval, batch_size=batch_size, progress=True,
-                         seed=run.config.seed, segments=run.config.eval.segments)
-        write_json(out / "metrics.json", {"checkpoint": str(run.path), "step": run.step, "weights": run.weights,
-                                          **lm.to_dict()})
-        console.print(f"held-out ({lm.n} windows, {lm.tokens} tokens): loss {lm.loss:.4f} nats/token, "
-                      f"bits per byte {lm.bits_per_byte:.4f}, token accuracy {100 * lm.token_accuracy:.1f}%, "
-                      f"mean steps {lm.mean_steps:.2f}")
+        lm = evaluate_lm(
+            run.model,
+            run.task,
+            dataset,
+            loop=run.loop_eval,
+            batch_size=batch_size,
+            progress=True,
+            seed=run.config.seed,
+            segments=run.config.eval.segments,
+        )
+        write_json(
+            out / "metrics.json",
+            {
+                "checkpoint": str(run.path),
+                "step": run.step,
+                "weights": run.weights,
+                "label": run.label,
+                **lm.to_dict(),
+            },
+        )
+        console.print(
+            f"held-out ({lm.n} windows, {lm.tokens} tokens): loss {lm.loss:.4f} nats/token, "
+            f"bits per byte {lm.bits_per_byte:.4f}, token accuracy {100 * lm.token_accuracy:.1f}%, "
+            f"mean steps {lm.mean_steps:.2f}"
+        )
         console.print(f"metrics: {out / 'metrics.json'}")
         return
-    extra = {}
+    extra: dict[str, Any] = {"checkpoint": {"path": str(run.path), "step": run.step, "label": run.label,
+                                            "best": run.best}}  # fmt: skip
     if isinstance(run.task, ArcTask):  # pass@2 over every test pair x augmentation version
-        arc = arc_pass_at_k(run.model, run.task, loop=run.loop_eval, k=2, batch_size=batch_size,
-                            seed=run.config.data.eval_seed, segments=run.config.eval.segments)
+        arc = arc_pass_at_k(
+            run.model,
+            run.task,
+            loop=run.loop_eval,
+            k=2,
+            batch_size=batch_size,
+            seed=run.config.data.eval_seed,
+            segments=run.config.eval.segments,
+        )
         extra["arc_pass_at_2"] = arc
     if run.config.eval.protocol != "clean":  # the Attractor puzzle authors' _eval, beside the clean metrics
         from loopformer.eval.authors import evaluate_authors_trm_deq
@@ -153,28 +259,47 @@ def _evaluate(run: Any, examples: int, out_dir: str | None, budgets: list[int], 
     depth = training_depth(run)
     lens = (2 * depth if lens_loops is None else lens_loops) if analyses else 0
     options = SuiteOptions(
-        budgets=budgets, budget_mode=budget_mode, lens_loops=lens, signal_loops=lens, spectral=analyses,
-        batch_size=run.config.eval.batch_size, progress=True,
+        budgets=budgets,
+        budget_mode=budget_mode,
+        lens_loops=lens,
+        signal_loops=lens,
+        spectral=analyses,
+        batch_size=run.config.eval.batch_size,
+        progress=True,
     )
     label = run.family or run.config.model.name
+    console.print(f"{run.label}: {run.path} ({run.weights} weights)")
     suite = run_suite(
-        out, f"evaluation of {label} ({run.path}, step {run.step}, {run.weights} weights)", run.task, dataset,
-        ModelUnderTest(label, run.model, run.loop_eval, depth, segments=run.config.eval.segments,
-                       seed=run.config.seed), (), options,
-        notes=[f"Task: {run.config.data.task} {run.config.data.options}; {len(dataset)} held-out examples.",
-               *_segment_note(run.config.eval.segments)],
-        log=lambda m: console.print(f"  {m}"), extra=extra,
+        out,
+        f"evaluation of {label} ({run.path}, {run.label}, {run.weights} weights)",
+        run.task,
+        dataset,
+        ModelUnderTest(
+            label, run.model, run.loop_eval, depth, segments=run.config.eval.segments, seed=run.config.seed
+        ),
+        (),
+        options,
+        notes=[
+            f"Task: {run.config.data.task} {run.config.data.options}; {len(dataset)} held-out examples.",
+            *_segment_note(run.config.eval.segments),
+        ],
+        log=lambda m: console.print(f"  {m}"),
+        extra=extra,
     )
     console.print(accuracy_table(suite["results"]))
     if "arc_pass_at_2" in extra:
         arc = extra["arc_pass_at_2"]
-        console.print(f"ARC pass@2 (voting over {run.task.versions} augmentation versions): {100 * arc['score']:.1f}% "
-                      f"of {int(arc['tasks'])} tasks ({int(arc['outputs_solved'])}/{int(arc['outputs'])} test outputs)")
+        console.print(
+            f"ARC pass@2 (voting over {run.task.versions} augmentation versions): {100 * arc['score']:.1f}% "
+            f"of {int(arc['tasks'])} tasks ({int(arc['outputs_solved'])}/{int(arc['outputs'])} test outputs)"
+        )
     if "authors_trm_deq" in extra:
         a = extra["authors_trm_deq"]
-        console.print(f"authors' evaluation (eval.protocol, train_trm_deq.py _eval: training mode, Q halting with "
-                      f"exploration, {run.config.eval.segments} calls): exact {100 * a['exact_acc']:.1f}% of the "
-                      f"{a['n']} examples halted at the last call ({a['evaluated']} evaluated)")
+        console.print(
+            f"authors' evaluation (eval.protocol, train_trm_deq.py _eval: training mode, Q halting with "
+            f"exploration, {run.config.eval.segments} calls): exact {100 * a['exact_acc']:.1f}% of the "
+            f"{a['n']} examples halted at the last call ({a['evaluated']} evaluated)"
+        )
     stats = suite["difficulty"][label]
     console.print(f"steps vs difficulty: Spearman rho {stats.spearman_rho:.2f} (p={stats.spearman_p:.2g})")
     console.print(f"report: {suite['report']}  metrics: {suite['metrics']}")

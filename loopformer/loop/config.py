@@ -24,6 +24,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 # the axis modules first (each imports its companion module: quasi_newton, act, implicit)
 from loopformer.loop.solvers import (  # isort: skip
     SOLVERS,
@@ -36,6 +38,8 @@ from loopformer.loop.halting import HALTING_ALIASES, HALTINGS, ACTOptions, KLEnt
 from loopformer.loop.grad import GRADS, IFTOptions, NeumannOptions  # isort: skip
 from loopformer.loop.norms import RESIDUAL_NORMS
 from loopformer.loop.registry import NoOptions
+
+STATE_DTYPES: dict[str, Any] = {"auto": None, "float32": "float32", "bfloat16": "bfloat16"}
 
 
 @dataclass
@@ -53,6 +57,12 @@ class LoopConfig:
     compaction: bool = True  # drop halted samples from the active batch (else torch.where masking)
     diverge_threshold: float = 1e4  # residual above this (or non-finite) stops a sample, not converged
     trace: bool = True  # record residuals / state norms every step (fixed halting may skip them)
+    # the loop state's precision (STATE_DTYPES): auto = as the model gives it (float32 under bf16 autocast);
+    # bfloat16 = the FPRM reference's (nilskiKonjIzDunava/fprm FixedPointOptimizer): the iterate, the
+    # injected context and every step's output are cast to bf16, the residual and the damped solver's step
+    # size / best residual are computed in bf16 (its decay factor rounded to bf16: 0.996 and 0.997 both
+    # become 0.99609375); needs bf16 autocast (bf16: true) for the body's matmuls
+    state_dtype: str = "auto"
     # options, grouped by the plug-in they belong to
     damped: DampedOptions = field(default_factory=DampedOptions)
     anderson: AndersonOptions = field(default_factory=AndersonOptions)
@@ -63,6 +73,17 @@ class LoopConfig:
     neumann: NeumannOptions = field(default_factory=NeumannOptions)
     ift: IFTOptions = field(default_factory=IFTOptions)
     plugins: dict[str, Any] = field(default_factory=dict)  # options of plug-ins without a group above
+
+    @property
+    def torch_state_dtype(self) -> torch.dtype | None:
+        """The ``torch.dtype`` the loop keeps its state in, None for ``auto``."""
+        name = STATE_DTYPES[self.state_dtype]
+        return None if name is None else getattr(torch, name)
+
+    @property
+    def low_precision_state(self) -> bool:
+        """Whether the state (and the damped solver's scalars) live in bfloat16 arithmetic."""
+        return self.state_dtype == "bfloat16"
 
     def options_for(self, cls: type) -> Any:
         """The typed options of plug-in class ``cls`` (its group, or its table in ``plugins``)."""
@@ -104,6 +125,7 @@ class LoopConfig:
             allowed = registry.names() + (tuple(HALTING_ALIASES) if name == "halting" else ())
             _choice(name, getattr(self, name), allowed)
         _choice("residual_norm", self.residual_norm, RESIDUAL_NORMS)
+        _choice("state_dtype", self.state_dtype, tuple(STATE_DTYPES))
         _integer("max_steps", self.max_steps, 1)
         _integer("min_steps", self.min_steps, 0)
         _integer("grad_steps", self.grad_steps, 0)

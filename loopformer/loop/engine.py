@@ -33,7 +33,6 @@ import torch
 from torch import Tensor
 
 from loopformer.loop.config import LoopConfig
-from loopformer.loop.norms import residual_into
 from loopformer.loop.state import LoopState
 
 StepFn = Callable[..., Tensor]
@@ -81,6 +80,16 @@ def _check_inputs(z0: Tensor, cfg: LoopConfig, ctx: tuple[Any, ...]) -> None:
             )
 
 
+def _in_state_dtype(z0: Tensor, ctx: tuple[Any, ...], cfg: LoopConfig) -> tuple[Tensor, tuple[Any, ...]]:
+    """``LoopConfig.state_dtype``: the initial iterate and the floating context tensors (the injected
+    input) cast to it (differentiably); auto leaves them as they are."""
+    dtype = cfg.torch_state_dtype
+    if dtype is None:
+        return z0, ctx
+    cast = tuple(c.to(dtype) if isinstance(c, Tensor) and c.is_floating_point() else c for c in ctx)
+    return z0.to(dtype), cast
+
+
 def _check_step_output(fz: Any, z: Tensor) -> None:
     if not isinstance(fz, Tensor) or fz.shape != z.shape:
         got = tuple(fz.shape) if isinstance(fz, Tensor) else type(fz).__name__
@@ -97,7 +106,7 @@ def _iterate(lp: LoopState, t: int) -> _Iteration:
     if t == 0:
         _check_step_output(fz, z)
     res, nrm = lp.history.row(t)
-    residual_into(lp.flat(z), lp.flat(fz), lp.kind, lp.channels, res, nrm if lp.norm_is_step else None)
+    lp.residual(lp.rflat(z), lp.rflat(fz), lp.kind, lp.channels, res, nrm if lp.norm_is_step else None)
     z_next, lp.sstate, info = lp.solver.update(z, fz, res, lp.sstate)
     h_prev, done, conv = lp.hstate, None, None
     if lp.every_step:
@@ -172,7 +181,7 @@ def _run_plain(lp: LoopState) -> int:
         if t == 0:
             _check_step_output(fz, z)
         if res_row is not None:
-            residual_into(lp.flat(z), lp.flat(fz), lp.kind, lp.channels, res_row)
+            lp.residual(lp.rflat(z), lp.rflat(fz), lp.kind, lp.channels, res_row)
         z, sstate, _ = update(z, fz, res_row, sstate)
         if callback is not None:
             callback(t + 1, z, lp.idx)
@@ -270,6 +279,7 @@ def run_loop(
     """
     ctx = (ctx,) if isinstance(ctx, Tensor) else tuple(ctx)
     _check_inputs(z0, cfg, ctx)
+    z0, ctx = _in_state_dtype(z0, ctx, cfg)
     lp = LoopState(step, z0, cfg, ctx, readout, halt_fn, callback, solver_state)
     run = _run_plain if not lp.track else (_run_compacting if cfg.compaction else _run_masked)
     try:

@@ -9,7 +9,9 @@
 All are computed without gradient: they only drive halting decisions and logging.
 ``residual_into`` is the engine's per-iteration form: flat, already detached inputs, results written
 into preallocated history rows (``out=``), no decorator or dtype casts (small maps are dominated by
-per-op overhead: benchmarks/notes.md).
+per-op overhead: benchmarks/notes.md). ``residual_lowp_into`` is the same residual computed in the
+state's own low precision (``LoopConfig.state_dtype="bfloat16"``), as the FPRM reference does
+(``FixedPointOptimizer.step``: ``(y - f(y)).norm(inf) / (f(y).norm(inf) + eps)`` on bf16 tensors).
 """
 
 from __future__ import annotations
@@ -73,4 +75,26 @@ def residual_into(
         torch.amax(num / den, dim=1, out=res_out)
     else:
         raise ValueError(f"unknown residual norm {kind!r} (use 'rel_l2' or 'rel_sup')")
+    return fz_norm
+
+
+def residual_lowp_into(
+    zf: Tensor, fzf: Tensor, kind: str, channels: int, res_out: Tensor, norm_out: Tensor | None = None
+) -> Tensor:
+    """``residual_into`` for flat detached low-precision states: the difference, the norms and the
+    ratio are rounded in the states' dtype (bf16 arithmetic) and the result is written into the
+    float32 history row ``res_out``; ``||f(z)||_2`` (logging only) is computed in float32."""
+    fz_norm = torch.linalg.vector_norm(fzf.float(), dim=1)
+    if norm_out is not None:
+        norm_out.copy_(fz_norm)
+    b = zf.shape[0]
+    if kind == "rel_l2":
+        res = torch.linalg.vector_norm(zf - fzf, dim=1) / (torch.linalg.vector_norm(fzf, dim=1) + EPS)
+    elif kind == "rel_sup":
+        num = (zf - fzf).reshape(b, -1, channels).abs().amax(dim=2)
+        den = fzf.reshape(b, -1, channels).abs().amax(dim=2) + EPS
+        res = (num / den).amax(dim=1)
+    else:
+        raise ValueError(f"unknown residual norm {kind!r} (use 'rel_l2' or 'rel_sup')")
+    res_out.copy_(res)
     return fz_norm

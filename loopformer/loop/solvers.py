@@ -11,7 +11,10 @@ the solver's name (``LoopConfig(solver="anderson", anderson=AndersonOptions(m=5)
 - ``damped``: FPRM's Algorithm 1 (arXiv 2505.18001): per sample step ``eta`` (starts at 1),
   best residual ``r*`` and patience ``p``; ``z <- eta f(z) + (1 - eta) z`` (one ``torch.lerp``); if
   ``r < r*`` reset the patience, else ``p -= 1``; when ``p <= 0`` and ``r >= tol`` shrink
-  ``eta *= gamma`` and reset ``p``. ``eta < min_step`` reports the sample as stalled.
+  ``eta *= gamma`` and reset ``p``. ``eta < min_step`` reports the sample as stalled. Under
+  ``LoopConfig.state_dtype="bfloat16"`` eta and r* are bf16 tensors and every operation rounds as the
+  FPRM reference's ``FixedPointOptimizer.step`` does: ``f(z) eta + z (1 - eta)`` in bf16, and
+  ``eta * bf16(gamma)`` (gamma itself rounded: 0.996 and 0.997 are both 0.99609375 in bf16).
 - ``anderson``: type-II Anderson acceleration (Attractor; DEQ): with the last m iterates X_i and
   residuals g_i = f(X_i) - X_i, solve ``min ||sum a_i g_i||`` s.t. ``sum a_i = 1`` per sample via
   ``(G / s + lam I) w = 1``, ``a = w / sum w``, G the Gram matrix of the g_i and s = trace(G) / n.
@@ -173,9 +176,13 @@ class Damped(Solver):
     needs_residual = True
     stats = ("eta", "best", "patience")  # reported per sample, and resumable across calls
 
+    def __init__(self, cfg: LoopConfig, options: Any = None) -> None:
+        super().__init__(cfg, options)
+        self.lowp = cfg.low_precision_state  # the reference's bf16 scalars and update
+
     def init(self, z: Tensor) -> State:
         b = z.shape[0]
-        dtype = torch.promote_types(z.dtype, torch.float32)
+        dtype = z.dtype if self.lowp else torch.promote_types(z.dtype, torch.float32)
         return {
             "eta": torch.ones(b, dtype=dtype, device=z.device),
             "best": torch.full((b,), float("inf"), dtype=dtype, device=z.device),
@@ -185,16 +192,20 @@ class Damped(Solver):
     def update(self, z: Tensor, fz: Tensor, res: Tensor | None, state: State) -> tuple[Tensor, State, Info]:
         opts, tol = self.opts, self.cfg.tol
         eta = state["eta"]
-        # one fused op; lerp with weight 1 returns f(z) exactly. replay_step uses the same
-        # torch.lerp, so replayed iterates match these bit for bit.
-        z_next = torch.lerp(z, fz, _bcast(eta, z))
+        # replay_step uses the same update, so replayed iterates match these bit for bit
+        z_next = self.replay_step(z, fz, eta)
         with torch.no_grad():
+            if self.lowp:  # the residual in the scalars' dtype (bf16 values already: exact)
+                res = res.to(eta.dtype)
             improved = res < state["best"]
             best = torch.where(improved, res, state["best"])
             patience = (state["patience"] - 1).masked_fill_(improved, opts.patience)
             # improved implies patience > 0, so the shrink test needs no extra mask
             shrink = (patience <= 0).logical_and_(res >= tol)
-            new_eta = torch.where(shrink, eta * opts.gamma, eta)
+            # bf16: the reference multiplies by gamma rounded to bf16 (a Python float would be applied
+            # in float32 and rounded once)
+            gamma = torch.tensor(opts.gamma, dtype=eta.dtype, device=eta.device) if self.lowp else opts.gamma
+            new_eta = torch.where(shrink, eta * gamma, eta)
             patience.masked_fill_(shrink, opts.patience)
             info = {"stalled": new_eta < opts.min_step} if self.report_stalls else {}
         return z_next, {"eta": new_eta, "best": best, "patience": patience}, info
@@ -203,7 +214,10 @@ class Damped(Solver):
         return state["eta"]
 
     def replay_step(self, z: Tensor, fz: Tensor, coeff: Tensor | None) -> Tensor:
-        return torch.lerp(z, fz, _bcast(coeff, z))
+        eta = _bcast(coeff, z)
+        if self.lowp:  # the reference's y * s + z * (1 - s), each product and the sum rounded to bf16
+            return fz * eta + z * (1 - eta)
+        return torch.lerp(z, fz, eta)  # one fused op; weight 1 returns f(z) exactly
 
     def sample_stats(self, state: State) -> dict[str, Tensor]:
         return {"eta": state["eta"], "best": state["best"], "patience": state["patience"]}

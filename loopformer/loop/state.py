@@ -18,6 +18,7 @@ from torch import Tensor
 from loopformer.loop.config import LoopConfig
 from loopformer.loop.grad import GRADS, select_rows
 from loopformer.loop.halting import HALTINGS
+from loopformer.loop.norms import residual_into, residual_lowp_into
 from loopformer.loop.solvers import SOLVERS
 
 
@@ -78,7 +79,13 @@ class LoopState:
         callback: Callable[[int, Tensor, Tensor], None] | None,
         solver_state: dict[str, Tensor] | None = None,
     ) -> None:
-        self.step, self.cfg, self.ctx, self.callback = step, cfg, ctx, callback
+        self.cfg, self.ctx, self.callback = cfg, ctx, callback
+        # LoopConfig.state_dtype: every step's output is cast to it (the gradient modes' replays see the same
+        # step); in bf16 the residual is bf16 arithmetic
+        self.state_dtype = cfg.torch_state_dtype
+        self.lowp = cfg.low_precision_state
+        self.residual = residual_lowp_into if self.lowp else residual_into
+        self.step = step if self.state_dtype is None else self._cast_step(step, self.state_dtype)
         self.halting = HALTINGS.get(cfg.halting)(cfg, readout=readout, halt_fn=halt_fn)
         self.solver = SOLVERS.get(cfg.solver)(cfg)
         self.grad = GRADS.get(cfg.grad)(cfg, self.solver, self.halting)
@@ -109,7 +116,7 @@ class LoopState:
         self.converged = torch.zeros(b, dtype=torch.bool, device=device)
         self._pieces: list[tuple[Tensor, Tensor, dict[str, Tensor]]] = []
         self.history = History(cfg.max_steps if self.track else 0, b, self.rdtype, device, cfg.compaction)
-        self.grad.start(step, z0, ctx, self.grad_on)
+        self.grad.start(self.step, z0, ctx, self.grad_on)
 
     def set_grad(self, t: int) -> None:
         """Record a graph in iteration t or not (the gradient mode's ``graph_from``)."""
@@ -121,6 +128,21 @@ class LoopState:
     def flat(self, x: Tensor) -> Tensor:
         x = x.detach().reshape(x.shape[0], -1)
         return x.to(self.rdtype) if self.upcast else x
+
+    def rflat(self, x: Tensor) -> Tensor:
+        """``x`` flat and detached for the residual: in the state's own dtype for a low-precision state."""
+        return x.detach().reshape(x.shape[0], -1) if self.lowp else self.flat(x)
+
+    @staticmethod
+    def _cast_step(step: Callable[..., Tensor], dtype: torch.dtype) -> Callable[..., Tensor]:
+        """``step`` whose output is cast to the loop's state dtype (the FPRM reference's
+        ``FixedPointOptimizer.step``: ``y = y.to(state_dtype)``)."""
+
+        def cast(z: Tensor, *ctx: Any) -> Tensor:
+            fz = step(z, *ctx)
+            return fz if not isinstance(fz, Tensor) or fz.dtype == dtype else fz.to(dtype)
+
+        return cast
 
     def emit(self, rows_local: Tensor, value: Tensor, hstate: dict[str, Any], n: int) -> None:
         """Record the returned value (and plug-in stats) of halting active rows after n steps."""

@@ -29,6 +29,11 @@ contraction, so iterates stay bounded (the paper's Theorem 1; tested in tests/te
 - ``state``: ``p = p0 + W h`` per token from the current (convolved) state, the authors' code's
   "input-dependent" variant (W zero-initialised).
 
+Precision: under ``LoopConfig.state_dtype="bfloat16"`` the engine keeps the iterate and the injected
+input in bf16 and the scalars a1, a2 are cast to bf16 before the b's are tied (the authors'
+``FixedPointTransformer.forward``: ``sigmoid(p).to(hidden_states.dtype)``), so the whole iteration runs
+in bf16 arithmetic as in their code; the default keeps the state in float32 (docs/fidelity.md, FPRM).
+
 Initial iterate: truncated normal with std ``init_std`` = 6.0 (all of the paper's task configs),
 drawn with the engine's generator. Readout: ``head(RMSNorm(h))`` (tied option). Q-head: a linear
 map of the mean (``q_pool="mean"``) or first token (``"first"``, the puzzle-embedding position in
@@ -299,6 +304,8 @@ class FPRM(LoopedModel):
             d1, d2 = self.scalar_net(src).chunk(2, dim=-1)
             p1, p2 = p1 + d1, p2 + d2
         a1, a2 = torch.sigmoid(p1), torch.sigmoid(p2)
+        if h.dtype.itemsize < a1.dtype.itemsize:  # a bf16 state (LoopConfig.state_dtype): the reference casts
+            a1, a2 = a1.to(h.dtype), a2.to(h.dtype)  # the a's to the state's dtype and ties the b's in it
         b1, b2 = tied_coefficients(a1, a2, self.n_sublayers, self.config.tied_eps)
         return a1, a2, b1, b2
 
@@ -334,10 +341,16 @@ class FPRM(LoopedModel):
         a1, a2, b1, b2 = self.residual_scalars(h, x)
         if self.config.state_norm == "input":
             h = self._state_norm(h)
-        h = torch.addcmul(b2 * x, a2, h)  # a2 h + b2 x in two kernels instead of three
+        if h.dtype.itemsize < 4:  # bf16 state: each product and the sum rounded, as the reference's code
+            h = a2 * h + b2 * x
 
-        def scaled(h_: Tensor, u: Tensor) -> Tensor:
-            return torch.addcmul(b1 * u, a1, h_)  # a1 h + b1 u
+            def scaled(h_: Tensor, u: Tensor) -> Tensor:
+                return a1 * h_ + b1 * u
+        else:
+            h = torch.addcmul(b2 * x, a2, h)  # a2 h + b2 x in two kernels instead of three
+
+            def scaled(h_: Tensor, u: Tensor) -> Tensor:
+                return torch.addcmul(b1 * u, a1, h_)  # a1 h + b1 u
 
         for block in self.layers:
             h = block(h, residual=scaled)

@@ -13,7 +13,10 @@ Layout of ``<run>/checkpoints/step_00001000/``:
 
 A checkpoint is first written to a hidden temporary folder and then renamed into place; the
 ``latest`` pointer file (the folder's name) is replaced atomically with ``os.replace``; only the
-newest ``keep`` checkpoints are kept. Nothing is ever unpickled: safetensors and JSON only.
+newest ``keep`` checkpoints are kept. The ``best`` pointer (``loopformer.train.best.write_best``: a
+JSON record naming the step folder of the best evaluation by ``train.keep_best``, its metric, value
+and step, replaced atomically) protects its folder: pruning never removes it. Nothing is ever
+unpickled: safetensors and JSON only.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from loopformer.train.state import flatten_state, rng_state, set_rng_state, unfl
 log = logging.getLogger("loopformer.train")
 
 LATEST = "latest"
+BEST = "best"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
@@ -151,6 +155,11 @@ def _write_text_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def step_name(step: int) -> str:
+    """The checkpoint folder name of ``step``: ``step_00001000``."""
+    return f"step_{step:08d}"
+
+
 def step_dirs(root: str | Path) -> list[Path]:
     """Checkpoint folders under ``root`` sorted by step (oldest first)."""
     root = Path(root)
@@ -179,7 +188,7 @@ def save_checkpoint(
     root.mkdir(parents=True, exist_ok=True)
     for stale in root.glob(".tmp-step_*"):
         shutil.rmtree(stale, ignore_errors=True)
-    name = f"step_{step:08d}"
+    name = step_name(step)
     tmp = root / f".tmp-{name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
@@ -206,8 +215,11 @@ def save_checkpoint(
     _write_text_atomic(root / LATEST, name + "\n")
     _fsync_dir(root)
     if keep > 0:
+        from loopformer.train.best import best_checkpoint
+
+        best = best_checkpoint(root)  # the best evaluation's folder (train.keep_best) is never pruned
         for old in step_dirs(root)[:-keep]:
-            if old != final:
+            if old != final and old != best:
                 shutil.rmtree(old, ignore_errors=True)
     return final
 
@@ -304,6 +316,10 @@ def resolve_checkpoint(path: str | Path) -> Path:
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"checkpoint {path} does not exist")
+    if path.is_file() and path.name == BEST:  # checkpoints/best: the folder it points to
+        from loopformer.train.best import find_best
+
+        return find_best(path)[0]
     if (path / "model.safetensors").is_file():
         return path
     for root in (path, path / "checkpoints", path / "model" / "checkpoints"):

@@ -43,6 +43,7 @@ def training_state(tr: Trainer) -> dict[str, Any]:
         "carry": tr.mode.state_dict(),
         "rng": rng_state(),
         "elapsed": tr.elapsed(),
+        "best": tr.best.state_dict(),  # train.keep_best's record (BestTracker)
     }
 
 
@@ -108,6 +109,7 @@ def restore(tr: Trainer, folder: Path) -> None:
     set_rng_state(state["rng"])
     tr.step = int(state["step"])
     tr.elapsed_before = float(state.get("elapsed", 0.0))
+    tr.best.restore(state.get("best"), tr.ckpt_dir, tr.step)
     tr.resumed_from = folder
     tr.last_checkpoint = folder
     log.info("resumed from %s at step %d", folder, tr.step)

@@ -47,6 +47,7 @@ from loopformer.models.base import LoopedModel, ModelOutput
 from loopformer.nn import autocast
 from loopformer.tasks.base import Task, TokenDataset
 from loopformer.train import dist, resume
+from loopformer.train.best import BestTracker
 from loopformer.train.checkpoint import quarantine_after
 from loopformer.train.data import Batch, IndexStream, make_batch
 from loopformer.train.losses import (
@@ -113,6 +114,8 @@ class Trainer:
         self.model = prepare_model(config, model, self.task, self.train_data, self.device)
         self.loop_train: LoopConfig = config.loop_config(self.model.config.loop, "train")
         self.loop_eval: LoopConfig = config.loop_config(self.model.config.loop, "eval")
+        # the trainer's own evaluations (periodic, final; they choose train.keep_best): loop_periodic over loop_eval
+        self.loop_periodic: LoopConfig = config.loop_config(self.model.config.loop, "periodic")
         self.sampler = loop_sampler(tc, self.loop_train, config.seed)
         self.curriculum = make_curriculum(config.data.curriculum, self.train_data)
         self.stream = IndexStream(
@@ -137,6 +140,7 @@ class Trainer:
         self.resumed_from: Path | None = None
         self.last_metrics: dict[str, Any] = {}
         self.last_eval: dict[str, Any] = {}
+        self.best = BestTracker(tc.keep_best, tc.keep_best_mode)
         try:
             folder = resume.resume_folder(tc.resume, self.ckpt_dir)
             if folder is not None:
@@ -342,7 +346,7 @@ class Trainer:
         if ec.max_examples and ec.max_examples < len(data):
             data = data.subset(slice(0, ec.max_examples))
         kwargs = dict(
-            loop=loop or self.loop_eval,
+            loop=loop or self.loop_periodic,
             batch_size=ec.batch_size,
             device=self.device,
             seed=self.config.seed,
@@ -367,9 +371,9 @@ class Trainer:
         ).summary()  # fmt: skip
 
     def evaluate(self) -> dict[str, Any]:
-        """Evaluate on the held-out set (EMA weights when ``eval.use_ema`` and an EMA exists) under
-        ``eval.protocol``: the clean metrics, the authors' (``authors_trm_deq``), or both (the authors'
-        prefixed ``authors_``)."""
+        """Evaluate on the held-out set (EMA weights when ``eval.use_ema`` and an EMA exists) under the
+        trainer's evaluation loop (``loop_periodic`` over ``loop_eval``) and ``eval.protocol``: the clean
+        metrics, the authors' (``authors_trm_deq``), or both (the authors' prefixed ``authors_``)."""
         if self.eval_data is None or len(self.eval_data) == 0:
             return {}
         protocol = self.config.eval.protocol
@@ -426,14 +430,26 @@ class Trainer:
         if self.curriculum is not None and not self.curriculum.done and self.step % cc.check_every == 0:
             self._curriculum_check()
         record = metrics if self.step % tc.log_every == 0 or self.step == tc.steps else {}
+        improved = False
         if tc.eval_every and self.step % tc.eval_every == 0 and self.step < tc.steps:
             self.last_eval = self.evaluate()
             self.progress.evaluation(self.step, self.last_eval)
-            record = {**record, "step": self.step, **{f"eval_{k}": v for k, v in self.last_eval.items()}}
+            improved = self.best.consider(self.last_eval, self.step)
+            record = {**record, "step": self.step, **{f"eval_{k}": v for k, v in self.last_eval.items()},
+                      **self.best.fields()}  # fmt: skip
         if record and self.step < tc.steps:
             self.log.write(record, self.step)
-        if tc.checkpoint_every and self.step % tc.checkpoint_every == 0 and self.step < tc.steps:
+        due = tc.checkpoint_every and self.step % tc.checkpoint_every == 0 and self.step < tc.steps
+        if due or improved:  # a new best is checkpointed at its step
             self.save()
+        if improved:
+            self._mark_best()
+
+    def _mark_best(self) -> None:
+        """Point ``checkpoints/best`` at the checkpoint just written (the best evaluation's step)."""
+        self.best.mark(self.last_checkpoint)
+        if self.strategy.is_main:
+            self.best.write(self.ckpt_dir)
 
     def _finish(self) -> None:
         """Final checkpoint (before the final evaluation: an evaluation error never loses the trained
@@ -444,8 +460,12 @@ class Trainer:
         try:
             self.last_eval = self.evaluate()
             self.progress.evaluation(self.step, self.last_eval, final=True)
+            if self.best.consider(self.last_eval, self.step):
+                self._mark_best()  # the final checkpoint, written just above
         finally:
             record.update({f"eval_{k}": v for k, v in self.last_eval.items()})
+            if self.last_eval:
+                record.update(self.best.fields())
             if record:
                 self.log.write({"step": self.step, **record}, self.step)
 
@@ -484,7 +504,11 @@ class Trainer:
             "checkpoint": str(self.last_checkpoint) if self.last_checkpoint else None,
             "resumed_from": str(self.resumed_from) if self.resumed_from else None,
             "train": self.last_metrics,
-            "eval": self.last_eval,
+            "eval": self.last_eval,  # the final checkpoint's evaluation (loop_periodic over loop_eval)
+            "eval_label": f"final (step {self.step})",
+            # train.keep_best: the best evaluation's checkpoint, metric, value, step and its label
+            # "best (by eval_<metric>, step N)"; None without keep_best
+            "best": self.best.summary(self.ckpt_dir),
             "curriculum_level": self.curriculum.level if self.curriculum else None,
             "wall_time": round(self.elapsed(), 3),
             "parameters": self.model.num_parameters(),
