@@ -24,7 +24,6 @@ data``).  Point a recipe at it: ``data.train_path=OUT data.eval_path=OUT``.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from loopformer.safe_io import atomic_write_json
 from loopformer.tasks.base import TaskDataError, TokenDataset
 
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
@@ -281,7 +281,7 @@ def prepare_arc(name: str, out: Path, from_dir: Path | None, augment: int, seed:
         )
         counts[split] = n
     names = ["<blank>"] + [p.id if v == 0 else f"{p.id}|||{v}" for p in puzzles for v in range(versions)]
-    (out / "identifiers.json").write_text(json.dumps(names))
+    atomic_write_json(out / "identifiers.json", names, root=out)
     return {"task": "arc", "rows": counts, "tasks": {"training": len(training), "evaluation": len(evaluation)},
             "num_puzzle_ids": 1 + len(puzzles) * versions}  # fmt: skip
 
@@ -311,7 +311,7 @@ def prepare(name: str, out: str | Path, from_dir: str | Path | None = None, subs
         info = prepare_csv(name, out, sources, subset, augment, seed, progress)
         source = str(from_dir) if from_dir is not None else f"hf://datasets/{spec.hub_id}"
     record = {"dataset": name, "source": source, "subset": subset, "augment": augment, "seed": seed, **info}
-    (out / "prepare.json").write_text(json.dumps(record, indent=2))
+    atomic_write_json(out / "prepare.json", record, root=out, indent=2)
     return record
 
 

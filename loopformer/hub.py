@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
+
+from loopformer.safe_io import atomic_copy, atomic_write_text
 
 HUB_ID = re.compile(r"^(?:hf://)?(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:@(?P<rev>[\w./-]+))?$")
 PUSHED_FILES = ("model.safetensors", "ema.safetensors", "config.json")
@@ -144,18 +145,18 @@ def stage_run(run: str | Path, folder: Path) -> dict[str, Any]:
     files = []
     for name in PUSHED_FILES:
         if (ckpt / name).is_file():
-            shutil.copy2(ckpt / name, folder / name)
+            atomic_copy(ckpt / name, folder / name, root=folder)
             files.append(name)
     run_dir = ckpt.parent.parent if ckpt.parent.name == "checkpoints" else ckpt
     summary = None
     for candidate in (run_dir / "summary.json", run_dir.parent / "summary.json"):
         if candidate.is_file():
             summary = json.loads(candidate.read_text())
-            shutil.copy2(candidate, folder / "summary.json")
+            atomic_copy(candidate, folder / "summary.json", root=folder)
             files.append("summary.json")
             break
     card = model_card(raw, summary, str(raw.get("family", "")), int(raw.get("step", 0)))
-    (folder / "README.md").write_text(card)
+    atomic_write_text(folder / "README.md", card, root=folder)
     files.append("README.md")
     return {
         "checkpoint": str(ckpt),

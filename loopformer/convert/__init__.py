@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from loopformer.safe_io import atomic_write_text
 from loopformer.train.checkpoint import CheckpointError
 
 # system name -> module under loopformer.convert defining ``convert(state, ref_config) -> Converted``
@@ -209,7 +210,8 @@ def convert_checkpoint(
     out.mkdir(parents=True, exist_ok=True)
     save_config(config, out)
     folder = save_checkpoint(out / "checkpoints", 0, model, config)
-    (out / "converted.json").write_text(
+    atomic_write_text(
+        out / "converted.json",
         json.dumps(
             {
                 "system": system,
@@ -219,6 +221,7 @@ def convert_checkpoint(
             },
             indent=1,
         )
-        + "\n"
+        + "\n",
+        root=out,
     )
     return folder, converted

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from loopformer.config import RunConfig, save_config
+from loopformer.safe_io import append_line, atomic_write_json, atomic_write_text
 
 log = logging.getLogger("loopformer.train")
 
@@ -46,7 +47,8 @@ def prepare_run_dir(config: RunConfig, run_dir: Path, ckpt_dir: Path, resumed: b
     metrics = run_dir / "metrics.jsonl"
     if resumed and metrics.is_file():  # drop lines the killed run wrote after it
         kept = [line for line in metrics.read_text(errors="replace").splitlines() if _step_of(line) <= step]
-        metrics.write_text("".join(line + "\n" for line in kept))
+        # a new file renamed over the old one: a failed write (disk full) leaves the old log whole
+        atomic_write_text(metrics, "".join(line + "\n" for line in kept), root=run_dir)
     # a fresh run never deletes anything: loopformer.train.run_folder refused a folder holding a run
     # (or, with --overwrite, made this a staging folder that replaces the old run at the first checkpoint)
     from loopformer.tracking import open_trackers
@@ -66,8 +68,7 @@ def _step_of(line: str) -> float:
 def write_metrics(run_dir: Path, record: dict[str, Any], tb: Any, step: int) -> None:
     """Append ``record`` to ``metrics.jsonl`` (and its numbers to TensorBoard ``tb`` when given)."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    with open(run_dir / "metrics.jsonl", "a") as fh:
-        fh.write(json.dumps(record) + "\n")
+    append_line(run_dir / "metrics.jsonl", json.dumps(record), root=run_dir)  # never rewrites earlier lines
     if tb is not None:
         numbers = {k: v for k, v in record.items()
                    if k != "step" and isinstance(v, int | float) and not isinstance(v, bool)}  # fmt: skip
@@ -92,7 +93,7 @@ class RunLog:
 
     def write_summary(self, summary: dict[str, Any]) -> None:
         if self.enabled:
-            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+            atomic_write_json(self.run_dir / "summary.json", summary, root=self.run_dir, indent=2)
 
     def close(self) -> None:
         if self.trackers is not None:
