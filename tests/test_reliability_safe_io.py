@@ -8,6 +8,7 @@ import json
 import os
 
 import pytest
+from test_train_utils import TinyLooped, tiny_config, tiny_dataset
 
 from loopformer.safe_io import (
     UnsafePathError,
@@ -18,6 +19,7 @@ from loopformer.safe_io import (
     atomic_writer,
     check_inside,
 )
+from loopformer.train import Trainer
 
 
 def test_a_failed_atomic_write_leaves_the_old_file_and_no_temporary(tmp_path) -> None:
@@ -70,3 +72,18 @@ def test_check_inside_refuses_links_and_paths_leaving_the_folder(tmp_path) -> No
     linked_run = tmp_path / "scratch-link"
     linked_run.symlink_to(run)  # the run folder itself may be a link
     assert check_inside(linked_run / "metrics.jsonl", linked_run) == linked_run / "metrics.jsonl"
+
+
+@pytest.mark.parametrize("link", ["metrics.jsonl", "checkpoints", "config.yaml"])
+def test_training_refuses_to_write_through_a_link_in_its_run_folder(tmp_path, link) -> None:
+    run, victim = tmp_path / "run", tmp_path / "victim"
+    run.mkdir()
+    victim.mkdir() if link == "checkpoints" else victim.write_text("precious\n")
+    (run / link).symlink_to(victim)
+    cfg = tiny_config(run, "train.steps=2", "train.checkpoint_every=1")
+    with pytest.raises(UnsafePathError, match=rf"{link} is a symbolic link"):
+        Trainer(cfg, model=TinyLooped(), train_data=tiny_dataset(32), eval_data=tiny_dataset(8, seed=1)).fit()
+    if link == "checkpoints":
+        assert list(victim.iterdir()) == []
+    else:
+        assert victim.read_text() == "precious\n"
