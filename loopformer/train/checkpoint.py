@@ -88,7 +88,9 @@ def _save_tensors(tensors: dict[str, Tensor], path: Path, metadata: dict[str, st
         try:
             save_file(tensors, str(tmp), metadata=metadata)
         except SafetensorError as err:  # safetensors reports a failed write (disk full) as its own error
-            raise WriteError(errno.EIO, str(err), str(path)) from None
+            code = re.search(r"os error (\d+)", str(err))
+            number = int(code.group(1)) if code else errno.EIO
+            raise WriteError(number, os.strerror(number) if code else str(err), str(path)) from None
 
 
 def load_weights(path: str | Path) -> dict[str, Tensor]:
@@ -195,8 +197,12 @@ def save_checkpoint(
         raise WriteError(err.errno, err.strerror, str(tmp)) from None
     try:
         _write_step_folder(tmp, step, model, config, ema_state, training_state, weights)
-    except BaseException:
+    except WriteError as err:  # named by the checkpoint it was for, not the hidden temporary folder
         shutil.rmtree(tmp, ignore_errors=True)  # a failed write leaves no partial folder behind
+        file = Path(str(err.filename)).name
+        raise WriteError(err.errno, err.strerror, str(root / name / file)) from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
         raise
     final = root / name
     if final.exists():  # re-saving a step (after a resume): swap the old folder out first

@@ -413,11 +413,12 @@ class Trainer:
     def fit(self) -> dict[str, Any]:
         """Train to ``train.steps`` optimiser steps (continuing a resumed run); returns a summary."""
         tc = self.config.train
-        # a resume that found no checkpoint still drops the metrics its killed predecessor wrote
-        self.log.open(self.config, self.ckpt_dir, self.resumed_from is not None or bool(tc.resume), self.step)
-        self.strategy.barrier()  # rank 0 has written the run folder's config before anyone goes on
-        self.t0 = time.perf_counter()
         try:
+            # a resume that found no checkpoint still drops the metrics its killed predecessor wrote
+            resumed = self.resumed_from is not None or bool(tc.resume)
+            self.log.open(self.config, self.ckpt_dir, resumed, self.step)  # inside: a failed write unlocks
+            self.strategy.barrier()  # rank 0 has written the run folder's config before anyone goes on
+            self.t0 = time.perf_counter()
             with progress_bar(tc.progress and self.strategy.is_main, tc.steps, self.step) as bar:
                 task_id = bar.add_task("train", total=tc.steps, completed=self.step, info="") if bar else None
                 while self.step < tc.steps:
