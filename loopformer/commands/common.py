@@ -61,6 +61,8 @@ class CleanErrorGroup(click.Group):
             return super().invoke(ctx)
         except (click.ClickException, click.exceptions.Exit, click.Abort, KeyboardInterrupt):
             raise
+        except BrokenPipeError:
+            raise  # the reader went away (loopformer recipes | head): click exits quietly
         except Exception as err:
             if debug_enabled(ctx):
                 raise

@@ -129,6 +129,8 @@ class RunLock:
             raise RunFolderError(f"cannot lock {self.folder}: file locks need a POSIX system (fcntl.flock)")
         if self.held:
             return self
+        if self.folder.exists() and not self.folder.is_dir():
+            raise RunFolderError(f"{self.folder} is a file, not a folder: name a folder to write into")
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
         except OSError as err:
@@ -138,8 +140,8 @@ class RunLock:
         for _ in range(50):
             try:
                 fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-            except OSError as err:
-                raise RunFolderError(f"cannot lock {self.folder}: {self.path}: {err.strerror}") from None
+            except OSError as err:  # a read-only folder, a full disk
+                raise RunFolderError(f"cannot write into the folder {self.folder}: {err.strerror}") from None
             try:
                 locked = self._lock_fd(fd)
             except BaseException:
