@@ -344,8 +344,13 @@ def _command() -> Any:
     @click.option(
         "--cache-dir", type=click.Path(path_type=Path), default=None, help="huggingface_hub cache folder."
     )
+    @click.option(
+        "--overwrite",
+        is_flag=True,
+        help="replace the dataset in OUT (moved aside once the new one is complete)",
+    )
     def prepare_cmd(name: str, out: Path, from_dir: Path | None, subset: int | None, augment: int | None,
-                    seed: int, cache_dir: Path | None) -> None:  # fmt: skip
+                    seed: int, cache_dir: Path | None, overwrite: bool = False) -> None:  # fmt: skip
         """Download (or read --from DIR), subsample, augment and validate dataset NAME into OUT.
 
         Example: loopformer data prepare sudoku-extreme --out data/sudoku-extreme-1k-aug-1000
@@ -363,7 +368,11 @@ def _command() -> Any:
                     bars[stage] = bar.add_task(stage, total=total)
                 bar.update(bars[stage], completed=done)
 
-            record = prepare(name, out, from_dir, subset, augment, seed, progress, cache_dir)
+            from loopformer.output_folder import staged_output
+
+            # built in a hidden folder and swapped in whole: a killed prepare leaves the old dataset
+            with staged_output(out, "prepare", overwrite, "--out") as tmp:
+                record = prepare(name, tmp, from_dir, subset, augment, seed, progress, cache_dir)
         rows = ", ".join(f"{split} {n}" for split, n in record["rows"].items())
         console = Console(stderr=True, soft_wrap=True)
         console.print(f"wrote {name} to {out} ({rows} rows; subset {record['subset']}, augment {record['augment']}, "

@@ -195,12 +195,16 @@ def _command() -> Any:
     @click.option("--message", "-m", default=None, help="commit message")
     @click.option("--to-folder", type=click.Path(path_type=Path), default=None,
                   help="write the files (model card included) to this folder instead of uploading")  # fmt: skip
+    @click.option("--overwrite", is_flag=True,
+                  help="replace what --to-folder holds (moved aside once the new files are complete)")  # fmt: skip
     def push_cmd(run: str, repo_id: str, private: bool, revision: str | None, message: str | None,
-                 to_folder: Path | None) -> None:  # fmt: skip
+                 to_folder: Path | None, overwrite: bool = False) -> None:  # fmt: skip
         """Share RUN's latest checkpoint as hub model REPO_ID (owner/name) with a generated model card."""
         if to_folder is not None:
-            to_folder.mkdir(parents=True, exist_ok=True)
-            staged = stage_run(run, to_folder)
+            from loopformer.output_folder import staged_output
+
+            with staged_output(to_folder, "push", overwrite, "--to-folder") as tmp:  # swapped in whole
+                staged = stage_run(run, tmp)
             click.echo(f"wrote {', '.join(staged['files'])} to {to_folder} (step {staged['step']})")
             return
         sent = push(run, repo_id, private=private, revision=revision, message=message)

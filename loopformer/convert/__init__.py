@@ -193,8 +193,13 @@ def convert_checkpoint(
     out_dir: str | Path,
     config_file: str | Path | None = None,
     overrides: Iterable[str] = (),
+    write_to: str | Path | None = None,
 ) -> tuple[Path, Converted]:
-    """Convert ``checkpoint`` of ``system`` into the run folder ``out_dir``; returns (checkpoint folder, Converted)."""
+    """Convert ``checkpoint`` of ``system`` into the run folder ``out_dir``; returns (checkpoint folder, Converted).
+
+    ``write_to``: the folder the files go to when it is not ``out_dir`` (the staging folder of
+    ``loopformer convert``, swapped into ``out_dir`` afterwards); the config still names ``out_dir``.
+    """
     from loopformer.config import save_config
     from loopformer.train.checkpoint import save_checkpoint
 
@@ -207,6 +212,7 @@ def convert_checkpoint(
     out = Path(out_dir)
     converted.run["out_dir"] = str(out)
     config, model = build_converted(converted, overrides)
+    out = out if write_to is None else Path(write_to)
     out.mkdir(parents=True, exist_ok=True)
     save_config(config, out)
     folder = save_checkpoint(out / "checkpoints", 0, model, config)

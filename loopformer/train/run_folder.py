@@ -22,7 +22,8 @@
   ``complete_overwrite`` move the old contents aside to ``<folder>/.replaced-<UTC time>/`` and
   the new files into place. A run killed before that leaves the old run untouched. A folder whose
   run files (``checkpoints``, ``metrics.jsonl``, ``config.*``, ...) are symbolic links is refused
-  (``loopformer.safe_io.UnsafePathError`` naming the link): nothing is written through a link.
+  (``loopformer.safe_io.UnsafePathError`` naming the link): nothing is written through a link, and a
+  folder inside another run's folder (``inside_run``: its ``checkpoints/step_N``, say) is refused.
 
 ``fcntl.flock`` rather than the ``filelock`` package: it is the same system call, and not a new
 dependency. ``flock`` is POSIX-only; where ``fcntl`` is missing (Windows) locking is refused
@@ -277,6 +278,25 @@ def holds_run(folder: str | Path) -> bool:
     return ckpt.is_dir() and any(p.name == "latest" or p.name.startswith("step_") for p in ckpt.iterdir())
 
 
+def training_run(folder: Path) -> bool:
+    """Whether ``folder`` holds a training run's own files (checkpoints or ``metrics.jsonl``)."""
+    if (folder / "metrics.jsonl").is_file():
+        return True
+    ckpt = folder / "checkpoints"
+    return ckpt.is_dir() and any(p.name.startswith("step_") for p in ckpt.iterdir())
+
+
+def inside_run(path: str | Path) -> tuple[Path, bool] | None:
+    """(the run folder, whether ``path`` lies in its ``checkpoints/``) for the nearest folder above
+    ``path`` that holds a training run; None when there is none."""
+    path = Path(os.path.abspath(path))
+    for parent in path.parents:
+        if training_run(parent):
+            in_ckpt = path.relative_to(parent).parts[0] == "checkpoints"
+            return parent, in_ckpt
+    return None
+
+
 class RunFolder:
     """The training process' view of its run folder: lock, refusal or staged overwrite."""
 
@@ -286,6 +306,12 @@ class RunFolder:
         self.is_main = is_main
         self.lock = RunLock(self.folder, "resume" if resume else "train")
         self.staging: Path | None = None
+        enclosing = inside_run(self.folder)
+        if enclosing is not None:  # e.g. another run's checkpoints/step_N: its files would mix with ours
+            raise RunFolderError(
+                f"{self.folder} is inside the folder of another run, {enclosing[0]}; a run never writes "
+                f"into another run's folder: choose an out_dir outside it"
+            )
         if is_main:
             self.lock.acquire()
             try:
