@@ -21,7 +21,7 @@ from loopformer.runs import LoadedRun, eval_dataset, load_run, training_depth
 _USER_ERRORS = ("ConfigError", "CheckpointError", "TaskDataError", "FileNotFoundError", "KeyError",
                 "ValueError", "TrainingDivergedError", "PermissionError", "NotADirectoryError",
                 "IsADirectoryError", "NotImplementedError", "RunFolderError", "NumericalFaultError",
-                "DataFormatError", "WriteError", "UnsafePathError")
+                "DataFormatError", "WriteError", "UnsafePathError", "TrainingInterrupted")
 # OSErrors that say something about the user's files or machine, not about loopformer's code
 _ENVIRONMENT_ERRNOS = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM,
                        errno.ENOTDIR, errno.EISDIR, errno.ENOENT, errno.EEXIST, errno.ENAMETOOLONG, errno.EIO,

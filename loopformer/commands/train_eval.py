@@ -55,7 +55,17 @@ def train(recipe: str, overrides: tuple[str, ...], resume: bool, out_dir: str | 
     where = f" (resumed from {trainer.resumed_from}, step {trainer.step})" if trainer.resumed_from else ""
     console.print(f"training {cfg.model.name} ({trainer.model.num_parameters():,} parameters) on {cfg.data.task}"
                   f" for {cfg.train.steps} steps -> {cfg.out_dir}{where}")
-    summary = trainer.fit()
+    from loopformer.train.stop import TrainingInterrupted
+
+    try:
+        summary = trainer.fit()
+    except TrainingInterrupted as err:  # SIGTERM / SIGINT: checkpointed and unlocked; say how to go on
+        import shlex
+
+        kept = [o for o in overrides if o.split("=", 1)[0] not in ("out_dir", "train.resume", "train.overwrite")]
+        again = shlex.join(["loopformer", "train", recipe, *kept, f"out_dir={cfg.out_dir}", "--resume"])
+        click.echo(f"{err}; resume with: {again}", err=True)
+        click.get_current_context().exit(err.exit_code)
     ev = summary.get("eval") or {}
     if "bits_per_byte" in ev:
         console.print(f"held-out: loss {ev['loss']:.4f} nats/token, {ev['bits_per_byte']:.4f} bits per byte, "

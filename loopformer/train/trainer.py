@@ -69,6 +69,7 @@ from loopformer.train.setup import (
     make_optimizer,
     prepare_model,
 )
+from loopformer.train.stop import StopSignals, TrainingInterrupted
 from loopformer.train.strategy import Strategy, make_strategy
 
 log = logging.getLogger("loopformer.train")
@@ -410,6 +411,16 @@ class Trainer:
             if record:
                 self.log.write({"step": self.step, **record}, self.step)
 
+    def _stop_on_signal(self, signum: int) -> None:
+        """Checkpoint the step just finished (unless it already is) and raise TrainingInterrupted."""
+        why_not = None
+        if self.last_checkpoint is None or self.last_checkpoint.name != f"step_{self.step:08d}":
+            try:
+                self.save()
+            except Exception as err:  # any failure (disk full, diverged weights) is reported, not raised
+                why_not = " ".join(str(err).split()) or type(err).__name__
+        raise TrainingInterrupted(signum, self.step, None if why_not else self.last_checkpoint, why_not)
+
     def fit(self) -> dict[str, Any]:
         """Train to ``train.steps`` optimiser steps (continuing a resumed run); returns a summary."""
         tc = self.config.train
@@ -419,7 +430,9 @@ class Trainer:
             self.log.open(self.config, self.ckpt_dir, resumed, self.step)  # inside: a failed write unlocks
             self.strategy.barrier()  # rank 0 has written the run folder's config before anyone goes on
             self.t0 = time.perf_counter()
-            with progress_bar(tc.progress and self.strategy.is_main, tc.steps, self.step) as bar:
+            # SIGTERM / SIGINT: finish the step, checkpoint, unlock, say how to resume (loopformer.train.stop)
+            stop = StopSignals(enabled=self.strategy.env.world_size == 1)
+            with stop, progress_bar(tc.progress and self.strategy.is_main, tc.steps, self.step) as bar:
                 task_id = bar.add_task("train", total=tc.steps, completed=self.step, info="") if bar else None
                 while self.step < tc.steps:
                     metrics = self.train_step()
@@ -427,6 +440,8 @@ class Trainer:
                     self._after_step(metrics)
                     if bar:
                         bar.update(task_id, completed=self.step, info=bar_info(metrics))
+                    if stop.requested is not None and self.step < tc.steps:
+                        self._stop_on_signal(stop.requested)
             self._finish()
         finally:
             self.folder.close()
