@@ -96,13 +96,6 @@ def _parse_lock(text: str) -> dict[str, Any] | None:
     return info if isinstance(info, dict) and isinstance(info.get("pid"), int) else None
 
 
-def _read_lock(path: Path) -> dict[str, Any] | None:
-    try:
-        return _parse_lock(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError):
-        return None
-
-
 def _describe(info: dict[str, Any] | None) -> str:
     if info is None:
         return "another process (it is starting: its details are not written yet)"
@@ -188,8 +181,11 @@ class RunLock:
         }
         data = json.dumps(record).encode("utf-8")
         # the one file written in place: an OS lock lives on its inode, which a rename would replace
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, data, 0)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, data, 0)
+        except OSError as err:  # a full disk: no lock without the holder's details
+            raise RunFolderError(f"cannot write into the folder {self.folder}: {err.strerror}") from None
         self._fd, self._key, self._pid, self.held = fd, key, pid, True
         _HELD[key] = self
         return True
