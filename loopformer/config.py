@@ -469,11 +469,13 @@ def config_to_json(cfg: RunConfig, **extra: Any) -> str:
 
 
 def save_config(cfg: RunConfig, folder: str | Path) -> None:
-    """Write ``config.yaml`` and ``config.json`` into ``folder``."""
+    """Write ``config.yaml`` and ``config.json`` into ``folder`` (each atomically: ``loopformer.safe_io``)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.yaml").write_text(config_to_yaml(cfg))
-    (folder / "config.json").write_text(config_to_json(cfg))
+    from loopformer.safe_io import atomic_write_text
+
+    atomic_write_text(folder / "config.yaml", config_to_yaml(cfg), root=folder)
+    atomic_write_text(folder / "config.json", config_to_json(cfg), root=folder)
 
 
 def load_config_file(path: str | Path, check: bool = True) -> RunConfig:

@@ -24,7 +24,6 @@ data``).  Point a recipe at it: ``data.train_path=OUT data.eval_path=OUT``.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from loopformer.safe_io import atomic_write_json
 from loopformer.tasks.base import TaskDataError, TokenDataset
 
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
@@ -281,7 +281,7 @@ def prepare_arc(name: str, out: Path, from_dir: Path | None, augment: int, seed:
         )
         counts[split] = n
     names = ["<blank>"] + [p.id if v == 0 else f"{p.id}|||{v}" for p in puzzles for v in range(versions)]
-    (out / "identifiers.json").write_text(json.dumps(names))
+    atomic_write_json(out / "identifiers.json", names, root=out)
     return {"task": "arc", "rows": counts, "tasks": {"training": len(training), "evaluation": len(evaluation)},
             "num_puzzle_ids": 1 + len(puzzles) * versions}  # fmt: skip
 
@@ -311,7 +311,7 @@ def prepare(name: str, out: str | Path, from_dir: str | Path | None = None, subs
         info = prepare_csv(name, out, sources, subset, augment, seed, progress)
         source = str(from_dir) if from_dir is not None else f"hf://datasets/{spec.hub_id}"
     record = {"dataset": name, "source": source, "subset": subset, "augment": augment, "seed": seed, **info}
-    (out / "prepare.json").write_text(json.dumps(record, indent=2))
+    atomic_write_json(out / "prepare.json", record, root=out, indent=2)
     return record
 
 
@@ -344,8 +344,13 @@ def _command() -> Any:
     @click.option(
         "--cache-dir", type=click.Path(path_type=Path), default=None, help="huggingface_hub cache folder."
     )
+    @click.option(
+        "--overwrite",
+        is_flag=True,
+        help="replace the dataset in OUT (moved aside once the new one is complete)",
+    )
     def prepare_cmd(name: str, out: Path, from_dir: Path | None, subset: int | None, augment: int | None,
-                    seed: int, cache_dir: Path | None) -> None:  # fmt: skip
+                    seed: int, cache_dir: Path | None, overwrite: bool = False) -> None:  # fmt: skip
         """Download (or read --from DIR), subsample, augment and validate dataset NAME into OUT.
 
         Example: loopformer data prepare sudoku-extreme --out data/sudoku-extreme-1k-aug-1000
@@ -363,7 +368,11 @@ def _command() -> Any:
                     bars[stage] = bar.add_task(stage, total=total)
                 bar.update(bars[stage], completed=done)
 
-            record = prepare(name, out, from_dir, subset, augment, seed, progress, cache_dir)
+            from loopformer.output_folder import staged_output
+
+            # built in a hidden folder and swapped in whole: a killed prepare leaves the old dataset
+            with staged_output(out, "prepare", overwrite, "--out") as tmp:
+                record = prepare(name, tmp, from_dir, subset, augment, seed, progress, cache_dir)
         rows = ", ".join(f"{split} {n}" for split, n in record["rows"].items())
         console = Console(stderr=True, soft_wrap=True)
         console.print(f"wrote {name} to {out} ({rows} rows; subset {record['subset']}, augment {record['augment']}, "

@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
+
+from loopformer.safe_io import atomic_copy, atomic_write_text
 
 HUB_ID = re.compile(r"^(?:hf://)?(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:@(?P<rev>[\w./-]+))?$")
 PUSHED_FILES = ("model.safetensors", "ema.safetensors", "config.json")
@@ -150,18 +151,18 @@ def stage_run(run: str | Path, folder: Path) -> dict[str, Any]:
     files = []
     for name in PUSHED_FILES:
         if (ckpt / name).is_file():
-            shutil.copy2(ckpt / name, folder / name)
+            atomic_copy(ckpt / name, folder / name, root=folder)
             files.append(name)
     run_dir = ckpt.parent.parent if ckpt.parent.name == "checkpoints" else ckpt
     summary = None
     for candidate in (run_dir / "summary.json", run_dir.parent / "summary.json"):
         if candidate.is_file():
             summary = json.loads(candidate.read_text())
-            shutil.copy2(candidate, folder / "summary.json")
+            atomic_copy(candidate, folder / "summary.json", root=folder)
             files.append("summary.json")
             break
     card = model_card(raw, summary, str(raw.get("family", "")), int(raw.get("step", 0)))
-    (folder / "README.md").write_text(card)
+    atomic_write_text(folder / "README.md", card, root=folder)
     files.append("README.md")
     return {
         "checkpoint": str(ckpt),
@@ -200,12 +201,16 @@ def _command() -> Any:
     @click.option("--message", "-m", default=None, help="commit message")
     @click.option("--to-folder", type=click.Path(path_type=Path), default=None,
                   help="write the files (model card included) to this folder instead of uploading")  # fmt: skip
+    @click.option("--overwrite", is_flag=True,
+                  help="replace what --to-folder holds (moved aside once the new files are complete)")  # fmt: skip
     def push_cmd(run: str, repo_id: str, private: bool, revision: str | None, message: str | None,
-                 to_folder: Path | None) -> None:  # fmt: skip
+                 to_folder: Path | None, overwrite: bool = False) -> None:  # fmt: skip
         """Share RUN's latest checkpoint as hub model REPO_ID (owner/name) with a generated model card."""
         if to_folder is not None:
-            to_folder.mkdir(parents=True, exist_ok=True)
-            staged = stage_run(run, to_folder)
+            from loopformer.output_folder import staged_output
+
+            with staged_output(to_folder, "push", overwrite, "--to-folder") as tmp:  # swapped in whole
+                staged = stage_run(run, tmp)
             click.echo(f"wrote {', '.join(staged['files'])} to {to_folder} (step {staged['step']})")
             return
         sent = push(run, repo_id, private=private, revision=revision, message=message)

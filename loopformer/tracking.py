@@ -50,7 +50,9 @@ def _wandb_run(config: Any, run_dir: Path) -> Any:
 
     id_file = run_dir / "wandb_id"
     run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:8]
-    id_file.write_text(run_id)
+    from loopformer.safe_io import atomic_write_text
+
+    atomic_write_text(id_file, run_id, root=run_dir)
     tc = config.train
     return wandb.init(project=tc.wandb_project, name=run_dir.name, id=run_id, resume="allow", dir=str(run_dir),
                       config=to_dict(config), mode=tc.wandb_mode)  # fmt: skip

@@ -184,6 +184,11 @@ def test_cli_prepare_then_a_run_reads_the_folder(tmp_path) -> None:
     task = SudokuTask(9)
     assert len(load_split(task, data, "train")) == 30 and len(load_split(task, data, "eval")) == 6
     bad = CliRunner().invoke(
-        cli, ["data", "prepare", "sudoku-extreme", "--from", str(tmp_path), "--out", str(out)]
+        cli, ["data", "prepare", "sudoku-extreme", "--from", str(tmp_path), "--out", str(tmp_path / "other")]
     )
     assert bad.exit_code != 0 and "no train.csv" in bad.output
+    assert list((tmp_path / "other").iterdir()) == []  # the failed prepare left nothing half-written
+    again = CliRunner().invoke(
+        cli, ["data", "prepare", "sudoku-extreme", "--from", str(src), "--out", str(out)]
+    )
+    assert again.exit_code == 1 and "is not empty" in again.output and "--overwrite" in again.output

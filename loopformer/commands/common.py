@@ -9,6 +9,7 @@ the traceback.
 
 from __future__ import annotations
 
+import errno
 import os
 from typing import Any
 
@@ -20,7 +21,11 @@ from loopformer.runs import LoadedRun, eval_dataset, load_run, training_depth
 _USER_ERRORS = ("ConfigError", "CheckpointError", "TaskDataError", "FileNotFoundError", "KeyError",
                 "ValueError", "TrainingDivergedError", "PermissionError", "NotADirectoryError",
                 "IsADirectoryError", "NotImplementedError", "RunFolderError", "NumericalFaultError",
-                "DataFormatError")
+                "DataFormatError", "WriteError", "UnsafePathError", "TrainingInterrupted")
+# OSErrors that say something about the user's files or machine, not about loopformer's code
+_ENVIRONMENT_ERRNOS = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM,
+                       errno.ENOTDIR, errno.EISDIR, errno.ENOENT, errno.EEXIST, errno.ENAMETOOLONG, errno.EIO,
+                       errno.EMFILE, errno.ENOTEMPTY, errno.EXDEV, errno.EPIPE)
 
 
 def one_line(err: BaseException) -> str:
@@ -30,6 +35,9 @@ def one_line(err: BaseException) -> str:
     else:
         text = str(err) or type(err).__name__
     text = " ".join(part.strip() for part in text.splitlines() if part.strip())
+    if isinstance(err, OSError) and err.errno in _ENVIRONMENT_ERRNOS and type(err).__name__ not in _USER_ERRORS:
+        where = f"{err.filename}: " if err.filename else ""
+        return f"{where}{err.strerror or text}"
     if type(err).__name__ not in _USER_ERRORS:
         text = f"{type(err).__name__}: {text} (internal error; run with --debug for the traceback)"
     return text
@@ -53,6 +61,8 @@ class CleanErrorGroup(click.Group):
             return super().invoke(ctx)
         except (click.ClickException, click.exceptions.Exit, click.Abort, KeyboardInterrupt):
             raise
+        except BrokenPipeError:
+            raise  # the reader went away (loopformer recipes | head): click exits quietly
         except Exception as err:
             if debug_enabled(ctx):
                 raise

@@ -31,8 +31,18 @@ from loopformer.convert import CONVERTERS
     metavar="KEY=VALUE",
     help="loopformer config override for the run folder, e.g. data.eval_path=data/test",
 )
+@click.option(
+    "--overwrite",
+    is_flag=True,
+    help="replace what --out holds (moved aside once the new run folder is complete)",
+)
 def convert(
-    system: str, checkpoint: str, config_file: str | None, out_dir: str, overrides: tuple[str, ...]
+    system: str,
+    checkpoint: str,
+    config_file: str | None,
+    out_dir: str,
+    overrides: tuple[str, ...],
+    overwrite: bool = False,
 ) -> None:
     """Turn an authors' checkpoint (a PyTorch state dict, loaded with weights_only=True) into a run
     folder that `loopformer eval`, `solve` and the analyses accept."""
@@ -42,7 +52,17 @@ def convert(
         raise NotImplementedError(
             f"no key mapping for {system!r} yet (available: {', '.join(sorted(CONVERTERS))})"
         )
-    folder, converted = convert_checkpoint(system, checkpoint, out_dir, config_file, overrides)
+    from pathlib import Path
+
+    from loopformer.output_folder import staged_output
+
+    out = Path(out_dir)
+    # built aside and swapped in whole; an earlier conversion may be replaced, a trained run never
+    with staged_output(
+        out, "convert", overwrite, "--out", protect_runs=not (out / "converted.json").is_file()
+    ) as tmp:
+        staged, converted = convert_checkpoint(system, checkpoint, out, config_file, overrides, write_to=tmp)
+    folder = out / staged.relative_to(tmp)
     for note in converted.notes:
         click.echo(f"note: {note}")
     click.echo(f"wrote {folder} ({len(converted.weights)} tensors); evaluate with: loopformer eval {out_dir}")

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -60,11 +62,19 @@ def train(
     trainer = Trainer(cfg)
     console = Console(highlight=False, quiet=not trainer.strategy.is_main)  # rank 0 speaks under torchrun
     where = f" (resumed from {trainer.resumed_from}, step {trainer.step})" if trainer.resumed_from else ""
-    console.print(
-        f"training {cfg.model.name} ({trainer.model.num_parameters():,} parameters) on {cfg.data.task}"
-        f" for {cfg.train.steps} steps -> {cfg.out_dir}{where}"
-    )
-    summary = trainer.fit()
+    console.print(f"training {cfg.model.name} ({trainer.model.num_parameters():,} parameters) on {cfg.data.task}"
+                  f" for {cfg.train.steps} steps -> {cfg.out_dir}{where}")
+    from loopformer.train.stop import TrainingInterrupted
+
+    try:
+        summary = trainer.fit()
+    except TrainingInterrupted as err:  # SIGTERM / SIGINT: checkpointed and unlocked; say how to go on
+        import shlex
+
+        kept = [o for o in overrides if o.split("=", 1)[0] not in ("out_dir", "train.resume", "train.overwrite")]
+        again = shlex.join(["loopformer", "train", recipe, *kept, f"out_dir={cfg.out_dir}", "--resume"])
+        click.echo(f"{err}; resume with: {again}", err=True)
+        click.get_current_context().exit(err.exit_code)
     ev = summary.get("eval") or {}
     if "bits_per_byte" in ev:
         console.print(
@@ -144,24 +154,12 @@ def train(
     is_flag=True,
     help="the run's best checkpoint (checkpoints/best, kept by train.keep_best) instead of its latest",
 )
-@click.option(
-    "--out", "-o", "out_dir", default=None, help="report folder (default <run>/eval-step<N>-<time>)"
-)
+@click.option("--out", "-o", "out_dir", default=None, help="report folder (default <run>/eval-step<N>-<time>)")
+@click.option("--overwrite", is_flag=True, help="replace the report in --out (moved aside once the new one is done)")
 @device_option()
-def evaluate_cmd(
-    checkpoint: str,
-    max_steps: str | None,
-    budget_mode: str,
-    task_options: tuple[str, ...],
-    sets: tuple[str, ...],
-    examples: int,
-    lens_loops: int | None,
-    analyses: bool,
-    ema: bool,
-    best: bool,
-    out_dir: str | None,
-    device: str,
-) -> None:
+def evaluate_cmd(checkpoint: str, max_steps: str | None, budget_mode: str, task_options: tuple[str, ...],
+                 sets: tuple[str, ...], examples: int, lens_loops: int | None, analyses: bool, ema: bool,
+                 best: bool, out_dir: str | None, device: str, overwrite: bool = False) -> None:  # fmt: skip
     """Evaluate CHECKPOINT (a run folder or checkpoint folder) on its held-out set; write a report.
 
     Text (no validator): loss and bits per byte. ARC: also pass@2, voting over augmentations.
@@ -174,7 +172,7 @@ def evaluate_cmd(
     dev = resolve_device(device)
     run = load_run(checkpoint, use_ema=ema, config_overrides=tuple(overrides), device=str(dev), best=best)
     with autocast(dev, run.config.bf16):  # evaluate in the precision the run trained in
-        _evaluate(run, examples, out_dir, budgets, budget_mode, lens_loops, analyses)
+        _evaluate(run, examples, out_dir, budgets, budget_mode, lens_loops, analyses, overwrite)
 
 
 def _segment_note(segments: int) -> list[str]:
@@ -186,53 +184,53 @@ def _segment_note(segments: int) -> list[str]:
     ]
 
 
+@contextmanager
+def _report_folder(out: Path) -> Iterator[Path]:
+    """The default report folder (a new name inside the run folder), the run folder locked meanwhile."""
+    from loopformer.train.run_folder import RunLock
+
+    with RunLock(out.parent, "eval"):
+        yield out
+
+
 def _evaluate(run: Any, examples: int, out_dir: str | None, budgets: list[int], budget_mode: str,
-              lens_loops: int | None, analyses: bool) -> None:  # fmt: skip
+              lens_loops: int | None, analyses: bool, overwrite: bool = False) -> None:  # fmt: skip
+    from loopformer.output_folder import staged_output
+
+    dataset = eval_dataset(run.task, run.config, examples)
+    # no second process writes into a run folder in use (a training, another eval): lock what we write into
+    if out_dir:  # -o: the run-folder rules (refused when it holds a report, built aside, swapped in whole)
+        out = Path(out_dir)
+        target = staged_output(out, "eval", overwrite, "--out")
+    else:  # next to the checkpoints, not inside one (old checkpoints are rotated away)
+        run_dir = run.path.parent.parent if run.path.parent.name == "checkpoints" else run.path
+        out = run_dir / f"eval-step{run.step}-{time.strftime('%Y%m%d-%H%M%S')}"
+        target = _report_folder(out)
+    with target as write_dir:
+        _evaluate_into(run, dataset, write_dir, out, budgets, budget_mode, lens_loops, analyses)
+
+
+def _evaluate_into(run: Any, dataset: Any, out: Path, final: Path, budgets: list[int], budget_mode: str,
+                   lens_loops: int | None, analyses: bool) -> None:  # fmt: skip
+    """Evaluate and write the report into ``out``, naming the files by where they end up (``final``)."""
     from rich.console import Console
 
     from loopformer.eval.report import write_json
     from loopformer.tasks.arc import ArcTask
 
-    dataset = eval_dataset(run.task, run.config, examples)
-    if out_dir:
-        out = Path(out_dir)
-    else:  # next to the checkpoints, not inside one (old checkpoints are rotated away)
-        run_dir = run.path.parent.parent if run.path.parent.name == "checkpoints" else run.path
-        out = run_dir / f"eval-step{run.step}-{time.strftime('%Y%m%d-%H%M%S')}"
-    from loopformer.train.run_folder import RunLock
-
-    # no second process writes into a run folder in use (a training, another eval): lock what we write into
-    lock = RunLock(out.parent if out_dir is None else out, "eval").acquire()
-    click.get_current_context().call_on_close(lock.release)
+    def shown(path: str | Path) -> Path:
+        return final / Path(path).relative_to(out)
     console = Console(highlight=False)
     batch_size = run.config.eval.batch_size
     if not run.task.has_validator:  # language modelling: loss and bits per byte
-        lm = evaluate_lm(
-            run.model,
-            run.task,
-            dataset,
-            loop=run.loop_eval,
-            batch_size=batch_size,
-            progress=True,
-            seed=run.config.seed,
-            segments=run.config.eval.segments,
-        )
-        write_json(
-            out / "metrics.json",
-            {
-                "checkpoint": str(run.path),
-                "step": run.step,
-                "weights": run.weights,
-                "label": run.label,
-                **lm.to_dict(),
-            },
-        )
-        console.print(
-            f"held-out ({lm.n} windows, {lm.tokens} tokens): loss {lm.loss:.4f} nats/token, "
-            f"bits per byte {lm.bits_per_byte:.4f}, token accuracy {100 * lm.token_accuracy:.1f}%, "
-            f"mean steps {lm.mean_steps:.2f}"
-        )
-        console.print(f"metrics: {out / 'metrics.json'}")
+        lm = evaluate_lm(run.model, run.task, dataset, loop=run.loop_eval, batch_size=batch_size, progress=True,
+                         seed=run.config.seed, segments=run.config.eval.segments)
+        write_json(out / "metrics.json", {"checkpoint": str(run.path), "step": run.step, "weights": run.weights,
+                                          "label": run.label, **lm.to_dict()})
+        console.print(f"held-out ({lm.n} windows, {lm.tokens} tokens): loss {lm.loss:.4f} nats/token, "
+                      f"bits per byte {lm.bits_per_byte:.4f}, token accuracy {100 * lm.token_accuracy:.1f}%, "
+                      f"mean steps {lm.mean_steps:.2f}")  # fmt: skip
+        console.print(f"metrics: {final / 'metrics.json'}")
         return
     extra: dict[str, Any] = {"checkpoint": {"path": str(run.path), "step": run.step, "label": run.label,
                                             "best": run.best}}  # fmt: skip
@@ -302,4 +300,4 @@ def _evaluate(run: Any, examples: int, out_dir: str | None, budgets: list[int], 
         )
     stats = suite["difficulty"][label]
     console.print(f"steps vs difficulty: Spearman rho {stats.spearman_rho:.2f} (p={stats.spearman_p:.2g})")
-    console.print(f"report: {suite['report']}  metrics: {suite['metrics']}")
+    console.print(f"report: {shown(suite['report'])}  metrics: {shown(suite['metrics'])}")

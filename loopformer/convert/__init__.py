@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from loopformer.safe_io import atomic_write_text
 from loopformer.train.checkpoint import CheckpointError
 
 # system name -> module under loopformer.convert defining ``convert(state, ref_config) -> Converted``
@@ -192,8 +193,13 @@ def convert_checkpoint(
     out_dir: str | Path,
     config_file: str | Path | None = None,
     overrides: Iterable[str] = (),
+    write_to: str | Path | None = None,
 ) -> tuple[Path, Converted]:
-    """Convert ``checkpoint`` of ``system`` into the run folder ``out_dir``; returns (checkpoint folder, Converted)."""
+    """Convert ``checkpoint`` of ``system`` into the run folder ``out_dir``; returns (checkpoint folder, Converted).
+
+    ``write_to``: the folder the files go to when it is not ``out_dir`` (the staging folder of
+    ``loopformer convert``, swapped into ``out_dir`` afterwards); the config still names ``out_dir``.
+    """
     from loopformer.config import save_config
     from loopformer.train.checkpoint import save_checkpoint
 
@@ -206,10 +212,12 @@ def convert_checkpoint(
     out = Path(out_dir)
     converted.run["out_dir"] = str(out)
     config, model = build_converted(converted, overrides)
+    out = out if write_to is None else Path(write_to)
     out.mkdir(parents=True, exist_ok=True)
     save_config(config, out)
     folder = save_checkpoint(out / "checkpoints", 0, model, config)
-    (out / "converted.json").write_text(
+    atomic_write_text(
+        out / "converted.json",
         json.dumps(
             {
                 "system": system,
@@ -219,6 +227,7 @@ def convert_checkpoint(
             },
             indent=1,
         )
-        + "\n"
+        + "\n",
+        root=out,
     )
     return folder, converted

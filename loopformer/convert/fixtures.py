@@ -20,6 +20,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
+from loopformer.safe_io import atomic_path, atomic_write_json
+
 FIXTURE_DIR = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "parity"
 
 
@@ -41,11 +43,12 @@ def save_fixture(out_dir: str | Path, name: str, tensors: dict[str, Tensor], met
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{name}.safetensors"
     table = {k: tensors[k].detach().to("cpu").contiguous().clone() for k in sorted(tensors)}
-    save_file(table, str(path))
+    with atomic_path(path) as tmp:
+        save_file(table, str(tmp))
     record = dict(meta)
     record["sha256"] = sha256(path)
     record["tensors"] = {k: [str(v.dtype).replace("torch.", ""), list(v.shape)] for k, v in table.items()}
-    (out / f"{name}.json").write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
+    atomic_write_json(out / f"{name}.json", record, indent=1, sort_keys=True, newline=True)
     return path
 
 

@@ -18,6 +18,7 @@ import numpy as np
 from loopformer.eval.analysis import LoopCurve, SignalCurve
 from loopformer.eval.budget import BudgetCurve, DifficultyStats
 from loopformer.eval.evaluate import EvalResult
+from loopformer.safe_io import atomic_write_text
 
 
 def _num(x: Any, pct: bool = False, digits: int = 2) -> str:
@@ -60,7 +61,7 @@ def to_jsonable(x: Any) -> Any:
 def write_json(path: str | Path, data: Any) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(to_jsonable(data), indent=2) + "\n")
+    atomic_write_text(path, json.dumps(to_jsonable(data), indent=2) + "\n", root=path.parent)
     return path
 
 
@@ -205,7 +206,7 @@ def write_report(
     if plots:
         lines += _plots_section(out, plots)
     report = out / "report.md"
-    report.write_text("\n".join(lines))
+    atomic_write_text(report, "\n".join(lines), root=out)
     return report, write_json(
         out / "metrics.json",
         _metrics(title, results, budget, difficulty, lens, signal, spectral, plots, extra),

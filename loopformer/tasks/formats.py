@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from loopformer.safe_io import atomic_write_json, save_npy
 from loopformer.tasks.base import IGNORE_INDEX, TaskDataError, TokenDataset
 from loopformer.tasks.puzzle_csv import (  # noqa: F401  (re-exported: the CSV half of the formats)
     PUZZLE_CSV_COLUMNS,
@@ -286,8 +287,8 @@ def save_hrm_folder(
     dtype = np.uint8 if vocab_size <= 256 else np.int32
     folder = Path(path) / split
     folder.mkdir(parents=True, exist_ok=True)
-    np.save(folder / "all__inputs.npy", inputs.astype(dtype))
-    np.save(folder / "all__labels.npy", np.where(labels == IGNORE_INDEX, 0, labels).astype(dtype))
+    save_npy(folder / "all__inputs.npy", inputs.astype(dtype), root=path)
+    save_npy(folder / "all__labels.npy", np.where(labels == IGNORE_INDEX, 0, labels).astype(dtype), root=path)
     write_hrm_index(path, split, inputs.shape[1], dataset.puzzle_ids, dataset.difficulty, vocab_size)
 
 
@@ -310,10 +311,10 @@ def write_hrm_index(path: str | Path, split: str, seq_len: int, puzzle_ids: np.n
     num_puzzles = len(identifiers)
     folder = Path(path) / split
     folder.mkdir(parents=True, exist_ok=True)
-    np.save(folder / "all__puzzle_identifiers.npy", identifiers)
-    np.save(folder / "all__puzzle_indices.npy", puzzle_indices)
-    np.save(folder / "all__group_indices.npy", np.arange(num_puzzles + 1, dtype=np.int32))
-    np.save(folder / "all__difficulty.npy", np.asarray(difficulty, dtype=np.float64))
+    save_npy(folder / "all__puzzle_identifiers.npy", identifiers, root=path)
+    save_npy(folder / "all__puzzle_indices.npy", puzzle_indices, root=path)
+    save_npy(folder / "all__group_indices.npy", np.arange(num_puzzles + 1, dtype=np.int32), root=path)
+    save_npy(folder / "all__difficulty.npy", np.asarray(difficulty, dtype=np.float64), root=path)
     metadata = {
         "pad_id": 0,
         "ignore_label_id": 0,
@@ -325,7 +326,7 @@ def write_hrm_index(path: str | Path, split: str, seq_len: int, puzzle_ids: np.n
         "mean_puzzle_examples": float(n / num_puzzles) if num_puzzles else 0.0,
         "sets": ["all"],
     }
-    (folder / "dataset.json").write_text(json.dumps(metadata, indent=2))
+    atomic_write_json(folder / "dataset.json", metadata, root=path, indent=2)
     identifiers_path = Path(path) / "identifiers.json"
     names = ["<blank>"] + [str(i) for i in range(1, int(num_ids))]
     try:
@@ -333,4 +334,4 @@ def write_hrm_index(path: str | Path, split: str, seq_len: int, puzzle_ids: np.n
     except (json.JSONDecodeError, UnicodeDecodeError):
         existing = []
     if not isinstance(existing, list) or len(existing) < len(names):
-        identifiers_path.write_text(json.dumps(names))
+        atomic_write_json(identifiers_path, names, root=path)

@@ -194,4 +194,6 @@ class KGFilesTask(Task):
             answer = int(lab[self._pos(len(query), len(row))])
             text = "".join(self.tokens[t] for t in query)
             out.append({"input_text": text, "target_text": text + self.tokens[answer] + END, "type": kind})
-        Path(path).write_text(json.dumps(out))
+        from loopformer.safe_io import atomic_write_json
+
+        atomic_write_json(path, out)

@@ -401,7 +401,9 @@ def write_puzzle_csv(
         if "seed" in dataset.meta:
             default += f"-seed{dataset.meta['seed']}"
         sources = [default] * len(dataset)
-    with open(path, "w", newline="") as fh:
+    from loopformer.safe_io import atomic_writer
+
+    with atomic_writer(path, "w", newline="") as fh:
         writer = csv.writer(fh, lineterminator="\n")
         writer.writerow(PUZZLE_CSV_COLUMNS)
         for i in range(len(dataset)):

@@ -19,12 +19,11 @@ import math
 from pathlib import Path
 from typing import Any
 
+from loopformer.safe_io import atomic_write_text
 from loopformer.train.checkpoint import (
     _STEP_DIR,
     BEST,
     CheckpointError,
-    _fsync_dir,
-    _write_text_atomic,
     step_name,
 )
 
@@ -47,8 +46,7 @@ def write_best(
     if not _STEP_DIR.match(name) or not (root / name).is_dir():
         raise CheckpointError(f"best checkpoint {checkpoint} is not a step folder of {root}")
     record = {"checkpoint": name, "metric": metric, "value": float(value), "step": int(step), "mode": mode}
-    _write_text_atomic(root / BEST, json.dumps(record) + "\n")
-    _fsync_dir(root)
+    atomic_write_text(root / BEST, json.dumps(record) + "\n")  # temp file, fsync, rename, fsync the folder
     return root / BEST
 
 

@@ -12,15 +12,16 @@ Layout of ``<run>/checkpoints/step_00001000/``:
   JSON skeleton and a flat tensor table, and joined back by ``unflatten_state``.
 
 A checkpoint is first written to a hidden temporary folder and then renamed into place; the
-``latest`` pointer file (the folder's name) is replaced atomically with ``os.replace``; only the
-newest ``keep`` checkpoints are kept. The ``best`` pointer (``loopformer.train.best.write_best``: a
-JSON record naming the step folder of the best evaluation by ``train.keep_best``, its metric, value
-and step, replaced atomically) protects its folder: pruning never removes it. Nothing is ever
-unpickled: safetensors and JSON only.
+``latest`` pointer file (the folder's name) is replaced atomically (``loopformer.safe_io``, which also
+writes every file inside the folder); only the newest ``keep`` checkpoints are kept. The ``best`` pointer
+(``loopformer.train.best.write_best``: a JSON record naming the step folder of the best evaluation by
+``train.keep_best``, its metric, value and step, replaced atomically) protects its folder: pruning never
+removes it. Nothing is ever unpickled: safetensors and JSON only.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -37,6 +38,14 @@ from torch import Tensor, nn
 
 from loopformer.config import ConfigError, RunConfig, config_to_json, load_config_file
 from loopformer.numerics import check_weights_finite, nonfinite_names
+from loopformer.safe_io import (
+    WriteError,
+    atomic_path,
+    atomic_write_json,
+    atomic_write_text,
+    check_inside,
+    fsync_dir,
+)
 from loopformer.train.manifest import verify_checkpoint, write_manifest
 from loopformer.train.state import flatten_state, rng_state, set_rng_state, unflatten_state  # noqa: F401 (re-exported)
 
@@ -55,9 +64,13 @@ class CheckpointError(RuntimeError):
 # Weights files
 # --------------------------------------------------------------------------------------------
 def save_weights(
-    tensors: dict[str, Tensor], path: str | Path, metadata: dict[str, str] | None = None
+    tensors: dict[str, Tensor],
+    path: str | Path,
+    metadata: dict[str, str] | None = None,
+    root: str | Path | None = None,
 ) -> None:
-    """safetensors file of ``tensors``; tensors sharing storage (tied weights) are stored once."""
+    """safetensors file of ``tensors``, written atomically (``loopformer.safe_io``; ``root``: the folder it
+    must stay inside); tensors sharing storage (tied weights) are stored once."""
     unique: dict[str, Tensor] = {}
     aliases: dict[str, str] = {}
     seen: dict[tuple, str] = {}
@@ -71,7 +84,17 @@ def save_weights(
         unique[name] = t.detach().to("cpu", copy=True).contiguous()
     meta = dict(metadata or {})
     meta["aliases"] = json.dumps(aliases)
-    save_file(unique, str(path), metadata=meta)
+    _save_tensors(unique, Path(path), meta, root)
+
+
+def _save_tensors(tensors: dict[str, Tensor], path: Path, metadata: dict[str, str] | None, root: Any) -> None:
+    with atomic_path(path, root) as tmp:
+        try:
+            save_file(tensors, str(tmp), metadata=metadata)
+        except SafetensorError as err:  # safetensors reports a failed write (disk full) as its own error
+            code = re.search(r"os error (\d+)", str(err))
+            number = int(code.group(1)) if code else errno.EIO
+            raise WriteError(number, os.strerror(number) if code else str(err), str(path)) from None
 
 
 def load_weights(path: str | Path) -> dict[str, Tensor]:
@@ -136,25 +159,6 @@ def load_weights_into(model: nn.Module, path: str | Path) -> None:
 # --------------------------------------------------------------------------------------------
 # Checkpoint folders
 # --------------------------------------------------------------------------------------------
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def step_name(step: int) -> str:
     """The checkpoint folder name of ``step``: ``step_00001000``."""
     return f"step_{step:08d}"
@@ -178,32 +182,37 @@ def save_checkpoint(
     training_state: dict[str, Any] | None = None,
     keep: int = 0,
     weights: dict[str, Tensor] | None = None,
+    within: str | Path | None = None,
 ) -> Path:
     """Write ``root/step_{step:08d}`` atomically, point ``root/latest`` at it, keep the newest ``keep``.
 
     ``weights``: the tensors to store instead of ``model.state_dict()`` (full tensors gathered
-    from FSDP shards).
+    from FSDP shards). ``within``: the run folder nothing may leave through a symbolic link
+    (default: the parent of a ``checkpoints`` root, else ``root``). A failed write (disk full)
+    removes the partial folder and leaves the earlier checkpoints and ``latest`` as they were.
     """
     root = Path(root)
+    within = (root.parent if root.name == "checkpoints" else root) if within is None else within
+    check_inside(root / LATEST, within)
     root.mkdir(parents=True, exist_ok=True)
     for stale in root.glob(".tmp-step_*"):
         shutil.rmtree(stale, ignore_errors=True)
     name = step_name(step)
     tmp = root / f".tmp-{name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    base_model = getattr(model, "_orig_mod", model)
-    family = model_family(base_model)
-    weights = base_model.state_dict() if weights is None else weights
-    save_weights(weights, tmp / "model.safetensors", {"family": family, "step": str(step)})
-    if ema_state is not None:
-        save_weights(ema_state, tmp / "ema.safetensors", {"family": family, "step": str(step)})
-    (tmp / "config.json").write_text(config_to_json(config, family=family, step=step))
-    skeleton, tensors = flatten_state({"step": step, **(training_state or {})})
-    save_file(tensors, str(tmp / "state.safetensors"))
-    (tmp / "state.json").write_text(json.dumps(skeleton))
-    write_manifest(tmp)  # sizes + SHA-256 of every file, fsynced: a resume verifies before it trusts
-    _fsync_dir(tmp)
+    try:
+        tmp.mkdir()
+    except OSError as err:
+        raise WriteError(err.errno, err.strerror, str(tmp)) from None
+    try:
+        _write_step_folder(tmp, step, model, config, ema_state, training_state, weights)
+    except WriteError as err:  # named by the checkpoint it was for, not the hidden temporary folder
+        shutil.rmtree(tmp, ignore_errors=True)  # a failed write leaves no partial folder behind
+        file = Path(str(err.filename)).name
+        raise WriteError(err.errno, err.strerror, str(root / name / file)) from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     final = root / name
     if final.exists():  # re-saving a step (after a resume): swap the old folder out first
         trash = root / f".tmp-{name}-old-{os.getpid()}"
@@ -212,8 +221,8 @@ def save_checkpoint(
         shutil.rmtree(trash, ignore_errors=True)
     else:
         os.replace(tmp, final)
-    _write_text_atomic(root / LATEST, name + "\n")
-    _fsync_dir(root)
+    atomic_write_text(root / LATEST, name + "\n", root=within)
+    fsync_dir(root)
     if keep > 0:
         from loopformer.train.best import best_checkpoint
 
@@ -222,6 +231,29 @@ def save_checkpoint(
             if old != final and old != best:
                 shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _write_step_folder(
+    tmp: Path,
+    step: int,
+    model: nn.Module,
+    config: RunConfig,
+    ema_state: dict[str, Tensor] | None,
+    training_state: dict[str, Any] | None,
+    weights: dict[str, Tensor] | None,
+) -> None:
+    base_model = getattr(model, "_orig_mod", model)
+    family = model_family(base_model)
+    weights = base_model.state_dict() if weights is None else weights
+    save_weights(weights, tmp / "model.safetensors", {"family": family, "step": str(step)}, tmp)
+    if ema_state is not None:
+        save_weights(ema_state, tmp / "ema.safetensors", {"family": family, "step": str(step)}, tmp)
+    atomic_write_text(tmp / "config.json", config_to_json(config, family=family, step=step), root=tmp)
+    skeleton, tensors = flatten_state({"step": step, **(training_state or {})})
+    _save_tensors(tensors, tmp / "state.safetensors", None, tmp)
+    atomic_write_json(tmp / "state.json", skeleton, root=tmp)
+    write_manifest(tmp)  # sizes + SHA-256 of every file, fsynced: a resume verifies before it trusts
+    fsync_dir(tmp)
 
 
 def _pointer_target(root: Path) -> Path | None:
@@ -304,7 +336,7 @@ def quarantine_after(root: str | Path, step: int) -> Path | None:
             os.replace(folder, folder.with_name(f"diverged_{folder.name}"))
             log.warning("divergence: %s renamed to diverged_%s (not a good checkpoint)", folder, folder.name)
     if good is not None:
-        _write_text_atomic(root / LATEST, good.name + "\n")
+        atomic_write_text(root / LATEST, good.name + "\n", root=root)
     elif (root / LATEST).is_file():
         (root / LATEST).unlink()
     return good

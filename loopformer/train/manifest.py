@@ -14,6 +14,8 @@ import json
 import os
 from pathlib import Path
 
+from loopformer.safe_io import atomic_write_json
+
 MANIFEST = "manifest.json"
 REQUIRED = ("model.safetensors", "config.json")
 _CHUNK = 1 << 20
@@ -35,12 +37,7 @@ def write_manifest(folder: Path) -> None:
             with open(path, "rb") as fh:
                 os.fsync(fh.fileno())
             files[path.name] = {"size": path.stat().st_size, "sha256": file_digest(path)}
-    tmp = folder / f".{MANIFEST}.tmp"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(json.dumps({"format": 1, "files": files}, indent=1))
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, folder / MANIFEST)
+    atomic_write_json(folder / MANIFEST, {"format": 1, "files": files}, root=folder, indent=1)
 
 
 def _json_ok(path: Path) -> str | None:

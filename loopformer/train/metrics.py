@@ -4,7 +4,7 @@
   resumed run's stale metrics, the trackers: TensorBoard / W&B), ``write`` (``write_metrics``: one
   JSONL line, mirrored to the trackers), ``write_summary`` and ``close``; on other ranks every call
   does nothing.
-- ``last_finite`` for the loop's residual traces; ``bar_info`` / ``progress_bar``: the rich bar.
+- ``last_finite`` for the loop's residual traces (the console output: loopformer.train.progress).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from loopformer.config import RunConfig, save_config
+from loopformer.safe_io import append_line, atomic_write_json, atomic_write_text
 
 log = logging.getLogger("loopformer.train")
 
@@ -46,7 +47,8 @@ def prepare_run_dir(config: RunConfig, run_dir: Path, ckpt_dir: Path, resumed: b
     metrics = run_dir / "metrics.jsonl"
     if resumed and metrics.is_file():  # drop lines the killed run wrote after it
         kept = [line for line in metrics.read_text(errors="replace").splitlines() if _step_of(line) <= step]
-        metrics.write_text("".join(line + "\n" for line in kept))
+        # a new file renamed over the old one: a failed write (disk full) leaves the old log whole
+        atomic_write_text(metrics, "".join(line + "\n" for line in kept), root=run_dir)
     # a fresh run never deletes anything: loopformer.train.run_folder refused a folder holding a run
     # (or, with --overwrite, made this a staging folder that replaces the old run at the first checkpoint)
     from loopformer.tracking import open_trackers
@@ -66,8 +68,7 @@ def _step_of(line: str) -> float:
 def write_metrics(run_dir: Path, record: dict[str, Any], tb: Any, step: int) -> None:
     """Append ``record`` to ``metrics.jsonl`` (and its numbers to TensorBoard ``tb`` when given)."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    with open(run_dir / "metrics.jsonl", "a") as fh:
-        fh.write(json.dumps(record) + "\n")
+    append_line(run_dir / "metrics.jsonl", json.dumps(record), root=run_dir)  # never rewrites earlier lines
     if tb is not None:
         numbers = {k: v for k, v in record.items()
                    if k != "step" and isinstance(v, int | float) and not isinstance(v, bool)}  # fmt: skip
@@ -92,51 +93,9 @@ class RunLog:
 
     def write_summary(self, summary: dict[str, Any]) -> None:
         if self.enabled:
-            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+            atomic_write_json(self.run_dir / "summary.json", summary, root=self.run_dir, indent=2)
 
     def close(self) -> None:
         if self.trackers is not None:
             self.trackers.close()
             self.trackers = None
-
-
-def bar_info(m: dict[str, Any]) -> str:
-    """The progress bar's text for one step's metrics."""
-    parts = [f"loss {m['loss']:.4f}", f"acc {m['token_acc']:.3f}/{m['exact_acc']:.3f}"]
-    if "loop_steps" in m:
-        parts.append(f"loops {m['loop_steps']:.1f}")
-    if "level" in m:
-        parts.append(f"level {m['level']:g}")
-    return "  ".join(parts)
-
-
-def progress_bar(enabled: bool, total: int, start: int) -> Any:
-    """A rich progress bar (a context manager yielding None when disabled)."""
-    if not enabled:
-        return _NoBar()
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
-
-    return Progress(
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        TextColumn("eta"),
-        TimeRemainingColumn(),
-        TextColumn("{task.fields[info]}"),
-    )
-
-
-class _NoBar:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None

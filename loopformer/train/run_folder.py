@@ -1,19 +1,33 @@
-"""Run folders: a lock file, and a fresh run that never destroys a previous one.
+"""Run folders: an OS lock, and a fresh run that never destroys a previous one.
 
-- ``RunLock``: ``<folder>/.loopformer.lock`` holds the process id, host, purpose (train / resume /
-  eval) and a random token. It is created with ``O_CREAT | O_EXCL``; a second process finding a
-  live lock is refused with a message naming the holder. A lock is stale (and taken over) when
-  its process is gone on this host (``os.kill(pid, 0)``, plus the process start time from
-  ``/proc`` so a recycled pid is not mistaken for the holder), when it is unreadable, or when the
-  holder is this very process (an abandoned ``Trainer`` in the same interpreter). A lock from
-  another host is never taken over automatically: the message says how to remove it.
+- ``RunLock``: ``<folder>/.loopformer.lock``, locked with ``fcntl.flock`` (exclusive, non-blocking).
+  The kernel decides who holds it, so two processes starting at the same instant can never both
+  hold it, and a holder that dies (killed, preempted) releases it with its last file descriptor:
+  there is no stale lock to detect and take over. The file's content, written after the lock is
+  held, is for people: the holder's pid, host, purpose (train / resume / eval / convert / push /
+  prepare), start time and a random token; a second process is refused with a message naming the
+  holder. The holder removes the file while it still holds the lock; a process that locked a file
+  which was removed (or replaced) meanwhile sees another inode at the path and tries again, so two
+  holders can never sit on two different files. Two more refusals keep the lock safe where
+  ``flock`` does not reach: a lock file left with the content of a live process on this host
+  that holds no ``flock`` (an older loopformer), and one naming another host (``flock`` on some
+  network file systems is local to each machine); for the latter the message says which file to delete.
+  The same process locking a folder again (an abandoned ``Trainer`` in one interpreter) takes the
+  lock over from its own earlier holder.
 - ``RunFolder``: what a training process does with its folder. A fresh run (not a resume) into a
   folder that already holds a run (checkpoints, ``metrics.jsonl`` or ``summary.json``) is refused
   with a message naming ``train.resume=true`` and ``--overwrite``. With ``--overwrite``
   (``train.overwrite=true``) the new run writes into a hidden staging folder
   ``<folder>/.overwrite-staging``; only after its first checkpoint is safely written does
   ``complete_overwrite`` move the old contents aside to ``<folder>/.replaced-<UTC time>/`` and
-  the new files into place. A run killed before that leaves the old run untouched.
+  the new files into place. A run killed before that leaves the old run untouched. A folder whose
+  run files (``checkpoints``, ``metrics.jsonl``, ``config.*``, ...) are symbolic links is refused
+  (``loopformer.safe_io.UnsafePathError`` naming the link): nothing is written through a link, and a
+  folder inside another run's folder (``inside_run``: its ``checkpoints/step_N``, say) is refused.
+
+``fcntl.flock`` rather than the ``filelock`` package: it is the same system call, and not a new
+dependency. ``flock`` is POSIX-only; where ``fcntl`` is missing (Windows) locking is refused
+with a clear error rather than done unsafely.
 """
 
 from __future__ import annotations
@@ -28,11 +42,23 @@ import time
 from pathlib import Path
 from typing import Any
 
+from loopformer.safe_io import UnsafePathError
+
+try:
+    import fcntl
+except ImportError:  # Windows
+    fcntl = None  # type: ignore[assignment]
+
 log = logging.getLogger("loopformer.train")
 
 LOCK_NAME = ".loopformer.lock"
 STAGING = ".overwrite-staging"
 RUN_MARKERS = ("metrics.jsonl", "summary.json")
+# what a run writes at its folder's top level: none of these may be a symbolic link
+RUN_FILES = ("checkpoints", "metrics.jsonl", "summary.json", "config.yaml", "config.json", "wandb_id",
+             "tensorboard", STAGING, LOCK_NAME)  # fmt: skip
+
+_HELD: dict[tuple[int, int], RunLock] = {}  # (device, inode) of lock files this process holds
 
 
 class RunFolderError(RuntimeError):
@@ -62,16 +88,25 @@ def _alive(pid: int, started: str | None) -> bool:
     return started is None or now is None or now == started
 
 
-def _read_lock(path: Path) -> dict[str, Any] | None:
+def _parse_lock(text: str) -> dict[str, Any] | None:
     try:
-        info = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        info = json.loads(text)
+    except ValueError:
         return None
     return info if isinstance(info, dict) and isinstance(info.get("pid"), int) else None
 
 
+def _describe(info: dict[str, Any] | None) -> str:
+    if info is None:
+        return "another process (it is starting: its details are not written yet)"
+    return (
+        f"process {info['pid']} on {info.get('host', '?')} "
+        f"({info.get('purpose', '?')} since {info.get('time', '?')})"
+    )
+
+
 class RunLock:
-    """An exclusive lock on a folder, held until ``release()`` (also a context manager)."""
+    """An exclusive OS lock on a folder, held until ``release()`` (also a context manager)."""
 
     def __init__(self, folder: str | Path, purpose: str) -> None:
         self.folder = Path(folder)
@@ -79,9 +114,62 @@ class RunLock:
         self.purpose = purpose
         self.token = secrets.token_hex(8)
         self.held = False
+        self._fd: int | None = None
+        self._key: tuple[int, int] | None = None
+        self._pid = os.getpid()
 
     def acquire(self) -> RunLock:
-        self.folder.mkdir(parents=True, exist_ok=True)
+        if fcntl is None:
+            raise RunFolderError(f"cannot lock {self.folder}: file locks need a POSIX system (fcntl.flock)")
+        if self.held:
+            return self
+        if self.folder.exists() and not self.folder.is_dir():
+            raise RunFolderError(f"{self.folder} is a file, not a folder: name a folder to write into")
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise RunFolderError(f"cannot create the folder {self.folder}: {err.strerror}") from None
+        if self.path.is_symlink():
+            raise UnsafePathError(f"{self.path} is a symbolic link; loopformer does not lock through links")
+        for _ in range(50):
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError as err:  # a read-only folder, a full disk
+                raise RunFolderError(f"cannot write into the folder {self.folder}: {err.strerror}") from None
+            try:
+                locked = self._lock_fd(fd)
+            except BaseException:
+                os.close(fd)  # closing it also drops a flock taken before a refusal
+                raise
+            if locked:
+                return self
+            os.close(fd)
+        raise RunFolderError(f"could not lock {self.folder}: {self.path} keeps being replaced")
+
+    def _lock_fd(self, fd: int) -> bool:
+        """True when ``fd`` is now locked and holds our record; False to retry with a new file (the
+        caller closes ``fd`` then, and when this raises)."""
+        st = os.fstat(fd)
+        key = (st.st_dev, st.st_ino)
+        own = _HELD.get(key)
+        if own is not None and own is not self and own._pid == os.getpid():
+            log.warning("taking over the lock %s left by this process (%s)", self.path, own.purpose)
+            own._abandon()
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            info = self._holder(fd)
+            raise RunFolderError(
+                f"run folder {self.folder} is in use by {_describe(info)}; wait for it to finish, "
+                f"or use another folder"
+            ) from None
+        try:
+            now = os.stat(self.path)
+        except FileNotFoundError:
+            now = None
+        if now is None or (now.st_dev, now.st_ino) != key:  # the holder removed it as we locked it
+            return False
+        self._refuse_foreign(os.pread(fd, 1 << 16, 0).decode("utf-8", "replace"))
         pid = os.getpid()
         record = {
             "pid": pid,
@@ -91,60 +179,90 @@ class RunLock:
             "started": _start_time(pid),
             "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
-        for _ in range(5):
-            try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
-                self._take_over_if_stale()
-                continue
-            with os.fdopen(fd, "w", encoding="utf-8") as fh:
-                fh.write(json.dumps(record))
-            self.held = True
-            return self
-        raise RunFolderError(f"could not lock {self.folder}: {self.path} keeps reappearing")
+        data = json.dumps(record).encode("utf-8")
+        # the one file written in place: an OS lock lives on its inode, which a rename would replace
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, data, 0)
+        except OSError as err:  # a full disk: no lock without the holder's details
+            raise RunFolderError(f"cannot write into the folder {self.folder}: {err.strerror}") from None
+        self._fd, self._key, self._pid, self.held = fd, key, pid, True
+        _HELD[key] = self
+        return True
 
-    def _take_over_if_stale(self) -> None:
-        info = _read_lock(self.path)
+    def _holder(self, fd: int) -> dict[str, Any] | None:
+        """The holder's record; it writes it just after locking, so wait a moment for it."""
+        for _ in range(20):
+            info = _parse_lock(os.pread(fd, 1 << 16, 0).decode("utf-8", "replace"))
+            if info is not None:
+                return info
+            time.sleep(0.01)
+        return None
+
+    def _refuse_foreign(self, text: str) -> None:
+        """We hold the flock, but the file names a holder flock does not see: a live process on this
+        host (an older loopformer's lock) or another host."""
+        info = _parse_lock(text)
+        if info is None or info.get("token") == self.token:
+            return
         host = socket.gethostname()
-        if info is not None and info.get("host") == host and info["pid"] != os.getpid():
-            if _alive(info["pid"], info.get("started")):
-                raise RunFolderError(
-                    f"run folder {self.folder} is in use by process {info['pid']} on {host} "
-                    f"({info.get('purpose', '?')} since {info.get('time', '?')}); wait for it to finish, "
-                    f"or use another folder"
-                )
-        elif info is not None and info.get("host") != host:
+        if info.get("host") not in (None, host):
             raise RunFolderError(
                 f"run folder {self.folder} is locked by process {info['pid']} on host {info.get('host')!r} "
                 f"({info.get('purpose', '?')} since {info.get('time', '?')}); if that process is gone, "
                 f"delete {self.path}"
             )
-        why = (
-            "unreadable"
-            if info is None
-            else ("left by this process" if info["pid"] == os.getpid() else f"process {info['pid']} is gone")
-        )
-        log.warning("taking over the stale lock %s (%s)", self.path, why)
-        aside = self.path.with_name(f"{LOCK_NAME}.stale-{os.getpid()}-{secrets.token_hex(4)}")
-        try:
-            os.replace(self.path, aside)
-            aside.unlink(missing_ok=True)
-        except FileNotFoundError:
-            pass  # another process took it over first; retry the create
+        if info["pid"] != os.getpid() and _alive(info["pid"], info.get("started")):
+            raise RunFolderError(
+                f"run folder {self.folder} is in use by process {info['pid']} on {host} "
+                f"({info.get('purpose', '?')} since {info.get('time', '?')}); wait for it to finish, "
+                f"or use another folder"
+            )
+        if info["pid"] != os.getpid():
+            log.info("lock %s was left by process %s, which is gone; it is free", self.path, info["pid"])
+
+    def _abandon(self) -> None:
+        """Give up the lock without removing the file (another holder in this process takes over)."""
+        if self._fd is not None:
+            os.close(self._fd)
+        _HELD.pop(self._key, None)
+        self._fd, self._key, self.held = None, None, False
 
     def release(self) -> None:
-        if not self.held:
+        if not self.held or self._fd is None:
             return
-        self.held = False
-        info = _read_lock(self.path)
-        if info is not None and info.get("token") == self.token:
-            self.path.unlink(missing_ok=True)
+        if self._pid != os.getpid():  # a forked child: the parent still holds it
+            self._fd, self.held = None, False
+            return
+        try:
+            st = os.stat(self.path)
+            if (st.st_dev, st.st_ino) == self._key:
+                self.path.unlink()  # while still locked: a waiting process then sees a new inode
+        except OSError:
+            pass  # already gone, or the folder is read-only: the lock is released all the same
+        self._abandon()
 
     def __enter__(self) -> RunLock:
         return self.acquire()
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+def refuse_links(folder: str | Path, names: tuple[str, ...] = RUN_FILES) -> None:
+    """``UnsafePathError`` naming the first of ``names`` in ``folder`` (and of the entries of its
+    ``checkpoints``) that is a symbolic link: a run never writes through one."""
+    folder = Path(folder)
+    entries = [folder / name for name in names]
+    ckpt = folder / "checkpoints"
+    if ckpt.is_dir() and not ckpt.is_symlink():
+        entries += sorted(ckpt.iterdir())
+    for entry in entries:
+        if entry.is_symlink():
+            raise UnsafePathError(
+                f"{entry} is a symbolic link (to {os.readlink(entry)}); loopformer does not write "
+                f"through links inside the run folder {folder}: replace it with a real file or folder"
+            )
 
 
 def holds_run(folder: str | Path) -> bool:
@@ -156,6 +274,25 @@ def holds_run(folder: str | Path) -> bool:
     return ckpt.is_dir() and any(p.name == "latest" or p.name.startswith("step_") for p in ckpt.iterdir())
 
 
+def training_run(folder: Path) -> bool:
+    """Whether ``folder`` holds a training run's own files (checkpoints or ``metrics.jsonl``)."""
+    if (folder / "metrics.jsonl").is_file():
+        return True
+    ckpt = folder / "checkpoints"
+    return ckpt.is_dir() and any(p.name.startswith("step_") for p in ckpt.iterdir())
+
+
+def inside_run(path: str | Path) -> tuple[Path, bool] | None:
+    """(the run folder, whether ``path`` lies in its ``checkpoints/``) for the nearest folder above
+    ``path`` that holds a training run; None when there is none."""
+    path = Path(os.path.abspath(path))
+    for parent in path.parents:
+        if training_run(parent):
+            in_ckpt = path.relative_to(parent).parts[0] == "checkpoints"
+            return parent, in_ckpt
+    return None
+
+
 class RunFolder:
     """The training process' view of its run folder: lock, refusal or staged overwrite."""
 
@@ -165,8 +302,19 @@ class RunFolder:
         self.is_main = is_main
         self.lock = RunLock(self.folder, "resume" if resume else "train")
         self.staging: Path | None = None
+        enclosing = inside_run(self.folder)
+        if enclosing is not None:  # e.g. another run's checkpoints/step_N: its files would mix with ours
+            raise RunFolderError(
+                f"{self.folder} is inside the folder of another run, {enclosing[0]}; a run never writes "
+                f"into another run's folder: choose an out_dir outside it"
+            )
         if is_main:
             self.lock.acquire()
+            try:
+                refuse_links(self.folder)
+            except UnsafePathError:
+                self.lock.release()
+                raise
             shutil.rmtree(self.folder / STAGING, ignore_errors=True)  # a killed overwrite's leftovers
         if not resume and holds_run(self.folder):
             if not overwrite:

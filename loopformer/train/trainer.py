@@ -72,6 +72,7 @@ from loopformer.train.setup import (
     make_optimizer,
     prepare_model,
 )
+from loopformer.train.stop import StopSignals, TrainingInterrupted
 from loopformer.train.strategy import Strategy, make_strategy
 
 log = logging.getLogger("loopformer.train")
@@ -469,23 +470,36 @@ class Trainer:
             if record:
                 self.log.write({"step": self.step, **record}, self.step)
 
+    def _stop_on_signal(self, signum: int) -> None:
+        """Checkpoint the step just finished (unless it already is) and raise TrainingInterrupted."""
+        why_not = None
+        if self.last_checkpoint is None or self.last_checkpoint.name != f"step_{self.step:08d}":
+            try:
+                self.save()
+            except Exception as err:  # any failure (disk full, diverged weights) is reported, not raised
+                why_not = " ".join(str(err).split()) or type(err).__name__
+        raise TrainingInterrupted(signum, self.step, None if why_not else self.last_checkpoint, why_not)
+
     def fit(self) -> dict[str, Any]:
         """Train to ``train.steps`` optimiser steps (continuing a resumed run); returns a summary."""
         tc = self.config.train
-        # a resume that found no checkpoint still drops the metrics its killed predecessor wrote
-        self.log.open(self.config, self.ckpt_dir, self.resumed_from is not None or bool(tc.resume), self.step)
-        self.strategy.barrier()  # rank 0 has written the run folder's config before anyone goes on
-        self.t0 = time.perf_counter()
         try:
-            self.progress = TrainProgress(
-                tc.progress and self.strategy.is_main, tc.steps, self.step, tc.log_every
-            )
-            with self.progress:
+            # a resume that found no checkpoint still drops the metrics its killed predecessor wrote
+            resumed = self.resumed_from is not None or bool(tc.resume)
+            self.log.open(self.config, self.ckpt_dir, resumed, self.step)  # inside: a failed write unlocks
+            self.strategy.barrier()  # rank 0 has written the run folder's config before anyone goes on
+            self.t0 = time.perf_counter()
+            # SIGTERM / SIGINT: finish the step, checkpoint, unlock, say how to resume (loopformer.train.stop)
+            stop = StopSignals(enabled=self.strategy.env.world_size == 1)
+            self.progress = TrainProgress(tc.progress and self.strategy.is_main, tc.steps, self.step, tc.log_every)
+            with stop, self.progress:
                 while self.step < tc.steps:
                     metrics = self.train_step()
                     self.step += 1
                     self._after_step(metrics)
                     self.progress.update(self.step, metrics)
+                    if stop.requested is not None and self.step < tc.steps:
+                        self._stop_on_signal(stop.requested)
                 self._finish()
         finally:
             self.folder.close()

@@ -1,0 +1,223 @@
+"""The one write path: every file loopformer writes goes through this module.
+
+- ``atomic_write_bytes`` / ``atomic_write_text`` / ``atomic_write_json`` and the ``atomic_writer``
+  context manager (for writers that want a file object: ``np.save``, ``savefig``, ``csv``; ``atomic_path``
+  for those that want a file name: ``safetensors``): the
+  content goes to a hidden temporary file in the target's own folder, which is flushed and
+  ``fsync``-ed, then renamed over the target with ``os.replace`` and the folder ``fsync``-ed. A
+  failed write (a full disk, a file-size limit, a read-only folder) removes the temporary file and
+  leaves the previous file untouched; readers see the old content or the new, never a mix.
+- ``save_npy``: ``np.save`` through ``atomic_writer``; ``atomic_copy``: a file copied the same way.
+- ``append_line``: one line appended to a log (``metrics.jsonl``) with ``O_APPEND``. Earlier lines
+  are never rewritten; a write that fails part-way is cut back to the size the file had, so the
+  log never ends in a torn line. Dropping records (a resume past its checkpoint) writes a new
+  file with ``atomic_write_text`` instead.
+- ``check_inside(path, root)``: inside a run or data folder ``root``, nothing is written through a
+  symbolic link or into a path that resolves outside ``root``. ``UnsafePathError`` names the link.
+  ``root`` itself may be a link (a run folder on a scratch disk); only what lies below it is checked.
+- ``WriteError``: an ``OSError`` raised by a failed write, whose message names the file and the
+  reason (``No space left on device``, ``File too large``, ``Read-only file system``).
+
+The only file written in place is the run lock (``loopformer.train.run_folder``): an OS lock lives
+on one inode, so that file must never be replaced.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import IO, Any
+
+
+class UnsafePathError(RuntimeError):
+    """A write inside a run or data folder would go through a symbolic link or leave the folder."""
+
+
+class WriteError(OSError):
+    """A write that failed (disk full, file-size limit, read-only folder); the message names the file."""
+
+    def __str__(self) -> str:
+        return f"could not write {self.filename}: {self.strerror}"
+
+
+def _write_error(err: OSError, path: Path) -> WriteError:
+    return WriteError(err.errno, err.strerror or type(err).__name__, str(path))
+
+
+def fsync_dir(path: str | Path) -> None:
+    """``fsync`` a folder so that a rename inside it survives a crash (a no-op where unsupported)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some file systems cannot fsync a folder; the rename itself is still atomic
+    finally:
+        os.close(fd)
+
+
+def check_inside(path: str | Path, root: str | Path | None) -> Path:
+    """``path`` after checking that no part of it below ``root`` is a symbolic link and that it
+    lies inside ``root``; ``UnsafePathError`` naming the link otherwise. ``root`` None: no check."""
+    path = Path(path)
+    if root is None:
+        return path
+    target = Path(os.path.abspath(path))  # ".." folded lexically: "run/../elsewhere" is outside
+    for base in (Path(os.path.abspath(root)), Path(root).resolve()):
+        try:
+            rel = target.relative_to(base)
+        except ValueError:
+            continue
+        current = base
+        for part in rel.parts:
+            current = current / part
+            if current.is_symlink():
+                raise UnsafePathError(
+                    f"{current} is a symbolic link (to {os.readlink(current)}); loopformer does not write "
+                    f"through links inside the folder {root}: replace it with a real file or folder"
+                )
+        return path
+    raise UnsafePathError(f"{path} is outside the folder {root}; loopformer writes only inside it")
+
+
+def _tmp_name(path: Path) -> Path:
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(3)}")
+
+
+@contextmanager
+def atomic_writer(path: str | Path, mode: str = "wb", root: str | Path | None = None,
+                  encoding: str | None = "utf-8", newline: str | None = None) -> Iterator[IO[Any]]:  # fmt: skip
+    """A file object whose content replaces ``path`` atomically when the block ends without error.
+
+    ``mode``: ``"wb"`` or ``"w"`` (text, ``encoding`` / ``newline`` as for ``open``). ``root``: the
+    run or data folder ``path`` must stay inside (``check_inside``). Errors are ``WriteError``s
+    naming ``path``; the previous file is untouched and the temporary file removed.
+    """
+    path = check_inside(path, root)
+    if mode not in ("w", "wb"):
+        raise ValueError(f"atomic_writer mode must be 'w' or 'wb', not {mode!r}")
+    tmp = _tmp_name(path)
+    kwargs: dict[str, Any] = {} if mode == "wb" else {"encoding": encoding, "newline": newline}
+    try:
+        fh = open(tmp, mode, **kwargs)  # closed below, before the rename
+    except OSError as err:
+        raise _write_error(err, path) from None
+    try:
+        with fh:
+            yield fh
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        raise _write_error(err, path) from None
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+@contextmanager
+def atomic_path(path: str | Path, root: str | Path | None = None) -> Iterator[Path]:
+    """A temporary path beside ``path`` for writers that need a file name (``safetensors``); when the
+    block ends without error the file is fsynced and renamed over ``path``, else removed."""
+    path = check_inside(path, root)
+    tmp = _tmp_name(path)
+    try:
+        yield tmp
+        with open(tmp, "rb") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        raise _write_error(err, path) from None
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def atomic_write_bytes(path: str | Path, data: bytes, root: str | Path | None = None) -> Path:
+    """Replace ``path`` with ``data`` atomically (see the module docstring); returns ``path``."""
+    with atomic_writer(path, "wb", root) as fh:
+        fh.write(data)
+    return Path(path)
+
+
+def atomic_write_text(path: str | Path, text: str, root: str | Path | None = None) -> Path:
+    """Replace ``path`` with ``text`` (UTF-8) atomically; returns ``path``."""
+    return atomic_write_bytes(path, text.encode("utf-8"), root)
+
+
+def atomic_write_json(path: str | Path, obj: Any, root: str | Path | None = None, indent: int | None = None,
+                      sort_keys: bool = False, newline: bool = False) -> Path:  # fmt: skip
+    """Replace ``path`` with ``obj`` as JSON atomically (``newline``: end with one); returns ``path``."""
+    text = json.dumps(obj, indent=indent, sort_keys=sort_keys) + ("\n" if newline else "")
+    return atomic_write_text(path, text, root)
+
+
+def atomic_copy(src: str | Path, dst: str | Path, root: str | Path | None = None) -> Path:
+    """Copy the file ``src`` to ``dst`` atomically (streamed, never whole in memory); returns ``dst``."""
+    import shutil
+
+    with open(src, "rb") as source, atomic_writer(dst, "wb", root) as fh:
+        shutil.copyfileobj(source, fh, 1 << 20)
+    return Path(dst)
+
+
+def save_npy(path: str | Path, array: Any, root: str | Path | None = None) -> Path:
+    """``np.save`` of ``array`` to ``path`` (the exact name: no ``.npy`` appended), atomically."""
+    import numpy as np
+
+    with atomic_writer(path, "wb", root) as fh:
+        np.save(fh, array)
+    return Path(path)
+
+
+def append_line(path: str | Path, line: str, root: str | Path | None = None, fsync: bool = False) -> None:
+    """Append ``line`` (a newline is added) to ``path``: never rewrites what is there, and a write
+    that fails part-way is cut back to the previous size (no torn last line). ``WriteError`` on failure."""
+    path = check_inside(path, root)
+    data = (line.rstrip("\n") + "\n").encode("utf-8")
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    except OSError as err:
+        raise _write_error(err, path) from None
+    try:
+        size = os.fstat(fd).st_size
+        view = memoryview(data)
+        try:
+            while view:
+                view = view[os.write(fd, view) :]
+            if fsync:
+                os.fsync(fd)
+        except OSError as err:
+            try:
+                os.ftruncate(fd, size)  # shrinking never needs the space or the size limit that failed
+            except OSError:
+                pass  # the torn line stays; a resume drops it (loopformer.train.metrics._step_of)
+            raise _write_error(err, path) from None
+    finally:
+        os.close(fd)
+
+
+__all__ = [
+    "UnsafePathError",
+    "WriteError",
+    "append_line",
+    "atomic_write_bytes",
+    "atomic_write_json",
+    "atomic_write_text",
+    "atomic_copy",
+    "atomic_path",
+    "atomic_writer",
+    "check_inside",
+    "fsync_dir",
+    "save_npy",
+]

@@ -1,0 +1,112 @@
+"""Issue 24, one lock built on the OS (``fcntl.flock``): two processes that try to lock a run folder at
+the same instant never both hold it, a lock whose holder has not written its details yet is not
+"unreadable" (it is held), and a holder that dies frees the folder at once."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import multiprocessing as mp
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from loopformer.train.run_folder import LOCK_NAME, RunFolderError, RunLock
+
+ROUNDS = 200
+DEAD_PID = 999_999_999  # above any pid_max: no such process
+
+
+def _contender(folder: str, idx: int, start: str, barrier, inside, overlaps, wins, refusals) -> None:
+    for _ in range(ROUNDS):
+        if start == "stale" and idx == 0:  # a lock file left by a holder that is gone
+            with open(os.path.join(folder, LOCK_NAME), "w") as fh:
+                fh.write(json.dumps({"pid": DEAD_PID, "host": socket.gethostname(), "purpose": "train"}))
+        barrier.wait()  # both processes leave the barrier together and lock at once
+        try:
+            lock = RunLock(folder, f"race-{idx}").acquire()
+        except RunFolderError:
+            with refusals.get_lock():
+                refusals.value += 1
+            barrier.wait()
+            continue
+        with inside.get_lock():
+            inside.value += 1
+            if inside.value > 1:
+                overlaps.value += 1
+        time.sleep(0.003)  # hold it long enough that a second holder would overlap
+        with inside.get_lock():
+            inside.value -= 1
+        with wins.get_lock():
+            wins.value += 1
+        lock.release()
+        barrier.wait()  # nobody starts the next round before both finished this one
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("start", ["free", "stale"])
+def test_two_processes_locking_at_the_same_instant_never_both_hold_the_lock(tmp_path, start) -> None:
+    ctx = mp.get_context("fork")
+    barrier = ctx.Barrier(2, timeout=60)
+    inside, overlaps, wins, refusals = (ctx.Value("i", 0) for _ in range(4))
+    procs = [
+        ctx.Process(
+            target=_contender, args=(str(tmp_path), i, start, barrier, inside, overlaps, wins, refusals)
+        )
+        for i in range(2)
+    ]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(150)
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    assert overlaps.value == 0, f"both processes held the lock at once in {overlaps.value} rounds"
+    assert wins.value + refusals.value == 2 * ROUNDS
+    assert wins.value >= ROUNDS  # every round someone got it ...
+    assert refusals.value >= ROUNDS // 4, refusals.value  # ... and the two really raced for it
+    assert not (tmp_path / LOCK_NAME).exists()  # the last holder removed it
+
+
+def test_a_lock_held_before_its_holder_wrote_its_details_is_held(tmp_path) -> None:
+    # the old lock took an empty lock file over as "unreadable"; a flock held on it is a held lock
+    fd = os.open(tmp_path / LOCK_NAME, os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        with pytest.raises(RunFolderError, match="in use by another process"):
+            RunLock(tmp_path, "train").acquire()
+    finally:
+        os.close(fd)
+    with RunLock(tmp_path, "train") as lock:
+        assert lock.held
+
+
+def test_a_killed_holder_frees_the_folder_and_a_second_lock_names_the_holder(tmp_path) -> None:
+    code = (
+        "import time; from loopformer.train.run_folder import RunLock; "
+        f"RunLock({str(tmp_path)!r}, 'convert').acquire(); print('locked', flush=True); time.sleep(60)"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "locked"
+        with pytest.raises(RunFolderError, match=rf"in use by process {proc.pid} on .*\(convert since"):
+            RunLock(tmp_path, "eval").acquire()
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    with RunLock(tmp_path, "eval") as lock:  # the OS dropped the dead holder's lock
+        assert lock.held and (tmp_path / LOCK_NAME).is_file()
+    assert not (tmp_path / LOCK_NAME).exists()
+
+
+def test_the_same_process_locking_again_takes_over_its_own_lock(tmp_path) -> None:
+    first = RunLock(tmp_path, "train").acquire()
+    second = RunLock(tmp_path, "resume").acquire()  # an abandoned Trainer in this interpreter
+    assert second.held and not first.held
+    second.release()
+    first.release()  # a no-op: it gave the lock up
+    assert not (tmp_path / LOCK_NAME).exists()

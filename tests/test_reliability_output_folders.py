@@ -1,0 +1,120 @@
+"""Issue 24, every folder-writing command follows the run-folder rules: ``push --to-folder``, ``eval -o``,
+``convert --out`` and ``data prepare -o`` refuse a folder that holds something unless ``--overwrite``,
+build the new content aside and swap it in whole (a failure leaves the old content untouched), never
+replace a training run, and nothing (``train -o`` included) writes inside another run's folder."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+from click.testing import CliRunner
+from reliability_common import cli_text, fails_cleanly, tiny_recipe
+
+from loopformer.cli import cli
+from loopformer.output_folder import STAGING_PREFIX, staged_output
+from loopformer.train.run_folder import LOCK_NAME, RunFolderError
+
+
+def _files(folder) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_staged_output_refuses_then_replaces_whole_and_a_failure_changes_nothing(tmp_path) -> None:
+    out = tmp_path / "out"
+    with staged_output(out, "prepare", overwrite=False) as tmp:
+        (tmp / "train").mkdir()
+        (tmp / "train" / "dataset.json").write_text("{}")
+        (tmp / "old-only.txt").write_text("v1")
+        assert not (out / "train").exists()  # nothing visible before the block ends
+    before = _files(out)
+    assert set(before) == {"train/dataset.json", "old-only.txt"}
+    with pytest.raises(RunFolderError, match=r"is not empty \(old-only.txt, train\).*--overwrite"):
+        with staged_output(out, "prepare", overwrite=False):
+            pass
+    with pytest.raises(RuntimeError, match="killed half-way"):
+        with staged_output(out, "prepare", overwrite=True) as tmp:
+            (tmp / "train").mkdir()
+            raise RuntimeError("killed half-way")
+    assert _files(out) == before and not list(out.glob(f"{STAGING_PREFIX}*"))
+    (out / f"{STAGING_PREFIX}prepare-dead").mkdir()  # what a SIGKILLed command leaves
+    with staged_output(out, "prepare", overwrite=True) as tmp:
+        (tmp / "train").mkdir()
+        (tmp / "train" / "dataset.json").write_text('{"new": 1}')
+    replaced = [p for p in out.iterdir() if p.name.startswith(".replaced-")]
+    assert len(replaced) == 1 and _files(replaced[0]) == before  # the old dataset, whole
+    assert _files(out) == {
+        "train/dataset.json": b'{"new": 1}',
+        **{f"{replaced[0].name}/{k}": v for k, v in before.items()},
+    }
+    assert not (out / LOCK_NAME).exists() and not list(out.glob(f"{STAGING_PREFIX}*"))
+
+
+def test_staged_output_never_replaces_a_training_run_nor_writes_in_its_checkpoints(tmp_path) -> None:
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_00000002").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    with pytest.raises(RunFolderError, match="holds a training run"):
+        with staged_output(run, "push", overwrite=True, option="--to-folder"):
+            pass
+    with pytest.raises(RunFolderError, match="inside the checkpoints of the run"):
+        with staged_output(run / "checkpoints" / "step_00000002" / "report", "eval", overwrite=True):
+            pass
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(RunFolderError, match="is a file, not a folder"):
+        with staged_output(tmp_path / "afile", "convert", overwrite=True):
+            pass
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory):
+    folder = tmp_path_factory.mktemp("outputs")
+    recipe = folder / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump(tiny_recipe(), sort_keys=False))
+    run = folder / "run"
+    result = CliRunner().invoke(cli, ["train", str(recipe), f"out_dir={run}"])
+    assert result.exit_code == 0, cli_text(result)
+    return recipe, run
+
+
+def test_push_to_a_folder_twice_needs_overwrite(tiny, tmp_path) -> None:
+    _, run = tiny
+    dest = tmp_path / "staged"
+    first = CliRunner().invoke(cli, ["push", str(run), "me/x", "--to-folder", str(dest)])
+    assert first.exit_code == 0, cli_text(first)
+    before = _files(dest)
+    assert "model.safetensors" in before and "README.md" in before
+    fails_cleanly(
+        CliRunner().invoke(cli, ["push", str(run), "me/x", "--to-folder", str(dest)]), "is not empty"
+    )
+    assert _files(dest) == before
+    again = CliRunner().invoke(cli, ["push", str(run), "me/x", "--to-folder", str(dest), "--overwrite"])
+    assert again.exit_code == 0, cli_text(again)
+    assert {k: v for k, v in _files(dest).items() if not k.startswith(".replaced-")} == before
+    fails_cleanly(
+        CliRunner().invoke(cli, ["push", str(run), "me/x", "--to-folder", str(run), "--overwrite"]),
+        "holds a training run",
+    )
+
+
+def test_eval_out_into_a_run_or_its_checkpoints_is_refused(tiny) -> None:
+    _, run = tiny
+    step = sorted((run / "checkpoints").glob("step_*"))[-1]
+    before = _files(run)
+    for out in (run, step, step / "report"):
+        result = CliRunner().invoke(
+            cli, ["eval", str(run), "-n", "2", "--no-analyses", "-o", str(out), "--overwrite"]
+        )
+        fails_cleanly(result, str(out))
+    assert _files(run) == before
+
+
+def test_train_out_inside_another_run_is_refused(tiny) -> None:
+    recipe, run = tiny
+    step = sorted((run / "checkpoints").glob("step_*"))[-1]
+    before = _files(run)
+    for out in (step, run / "nested"):
+        fails_cleanly(
+            CliRunner().invoke(cli, ["train", str(recipe), "-o", str(out)]),
+            "inside the folder of another run",
+        )
+    assert _files(run) == before and not (run / "nested").exists()

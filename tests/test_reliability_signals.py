@@ -1,0 +1,86 @@
+"""Issue 24, signals: SIGTERM / SIGINT during a training (what a scheduler sends before preemption)
+finish the step, write a checkpoint, release the lock and print the command that resumes the run;
+a second signal stops at once and still leaves every file whole and the folder unlocked. The
+signals are real (``os.kill`` of this process from inside a training step, through the CLI)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import yaml
+from click.testing import CliRunner
+from reliability_common import cli_text, tiny_recipe
+
+from loopformer.cli import cli
+from loopformer.runs import load_run
+from loopformer.train.manifest import verify_checkpoint
+from loopformer.train.trainer import Trainer
+
+
+@pytest.fixture
+def recipe(tmp_path) -> Path:
+    path = tmp_path / "recipe.yaml"
+    # no periodic checkpoints: the one the signal writes is the only one
+    path.write_text(yaml.safe_dump(tiny_recipe(train={"steps": 50}), sort_keys=False))
+    return path
+
+
+def _signal_at(monkeypatch, step: int, *signals: int) -> None:
+    original = Trainer.train_step
+
+    def train_step(self):
+        if self.step == step:
+            for sig in signals:
+                os.kill(os.getpid(), sig)
+        return original(self)
+
+    monkeypatch.setattr(Trainer, "train_step", train_step)
+
+
+def _whole(run: Path) -> list[int]:
+    yaml.safe_load((run / "config.yaml").read_text())
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert not (run / ".loopformer.lock").exists()
+    assert not [p for p in run.rglob("*") if ".tmp" in p.name]
+    return steps
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_checkpoints_unlocks_and_prints_the_resume_command(
+    recipe, tmp_path, monkeypatch, sig
+) -> None:
+    run = tmp_path / "run"
+    _signal_at(monkeypatch, 3, sig)
+    result = CliRunner().invoke(cli, ["train", str(recipe), "-o", str(run), "seed=3"])
+    text = cli_text(result)
+    assert result.exit_code == 128 + sig, text[-800:]
+    assert "internal error" not in text and "Traceback" not in text, text[-800:]
+    assert f"training stopped by {signal.Signals(sig).name} after step 4" in text
+    line = " ".join(text.split())
+    assert f"resume with: loopformer train {recipe} seed=3 out_dir={run} --resume" in line, line[-400:]
+    steps = sorted((run / "checkpoints").glob("step_*"))
+    assert [p.name for p in steps] == ["step_00000004"] and verify_checkpoint(steps[0]) is None
+    assert _whole(run) == [1, 2, 3, 4]
+    assert load_run(run).step == 4
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handlers are gone with the training
+    monkeypatch.undo()
+    again = CliRunner().invoke(
+        cli, ["train", str(recipe), "-o", str(run), "seed=3", "train.steps=6", "--resume"]
+    )
+    assert again.exit_code == 0, cli_text(again)
+    assert load_run(run).step == 6 and _whole(run) == [1, 2, 3, 4, 5, 6]  # continued, no step twice
+
+
+def test_a_second_signal_stops_at_once_and_leaves_the_folder_whole(recipe, tmp_path, monkeypatch) -> None:
+    run = tmp_path / "run"
+    _signal_at(monkeypatch, 3, signal.SIGINT, signal.SIGINT)
+    result = CliRunner().invoke(cli, ["train", str(recipe), "-o", str(run)])
+    text = cli_text(result)
+    assert result.exit_code == 1 and "Traceback" not in text and "internal error" not in text, text[-800:]
+    assert "training stopped" not in text  # no checkpoint: it stopped in the step
+    assert not (run / "checkpoints").exists() or not list((run / "checkpoints").glob("step_*"))
+    assert _whole(run) == [1, 2, 3]
