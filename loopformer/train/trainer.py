@@ -25,8 +25,6 @@ trainer on its contiguous shard of each global batch; files, progress bars and l
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import logging
 import math
 import sys
@@ -39,9 +37,6 @@ import torch
 from torch import Tensor
 
 from loopformer.config import RunConfig
-from loopformer.eval.authors import evaluate_authors_trm_deq
-from loopformer.eval.evaluate import evaluate
-from loopformer.eval.lm import evaluate_lm
 from loopformer.loop import LoopConfig
 from loopformer.models.base import LoopedModel, ModelOutput
 from loopformer.nn import autocast
@@ -50,6 +45,7 @@ from loopformer.train import dist, resume
 from loopformer.train.best import BestTracker
 from loopformer.train.checkpoint import quarantine_after
 from loopformer.train.data import Batch, IndexStream, make_batch
+from loopformer.train.evaluation import TrainerEvaluation
 from loopformer.train.losses import (
     accuracy,
     jacobian_frobenius,
@@ -62,7 +58,7 @@ from loopformer.train.modes import SegmentBatch, TrainingMode, make_training_mod
 from loopformer.train.optim import EMA, set_lr
 from loopformer.train.progress import TrainProgress
 from loopformer.train.run_folder import RunFolder
-from loopformer.train.seeding import SALT_CURRICULUM, SALT_INIT, SALT_JAC, seed_everything, step_generator
+from loopformer.train.seeding import SALT_INIT, SALT_JAC, seed_everything, step_generator
 from loopformer.train.setup import (
     build_data,
     configure_process,
@@ -87,7 +83,7 @@ class TrainingDivergedError(RuntimeError):
         self.step, self.quantity, self.value, self.checkpoint = step, quantity, value, checkpoint
 
 
-class Trainer:
+class Trainer(TrainerEvaluation):
     """Train ``config``'s model on its task; ``fit()`` returns a summary dict.
 
     ``model``, ``task``, ``train_data`` and ``eval_data`` override what the config would build
@@ -332,95 +328,6 @@ class Trainer:
             return dist.unused_parameters(self.model, loss_of)
 
     # -- evaluation ----------------------------------------------------------------------------
-    def score(
-        self,
-        dataset: TokenDataset,
-        rows: np.ndarray | None = None,
-        loop: LoopConfig | None = None,
-        check: bool | None = None,
-    ) -> dict[str, Any]:
-        """The current weights on ``dataset`` (rows ``rows``) through ``loopformer.eval.evaluate``: the
-        task's validator (``check``, default ``eval.check``), or loss / bits per byte for a task
-        without one; ``eval.segments`` chained calls, ``eval.max_examples`` rows, sharded by the strategy."""
-        ec = self.config.eval
-        data = dataset if rows is None else dataset.subset(np.asarray(rows))
-        if ec.max_examples and ec.max_examples < len(data):
-            data = data.subset(slice(0, ec.max_examples))
-        kwargs = dict(
-            loop=loop or self.loop_periodic,
-            batch_size=ec.batch_size,
-            device=self.device,
-            seed=self.config.seed,
-            segments=ec.segments,
-            bf16=self.config.bf16,
-            comm=self.strategy,
-        )
-        if self.task is not None and not self.task.has_validator:
-            return evaluate_lm(self.model, self.task, data, **kwargs).summary()
-        return evaluate(
-            self.model, self.task, data, check=ec.check if check is None else check, **kwargs
-        ).summary()
-
-    def score_authors(self, dataset: TokenDataset) -> dict[str, Any]:
-        """The Attractor puzzle authors' evaluation (``eval.protocol``, ``loopformer.eval.authors``)."""
-        ec = self.config.eval
-        data = dataset.subset(slice(0, ec.max_examples)) if 0 < ec.max_examples < len(dataset) else dataset
-        return evaluate_authors_trm_deq(
-            self.model, self.task, data, loop=self.loop_eval, batch_size=ec.batch_size,
-            max_batches=ec.authors_max_batches, calls=ec.segments, exploration=self.config.train.halt_exploration,
-            device=self.device, seed=self.config.seed, check=ec.check, bf16=self.config.bf16, comm=self.strategy,
-        ).summary()  # fmt: skip
-
-    def evaluate(self) -> dict[str, Any]:
-        """Evaluate on the held-out set (EMA weights when ``eval.use_ema`` and an EMA exists) under the
-        trainer's evaluation loop (``loop_periodic`` over ``loop_eval``) and ``eval.protocol``: the clean
-        metrics, the authors' (``authors_trm_deq``), or both (the authors' prefixed ``authors_``)."""
-        if self.eval_data is None or len(self.eval_data) == 0:
-            return {}
-        protocol = self.config.eval.protocol
-        use_ema = self.ema is not None and self.config.eval.use_ema
-        with self.ema.applied(self.model) if use_ema else contextlib.nullcontext():
-            if protocol == "authors_trm_deq":
-                result = self.score_authors(self.eval_data)
-            else:
-                result = self.score(self.eval_data)
-                if protocol == "both":
-                    authors = self.score_authors(self.eval_data)
-                    result.update({f"authors_{k}": v for k, v in authors.items() if k != "protocol"})
-        result["weights"] = "ema" if use_ema else "model"
-        return result
-
-    def _curriculum_check(self) -> None:
-        cur, cc = self.curriculum, self.config.data.curriculum
-        dataset = None
-        if cc.source == "eval" and self.eval_data is not None:
-            rows = cur.current_rows(self.eval_data.difficulty)
-            dataset = self.eval_data if len(rows) else None
-        if dataset is None:
-            dataset = self.train_data
-            rows = cur.current_rows(self.train_data.difficulty)
-            if len(rows) == 0:
-                rows = cur.eligible()
-        if len(rows) > cc.sample:
-            rng = np.random.default_rng([self.config.seed, self.step, SALT_CURRICULUM])
-            rows = np.sort(rng.choice(rows, size=cc.sample, replace=False))
-        loop = self.loop_eval
-        if cc.max_steps and cc.max_steps < loop.max_steps:
-            loop = dataclasses.replace(
-                loop, max_steps=cc.max_steps, min_steps=min(loop.min_steps, cc.max_steps)
-            )
-        acc = self.score(dataset, rows, loop, check=False)["exact_acc"]
-        if cur.update(acc, self.step):
-            self.stream.set_eligible(cur.eligible())
-            if cc.restart_optimizer:  # a fresh optimiser for the new stage (the schedule: schedule_step)
-                self.optimizer.state.clear()
-            log.info(
-                "curriculum: level %s passed (%.3f), now training up to %s",
-                cur.level - cur.step,
-                acc,
-                cur.level,
-            )
-
     # -- the loop ------------------------------------------------------------------------------
     def _after_step(self, metrics: dict[str, Any]) -> None:
         """Curriculum, logging, periodic evaluation and checkpoints after step ``self.step`` (one
