@@ -472,8 +472,8 @@ def _worker(cfg: dict[str, Any], pause: str, conn: Any) -> None:
             time.sleep(60)
         original_manifest(folder)
 
-    def slow_weights(tensors: Any, path: Path, metadata: Any = None) -> None:
-        original_weights(tensors, path, metadata)
+    def slow_weights(tensors: Any, path: Path, metadata: Any = None, root: Any = None) -> None:
+        original_weights(tensors, path, metadata, root)
         if where == "weights" and path.name == "model.safetensors" and step_of(path) == int(at):
             conn.send("mid-checkpoint")
             time.sleep(60)
