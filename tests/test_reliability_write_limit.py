@@ -114,8 +114,8 @@ def test_a_checkpoint_write_past_the_limit_keeps_the_previous_checkpoint(base_ru
     assert sorted(p.name for p in (run / "checkpoints").iterdir())[-1] == f"step_{STEPS:08d}"
 
 
-def test_a_metrics_append_past_the_limit_leaves_whole_lines(base_run, tmp_path) -> None:
-    recipe, base = base_run
+def test_a_metrics_append_past_the_limit_leaves_whole_lines(long_run, tmp_path) -> None:
+    recipe, base = long_run
     run = shutil.copytree(base, tmp_path / "run")
     metrics = run / "metrics.jsonl"
     size, line = metrics.stat().st_size, max(len(x) for x in _lines(metrics))
@@ -123,7 +123,7 @@ def test_a_metrics_append_past_the_limit_leaves_whole_lines(base_run, tmp_path) 
     config = max((run / name).stat().st_size for name in ("config.yaml", "config.json"))
     assert limit > config
     before = metrics.read_bytes()
-    error = _assert_run_intact(run, _resume_under_limit(recipe, run, limit, STEPS + 2), STEPS)
+    error = _assert_run_intact(run, _resume_under_limit(recipe, run, limit, LONG_STEPS + 2), LONG_STEPS)
     assert "metrics.jsonl" in error
     assert metrics.read_bytes() == before  # the torn record was cut back off
 
