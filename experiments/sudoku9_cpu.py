@@ -167,10 +167,21 @@ def probe(args: argparse.Namespace) -> dict[str, Any]:
         "threads": args.threads,
         "load_average": load,
         "steps_15": steps_15,
+    }
+    return _save_probe(args, payload, flops, list(cfgs))
+
+
+def _save_probe(
+    args: argparse.Namespace, payload: dict[str, Any], flops: dict[str, float], names: list[str]
+) -> dict[str, Any]:
+    """``payload`` with the FLOPs and every model's budgets (15 / 30 / 60 minutes = 1 / 2 / 4 x its
+    15-minute step count at FPRM's FLOPs: equal training FLOPs), written to ``runs/probe.json``."""
+    steps_15 = payload["steps_15"]
+    payload = {
+        **payload,
         "flops_per_step": flops,
-        # 15 / 30 / 60 minutes = 1 / 2 / 4 x each model's 15-minute step count (equal FLOPs)
         "budget_steps": {
-            n: [k * max(1, round(steps_15 * flops["fprm"] / flops[n])) for k in (1, 2, 4)] for n in cfgs
+            n: [k * max(1, round(steps_15 * flops["fprm"] / flops[n])) for k in (1, 2, 4)] for n in names
         },
     }
     write_json(args.runs / "probe.json", payload)
@@ -186,18 +197,8 @@ def extend_probe(args: argparse.Namespace, cfgs: dict[str, Any]) -> dict[str, An
     for n, c in cfgs.items():
         if n not in flops:
             flops[n] = flops_per_step(c, steps=2, out_dir=args.runs / "probe")
-    steps_15 = plan["steps_15"]
-    payload = {
-        **plan,
-        "clock_from": str(args.clock.relative_to(REPO) if args.clock.is_relative_to(REPO) else args.clock),
-        "flops_per_step": flops,
-        "budget_steps": {
-            n: [k * max(1, round(steps_15 * flops["fprm"] / flops[n])) for k in (1, 2, 4)] for n in cfgs
-        },
-    }
-    write_json(args.runs / "probe.json", payload)
-    print(json.dumps(payload, indent=1), flush=True)
-    return payload
+    clock = str(args.clock.relative_to(REPO) if args.clock.is_relative_to(REPO) else args.clock)
+    return _save_probe(args, {**plan, "clock_from": clock}, flops, list(cfgs))
 
 
 def train_one(args: argparse.Namespace, name: str) -> None:
