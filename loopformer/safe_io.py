@@ -99,28 +99,12 @@ def atomic_writer(path: str | Path, mode: str = "wb", root: str | Path | None = 
     run or data folder ``path`` must stay inside (``check_inside``). Errors are ``WriteError``s
     naming ``path``; the previous file is untouched and the temporary file removed.
     """
-    path = check_inside(path, root)
     if mode not in ("w", "wb"):
         raise ValueError(f"atomic_writer mode must be 'w' or 'wb', not {mode!r}")
-    tmp = _tmp_name(path)
     kwargs: dict[str, Any] = {} if mode == "wb" else {"encoding": encoding, "newline": newline}
-    try:
-        fh = open(tmp, mode, **kwargs)  # closed below, before the rename
-    except OSError as err:
-        raise _write_error(err, path) from None
-    try:
-        with fh:
-            yield fh
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except OSError as err:
-        tmp.unlink(missing_ok=True)
-        raise _write_error(err, path) from None
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
+    with atomic_path(path, root) as tmp, open(tmp, mode, **kwargs) as fh:  # closed before the rename
+        yield fh
+        fh.flush()
 
 
 @contextmanager
