@@ -117,7 +117,7 @@ EXTREME_ROWS = (
 )
 
 
-def configs(runs: Path, quick: bool) -> dict[str, Any]:
+def configs(runs: Path, quick: bool, extra: list[str] | None = None) -> dict[str, Any]:
     q = (
         [
             "data.train_size=64",
@@ -130,6 +130,7 @@ def configs(runs: Path, quick: bool) -> dict[str, Any]:
         if quick
         else []
     )
+    q = [*q, *(extra or [])]  # --set: e.g. a second seed (seed=1 data.train_seed=1) into its own --runs folder
     cfgs = {"fprm": make_config(RECIPE, [*q, f"out_dir={runs / 'fprm'}"])}
     for name, over in {**BASELINES, **AUTHORS}.items():
         cfgs[name] = make_config(RECIPE, [*q, *over, f"out_dir={runs / name}"])
@@ -140,7 +141,7 @@ def probe(args: argparse.Namespace) -> dict[str, Any]:
     """FPRM s/step at ``args.threads`` threads (median of timed steps after a warm-up) and every model's
     FLOPs/step. ``--clock FILE`` keeps an earlier probe's clock (``steps_15``) and FLOPs (a probe.json or a
     results.json holding one) and counts only the models it lacks, so new rows share the old budgets."""
-    cfgs = configs(args.runs, args.quick)
+    cfgs = configs(args.runs, args.quick, args.set)
     if args.clock is not None:
         return extend_probe(args, cfgs)
     cfg = dataclasses.replace(cfgs["fprm"], out_dir=str(args.runs / "probe"))
@@ -203,7 +204,7 @@ def extend_probe(args: argparse.Namespace, cfgs: dict[str, Any]) -> dict[str, An
 
 def train_one(args: argparse.Namespace, name: str) -> None:
     plan = json.loads((args.runs / "probe.json").read_text())
-    cfg = configs(args.runs, args.quick)[name]
+    cfg = configs(args.runs, args.quick, args.set)[name]
     budgets = [b for b, m in zip(plan["budget_steps"][name], MINUTES) if m <= args.max_minutes]
     first, last = budgets[0], budgets[-1]
     cfg.train.steps = last
@@ -392,7 +393,7 @@ def _frac(mask: np.ndarray) -> float | None:
 
 def evaluate(args: argparse.Namespace) -> None:
     plan = json.loads((args.runs / "probe.json").read_text())
-    cfg = configs(args.runs, args.quick)["fprm"]
+    cfg = configs(args.runs, args.quick, args.set)["fprm"]
     task = SudokuTask(9)
     eval_set = task.generate(
         16 if args.quick else args.eval_size, seed=cfg.data.eval_seed, min_blanks=20, max_blanks=60
@@ -621,6 +622,13 @@ def main() -> None:
         type=Path,
         default=None,
         help="keep this probe's clock and FLOPs (probe.json or results.json)",
+    )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an override for every model's config (repeatable), e.g. --set seed=1 --set data.train_seed=1",
     )
     parser.add_argument("--runs", type=Path, default=REPO / "runs" / "sudoku9")
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "figures" / "sudoku9")
