@@ -35,6 +35,7 @@ from loopformer.config import RunConfig, build_config, read_recipe
 from loopformer.eval.evaluate import batch_tensors, iter_batches, score_predictions
 from loopformer.loop import LoopConfig
 from loopformer.models.base import LoopedModel
+from loopformer.safe_io import atomic_write_text
 from loopformer.tasks.base import Task, TokenDataset
 from loopformer.train.trainer import Trainer
 
@@ -81,8 +82,9 @@ def train(cfg: RunConfig) -> tuple[Trainer, dict[str, Any]]:
 def flops_per_step(cfg: RunConfig, steps: int = 3, out_dir: str | Path = "runs/fprm_probe") -> float:
     """Mean forward + backward FLOPs of one training step of ``cfg`` (after one warm-up step)."""
     probe = dataclasses.replace(cfg, out_dir=str(out_dir))
-    probe.data = dataclasses.replace(cfg.data, train_size=min(cfg.data.train_size, 4 * cfg.train.batch_size),
-                                     eval_size=0)
+    probe.data = dataclasses.replace(
+        cfg.data, train_size=min(cfg.data.train_size, 4 * cfg.train.batch_size), eval_size=0
+    )
     torch.set_num_threads(1)
     trainer = Trainer(probe)
     trainer.train_step()
@@ -134,7 +136,12 @@ class EvalPass:
 
 @torch.no_grad()
 def run_eval(
-    model: LoopedModel, task: Task, dataset: TokenDataset, loop: LoopConfig, batch_size: int = 256, seed: int = 0
+    model: LoopedModel,
+    task: Task,
+    dataset: TokenDataset,
+    loop: LoopConfig,
+    batch_size: int = 256,
+    seed: int = 0,
 ) -> EvalPass:
     """Evaluate ``model`` with ``loop`` (initial iterate from a generator seeded with ``seed``)."""
     model.eval()
@@ -157,8 +164,9 @@ def run_eval(
         valid.append(va)
         exact.append(ex)
     cat = np.concatenate
-    return EvalPass(cat(diff), cat(steps), cat(conv).astype(bool), cat(valid), cat(exact), np.asarray(final),
-                    traces)
+    return EvalPass(
+        cat(diff), cat(steps), cat(conv).astype(bool), cat(valid), cat(exact), np.asarray(final), traces
+    )
 
 
 def oscillation_stats(traces: list[np.ndarray], tol: float, window: int = 16) -> dict[str, Any]:
@@ -197,7 +205,7 @@ def write_json(path: Path, payload: Any) -> None:
             return str(o)
         raise TypeError(f"cannot serialise {type(o).__name__}")
 
-    path.write_text(json.dumps(payload, indent=1, default=default) + "\n")
+    atomic_write_text(path, json.dumps(payload, indent=1, default=default) + "\n")
 
 
 def pyplot() -> Any:
