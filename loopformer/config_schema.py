@@ -209,7 +209,7 @@ class TrainConfig:
     )
     wandb_project: str = "loopformer"
     wandb_mode: Literal["online", "offline", "disabled"] = "online"
-    threads: int = 0  # CPU threads; 0 = physical cores
+    threads: int = 0  # CPU threads; 0 = auto: 1 for models below 2M parameters, else one per physical core
     # multi-process (torchrun), see loopformer/train/dist.py
     strategy: Literal["ddp", "fsdp"] = "ddp"
     sync_halting: bool = (
