@@ -132,6 +132,9 @@ def test_push_then_load_by_hub_id(tiny_run: Path, tmp_path: Path, monkeypatch) -
     assert "# fprm on sudoku" in card and "arXiv:2606.18206" in card and "held-out accuracy" in card
     summary = json.loads((tiny_run / "summary.json").read_text())
     assert f"{summary['eval']['exact_acc']:.4f}" in card
+    # the usage lines name the repository pushed to, no OWNER/NAME placeholder (issue 25)
+    assert "loopformer eval me/tiny-sudoku" in card and "loopformer.load('me/tiny-sudoku')" in card
+    assert "OWNER" not in card and "<owner>" not in card
     assert api.calls[0] == ("create_repo", "me/tiny-sudoku", False) and sent["commit"] == "abc123"
 
     calls = []
@@ -156,6 +159,11 @@ def test_push_then_load_by_hub_id(tiny_run: Path, tmp_path: Path, monkeypatch) -
     assert result.exit_code == 0, result.output
     folder = CliRunner().invoke(cli, ["push", str(tiny_run), "me/x", "--to-folder", str(tmp_path / "staged")])
     assert folder.exit_code == 0 and (tmp_path / "staged" / "README.md").is_file()
+    assert "loopformer.load('me/x')" in (tmp_path / "staged" / "README.md").read_text()
+    from loopformer.hub import model_card
+
+    unnamed = model_card({}, None, "fprm", 1)  # no repository known: a placeholder that says so
+    assert "loopformer.load('<owner>/<name>')" in unnamed and "Replace `<owner>/<name>`" in unnamed
 
 
 def test_missing_run_and_missing_hub_library(tmp_path: Path, monkeypatch) -> None:

@@ -63,7 +63,12 @@ class CleanErrorGroup(click.Group):
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
-        except (click.ClickException, click.exceptions.Exit, click.Abort, KeyboardInterrupt):
+        except KeyboardInterrupt:
+            if debug_enabled(ctx):
+                raise
+            click.echo(interrupted_message(ctx.invoked_subcommand), err=True)
+            ctx.exit(130)  # 128 + SIGINT, as for a process the signal killed
+        except (click.ClickException, click.exceptions.Exit, click.Abort):
             raise
         except BrokenPipeError:
             raise  # the reader went away (loopformer recipes | head): click exits quietly
@@ -71,6 +76,19 @@ class CleanErrorGroup(click.Group):
             if debug_enabled(ctx):
                 raise
             raise click.ClickException(one_line(err)) from None
+
+
+def interrupted_message(command: str | None) -> str:
+    """What a Ctrl-C that reached the command line stopped, instead of click's bare "Aborted!"."""
+    name = f"loopformer {command}" if command else "loopformer"
+    text = f"interrupted (Ctrl-C): {name} stopped before it finished"
+    if command in ("train", "run"):
+        return text + (
+            "; a training stops cleanly on the first Ctrl-C (it writes a checkpoint and prints the command "
+            "that resumes it); this was a second one or came outside the training loop: resume from the last "
+            "checkpoint written with train.resume=true"
+        )
+    return text + "; files are written atomically, so nothing half-written was left behind"
 
 
 def parse_pairs(pairs: tuple[str, ...] | list[str], what: str) -> dict[str, Any]:

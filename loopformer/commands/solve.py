@@ -185,6 +185,9 @@ def solve(
             )
             console.print(render(tokens, pred))
         previous = pred
+    legend = marks_legend(task, console.is_terminal)
+    if legend:
+        console.print(legend)
     verdict = "[bold green]VALID[/bold green]" if valid else "[bold red]INVALID[/bold red]"
     console.print(f"\nanswer after {steps} loop(s): {verdict} (judged by the task's independent validator)")
     if givens["status"] in ("contradictory", "unsolvable"):
@@ -198,6 +201,17 @@ def _think(
     on NaN / inf logits or states."""
     solution = solve_puzzle(run, tokens, max_steps=max_steps, puzzle_id=puzzle_id)
     return solution.trajectory, solution.tokens
+
+
+def marks_legend(task: Task, colour: bool) -> str:
+    """What the board's marks mean, for tasks whose ``render`` marks cells (Sudoku): '' for others."""
+    if getattr(task, "name", "") != "sudoku":
+        return ""
+    if colour:
+        return ("\nbold: a given; [cyan]cyan[/cyan]: filled in by the model; [bold red]!x![/bold red]: breaks a "
+                "rule (changes a given, or repeats in a row, column or box)")  # fmt: skip
+    return ("\nx: a given; (x): filled in by the model; !x!: breaks a rule (changes a given, or repeats in a "
+            "row, column or box)")  # fmt: skip
 
 
 def _renderer(task: Task, colour: bool) -> Any:
