@@ -67,7 +67,7 @@ __all__ = [
     "validate",
 ]
 
-CHECKPOINT_META_KEYS = ("family", "step")  # written next to the config in checkpoints
+CHECKPOINT_META_KEYS = ("family", "step", "plugins")  # written next to the config in checkpoints
 RECIPE_DIR = Path(__file__).resolve().parent / "recipes"  # shipped in the wheel; ./recipes links here
 
 
