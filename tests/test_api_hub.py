@@ -54,6 +54,12 @@ def test_load_and_solve_match_the_cli(tiny_run: Path) -> None:
     assert {k: cli_json[k] for k in ("solution_tokens", "valid", "steps")} == {
         k: mine[k] for k in ("solution_tokens", "valid", "steps")
     }  # the CLI is built on loopformer.solve
+    # one type per field in Python and JSON (issue 25): text as text, tokens as tokens; to_dict() is the record
+    assert mine == sol.to_dict() and {k: cli_json[k] for k in mine} == mine
+    assert isinstance(sol.answer, str | None) and cli_json["solution"] == sol.answer
+    assert cli_json["trajectory"] == sol.trajectory_text and all(isinstance(t, str | None) for t in sol.trajectory_text)
+    assert cli_json["trajectory_tokens"] == [f.tolist() for f in sol.trajectory]
+    assert cli_json["puzzle"] == sol.puzzle_text == task.format_grid(task.parse_grid(PUZZLE))
     capped = loopformer.solve(str(tiny_run), PUZZLE, max_steps=1)  # a path works too
     assert capped.steps == 1
     tokens = loopformer.solve(run, task.parse_grid(PUZZLE))  # token ids work too
