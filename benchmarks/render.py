@@ -94,7 +94,7 @@ METHODS = {
     "threads": (
         "11. CPU threads for the CPU recipes",
         "Seconds per training step of the default job (FPRM, 4x4 Sudoku) and `sudoku4_trm` at "
-        "`train.threads=1` vs `2`, interleaved rounds, from each run's own step clock (steps 2..15); "
+        "`train.threads=1` vs `2`, interleaved rounds, from each run's own step clock (steps 2..8); "
         "ratio = 2 threads / 1 thread (above 1: two threads slower). Measured on the machine as loaded "
         "as it was (load average in the details).",
     ),
