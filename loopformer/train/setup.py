@@ -77,8 +77,9 @@ def configure_process(tc: TrainConfig, env: DistEnv, device: torch.device) -> No
 
 
 # train.threads: 0 (auto) gives models below this many parameters one CPU thread: at the CPU recipes' sizes
-# (the default job, sudoku4_trm: ~0.1M-0.5M parameters) a second thread bought nothing on an idle core and
-# cost several times over on a loaded 2-core machine (benchmarks/bench_threads.py, docs/performance.md)
+# (the default job: 0.11M parameters) a second thread made a training step 54x slower on the loaded 2-core
+# development machine (1.3 s vs 69 s per step, load average ~14; benchmarks/bench_threads.py,
+# docs/performance.md); with tensors this small there is little for a second thread to gain even when idle
 SMALL_MODEL_PARAMETERS = 2_000_000
 
 
