@@ -84,6 +84,20 @@ METHODS = {
         "Ratio = loopformer / reference (< 1: loopformer faster). Configurations and the substitutions "
         "made to run the references on CPU are listed per model.",
     ),
+    "startup": (
+        "10. Command start-up",
+        "User CPU seconds of `python -m loopformer --help` and `python -m loopformer recipes` in a fresh "
+        "process (`resource.getrusage(RUSAGE_CHILDREN)` around each), the two interleaved, median of the "
+        "repeats; the load average before and after is in the details. Target: under 1 CPU-second on an "
+        "idle machine (neither command imports torch, scipy or matplotlib: tests/test_startup.py).",
+    ),
+    "threads": (
+        "11. CPU threads for the CPU recipes",
+        "Seconds per training step of the default job (FPRM, 4x4 Sudoku) and `sudoku4_trm` at "
+        "`train.threads=1` vs `2`, interleaved rounds, from each run's own step clock (steps 2..8); "
+        "ratio = 2 threads / 1 thread (above 1: two threads slower). Measured on the machine as loaded "
+        "as it was (load average in the details).",
+    ),
 }
 
 
@@ -230,7 +244,7 @@ def render(results: list[dict[str, Any]], info: dict[str, Any]) -> str:
         "",
         "```",
         "python -m benchmarks                 # everything at CPU size: writes benchmarks/results.json and this page",
-        "python -m benchmarks --only solvers  # one benchmark (engine, flops, memory, halting, solvers, compile, generation, reference)",
+        "python -m benchmarks --only solvers  # one benchmark (engine, flops, memory, halting, solvers, compile, generation, data, reference, startup, threads)",
         "LOOPFORMER_REFS=/path/to/checkouts python -m benchmarks --only reference   # vs the authors' code",
         "python -m benchmarks --quick         # tiniest sizes (what tests/test_benchmarks_smoke.py runs)",
         "pip install -c constraints.txt torchdeq==0.1.0   # for the TorchDEQ comparison (else it is skipped)",

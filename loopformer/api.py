@@ -4,6 +4,7 @@
     run = loopformer.load("runs/sudoku")            # a run folder, checkpoint folder or hub id (owner/name)
     sol = loopformer.solve(run, "5...27..9..41......1..5.3...")
     sol.answer, sol.valid, sol.steps, sol.trajectory
+    sol.to_dict()                                   # exactly the fields of `loopformer solve --json`
 
 ``load`` returns a ``LoadedRun``: ``.model`` (EMA weights when the run keeps them), ``.task``, ``.config``
 (the resolved run configuration) and ``.loop_eval`` (the evaluation loop: solver, halting, cap).
@@ -12,6 +13,12 @@
 every loop of every segment (the logit lens of ``loopformer.eval.analysis.trace_loops``); ``valid`` is the
 task's independent validator's verdict, never a comparison with a stored label.  ``loopformer solve``
 prints exactly this.
+
+Types, the same in Python and in ``solve --json`` (``Solution.to_dict()`` is the JSON record's source): an
+answer's *text* is the task's notation (``Task.format_grid``) or None when the prediction is no well-formed
+grid, its *tokens* are token ids. ``answer`` (JSON ``solution``) and ``trajectory_text`` (JSON
+``trajectory``) are text; ``tokens`` (JSON ``solution_tokens``) and ``trajectory`` (JSON
+``trajectory_tokens``) are tokens: numpy arrays in Python, lists of ints in JSON.
 """
 
 from __future__ import annotations
@@ -44,12 +51,14 @@ class Solution:
     task: str
     puzzle: np.ndarray
     tokens: np.ndarray  # the answer's tokens after the last loop
-    answer: str | list[int]  # the answer in the task's text format (grid string) or as token ids
+    answer: str | None  # the answer's text (task.format_grid); None when it is no well-formed grid
     valid: bool  # the task's independent validator (task.check)
     steps: int  # loops run, summed over the segments
-    trajectory: list[np.ndarray] = field(repr=False)  # the answer read out after loop 1, 2, ..., steps
+    trajectory: list[np.ndarray] = field(repr=False)  # the answer's tokens read out after loop 1, 2, ..., steps
     checkpoint: str = ""
     weights: str = ""
+    trajectory_text: list[str | None] = field(default_factory=list, repr=False)  # the text of each of them
+    puzzle_text: str | None = None  # the puzzle's text
 
     def changes(self) -> list[int]:
         """Tokens changed at each loop (the first loop counts every token)."""
@@ -60,11 +69,16 @@ class Solution:
         return out
 
     def to_dict(self, task: Task | None = None) -> dict[str, Any]:
-        fmt = (lambda t: format_answer(task, t)) if task is not None else (lambda t: [int(x) for x in t])
-        return {"task": self.task, "puzzle": fmt(self.puzzle), "solution": self.answer,
+        """The ``solve --json`` fields (text as text, tokens as lists of ints); ``task`` recomputes the texts."""
+        puzzle, text = self.puzzle_text, self.trajectory_text
+        if task is not None or len(text) != len(self.trajectory):
+            if task is None:
+                raise ValueError("Solution.to_dict: the texts were not recorded; pass the task")
+            puzzle, text = format_answer(task, self.puzzle), [format_answer(task, f) for f in self.trajectory]
+        return {"task": self.task, "puzzle": puzzle, "solution": self.answer,
                 "solution_tokens": [int(t) for t in self.tokens], "valid": self.valid, "steps": self.steps,
-                "trajectory": [fmt(f) for f in self.trajectory], "checkpoint": self.checkpoint,
-                "weights": self.weights}  # fmt: skip
+                "trajectory": text, "trajectory_tokens": [[int(x) for x in f] for f in self.trajectory],
+                "checkpoint": self.checkpoint, "weights": self.weights}  # fmt: skip
 
 
 def parse_puzzle(task: Task, puzzle: str | np.ndarray | list[int]) -> np.ndarray:
@@ -82,13 +96,13 @@ def parse_puzzle(task: Task, puzzle: str | np.ndarray | list[int]) -> np.ndarray
     return tokens
 
 
-def format_answer(task: Task, tokens: np.ndarray) -> str | list[int]:
+def format_answer(task: Task, tokens: np.ndarray) -> str | None:
     """The task's text form of a token array (``Task.format_grid``: a grid string, by default the token
-    ids joined by spaces); the token ids when the prediction is no well-formed grid."""
+    ids joined by spaces); None when the prediction is no well-formed grid (its tokens say what it is)."""
     try:
         return task.format_grid(tokens)
     except (TaskDataError, ValueError, IndexError):
-        return [int(t) for t in tokens]
+        return None
 
 
 @torch.no_grad()
@@ -134,7 +148,8 @@ def solve(model: LoadedRun | str | Path, puzzle: str | np.ndarray | list[int], m
         )
     final = final_logits[0].argmax(-1).cpu().numpy()
     return Solution(task.name, tokens, final, format_answer(task, final), bool(task.check(tokens, final)),
-                    len(frames), frames, str(run.path), run.weights)  # fmt: skip
+                    len(frames), frames, str(run.path), run.weights, [format_answer(task, f) for f in frames],
+                    format_answer(task, tokens))  # fmt: skip
 
 
 def _puzzle_ids(run: LoadedRun, puzzle_id: int | None, device: torch.device) -> torch.Tensor | None:

@@ -1,24 +1,146 @@
-"""The ``loopformer`` command: run | train | eval | solve | models | data | convert.
+"""The ``loopformer`` command: run | train | eval | solve | models | data | convert | push | recipes.
 
-Built on click: subcommands live in ``loopformer.commands`` and are attached here. Errors (bad config
-keys, missing or corrupt checkpoints, wrong task or model) print one line and exit with status 1; ``--debug`` (or
+Built on click: subcommands live in ``loopformer.commands`` and are imported only when they run (or
+print their own ``--help``), so ``loopformer --help`` and ``loopformer recipes`` never import torch,
+scipy or matplotlib (``LazyGroup``; ``tests/test_startup.py``). Errors (bad config keys, missing or
+corrupt checkpoints, wrong task or model) print one line and exit with status 1; ``--debug`` (or
 ``LOOPFORMER_DEBUG=1``) shows the traceback instead.
+
+Before a command runs, user code is loaded (``loopformer.plugins``): the ``loopformer.plugins`` entry
+points of installed distributions, the modules in ``LOOPFORMER_IMPORT`` (comma-separated) and those
+given with ``--import MODULE`` (repeatable), in that order.
 """
 
 from __future__ import annotations
+
+import importlib
+from typing import Any
 
 import click
 
 from loopformer.commands.common import CleanErrorGroup
 
+# name -> (where the command object lives, its one-line summary for ``loopformer --help``); the summary
+# is the first sentence of the command's own help (tests/test_startup.py checks they agree)
+LAZY_COMMANDS: dict[str, tuple[str, str]] = {
+    "convert": (
+        "loopformer.commands.convert:convert",
+        "Turn an authors' checkpoint (a PyTorch state dict, "
+        "loaded with weights_only=True) into a run folder that `loopformer eval`, `solve` and the "
+        "analyses accept.",
+    ),
+    "data": (
+        "loopformer.cli:_data_group",
+        "Generate, show and summarise task datasets (``loopformer data TASK ...`` generates).",
+    ),
+    "eval": (
+        "loopformer.commands.train_eval:evaluate_cmd",
+        "Evaluate CHECKPOINT (a run folder or checkpoint folder) on its held-out set; write a report.",
+    ),
+    "models": (
+        "loopformer.commands.models:models",
+        "Every registered model family with its parameter count at paper size and at the default CPU size.",
+    ),
+    "push": (
+        "loopformer.hub:push_cmd",
+        "Share RUN's latest checkpoint as hub model REPO_ID (owner/name) with a generated model card.",
+    ),
+    "recipes": (
+        "loopformer.commands.recipes:recipes",
+        "List the shipped recipes (use one by name: loopformer train NAME).",
+    ),
+    "run": (
+        "loopformer.commands.run:run",
+        "Train the recipe's looped model and an equal-size plain transformer, evaluate both, report.",
+    ),
+    "solve": (
+        "loopformer.commands.solve:solve",
+        "Solve PUZZLE with a trained model, printing the answer as the loop refines it.",
+    ),
+    "train": (
+        "loopformer.commands.train_eval:train",
+        "Train the model of RECIPE (a name in recipes/ or a path); OVERRIDES are key=value pairs.",
+    ),
+}
 
-@click.group(cls=CleanErrorGroup, context_settings={"help_option_names": ["-h", "--help"]})
+
+def _data_group() -> click.Group:
+    """``loopformer data`` with its ``prepare`` subcommand attached."""
+    from loopformer.commands.data import data
+    from loopformer.data_prepare import prepare_cmd
+
+    if "prepare" not in data.commands:
+        data.add_command(prepare_cmd)
+    return data
+
+
+def load_command(name: str) -> click.Command:
+    """The click command ``name`` of ``LAZY_COMMANDS``, imported now."""
+    module, _, attr = LAZY_COMMANDS[name][0].partition(":")
+    obj: Any = getattr(importlib.import_module(module), attr)
+    return obj() if not isinstance(obj, click.Command) else obj
+
+
+class LazyGroup(CleanErrorGroup):
+    """A group whose subcommands (``LAZY_COMMANDS``) are imported only when one is looked up to run; the
+    group's own ``--help`` lists them from their summaries without importing any."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(set(super().list_commands(ctx)) | set(LAZY_COMMANDS))
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name not in self.commands and cmd_name in LAZY_COMMANDS:
+            self.add_command(load_command(cmd_name), cmd_name)
+        return super().get_command(ctx, cmd_name)
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        rows = []
+        limit = formatter.width - 6 - max((len(n) for n in self.list_commands(ctx)), default=0)
+        for name in self.list_commands(ctx):
+            cmd = self.commands.get(name)
+            if cmd is not None:
+                if not cmd.hidden:
+                    rows.append((name, cmd.get_short_help_str(limit)))
+            else:
+                rows.append((name, _shorten(LAZY_COMMANDS[name][1], limit)))
+        if rows:
+            with formatter.section("Commands"):
+                formatter.write_dl(rows)
+
+
+def _shorten(text: str, limit: int) -> str:
+    """``text`` cut at a word boundary to ``limit`` characters, with '...' when cut (as click does)."""
+    if len(text) <= limit:
+        return text
+    cut = text[: max(limit - 3, 1)].rsplit(" ", 1)[0]
+    return cut.rstrip(" ,;") + "..."
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="loopformer")
 @click.option("--debug", is_flag=True, help="show the full traceback on errors")
 @click.option("--quiet", "-q", is_flag=True, help="only warnings and errors from the loopformer loggers")
-def cli(debug: bool, quiet: bool) -> None:
+@click.option(
+    "--import",
+    "imports",
+    multiple=True,
+    metavar="MODULE",
+    help="import MODULE first (repeatable): user plug-ins (tasks, models, solvers, ...) register themselves; "
+    "also LOOPFORMER_IMPORT=mod1,mod2",
+)
+def cli(debug: bool, quiet: bool, imports: tuple[str, ...]) -> None:
     """Looped transformers that think until they converge."""
     setup_logging(quiet)
+    load_user_code(imports)
+
+
+def load_user_code(imports: tuple[str, ...] | list[str] = ()) -> None:
+    """The ``loopformer.plugins`` entry points, then the ``LOOPFORMER_IMPORT`` modules, then ``imports``."""
+    from loopformer.plugins import ENV_VAR, env_modules, import_modules, load_entry_points
+
+    load_entry_points()
+    import_modules(env_modules(), ENV_VAR)
+    import_modules(list(imports), "--import")
 
 
 def setup_logging(quiet: bool = False) -> None:
@@ -39,25 +161,10 @@ def setup_logging(quiet: bool = False) -> None:
 
 
 def _attach_subcommands() -> None:
-    from loopformer.commands.convert import convert
-    from loopformer.commands.data import data
-    from loopformer.commands.models import models
-    from loopformer.commands.run import run
-    from loopformer.commands.solve import solve
-    from loopformer.commands.train_eval import evaluate_cmd, train
-
-    for command in (run, train, evaluate_cmd, solve, models, data, convert):
-        cli.add_command(command)
-    from loopformer.commands.recipes import recipes
-    from loopformer.data_prepare import prepare_cmd
-    from loopformer.hub import push_cmd
-
-    data.add_command(prepare_cmd)
-    cli.add_command(push_cmd)
-    cli.add_command(recipes)
-
-
-_attach_subcommands()
+    """Import and attach every subcommand now (what importing this module did in earlier releases)."""
+    ctx = click.Context(cli)
+    for name in LAZY_COMMANDS:
+        cli.get_command(ctx, name)
 
 
 def main() -> None:

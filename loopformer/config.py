@@ -67,7 +67,7 @@ __all__ = [
     "validate",
 ]
 
-CHECKPOINT_META_KEYS = ("family", "step")  # written next to the config in checkpoints
+CHECKPOINT_META_KEYS = ("family", "step", "plugins")  # written next to the config in checkpoints
 RECIPE_DIR = Path(__file__).resolve().parent / "recipes"  # shipped in the wheel; ./recipes links here
 
 
@@ -112,7 +112,7 @@ def coerce(value: Any, tp: Any, path: str) -> Any:
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
     if origin is Annotated:  # Annotated[str, Registered(...)] (config_schema): one of the registry's names
-        return coerce(value, Literal[tuple(tp.__metadata__[0].names())], path)
+        return tp.__metadata__[0].check(value, path, lambda names: coerce(value, Literal[tuple(names)], path))
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
@@ -227,9 +227,9 @@ def _model_spec(data: Mapping[str, Any], path: str) -> ModelSpec:
 
 def _model_fields(name: str, fields_: Mapping[str, Any], path: str) -> dict[str, Any]:
     """Family config fields coerced to their types (nested LoopConfig tables included)."""
-    from loopformer.models.registry import MODELS, model_classes
+    from loopformer.models.registry import MODELS, known_model, model_classes
 
-    if name not in MODELS:
+    if not known_model(name):
         raise ConfigError(f"{_join(path, 'name')}: unknown model {name!r}{_suggest(name, list(MODELS))}")
     _, config_cls = model_classes(name)
     hints = _hints(config_cls)

@@ -14,10 +14,27 @@ class Registered:
     plug-ins registered outside the package are valid values and the list of choices is the registry's."""
 
     registry: str
+    base: str = ""  # "module:Class" every plug-in of the registry subclasses (for module:Class values)
 
     def names(self) -> list[str]:
         module, attr = self.registry.split(":")
         return list(getattr(importlib.import_module(module), attr))
+
+    def check(self, value: Any, path: str, choose: Any) -> Any:
+        """``value`` when it is a registered name (``choose(names)`` checks that) or a ``module:Class`` path
+        to a subclass of ``base``, which is imported and registered under that path."""
+        from loopformer.plugins import is_class_path, load_entry_points, resolve_class
+
+        if is_class_path(value) and self.base:
+            module, attr = self.registry.split(":")
+            registry = getattr(importlib.import_module(module), attr)
+            base_module, base_name = self.base.split(":")
+            base = getattr(importlib.import_module(base_module), base_name)
+            registry.setdefault(value, resolve_class(value, base, path))
+            return value
+        if isinstance(value, str) and value not in self.names():
+            load_entry_points()
+        return choose(self.names())
 
 
 # --------------------------------------------------------------------------------------------
@@ -98,7 +115,7 @@ class TrainConfig:
     """Optimisation, the training loop mode and logging / checkpoint cadence."""
 
     # a registered training mode (loopformer.train.modes.TRAINING_MODES): simple | deep_supervision | ...
-    mode: Annotated[str, Registered("loopformer.train.modes:TRAINING_MODES")] = "simple"
+    mode: Annotated[str, Registered("loopformer.train.modes:TRAINING_MODES", "loopformer.train.modes:TrainingMode")] = "simple"
     steps: int = 1000
     batch_size: int = 64
     # optimiser (AdamW) and schedule
@@ -192,7 +209,7 @@ class TrainConfig:
     )
     wandb_project: str = "loopformer"
     wandb_mode: Literal["online", "offline", "disabled"] = "online"
-    threads: int = 0  # CPU threads; 0 = physical cores
+    threads: int = 0  # CPU threads; 0 = auto: 1 for models below 2M parameters, else one per physical core
     # multi-process (torchrun), see loopformer/train/dist.py
     strategy: Literal["ddp", "fsdp"] = "ddp"
     sync_halting: bool = (

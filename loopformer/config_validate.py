@@ -290,10 +290,10 @@ def _check_model(cfg: RunConfig) -> None:
 
 
 def _check_task(cfg: RunConfig) -> None:
-    from loopformer.tasks.registry import TASKS, task_class
+    from loopformer.tasks.registry import TASKS, known_task, task_class
 
     d = cfg.data
-    if d.task not in TASKS:
+    if not known_task(d.task):
         from loopformer.config import _suggest
 
         raise ConfigError(f"data.task: unknown task {d.task!r}{_suggest(d.task, list(TASKS))}")

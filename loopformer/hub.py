@@ -89,9 +89,12 @@ def _family_papers(family: str, name: str) -> list[tuple[str, str]]:
     return out or list(PAPERS.values())
 
 
-def model_card(config: dict[str, Any], summary: dict[str, Any] | None, family: str, step: int) -> str:
-    """The README.md of a pushed model, from its config.json and summary.json."""
+def model_card(config: dict[str, Any], summary: dict[str, Any] | None, family: str, step: int,
+               repo_id: str | None = None) -> str:  # fmt: skip
+    """The README.md of a pushed model, from its config.json and summary.json; ``repo_id`` (owner/name, the
+    ``push`` target) fills the usage lines, else they name ``<owner>/<name>`` and say to replace it."""
     summary = summary or {}
+    hub_id = repo_id or "<owner>/<name>"
     data, model = config.get("data", {}), config.get("model", {})
     task = data.get("task", "?")
     name = model.get("name", family)
@@ -129,8 +132,9 @@ def model_card(config: dict[str, Any], summary: dict[str, Any] | None, family: s
               f"- training: {config.get('train', {}).get('steps', '?')} steps, batch "
               f"{config.get('train', {}).get('batch_size', '?')}, lr {config.get('train', {}).get('lr', '?')}",
               f"- recipe / overrides: {summary.get('recipe', 'see config.json')} {summary.get('overrides', '')}".rstrip(),
-              "", "```bash", "pip install 'loopformer[hub]'", "loopformer eval OWNER/NAME --device auto",
-              "```", "", "```python", "import loopformer", "run = loopformer.load('OWNER/NAME')",
+              "", *([] if repo_id else ["Replace `<owner>/<name>` below with this model's hub id.", ""]),
+              "```bash", "pip install 'loopformer[hub]'", f"loopformer eval {hub_id} --device auto",
+              "```", "", "```python", "import loopformer", f"run = loopformer.load('{hub_id}')",
               "loopformer.solve(run, '<puzzle>')", "```", "", "## Cite", ""]  # fmt: skip
     lines += [
         f"- {title}, arXiv:{arxiv} (https://arxiv.org/abs/{arxiv})"
@@ -142,8 +146,9 @@ def model_card(config: dict[str, Any], summary: dict[str, Any] | None, family: s
 # ------------------------------------------------------------------------------------------- push
 
 
-def stage_run(run: str | Path, folder: Path) -> dict[str, Any]:
-    """Copy what a pushed model holds into ``folder``; returns {"checkpoint", "step", "family", "files"}."""
+def stage_run(run: str | Path, folder: Path, repo_id: str | None = None) -> dict[str, Any]:
+    """Copy what a pushed model holds into ``folder`` (the model card names ``repo_id``); returns
+    {"checkpoint", "step", "family", "files"}."""
     from loopformer.train.checkpoint import resolve_checkpoint
 
     ckpt = resolve_checkpoint(run)
@@ -161,7 +166,7 @@ def stage_run(run: str | Path, folder: Path) -> dict[str, Any]:
             atomic_copy(candidate, folder / "summary.json", root=folder)
             files.append("summary.json")
             break
-    card = model_card(raw, summary, str(raw.get("family", "")), int(raw.get("step", 0)))
+    card = model_card(raw, summary, str(raw.get("family", "")), int(raw.get("step", 0)), repo_id)
     atomic_write_text(folder / "README.md", card, root=folder)
     files.append("README.md")
     return {
@@ -183,7 +188,7 @@ def push(run: str | Path, repo_id: str, private: bool = False, revision: str | N
     if api is None:
         api = _hub().HfApi(token=token)
     with tempfile.TemporaryDirectory() as tmp:
-        staged = stage_run(run, Path(tmp))
+        staged = stage_run(run, Path(tmp), repo_id)
         api.create_repo(repo_id, repo_type="model", private=private, exist_ok=True)
         commit = api.upload_folder(folder_path=tmp, repo_id=repo_id, repo_type="model", revision=revision,
                                    commit_message=message or f"loopformer push: step {staged['step']}")  # fmt: skip
@@ -210,7 +215,7 @@ def _command() -> Any:
             from loopformer.output_folder import staged_output
 
             with staged_output(to_folder, "push", overwrite, "--to-folder") as tmp:  # swapped in whole
-                staged = stage_run(run, tmp)
+                staged = stage_run(run, tmp, repo_id if parse_hub_id(repo_id) else None)
             click.echo(f"wrote {', '.join(staged['files'])} to {to_folder} (step {staged['step']})")
             return
         sent = push(run, repo_id, private=private, revision=revision, message=message)

@@ -54,6 +54,12 @@ def test_load_and_solve_match_the_cli(tiny_run: Path) -> None:
     assert {k: cli_json[k] for k in ("solution_tokens", "valid", "steps")} == {
         k: mine[k] for k in ("solution_tokens", "valid", "steps")
     }  # the CLI is built on loopformer.solve
+    # one type per field in Python and JSON (issue 25): text as text, tokens as tokens; to_dict() is the record
+    assert mine == sol.to_dict() and {k: cli_json[k] for k in mine} == mine
+    assert isinstance(sol.answer, str | None) and cli_json["solution"] == sol.answer
+    assert cli_json["trajectory"] == sol.trajectory_text and all(isinstance(t, str | None) for t in sol.trajectory_text)
+    assert cli_json["trajectory_tokens"] == [f.tolist() for f in sol.trajectory]
+    assert cli_json["puzzle"] == sol.puzzle_text == task.format_grid(task.parse_grid(PUZZLE))
     capped = loopformer.solve(str(tiny_run), PUZZLE, max_steps=1)  # a path works too
     assert capped.steps == 1
     tokens = loopformer.solve(run, task.parse_grid(PUZZLE))  # token ids work too
@@ -132,6 +138,9 @@ def test_push_then_load_by_hub_id(tiny_run: Path, tmp_path: Path, monkeypatch) -
     assert "# fprm on sudoku" in card and "arXiv:2606.18206" in card and "held-out accuracy" in card
     summary = json.loads((tiny_run / "summary.json").read_text())
     assert f"{summary['eval']['exact_acc']:.4f}" in card
+    # the usage lines name the repository pushed to, no OWNER/NAME placeholder (issue 25)
+    assert "loopformer eval me/tiny-sudoku" in card and "loopformer.load('me/tiny-sudoku')" in card
+    assert "OWNER" not in card and "<owner>" not in card
     assert api.calls[0] == ("create_repo", "me/tiny-sudoku", False) and sent["commit"] == "abc123"
 
     calls = []
@@ -156,6 +165,11 @@ def test_push_then_load_by_hub_id(tiny_run: Path, tmp_path: Path, monkeypatch) -
     assert result.exit_code == 0, result.output
     folder = CliRunner().invoke(cli, ["push", str(tiny_run), "me/x", "--to-folder", str(tmp_path / "staged")])
     assert folder.exit_code == 0 and (tmp_path / "staged" / "README.md").is_file()
+    assert "loopformer.load('me/x')" in (tmp_path / "staged" / "README.md").read_text()
+    from loopformer.hub import model_card
+
+    unnamed = model_card({}, None, "fprm", 1)  # no repository known: a placeholder that says so
+    assert "loopformer.load('<owner>/<name>')" in unnamed and "Replace `<owner>/<name>`" in unnamed
 
 
 def test_missing_run_and_missing_hub_library(tmp_path: Path, monkeypatch) -> None:

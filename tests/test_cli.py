@@ -91,6 +91,23 @@ def test_solve_json_on_a_trained_checkpoint(tiny_run: Path) -> None:
     text = CliRunner().invoke(cli, ["solve", "sudoku", PUZZLE, "-c", str(tiny_run)])
     assert text.exit_code == 0, text.output
     assert "loop 1" in text.output and ("VALID" in text.output)
+    # the plain-text marks are explained (issue 25)
+    assert "(x): filled in by the model; !x!: breaks a rule" in " ".join(text.output.split())
+
+
+def test_ctrl_c_says_what_it_interrupted(monkeypatch: pytest.MonkeyPatch) -> None:
+    from loopformer.commands import models as models_cmd
+
+    def interrupted() -> list:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(models_cmd, "model_rows", interrupted)
+    result = CliRunner().invoke(cli, ["models"])
+    assert result.exit_code == 130 and "Aborted!" not in result.output
+    assert "interrupted (Ctrl-C): loopformer models stopped" in result.output
+    from loopformer.commands.common import interrupted_message
+
+    assert "train.resume=true" in interrupted_message("train")
 
 
 def test_eval_writes_report_matching_evaluate(tiny_run: Path, tmp_path: Path) -> None:

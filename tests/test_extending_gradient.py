@@ -1,6 +1,6 @@
 """A gradient mode defined outside the package: one class, registered, used by run_loop and training.
 
-The worked example of docs/architecture.md ("Extending loopformer", gradient mode): an exact
+The worked example of docs/extending.md (gradient mode): an exact
 implicit gradient for small states, which builds each sample's Jacobian J^T with one
 vector-Jacobian product per state coordinate and solves (I - J^T) u = v densely instead of
 iterating. On a float64 linear map it must equal the closed form (I - W)^-T c to round-off.

@@ -1,6 +1,6 @@
 """A halting rule defined outside the package: one class, registered, used by run_loop and training.
 
-The worked example of docs/architecture.md ("Extending loopformer", halting rule): stop a sample
+The worked example of docs/extending.md (halting rule): stop a sample
 once its step ||z_{t+1} - z_t|| has fallen to ``drop`` times its first step (per-sample state:
 the first step). On the map f(z) = a_i z + x_i with Picard, z_{t+1} - z_t = a_i^t (z_1 - z_0), so
 sample i stops after exactly t_i + 1 iterations with t_i = ceil(log(drop) / log|a_i|).

@@ -1,5 +1,5 @@
 """A model family defined outside the package, registered, trained by ``Trainer`` from a config
-and evaluated (the worked example of docs/architecture.md, "Extending loopformer: a model family").
+and evaluated (the worked example of docs/extending.md, "a model family").
 
 The family is a gated recurrent cell looped by the engine: ``embed`` returns the token embedding
 as the context, ``init_state`` zeros, ``step`` one GRU-style update ``z <- (1 - g) z + g tanh(W z + U x)``

@@ -1,6 +1,6 @@
 """A solver defined outside the package: one class, registered, used by run_loop and by training.
 
-The worked example of docs/architecture.md ("Extending loopformer", solver): over-relaxation
+The worked example of docs/extending.md (solver): over-relaxation
 ``z <- (1 - omega) z + omega f(z)`` with its own typed option ``omega``. On a float64 linear map
 with eigenvalues in [-0.9, 0.5] the optimal omega = 2 / (2 - lo - hi) = 2 / 2.4 shrinks the
 iteration's spectral radius from 0.9 (Picard) to 0.583, so it must reach the closed-form fixed

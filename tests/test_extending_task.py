@@ -1,5 +1,5 @@
 """A task defined outside the package, with its own validator, registered, trained and evaluated
-through the command line (the worked example of docs/architecture.md, "Extending loopformer: a task").
+through the command line (the worked example of docs/extending.md, "a task").
 
 The task: every input token ``x`` in ``[0, K)`` must be answered by its successor ``(x + 1) mod K``
 at the same position. ``check`` judges a prediction from the input alone (it never reads a label),

@@ -1,6 +1,6 @@
 """A training mode defined outside the package, registered and selected by ``train.mode``.
 
-The worked example of docs/architecture.md ("Extending loopformer: a training mode"): a depth
+The worked example of docs/extending.md ("a training mode"): a depth
 curriculum that runs ``1 + step // 2`` loops at step ``step`` (capped at ``loop_train.max_steps``)
 on a fresh batch, and carries the deepest loop it has reached, so a resumed run continues the
 count. The test checks that the trainer called the mode's hook with the segment count the mode

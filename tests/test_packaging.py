@@ -73,7 +73,9 @@ def test_print_config_is_the_resolved_config(tmp_path) -> None:
 
 
 def _commands(group: click.Group, prefix: str = ""):
-    for name, command in group.commands.items():
+    ctx = click.Context(group)  # list_commands / get_command: the top-level commands are loaded lazily
+    for name in group.list_commands(ctx):
+        command = group.get_command(ctx, name)
         yield f"{prefix}{name}", command
         if isinstance(command, click.Group):
             yield from _commands(command, f"{prefix}{name} ")

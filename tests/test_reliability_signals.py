@@ -80,7 +80,9 @@ def test_a_second_signal_stops_at_once_and_leaves_the_folder_whole(recipe, tmp_p
     _signal_at(monkeypatch, 3, signal.SIGINT, signal.SIGINT)
     result = CliRunner().invoke(cli, ["train", str(recipe), "-o", str(run)])
     text = cli_text(result)
-    assert result.exit_code == 1 and "Traceback" not in text and "internal error" not in text, text[-800:]
+    # 128 + SIGINT, as for the first signal's TrainingInterrupted; a message instead of click's "Aborted!"
+    assert result.exit_code == 130 and "Traceback" not in text and "internal error" not in text, text[-800:]
+    assert "interrupted (Ctrl-C): loopformer train stopped" in text and "Aborted!" not in text
     assert "training stopped" not in text  # no checkpoint: it stopped in the step
     assert not (run / "checkpoints").exists() or not list((run / "checkpoints").glob("step_*"))
     assert _whole(run) == [1, 2, 3]

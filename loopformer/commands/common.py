@@ -1,5 +1,6 @@
 """Shared pieces of the ``loopformer`` commands: one-line errors, argument parsing; checkpoint + task
-loading (``load_run``) lives in ``loopformer.runs``.
+loading (``load_run``) lives in ``loopformer.runs`` (re-exported here, imported on first use: this module
+is what ``loopformer --help`` loads, and it must not import torch).
 
 Every command raises ordinary exceptions (``ConfigError``, ``CheckpointError``, ``TaskDataError``,
 ``KeyError`` from the registries, ``FileNotFoundError``...); ``CleanErrorGroup`` turns any of them
@@ -11,17 +12,20 @@ from __future__ import annotations
 
 import errno
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
-from loopformer.runs import LoadedRun, eval_dataset, load_run, training_depth
+if TYPE_CHECKING:
+    from loopformer.runs import LoadedRun, eval_dataset, load_run, training_depth
+
+_FROM_RUNS = ("LoadedRun", "eval_dataset", "load_run", "training_depth")
 
 # exceptions whose message is already meant for the user
 _USER_ERRORS = ("ConfigError", "CheckpointError", "TaskDataError", "FileNotFoundError", "KeyError",
                 "ValueError", "TrainingDivergedError", "PermissionError", "NotADirectoryError",
                 "IsADirectoryError", "NotImplementedError", "RunFolderError", "NumericalFaultError",
-                "DataFormatError", "WriteError", "UnsafePathError", "TrainingInterrupted")
+                "DataFormatError", "WriteError", "UnsafePathError", "TrainingInterrupted", "PluginError")
 # OSErrors that say something about the user's files or machine, not about loopformer's code
 _ENVIRONMENT_ERRNOS = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM,
                        errno.ENOTDIR, errno.EISDIR, errno.ENOENT, errno.EEXIST, errno.ENAMETOOLONG, errno.EIO,
@@ -59,7 +63,12 @@ class CleanErrorGroup(click.Group):
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
-        except (click.ClickException, click.exceptions.Exit, click.Abort, KeyboardInterrupt):
+        except KeyboardInterrupt:
+            if debug_enabled(ctx):
+                raise
+            click.echo(interrupted_message(ctx.invoked_subcommand), err=True)
+            ctx.exit(130)  # 128 + SIGINT, as for a process the signal killed
+        except (click.ClickException, click.exceptions.Exit, click.Abort):
             raise
         except BrokenPipeError:
             raise  # the reader went away (loopformer recipes | head): click exits quietly
@@ -67,6 +76,19 @@ class CleanErrorGroup(click.Group):
             if debug_enabled(ctx):
                 raise
             raise click.ClickException(one_line(err)) from None
+
+
+def interrupted_message(command: str | None) -> str:
+    """What a Ctrl-C that reached the command line stopped, instead of click's bare "Aborted!"."""
+    name = f"loopformer {command}" if command else "loopformer"
+    text = f"interrupted (Ctrl-C): {name} stopped before it finished"
+    if command in ("train", "run"):
+        return text + (
+            "; a training stops cleanly on the first Ctrl-C (it writes a checkpoint and prints the command "
+            "that resumes it); this was a second one or came outside the training loop: resume from the last "
+            "checkpoint written with train.resume=true"
+        )
+    return text + "; files are written atomically, so nothing half-written was left behind"
 
 
 def parse_pairs(pairs: tuple[str, ...] | list[str], what: str) -> dict[str, Any]:
@@ -97,6 +119,15 @@ def parse_int_list(text: str | None, what: str) -> list[int]:
         raise click.BadParameter(f"step counts must be >= 1, got {text!r}", param_hint=what)
     return values
 
+
+def __getattr__(name: str) -> Any:
+    """``LoadedRun`` / ``eval_dataset`` / ``load_run`` / ``training_depth`` from ``loopformer.runs``, imported
+    on first use (it imports torch)."""
+    if name in _FROM_RUNS:
+        from loopformer import runs
+
+        return getattr(runs, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = ["CleanErrorGroup", "LoadedRun", "eval_dataset", "load_run", "one_line", "parse_int_list",

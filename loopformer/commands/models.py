@@ -2,7 +2,8 @@
 
 Paper size comes from each model module's ``paper_config()`` (the papers' sizes, docs/fidelity.md); the CPU
 size is the family's config-class defaults (what a recipe starts from). Per-puzzle embedding
-tables are excluded, as the papers count.
+tables are excluded, as the papers count. Models are built on the ``meta`` device (``meta_model``): no
+weights are allocated (tests/test_models_count.py checks the counts against real models).
 """
 
 from __future__ import annotations
@@ -24,12 +25,17 @@ DESCRIPTIONS = {
 }
 
 
-def _count(model_cls: type, config: Any) -> int:
+def meta_model(model_cls: type, config: Any) -> Any:
+    """``model_cls(config)`` built on the ``meta`` device: shapes only, no memory and no initialisation cost
+    (the 27M-parameter paper models count in milliseconds)."""
     import torch
 
-    with torch.device("meta"):  # no memory and no init cost for the 27M-parameter models
-        model = model_cls(config)
-    return int(model.num_parameters())
+    with torch.device("meta"):
+        return model_cls(config)
+
+
+def _count(model_cls: type, config: Any) -> int:
+    return int(meta_model(model_cls, config).num_parameters())
 
 
 def model_rows() -> list[dict[str, Any]]:

@@ -17,6 +17,7 @@ from typing import Any
 import click
 import numpy as np
 
+from loopformer.api import format_answer as answer_text
 from loopformer.api import solve as solve_puzzle
 from loopformer.commands.common import load_run
 from loopformer.devices import device_option, resolve_device
@@ -55,7 +56,8 @@ def check_givens(task: Task, tokens: np.ndarray) -> dict[str, Any]:
 
 
 # solve --json: schema (str), task, puzzle, solution (str | null: not a well-formed grid), solution_tokens (list[int] | null), valid (bool),
-# steps (int | null), trajectory (list[str | null] | null), checkpoint, weights (str), givens ({status, detail}), error (str | null)
+# steps (int | null), trajectory (list[str | null] | null), trajectory_tokens (list[list[int]] | null), checkpoint,
+# weights (str), givens ({status, detail}), error (str | null): loopformer.Solution.to_dict() plus givens / error
 SOLVE_JSON_KEYS = (
     "schema",
     "task",
@@ -66,6 +68,7 @@ SOLVE_JSON_KEYS = (
     "valid",
     "steps",
     "trajectory",
+    "trajectory_tokens",
     "checkpoint",
     "weights",
     "error",
@@ -79,13 +82,7 @@ def solve_record(**values: Any) -> dict[str, Any]:
     return record
 
 
-def format_answer(task: Task, tokens: np.ndarray) -> str | None:
-    """The task's text for ``tokens`` (its CSV grid encoding; None for a prediction that is no well-formed
-    grid), or the token ids joined by spaces for a task without a grid text."""
-    try:
-        return task.format_grid(tokens)
-    except (TaskDataError, ValueError, IndexError):
-        return None
+format_answer = answer_text  # the task's text for tokens, None for no well-formed grid (loopformer.api)
 
 
 @click.command("solve")
@@ -141,7 +138,8 @@ def solve(
         "weights": run.weights,
     }
     try:
-        frames, final = _think(run, tokens, max_steps, puzzle_id)
+        solution = solve_puzzle(run, tokens, max_steps=max_steps, puzzle_id=puzzle_id)
+        frames, final = solution.trajectory, solution.tokens
     except NumericalFaultError as err:
         if as_json:
             click.echo(json.dumps(solve_record(**common, valid=False, error=str(err))))
@@ -151,14 +149,7 @@ def solve(
     if as_json:
         click.echo(
             json.dumps(
-                solve_record(
-                    **common,
-                    solution=format_answer(task, final),
-                    solution_tokens=[int(t) for t in final],
-                    valid=valid,
-                    steps=steps,
-                    trajectory=[format_answer(task, f) for f in frames],
-                )
+                solve_record(**{**solution.to_dict(), **common, "valid": valid})
             )
         )
         return
@@ -185,19 +176,24 @@ def solve(
             )
             console.print(render(tokens, pred))
         previous = pred
+    legend = marks_legend(task, console.is_terminal)
+    if legend:
+        console.print(legend)
     verdict = "[bold green]VALID[/bold green]" if valid else "[bold red]INVALID[/bold red]"
     console.print(f"\nanswer after {steps} loop(s): {verdict} (judged by the task's independent validator)")
     if givens["status"] in ("contradictory", "unsolvable"):
         console.print(f"the puzzle itself is {givens['status']}: no valid answer exists")
 
 
-def _think(
-    run: Any, tokens: np.ndarray, max_steps: int | None, puzzle_id: int | None = None
-) -> tuple[list[np.ndarray], np.ndarray]:
-    """(the answer read out at every loop, the final answer) from ``loopformer.solve``; NumericalFaultError
-    on NaN / inf logits or states."""
-    solution = solve_puzzle(run, tokens, max_steps=max_steps, puzzle_id=puzzle_id)
-    return solution.trajectory, solution.tokens
+def marks_legend(task: Task, colour: bool) -> str:
+    """What the board's marks mean, for tasks whose ``render`` marks cells (Sudoku): '' for others."""
+    if getattr(task, "name", "") != "sudoku":
+        return ""
+    if colour:
+        return ("\nbold: a given; [cyan]cyan[/cyan]: filled in by the model; [bold red]!x![/bold red]: breaks a "
+                "rule (changes a given, or repeats in a row, column or box)")  # fmt: skip
+    return ("\nx: a given; (x): filled in by the model; !x!: breaks a rule (changes a given, or repeats in a "
+            "row, column or box)")  # fmt: skip
 
 
 def _renderer(task: Task, colour: bool) -> Any:

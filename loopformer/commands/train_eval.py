@@ -171,6 +171,10 @@ def evaluate_cmd(checkpoint: str, max_steps: str | None, budget_mode: str, task_
     budgets = parse_int_list(max_steps, "--max-steps")
     dev = resolve_device(device)
     run = load_run(checkpoint, use_ema=ema, config_overrides=tuple(overrides), device=str(dev), best=best)
+    from loopformer.train.dist import DistEnv
+    from loopformer.train.setup import set_cpu_threads
+
+    set_cpu_threads(run.config.train, DistEnv(), dev, run.model)  # the run's train.threads rule, logged
     with autocast(dev, run.config.bf16):  # evaluate in the precision the run trained in
         _evaluate(run, examples, out_dir, budgets, budget_mode, lens_loops, analyses, overwrite)
 

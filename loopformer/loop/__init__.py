@@ -5,7 +5,7 @@ see engine.py for the loop, state.py for its per-call state, solvers.py / quasi_
 (picard, FPRM damped, Anderson, Broyden), halting.py / act.py (fixed, residual, LTG KL+entropy,
 Graves ACT), grad.py / implicit.py (bptt, truncated, onestep, neumann, IFT), norms.py and
 samplers.py (training loop counts). A new solver, halting rule or gradient mode is one class
-registered in ``SOLVERS``, ``HALTINGS`` or ``GRADS`` (docs/architecture.md, "Extending loopformer").
+registered in ``SOLVERS``, ``HALTINGS`` or ``GRADS`` (docs/extending.md).
 """
 
 from loopformer.loop.config import GROUPS, LEGACY_NAMES, LoopConfig

@@ -122,8 +122,9 @@ class LoopConfig:
     def _validate(self) -> None:
         self.halting = HALTING_ALIASES.get(self.halting, self.halting)
         for name, registry in (("solver", SOLVERS), ("halting", HALTINGS), ("grad", GRADS)):
-            allowed = registry.names() + (tuple(HALTING_ALIASES) if name == "halting" else ())
-            _choice(name, getattr(self, name), allowed)
+            if getattr(self, name) not in registry:  # registered, module:Class or from an entry point
+                allowed = registry.names() + (tuple(HALTING_ALIASES) if name == "halting" else ())
+                _choice(name, getattr(self, name), allowed)
         _choice("residual_norm", self.residual_norm, RESIDUAL_NORMS)
         _choice("state_dtype", self.state_dtype, tuple(STATE_DTYPES))
         _integer("max_steps", self.max_steps, 1)

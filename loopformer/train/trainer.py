@@ -67,6 +67,7 @@ from loopformer.train.setup import (
     make_curriculum,
     make_optimizer,
     prepare_model,
+    set_cpu_threads,
 )
 from loopformer.train.stop import StopSignals, TrainingInterrupted
 from loopformer.train.strategy import Strategy, make_strategy
@@ -109,6 +110,7 @@ class Trainer(TrainerEvaluation):
             config, task, train_data, eval_data, model is not None
         )
         self.model = prepare_model(config, model, self.task, self.train_data, self.device)
+        self.threads = set_cpu_threads(tc, self.strategy.env, self.device, self.model)
         self.loop_train: LoopConfig = config.loop_config(self.model.config.loop, "train")
         self.loop_eval: LoopConfig = config.loop_config(self.model.config.loop, "eval")
         # the trainer's own evaluations (periodic, final; they choose train.keep_best): loop_periodic over loop_eval
