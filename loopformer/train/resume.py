@@ -5,7 +5,9 @@ the weights (FSDP: gathered to full tensors by the strategy), the EMA, and ``tra
 the optimiser (in the strategy's layout, tagged ``optimizer_layout``), the data stream, the
 curriculum, the training mode's carried state (``carry``), the RNG states and the elapsed time.
 ``resume_folder`` finds the folder ``train.resume`` names (``true``: the run's newest good one, by
-its manifest; none -> a fresh start) and ``restore(trainer, folder)`` loads every piece back. Under torchrun every rank
+its manifest; none -> a fresh start; only corrupt ones -> an error naming them), ``check(trainer,
+folder)`` refuses another run's checkpoint or a config that changes the training stream
+(``loopformer.train.resume_checks``) and ``restore(trainer, folder)`` loads every piece back. Under torchrun every rank
 calls ``save`` (the mode's carry is gathered); only rank 0 writes.
 """
 
@@ -26,6 +28,7 @@ from loopformer.train.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
+from loopformer.train.resume_checks import check_config, check_origin, no_good_checkpoint
 
 if TYPE_CHECKING:
     from loopformer.train.trainer import Trainer
@@ -83,12 +86,22 @@ def resume_folder(resume: bool | str, ckpt_dir: Path) -> Path | None:
         return None
     if resume is True:
         folder, skipped = latest_good_checkpoint(ckpt_dir)
+        if folder is None and skipped:  # checkpoints, none of them usable: never a silent restart
+            raise no_good_checkpoint(ckpt_dir, skipped)
         for reason in skipped:
             log.warning("resume: skipped %s", reason)
         if folder is None:
             log.info("resume: no usable checkpoint in %s, starting from scratch", ckpt_dir)
         return folder
     return resolve_checkpoint(resume)
+
+
+def check(tr: Trainer, folder: Path) -> None:
+    """Before ``restore``: ``folder`` is this run's (or this run is a new branch of it, recorded) and
+    the config trains the same stream (or the change is allowed and recorded): ``resume_checks``."""
+    main = tr.strategy.is_main
+    tr.resumed_origin = check_origin(folder, tr.ckpt_dir, tr.run_dir, write=main)
+    tr.config_changes = check_config(tr.config, folder, tr.run_dir, write=main)
 
 
 def restore(tr: Trainer, folder: Path) -> None:
