@@ -39,18 +39,26 @@ def _checkpoint_alone(name: str, dest: Path, file: str = "step_1") -> Path:
 def test_convert_without_a_reference_config_is_refused_unless_allow_defaults(tmp_path) -> None:
     ckpt = _checkpoint_alone("trm_attn", tmp_path / "ref")
     out = tmp_path / "run"
-    fails_cleanly(_convert("trm", str(ckpt), "-o", str(out)), "--config", "--allow-defaults", "all_config.yaml")
+    fails_cleanly(
+        _convert("trm", str(ckpt), "--out", str(out)), "--config", "--allow-defaults", "all_config.yaml"
+    )
     assert not out.exists() or not any(out.iterdir())
-    result = _convert("trm", str(ckpt), "-o", str(out), "--allow-defaults", "--set", "model.seq_len=16")
+    result = _convert(
+        "trm", str(ckpt), "-o", str(out), "--allow-defaults", "--set", "model.seq_len=16"
+    )  # -o too
     assert result.exit_code == 0, cli_text(result)
     assert "defaults" in result.output  # said, not silent
 
 
 def test_convert_attractor_reads_the_config_beside_the_checkpoint_or_says_what_is_missing(tmp_path) -> None:
-    result = _convert("attractor", str(FIXTURES / "attractor_lm" / "model.pt"), "-o", str(tmp_path / "run"))
+    result = _convert(
+        "attractor", str(FIXTURES / "attractor_lm" / "model.pt"), "--out", str(tmp_path / "run")
+    )
     assert result.exit_code == 0, cli_text(result)  # attractor_lm/config.json, found beside model.pt
     alone = _checkpoint_alone("attractor_lm", tmp_path / "ref", "model.pt")
-    text = fails_cleanly(_convert("attractor", str(alone), "-o", str(tmp_path / "other")), "--config", "config.json")
+    text = fails_cleanly(
+        _convert("attractor", str(alone), "--out", str(tmp_path / "other")), "--config", "config.json"
+    )
     assert "LayerNorm" not in text
 
 
@@ -70,9 +78,9 @@ def test_the_set_an_error_suggests_makes_the_conversion_go_through(tmp_path, mis
         config["data_paths"] = ["data/my-puzzles"]  # a name the converter cannot read a task from
     (ckpt.parent / "all_config.yaml").write_text(yaml.safe_dump(config))
     out = tmp_path / "run"
-    text = fails_cleanly(_convert("trm", str(ckpt), "-o", str(out)), "--set")
+    text = fails_cleanly(_convert("trm", str(ckpt), "--out", str(out)), "--set")
     fix = _suggestion(text).replace("=N", "=16").replace("=...", "=sudoku")
-    result = _convert("trm", str(ckpt), "-o", str(out), "--set", fix, "--set", "data.options={size: 4}")
+    result = _convert("trm", str(ckpt), "--out", str(out), "--set", fix, "--set", "data.options={size: 4}")
     assert result.exit_code == 0, cli_text(result)
     saved = yaml.safe_load((out / "config.yaml").read_text())
     key, value = fix.split("=", 1)
@@ -84,7 +92,7 @@ def test_the_set_an_error_suggests_makes_the_conversion_go_through(tmp_path, mis
 def test_converted_trm_and_hrm_carry_the_sign_sgd_puzzle_embedding_optimiser(tmp_path, system) -> None:
     name = "trm_attn" if system == "trm" else "hrm"
     out = tmp_path / "run"
-    result = _convert(system, str(FIXTURES / name / "step_1"), "-o", str(out))
+    result = _convert(system, str(FIXTURES / name / "step_1"), "--out", str(out))
     assert result.exit_code == 0, cli_text(result)
     train = yaml.safe_load((out / "config.yaml").read_text())["train"]
     ref = yaml.safe_load((FIXTURES / name / "all_config.yaml").read_text())
@@ -97,7 +105,7 @@ def test_a_float64_checkpoint_keeps_float64_initial_states(tmp_path) -> None:
     state = torch.load(FIXTURES / "trm_attn" / "step_1", weights_only=True)
     assert state["model.inner.H_init"].dtype == torch.float64
     out = tmp_path / "run"
-    result = _convert("trm", str(FIXTURES / "trm_attn" / "step_1"), "-o", str(out))
+    result = _convert("trm", str(FIXTURES / "trm_attn" / "step_1"), "--out", str(out))
     assert result.exit_code == 0, cli_text(result)
     saved = load_file(str(out / "checkpoints" / "step_00000000" / "model.safetensors"))
     for mine, theirs in (("y_init", "H_init"), ("z_init", "L_init")):
@@ -106,4 +114,6 @@ def test_a_float64_checkpoint_keeps_float64_initial_states(tmp_path) -> None:
     from loopformer.runs import load_run
 
     model = load_run(out).model
-    assert model.y_init.dtype == torch.float64 and torch.equal(model.y_init.cpu(), state["model.inner.H_init"])
+    assert model.y_init.dtype == torch.float64 and torch.equal(
+        model.y_init.cpu(), state["model.inner.H_init"]
+    )

@@ -63,7 +63,9 @@ def test_resume_from_another_runs_checkpoint_into_this_run_is_refused(recipe, tr
     assert _files(mine) == before and _files(other) == before_other  # nothing written anywhere
 
 
-def test_resume_from_another_runs_checkpoint_into_a_new_folder_records_its_origin(recipe, trained, tmp_path) -> None:
+def test_resume_from_another_runs_checkpoint_into_a_new_folder_records_its_origin(
+    recipe, trained, tmp_path
+) -> None:
     other = _copy(trained, tmp_path / "other")
     before_other = _files(other)
     branch = tmp_path / "branch"
@@ -106,7 +108,9 @@ def test_resume_with_a_config_that_changes_the_stream_is_refused(recipe, trained
 
 def test_allow_config_change_resumes_and_records_the_change(recipe, trained, tmp_path) -> None:
     run = _copy(trained, tmp_path / "run")
-    result = _train(recipe, run, "--resume", "train.steps=4", "seed=7", "train.lr=0.002", "--allow-config-change")
+    result = _train(
+        recipe, run, "--resume", "train.steps=4", "seed=7", "train.lr=0.002", "--allow-config-change"
+    )
     assert result.exit_code == 0, cli_text(result)
     lines = (run / "config_changes.jsonl").read_text().splitlines()
     assert len(lines) == 1

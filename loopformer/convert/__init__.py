@@ -169,12 +169,12 @@ def read_reference_config(path: str | Path | None) -> dict[str, Any]:
 # the loopformer config values given with ``--set`` (nested, as a recipe), visible to the key mappings
 # while they run: a mapping that cannot tell a value (``model.seq_len``, ``data.task``) reads it here,
 # so the ``--set`` its error message suggests is what makes the conversion go through
-_GIVEN: ContextVar[dict[str, Any]] = ContextVar("loopformer_convert_given", default={})
+_GIVEN: ContextVar[dict[str, Any] | None] = ContextVar("loopformer_convert_given", default=None)
 
 
 def given(key: str) -> Any:
     """The value of the dotted loopformer config ``key`` given with ``--set`` (None when not given)."""
-    node: Any = _GIVEN.get()
+    node: Any = _GIVEN.get() or {}
     for part in key.split("."):
         if not isinstance(node, dict) or part not in node:
             return None
@@ -187,10 +187,6 @@ def parse_given(overrides: Iterable[str]) -> dict[str, Any]:
     from loopformer.config import apply_overrides
 
     return apply_overrides({}, list(overrides))
-
-
-class NoReferenceConfig(CheckpointError):
-    """A conversion without the reference's configuration, which would silently take its defaults."""
 
 
 def converter(system: str) -> Callable[[dict[str, Tensor], dict[str, Any]], Converted]:
@@ -239,7 +235,7 @@ def convert_checkpoint(
     ``loopformer convert``, swapped into ``out_dir`` afterwards); the config still names ``out_dir``.
     ``overrides`` (``--set``) are parsed first and visible to the mapping (``given``). Without
     ``config_file`` (nor one found beside the checkpoint) the conversion is refused
-    (``NoReferenceConfig``) unless ``allow_defaults``.
+    (``CheckpointError``) unless ``allow_defaults``.
     """
     from loopformer.config import save_config
     from loopformer.train.checkpoint import save_checkpoint
@@ -254,7 +250,7 @@ def convert_checkpoint(
     if config_file is None and not allow_defaults:
         beside = getattr(importlib.import_module(CONVERTERS[system]), "CONFIG_NAMES", ())
         looked = f" (looked for {', '.join(beside)} beside it)" if beside else ""
-        raise NoReferenceConfig(
+        raise CheckpointError(
             f"convert {system}: no reference configuration for {checkpoint}{looked}; without it the "
             f"architecture, loop and training settings would be the reference's defaults, which differ from "
             f"most checkpoints' (e.g. TRM's evaluation loop length). Pass --config FILE (the training "

@@ -86,7 +86,9 @@ def _free(key: str, current: dict[str, Any]) -> bool:
     if key in STREAM_FREE:
         return True
     if key == "train.steps":
-        taper = current.get("train.optimizer") == "muon_adamw" and current.get("train.muon_weight_decay_taper")
+        taper = current.get("train.optimizer") == "muon_adamw" and current.get(
+            "train.muon_weight_decay_taper"
+        )
         return current.get("train.schedule") == "constant" and not taper
     if key.startswith(("eval.", "loop_eval", "loop_periodic")):
         return not current.get("data.curriculum.enabled")
@@ -107,7 +109,9 @@ def config_changes(saved: dict[str, Any], current: RunConfig) -> dict[str, dict[
     return changes
 
 
-def check_config(config: RunConfig, folder: Path, run_dir: Path, write: bool = True) -> dict[str, dict[str, Any]]:
+def check_config(
+    config: RunConfig, folder: Path, run_dir: Path, write: bool = True
+) -> dict[str, dict[str, Any]]:
     """Compare ``config`` with the checkpoint ``folder``'s; refuse a stream change unless
     ``train.allow_config_change``, which records it in ``run_dir/config_changes.jsonl`` (``write``:
     rank 0). Returns the changes."""
