@@ -259,6 +259,14 @@ def convert_checkpoint(
     token = _GIVEN.set(given_values)
     try:
         converted = fn(state, read_reference_config(config_file))
+    except (CheckpointError, ValueError, NotImplementedError) as err:
+        if config_file is not None:
+            raise
+        # a setting the mapping refuses is then the reference's default, not the checkpoint's: say so
+        raise CheckpointError(
+            f"{err} (converted without a reference configuration, so this is the reference's default "
+            f"setting, not necessarily the checkpoint's: pass --config FILE)"
+        ) from None
     finally:
         _GIVEN.reset(token)
     if config_file is None:
