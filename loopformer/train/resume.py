@@ -28,7 +28,13 @@ from loopformer.train.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from loopformer.train.resume_checks import check_config, check_origin, no_good_checkpoint
+from loopformer.train.resume_checks import (
+    check_config,
+    check_origin,
+    no_good_checkpoint,
+    record_changes,
+    record_origin,
+)
 
 if TYPE_CHECKING:
     from loopformer.train.trainer import Trainer
@@ -97,11 +103,19 @@ def resume_folder(resume: bool | str, ckpt_dir: Path) -> Path | None:
 
 
 def check(tr: Trainer, folder: Path) -> None:
-    """Before ``restore``: ``folder`` is this run's (or this run is a new branch of it, recorded) and
-    the config trains the same stream (or the change is allowed and recorded): ``resume_checks``."""
-    main = tr.strategy.is_main
-    tr.resumed_origin = check_origin(folder, tr.ckpt_dir, tr.run_dir, write=main)
-    tr.config_changes = check_config(tr.config, folder, tr.run_dir, write=main)
+    """Before ``restore``: ``folder`` is this run's (or this run is a new branch of it) and the config
+    trains the same stream (or the change is allowed): ``loopformer.train.resume_checks``."""
+    tr.resumed_origin = check_origin(folder, tr.ckpt_dir, tr.run_dir)
+    tr.config_changes = check_config(tr.config, folder, tr.run_dir)
+
+
+def record(tr: Trainer, folder: Path) -> None:
+    """After ``restore`` (rank 0): the branch's ``origin.json`` and the allowed config change."""
+    if not tr.strategy.is_main:
+        return
+    if tr.resumed_origin is not None:
+        record_origin(tr.run_dir, folder, tr.resumed_origin, tr.step)
+    record_changes(tr.run_dir, folder, tr.step, tr.config_changes)
 
 
 def restore(tr: Trainer, folder: Path) -> None:

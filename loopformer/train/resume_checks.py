@@ -109,39 +109,41 @@ def config_changes(saved: dict[str, Any], current: RunConfig) -> dict[str, dict[
     return changes
 
 
-def check_config(
-    config: RunConfig, folder: Path, run_dir: Path, write: bool = True
-) -> dict[str, dict[str, Any]]:
-    """Compare ``config`` with the checkpoint ``folder``'s; refuse a stream change unless
-    ``train.allow_config_change``, which records it in ``run_dir/config_changes.jsonl`` (``write``:
-    rank 0). Returns the changes."""
+def check_config(config: RunConfig, folder: Path, run_dir: Path) -> dict[str, dict[str, Any]]:
+    """The stream-changing differences between ``config`` and the checkpoint ``folder``'s; refused
+    (CheckpointError listing them) unless ``train.allow_config_change`` (``record_changes`` then
+    writes them once the checkpoint is loaded)."""
     saved = _read_json(folder / "config.json")
     if not isinstance(saved, dict):
         raise CheckpointError(f"{folder / 'config.json'} does not hold a config object")
     changes = config_changes(saved, config)
-    if not changes:
-        return changes
-    listed = "; ".join(f"{k}: {v['old']!r} -> {v['new']!r}" for k, v in changes.items())
-    if not config.train.allow_config_change:
+    if changes and not config.train.allow_config_change:
+        listed = "; ".join(f"{k}: {v['old']!r} -> {v['new']!r}" for k, v in changes.items())
         raise CheckpointError(
             f"resume: this config differs from the one checkpoint {folder} was trained with in "
             f"{', '.join(changes)} ({listed}); a resume continues the same training, so these must match. "
             f"Resume with the run's config, or pass --allow-config-change (train.allow_config_change=true) "
             f"to continue with the change (recorded in {run_dir / CHANGES})"
         )
-    if write:
-        record = {"time": _now(), "step": saved.get("step"), "checkpoint": str(folder), "changes": changes}
-        append_line(run_dir / CHANGES, json.dumps(record), root=run_dir, fsync=True)
     return changes
+
+
+def record_changes(run_dir: Path, folder: Path, step: int, changes: dict[str, dict[str, Any]]) -> None:
+    """Append the allowed change to ``run_dir/config_changes.jsonl`` (time, step, checkpoint, each key's
+    old and new value)."""
+    if changes:
+        record = {"time": _now(), "step": step, "checkpoint": str(folder), "changes": changes}
+        append_line(run_dir / CHANGES, json.dumps(record), root=run_dir, fsync=True)
 
 
 def _real(path: Path) -> Path:
     return Path(os.path.realpath(path))
 
 
-def check_origin(folder: Path, ckpt_dir: Path, run_dir: Path, write: bool = True) -> Path | None:
-    """None for a checkpoint of this run; for another run's: refused when ``run_dir`` holds a run,
-    else recorded in ``run_dir/origin.json`` (``write``: rank 0) and its run folder returned."""
+def check_origin(folder: Path, ckpt_dir: Path, run_dir: Path) -> Path | None:
+    """None for a checkpoint of this run; for another run's: refused when ``run_dir`` holds a run (of
+    its own: not the same branch started again before its first checkpoint), else its run folder
+    (``record_origin`` writes ``origin.json`` once the checkpoint is loaded)."""
     if _real(folder).is_relative_to(_real(ckpt_dir)):
         return None
     source = folder.parent.parent if folder.parent.name == "checkpoints" else folder.parent
@@ -153,14 +155,14 @@ def check_origin(folder: Path, ckpt_dir: Path, run_dir: Path, write: bool = True
             f"run of its own; resuming would write that run's weights under this run's step names. Resume "
             f"this run with train.resume=true, or continue the other one in a new, empty out_dir"
         )
-    if write:
-        record = {"checkpoint": str(_real(folder)), "run": str(_real(source)), "time": _now()}
-        config = folder / "config.json"
-        saved = _read_json(config) if config.is_file() else {}
-        record["step"] = saved.get("step") if isinstance(saved, dict) else None
-        run_dir.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(run_dir / ORIGIN, record, root=run_dir, indent=1)
     return source
+
+
+def record_origin(run_dir: Path, folder: Path, source: Path, step: int) -> None:
+    """``run_dir/origin.json``: the checkpoint this branch started from, its run folder, step and time."""
+    record = {"checkpoint": str(_real(folder)), "run": str(_real(source)), "step": step, "time": _now()}
+    run_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(run_dir / ORIGIN, record, root=run_dir, indent=1)
 
 
 def _origin(run_dir: Path) -> str | None:

@@ -145,6 +145,7 @@ class Trainer(TrainerEvaluation):
             if folder is not None:
                 resume.check(self, folder)  # this run's checkpoint, and the same training stream
                 resume.restore(self, folder)
+                resume.record(self, folder)  # origin.json / config_changes.jsonl, once it is loaded
         except BaseException:
             self.folder.close()
             raise
