@@ -61,7 +61,8 @@ def test_convert_attractor_reads_the_config_beside_the_checkpoint_or_says_what_i
     )
     assert "LayerNorm" not in text
     text = fails_cleanly(_convert("attractor", str(alone), "--out", str(tmp_path / "x"), "--allow-defaults"))
-    assert "without a reference configuration" in text and "--config" in text  # a default, not the checkpoint's
+    # a setting refused is named as the reference's default, not the checkpoint's
+    assert "without a reference configuration" in text and "--config" in text
 
 
 def _suggestion(text: str) -> str:
