@@ -198,6 +198,10 @@ class TrainConfig:
     overwrite: bool = (
         False  # a fresh run into a folder holding a run replaces it (moved aside at the first checkpoint)
     )
+    # a resume whose config changes the training stream (seed, data, model, optimiser, ...: see
+    # loopformer/train/resume_checks.py) is refused unless this is true; the change is recorded in
+    # <run>/config_changes.jsonl
+    allow_config_change: bool = False
     max_state_norm: float = 1e6  # a larger mean state norm counts as divergence
     max_loss: float = 1e4  # a larger loss counts as divergence
     progress: bool = True  # rich progress bar

@@ -9,25 +9,34 @@
 - refuses a ``folder`` that already holds something (a run, a dataset, a report) unless
   ``overwrite``; a folder holding a training run is never replaced by these commands
   (``protect_runs``), only by ``train --overwrite``;
-- yields a hidden staging folder ``<folder>/.staging-<purpose>-<id>`` to build the new content in.
-  When the block ends without error the old contents are moved aside to
-  ``<folder>/.replaced-<UTC time>-<id>/`` and the new ones renamed into place (renames within one
-  folder: no copy, nothing half-written); on an error or a kill the staging folder is dropped
-  (now, or by the next command that locks the folder) and the old contents are untouched.
+- yields a hidden staging folder ``.<name>.staging-<purpose>-<id>`` beside ``folder`` (in the same
+  parent, so on the same file system) to build the new content in. When the block ends without error
+  the two folders are swapped in one atomic step (Linux ``renameat2(RENAME_EXCHANGE)``, through
+  ``ctypes``): at every instant ``folder`` holds the old content or the new, whole. Then the old
+  content (now in the staging folder's place) is removed: nothing accumulates. Where the OS or the
+  file system has no exchange (not Linux, an old C library, a file system refusing it), two renames
+  are used: ``folder`` to ``.<name>.replaced-<purpose>-<id>``, then the staging folder to ``folder``;
+  between the two ``folder`` does not exist, and a crash there leaves the old content in the
+  ``.replaced-`` folder and the new in the ``.staging-`` one beside it (a failed second rename puts
+  the old content back). On an error or a kill before the swap the staging folder is dropped (now,
+  or by the next command that locks the folder) and the old contents are untouched.
 
 ``inside_run(path)`` (``loopformer.train.run_folder``) is also what keeps ``train -o`` out of another run's folder.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import logging
 import os
 import secrets
 import shutil
-import time
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from loopformer.safe_io import fsync_dir
 from loopformer.train.run_folder import LOCK_NAME, STAGING, RunFolderError, RunLock, inside_run, training_run
@@ -73,8 +82,11 @@ def staged_output(
         raise RunFolderError(f"{option} {folder} is a file, not a folder: name a folder to write into")
     refuse_inside_checkpoints(folder, option)
     with RunLock(folder, purpose):
-        for stale in folder.glob(f"{STAGING_PREFIX}*"):  # a killed command's leftovers: we hold the lock
-            shutil.rmtree(stale, ignore_errors=True)
+        target = Path(os.path.realpath(folder))  # a folder may be a link (a scratch disk): build beside its target
+        for stale in [*folder.glob(f"{STAGING_PREFIX}*"), *folder.glob(f"{REPLACED_PREFIX}*"),
+                      *target.parent.glob(f".{target.name}{STAGING_PREFIX}*"),
+                      *target.parent.glob(f".{target.name}{REPLACED_PREFIX}*")]:  # fmt: skip
+            shutil.rmtree(stale, ignore_errors=True)  # a killed command's leftovers: we hold the lock
         old = _contents(folder)
         if old and protect_runs and training_run(folder):
             raise RunFolderError(
@@ -86,35 +98,76 @@ def staged_output(
                 f"{option} {folder} is not empty ({names}); choose a new or empty folder, or pass --overwrite "
                 f"(the old contents are moved aside to {folder}/{REPLACED_PREFIX}<time>/ once the new ones are complete)"
             )
-        staging = folder / f"{STAGING_PREFIX}{purpose}-{secrets.token_hex(4)}"
+        staging = target.parent / f".{target.name}{STAGING_PREFIX}{purpose}-{secrets.token_hex(4)}"
         try:
             staging.mkdir()
         except OSError as err:
-            raise RunFolderError(f"cannot write into the folder {folder}: {err.strerror}") from None
+            raise RunFolderError(f"cannot write beside the folder {folder}: {err.strerror}") from None
         try:
             yield staging
-            fsync_dir(staging)
             aside = _swap_in(folder, staging, old)
         except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
+            shutil.rmtree(staging, ignore_errors=True)  # after a swap it holds the old content: gone too
             raise
     if aside is not None:
-        log.warning("--overwrite: the previous contents of %s were moved to %s", folder, aside)
+        log.warning("--overwrite: the previous contents of %s were replaced", folder)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap the folders ``a`` and ``b`` in one atomic step (Linux ``renameat2(RENAME_EXCHANGE)``);
+    False where the OS or file system cannot (then nothing was changed)."""
+    global _RENAMEAT2
+    if _RENAMEAT2 is None:
+        _RENAMEAT2 = False
+        if sys.platform.startswith("linux"):
+            try:
+                libc = ctypes.CDLL(None, use_errno=True)
+                func = libc.renameat2
+                func.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+                func.restype = ctypes.c_int
+                _RENAMEAT2 = func
+            except (OSError, AttributeError):  # an old C library without renameat2
+                _RENAMEAT2 = False
+    if _RENAMEAT2 is False:
+        return False
+    if _RENAMEAT2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):  # not on this file system
+        return False
+    raise OSError(err, os.strerror(err), str(a), None, str(b))
+
+
+_RENAMEAT2: Any = None  # the C library's renameat2, False where there is none (found on first use)
+_AT_FDCWD, _RENAME_EXCHANGE = -100, 2
 
 
 def _swap_in(folder: Path, staging: Path, old: list[Path]) -> Path | None:
-    aside = None
-    if old:
-        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-        aside = folder / f"{REPLACED_PREFIX}{stamp}-{secrets.token_hex(3)}"
-        aside.mkdir()
-        for entry in old:
-            os.replace(entry, aside / entry.name)
-    for entry in sorted(staging.iterdir()):
-        os.replace(entry, folder / entry.name)
-    staging.rmdir()
-    fsync_dir(folder)
-    return aside
+    """Put ``staging``'s content in place of ``folder``'s, then delete the old content.
+
+    ``staging`` is a sibling of ``folder``. Where the OS can, one ``renameat2(RENAME_EXCHANGE)``
+    swaps the two folders: at every instant ``folder`` holds the old content or the new, whole.
+    Elsewhere two renames (``folder`` aside, ``staging`` in) leave a window in which ``folder``
+    does not exist; a crash inside it leaves the old content in the aside folder and the new in the
+    staging folder, both beside ``folder`` (named in the module docstring). The old content is
+    removed only once the new one is in place. Returns where the old content was (now removed), or
+    None when ``folder`` held nothing.
+    """
+    target = Path(os.path.realpath(folder))  # a run folder may be a link (a scratch disk): swap its target
+    fsync_dir(staging)
+    if _exchange(staging, target):
+        aside = staging  # it now holds the old content
+    else:
+        aside = staging.with_name(staging.name.replace(STAGING_PREFIX, REPLACED_PREFIX, 1))
+        os.replace(target, aside)
+        try:
+            os.replace(staging, target)
+        except OSError:
+            os.replace(aside, target)  # put the old content back: the folder is never left missing
+            raise
+    fsync_dir(target.parent)
+    shutil.rmtree(aside, ignore_errors=True)  # only now: the new content is in place
+    return aside if old else None
 
 
 __all__ = ["inside_run", "refuse_inside_checkpoints", "staged_output", "training_run"]  # two re-exported

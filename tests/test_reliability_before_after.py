@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -21,11 +23,13 @@ def _tool():
     return module
 
 
-def test_every_case_names_a_collected_test() -> None:
+@pytest.mark.parametrize("group", ["issue 16", "issue 24"])
+def test_every_case_names_a_collected_test(group: str) -> None:
     tool = _tool()
-    ids = [node for _, _, node in tool.CASES]
+    _, cases, _, copied = next(g for g in tool.GROUPS if g[0] == group)
+    ids = [node for _, _, node in getattr(tool, cases)]
     assert len(ids) == len(set(ids))
-    assert {node.split("::")[0] for node in ids} <= set(tool.COPIED)
+    assert {node.split("::")[0] for node in ids} <= set(getattr(tool, copied))
     out = subprocess.run(
         [
             sys.executable,
@@ -57,3 +61,13 @@ def test_the_table_flags_what_is_not_fail_before_pass_now() -> None:
     table = tool.markdown(then, now, "abc1234", 1.0)
     assert table.startswith(f"{len(tool.CASES) - 2} of {len(tool.CASES)} cases fail before (commit abc1234)")
     assert "| error: ImportError: a.py \\| b |" in table and "| pass | pass |" in table
+
+
+def test_the_issue_24_table_is_made_from_its_own_cases() -> None:
+    tool = _tool()
+    then = {node: ("fail", "AssertionError: x") for _, _, node in tool.CASES_24}
+    now = {node: ("pass", "") for _, _, node in tool.CASES_24}
+    table = tool.markdown(then, now, tool.BEFORE_24, 1.0, tool.CASES_24)
+    n = len(tool.CASES_24)
+    assert table.startswith(f"{n} of {n} cases fail before (commit {tool.BEFORE_24})")
+    assert table.count("\n| ") == n + 1  # the header's separator row and one row per case

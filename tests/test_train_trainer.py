@@ -231,6 +231,9 @@ def test_overwrite_run_starts_over_and_resume_checks_batch_size(tmp_path) -> Non
     _trainer(tiny_config(tmp_path, "train.steps=1", "train.overwrite=true")).fit()  # the folder starts over
     assert [p.name for p in step_dirs(tmp_path / "checkpoints")] == ["step_00000001"]
     _trainer(tiny_config(tmp_path, "train.mode=deep_supervision", "train.steps=2", "train.overwrite=true")).fit()
-    with pytest.raises(Exception, match="carries 8 deep-supervision slots but train.batch_size is 4"):
+    with pytest.raises(Exception, match=r"differs .* in train.batch_size \(train.batch_size: 8 -> 4\)"):
         _trainer(tiny_config(tmp_path, "train.mode=deep_supervision", "train.steps=4", "train.batch_size=4",
                              "train.resume=true"))
+    with pytest.raises(Exception, match="carries 8 deep-supervision slots but train.batch_size is 4"):
+        _trainer(tiny_config(tmp_path, "train.mode=deep_supervision", "train.steps=4", "train.batch_size=4",
+                             "train.resume=true", "train.allow_config_change=true"))

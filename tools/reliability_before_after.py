@@ -3,6 +3,10 @@ before the reliability work and passes on the current code.
 
     python tools/reliability_before_after.py                      # print the table
     python tools/reliability_before_after.py --write docs/reliability.md
+    python tools/reliability_before_after.py --group "issue 24" --write docs/reliability.md
+
+``--group "issue 24"``: issue 24's resume / convert / output-swap cases (``CASES_24``), against main
+before that work (``BEFORE_24``), written between the ``before-after-24`` markers.
 
 It makes a temporary git worktree at ``--before`` (default: the parent of the first reliability commit,
 "Run folders: lock file ..."), copies the current test files that hold the cases (they use only entry
@@ -134,6 +138,53 @@ CASES: list[tuple[int, str, str]] = [
 ]
 
 
+# Issue 24's resume / convert / output-swap cases, measured against main before that work (873c8e8,
+# "experiments/sudoku9_cpu.py: --set KEY=VALUE ..."): their test files use only the CLI, the parity
+# fixtures and ``loopformer.output_folder.staged_output``, all of which that commit has
+BEFORE_24 = "873c8e8"
+COPIED_24 = [
+    "tests/conftest.py",
+    "tests/reliability_common.py",
+    "tests/test_reliability_resume.py",
+    "tests/test_reliability_convert.py",
+    "tests/test_reliability_output_swap.py",
+]
+R = "tests/test_reliability_resume.py::"
+V = "tests/test_reliability_convert.py::"
+W = "tests/test_reliability_output_swap.py::"
+CASES_24: list[tuple[int, str, str]] = [
+    (10, "resume from another run's checkpoint into this run", R + "test_resume_from_another_runs_checkpoint_into_this_run_is_refused"),
+    (10, "resume from another run's checkpoint into a new folder: origin recorded",
+     R + "test_resume_from_another_runs_checkpoint_into_a_new_folder_records_its_origin"),
+    (10, "resume, only checkpoint truncated: silent restart", R + "test_resume_whose_only_checkpoint_is_corrupt_stops_naming_it[truncated]"),
+    (10, "resume, only checkpoint overwritten: silent restart", R + "test_resume_whose_only_checkpoint_is_corrupt_stops_naming_it[garbage]"),
+    (10, "resume with another seed", R + "test_resume_with_a_config_that_changes_the_stream_is_refused[seed=7]"),
+    (10, "resume with another train_size", R + "test_resume_with_a_config_that_changes_the_stream_is_refused[data.train_size=24]"),
+    (10, "resume with another train_seed", R + "test_resume_with_a_config_that_changes_the_stream_is_refused[data.train_seed=3]"),
+    (10, "resume with another lr", R + "test_resume_with_a_config_that_changes_the_stream_is_refused[train.lr=0.01]"),
+    (10, "resume with another batch size", R + "test_resume_with_a_config_that_changes_the_stream_is_refused[train.batch_size=4]"),
+    (10, "resume with another model width", R + "test_resume_with_a_config_that_changes_the_stream_is_refused[model.d_model=32]"),
+    (10, "resume with other generator options",
+     R + "test_resume_with_a_config_that_changes_the_stream_is_refused[data.train_generate={min_blanks: 5, max_blanks: 8}]"),
+    (10, "resume with another training mode", R + "test_resume_with_a_config_that_changes_the_stream_is_refused[train.mode=simple]"),
+    (10, "--allow-config-change records the change", R + "test_allow_config_change_resumes_and_records_the_change"),
+    (11, "convert without a reference config: silent defaults", V + "test_convert_without_a_reference_config_is_refused_unless_allow_defaults"),
+    (11, "convert attractor model.pt: config.json beside it ignored",
+     V + "test_convert_attractor_reads_the_config_beside_the_checkpoint_or_says_what_is_missing"),
+    (11, "convert: suggested --set model.seq_len does not work", V + "test_the_set_an_error_suggests_makes_the_conversion_go_through[seq_len]"),
+    (11, "convert: suggested --set data.task does not work", V + "test_the_set_an_error_suggests_makes_the_conversion_go_through[data_paths]"),
+    (11, "converted TRM without sign-SGD puzzle embedding",
+     V + "test_converted_trm_and_hrm_carry_the_sign_sgd_puzzle_embedding_optimiser[trm]"),
+    (11, "converted HRM without sign-SGD puzzle embedding",
+     V + "test_converted_trm_and_hrm_carry_the_sign_sgd_puzzle_embedding_optimiser[hrm]"),
+    (11, "float64 checkpoint: initial states rounded to float32", V + "test_a_float64_checkpoint_keeps_float64_initial_states"),
+    (12, "output swap: many renames, not one exchange", W + "test_the_swap_is_one_exchange_and_the_old_content_is_removed_after_it"),
+    (12, "output swap: .replaced-* folders accumulate", W + "test_without_an_exchange_two_renames_and_nothing_left_behind"),
+]  # fmt: skip
+# (cases, commit before, files copied into its worktree): one table each
+GROUPS = [("issue 16", "CASES", "BEFORE", "COPIED"), ("issue 24", "CASES_24", "BEFORE_24", "COPIED_24")]
+
+
 def git(*args: str, cwd: Path = REPO) -> str:
     return subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True, text=True).stdout.strip()
 
@@ -186,15 +237,18 @@ def one_line(text: str, width: int = 120) -> str:
     return line if len(line) <= width else line[: width - 3] + "..."
 
 
-def before_after(before: str, timeout: int) -> tuple[dict, dict, str, float]:
-    ids = list(dict.fromkeys(node for _, _, node in CASES))
+def before_after(
+    before: str, timeout: int, cases: list[tuple[int, str, str]] | None = None, copied: list[str] | None = None
+) -> tuple[dict, dict, str, float]:
+    cases, copied = (CASES if cases is None else cases), (COPIED if copied is None else copied)
+    ids = list(dict.fromkeys(node for _, _, node in cases))
     commit = git("rev-parse", "--short", before)
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="lf-before-") as tmp:
         old = Path(tmp) / "before"
         git("worktree", "add", "--detach", str(old), commit)
         try:
-            for rel in COPIED:
+            for rel in copied:
                 shutil.copy2(REPO / rel, old / rel)
             then = run_tests(old, ids, Path(tmp) / "before.xml", timeout)
         finally:
@@ -203,10 +257,13 @@ def before_after(before: str, timeout: int) -> tuple[dict, dict, str, float]:
     return then, now, commit, time.perf_counter() - t0
 
 
-def markdown(then: dict, now: dict, commit: str, seconds: float) -> str:
+def markdown(
+    then: dict, now: dict, commit: str, seconds: float, cases: list[tuple[int, str, str]] | None = None
+) -> str:
+    cases = CASES if cases is None else cases
     rows = ["| Why | case | test | before | now |", "|---:|---|---|---|---|"]
     good = 0
-    for why, case, node in CASES:
+    for why, case, node in cases:
         b, reason = then[node]
         n, now_reason = now[node]
         good += b == "fail" and n == "pass"
@@ -215,29 +272,36 @@ def markdown(then: dict, now: dict, commit: str, seconds: float) -> str:
         rows.append(f"| {why} | {case} | `{node.split('/')[-1]}` | {before_cell} | {now_cell} |")
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     head = (
-        f"{good} of {len(CASES)} cases fail before (commit {commit}) and pass now "
+        f"{good} of {len(cases)} cases fail before (commit {commit}) and pass now "
         f"({seconds:.0f} s for both runs, load average {load})."
     )
     return "\n".join([head, "", *rows])
 
 
 BEGIN, END = "<!-- before-after:begin -->", "<!-- before-after:end -->"
+MARKERS = {"issue 16": (BEGIN, END), "issue 24": ("<!-- before-after-24:begin -->", "<!-- before-after-24:end -->")}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--before", default=BEFORE, help="the commit before the reliability work")
+    parser.add_argument("--before", default=None, help="the commit before the work (default: each group's own)")
+    parser.add_argument("--group", choices=[g[0] for g in GROUPS], default=GROUPS[0][0],
+                        help="which cases: issue 16's (the default) or issue 24's (resume, convert, output swap)")
     parser.add_argument("--write", type=Path, help="replace the table between the markers in this file")
     parser.add_argument("--timeout", type=int, default=300, help="per-test timeout in seconds")
     args = parser.parse_args()
-    then, now, commit, seconds = before_after(args.before, args.timeout)
-    table = markdown(then, now, commit, seconds)
+    _, cases_name, before_name, copied_name = next(g for g in GROUPS if g[0] == args.group)
+    cases, copied = globals()[cases_name], globals()[copied_name]
+    before = args.before or globals()[before_name]
+    then, now, commit, seconds = before_after(before, args.timeout, cases, copied)
+    table = markdown(then, now, commit, seconds, cases)
     if args.write:
         text = args.write.read_text()
-        start, end = text.index(BEGIN) + len(BEGIN), text.index(END)
+        begin, end_mark = MARKERS[args.group]
+        start, end = text.index(begin) + len(begin), text.index(end_mark)
         args.write.write_text(text[:start] + "\n" + table + "\n" + text[end:])
     print(table)
-    bad = [node for _, _, node in CASES if not (then[node][0] == "fail" and now[node][0] == "pass")]
+    bad = [node for _, _, node in cases if not (then[node][0] == "fail" and now[node][0] == "pass")]
     if bad:
         print(f"\nnot fail-before / pass-now: {bad}", file=sys.stderr)
         sys.exit(1)

@@ -1,4 +1,10 @@
-"""``loopformer convert SYSTEM CHECKPOINT [--config FILE] --out DIR``: import an official checkpoint."""
+"""``loopformer convert SYSTEM CHECKPOINT [--config FILE] -o DIR``: import an official checkpoint.
+
+Without ``--config`` the reference's configuration is looked for beside the checkpoint (TRM / HRM:
+``all_config.yaml``; the Attractor: ``config.json``, ``model_config.json``, ``all_config.yaml``); with none
+found the conversion is refused unless ``--allow-defaults``. ``--set KEY=VALUE`` overrides are applied
+before the key mapping runs (an error that suggests one is fixed by passing it).
+"""
 
 from __future__ import annotations
 
@@ -19,6 +25,7 @@ from loopformer.convert import CONVERTERS
 )
 @click.option(
     "--out",
+    "-o",
     "out_dir",
     required=True,
     type=click.Path(file_okay=False),
@@ -32,6 +39,11 @@ from loopformer.convert import CONVERTERS
     help="loopformer config override for the run folder, e.g. data.eval_path=data/test",
 )
 @click.option(
+    "--allow-defaults",
+    is_flag=True,
+    help="convert without the reference's configuration, taking its defaults (refused otherwise)",
+)
+@click.option(
     "--overwrite",
     is_flag=True,
     help="replace what --out holds (moved aside once the new run folder is complete)",
@@ -42,6 +54,7 @@ def convert(
     config_file: str | None,
     out_dir: str,
     overrides: tuple[str, ...],
+    allow_defaults: bool = False,
     overwrite: bool = False,
 ) -> None:
     """Turn an authors' checkpoint (a PyTorch state dict, loaded with weights_only=True) into a run
@@ -61,7 +74,9 @@ def convert(
     with staged_output(
         out, "convert", overwrite, "--out", protect_runs=not (out / "converted.json").is_file()
     ) as tmp:
-        staged, converted = convert_checkpoint(system, checkpoint, out, config_file, overrides, write_to=tmp)
+        staged, converted = convert_checkpoint(
+            system, checkpoint, out, config_file, overrides, write_to=tmp, allow_defaults=allow_defaults
+        )
     folder = out / staged.relative_to(tmp)
     for note in converted.notes:
         click.echo(f"note: {note}")

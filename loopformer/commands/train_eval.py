@@ -28,6 +28,11 @@ from loopformer.nn import autocast
     is_flag=True,
     help="replace a previous run in the folder (moved aside once the new run's first checkpoint is written)",
 )
+@click.option(
+    "--allow-config-change",
+    is_flag=True,
+    help="resume although the config changes the training stream (recorded in config_changes.jsonl)",
+)
 @click.option("--print-config", is_flag=True, help="print the resolved configuration (YAML) and exit")
 def train(
     recipe: str,
@@ -35,6 +40,7 @@ def train(
     resume: bool,
     out_dir: str | None,
     overwrite: bool,
+    allow_config_change: bool,
     print_config: bool,
 ) -> None:
     """Train the model of RECIPE (a name in recipes/ or a path); OVERRIDES are key=value pairs."""
@@ -53,6 +59,8 @@ def train(
         extra.append("train.resume=true")
     if overwrite:
         extra.append("train.overwrite=true")
+    if allow_config_change:
+        extra.append("train.allow_config_change=true")
     cfg = build_config(raw, extra)
     if print_config:
         from loopformer.config import config_to_yaml

@@ -8,7 +8,13 @@ loopformer run configuration (a nested dict, as a recipe) and the loopformer sta
 ``state`` must be used exactly once (``KeyMap`` tracks this): unknown keys are an error naming them,
 and ``check_weights`` names loopformer parameters the mapping did not fill. A converter module that
 can find the reference's configuration beside a checkpoint also defines ``find_config(checkpoint) ->
-Path | None`` (TRM and HRM: ``all_config.yaml``); it is used when no ``--config`` is given.
+Path | None`` (TRM and HRM: ``all_config.yaml``; the Attractor: ``config.json`` / ``model_config.json`` /
+``all_config.yaml``); it is used when no ``--config`` is given. With no configuration at all the
+conversion is refused unless ``allow_defaults`` (``--allow-defaults``): the reference's defaults rarely
+match a checkpoint (TRM ``mlp_t``: an evaluation loop of 48 steps instead of 12). ``--set`` overrides
+are parsed before the mapping runs and are visible to it (``given``), so the ``--set model.seq_len=N`` /
+``--set data.task=...`` an error suggests is what lets the conversion through. A checkpoint whose floating
+tensors are all float64 gives a float64 model (initial states included): nothing is rounded to float32.
 
 Checkpoints are read with ``torch.load(weights_only=True)`` (no arbitrary unpickling) or as
 safetensors; the run folder is written by ``loopformer.train.checkpoint.save_checkpoint`` (step 0), so
@@ -20,6 +26,7 @@ from __future__ import annotations
 import importlib
 import json
 from collections.abc import Callable, Iterable
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -159,6 +166,29 @@ def read_reference_config(path: str | Path | None) -> dict[str, Any]:
     return data
 
 
+# the loopformer config values given with ``--set`` (nested, as a recipe), visible to the key mappings
+# while they run: a mapping that cannot tell a value (``model.seq_len``, ``data.task``) reads it here,
+# so the ``--set`` its error message suggests is what makes the conversion go through
+_GIVEN: ContextVar[dict[str, Any] | None] = ContextVar("loopformer_convert_given", default=None)
+
+
+def given(key: str) -> Any:
+    """The value of the dotted loopformer config ``key`` given with ``--set`` (None when not given)."""
+    node: Any = _GIVEN.get() or {}
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def parse_given(overrides: Iterable[str]) -> dict[str, Any]:
+    """``--set`` overrides as a nested dict (ConfigError naming a malformed one)."""
+    from loopformer.config import apply_overrides
+
+    return apply_overrides({}, list(overrides))
+
+
 def converter(system: str) -> Callable[[dict[str, Tensor], dict[str, Any]], Converted]:
     if system not in CONVERTERS:
         raise KeyError(f"no converter for {system!r} (known: {', '.join(sorted(CONVERTERS))})")
@@ -176,6 +206,9 @@ def build_converted(
 
     config = build_config(converted.run, list(overrides))
     model = build_model(config.model.name, config=config.model_config())
+    floats = [v.dtype for v in converted.weights.values() if v.is_floating_point()]
+    if dtype is None and floats and all(d == torch.float64 for d in floats):
+        dtype = torch.float64  # a float64 checkpoint stays float64 (its initial states included)
     if dtype is not None:
         model = model.to(dtype)
     weights = {
@@ -194,21 +227,50 @@ def convert_checkpoint(
     config_file: str | Path | None = None,
     overrides: Iterable[str] = (),
     write_to: str | Path | None = None,
+    allow_defaults: bool = False,
 ) -> tuple[Path, Converted]:
     """Convert ``checkpoint`` of ``system`` into the run folder ``out_dir``; returns (checkpoint folder, Converted).
 
     ``write_to``: the folder the files go to when it is not ``out_dir`` (the staging folder of
     ``loopformer convert``, swapped into ``out_dir`` afterwards); the config still names ``out_dir``.
+    ``overrides`` (``--set``) are parsed first and visible to the mapping (``given``). Without
+    ``config_file`` (nor one found beside the checkpoint) the conversion is refused
+    (``CheckpointError``) unless ``allow_defaults``.
     """
     from loopformer.config import save_config
     from loopformer.train.checkpoint import save_checkpoint
 
     fn = converter(system)
+    overrides = list(overrides)
+    given_values = parse_given(overrides)  # before the mapping: its errors suggest --set KEY=VALUE
     state = load_state_dict(checkpoint)
     find_config = getattr(importlib.import_module(CONVERTERS[system]), "find_config", None)
     if config_file is None and find_config is not None:
         config_file = find_config(checkpoint)
-    converted = fn(state, read_reference_config(config_file))
+    if config_file is None and not allow_defaults:
+        beside = getattr(importlib.import_module(CONVERTERS[system]), "CONFIG_NAMES", ())
+        looked = f" (looked for {', '.join(beside)} beside it)" if beside else ""
+        raise CheckpointError(
+            f"convert {system}: no reference configuration for {checkpoint}{looked}; without it the "
+            f"architecture, loop and training settings would be the reference's defaults, which differ from "
+            f"most checkpoints' (e.g. TRM's evaluation loop length). Pass --config FILE (the training "
+            f"script's config), or --allow-defaults to convert with the defaults (listed in the notes)"
+        )
+    token = _GIVEN.set(given_values)
+    try:
+        converted = fn(state, read_reference_config(config_file))
+    except (CheckpointError, ValueError, NotImplementedError) as err:
+        if config_file is not None:
+            raise
+        # a setting the mapping refuses is then the reference's default, not the checkpoint's: say so
+        raise CheckpointError(
+            f"{err} (converted without a reference configuration, so this is the reference's default "
+            f"setting, not necessarily the checkpoint's: pass --config FILE)"
+        ) from None
+    finally:
+        _GIVEN.reset(token)
+    if config_file is None:
+        converted.notes.append(f"no reference config: the {system} reference's defaults were assumed (--allow-defaults)")
     out = Path(out_dir)
     converted.run["out_dir"] = str(out)
     config, model = build_converted(converted, overrides)

@@ -17,6 +17,7 @@ A state dict of the Attractor *language model* (``attractor/models/attractor/att
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from torch import Tensor
@@ -53,6 +54,17 @@ DEFAULTS: dict[str, Any] = {
     "ema": True,
     "loss_type": "stablemax_cross_entropy",
 }
+
+
+# what the Attractor scripts save beside a checkpoint (read when no --config is given): the LM's launch
+# config / model config, TRM-DEQ's model_config.json, or a TRM-style all_config.yaml
+CONFIG_NAMES = ("config.json", "model_config.json", "all_config.yaml")
+
+
+def find_config(checkpoint: str | Path) -> Path | None:
+    """The first of ``CONFIG_NAMES`` beside ``checkpoint`` (None when there is none)."""
+    folder = Path(checkpoint).resolve().parent
+    return next((folder / n for n in CONFIG_NAMES if (folder / n).is_file()), None)
 
 
 def settings(ref: dict[str, Any]) -> dict[str, Any]:

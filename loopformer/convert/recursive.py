@@ -77,6 +77,9 @@ TRAIN_DEFAULTS = {
 }
 
 
+CONFIG_NAMES = ("all_config.yaml",)
+
+
 def find_config(checkpoint: str | Path) -> Path | None:
     """``all_config.yaml`` beside the checkpoint, as the reference's pretrain.py writes it."""
     candidate = Path(checkpoint).resolve().parent / "all_config.yaml"
@@ -164,7 +167,9 @@ def embedding_shapes(km: KeyMap) -> tuple[int, int, int, int]:
 
 def reference_seq_len(arch: dict[str, Any], ref: dict[str, Any]) -> int | None:
     """``arch.seq_len``, else the dataset's ``train/dataset.json``; None when neither has it."""
-    return arch.get("seq_len") or dataset_meta(ref).get("seq_len")
+    from loopformer.convert import given
+
+    return arch.get("seq_len") or given("model.seq_len") or dataset_meta(ref).get("seq_len")
 
 
 def no_seq_len(system: str) -> ValueError:
@@ -212,6 +217,8 @@ def dataset_meta(ref: dict[str, Any]) -> dict[str, Any]:
 
 def task_section(ref: dict[str, Any], seq_len: int) -> dict[str, Any]:
     """loopformer ``data`` section: the task named by the reference's data path."""
+    from loopformer.convert import given
+
     paths = ref.get("data_paths") or ([ref["data_path"]] if ref.get("data_path") else [])
     name = str(paths[0]) if paths else ""
     side = math.isqrt(seq_len)
@@ -222,6 +229,8 @@ def task_section(ref: dict[str, Any], seq_len: int) -> dict[str, Any]:
         data = {"task": "maze", "options": {"size": side}}
     elif "sudoku" in lowered or (not name and side * side == seq_len):
         data = {"task": "sudoku", "options": {"size": side}, "eval_size": 64}
+    elif given("data.task"):  # --set data.task=...: the run's data section comes from the overrides
+        data = {"task": given("data.task")}
     else:
         raise ValueError(
             f"cannot tell the task from data path {name!r}; pass --set data.task=... (and data.eval_path)"
@@ -267,6 +276,8 @@ def train_section(arch: dict[str, Any], train: dict[str, Any]) -> dict[str, Any]
         "grad_clip": 0.0,
         "optimizer": "adam_atan2",
         "decay_all": True,
+        # the authors' CastedSparseEmbeddingSignSGD_Distributed on the puzzle-embedding table
+        "puzzle_emb_optimizer": "sign_sgd",
         "puzzle_emb_lr": float(train["puzzle_emb_lr"]),
         "puzzle_emb_weight_decay": float(train["puzzle_emb_weight_decay"]),
         "ema": float(train["ema_rate"]) if train["ema"] else 0.0,

@@ -16,6 +16,7 @@ from loopformer.convert import Converted, KeyMap, strip_prefixes
 from loopformer.convert import recursive as rec
 
 find_config = rec.find_config  # all_config.yaml beside the checkpoint (used when no --config is given)
+CONFIG_NAMES = rec.CONFIG_NAMES
 
 
 def model_section(km: KeyMap, arch: dict[str, Any], ref: dict[str, Any]) -> dict[str, Any]:

@@ -307,7 +307,8 @@ def latest_good_checkpoint(root: str | Path) -> tuple[Path | None, list[str]]:
         why = verify_checkpoint(folder) or _nonfinite_reason(folder)
         if why is None:
             return folder, skipped
-        skipped.append(f"{folder}: {why}")
+        named = folder / why.split(" ", 1)[0]  # the file the reason is about, when it names one
+        skipped.append(f"{named if named.is_file() else folder}: {why}")
     return None, skipped
 
 
@@ -455,8 +456,13 @@ def load_checkpoint(
             raise CheckpointError(
                 f"checkpoint {folder} holds a {family!r} model, but the given model is {given!r}"
             )
+    weights_file = load_weights(folder / "model.safetensors")
+    floats = [t.dtype for t in weights_file.values() if t.is_floating_point()]
+    if floats and all(d == torch.float64 for d in floats):
+        model = model.to(torch.float64)  # a float64 checkpoint (a converted one) is not rounded on load
     model.to(device)
-    load_weights_into(model, folder / "model.safetensors")
+    check_weights(weights_file, model, str(folder / "model.safetensors"))
+    model.load_state_dict(weights_file, strict=True)
     ema_state = None
     if (folder / "ema.safetensors").is_file():
         ema_state = load_weights(folder / "ema.safetensors")

@@ -5,7 +5,9 @@ the weights (FSDP: gathered to full tensors by the strategy), the EMA, and ``tra
 the optimiser (in the strategy's layout, tagged ``optimizer_layout``), the data stream, the
 curriculum, the training mode's carried state (``carry``), the RNG states and the elapsed time.
 ``resume_folder`` finds the folder ``train.resume`` names (``true``: the run's newest good one, by
-its manifest; none -> a fresh start) and ``restore(trainer, folder)`` loads every piece back. Under torchrun every rank
+its manifest; none -> a fresh start; only corrupt ones -> an error naming them), ``check(trainer,
+folder)`` refuses another run's checkpoint or a config that changes the training stream
+(``loopformer.train.resume_checks``) and ``restore(trainer, folder)`` loads every piece back. Under torchrun every rank
 calls ``save`` (the mode's carry is gathered); only rank 0 writes.
 """
 
@@ -25,6 +27,13 @@ from loopformer.train.checkpoint import (
     rng_state,
     save_checkpoint,
     set_rng_state,
+)
+from loopformer.train.resume_checks import (
+    check_config,
+    check_origin,
+    no_good_checkpoint,
+    record_changes,
+    record_origin,
 )
 
 if TYPE_CHECKING:
@@ -83,12 +92,30 @@ def resume_folder(resume: bool | str, ckpt_dir: Path) -> Path | None:
         return None
     if resume is True:
         folder, skipped = latest_good_checkpoint(ckpt_dir)
+        if folder is None and skipped:  # checkpoints, none of them usable: never a silent restart
+            raise no_good_checkpoint(ckpt_dir, skipped)
         for reason in skipped:
             log.warning("resume: skipped %s", reason)
         if folder is None:
             log.info("resume: no usable checkpoint in %s, starting from scratch", ckpt_dir)
         return folder
     return resolve_checkpoint(resume)
+
+
+def check(tr: Trainer, folder: Path) -> None:
+    """Before ``restore``: ``folder`` is this run's (or this run is a new branch of it) and the config
+    trains the same stream (or the change is allowed): ``loopformer.train.resume_checks``."""
+    tr.resumed_origin = check_origin(folder, tr.ckpt_dir, tr.run_dir)
+    tr.config_changes = check_config(tr.config, folder, tr.run_dir)
+
+
+def record(tr: Trainer, folder: Path) -> None:
+    """After ``restore`` (rank 0): the branch's ``origin.json`` and the allowed config change."""
+    if not tr.strategy.is_main:
+        return
+    if tr.resumed_origin is not None:
+        record_origin(tr.run_dir, folder, tr.resumed_origin, tr.step)
+    record_changes(tr.run_dir, folder, tr.step, tr.config_changes)
 
 
 def restore(tr: Trainer, folder: Path) -> None:

@@ -137,13 +137,17 @@ class Trainer(TrainerEvaluation):
         self.t0: float | None = None  # when fit() started
         self.last_checkpoint: Path | None = None
         self.resumed_from: Path | None = None
+        self.resumed_origin: Path | None = None  # the other run a resume branched from (origin.json)
+        self.config_changes: dict[str, Any] = {}  # what --allow-config-change let differ (config_changes.jsonl)
         self.last_metrics: dict[str, Any] = {}
         self.last_eval: dict[str, Any] = {}
         self.best = BestTracker(tc.keep_best, tc.keep_best_mode)
         try:
             folder = resume.resume_folder(tc.resume, self.ckpt_dir)
             if folder is not None:
+                resume.check(self, folder)  # this run's checkpoint, and the same training stream
                 resume.restore(self, folder)
+                resume.record(self, folder)  # origin.json / config_changes.jsonl, once it is loaded
         except BaseException:
             self.folder.close()
             raise
