@@ -122,6 +122,8 @@ def load_npz(path: str | Path, vocab_size: int = 0) -> TokenDataset:
     try:
         with data:
             arrays = _read(data, path)
+    except TaskDataError:  # a ValueError too, already naming the problem
+        raise
     except unreadable as err:
         raise TaskDataError(f"{path}: not a readable .npz dataset archive ({type(err).__name__})") from None
     inputs, labels = arrays["inputs"], arrays["labels"]
