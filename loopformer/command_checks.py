@@ -57,7 +57,9 @@ def run_config_for(
             allowed = ", ".join(f"{p}*" for p in prefixes)
             raise ConfigError(f"override {text!r}: evaluation can only change {allowed} keys")
     trained_on = stored.data.task
-    cfg = build_config(apply_overrides(to_dict(stored), list(overrides)), check=False) if overrides else stored
+    cfg = (
+        build_config(apply_overrides(to_dict(stored), list(overrides)), check=False) if overrides else stored
+    )
     if cfg.data.task != trained_on:
         raise ConfigError(
             f"data.task={cfg.data.task!r}: the model was trained on task {trained_on!r}; "

@@ -62,7 +62,9 @@ def memory_terms(cfg: Any, training: bool = True) -> tuple[list[tuple[float, str
         if section == "train" and not training:
             continue
         b = _int(batch)
-        device.append((2.0 * b * seq * d, f"{section}.batch_size={b} x sequence length {seq} x model.d_model={d}"))
+        device.append(
+            (2.0 * b * seq * d, f"{section}.batch_size={b} x sequence length {seq} x model.d_model={d}")
+        )
     host = []
     for split, size, path in (("train", cfg.data.train_size, cfg.data.train_path),
                               ("eval", cfg.data.eval_size, cfg.data.eval_path)):  # fmt: skip

@@ -159,9 +159,9 @@ def load_run(
         path = find_best(path)[0]
     stored, _, _ = read_checkpoint_config(path)
     config = run_config_for(stored, config_overrides, device=device, task=task)
+    built_task = run_task(config.data)
+    check_task_fits_model(built_task, config)
     ckpt = load_checkpoint(path, use_ema=use_ema, device=device)
-    task = run_task(config.data)
-    check_task_fits_model(task, config)
     model = ckpt.model
     if not isinstance(model, LoopedModel):
         raise CheckpointError(
@@ -174,7 +174,7 @@ def load_run(
         step=ckpt.step,
         family=ckpt.family,
         model=model,
-        task=task,
+        task=built_task,
         config=config,
         loop_eval=config.loop_config(model.config.loop, "eval"),
         loop_train=config.loop_config(model.config.loop, "train"),

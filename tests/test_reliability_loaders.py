@@ -68,7 +68,10 @@ def _npz(path: Path, **arrays) -> Path:
 NPZ_CASES = {
     "float tokens": ({"inputs": np.full((3, 4), 1.5)}, "floats such as 1.5"),
     "negative token": ({"inputs": np.array([[1, 2, -3, 1]] * 3)}, "row 0, column 2: token -3 is negative"),
-    "out-of-vocabulary input": ({"inputs": np.array([[1, 2, 3, 1], [1, 9, 1, 1], [1] * 4])}, "row 1, column 1"),
+    "out-of-vocabulary input": (
+        {"inputs": np.array([[1, 2, 3, 1], [1, 9, 1, 1], [1] * 4])},
+        "row 1, column 1",
+    ),
     "out-of-vocabulary label": ({"labels": np.array([[1] * 4, [1] * 4, [1, 1, 1, 70]])}, "row 2, column 3"),
     "negative label": ({"labels": np.array([[1] * 4, [1, -5, 1, 1], [1] * 4])}, "other than IGNORE_INDEX"),
     "ragged shapes": ({"labels": np.ones((3, 5), np.int64)}, "must be equal [N, T] arrays"),
@@ -96,7 +99,9 @@ def test_npz_loader_refuses_files_that_are_no_archive(tmp_path) -> None:
     np.save(tmp_path / "a.npy", np.ones((2, 2), np.int64))
     _refused(lambda: GROUP.load(tmp_path / "a.npy"), "a single .npy array")
     with open(tmp_path / "obj.npz", "wb") as fh:
-        np.savez(fh, inputs=np.array([[1, None]], dtype=object), labels=np.ones((1, 2)), difficulty=np.ones(1))
+        np.savez(
+            fh, inputs=np.array([[1, None]], dtype=object), labels=np.ones((1, 2)), difficulty=np.ones(1)
+        )
     _refused(lambda: GROUP.load(tmp_path / "obj.npz"), "without pickle")
     (tmp_path / "junk.npz").write_bytes(b"PK\x03\x04 not really a zip" * 3)
     _refused(lambda: GROUP.load(tmp_path / "junk.npz"), "not a readable .npz")
@@ -130,7 +135,9 @@ def test_npz_fuzz_gives_a_dataset_or_a_clear_error(tmp_path) -> None:
 @pytest.fixture
 def hrm_folder(tmp_path) -> Path:
     task = SudokuTask(4)
-    save_hrm_folder(task.generate(4, seed=0, min_blanks=2, max_blanks=4), tmp_path / "ds", "train", vocab_size=6)
+    save_hrm_folder(
+        task.generate(4, seed=0, min_blanks=2, max_blanks=4), tmp_path / "ds", "train", vocab_size=6
+    )
     return tmp_path / "ds"
 
 
@@ -169,8 +176,12 @@ def test_dataset_json_fields_are_checked_by_type_and_range(hrm_folder, case) -> 
 
 @pytest.mark.parametrize(
     ("text", "needle"),
-    [('{"vocab_size": 6, "vocab_size": 7}', "given twice"), ("[1, 2]", "expected a JSON object"),
-     ('{"vocab_size": ', "not valid JSON (line 1"), ("[" * 100000, "nested too deeply")],  # fmt: skip
+    [
+        ('{"vocab_size": 6, "vocab_size": 7}', "given twice"),
+        ("[1, 2]", "expected a JSON object"),
+        ('{"vocab_size": ', "not valid JSON (line 1"),
+        ("[" * 100000, "nested too deeply"),
+    ],  # fmt: skip
 )
 def test_dataset_json_that_is_no_object_is_refused(hrm_folder, text, needle) -> None:
     path = hrm_folder / "train" / "dataset.json"
@@ -212,16 +223,25 @@ def _rec(inp, tgt, kind="2hop"):
 
 
 KG_CASES = {
-    "vocab repeats": ({"vocab": ["<e_0>", "<e_1>", "<e_0>", "<r_0>"]}, "vocab.json: entry 2 '<e_0>' repeats entry 0"),
+    "vocab repeats": (
+        {"vocab": ["<e_0>", "<e_1>", "<e_0>", "<r_0>"]},
+        "vocab.json: entry 2 '<e_0>' repeats entry 0",
+    ),
     "vocab number": ({"vocab": ["<e_0>", 3]}, "vocab.json: entry 1 is int"),
     "vocab not a token": ({"vocab": ["<e_0>", "e_1"]}, "entry 1 'e_1' is not one <...> token"),
     "vocab an object": ({"vocab": {"<e_0>": 0}}, "must be a JSON list of token strings"),
     "vocab not utf-8": ({"vocab": b'["\xff"]'}, "not UTF-8"),
-    "input not a string": ({"train": [{"input_text": 5, "target_text": "<e_1>"}]}, "record 0: 'input_text' is int"),
+    "input not a string": (
+        {"train": [{"input_text": 5, "target_text": "<e_1>"}]},
+        "record 0: 'input_text' is int",
+    ),
     "type not a string": ({"train": _rec("<e_0><r_0>", "<e_1>", kind=["a"])}, "'type' is list"),
     "query one token": ({"train": _rec("<e_0>", "<e_0><e_1>")}, "a query is an entity and relations"),
     "pad inside query": ({"train": _rec("<e_0><pad><r_0>", "<e_1>")}, "holds <pad>"),
-    "target not the query": ({"train": _rec("<e_0><r_0>", "<e_1><r_0><e_1></a>")}, "neither is the answer alone"),
+    "target not the query": (
+        {"train": _rec("<e_0><r_0>", "<e_1><r_0><e_1></a>")},
+        "neither is the answer alone",
+    ),
     "unknown token": ({"train": _rec("<e_0><r_9>", "<e_1>")}, "unknown tokens ['<r_9>']"),
     "no answer": ({"train": _rec("<e_0><r_0>", "</a>")}, "target_text has no answer token"),
     "records an object": ({"train": {"a": 1}}, "must hold a JSON list of records"),
@@ -248,11 +268,18 @@ def test_kg_folder_options_are_checked(tmp_path, options, needle) -> None:
 
 
 def test_kg_folder_loads_and_a_width_error_names_the_file_record(tmp_path) -> None:
-    recs = [*_rec("<e_0><r_0>", "<e_1>", "atomic"), *_rec("<e_0><r_0><r_0>", "<e_0><r_0><r_0><e_1></a>", "2hop")]
+    recs = [
+        *_rec("<e_0><r_0>", "<e_1>", "atomic"),
+        *_rec("<e_0><r_0><r_0>", "<e_0><r_0><r_0><e_1></a>", "2hop"),
+    ]
     root = _kg(tmp_path / "kg", train=recs)
     data = KGFilesTask(root).load("train.json")
     assert data.inputs.shape == (2, 3) and data.labels[0, 1] == KGFilesTask(root).vocab["<e_1>"]
-    _refused(lambda: KGFilesTask(root, width=2, types=["2hop"]).load("train.json"), "record 1", "do not fit width 2")
+    _refused(
+        lambda: KGFilesTask(root, width=2, types=["2hop"]).load("train.json"),
+        "record 1",
+        "do not fit width 2",
+    )
 
 
 def test_kg_fuzz_gives_a_dataset_or_a_clear_error(tmp_path) -> None:
@@ -305,7 +332,9 @@ SUDOKU4 = SudokuTask(4)
 
 def _csv(path: Path, header: str, rows: int = 2) -> Path:
     data = SUDOKU4.generate(rows, seed=0, min_blanks=2, max_blanks=4)
-    lines = [header] + [f"s,{SUDOKU4.format_grid(q)},{SUDOKU4.format_grid(a)},1" for q, a in zip(data.inputs, data.labels)]
+    lines = [header] + [
+        f"s,{SUDOKU4.format_grid(q)},{SUDOKU4.format_grid(a)},1" for q, a in zip(data.inputs, data.labels)
+    ]
     path.write_text("\n".join(lines) + "\n")
     return path
 

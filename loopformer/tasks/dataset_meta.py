@@ -50,7 +50,9 @@ def _read(path: Path) -> Any:
     except UnicodeDecodeError as err:
         raise TaskDataError(f"{path}: not UTF-8 text (byte {err.start})") from None
     except json.JSONDecodeError as err:
-        raise TaskDataError(f"{path}: not valid JSON (line {err.lineno}, column {err.colno}: {err.msg})") from None
+        raise TaskDataError(
+            f"{path}: not valid JSON (line {err.lineno}, column {err.colno}: {err.msg})"
+        ) from None
     except RecursionError:
         raise TaskDataError(f"{path}: JSON nested too deeply") from None
     except OSError as err:
@@ -93,7 +95,9 @@ def read_dataset_json(path: str | Path) -> dict[str, Any]:
         if value < low:
             raise TaskDataError(f"{path}: field {field!r} must be >= {low}, got {value}")
     mean = meta.get("mean_puzzle_examples")
-    if mean is not None and (isinstance(mean, bool) or not isinstance(mean, int | float) or not math.isfinite(mean)):
+    if mean is not None and (
+        isinstance(mean, bool) or not isinstance(mean, int | float) or not math.isfinite(mean)
+    ):
         raise TaskDataError(f"{path}: field 'mean_puzzle_examples' must be a finite number, got {mean!r}")
     sets = meta["sets"]
     if not isinstance(sets, list) or not sets:

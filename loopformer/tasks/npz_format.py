@@ -93,7 +93,9 @@ def _meta(arr: Any, path: Path) -> dict[str, Any]:
     if arr is None:
         return {}
     if arr.shape != () or arr.dtype.kind not in "US":
-        raise TaskDataError(f"{path}: array 'meta' must be one JSON string, got dtype {arr.dtype} shape {arr.shape}")
+        raise TaskDataError(
+            f"{path}: array 'meta' must be one JSON string, got dtype {arr.dtype} shape {arr.shape}"
+        )
     try:
         meta = json.loads(str(arr[()] if arr.dtype.kind == "U" else arr[()].decode("utf-8")))
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as err:
@@ -111,8 +113,18 @@ def load_npz(path: str | Path, vocab_size: int = 0) -> TokenDataset:
         raise TaskDataError(f"{path}: no such dataset file")
     # random bytes, a pickle, a truncated archive, a member that does not decompress, a header whose shape
     # does not match its data or claims more than memory
-    unreadable = (ValueError, OSError, EOFError, KeyError, zipfile.BadZipFile, zlib.error, NotImplementedError,
-                  struct.error, OverflowError, MemoryError)
+    unreadable = (
+        ValueError,
+        OSError,
+        EOFError,
+        KeyError,
+        zipfile.BadZipFile,
+        zlib.error,
+        NotImplementedError,
+        struct.error,
+        OverflowError,
+        MemoryError,
+    )
     try:
         data = np.load(path, allow_pickle=False)
     except unreadable as err:
@@ -140,7 +152,9 @@ def load_npz(path: str | Path, vocab_size: int = 0) -> TokenDataset:
     difficulty = difficulty.astype(np.float64)
     if not np.isfinite(difficulty).all():
         row = int(np.flatnonzero(~np.isfinite(difficulty))[0])
-        raise TaskDataError(f"{path}: array 'difficulty': row {row}: {difficulty[row]} is not a finite number")
+        raise TaskDataError(
+            f"{path}: array 'difficulty': row {row}: {difficulty[row]} is not a finite number"
+        )
     puzzle_ids = arrays.get("puzzle_ids")
     if puzzle_ids is not None:
         if puzzle_ids.dtype.kind not in "iu" or puzzle_ids.shape != (n,):
@@ -149,5 +163,7 @@ def load_npz(path: str | Path, vocab_size: int = 0) -> TokenDataset:
             )
         if (puzzle_ids < 0).any():
             row = int(np.flatnonzero(puzzle_ids < 0)[0])
-            raise TaskDataError(f"{path}: array 'puzzle_ids': row {row}: id {int(puzzle_ids[row])} is negative")
+            raise TaskDataError(
+                f"{path}: array 'puzzle_ids': row {row}: id {int(puzzle_ids[row])} is negative"
+            )
     return TokenDataset(inputs, labels, difficulty, puzzle_ids, _meta(arrays.get("meta"), path))
