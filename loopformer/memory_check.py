@@ -13,9 +13,11 @@ hold at once, each term tied to the keys that set it:
   ``data.eval_size`` rows x sequence length of int64 inputs and labels, in host memory.
 
 The sequence length is the model's ``seq_len`` when the config sets it (a trained run's config always
-does) and 1 otherwise, so the bound never overestimates. The device's memory is the GPU's when the run
-is on CUDA, else the machine's RAM; the data sets are always compared with the RAM. Only a bound past
-that memory is refused: a run the check lets through can still run out of memory, one it refuses cannot fit.
+does), else what the task's class says without building it (``sequence_length``), else 1. The device's memory is the GPU's when the run
+is on CUDA, else the machine's RAM; the data sets are always compared with the RAM. Only a bound more
+than ``FAR_BEYOND`` (4) times that memory is refused, so the paper recipes still build on a small machine
+(their data sets are large, 17 GiB for ARC) while sizes no machine holds (a batch of 10**9, a width of
+10**6) are refused: a run the check lets through can still run out of memory, one it refuses cannot fit.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import os
 from typing import Any
 
 GIB = float(1 << 30)
+FAR_BEYOND = 4  # refuse only a bound this many times the memory: an estimate that is off never refuses a run
 
 
 def physical_memory() -> int | None:
@@ -50,12 +53,42 @@ def _int(value: Any) -> int:
     return int(value) if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 1
 
 
+def sequence_length(cfg: Any) -> int:
+    """The model's ``seq_len`` when the config sets it; else what the task's class says without building
+    the task (a fixed ``seq_len`` such as ARC's 900 canvas tokens, ``size`` x ``size`` for a board task,
+    a ``seq_len`` option); else 1."""
+    explicit = cfg.model.fields.get("seq_len")
+    if _int(explicit) > 1 or explicit == 1:
+        return _int(explicit)
+    import inspect
+
+    from loopformer.tasks.registry import TASKS, task_class
+
+    if cfg.data.task not in TASKS:
+        return 1
+    cls = task_class(cfg.data.task)
+    if _int(getattr(cls, "seq_len", 0)) > 1:
+        return _int(cls.seq_len)
+    try:
+        params = inspect.signature(cls.__init__).parameters
+    except (TypeError, ValueError):
+        return 1
+
+    def option(name: str) -> int:
+        default = params[name].default if name in params else None
+        return _int(cfg.data.options.get(name, default))
+
+    if "size" in params:
+        return option("size") ** 2
+    return option("seq_len") if "seq_len" in params else 1
+
+
 def memory_terms(cfg: Any, training: bool = True) -> tuple[list[tuple[float, str]], list[tuple[float, str]]]:
     """(device terms, host terms): lists of (bytes, what sets them) of ``cfg``'s lower bound."""
     mc = cfg.model_config()
     d, layers = _int(getattr(mc, "d_model", 1)), _int(getattr(mc, "n_layers", 1))
     vocab = _int(getattr(mc, "vocab_size", 1))
-    seq = _int(cfg.model.fields.get("seq_len"))
+    seq = sequence_length(cfg)
     weights = 4.0 * (layers * 4 * d * d + vocab * d) * (4 if training else 1)
     device = [(weights, f"model.n_layers={layers}, model.d_model={d}, model.vocab_size={vocab}")]
     for section, batch in (("train", cfg.train.batch_size), ("eval", cfg.eval.batch_size)):
@@ -89,10 +122,10 @@ def check_memory(cfg: Any, device: str | None = None, training: bool = True) -> 
         checks.append((host_terms, ram, "RAM"))
     for terms, limit, name in checks:
         need = sum(b for b, _ in terms)
-        if limit is None or not terms or need <= limit:
+        if limit is None or not terms or need <= FAR_BEYOND * limit:
             continue
         largest = max(terms)[1]
         raise ConfigError(
-            f"{largest}: the run needs at least {need / GIB:,.1f} GiB of {name}, more than the "
+            f"{largest}: the run needs at least {need / GIB:,.1f} GiB of {name}, far more than the "
             f"{limit / GIB:,.1f} GiB this machine has; lower these sizes"
         )
