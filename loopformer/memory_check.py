@@ -13,8 +13,9 @@ hold at once, each term tied to the keys that set it:
   ``data.eval_size`` rows x sequence length of int64 inputs and labels, in host memory.
 
 The sequence length is the model's ``seq_len`` when the config sets it (a trained run's config always
-does), else what the task's class says without building it (``sequence_length``), else 1. The device's memory is the GPU's when the run
-is on CUDA, else the machine's RAM; the data sets are always compared with the RAM. Only a bound more
+does), else what the task's class says without building it (``sequence_length``), else 1. The device's
+memory is the GPU's when the run is on CUDA, else the machine's RAM; the data sets are always compared
+with the RAM. Only a bound more
 than ``FAR_BEYOND`` (4) times that memory is refused, so the paper recipes still build on a small machine
 (their data sets are large, 17 GiB for ARC) while sizes no machine holds (a batch of 10**9, a width of
 10**6) are refused: a run the check lets through can still run out of memory, one it refuses cannot fit.
