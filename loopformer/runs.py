@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from loopformer.command_checks import EVAL_OVERRIDE_PREFIXES  # noqa: F401  (re-exported)
-from loopformer.config import DataConfig, RunConfig
+from loopformer.config import ConfigError, DataConfig, RunConfig
 from loopformer.hub import resolve_source
 from loopformer.loop import LoopConfig
 from loopformer.loop.samplers import SAMPLERS, make_sampler, sampler_defaults
@@ -36,6 +36,8 @@ from loopformer.train.checkpoint import (
     latest_checkpoint,
     load_checkpoint,
     read_checkpoint_config,
+    resolve_checkpoint,
+    verified,
 )
 
 HRM_SPLITS = {"train": "train", "eval": "test"}  # our split name -> HRM's folder name
@@ -157,8 +159,17 @@ def load_run(
     path = resolve_source(path)  # a hub id (owner/name) is downloaded, a local path kept
     if best:
         path = find_best(path)[0]
-    stored, _, _ = read_checkpoint_config(path)
-    config = run_config_for(stored, config_overrides, device=device, task=task)
+    try:
+        stored, _, _ = read_checkpoint_config(path)
+    except CheckpointError:  # a damaged config.json: the manifest's check says best what is wrong
+        verified(resolve_checkpoint(path))
+        raise
+    try:
+        config = run_config_for(stored, config_overrides, device=device, task=task)
+    except ConfigError:
+        if not config_overrides and task in (None, stored.data.task):  # the stored config itself: damaged?
+            verified(resolve_checkpoint(path))
+        raise
     built_task = run_task(config.data)
     check_task_fits_model(built_task, config)
     ckpt = load_checkpoint(path, use_ema=use_ema, device=device)
