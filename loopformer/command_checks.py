@@ -85,3 +85,16 @@ def check_task_fits_model(task: Any, cfg: RunConfig) -> None:
             f"data.options={cfg.data.options}: task {task.name!r} then has {task_vocab} tokens, "
             f"the model was trained with model.vocab_size={model_vocab}"
         )
+
+
+def check_trajectory(loops: int, tokens: int, what: str) -> None:
+    """ConfigError when keeping ``tokens`` int64 answers for each of ``loops`` loops (``solve`` keeps every
+    loop's answer) needs far more than this machine's RAM (``loopformer.memory_check.FAR_BEYOND``)."""
+    from loopformer.memory_check import FAR_BEYOND, GIB, physical_memory
+
+    ram, need = physical_memory(), 8.0 * max(int(loops), 1) * max(int(tokens), 1)
+    if ram is not None and need > FAR_BEYOND * ram:
+        raise ConfigError(
+            f"{what}: keeping every loop's answer ({int(loops):,} loops x {tokens} tokens) needs at least "
+            f"{need / GIB:,.1f} GiB, far more than the {ram / GIB:,.1f} GiB of RAM this machine has"
+        )

@@ -189,3 +189,9 @@ def test_a_valid_eval_override_still_evaluates(trained, tmp_path) -> None:
                                       "-o", str(tmp_path / "report")])  # fmt: skip
     assert result.exit_code == 0, result.output
     assert (tmp_path / "report" / "metrics.json").is_file() or any((tmp_path / "report").iterdir())
+
+
+def test_solve_refuses_a_loop_count_whose_trajectory_cannot_fit(trained) -> None:
+    run, _ = trained
+    result = CliRunner().invoke(cli, ["solve", "sudoku", PUZZLE, "-c", str(run), "--max-steps", HUGE])
+    fails_cleanly(result, f"--max-steps {HUGE}", "keeping every loop's answer")

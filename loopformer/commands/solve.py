@@ -132,6 +132,10 @@ def solve(
     tokens = parse_puzzle(task, puzzle)
     if task.seq_len and tokens.size != task.seq_len:
         raise TaskDataError(f"the puzzle has {tokens.size} tokens, the model's task expects {task.seq_len}")
+    from loopformer.command_checks import check_trajectory
+
+    loops = (max_steps or int(run.loop_eval.max_steps)) * max(int(run.config.eval.segments), 1)
+    check_trajectory(loops, tokens.size, f"--max-steps {max_steps}" if max_steps else "loop_eval.max_steps")
     givens = check_givens(task, tokens)
     common = {
         "task": task.name,
