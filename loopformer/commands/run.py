@@ -148,6 +148,12 @@ def build_run_configs(
         base_raw["loop_eval"] = dict(spec.loop_eval)
         base_raw["out_dir"] = str(out / "baseline")
         base_cfg = build_config(base_raw, base_over)
+        if (base_cfg.data.task, base_cfg.data.options) != (main_cfg.data.task, main_cfg.data.options):
+            raise ConfigError(
+                f"baseline.data.task / baseline.data.options: the baseline is evaluated on the looped model's "
+                f"task {main_cfg.data.task!r} {main_cfg.data.options}, so it must be trained on that task, not on "
+                f"{base_cfg.data.task!r} {base_cfg.data.options}"
+            )
         description = spec.label
     return main_cfg, base_cfg, section, description
 
