@@ -106,7 +106,7 @@ RUN_ONLY = [
     ("run.signal_loops=-2", "run.signal_loops must be an integer >= 0"),
     ("run.analysis_examples=0", "run.analysis_examples must be an integer >= 1"),
     ("baseline.train.steps=-1", "train.steps must be >= 1"),
-    ("baseline.data.task=maze", "the baseline is evaluated on the looped model's task 'sudoku'"),
+    ("baseline.data.options={size: 9}", "the baseline is evaluated on the looped model's task 'sudoku'"),
 ]
 
 
