@@ -5,7 +5,8 @@ fields and loop overrides are coerced and checked by their own classes, then eve
 ranges (sizes >= 1, rates in [0, 1), finite non-negative weights, a sane learning rate), the
 model's shape (``d_model`` divisible by ``n_heads``), the device (``cuda`` needs a CUDA device),
 CPU thread counts, the task's name and options (checked against the task's constructor and
-``generate`` signatures without building the task), and the loop sampler's options.
+``generate`` signatures without building the task), the loop sampler's options, and sizes that
+cannot fit in memory (``loopformer.memory_check``).
 
 ``load_yaml(text, where)`` is ``yaml.safe_load`` with two more refusals: a duplicate key in a
 mapping and documents whose aliases would expand past ``MAX_YAML_NODES`` nodes (a "billion
@@ -166,7 +167,7 @@ def _finite(obj: Any, prefix: str, low: float, high: float, *keys: str, open_hig
             )
 
 
-def _check_train(cfg: RunConfig) -> None:
+def _check_train(cfg: RunConfig, training: bool = True) -> None:
     t = cfg.train
     _at_least(t, "train", 1, "steps", "batch_size", "max_segments", "log_every")
     _at_least(t, "train", 0, "warmup_steps", "eval_every", "checkpoint_every", "keep_checkpoints", "threads")
@@ -216,7 +217,7 @@ def _check_train(cfg: RunConfig) -> None:
         if math.isnan(value) or value <= 0:
             raise ConfigError(f"train.{key} must be > 0, got {value}")
     cores = os.cpu_count() or 1
-    if t.threads > cores:
+    if training and t.threads > cores:
         raise ConfigError(
             f"train.threads={t.threads} is more than the {cores} CPU cores of this machine "
             "(0 = one per physical core)"
@@ -232,12 +233,12 @@ def _check_sampler(cfg: RunConfig, loop: Any) -> None:
         raise ConfigError(f"train.loop_sampler / train.loop_sampler_options: {err}") from None
 
 
-def _check_run(cfg: RunConfig) -> None:
+def _check_run(cfg: RunConfig, training: bool = True) -> None:
     if not 0 <= cfg.seed < 2**63:
         raise ConfigError(f"seed must be in [0, 2**63), got {cfg.seed}")
     if not str(cfg.out_dir).strip():
         raise ConfigError("out_dir must not be empty")
-    if cfg.device == "cuda":
+    if training and cfg.device == "cuda":
         import torch
 
         if not torch.cuda.is_available():
@@ -340,9 +341,13 @@ def _check_options(
             )
 
 
-def validate(cfg: RunConfig) -> RunConfig:
+def validate(cfg: RunConfig, training: bool = True, device: str | None = None) -> RunConfig:
     """Check every value of ``cfg`` (see the module docstring); model fields are replaced by their
-    coerced values (a nested ``loop`` table stays a table with LoopConfig types) so the dump round-trips."""
+    coerced values (a nested ``loop`` table stays a table with LoopConfig types) so the dump round-trips.
+
+    ``training=False`` checks a trained run's config for evaluation (``loopformer.command_checks``): the
+    training machine's settings (``device``, ``train.threads``) are not held against this machine, and
+    the memory bound (``loopformer.memory_check``) is evaluation's, on ``device`` (default ``cfg.device``)."""
     fields_ = _model_fields(cfg.model.name, cfg.model.fields, "model")
     cfg.model.fields = {k: to_dict(v) for k, v in fields_.items()}
     cfg.loop_train = to_dict(_loop_fields(cfg.loop_train, "loop_train"))
@@ -358,8 +363,11 @@ def validate(cfg: RunConfig) -> RunConfig:
                 f"loop_{phase}.state_dtype=bfloat16 runs the looped body in bf16, which needs bf16 autocast: "
                 "set bf16: true (or auto on CUDA)"
             )
-    _check_train(cfg)
-    _check_run(cfg)
+    _check_train(cfg, training)
+    _check_run(cfg, training)
     _check_task(cfg)
     _check_prediction_position(cfg)
+    from loopformer.memory_check import check_memory
+
+    check_memory(cfg, device, training)
     return cfg

@@ -62,7 +62,7 @@ def _spec(name: str) -> DatasetSpec:
     return DATASETS[name]
 
 
-def hub_download(repo_id: str, filename: str, cache_dir: str | Path | None = None) -> Path:
+def hub_download(repo_id: str, filename: str, cache_dir: str | Path | None = None, dataset: str = "NAME") -> Path:
     """One file of a Hugging Face dataset repository, through ``huggingface_hub`` (``pip install
     loopformer[hub]``); honours ``HF_HUB_OFFLINE`` and ``HF_HOME`` as the library does."""
     try:
@@ -72,7 +72,15 @@ def hub_download(repo_id: str, filename: str, cache_dir: str | Path | None = Non
             f"downloading {repo_id} needs huggingface_hub: pip install 'loopformer[hub]' "
             "(or download the files yourself and pass --from DIR)"
         ) from None
-    return Path(hf_hub_download(repo_id, filename, repo_type="dataset", cache_dir=cache_dir))
+    try:
+        return Path(hf_hub_download(repo_id, filename, repo_type="dataset", cache_dir=cache_dir))
+    except Exception as err:  # the hub's own errors (offline, not found, gated, timeouts): one clear line
+        reason = " ".join(str(err).split())[:200] or type(err).__name__
+        raise TaskDataError(
+            f"could not download {filename} of hub dataset {repo_id} ({type(err).__name__}: {reason}); "
+            f"offline? download {', '.join(f'{s}.csv' for s in CSV_SPLITS)} elsewhere and run "
+            f"loopformer data prepare {dataset} --out OUT --from LOCAL_PATH (the folder holding them)"
+        ) from None
 
 
 def csv_sources(
@@ -89,7 +97,7 @@ def csv_sources(
             )
         return found
     assert spec.hub_id is not None
-    return {s: hub_download(spec.hub_id, f"{s}.csv", cache_dir) for s in CSV_SPLITS}
+    return {s: hub_download(spec.hub_id, f"{s}.csv", cache_dir, dataset=name) for s in CSV_SPLITS}
 
 
 # ------------------------------------------------------------------------------------------- augmentation
@@ -358,6 +366,10 @@ def _command() -> Any:
         from rich.console import Console
         from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
 
+        from loopformer.command_checks import check_count
+
+        for option, value in (("--subset", subset), ("--augment", augment), ("--seed", seed)):
+            check_count(option, value, 0)  # before the output folder is claimed
         console = Console(stderr=True)
         with Progress(TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(), TimeRemainingColumn(),
                       console=console, transient=True) as bar:  # fmt: skip

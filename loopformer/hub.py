@@ -146,13 +146,44 @@ def model_card(config: dict[str, Any], summary: dict[str, Any] | None, family: s
 # ------------------------------------------------------------------------------------------- push
 
 
+def check_push(run: str | Path, repo_id: str) -> Path:
+    """The checkpoint folder ``push`` would share, after the checks every command makes before any work:
+    ``repo_id`` reads as owner/name, and the checkpoint's config parses and validates as ``train``
+    validates it (``loopformer.command_checks.run_config_for``)."""
+    from loopformer.command_checks import run_config_for
+    from loopformer.train.checkpoint import read_checkpoint_config, resolve_checkpoint
+
+    if parse_hub_id(repo_id) is None:
+        raise ValueError(f"repository id {repo_id!r}: expected owner/name")
+    ckpt = resolve_checkpoint(run)
+    stored, _, _ = read_checkpoint_config(ckpt)  # CheckpointError naming config.json when it does not parse
+    run_config_for(stored, device="cpu")
+    return ckpt
+
+
+def _read_summary(path: Path) -> dict[str, Any]:
+    """A run's ``summary.json`` as a table; ValueError naming the file (never quoting it) otherwise."""
+    try:
+        summary = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path}: not UTF-8 text (byte {err.start})") from None
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}: not valid JSON (line {err.lineno}, column {err.colno})") from None
+    except RecursionError:
+        raise ValueError(f"{path}: JSON nested too deeply") from None
+    if not isinstance(summary, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(summary).__name__}")
+    return summary
+
+
 def stage_run(run: str | Path, folder: Path, repo_id: str | None = None) -> dict[str, Any]:
     """Copy what a pushed model holds into ``folder`` (the model card names ``repo_id``); returns
     {"checkpoint", "step", "family", "files"}."""
-    from loopformer.train.checkpoint import resolve_checkpoint
+    from loopformer.train.checkpoint import read_checkpoint_config, resolve_checkpoint
 
     ckpt = resolve_checkpoint(run)
-    raw = json.loads((ckpt / "config.json").read_text())
+    read_checkpoint_config(ckpt)  # config.json parses (CheckpointError naming it otherwise)
+    raw = json.loads((ckpt / "config.json").read_text(encoding="utf-8"))
     files = []
     for name in PUSHED_FILES:
         if (ckpt / name).is_file():
@@ -162,7 +193,7 @@ def stage_run(run: str | Path, folder: Path, repo_id: str | None = None) -> dict
     summary = None
     for candidate in (run_dir / "summary.json", run_dir.parent / "summary.json"):
         if candidate.is_file():
-            summary = json.loads(candidate.read_text())
+            summary = _read_summary(candidate)
             atomic_copy(candidate, folder / "summary.json", root=folder)
             files.append("summary.json")
             break
@@ -183,8 +214,7 @@ def push(run: str | Path, repo_id: str, private: bool = False, revision: str | N
 
     ``api``: an ``HfApi``-like object (``create_repo``, ``upload_folder``); default ``HfApi(token=token)``.
     """
-    if parse_hub_id(repo_id) is None:
-        raise ValueError(f"repository id {repo_id!r}: expected owner/name")
+    check_push(run, repo_id)
     if api is None:
         api = _hub().HfApi(token=token)
     with tempfile.TemporaryDirectory() as tmp:
@@ -211,6 +241,7 @@ def _command() -> Any:
     def push_cmd(run: str, repo_id: str, private: bool, revision: str | None, message: str | None,
                  to_folder: Path | None, overwrite: bool = False) -> None:  # fmt: skip
         """Share RUN's latest checkpoint as hub model REPO_ID (owner/name) with a generated model card."""
+        check_push(run, repo_id)  # before a folder is claimed or anything sent
         if to_folder is not None:
             from loopformer.output_folder import staged_output
 

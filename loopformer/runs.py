@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from loopformer.config import ConfigError, DataConfig, RunConfig, apply_overrides, build_config, to_dict
+from loopformer.command_checks import EVAL_OVERRIDE_PREFIXES  # noqa: F401  (re-exported)
+from loopformer.config import ConfigError, DataConfig, RunConfig
 from loopformer.hub import resolve_source
 from loopformer.loop import LoopConfig
 from loopformer.loop.samplers import SAMPLERS, make_sampler, sampler_defaults
@@ -30,10 +31,16 @@ from loopformer.models.base import LoopedModel
 from loopformer.tasks.base import Task, TokenDataset
 from loopformer.tasks.registry import get_task
 from loopformer.train.best import best_label, best_record_for, find_best
-from loopformer.train.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
+from loopformer.train.checkpoint import (
+    CheckpointError,
+    latest_checkpoint,
+    load_checkpoint,
+    read_checkpoint_config,
+    resolve_checkpoint,
+    verified,
+)
 
 HRM_SPLITS = {"train": "train", "eval": "test"}  # our split name -> HRM's folder name
-EVAL_OVERRIDE_PREFIXES = ("data.", "eval.", "loop_eval.")
 
 
 def load_split(task: Task, data: DataConfig, split: str) -> TokenDataset | None:
@@ -136,28 +143,36 @@ def load_run(
     config_overrides: tuple[str, ...] = (),
     device: str = "cpu",
     best: bool = False,
+    task: str | None = None,
 ) -> LoadedRun:
     """Load a checkpoint (a checkpoint folder, a ``checkpoints/`` root, a run folder or a hub id) and its task,
     with the EMA weights when ``use_ema`` and the checkpoint keeps an EMA. ``best``: the run's best
     checkpoint (``checkpoints/best``, ``train.keep_best``) instead of its latest.
 
     ``config_overrides`` (``data.*``, ``eval.*``, ``loop_eval.*`` keys only) change how the run is
-    evaluated, never the model.
+    evaluated, never the model. The run's config with them is validated as ``train`` validates
+    (``loopformer.command_checks.run_config_for``; ``task``: the task the caller expects) before the
+    weights are read or the task built.
     """
+    from loopformer.command_checks import check_task_fits_model, run_config_for
+
     path = resolve_source(path)  # a hub id (owner/name) is downloaded, a local path kept
     if best:
         path = find_best(path)[0]
-    for text in config_overrides:
-        key = text.split("=", 1)[0]
-        if not key.startswith(EVAL_OVERRIDE_PREFIXES):
-            raise ConfigError(
-                f"override {text!r}: evaluation can only change data.*, eval.* and loop_eval.* keys"
-            )
+    try:
+        stored, _, _ = read_checkpoint_config(path)
+    except CheckpointError:  # a damaged config.json: the manifest's check says best what is wrong
+        verified(resolve_checkpoint(path))
+        raise
+    try:
+        config = run_config_for(stored, config_overrides, device=device, task=task)
+    except ConfigError:
+        if not config_overrides and task in (None, stored.data.task):  # the stored config itself: damaged?
+            verified(resolve_checkpoint(path))
+        raise
+    built_task = run_task(config.data)
+    check_task_fits_model(built_task, config)
     ckpt = load_checkpoint(path, use_ema=use_ema, device=device)
-    config = ckpt.config
-    if config_overrides:
-        config = build_config(apply_overrides(to_dict(config), list(config_overrides)), check=False)
-    task = run_task(config.data)
     model = ckpt.model
     if not isinstance(model, LoopedModel):
         raise CheckpointError(
@@ -170,7 +185,7 @@ def load_run(
         step=ckpt.step,
         family=ckpt.family,
         model=model,
-        task=task,
+        task=built_task,
         config=config,
         loop_eval=config.loop_config(model.config.loop, "eval"),
         loop_train=config.loop_config(model.config.loop, "train"),

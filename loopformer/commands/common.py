@@ -39,7 +39,10 @@ def one_line(err: BaseException) -> str:
     else:
         text = str(err) or type(err).__name__
     text = " ".join(part.strip() for part in text.splitlines() if part.strip())
-    if isinstance(err, OSError) and err.errno in _ENVIRONMENT_ERRNOS and type(err).__name__ not in _USER_ERRORS:
+    if isinstance(err, OSError) and err.errno in _ENVIRONMENT_ERRNOS and (
+        type(err).__name__ not in _USER_ERRORS
+        or (type(err).__module__ == "builtins" and err.filename and err.strerror)
+    ):  # the OS's own error as "path: reason" (our own, e.g. WriteError, keep their message)
         where = f"{err.filename}: " if err.filename else ""
         return f"{where}{err.strerror or text}"
     if type(err).__name__ not in _USER_ERRORS:

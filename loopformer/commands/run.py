@@ -122,6 +122,10 @@ def build_run_configs(
     section: RunSection = from_dict(RunSection, run_raw, "run")
     if section.budget_mode not in ("capped", "fixed"):
         raise ConfigError(f"run.budget_mode: {section.budget_mode!r} is not 'capped' or 'fixed'")
+    from loopformer.command_checks import check_counts
+
+    check_counts("run.", 1, budgets=section.budgets, analysis_examples=section.analysis_examples)
+    check_counts("run.", 0, lens_loops=section.lens_loops, signal_loops=section.signal_loops)
     main_raw = apply_overrides(raw, main_over)
     main_raw["out_dir"] = str(out / "model")
     main_cfg = build_config(main_raw, ())
@@ -144,6 +148,12 @@ def build_run_configs(
         base_raw["loop_eval"] = dict(spec.loop_eval)
         base_raw["out_dir"] = str(out / "baseline")
         base_cfg = build_config(base_raw, base_over)
+        if (base_cfg.data.task, base_cfg.data.options) != (main_cfg.data.task, main_cfg.data.options):
+            raise ConfigError(
+                f"baseline.data.task / baseline.data.options: the baseline is evaluated on the looped model's "
+                f"task {main_cfg.data.task!r} {main_cfg.data.options}, so it must be trained on that task, not on "
+                f"{base_cfg.data.task!r} {base_cfg.data.options}"
+            )
         description = spec.label
     return main_cfg, base_cfg, section, description
 
@@ -195,6 +205,8 @@ def run_folder_for(out_dir: str | None, overwrite: bool) -> Path:
 
     if out_dir:
         out = Path(out_dir)
+        if out.exists() and not out.is_dir():
+            raise RunFolderError(f"--out {out} is a file, not a folder: name a folder to write into")
         previous = (out / "summary.json").is_file() or holds_run(out / "model") or holds_run(out / "baseline")
         if previous and not overwrite:
             raise RunFolderError(f"{out} holds a previous `loopformer run`; pass another --out, leave --out "
@@ -252,9 +264,11 @@ def _run(recipe: str, out_dir: str | None, overwrite: bool, overrides: tuple[str
     from rich.console import Console
 
     console = Console(highlight=False)
-    out = run_folder_for(out_dir, overwrite)
     if overwrite:
         overrides = (*overrides, "train.overwrite=true")
+    # every override checked (as `train` checks them) before a run folder is claimed or anything written
+    build_run_configs(recipe, overrides, Path(out_dir or "runs/<timestamp>"))
+    out = run_folder_for(out_dir, overwrite)
     main_cfg, base_cfg, section, base_desc = build_run_configs(recipe, overrides, out)
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()

@@ -115,20 +115,24 @@ def solve(
 
     Example: loopformer solve sudoku "5...27..9..41......1..5.3...92.6.8...5......66..7..29.8...7...2.......8...9..36.." -c runs/x
     """
-    try:
-        run = load_run(checkpoint, use_ema=ema, device=str(resolve_device(device)))
+    from loopformer.command_checks import check_count
+
+    check_count("--max-steps", max_steps, 1)
+    check_count("--puzzle-id", puzzle_id, 0)
+    try:  # the run's config is checked (and its task against TASK) before the weights are read
+        run = load_run(checkpoint, use_ema=ema, device=str(resolve_device(device)), task=task_name)
     except NumericalFaultError as err:  # NaN / inf weights: refused at loading, still one JSON schema
         if as_json:
             click.echo(json.dumps(solve_record(task=task_name, puzzle=puzzle, valid=False, error=str(err))))
         raise
-    if run.config.data.task != task_name:
-        raise ValueError(
-            f"checkpoint {run.path} was trained on task {run.config.data.task!r}, not {task_name!r}"
-        )
     task = run.task
     tokens = parse_puzzle(task, puzzle)
     if task.seq_len and tokens.size != task.seq_len:
         raise TaskDataError(f"the puzzle has {tokens.size} tokens, the model's task expects {task.seq_len}")
+    from loopformer.command_checks import check_trajectory
+
+    loops = (max_steps or int(run.loop_eval.max_steps)) * max(int(run.config.eval.segments), 1)
+    check_trajectory(loops, tokens.size, f"--max-steps {max_steps}" if max_steps else "loop_eval.max_steps")
     givens = check_givens(task, tokens)
     common = {
         "task": task.name,

@@ -173,10 +173,14 @@ def evaluate_cmd(checkpoint: str, max_steps: str | None, budget_mode: str, task_
     Text (no validator): loss and bits per byte. ARC: also pass@2, voting over augmentations.
     ``--set eval.protocol=authors_trm_deq`` (or ``both``): also the Attractor puzzle authors' evaluation.
     """
+    from loopformer.command_checks import check_count
+
     overrides = list(sets) + [
         f"data.eval_generate.{k}={v}" for k, v in parse_pairs(task_options, "--task-option").items()
     ]
     budgets = parse_int_list(max_steps, "--max-steps")
+    check_count("--examples", examples, 0)
+    check_count("--lens-loops", lens_loops, 0)
     dev = resolve_device(device)
     run = load_run(checkpoint, use_ema=ema, config_overrides=tuple(overrides), device=str(dev), best=best)
     from loopformer.train.dist import DistEnv

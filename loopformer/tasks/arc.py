@@ -91,7 +91,7 @@ from loopformer.tasks.arc_scoring import (
     vote,
 )
 from loopformer.tasks.base import IGNORE_INDEX, Task, TaskDataError, TokenDataset
-from loopformer.tasks.groups import load_npz, save_npz
+from loopformer.tasks.npz_format import load_npz, save_npz
 
 __all__ = [
     "CANVAS_TOKENS", "COLOUR_OFFSET", "DIHEDRAL_NAMES", "EOS", "MAX_GRID", "NUM_COLOURS", "PAD", "SPLITS",
@@ -360,4 +360,4 @@ class ArcTask(Task):
         save_npz(dataset, path)
 
     def load(self, path: str | Path) -> TokenDataset:
-        return load_npz(path)
+        return load_npz(path, self.vocab_size)

@@ -162,7 +162,9 @@ def _check_difficulty(difficulty: np.ndarray, labels: np.ndarray, meta: dict[str
 
 
 def _load_set(folder: Path, set_name: str, meta: dict[str, Any], vocab_size: int) -> dict[str, np.ndarray]:
-    arrays = {name: _load_npy(folder / f"{set_name}__{name}.npy") for name in ARRAY_FIELDS}
+    from loopformer.tasks.dataset_meta import confined_file
+
+    arrays = {name: _load_npy(confined_file(folder, f"{set_name}__{name}.npy")) for name in ARRAY_FIELDS}
     inputs, labels = arrays["inputs"], arrays["labels"]
     p_inputs = folder / f"{set_name}__inputs.npy"
     if inputs.ndim != 2:
@@ -205,7 +207,8 @@ def _load_set(folder: Path, set_name: str, meta: dict[str, Any], vocab_size: int
         ),
     }
     diff_path = folder / f"{set_name}__difficulty.npy"
-    if diff_path.exists():
+    if diff_path.exists() or diff_path.is_symlink():
+        diff_path = confined_file(folder, diff_path.name)
         difficulty = _load_npy(diff_path)
         if difficulty.shape != (len(inputs),):
             raise TaskDataError(f"{diff_path}: shape {difficulty.shape}, expected ({len(inputs)},)")
@@ -227,21 +230,9 @@ def load_hrm_folder(path: str | Path, split: str = "train", task: Task | None = 
     meta_path = folder / "dataset.json"
     if not meta_path.is_file():
         raise TaskDataError(f"{meta_path}: missing file")
-    try:
-        meta = json.loads(meta_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise TaskDataError(f"{meta_path}: not valid JSON ({exc})") from None
-    if not isinstance(meta, dict):
-        raise TaskDataError(f"{meta_path}: expected a JSON object")
-    missing = [
-        f
-        for f in ("vocab_size", "seq_len", "sets", "ignore_label_id", "num_puzzle_identifiers")
-        if f not in meta
-    ]
-    if missing:
-        raise TaskDataError(f"{meta_path}: missing field(s) {missing}")
-    if not isinstance(meta["sets"], list) or not meta["sets"]:
-        raise TaskDataError(f"{meta_path}: 'sets' must be a non-empty list of set names")
+    from loopformer.tasks.dataset_meta import confined_file, read_dataset_json
+
+    meta = read_dataset_json(confined_file(folder, meta_path.name))
     vocab_size = int(meta["vocab_size"])
     if task is not None and task.vocab_size:  # a folder prepared for a larger vocabulary: the task's bounds
         vocab_size = min(vocab_size, int(task.vocab_size))

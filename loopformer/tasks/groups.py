@@ -23,7 +23,6 @@ Difficulty is the word length. Files: ``.npz`` (see :func:`save_npz`).
 from __future__ import annotations
 
 import itertools
-import json
 import re
 from functools import cached_property
 from pathlib import Path
@@ -32,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from loopformer.tasks.base import IGNORE_INDEX, Task, TaskDataError, TokenDataset
+from loopformer.tasks.npz_format import load_npz, save_npz
 
 Perm = tuple[int, ...]
 
@@ -251,45 +251,4 @@ class GroupTask(Task):
         save_npz(dataset, path)
 
     def load(self, path: str | Path) -> TokenDataset:
-        return load_npz(path)
-
-
-def save_npz(dataset: TokenDataset, path: str | Path) -> None:
-    """Write a TokenDataset as a compressed ``.npz`` (arrays + JSON meta); the inverse of :func:`load_npz`."""
-    arrays = {"inputs": dataset.inputs, "labels": dataset.labels, "difficulty": dataset.difficulty}
-    if dataset.puzzle_ids is not None:
-        arrays["puzzle_ids"] = dataset.puzzle_ids
-    arrays["meta"] = np.array(json.dumps(dataset.meta, default=_json_default))
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    from loopformer.safe_io import atomic_writer
-
-    with atomic_writer(path, "wb") as handle:  # a file handle keeps numpy from appending ".npz"
-        np.savez_compressed(handle, **arrays)
-
-
-def load_npz(path: str | Path) -> TokenDataset:
-    path = Path(path)
-    if not path.is_file():
-        raise TaskDataError(f"{path}: no such dataset file")
-    with np.load(path, allow_pickle=False) as data:
-        missing = {"inputs", "labels", "difficulty"} - set(data.files)
-        if missing:
-            raise TaskDataError(f"{path}: not a loopformer dataset (missing {sorted(missing)})")
-        return TokenDataset(
-            inputs=data["inputs"],
-            labels=data["labels"],
-            difficulty=data["difficulty"],
-            puzzle_ids=data["puzzle_ids"] if "puzzle_ids" in data.files else None,
-            meta=json.loads(str(data["meta"])) if "meta" in data.files else {},
-        )
-
-
-def _json_default(value: Any) -> Any:
-    if isinstance(value, np.ndarray):
-        return value.tolist()
-    if isinstance(value, np.generic):
-        return value.item()
-    if isinstance(value, Path):
-        return str(value)
-    raise TypeError(f"meta value of type {type(value).__name__} is not JSON-serialisable")
+        return load_npz(path, self.vocab_size)

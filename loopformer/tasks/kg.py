@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from loopformer.tasks.base import IGNORE_INDEX, Task, TaskDataError, TokenDataset
-from loopformer.tasks.groups import load_npz, save_npz
+from loopformer.tasks.npz_format import load_npz, save_npz
 
 _MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
 
@@ -146,7 +146,7 @@ class _KGQueryTask(Task):
         save_npz(dataset, path)
 
     def load(self, path: str | Path) -> TokenDataset:
-        return load_npz(path)
+        return load_npz(path, self.vocab_size)
 
 
 class KGDepthTask(_KGQueryTask):

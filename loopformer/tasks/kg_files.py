@@ -44,12 +44,36 @@ PRED_POS = ("answer", "last")
 
 
 def _read_json(path: Path) -> Any:
+    """A UTF-8 JSON file; TaskDataError naming the file and position (never quoting its contents)."""
     if not path.is_file():
         raise TaskDataError(f"{path} does not exist")
     try:
-        return json.loads(path.read_text())
+        return json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as err:
+        raise TaskDataError(f"{path}: not UTF-8 text (byte {err.start})") from None
     except json.JSONDecodeError as err:
         raise TaskDataError(f"{path}: not valid JSON ({err.msg} at line {err.lineno})") from None
+    except RecursionError:
+        raise TaskDataError(f"{path}: JSON nested too deeply") from None
+    except OSError as err:
+        raise TaskDataError(f"{path}: cannot read ({err.strerror or type(err).__name__})") from None
+
+
+def _vocabulary(path: Path) -> list[str]:
+    """vocab.json's tokens: a JSON list of distinct ``<...>`` strings (``<pad>`` put first when missing)."""
+    tokens = _read_json(path)
+    if not isinstance(tokens, list):
+        raise TaskDataError(f"{path} must be a JSON list of token strings, got {type(tokens).__name__}")
+    seen: dict[str, int] = {}
+    for i, token in enumerate(tokens):
+        if not isinstance(token, str):
+            raise TaskDataError(f"{path}: entry {i} is {type(token).__name__}, not a token string")
+        if not TOKEN.fullmatch(token):
+            raise TaskDataError(f"{path}: entry {i} {token[:40]!r} is not one <...> token")
+        if token in seen:
+            raise TaskDataError(f"{path}: entry {i} {token!r} repeats entry {seen[token]}")
+        seen[token] = i
+    return tokens if PAD in seen else [PAD, *tokens]
 
 
 class KGFilesTask(Task):
@@ -61,13 +85,15 @@ class KGFilesTask(Task):
     ) -> None:
         if pred_pos not in PRED_POS:
             raise TaskDataError(f"kg_files: pred_pos {pred_pos!r} is not one of {PRED_POS}")
+        if isinstance(width, bool) or not isinstance(width, int) or width < 0:
+            raise TaskDataError(f"kg_files: width must be an integer >= 0 (0 = the longest query), got {width!r}")
+        if types is not None and (not isinstance(types, list) or not all(isinstance(t, str) for t in types)):
+            raise TaskDataError(f"kg_files: types must be a list of record types (strings), got {types!r}")
         self.pred_pos = pred_pos
         self.root = Path(path)
-        tokens = _read_json(self.root / "vocab.json")
-        if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
-            raise TaskDataError(f"{self.root / 'vocab.json'} must be a JSON list of token strings")
-        if PAD not in tokens:
-            tokens = [PAD, *tokens]
+        if not self.root.is_dir():
+            raise TaskDataError(f"kg_files: {self.root} is not a folder (expected vocab.json and train.json inside)")
+        tokens = _vocabulary(self.root / "vocab.json")
         self.tokens = tokens
         self.vocab = {t: i for i, t in enumerate(tokens)}
         self.vocab_size = len(tokens)
@@ -87,41 +113,63 @@ class KGFilesTask(Task):
             )
         return [self.vocab[p] for p in pieces]
 
-    def records(self, path: str | Path) -> list[tuple[list[int], int, str]]:
-        """(query ids, answer id, type) per record of ``path`` (a name inside the folder or a path)."""
+    def records(self, path: str | Path, numbered: bool = False) -> list[Any]:
+        """(query ids, answer id, type) per record of ``path`` (a name inside the folder or a path); with
+        ``numbered``, (record number in the file, query ids, answer id, type)."""
         file = Path(path) if Path(path).is_file() else self.root / path
         data = _read_json(file)
         if not isinstance(data, list):
-            raise TaskDataError(f"{file} must hold a JSON list of records")
+            raise TaskDataError(f"{file} must hold a JSON list of records, got {type(data).__name__}")
         out = []
         for i, rec in enumerate(data):
             where = f"{file} record {i}"
             if not isinstance(rec, dict) or "input_text" not in rec or "target_text" not in rec:
                 raise TaskDataError(f"{where}: needs 'input_text' and 'target_text'")
-            kind = str(rec.get("type", ""))
+            for key in ("input_text", "target_text", "type"):
+                if key in rec and not isinstance(rec[key], str):
+                    raise TaskDataError(f"{where}: {key!r} is {type(rec[key]).__name__}, not a string")
+            kind = rec.get("type", "")
             if self.types is not None and kind not in self.types:
                 continue
-            query = self._ids(rec["input_text"], where)
-            target = [t for t in TOKEN.findall(rec["target_text"])]
-            if target and target[-1] == END:
-                target = target[:-1]
-            if not target:
-                raise TaskDataError(f"{where}: target_text has no answer token")
-            out.append((query, self._ids(target[-1], where)[0], kind))
+            query, answer = self._record(rec["input_text"], rec["target_text"], where)
+            out.append((i, query, answer, kind) if numbered else (query, answer, kind))
         return out
 
+    def _record(self, input_text: str, target_text: str, where: str) -> tuple[list[int], int]:
+        """(query ids, answer id) of one record: a query of an entity and relations, no ``<pad>`` in it, and
+        a target that is the answer alone or the query followed by the answer (``</a>`` after it optional)."""
+        query = self._ids(input_text, where)
+        if len(query) < 2:
+            raise TaskDataError(f"{where}: input_text has {len(query)} token; a query is an entity and relations")
+        if self.pad in query:
+            raise TaskDataError(f"{where}: input_text holds {PAD}, which only pads rows")
+        target = TOKEN.findall(target_text)
+        if target and target[-1] == END:
+            target = target[:-1]
+        if not target:
+            raise TaskDataError(f"{where}: target_text has no answer token")
+        answer = self._ids(target[-1], where)[0]
+        if len(target) > 1 and self._ids("".join(target[:-1]), where) != query:
+            raise TaskDataError(f"{where}: target_text neither is the answer alone nor continues input_text")
+        if answer == self.pad:
+            raise TaskDataError(f"{where}: the answer is {PAD}")
+        return query, answer
+
     def load(self, path: str | Path) -> TokenDataset:
-        recs = self.records(path)
-        if not recs:
+        numbered = self.records(path, numbered=True)
+        if not numbered:
             raise TaskDataError(
                 f"{path}: no records" + (f" of types {sorted(self.types)}" if self.types else "")
             )
+        recs = [(q, a, k) for _, q, a, k in numbered]
         width = self.width or max(len(q) for q, _, _ in recs)
         inputs = np.full((len(recs), width), self.pad, dtype=np.int64)
         labels = np.full((len(recs), width), IGNORE_INDEX, dtype=np.int64)
         for i, (query, answer, _) in enumerate(recs):
             if len(query) > width:
-                raise TaskDataError(f"{path} record {i}: {len(query)} tokens do not fit width {width}")
+                raise TaskDataError(
+                    f"{path} record {numbered[i][0]}: {len(query)} tokens do not fit width {width}"
+                )
             inputs[i, : len(query)] = query
             labels[i, self._pos(len(query), width)] = answer
         hops = np.array([len(q) - 1 for q, _, _ in recs], dtype=np.float64)

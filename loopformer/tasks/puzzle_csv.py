@@ -314,6 +314,12 @@ def _read_header(path: Path, first: bytes) -> tuple[list[str], int]:
     header = [h.strip() for h in rows[0]] if rows else []
     if not header:
         raise TaskDataError(f"{path}: empty file (expected header {','.join(PUZZLE_CSV_COLUMNS)})")
+    for i, name in enumerate(header):
+        if name in header[:i]:  # which of the two would be read is a guess: refused
+            raise TaskDataError(
+                f"{path}: line 1 (the header): column {name[:40]!r} appears twice (fields {header.index(name) + 1} "
+                f"and {i + 1})"
+            )
     missing = [c for c in ("question", "answer") if c not in header]
     if missing:
         # the header is not quoted: a data path read from a run's config.json may name any file

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from loopformer.tasks.base import Task, TaskDataError, TokenDataset
-from loopformer.tasks.groups import load_npz, save_npz
+from loopformer.tasks.npz_format import load_npz, save_npz
 
 TEXT_SUFFIXES = (".txt", ".md")
 
@@ -238,4 +238,4 @@ class TextTask(Task):
         save_npz(dataset, path)
 
     def load(self, path: str | Path) -> TokenDataset:
-        return load_npz(path)
+        return load_npz(path, self.vocab_size)

@@ -1,0 +1,100 @@
+"""One validation path for every command: what ``train`` checks, ``eval``, ``solve``, ``run`` and ``push`` check too.
+
+``train`` and ``run`` build their configs with ``loopformer.config.build_config``, which validates every
+value (``loopformer.config_validate.validate``: ranges with the dotted key, the task's options, sizes that
+cannot fit in memory). ``eval``, ``solve`` and ``push`` start from a trained run's stored config instead;
+``run_config_for`` applies their ``--set`` overrides to it and runs the *same* ``validate`` (for
+evaluation: the training machine's ``device`` / ``train.threads`` are not held against this one, and
+the memory bound is evaluation's), then what only a trained run can be checked against: the task its
+model was trained on. ``check_count`` refuses a command's own numeric options (``--examples``,
+``--max-steps``, ``run.budgets``...) by their names. All of it runs before any data is loaded or
+model built; every refusal is a ``ConfigError`` (one line, exit status 1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from loopformer.config import ConfigError, RunConfig, apply_overrides, build_config, to_dict
+
+EVAL_OVERRIDE_PREFIXES = ("data.", "eval.", "loop_eval.")
+
+
+def check_count(option: str, value: Any, low: int) -> None:
+    """ConfigError unless ``value`` (a command option; None = not given) is an integer >= ``low``."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ConfigError(f"{option} must be an integer >= {low}, got {value!r}")
+
+
+def check_counts(prefix: str, low: int, **values: Any) -> None:
+    """``check_count`` for each ``name=value``, named ``<prefix><name>``; lists are checked item by item."""
+    for name, value in values.items():
+        items = value if isinstance(value, list | tuple) else [value]
+        for i, item in enumerate(items):
+            where = f"{prefix}{name}" + (f"[{i}]" if isinstance(value, list | tuple) else "")
+            check_count(where, item, low)
+
+
+def run_config_for(
+    stored: RunConfig,
+    overrides: Sequence[str] = (),
+    device: str | None = None,
+    task: str | None = None,
+    prefixes: tuple[str, ...] = EVAL_OVERRIDE_PREFIXES,
+) -> RunConfig:
+    """A trained run's config (``stored``) with a command's ``overrides`` applied and validated as
+    ``train`` validates (see the module docstring), for evaluating on ``device``.
+
+    ``overrides`` may only touch keys under ``prefixes`` (evaluation changes how the model is run, never
+    the model); ``data.task`` must stay the model's, and so must ``task`` when a command names one.
+    """
+    for text in overrides:
+        key = str(text).split("=", 1)[0].strip()
+        if not key.startswith(prefixes):
+            allowed = ", ".join(f"{p}*" for p in prefixes)
+            raise ConfigError(f"override {text!r}: evaluation can only change {allowed} keys")
+    trained_on = stored.data.task
+    cfg = (
+        build_config(apply_overrides(to_dict(stored), list(overrides)), check=False) if overrides else stored
+    )
+    if cfg.data.task != trained_on:
+        raise ConfigError(
+            f"data.task={cfg.data.task!r}: the model was trained on task {trained_on!r}; "
+            "it can only be evaluated on that task"
+        )
+    if task is not None and task != trained_on:
+        from loopformer.tasks.registry import TASKS
+
+        known = "" if task in TASKS else f" (and {task!r} is no known task: {', '.join(sorted(TASKS))})"
+        raise ConfigError(f"task {task!r}: the model was trained on task {trained_on!r}{known}")
+    from loopformer.config_validate import validate
+
+    return validate(cfg, training=False, device=device)
+
+
+def check_task_fits_model(task: Any, cfg: RunConfig) -> None:
+    """ConfigError when the task ``cfg.data`` builds has tokens the trained model has no embedding for
+    (``data.options`` changed, e.g. a larger Sudoku than the model was trained on)."""
+    model_vocab = cfg.model.fields.get("vocab_size")
+    task_vocab = int(getattr(task, "vocab_size", 0) or 0)
+    if isinstance(model_vocab, int) and task_vocab > model_vocab:
+        raise ConfigError(
+            f"data.options={cfg.data.options}: task {task.name!r} then has {task_vocab} tokens, "
+            f"the model was trained with model.vocab_size={model_vocab}"
+        )
+
+
+def check_trajectory(loops: int, tokens: int, what: str) -> None:
+    """ConfigError when keeping ``tokens`` int64 answers for each of ``loops`` loops (``solve`` keeps every
+    loop's answer) needs far more than this machine's RAM (``loopformer.memory_check.FAR_BEYOND``)."""
+    from loopformer.memory_check import FAR_BEYOND, GIB, physical_memory
+
+    ram, need = physical_memory(), 8.0 * max(int(loops), 1) * max(int(tokens), 1)
+    if ram is not None and need > FAR_BEYOND * ram:
+        raise ConfigError(
+            f"{what}: keeping every loop's answer ({int(loops):,} loops x {tokens} tokens) needs at least "
+            f"{need / GIB:,.1f} GiB, far more than the {ram / GIB:,.1f} GiB of RAM this machine has"
+        )

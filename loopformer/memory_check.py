@@ -1,0 +1,132 @@
+"""Refuse a configuration whose sizes cannot fit in this machine's memory, before any work.
+
+``check_memory(cfg, device)`` runs inside ``loopformer.config_validate.validate``, so every command that
+validates a config (``train`` when it builds one; ``eval``, ``solve``, ``run`` and ``push`` through
+``loopformer.command_checks``) refuses the same sizes. It adds up a *lower bound* of what the run must
+hold at once, each term tied to the keys that set it:
+
+- the weights: ``model.n_layers`` x 4 ``model.d_model``^2 (attention projections; the MLP left out)
+  plus ``model.vocab_size`` x ``model.d_model``, as float32, x4 when training (gradients, two Adam moments);
+- one hidden state of a batch: ``train.batch_size`` (or ``eval.batch_size``) x sequence length x
+  ``model.d_model`` in bf16 (a real forward keeps many more);
+- generated data sets (no ``data.train_path`` / ``data.eval_path``): ``data.train_size`` /
+  ``data.eval_size`` rows x sequence length of int64 inputs and labels, in host memory.
+
+The sequence length is the model's ``seq_len`` when the config sets it (a trained run's config always
+does), else what the task's class says without building it (``sequence_length``), else 1. The device's
+memory is the GPU's when the run is on CUDA, else the machine's RAM; the data sets are always compared
+with the RAM. Only a bound more
+than ``FAR_BEYOND`` (4) times that memory is refused, so the paper recipes still build on a small machine
+(their data sets are large, 17 GiB for ARC) while sizes no machine holds (a batch of 10**9, a width of
+10**6) are refused: a run the check lets through can still run out of memory, one it refuses cannot fit.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+GIB = float(1 << 30)
+FAR_BEYOND = 4  # refuse only a bound this many times the memory: an estimate that is off never refuses a run
+
+
+def physical_memory() -> int | None:
+    """Bytes of RAM of this machine (None where the OS does not say)."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def device_memory(device: str) -> tuple[int | None, str]:
+    """(bytes of memory of ``device`` — ``cpu``, ``cuda``, ``cuda:N`` or ``auto`` —, its description)."""
+    kind = str(device or "auto").split(":")[0]
+    if kind in ("cuda", "auto"):
+        import torch
+
+        if torch.cuda.is_available():
+            index = int(str(device).split(":")[1]) if ":" in str(device) else 0
+            return int(torch.cuda.get_device_properties(index).total_memory), f"GPU {index}"
+    return physical_memory(), "RAM"
+
+
+def _int(value: Any) -> int:
+    return int(value) if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 1
+
+
+def sequence_length(cfg: Any) -> int:
+    """The model's ``seq_len`` when the config sets it; else what the task's class says without building
+    the task (a fixed ``seq_len`` such as ARC's 900 canvas tokens, ``size`` x ``size`` for a board task,
+    a ``seq_len`` option); else 1."""
+    explicit = cfg.model.fields.get("seq_len")
+    if _int(explicit) > 1 or explicit == 1:
+        return _int(explicit)
+    import inspect
+
+    from loopformer.tasks.registry import TASKS, task_class
+
+    if cfg.data.task not in TASKS:
+        return 1
+    cls = task_class(cfg.data.task)
+    if _int(getattr(cls, "seq_len", 0)) > 1:
+        return _int(cls.seq_len)
+    try:
+        params = inspect.signature(cls.__init__).parameters
+    except (TypeError, ValueError):
+        return 1
+
+    def option(name: str) -> int:
+        default = params[name].default if name in params else None
+        return _int(cfg.data.options.get(name, default))
+
+    if "size" in params:
+        return option("size") ** 2
+    return option("seq_len") if "seq_len" in params else 1
+
+
+def memory_terms(cfg: Any, training: bool = True) -> tuple[list[tuple[float, str]], list[tuple[float, str]]]:
+    """(device terms, host terms): lists of (bytes, what sets them) of ``cfg``'s lower bound."""
+    mc = cfg.model_config()
+    d, layers = _int(getattr(mc, "d_model", 1)), _int(getattr(mc, "n_layers", 1))
+    vocab = _int(getattr(mc, "vocab_size", 1))
+    seq = sequence_length(cfg)
+    weights = 4.0 * (layers * 4 * d * d + vocab * d) * (4 if training else 1)
+    device = [(weights, f"model.n_layers={layers}, model.d_model={d}, model.vocab_size={vocab}")]
+    for section, batch in (("train", cfg.train.batch_size), ("eval", cfg.eval.batch_size)):
+        if section == "train" and not training:
+            continue
+        b = _int(batch)
+        device.append(
+            (2.0 * b * seq * d, f"{section}.batch_size={b} x sequence length {seq} x model.d_model={d}")
+        )
+    host = []
+    for split, size, path in (("train", cfg.data.train_size, cfg.data.train_path),
+                              ("eval", cfg.data.eval_size, cfg.data.eval_path)):  # fmt: skip
+        if not path and (split == "eval" or training):
+            n = _int(size)
+            host.append((16.0 * n * seq, f"data.{split}_size={n} rows x sequence length {seq}"))
+    return device, host
+
+
+def check_memory(cfg: Any, device: str | None = None, training: bool = True) -> None:
+    """ConfigError when ``cfg``'s lower bound (module docstring) exceeds the memory of ``device``
+    (default ``cfg.device``) or the RAM; the message names the keys of the largest term."""
+    from loopformer.config import ConfigError
+
+    device_terms, host_terms = memory_terms(cfg, training)
+    ram = physical_memory()
+    capacity, where = device_memory(device or cfg.device)
+    checks = [(device_terms, capacity, where)]
+    if where == "RAM":
+        checks = [(device_terms + host_terms, ram, "RAM")]
+    else:
+        checks.append((host_terms, ram, "RAM"))
+    for terms, limit, name in checks:
+        need = sum(b for b, _ in terms)
+        if limit is None or not terms or need <= FAR_BEYOND * limit:
+            continue
+        largest = max(terms)[1]
+        raise ConfigError(
+            f"{largest}: the run needs at least {need / GIB:,.1f} GiB of {name}, far more than the "
+            f"{limit / GIB:,.1f} GiB this machine has; lower these sizes"
+        )
