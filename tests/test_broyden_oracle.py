@@ -19,7 +19,9 @@ DT = torch.float64
 TORCHDEQ_FORWARD_EVALS = {0.9: 37, 0.99: 101}
 
 
-def linear_problem(d: int, b: int, rho: float, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def linear_problem(
+    d: int, b: int, rho: float, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """W = Q diag(eigs) Q^T with spectral radius exactly rho (as the benchmark builds it), x and z*."""
     g = torch.Generator().manual_seed(seed)
     q, _ = torch.linalg.qr(torch.randn(d, d, generator=g, dtype=DT))
