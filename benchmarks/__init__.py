@@ -6,4 +6,4 @@ Each module ``bench_*.py`` exposes ``run(quick: bool) -> list[Result]`` (``bench
 ``benchmarks/bench_generation.py`` also runs as a script (Sudoku and maze timings, its own JSON).
 """
 
-BENCHMARKS = ("engine", "flops", "memory", "halting", "solvers", "compile", "generation", "data", "reference")
+BENCHMARKS = ("engine", "flops", "memory", "halting", "solvers", "compile", "generation", "data", "reference", "inference")
