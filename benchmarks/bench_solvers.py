@@ -212,12 +212,22 @@ def compare(
             f"fewest map evaluations per sample {lf_evals:g} (loopformer) vs {tdq_evals:g} (TorchDEQ)"
         )
     note = f"map evaluations per sample: loopformer {lf_evals:g}, TorchDEQ {tdq_evals:g}"
+    lf_b, tdq_b = stats.get("loopformer.broyden"), stats.get("torchdeq.broyden")
+    if lf_b and tdq_b:  # issue 26: loopformer's Broyden (memory 16) against TorchDEQ's (memory = cap)
+        b_ratio = lf_b["map_evals_per_sample"] / tdq_b["map_evals_per_sample"]
+        details["broyden_map_evals_vs_torchdeq_broyden"] = b_ratio
+        note += f"; Broyden {lf_b['map_evals_per_sample']:g} vs TorchDEQ's Broyden {tdq_b['map_evals_per_sample']:g}"
+        if b_ratio > 1:
+            reasons.append(
+                f"loopformer's Broyden needs {b_ratio:.2f}x the map evaluations of TorchDEQ's Broyden"
+            )
+            met = False
     return Result(
         "solvers",
         f"solvers.{problem}",
         ratio,
         "x",
-        f"<= {target} x TorchDEQ best time, map evaluations <= its fewest",
+        f"<= {target} x TorchDEQ best time, map evaluations <= its fewest, Broyden's <= TorchDEQ's Broyden",
         met,
         "; ".join(reasons) or note,
         details,

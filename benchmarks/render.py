@@ -97,6 +97,14 @@ METHODS = {
         "`train.threads=1` vs `2`, interleaved rounds, from each run's own step clock (steps 2..8); "
         "ratio = 2 threads / 1 thread (above 1: two threads slower). Measured on the machine as loaded "
         "as it was (load average in the details).",
+    "inference": (
+        "12. Inference at equal accuracy vs the authors' evaluation",
+        "The halting benchmark's trained FPRM on 4x4 Sudoku (the same 256 held-out puzzles for both): the "
+        "FPRM authors' evaluation (damped solver, gamma 0.99, patience 5, batch-wide halting at residual 0.1, "
+        "rel. sup norm; loopformer's `batch_residual` emulation, not their code) vs loopformer's per-sample "
+        "halting with the solver and tolerance `--auto-solver`'s search picks on 128 other puzzles (fewest "
+        "map evaluations at >= the authors' accuracy there). Ratio = wall time loopformer / authors, median "
+        "of interleaved pairs; runs repeat until two agree within 10%.",
     ),
 }
 
@@ -204,6 +212,29 @@ def _details(r: dict[str, Any]) -> list[str]:
         lines.append(f"- `{name}`: {r['reason']}")
     elif r["benchmark"] == "reference" and r["value"] is None:
         lines.append(f"- `{name}`: {r['reason']}")
+    elif r["benchmark"] == "inference" and "evals" in d:
+        lines.append(
+            f"- `{name}`: {d['reference']}; {d['model']}; {d['n_timed']} timed puzzles, batch {d['batch_size']}, "
+            f"{d['threads']} thread(s); runs {[round(x, 3) for x in d['runs']]} at load {d['run_load_averages']}"
+        )
+        lines.append("")
+        lines.append("| setting | solver | halting | tol | exact acc | map evals / sample | median time (ms) |")
+        lines.append("|---|---|---|---|---|---|---|")
+        for key, loop in (("authors", d["authors_loop"]), ("loopformer", d["loopformer_loop"])):
+            ev, t = d["evals"][key], d["times"].get(key, {}).get("median_s")
+            lines.append(
+                f"| {key} | {loop['solver']} | {loop['halting']} | {loop['tol']:g} | {ev['exact_acc']:.3f} | "
+                f"{ev['map_evals_per_sample']:.2f} | {_ms(t)} |"
+            )
+        s = d["search"]
+        lines.append("")
+        lines.append(
+            f"Search ({s['n']} other puzzles, seed {s['seed']}): authors' {s['authors']['exact_acc']:.3f} in "
+            f"{s['authors']['map_evals_per_sample']:.2f} map evals; candidates meeting it: "
+            + ", ".join(f"{c['label']} {c['map_evals']:.2f}" for c in s["candidates"] if c["qualifies"])
+            + f"; chosen {s['chosen']['label']}."
+        )
+        lines.append("")
     elif r["benchmark"] == "solvers" and "solvers" in d:
         lines.append(f"**{d['problem']}** (tol {d['tol']}):")
         lines.append("")
@@ -244,7 +275,7 @@ def render(results: list[dict[str, Any]], info: dict[str, Any]) -> str:
         "",
         "```",
         "python -m benchmarks                 # everything at CPU size: writes benchmarks/results.json and this page",
-        "python -m benchmarks --only solvers  # one benchmark (engine, flops, memory, halting, solvers, compile, generation, data, reference, startup, threads)",
+        "python -m benchmarks --only solvers  # one benchmark (engine, flops, memory, halting, solvers, compile, generation, data, reference, startup, threads, inference)",
         "LOOPFORMER_REFS=/path/to/checkouts python -m benchmarks --only reference   # vs the authors' code",
         "python -m benchmarks --quick         # tiniest sizes (what tests/test_benchmarks_smoke.py runs)",
         "pip install -c constraints.txt torchdeq==0.1.0   # for the TorchDEQ comparison (else it is skipped)",

@@ -13,6 +13,7 @@ import click
 from loopformer.commands.common import eval_dataset, load_run, parse_int_list, parse_pairs, training_depth
 from loopformer.commands.suite import ModelUnderTest, SuiteOptions, accuracy_table, run_suite
 from loopformer.devices import device_option, resolve_device
+from loopformer.eval.auto_solver import DEFAULT_FRACTION
 from loopformer.eval.lm import evaluate_lm
 from loopformer.eval.predict import arc_pass_at_k
 from loopformer.nn import autocast
@@ -164,14 +165,36 @@ def train(
 )
 @click.option("--out", "-o", "out_dir", default=None, help="report folder (default <run>/eval-step<N>-<time>)")
 @click.option("--overwrite", is_flag=True, help="replace the report in --out (moved aside once the new one is done)")
+@click.option(
+    "--auto-solver",
+    is_flag=True,
+    help="search the registered solvers x tolerances on a held-out slice for the fewest map evaluations at "
+    "the trained solver's accuracy, then evaluate the other rows with it (loopformer.eval.auto_solver)",
+)
+@click.option(
+    "--auto-solver-slice",
+    type=float,
+    default=DEFAULT_FRACTION,
+    show_default=True,
+    help="share of the held-out set the search uses (seeded; the report covers the rest)",
+)
+@click.option(
+    "--auto-solver-tolerance",
+    type=float,
+    default=0.0,
+    show_default=True,
+    help="accuracy points a candidate may lose against the trained solver on the slice",
+)
 @device_option()
 def evaluate_cmd(checkpoint: str, max_steps: str | None, budget_mode: str, task_options: tuple[str, ...],
                  sets: tuple[str, ...], examples: int, lens_loops: int | None, analyses: bool, ema: bool,
-                 best: bool, out_dir: str | None, device: str, overwrite: bool = False) -> None:  # fmt: skip
+                 best: bool, out_dir: str | None, device: str, overwrite: bool = False, auto_solver: bool = False,
+                 auto_solver_slice: float = DEFAULT_FRACTION, auto_solver_tolerance: float = 0.0) -> None:  # fmt: skip
     """Evaluate CHECKPOINT (a run folder or checkpoint folder) on its held-out set; write a report.
 
     Text (no validator): loss and bits per byte. ARC: also pass@2, voting over augmentations.
     ``--set eval.protocol=authors_trm_deq`` (or ``both``): also the Attractor puzzle authors' evaluation.
+    ``--auto-solver``: the report is on the held-out rows outside the search slice, with the chosen solver.
     """
     from loopformer.command_checks import check_count
 
@@ -187,8 +210,31 @@ def evaluate_cmd(checkpoint: str, max_steps: str | None, budget_mode: str, task_
     from loopformer.train.setup import set_cpu_threads
 
     set_cpu_threads(run.config.train, DistEnv(), dev, run.model)  # the run's train.threads rule, logged
+    auto = (auto_solver_slice, auto_solver_tolerance / 100) if auto_solver else None
     with autocast(dev, run.config.bf16):  # evaluate in the precision the run trained in
-        _evaluate(run, examples, out_dir, budgets, budget_mode, lens_loops, analyses, overwrite)
+        _evaluate(run, examples, out_dir, budgets, budget_mode, lens_loops, analyses, overwrite, auto)
+
+
+def _auto_solver(run: Any, dataset: Any, auto: tuple[float, float]) -> tuple[Any, Any, dict[str, Any]]:
+    """The solver search on a slice of ``dataset``: (the run with the chosen loop_eval, the report rows,
+    the search's record for metrics.json); prints the comparison."""
+    import dataclasses
+
+    from rich.console import Console
+
+    from loopformer.eval.auto_solver import compare, format_report, search
+
+    if not run.task.has_validator:
+        raise click.UsageError("--auto-solver needs a task scored by accuracy (this one is scored by loss)")
+    console = Console(highlight=False)
+    kwargs = {"batch_size": run.config.eval.batch_size, "seed": run.config.seed, "segments": run.config.eval.segments}
+    console.print(f"auto-solver: searching from {run.loop_eval.solver} tol={run.loop_eval.tol:g}")
+    result, chosen, rows = search(run.model, run.task, dataset, run.loop_eval, fraction=auto[0],
+                                  accuracy_tolerance=auto[1], log=lambda m: console.print(f"  {m}"), **kwargs)  # fmt: skip
+    result.report = compare(run.model, run.task, rows, {"trained": run.loop_eval, "chosen": chosen}, **kwargs)
+    for line in format_report(result):
+        console.print(line)
+    return dataclasses.replace(run, loop_eval=chosen), rows, result.to_dict()
 
 
 def _segment_note(segments: int) -> list[str]:
@@ -197,6 +243,17 @@ def _segment_note(segments: int) -> list[str]:
     return [
         f"Accuracy and steps: {segments} chained segments carrying the state (eval.segments); the step "
         "budgets and the per-loop analyses run one segment."
+    ]
+
+
+def _auto_note(record: dict[str, Any] | None) -> list[str]:
+    if record is None:
+        return []
+    c, r = record["chosen"], record["reference"]
+    return [
+        f"Solver: {c['label']} chosen by --auto-solver on {record['search_rows']} held-out examples not in this "
+        f"report ({c['map_evals']:.2f} map evaluations per sample at {100 * c['accuracy']:.1f}% vs the trained "
+        f"{r['label']}: {r['map_evals']:.2f} at {100 * r['accuracy']:.1f}%); metrics.json auto_solver has every candidate."
     ]
 
 
@@ -210,10 +267,14 @@ def _report_folder(out: Path) -> Iterator[Path]:
 
 
 def _evaluate(run: Any, examples: int, out_dir: str | None, budgets: list[int], budget_mode: str,
-              lens_loops: int | None, analyses: bool, overwrite: bool = False) -> None:  # fmt: skip
+              lens_loops: int | None, analyses: bool, overwrite: bool = False,
+              auto: tuple[float, float] | None = None) -> None:  # fmt: skip
     from loopformer.output_folder import staged_output
 
     dataset = eval_dataset(run.task, run.config, examples)
+    auto_record = None
+    if auto is not None:  # search on a slice; the report covers the other rows with the chosen solver
+        run, dataset, auto_record = _auto_solver(run, dataset, auto)
     # no second process writes into a run folder in use (a training, another eval): lock what we write into
     if out_dir:  # -o: the run-folder rules (refused when it holds a report, built aside, swapped in whole)
         out = Path(out_dir)
@@ -223,11 +284,11 @@ def _evaluate(run: Any, examples: int, out_dir: str | None, budgets: list[int], 
         out = run_dir / f"eval-step{run.step}-{time.strftime('%Y%m%d-%H%M%S')}"
         target = _report_folder(out)
     with target as write_dir:
-        _evaluate_into(run, dataset, write_dir, out, budgets, budget_mode, lens_loops, analyses)
+        _evaluate_into(run, dataset, write_dir, out, budgets, budget_mode, lens_loops, analyses, auto_record)
 
 
 def _evaluate_into(run: Any, dataset: Any, out: Path, final: Path, budgets: list[int], budget_mode: str,
-                   lens_loops: int | None, analyses: bool) -> None:  # fmt: skip
+                   lens_loops: int | None, analyses: bool, auto_record: dict[str, Any] | None = None) -> None:  # fmt: skip
     """Evaluate and write the report into ``out``, naming the files by where they end up (``final``)."""
     from rich.console import Console
 
@@ -250,6 +311,8 @@ def _evaluate_into(run: Any, dataset: Any, out: Path, final: Path, budgets: list
         return
     extra: dict[str, Any] = {"checkpoint": {"path": str(run.path), "step": run.step, "label": run.label,
                                             "best": run.best}}  # fmt: skip
+    if auto_record is not None:
+        extra["auto_solver"] = auto_record
     if isinstance(run.task, ArcTask):  # pass@2 over every test pair x augmentation version
         arc = arc_pass_at_k(
             run.model,
@@ -296,6 +359,7 @@ def _evaluate_into(run: Any, dataset: Any, out: Path, final: Path, budgets: list
         notes=[
             f"Task: {run.config.data.task} {run.config.data.options}; {len(dataset)} held-out examples.",
             *_segment_note(run.config.eval.segments),
+            *_auto_note(auto_record),
         ],
         log=lambda m: console.print(f"  {m}"),
         extra=extra,

@@ -280,7 +280,11 @@ class Broyden(Solver):
 
     @torch.no_grad()
     def _add_term(self, state: State, dx: Tensor, dg: Tensor) -> tuple[Terms, Terms]:
-        """The good-Broyden rank-one update from the last step (restart from -I when full)."""
+        """The good-Broyden rank-one update from the last step. On a full memory the terms are dropped
+        first and the new term is formed against H = -I, so the restarted estimate satisfies the
+        secant condition ``H dg = dx``. (Forming it against the full H and then keeping it alone on
+        -I, as before, broke that condition: every restart's next step went astray, and at rho 0.99
+        the solve needed twice TorchDEQ's map evaluations.)"""
         us, vs = state["u"], state["v"]
         if us.buf.dim() != 3:  # first update: allocate the term buffers (grown on demand up to m)
             shape = (dx.shape[0], min(self.opts.m, 16), dx.shape[1])
@@ -288,12 +292,14 @@ class Broyden(Solver):
             vs = Terms(torch.zeros(shape, dtype=dx.dtype, device=dx.device))
         elif us.n == us.buf.shape[1] < self.opts.m:
             us, vs = us.grown(self.opts.m), vs.grown(self.opts.m)
+        if us.n >= self.opts.m:  # memory full: restart from H = -I *before* forming the new term
+            us, vs = Terms(us.buf, 0), Terms(vs.buf, 0)
         vt = _yh(us.active, vs.active, dx)
         denom = (vt * dg).sum(1, keepdim=True)
         ok = torch.isfinite(denom) & (denom.abs() > torch.finfo(dx.dtype).tiny ** 0.5)
         u = torch.where(ok, (dx - _hv(us.active, vs.active, dg)) / torch.where(ok, denom, 1.0), 0.0)
         u = torch.nan_to_num(u, nan=0.0, posinf=0.0, neginf=0.0)
-        n = 0 if us.n >= self.opts.m else us.n  # memory full: restart from H = -I (bounded memory)
+        n = us.n
         us.buf[:, n] = u
         vs.buf[:, n] = vt
         return Terms(us.buf, n + 1), Terms(vs.buf, n + 1)

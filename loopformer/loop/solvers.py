@@ -22,7 +22,8 @@ the solver's name (``LoopConfig(solver="anderson", anderson=AndersonOptions(m=5)
   small and makes Anderson slower than Picard. Next iterate ``sum a_i (beta f(X_i) + (1 - beta) X_i)``.
 - ``broyden``: limited-memory "good" Broyden on g(z) = f(z) - z with inverse-Jacobian estimate
   ``H = -I + sum_i u_i v_i^T``, at most ``m`` rank-one terms; when the memory is full it restarts
-  from ``H = -I`` (bounded memory; dropping only the oldest term diverges).
+  from ``H = -I`` and forms the new term against it, so the secant condition ``H dg = dx`` holds after
+  the restart too (bounded memory; dropping only the oldest term diverges).
 Mixing coefficients (Anderson a_i, Broyden u_i v_i, damping eta) are constants for autograd:
 under ``grad="bptt"`` gradients flow through the iterates, not through the coefficients.
 """
