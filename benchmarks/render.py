@@ -97,6 +97,7 @@ METHODS = {
         "`train.threads=1` vs `2`, interleaved rounds, from each run's own step clock (steps 2..8); "
         "ratio = 2 threads / 1 thread (above 1: two threads slower). Measured on the machine as loaded "
         "as it was (load average in the details).",
+    ),
     "inference": (
         "12. Inference at equal accuracy vs the authors' evaluation",
         "The halting benchmark's trained FPRM on 4x4 Sudoku (the same 256 held-out puzzles for both): the "
