@@ -47,6 +47,7 @@ from loopformer.safe_io import (
     fsync_dir,
 )
 from loopformer.train.manifest import verify_checkpoint, write_manifest
+from loopformer.train.sharded import is_sharded, stored_weights
 from loopformer.train.state import flatten_state, rng_state, set_rng_state, unflatten_state  # noqa: F401 (re-exported)
 
 log = logging.getLogger("loopformer.train")
@@ -176,18 +177,19 @@ def step_dirs(root: str | Path) -> list[Path]:
 def save_checkpoint(
     root: str | Path,
     step: int,
-    model: nn.Module,
+    model: nn.Module | None,
     config: RunConfig,
     ema_state: dict[str, Tensor] | None = None,
     training_state: dict[str, Any] | None = None,
     keep: int = 0,
     weights: dict[str, Tensor] | None = None,
     within: str | Path | None = None,
+    family: str | None = None,
 ) -> Path:
     """Write ``root/step_{step:08d}`` atomically, point ``root/latest`` at it, keep the newest ``keep``.
 
     ``weights``: the tensors to store instead of ``model.state_dict()`` (full tensors gathered
-    from FSDP shards). ``within``: the run folder nothing may leave through a symbolic link
+    from FSDP shards). ``model`` None: ``weights`` and ``family`` name what is stored. ``within``: the run folder nothing may leave through a symbolic link
     (default: the parent of a ``checkpoints`` root, else ``root``). A failed write (disk full)
     removes the partial folder and leaves the earlier checkpoints and ``latest`` as they were.
     """
@@ -204,8 +206,10 @@ def save_checkpoint(
         tmp.mkdir()
     except OSError as err:
         raise WriteError(err.errno, err.strerror, str(tmp)) from None
+    if model is not None:  # else weights and family name what is stored
+        family, weights = model_family(model), getattr(model, "_orig_mod", model).state_dict() if weights is None else weights
     try:
-        _write_step_folder(tmp, step, model, config, ema_state, training_state, weights)
+        _write_step_folder(tmp, step, family, config, ema_state, training_state, weights)
     except WriteError as err:  # named by the checkpoint it was for, not the hidden temporary folder
         shutil.rmtree(tmp, ignore_errors=True)  # a failed write leaves no partial folder behind
         file = Path(str(err.filename)).name
@@ -214,14 +218,21 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     final = root / name
+    publish(root, tmp, final, keep, within)
+    return final
+
+
+def publish(root: Path, tmp: Path, final: Path, keep: int, within: str | Path | None = None) -> None:
+    """Rename the complete folder ``tmp`` to ``final``, point ``root/latest`` at it, keep the newest ``keep``."""
+    within = (root.parent if root.name == "checkpoints" else root) if within is None else within
     if final.exists():  # re-saving a step (after a resume): swap the old folder out first
-        trash = root / f".tmp-{name}-old-{os.getpid()}"
+        trash = root / f".tmp-{final.name}-old-{os.getpid()}"
         os.replace(final, trash)
         os.replace(tmp, final)
         shutil.rmtree(trash, ignore_errors=True)
     else:
         os.replace(tmp, final)
-    atomic_write_text(root / LATEST, name + "\n", root=within)
+    atomic_write_text(root / LATEST, final.name + "\n", root=within)
     fsync_dir(root)
     if keep > 0:
         from loopformer.train.best import best_checkpoint
@@ -230,21 +241,17 @@ def save_checkpoint(
         for old in step_dirs(root)[:-keep]:
             if old != final and old != best:
                 shutil.rmtree(old, ignore_errors=True)
-    return final
 
 
 def _write_step_folder(
     tmp: Path,
     step: int,
-    model: nn.Module,
+    family: str,
     config: RunConfig,
     ema_state: dict[str, Tensor] | None,
     training_state: dict[str, Any] | None,
-    weights: dict[str, Tensor] | None,
+    weights: dict[str, Tensor],
 ) -> None:
-    base_model = getattr(model, "_orig_mod", model)
-    family = model_family(base_model)
-    weights = base_model.state_dict() if weights is None else weights
     save_weights(weights, tmp / "model.safetensors", {"family": family, "step": str(step)}, tmp)
     if ema_state is not None:
         save_weights(ema_state, tmp / "ema.safetensors", {"family": family, "step": str(step)}, tmp)
@@ -307,6 +314,8 @@ def latest_good_checkpoint(root: str | Path) -> tuple[Path | None, list[str]]:
 
 
 def _nonfinite_reason(folder: Path) -> str | None:
+    if is_sharded(folder):  # each rank checked its own shards before writing (resume.save)
+        return None
     try:
         bad = nonfinite_tensors(load_weights(folder / "model.safetensors"))
     except CheckpointError as err:
@@ -352,7 +361,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
         from loopformer.train.best import find_best
 
         return find_best(path)[0]
-    if (path / "model.safetensors").is_file():
+    if (path / "model.safetensors").is_file() or is_sharded(path):
         return path
     for root in (path, path / "checkpoints", path / "model" / "checkpoints"):
         found = latest_checkpoint(root)
@@ -447,11 +456,11 @@ def load_checkpoint(
                 f"checkpoint {folder} holds a {family!r} model, but the given model is {given!r}"
             )
     model.to(device)
-    load_weights_into(model, folder / "model.safetensors")
-    ema_state = None
-    if (folder / "ema.safetensors").is_file():
-        ema_state = load_weights(folder / "ema.safetensors")
-        check_weights_subset(ema_state, model, str(folder / "ema.safetensors"))
+    weights_table, ema_state = stored_weights(folder)
+    check_weights(weights_table, model, str(folder))
+    model.load_state_dict(weights_table, strict=True)
+    if ema_state is not None:
+        check_weights_subset(ema_state, model, f"{folder} (EMA weights)")
     weights = "model"
     if use_ema and ema_state is not None:
         with torch.no_grad():
