@@ -130,7 +130,7 @@ def model_family(model: nn.Module) -> str:
             module, class_name, _ = spec.split(":")
             if klass.__module__ == module and klass.__name__ == class_name:
                 return name
-    return cls.__name__
+    return next(k.__name__ for k in cls.__mro__ if not k.__name__.startswith("FSDP"))  # not FSDP2's "FSDP<Model>"
 
 
 def check_weights(weights: dict[str, Tensor], model: nn.Module, source: str) -> None:
