@@ -39,14 +39,14 @@ def setup_logging(quiet: bool = False) -> None:
 
 
 def _attach_subcommands() -> None:
-    from loopformer.commands.convert import convert
+    from loopformer.commands.convert import consolidate_cmd, convert
     from loopformer.commands.data import data
     from loopformer.commands.models import models
     from loopformer.commands.run import run
     from loopformer.commands.solve import solve
     from loopformer.commands.train_eval import evaluate_cmd, train
 
-    for command in (run, train, evaluate_cmd, solve, models, data, convert):
+    for command in (run, train, evaluate_cmd, solve, models, data, convert, consolidate_cmd):
         cli.add_command(command)
     from loopformer.commands.recipes import recipes
     from loopformer.data_prepare import prepare_cmd
