@@ -23,6 +23,10 @@ from loopformer.commands.common import CleanErrorGroup
 # name -> (where the command object lives, its one-line summary for ``loopformer --help``); the summary
 # is the first sentence of the command's own help (tests/test_startup.py checks they agree)
 LAZY_COMMANDS: dict[str, tuple[str, str]] = {
+    "consolidate": (
+        "loopformer.commands.convert:consolidate_cmd",
+        "Turn a sharded (FSDP2) checkpoint into a full safetensors checkpoint (for push, convert, one process).",
+    ),
     "convert": (
         "loopformer.commands.convert:convert",
         "Turn an authors' checkpoint (a PyTorch state dict, "

@@ -216,6 +216,8 @@ class TrainConfig:
     threads: int = 0  # CPU threads; 0 = auto: 1 for models below 2M parameters, else one per physical core
     # multi-process (torchrun), see loopformer/train/dist.py
     strategy: Literal["ddp", "fsdp"] = "ddp"
+    # auto: sharded (every rank writes its shards, loopformer/train/sharded.py) under FSDP, full otherwise
+    checkpoint_format: Literal["auto", "full", "sharded"] = "auto"
     sync_halting: bool = (
         False  # every rank leaves each loop on the same global step count (one all-reduce per step)
     )

@@ -185,6 +185,16 @@ def stage_run(run: str | Path, folder: Path, repo_id: str | None = None) -> dict
     read_checkpoint_config(ckpt)  # config.json parses (CheckpointError naming it otherwise)
     raw = json.loads((ckpt / "config.json").read_text(encoding="utf-8"))
     files = []
+    from loopformer.train.sharded import is_sharded, stored_weights
+
+    if is_sharded(ckpt):  # every rank's shards, joined into the full weights files a download expects
+        from loopformer.train.checkpoint import save_weights
+
+        meta = {"family": str(raw.get("family", "")), "step": str(raw.get("step", 0))}
+        for name, table in zip(("model.safetensors", "ema.safetensors"), stored_weights(ckpt), strict=True):
+            if table is not None:
+                save_weights(table, folder / name, meta, root=folder)
+                files.append(name)
     for name in PUSHED_FILES:
         if (ckpt / name).is_file():
             atomic_copy(ckpt / name, folder / name, root=folder)

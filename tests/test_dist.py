@@ -36,7 +36,8 @@ from torch import Tensor
 
 from loopformer.loop import make_sampler
 from loopformer.train import Trainer, dist
-from loopformer.train.checkpoint import load_weights, step_dirs
+from loopformer.train.checkpoint import step_dirs
+from loopformer.train.sharded import stored_weights
 
 REPO = Path(__file__).resolve().parent.parent
 GRAD_TOL = {"rtol": 1e-5, "atol": 1e-7}
@@ -242,9 +243,9 @@ def _simple_ranks(rank: int, world: int, tmp: str, ref: str) -> None:
     torch.testing.assert_close(torch.tensor(first_f["loss"], dtype=torch.float64), expected["loss"], rtol=1e-6, atol=1e-7)
     full = torch.cat([dist.full_tensor(p.detach()).reshape(-1) for p in tr_f.model.parameters()])
     torch.testing.assert_close(full, expected["params"], rtol=0, atol=WEIGHT_ATOL)
-    tr_f.save()  # gathers the shards; rank 0 writes plain tensors
+    tr_f.save()  # every rank writes its shards (train.checkpoint_format=auto: sharded under FSDP)
     if rank == 0:
-        saved = load_weights(tr_f.last_checkpoint / "model.safetensors")
+        saved = stored_weights(tr_f.last_checkpoint)[0]
         torch.testing.assert_close(torch.cat([saved[n].reshape(-1) for n, _ in tr.model.named_parameters()]),
                                    expected["params"], rtol=0, atol=WEIGHT_ATOL)
     tdist.barrier()

@@ -108,8 +108,8 @@ def refill_carry(carry: Carry | None, feed: CarryFeed) -> Carry:
             labels=batch.labels,
             puzzle_ids=batch.puzzle_ids,
             state=feed.fresh_states(batch.inputs, batch.puzzle_ids),
-            segments=torch.zeros(B, dtype=torch.long),
-            halted=torch.zeros(B, dtype=torch.bool),
+            segments=torch.zeros(B, dtype=torch.long, device="cpu"),  # bookkeeping stays on the CPU
+            halted=torch.zeros(B, dtype=torch.bool, device="cpu"),
         )
     c = carry
     rows = torch.nonzero(c.halted).reshape(-1)
@@ -150,8 +150,8 @@ def advance_carry(c: Carry, out: ModelOutput, tc: TrainConfig, seed: int, step: 
             # drawn for the global batch and sharded: the same draws as one process would make
             g = torch.Generator().manual_seed(seed_for(seed, step, SALT_EXPLORE))
             n_global = len(c.segments) * world_size
-            explore = dist.shard(torch.rand(n_global, generator=g) < tc.halt_exploration)
-            min_segments = dist.shard(torch.randint(2, tc.max_segments + 1, (n_global,), generator=g))
+            explore = dist.shard(torch.rand(n_global, generator=g, device="cpu") < tc.halt_exploration)
+            min_segments = dist.shard(torch.randint(2, tc.max_segments + 1, (n_global,), generator=g, device="cpu"))
             q_halt = q_halt & (
                 c.segments >= torch.where(explore, min_segments, torch.zeros_like(min_segments))
             )

@@ -50,6 +50,7 @@ from loopformer.safe_io import (
 )
 from loopformer.train.manifest import verify_checkpoint, write_manifest
 from loopformer.train.plugin_record import plugin_modules
+from loopformer.train.sharded import is_sharded, stored_weights
 from loopformer.train.state import flatten_state, rng_state, set_rng_state, unflatten_state  # noqa: F401 (re-exported)
 
 log = logging.getLogger("loopformer.train")
@@ -132,7 +133,7 @@ def model_family(model: nn.Module) -> str:
             module, class_name, _ = spec.split(":")
             if klass.__module__ == module and klass.__name__ == class_name:
                 return name
-    return cls.__name__
+    return next(k.__name__ for k in cls.__mro__ if not k.__name__.startswith("FSDP"))  # not FSDP2's "FSDP<Model>"
 
 
 def check_weights(weights: dict[str, Tensor], model: nn.Module, source: str) -> None:
@@ -179,18 +180,19 @@ def step_dirs(root: str | Path) -> list[Path]:
 def save_checkpoint(
     root: str | Path,
     step: int,
-    model: nn.Module,
+    model: nn.Module | None,
     config: RunConfig,
     ema_state: dict[str, Tensor] | None = None,
     training_state: dict[str, Any] | None = None,
     keep: int = 0,
     weights: dict[str, Tensor] | None = None,
     within: str | Path | None = None,
+    family: str | None = None,
 ) -> Path:
     """Write ``root/step_{step:08d}`` atomically, point ``root/latest`` at it, keep the newest ``keep``.
 
     ``weights``: the tensors to store instead of ``model.state_dict()`` (full tensors gathered
-    from FSDP shards). ``within``: the run folder nothing may leave through a symbolic link
+    from FSDP shards). ``model`` None: ``weights`` and ``family`` name what is stored. ``within``: the run folder nothing may leave through a symbolic link
     (default: the parent of a ``checkpoints`` root, else ``root``). A failed write (disk full)
     removes the partial folder and leaves the earlier checkpoints and ``latest`` as they were.
     """
@@ -207,8 +209,11 @@ def save_checkpoint(
         tmp.mkdir()
     except OSError as err:
         raise WriteError(err.errno, err.strerror, str(tmp)) from None
+    if model is not None:  # else weights and family name what is stored
+        family, weights = model_family(model), getattr(model, "_orig_mod", model).state_dict() if weights is None else weights
     try:
-        _write_step_folder(tmp, step, model, config, ema_state, training_state, weights)
+        modules = plugin_modules(getattr(model, "_orig_mod", model), config) if model is not None else []
+        _write_step_folder(tmp, step, family, config, ema_state, training_state, weights, modules)
     except WriteError as err:  # named by the checkpoint it was for, not the hidden temporary folder
         shutil.rmtree(tmp, ignore_errors=True)  # a failed write leaves no partial folder behind
         file = Path(str(err.filename)).name
@@ -217,14 +222,21 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     final = root / name
+    publish(root, tmp, final, keep, within)
+    return final
+
+
+def publish(root: Path, tmp: Path, final: Path, keep: int, within: str | Path | None = None) -> None:
+    """Rename the complete folder ``tmp`` to ``final``, point ``root/latest`` at it, keep the newest ``keep``."""
+    within = (root.parent if root.name == "checkpoints" else root) if within is None else within
     if final.exists():  # re-saving a step (after a resume): swap the old folder out first
-        trash = root / f".tmp-{name}-old-{os.getpid()}"
+        trash = root / f".tmp-{final.name}-old-{os.getpid()}"
         os.replace(final, trash)
         os.replace(tmp, final)
         shutil.rmtree(trash, ignore_errors=True)
     else:
         os.replace(tmp, final)
-    atomic_write_text(root / LATEST, name + "\n", root=within)
+    atomic_write_text(root / LATEST, final.name + "\n", root=within)
     fsync_dir(root)
     if keep > 0:
         from loopformer.train.best import best_checkpoint
@@ -233,25 +245,22 @@ def save_checkpoint(
         for old in step_dirs(root)[:-keep]:
             if old != final and old != best:
                 shutil.rmtree(old, ignore_errors=True)
-    return final
 
 
 def _write_step_folder(
     tmp: Path,
     step: int,
-    model: nn.Module,
+    family: str,
     config: RunConfig,
     ema_state: dict[str, Tensor] | None,
     training_state: dict[str, Any] | None,
-    weights: dict[str, Tensor] | None,
+    weights: dict[str, Tensor],
+    modules: list[str],
 ) -> None:
-    base_model = getattr(model, "_orig_mod", model)
-    family = model_family(base_model)
-    weights = base_model.state_dict() if weights is None else weights
     save_weights(weights, tmp / "model.safetensors", {"family": family, "step": str(step)}, tmp)
     if ema_state is not None:
         save_weights(ema_state, tmp / "ema.safetensors", {"family": family, "step": str(step)}, tmp)
-    modules = plugin_modules(base_model, config)  # user modules a fresh process must import to load it
+    # modules: the user modules a fresh process must import to load it (loopformer.train.plugin_record)
     extra: dict[str, Any] = {"family": family, "step": step, **({"plugins": modules} if modules else {})}
     atomic_write_text(tmp / "config.json", config_to_json(config, **extra), root=tmp)
     skeleton, tensors = flatten_state({"step": step, **(training_state or {})})
@@ -313,6 +322,8 @@ def latest_good_checkpoint(root: str | Path) -> tuple[Path | None, list[str]]:
 
 
 def _nonfinite_reason(folder: Path) -> str | None:
+    if is_sharded(folder):  # each rank checked its own shards before writing (resume.save)
+        return None
     try:
         bad = nonfinite_tensors(load_weights(folder / "model.safetensors"))
     except CheckpointError as err:
@@ -321,31 +332,6 @@ def _nonfinite_reason(folder: Path) -> str | None:
 
 
 nonfinite_tensors = nonfinite_names
-
-
-def quarantine_after(root: str | Path, step: int) -> Path | None:
-    """After divergence at ``step``: rename checkpoints from ``step`` on (their weights produced the
-    divergence) and any with non-finite weights to ``diverged_step_N``; point ``latest`` at the newest
-    remaining good one and return it (None when there is none)."""
-    root = Path(root)
-    good = None
-    for folder in candidate_checkpoints(root):
-        m = _STEP_DIR.match(folder.name)
-        if (
-            good is None
-            and int(m.group(1)) < step
-            and verify_checkpoint(folder, hashes=False) is None
-            and _nonfinite_reason(folder) is None
-        ):
-            good = folder
-        elif good is None:
-            os.replace(folder, folder.with_name(f"diverged_{folder.name}"))
-            log.warning("divergence: %s renamed to diverged_%s (not a good checkpoint)", folder, folder.name)
-    if good is not None:
-        atomic_write_text(root / LATEST, good.name + "\n", root=root)
-    elif (root / LATEST).is_file():
-        (root / LATEST).unlink()
-    return good
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
@@ -358,7 +344,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
         from loopformer.train.best import find_best
 
         return find_best(path)[0]
-    if (path / "model.safetensors").is_file():
+    if (path / "model.safetensors").is_file() or is_sharded(path):
         return path
     for root in (path, path / "checkpoints", path / "model" / "checkpoints"):
         found = latest_checkpoint(root)
@@ -456,17 +442,15 @@ def load_checkpoint(
             raise CheckpointError(
                 f"checkpoint {folder} holds a {family!r} model, but the given model is {given!r}"
             )
-    weights_file = load_weights(folder / "model.safetensors")
+    weights_file, ema_state = stored_weights(folder)  # a full or a sharded checkpoint
     floats = [t.dtype for t in weights_file.values() if t.is_floating_point()]
     if floats and all(d == torch.float64 for d in floats):
         model = model.to(torch.float64)  # a float64 checkpoint (a converted one) is not rounded on load
     model.to(device)
-    check_weights(weights_file, model, str(folder / "model.safetensors"))
+    check_weights(weights_file, model, str(folder))
     model.load_state_dict(weights_file, strict=True)
-    ema_state = None
-    if (folder / "ema.safetensors").is_file():
-        ema_state = load_weights(folder / "ema.safetensors")
-        check_weights_subset(ema_state, model, str(folder / "ema.safetensors"))
+    if ema_state is not None:
+        check_weights_subset(ema_state, model, f"{folder} (EMA weights)")
     weights = "model"
     if use_ema and ema_state is not None:
         with torch.no_grad():

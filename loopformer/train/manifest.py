@@ -53,6 +53,8 @@ def verify_checkpoint(folder: Path, hashes: bool = True) -> str | None:
     if not folder.is_dir():
         return "not a folder"
     for name in REQUIRED:
+        if name == "model.safetensors" and any(folder.glob("shard-*.safetensors")):
+            continue  # a sharded checkpoint (loopformer.train.sharded): its weights are in the shards
         if not (folder / name).is_file():
             return f"{name} is missing"
     manifest = folder / MANIFEST

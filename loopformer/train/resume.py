@@ -14,20 +14,26 @@ calls ``save`` (the mode's carry is gathered); only rank 0 writes.
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from loopformer.safe_io import atomic_write_text
+from loopformer.train import checkpoint as ckpt
+from loopformer.train import dist
 from loopformer.train.checkpoint import (
     CheckpointError,
     latest_good_checkpoint,
     load_training_state,
     load_weights,
+    model_family,
     nonfinite_tensors,
     resolve_checkpoint,
     rng_state,
     save_checkpoint,
     set_rng_state,
 )
+from loopformer.train.manifest import verify_checkpoint
 from loopformer.train.resume_checks import (
     check_config,
     check_origin,
@@ -35,6 +41,7 @@ from loopformer.train.resume_checks import (
     record_changes,
     record_origin,
 )
+from loopformer.train.sharded import is_sharded, load_sharded, save_sharded
 
 if TYPE_CHECKING:
     from loopformer.train.trainer import Trainer
@@ -42,11 +49,12 @@ if TYPE_CHECKING:
 log = logging.getLogger("loopformer.train")
 
 
-def training_state(tr: Trainer) -> dict[str, Any]:
-    """Everything but the weights that a bit-exact resume needs (collective under FSDP / with a carry)."""
+def training_state(tr: Trainer, optimizer: bool = True) -> dict[str, Any]:
+    """Everything but the weights that a bit-exact resume needs (collective under FSDP / with a carry);
+    ``optimizer`` False: without the optimiser (a sharded checkpoint stores it in the shards)."""
+    opt = {"optimizer": tr.strategy.optimizer_state(tr.model, tr.optimizer), "optimizer_layout": tr.strategy.layout}
     return {
-        "optimizer": tr.strategy.optimizer_state(tr.model, tr.optimizer),
-        "optimizer_layout": tr.strategy.layout,
+        **(opt if optimizer else {}),
         "stream": tr.stream.state_dict(),
         "curriculum": tr.curriculum.state_dict() if tr.curriculum else None,
         "carry": tr.mode.state_dict(),
@@ -58,6 +66,9 @@ def training_state(tr: Trainer) -> dict[str, Any]:
 
 def save(tr: Trainer) -> Path:
     """Checkpoint the current step (atomic; keeps the newest ``train.keep_checkpoints``)."""
+    if tr.strategy.sharded_checkpoints(tr.config.train):
+        tr.last_checkpoint = _save_sharded(tr)
+        return _after_save(tr)
     state = training_state(tr)
     ema_state = tr.strategy.full_ema(tr.ema.state_dict() if tr.ema else None)
     weights = tr.strategy.full_weights(tr.model)
@@ -77,6 +88,23 @@ def save(tr: Trainer) -> Path:
         )
     else:
         tr.last_checkpoint = tr.ckpt_dir / f"step_{tr.step:08d}"
+    return _after_save(tr)
+
+
+def _save_sharded(tr: Trainer) -> Path:
+    """Every rank writes its shards (``loopformer.train.sharded``); nothing is gathered."""
+    local = {k: v.to_local() if hasattr(v, "to_local") else v for k, v in tr.model.state_dict().items()}
+    bad = nonfinite_tensors(local)
+    if dist.all_reduce_max(float(bool(bad))) > 0:  # every rank stops, whichever holds the bad shard
+        tr.diverged("weights", float("nan"), f"non-finite parameter {bad[0]!r}" if bad else "non-finite shard")
+    return save_sharded(
+        tr.ckpt_dir, tr.step, model_family(tr.model), tr.model, tr.optimizer, tr.config,
+        tr.ema.state_dict() if tr.ema else None, training_state(tr, optimizer=False),
+        tr.config.train.keep_checkpoints, tr.strategy.is_main,
+    )  # fmt: skip
+
+
+def _after_save(tr: Trainer) -> Path:
     if tr.folder.staging is not None:  # --overwrite: the old run is moved aside only now
         tr.folder.complete_overwrite()
         tr.run_dir, tr.ckpt_dir = tr.folder.write_dir, tr.folder.write_dir / "checkpoints"
@@ -119,15 +147,15 @@ def record(tr: Trainer, folder: Path) -> None:
 
 
 def restore(tr: Trainer, folder: Path) -> None:
-    """Restore weights, EMA, optimiser, data stream, curriculum, mode state and RNG from ``folder``."""
-    tr.strategy.load_weights(tr.model, folder / "model.safetensors")
+    """Restore weights, EMA, optimiser, data stream, curriculum, mode state and RNG from ``folder``
+    (a sharded checkpoint: on any world size and strategy, ``loopformer.train.sharded``)."""
     state = load_training_state(folder)
-    _restore_ema(tr, folder)
-    tr.strategy.check_layout(state.get("optimizer_layout", "torch"), folder)
-    try:
-        tr.strategy.load_optimizer_state(tr.model, tr.optimizer, state["optimizer"])
-    except (ValueError, KeyError, RuntimeError) as err:
-        raise CheckpointError(f"optimizer state in {folder} does not fit this model: {err}") from None
+    if is_sharded(folder):
+        if tr.ema is not None and not state.get("sharded", {}).get("ema"):
+            raise CheckpointError(f"{folder} holds no EMA weights but this run keeps an EMA (train.ema > 0)")
+        load_sharded(folder, tr.model, tr.optimizer, tr.ema.shadow if tr.ema else None, state)
+    else:
+        _restore_full(tr, folder, state)
     if tr.curriculum is not None and state.get("curriculum"):
         tr.curriculum.load_state_dict(state["curriculum"])
         tr.stream.set_eligible(tr.curriculum.eligible())
@@ -142,6 +170,16 @@ def restore(tr: Trainer, folder: Path) -> None:
     log.info("resumed from %s at step %d", folder, tr.step)
 
 
+def _restore_full(tr: Trainer, folder: Path, state: dict[str, Any]) -> None:
+    tr.strategy.load_weights(tr.model, folder / "model.safetensors")
+    _restore_ema(tr, folder)
+    tr.strategy.check_layout(state.get("optimizer_layout", "torch"), folder)
+    try:
+        tr.strategy.load_optimizer_state(tr.model, tr.optimizer, state["optimizer"])
+    except (ValueError, KeyError, RuntimeError) as err:
+        raise CheckpointError(f"optimizer state in {folder} does not fit this model: {err}") from None
+
+
 def _restore_ema(tr: Trainer, folder: Path) -> None:
     if tr.ema is None:
         return
@@ -149,3 +187,28 @@ def _restore_ema(tr: Trainer, folder: Path) -> None:
         raise CheckpointError(f"{folder} has no ema.safetensors but this run keeps an EMA (train.ema > 0)")
     ema = load_weights(folder / "ema.safetensors")
     tr.ema.load_state_dict({k: tr.strategy.like(tr.ema.shadow.get(k), v) for k, v in ema.items()})
+
+
+def quarantine_after(root: str | Path, step: int) -> Path | None:
+    """After divergence at ``step``: rename checkpoints from ``step`` on (their weights produced the
+    divergence) and any with non-finite weights to ``diverged_step_N``; point ``latest`` at the newest
+    remaining good one and return it (None when there is none)."""
+    root = Path(root)
+    good = None
+    for folder in ckpt.candidate_checkpoints(root):
+        m = ckpt._STEP_DIR.match(folder.name)
+        if (
+            good is None
+            and int(m.group(1)) < step
+            and verify_checkpoint(folder, hashes=False) is None
+            and ckpt._nonfinite_reason(folder) is None
+        ):
+            good = folder
+        elif good is None:
+            os.replace(folder, folder.with_name(f"diverged_{folder.name}"))
+            log.warning("divergence: %s renamed to diverged_%s (not a good checkpoint)", folder, folder.name)
+    if good is not None:
+        atomic_write_text(root / ckpt.LATEST, good.name + "\n", root=root)
+    elif (root / ckpt.LATEST).is_file():
+        (root / ckpt.LATEST).unlink()
+    return good

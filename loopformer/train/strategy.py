@@ -99,7 +99,11 @@ class Strategy(EvalComm):
         return optimizer.state_dict()
 
     def load_optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: Any) -> None:
-        optimizer.load_state_dict(state)
+        groups = state.get("param_groups") or [{}]
+        if groups[0].get("params") and isinstance(groups[0]["params"][0], str):  # keyed by name: FSDP's layout
+            dist.load_fsdp_optimizer_state(model, optimizer, state)
+        else:
+            optimizer.load_state_dict(state)
 
     def full_weights(self, model: nn.Module) -> dict[str, Tensor] | None:
         return None
@@ -113,8 +117,12 @@ class Strategy(EvalComm):
     def like(self, target: Tensor | None, full: Tensor) -> Tensor:
         return full
 
+    def sharded_checkpoints(self, tc: TrainConfig) -> bool:
+        """Whether checkpoints are sharded (``loopformer.train.sharded``): only when asked for here."""
+        return tc.checkpoint_format == "sharded"
+
     def check_layout(self, layout: str, folder: Path) -> None:
-        if layout != self.layout:
+        if layout != self.layout and not (layout == "fsdp_full" and not self.env.enabled):  # one process reads both
             raise CheckpointError(
                 f"{folder} holds {'an FSDP' if layout == 'fsdp_full' else 'a DDP / single-process'} optimizer "
                 f"state; resume it with train.strategy={'fsdp' if layout == 'fsdp_full' else 'ddp'}"
@@ -216,6 +224,9 @@ class FSDPStrategy(_Distributed):
 
     def like(self, target: Tensor | None, full: Tensor) -> Tensor:
         return full if target is None else dist.like(target, full)
+
+    def sharded_checkpoints(self, tc: TrainConfig) -> bool:
+        return tc.checkpoint_format != "full"  # "auto": every rank writes its own shards
 
 
 STRATEGIES: dict[str, type[Strategy]] = {"ddp": DDPStrategy, "fsdp": FSDPStrategy}

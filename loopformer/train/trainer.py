@@ -43,7 +43,6 @@ from loopformer.nn import autocast
 from loopformer.tasks.base import Task, TokenDataset
 from loopformer.train import dist, resume
 from loopformer.train.best import BestTracker
-from loopformer.train.checkpoint import quarantine_after
 from loopformer.train.data import Batch, IndexStream, make_batch
 from loopformer.train.evaluation import TrainerEvaluation
 from loopformer.train.losses import (
@@ -248,7 +247,7 @@ class Trainer(TrainerEvaluation):
         self.optimizer.zero_grad(set_to_none=True)
         self.log.write({"step": self.step + 1, "diverged": quantity, "value": value,
                         **({"detail": detail} if detail else {})}, self.step)  # fmt: skip
-        good = quarantine_after(self.ckpt_dir, self.step) if self.strategy.is_main else None
+        good = resume.quarantine_after(self.ckpt_dir, self.step) if self.strategy.is_main else None
         raise TrainingDivergedError(
             self.step, quantity if not detail else f"{quantity} ({detail})", value, good
         )
