@@ -32,7 +32,9 @@ RUN = ("train.mode=deep_supervision", "train.max_segments=2", "train.halt_on_q=t
 
 def _trainer(out: Path, *extra: str) -> Trainer:
     torch.set_default_dtype(torch.float64)
-    return Trainer(tiny_config(out, *RUN, *extra), model=TinyDet(seed=3), train_data=tiny_dataset(48), eval_data=None)
+    return Trainer(
+        tiny_config(out, *RUN, *extra), model=TinyDet(seed=3), train_data=tiny_dataset(48), eval_data=None
+    )
 
 
 def _record(tr: Trainer, rec: dict[str, torch.Tensor], step: int, metrics: dict) -> None:
@@ -72,7 +74,7 @@ def _ranks(rank: int, world: int, tmp: str, ref: str) -> None:
         tr = _trainer(Path(tmp) / f"ddp{k}", f"train.grad_accum_steps={k}")
         calls: list[int] = []
 
-        def hook(state, bucket, calls=calls):  # noqa: ANN001, ANN202
+        def hook(state, bucket, calls=calls):
             calls.append(1)
             return allreduce_hook(state, bucket)
 
@@ -89,7 +91,7 @@ def _ranks(rank: int, world: int, tmp: str, ref: str) -> None:
     switches: list[bool] = []
     original = tr.model.set_requires_gradient_sync
 
-    def spy(flag: bool, **kw) -> None:  # noqa: ANN003
+    def spy(flag: bool, **kw) -> None:
         switches.append(flag)
         original(flag, **kw)
 

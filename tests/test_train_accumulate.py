@@ -84,7 +84,9 @@ def _trainer(out: Path, model: str, overrides: tuple[str, ...], k: int) -> Train
     cfg = tiny_config(out, *extra, "train.lr=0.001", "train.batch_size=8", "data.eval_size=0", "seed=5",
                       *overrides, f"train.grad_accum_steps={k}")  # fmt: skip
     torch.manual_seed(0)  # the same initial weights for both runs
-    return Trainer(cfg, model=TinyLooped(seed=0) if model == "tiny" else None, train_data=_data(64), eval_data=None)
+    return Trainer(
+        cfg, model=TinyLooped(seed=0) if model == "tiny" else None, train_data=_data(64), eval_data=None
+    )
 
 
 def _spy(tr: Trainer) -> list[int]:
@@ -141,12 +143,16 @@ def test_accumulated_step_equals_the_full_batch_step_in_float64(tmp_path, float6
         full.step += 1
         acc.step += 1
         assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
-        assert any(k.startswith("grad.") for k in a) and (not mode.startswith("deep") or any(k.startswith("carry.") for k in a))
+        assert any(k.startswith("grad.") for k in a) and (
+            not mode.startswith("deep") or any(k.startswith("carry.") for k in a)
+        )
         for key, x in a.items():
             y = b[key]
             assert x.shape == y.shape, key
             if x.is_floating_point():
-                torch.testing.assert_close(y, x, **TOL, equal_nan=True, msg=lambda m, k=key, s=step: f"step {s} {k}: {m}")
+                torch.testing.assert_close(
+                    y, x, **TOL, equal_nan=True, msg=lambda m, k=key, s=step: f"step {s} {k}: {m}"
+                )
             else:
                 assert torch.equal(x, y), f"step {step} {key}"
     assert rows == [8 // K] * (3 * K)  # K forwards of a quarter of the rows per step
@@ -155,7 +161,9 @@ def test_accumulated_step_equals_the_full_batch_step_in_float64(tmp_path, float6
 def test_micro_batch_size_is_the_other_way_to_say_it() -> None:
     cfg = tiny_config(Path("unused"), "train.batch_size=16", "train.micro_batch_size=2")
     assert micro_steps(cfg.train) == 8 and micro_steps(cfg.train, world_size=2) == 4
-    cfg = tiny_config(Path("unused"), "train.batch_size=16", "train.micro_batch_size=2", "train.grad_accum_steps=4")
+    cfg = tiny_config(
+        Path("unused"), "train.batch_size=16", "train.micro_batch_size=2", "train.grad_accum_steps=4"
+    )
     assert micro_steps(cfg.train, world_size=2) == 4
     with pytest.raises(ConfigError, match="disagree"):
         micro_steps(cfg.train, world_size=1)
@@ -174,7 +182,10 @@ def test_config_rejects_accumulation_that_does_not_divide_the_batch(tmp_path) ->
 
 
 def test_batch_wide_halting_is_refused_with_the_reason(tmp_path) -> None:
-    over = ("train.loop_sampler=none", "loop_train={solver: anderson, halting: batch_residual, tol: 0.05, max_steps: 6}")
+    over = (
+        "train.loop_sampler=none",
+        "loop_train={solver: anderson, halting: batch_residual, tol: 0.05, max_steps: 6}",
+    )
     with pytest.raises(AccumulationError, match="batch-wide.*largest residual of the whole batch"):
         _trainer(tmp_path / "a", "tiny", over, 2)
     assert _trainer(tmp_path / "b", "tiny", over, 1).accum_steps == 1  # without accumulation it runs

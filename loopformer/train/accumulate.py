@@ -179,7 +179,9 @@ def merge_outputs(outs: list[ModelOutput]) -> ModelOutput:
 def _merge_acc(accs: list[Accuracy]) -> Accuracy:
     if len(accs) == 1:
         return accs[0]
-    return Accuracy(*(torch.cat([getattr(a, f) for a in accs]) for f in ("token_correct", "token_count", "exact")))
+    return Accuracy(
+        *(torch.cat([getattr(a, f) for a in accs]) for f in ("token_correct", "token_count", "exact"))
+    )
 
 
 def _jacobian_probe(trainer: Trainer, out: ModelOutput, rows: int) -> Tensor:

@@ -49,7 +49,10 @@ from loopformer.train.losses import q_halt_loss, sequence_loss
 MARGIN_FRACTION = 0.10
 MARGIN_BYTES = 2 * 2**30
 GiB = 2**30
-MEASURED_AT = (2, 4)  # batch sizes of the two measurements (batch 1 can share storages a larger batch does not)
+MEASURED_AT = (
+    2,
+    4,
+)  # batch sizes of the two measurements (batch 1 can share storages a larger batch does not)
 
 
 def parse_memory(text: str) -> int:
@@ -81,7 +84,9 @@ class _FusedAttention(torch.autograd.Function):
         raise RuntimeError("the plan's meta attention has no backward")
 
 
-def _fused_sdpa(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None, *args: Any, **kw: Any) -> Tensor:
+def _fused_sdpa(
+    q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None, *args: Any, **kw: Any
+) -> Tensor:
     return _FusedAttention.apply(q, k, v, attn_mask)
 
 
@@ -106,7 +111,12 @@ def meta_safe() -> Iterator[None]:
     """What a training forward needs to run on the meta device: the fused attention stand-in, no
     autocast query for "meta", and data-dependent reads (``int`` / ``bool`` / ``item`` of a meta
     tensor: input validation) answered 0 / False; the loop itself runs to its cap without them."""
-    autocast_on, as_int, as_bool, item = torch.is_autocast_enabled, torch.Tensor.__int__, torch.Tensor.__bool__, torch.Tensor.item
+    autocast_on, as_int, as_bool, item = (
+        torch.is_autocast_enabled,
+        torch.Tensor.__int__,
+        torch.Tensor.__bool__,
+        torch.Tensor.item,
+    )
 
     def is_autocast_enabled(*args: Any) -> bool:
         return False if args and str(args[0]) == "meta" else autocast_on(*args)
@@ -123,7 +133,9 @@ def state_keys(model: nn.Module) -> set[int]:
     return {_key(t) for t in (*model.parameters(), *model.buffers())}
 
 
-def training_loss(model: nn.Module, cfg: RunConfig, inputs: Tensor, labels: Tensor, pids: Tensor | None) -> Tensor:
+def training_loss(
+    model: nn.Module, cfg: RunConfig, inputs: Tensor, labels: Tensor, pids: Tensor | None
+) -> Tensor:
     """One training forward and loss as the trainer computes it (no randomness that matters)."""
     tc = cfg.train
     loop = plan_loop(cfg, model)
@@ -134,7 +146,9 @@ def training_loss(model: nn.Module, cfg: RunConfig, inputs: Tensor, labels: Tens
     out = model(inputs, loop=loop, state=state, puzzle_ids=pids)
     loss = sequence_loss(out.logits, labels, tc.loss, tc.label_smoothing)
     if out.q_logits is not None and tc.q_loss_weight > 0:
-        loss = loss + tc.q_loss_weight * q_halt_loss(out.q_logits, torch.zeros_like(out.q_logits, dtype=torch.bool))
+        loss = loss + tc.q_loss_weight * q_halt_loss(
+            out.q_logits, torch.zeros_like(out.q_logits, dtype=torch.bool)
+        )
     if out.aux_loss is not None and tc.ponder_weight > 0:
         loss = loss + tc.ponder_weight * out.aux_loss
     if tc.q_learning and hasattr(model, "q_values"):
@@ -155,7 +169,9 @@ def plan_loop(cfg: RunConfig, model: nn.Module) -> Any:
     if sampler is not None:
         steps = max(int(sampler.sample(s)) for s in range(256))
     halting = loop.halting if HALTINGS.get(loop.halting).learned else "fixed"
-    return dataclasses.replace(loop, halting=halting, max_steps=steps, min_steps=min(loop.min_steps, steps), trace=False)
+    return dataclasses.replace(
+        loop, halting=halting, max_steps=steps, min_steps=min(loop.min_steps, steps), trace=False
+    )
 
 
 def activation_bytes(build: Callable[[], nn.Module], cfg: RunConfig, rows: TokenDataset, batches: tuple[int, ...],
@@ -198,6 +214,7 @@ class Plan:
     gpus: int
     gpu_memory: int
     strategy: str
+    batch_wide: str = ""  # the training loop's halting rule when it is batch-wide (accumulation refuses it)
 
     @property
     def state_bytes(self) -> int:
@@ -211,7 +228,11 @@ class Plan:
 
     def best_micro(self) -> int | None:
         """The largest micro-batch dividing the rows per GPU whose peak fits; None when none does."""
-        fits = [m for m in range(1, self.rows_per_gpu + 1) if self.rows_per_gpu % m == 0 and self.peak(m) <= self.gpu_memory]
+        fits = [
+            m
+            for m in range(1, self.rows_per_gpu + 1)
+            if self.rows_per_gpu % m == 0 and self.peak(m) <= self.gpu_memory
+        ]
         return max(fits) if fits else None
 
     def accum_steps(self) -> int | None:
@@ -230,12 +251,22 @@ def optimizer_state_bytes(model: nn.Module, cfg: RunConfig) -> tuple[int, str]:
     try:
         opt.step()
     except (RuntimeError, NotImplementedError, TypeError) as err:  # an op without a meta kernel
-        n = sum(p.numel() * p.element_size() for g in opt.param_groups if not g.get("sign_sgd") for p in g["params"])
-        return 2 * n, f"2 moments per parameter outside the sign-SGD rows (formula: a meta step raised {type(err).__name__})"
+        n = sum(
+            p.numel() * p.element_size()
+            for g in opt.param_groups
+            if not g.get("sign_sgd")
+            for p in g["params"]
+        )
+        return (
+            2 * n,
+            f"2 moments per parameter outside the sign-SGD rows (formula: a meta step raised {type(err).__name__})",
+        )
     finally:
         for p in params:
             p.grad = None
-    total = sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values() if isinstance(v, Tensor))
+    total = sum(
+        v.numel() * v.element_size() for s in opt.state.values() for v in s.values() if isinstance(v, Tensor)
+    )
     return total, f"measured ({type(opt).__name__} state after one step)"
 
 
@@ -258,13 +289,17 @@ def plan_rows(cfg: RunConfig, task: Any) -> tuple[TokenDataset, str]:
     if T:
         inputs = np.arange(2 * T).reshape(2, T) % vocab
         pids = np.zeros(2, dtype=np.int64) if n_ids else None
-        return TokenDataset(inputs, inputs.copy(), np.zeros(2), puzzle_ids=pids), f"synthetic rows of {T} tokens"
+        return TokenDataset(
+            inputs, inputs.copy(), np.zeros(2), puzzle_ids=pids
+        ), f"synthetic rows of {T} tokens"
     try:
         data = task_dataset(task, cfg.data, "train")
     except (OSError, ValueError, TaskDataError) as err:
         raise ConfigError(f"--plan: the recipe's sequence length is unknown and its data cannot be read ({err}); "
                           "set model.seq_len=N") from err  # fmt: skip
-    return data.subset(np.arange(min(2, len(data)))), f"the first rows of the training data ({data.inputs.shape[1]} tokens)"
+    return data.subset(
+        np.arange(min(2, len(data)))
+    ), f"the first rows of the training data ({data.inputs.shape[1]} tokens)"
 
 
 def _meta_builder(cfg: RunConfig, task: Any, rows: TokenDataset) -> Callable[[], nn.Module]:
@@ -293,8 +328,14 @@ def make_plan(cfg: RunConfig, gpus: int, gpu_memory: int) -> tuple[Plan, str]:
     try:
         task = run_task(cfg.data)
         missing = ""
-    except (OSError, TaskDataError) as err:  # the task reads files that are not here: the recipe's fields decide
-        task, missing = None, f"; the task's files are not here ({type(err).__name__}), so the model fields decide"
+    except (
+        OSError,
+        TaskDataError,
+    ) as err:  # the task reads files that are not here: the recipe's fields decide
+        task, missing = (
+            None,
+            f"; the task's files are not here ({type(err).__name__}), so the model fields decide",
+        )
     rows, source = plan_rows(cfg, task)
     source += missing
     build = _meta_builder(cfg, task, rows)
@@ -307,11 +348,15 @@ def make_plan(cfg: RunConfig, gpus: int, gpu_memory: int) -> tuple[Plan, str]:
     rows_per_gpu = tc.batch_size // gpus
     carry = 0
     if tc.mode == "deep_supervision":
-        state = math.prod(model.plan_state_shape) * torch.empty((), dtype=model.plan_state_dtype).element_size()
+        state = (
+            math.prod(model.plan_state_shape) * torch.empty((), dtype=model.plan_state_dtype).element_size()
+        )
         carry = rows_per_gpu * (state + 2 * rows.inputs.shape[1] * 8)
     ema = 0
     if tc.ema > 0:
-        ema = _nbytes(p for n, p in model.named_parameters() if tc.ema_puzzle_embeddings or "puzzle_emb" not in n)
+        ema = _nbytes(
+            p for n, p in model.named_parameters() if tc.ema_puzzle_embeddings or "puzzle_emb" not in n
+        )
     plan = Plan(
         parameters=sum(p.numel() for p in params), trainable=sum(p.numel() for p in trainable),
         model_bytes=_nbytes(params) + _nbytes(model.buffers()), grad_bytes=_nbytes(trainable),
@@ -321,8 +366,17 @@ def make_plan(cfg: RunConfig, gpus: int, gpu_memory: int) -> tuple[Plan, str]:
         carry_bytes=carry, per_example=(a2 - a1) // (MEASURED_AT[1] - MEASURED_AT[0]),
         fixed=max(a1 - MEASURED_AT[0] * (a2 - a1) // (MEASURED_AT[1] - MEASURED_AT[0]), 0), measured=(a1, a2),
         rows_per_gpu=rows_per_gpu, gpus=gpus, gpu_memory=gpu_memory, strategy=tc.strategy,
+        batch_wide=_batch_wide(cfg, model),
     )  # fmt: skip
     return plan, source
+
+
+def _batch_wide(cfg: RunConfig, model: nn.Module) -> str:
+    from loopformer.loop.halting import HALTINGS
+
+    halting = plan_loop(cfg, model).halting if cfg.train.loop_sampler != "none" and cfg.train.mode == "simple" else (
+        cfg.loop_config(model.config.loop, "train").halting)  # fmt: skip
+    return halting if HALTINGS.get(halting).batch_stalls else ""
 
 
 def training_loss_shape(model: nn.Module, cfg: RunConfig, rows: TokenDataset) -> None:
@@ -359,9 +413,18 @@ def describe(plan: Plan, cfg: RunConfig, source: str) -> list[str]:
         extra.append(f"bf16 weight copies {_gib(p.cast_bytes)}")
     if p.carry_bytes:
         extra.append(f"deep-supervision carry of {p.rows_per_gpu} slots {_gib(p.carry_bytes)}")
-    shard = " (FSDP2: weights, gradients, optimiser and EMA divided by the GPUs)" if p.strategy == "fsdp" and p.gpus > 1 else ""
-    lines.append(f"per GPU, besides activations: {_gib(p.state_bytes)}{shard}" + (f" ({', '.join(extra)})" if extra else ""))
-    lines.append(f"margin: +{int(MARGIN_FRACTION * 100)}% + {_gib(MARGIN_BYTES)} (CUDA context, fragmentation, backward buffers)")
+    shard = (
+        " (FSDP2: weights, gradients, optimiser and EMA divided by the GPUs)"
+        if p.strategy == "fsdp" and p.gpus > 1
+        else ""
+    )
+    lines.append(
+        f"per GPU, besides activations: {_gib(p.state_bytes)}{shard}"
+        + (f" ({', '.join(extra)})" if extra else "")
+    )
+    lines.append(
+        f"margin: +{int(MARGIN_FRACTION * 100)}% + {_gib(MARGIN_BYTES)} (CUDA context, fragmentation, backward buffers)"
+    )
     full = p.peak(p.rows_per_gpu)
     lines.append(f"{p.gpus} GPU(s) of {p.gpu_memory / 1e9:.0f} GB ({_gib(p.gpu_memory)}); batch {tc.batch_size} = "
                  f"{p.rows_per_gpu} rows per GPU: peak estimate at the full batch {_gib(full)}")  # fmt: skip
@@ -378,5 +441,7 @@ def verdict(p: Plan) -> str:
     k = p.rows_per_gpu // m
     if k == 1:
         return f"fits: micro-batch {m} = the full {p.rows_per_gpu} rows per GPU (peak {_gib(p.peak(m))}); no accumulation needed"
+    refused = (f"; the training loop's halting {p.batch_wide!r} is batch-wide, which accumulation refuses: "
+               "also set loop_train.halting=residual (per sample)") if p.batch_wide else ""  # fmt: skip
     return (f"largest micro-batch that fits: {m} (peak {_gib(p.peak(m))}) -> set train.grad_accum_steps={k} "
-            f"(or train.micro_batch_size={m})")  # fmt: skip
+            f"(or train.micro_batch_size={m}){refused}")  # fmt: skip
