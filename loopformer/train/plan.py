@@ -110,7 +110,8 @@ def count_saved(exclude: set[int]) -> Iterator[dict[int, int]]:
 def meta_safe() -> Iterator[None]:
     """What a training forward needs to run on the meta device: the fused attention stand-in, no
     autocast query for "meta", and data-dependent reads (``int`` / ``bool`` / ``item`` of a meta
-    tensor: input validation) answered 0 / False; the loop itself runs to its cap without them."""
+    tensor: input validation) answered 0 / False; every loop, inner solves included, runs to its cap
+    as a plain loop (no halting checks, no host syncs): the worst case of adaptive halting."""
     autocast_on, as_int, as_bool, item = (
         torch.is_autocast_enabled,
         torch.Tensor.__int__,
@@ -121,7 +122,11 @@ def meta_safe() -> Iterator[None]:
     def is_autocast_enabled(*args: Any) -> bool:
         return False if args and str(args[0]) == "meta" else autocast_on(*args)
 
+    from loopformer.loop import engine
+
     with mock.patch.object(F, "scaled_dot_product_attention", _fused_sdpa), \
+            mock.patch.object(engine, "_run_compacting", engine._run_plain), \
+            mock.patch.object(engine, "_run_masked", engine._run_plain), \
             mock.patch.object(torch, "is_autocast_enabled", is_autocast_enabled), \
             mock.patch.object(torch.Tensor, "__int__", lambda t: 0 if t.is_meta else as_int(t)), \
             mock.patch.object(torch.Tensor, "__bool__", lambda t: False if t.is_meta else as_bool(t)), \

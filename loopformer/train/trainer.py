@@ -122,8 +122,7 @@ class Trainer(TrainerEvaluation):
         self.step = 0
         self.mode: TrainingMode = make_training_mode(tc.mode, self)
         self.accum_steps = accumulate.micro_steps(tc, self.strategy.env.world_size)  # micro-batches per step
-        first_loop = self.mode.loop_for(0)[0] if hasattr(self.mode, "loop_for") else self.loop_train
-        accumulate.check_loop(first_loop.halting, self.accum_steps)  # refused before anything is written
+        accumulate.check_loop(self.mode.first_loop().halting, self.accum_steps)  # refused before any write
         self.strategy.validate(tc)
         self.forward_model: torch.nn.Module = self.strategy.wrap(self.model, tc, self.probe_unused_parameters)
         # built after wrapping: FSDP2 turns the parameters into shards
