@@ -253,8 +253,11 @@ def optimizer_state_bytes(model: nn.Module, cfg: RunConfig) -> tuple[int, str]:
     params = [p for g in opt.param_groups for p in g["params"]]
     for p in params:
         p.grad = torch.zeros_like(p)
-    try:
-        opt.step()
+    import torch.fx.experimental._config as fx_config
+
+    try:  # sign-SGD's rows: nonzero() on meta, taken as all rows
+        with mock.patch.object(fx_config, "meta_nonzero_assume_all_nonzero", True):
+            opt.step()
     except (RuntimeError, NotImplementedError, TypeError) as err:  # an op without a meta kernel
         n = sum(
             p.numel() * p.element_size()
