@@ -353,6 +353,10 @@ def render(results: list[dict[str, Any]], info: dict[str, Any]) -> str:
         "python benchmarks/gpu.py --steps 20          # or: python -m benchmarks.gpu",
         "```",
         "",
+        "What one GPU holds for each paper recipe (`loopformer train RECIPE --plan`, gradient accumulation) "
+        "and the GPU check script (`tools/gpu_check.sh`: the CUDA suite, this benchmark; not yet run, no GPU "
+        "was lent): [gpu.md](gpu.md).",
+        "",
     ]
     if NOTES.is_file():
         out += [NOTES.read_text().rstrip(), ""]

@@ -184,6 +184,12 @@ class TrainConfig:
     # slot's segments and restarts with its next example; with halt_on_converged a slot whose step size
     # fell below the solver's min_step halts too (deep_supervision only)
     carry_solver_state: bool = False
+    # gradient accumulation (loopformer/train/accumulate.py): each rank's share of batch_size runs as
+    # grad_accum_steps micro-batches (one forward + backward each, no gradient all-reduce but on the
+    # last), then one optimiser step equal to the full-batch step. micro_batch_size (rows per forward
+    # per rank; 0: unset) says the same the other way: grad_accum_steps = batch_size / ranks / micro
+    grad_accum_steps: int = 1
+    micro_batch_size: int = 0
     # logging, evaluation, checkpoints
     log_every: int = 10
     eval_every: int = 0  # 0: evaluate at the end only

@@ -199,6 +199,7 @@ def _check_train(cfg: RunConfig, training: bool = True) -> None:
     ):
         raise ConfigError(f"train.head_weight_decay must be >= 0 (or null), got {t.head_weight_decay}")
     _check_muon(t)
+    _check_accumulation(t)
     if t.keep_best and not t.keep_best.isidentifier():
         raise ConfigError(
             f"train.keep_best must name an evaluation metric (e.g. exact_acc, valid_acc), got {t.keep_best!r}"
@@ -221,6 +222,22 @@ def _check_train(cfg: RunConfig, training: bool = True) -> None:
         raise ConfigError(
             f"train.threads={t.threads} is more than the {cores} CPU cores of this machine "
             "(0 = one per physical core)"
+        )
+
+
+def _check_accumulation(t: Any) -> None:
+    """train.grad_accum_steps / micro_batch_size against train.batch_size (the world size is checked
+    when the trainer starts, ``loopformer.train.accumulate.micro_steps``)."""
+    _at_least(t, "train", 1, "grad_accum_steps")
+    _at_least(t, "train", 0, "micro_batch_size")
+    if t.batch_size % t.grad_accum_steps:
+        raise ConfigError(
+            f"train.grad_accum_steps={t.grad_accum_steps} does not divide train.batch_size={t.batch_size}"
+        )
+    if t.micro_batch_size and t.batch_size % (t.micro_batch_size * t.grad_accum_steps):
+        raise ConfigError(
+            f"train.micro_batch_size={t.micro_batch_size} x train.grad_accum_steps={t.grad_accum_steps} "
+            f"does not divide train.batch_size={t.batch_size}"
         )
 
 

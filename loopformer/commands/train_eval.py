@@ -35,6 +35,9 @@ from loopformer.nn import autocast
     help="resume although the config changes the training stream (recorded in config_changes.jsonl)",
 )
 @click.option("--print-config", is_flag=True, help="print the resolved configuration (YAML) and exit")
+@click.option("--plan", is_flag=True, help="print the memory plan per GPU and the micro-batch that fits, and exit")
+@click.option("--gpu-memory", default="80GB", show_default=True, help="--plan: memory of one GPU (80GB, 141GB, 80GiB)")
+@click.option("--gpus", default=1, show_default=True, type=int, help="--plan: number of GPUs the batch is split over")
 def train(
     recipe: str,
     overrides: tuple[str, ...],
@@ -43,6 +46,9 @@ def train(
     overwrite: bool,
     allow_config_change: bool,
     print_config: bool,
+    plan: bool,
+    gpu_memory: str,
+    gpus: int,
 ) -> None:
     """Train the model of RECIPE (a name in recipes/ or a path); OVERRIDES are key=value pairs."""
     from rich.console import Console
@@ -67,6 +73,14 @@ def train(
         from loopformer.config import config_to_yaml
 
         click.echo(config_to_yaml(cfg), nl=False)
+        return
+    if plan:
+        from loopformer.train.plan import describe, make_plan, parse_memory
+
+        the_plan, source = make_plan(cfg, gpus, parse_memory(gpu_memory))
+        click.echo(f"plan for {recipe} ({cfg.model.name}, train.mode={cfg.train.mode}):")
+        for line in describe(the_plan, cfg, source):
+            click.echo(f"  {line}")
         return
     trainer = Trainer(cfg)
     console = Console(highlight=False, quiet=not trainer.strategy.is_main)  # rank 0 speaks under torchrun

@@ -21,7 +21,7 @@ The ACT ponder cost is the model's own ``ModelOutput.aux_loss``; the trainer wei
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +29,11 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from loopformer.tasks.base import IGNORE_INDEX
+
+
+def wide(x: Tensor) -> Tensor:
+    """``x`` in float32, or kept in float64 when it is float64 (float64 runs stay float64 end to end)."""
+    return x if x.dtype == torch.float64 else x.float()
 
 
 def stablemax_log_probs(logits: Tensor, dim: int = -1) -> Tensor:
@@ -53,7 +58,7 @@ def token_losses(
     mask = labels != IGNORE_INDEX
     safe = torch.where(mask, labels, torch.zeros_like(labels))
     if kind == "ce":
-        logp = F.log_softmax(logits.float(), dim=-1)
+        logp = F.log_softmax(wide(logits), dim=-1)
     elif kind == "stablemax":
         logp = stablemax_log_probs(logits)
     else:
@@ -65,10 +70,10 @@ def token_losses(
 
 
 def sequence_loss(logits: Tensor, labels: Tensor, kind: str = "ce", label_smoothing: float = 0.0) -> Tensor:
-    """Mean over samples of each sample's mean token loss (float32 scalar)."""
+    """Mean over samples of each sample's mean token loss (float32 scalar; float64 for float64 logits)."""
     losses, mask = token_losses(logits, labels, kind, label_smoothing)
     per_sample = losses.sum(-1) / mask.sum(-1).clamp(min=1)
-    return per_sample.mean().float()
+    return per_sample.mean().to(torch.float64 if logits.dtype == torch.float64 else torch.float32)
 
 
 @dataclass
@@ -98,14 +103,14 @@ def accuracy(logits: Tensor, labels: Tensor) -> Accuracy:
 
 def q_halt_loss(q_logits: Tensor, exact: Tensor) -> Tensor:
     """BCE-with-logits of the Q / halting head against ``exact`` (answer fully right), batch mean."""
-    return F.binary_cross_entropy_with_logits(q_logits.float().reshape(-1), exact.float().reshape(-1))
+    return F.binary_cross_entropy_with_logits(wide(q_logits).reshape(-1), exact.to(wide(q_logits).dtype).reshape(-1))
 
 
 def q_learning_losses(q: Tensor, q_next: Tensor, exact: Tensor, is_last: Tensor) -> tuple[Tensor, Tensor]:
     """(q_halt BCE, q_continue BCE) of HRM's Q-learning; ``q`` / ``q_next`` are ``[B, 2]`` (halt, continue)."""
-    q, q_next = q.float(), q_next.detach().float()
+    q, q_next = wide(q), wide(q_next.detach())
     target = torch.sigmoid(torch.where(is_last.reshape(-1), q_next[:, 0], q_next.max(dim=-1).values))
-    halt = F.binary_cross_entropy_with_logits(q[:, 0], exact.float().reshape(-1))
+    halt = F.binary_cross_entropy_with_logits(q[:, 0], exact.to(q.dtype).reshape(-1))
     return halt, F.binary_cross_entropy_with_logits(q[:, 1], target)
 
 
@@ -115,19 +120,25 @@ def jacobian_frobenius(
     ctx: tuple[Tensor, ...] = (),
     generator: torch.Generator | None = None,
     n_samples: int = 1,
+    probes: Sequence[Tensor] | None = None,
 ) -> Tensor:
     """Hutchinson estimate of ``||dF/dz||_F^2 / dim`` at ``z``, averaged over the batch.
 
     ``z`` is detached and re-entered, so the penalty trains the step's parameters (and ctx)
-    only; the graph is kept (``create_graph``) so it can be backpropagated.
+    only; the graph is kept (``create_graph``) so it can be backpropagated. ``probes``: the
+    ``n_samples`` vectors ``v`` to use instead of drawing them (gradient accumulation draws them
+    once for the whole batch and hands each micro-batch its rows, ``loopformer.train.accumulate``).
     """
     z = z.detach().requires_grad_(True)
     fz = step(z, *ctx)
     per_sample_dim = z[0].numel() if z.dim() > 1 else 1
     total = z.new_zeros(())
-    for _ in range(n_samples):
+    for i in range(n_samples):
         gen_device = generator.device if generator is not None else fz.device
-        v = torch.randn(fz.shape, generator=generator, device=gen_device, dtype=fz.dtype).to(fz.device)
+        if probes is not None:
+            v = probes[i].to(device=fz.device, dtype=fz.dtype)
+        else:
+            v = torch.randn(fz.shape, generator=generator, device=gen_device, dtype=fz.dtype).to(fz.device)
         (vj,) = torch.autograd.grad(fz, z, v, create_graph=True)
-        total = total + vj.float().pow(2).sum() / (z.shape[0] * per_sample_dim)
+        total = total + wide(vj).pow(2).sum() / (z.shape[0] * per_sample_dim)
     return total / n_samples

@@ -95,6 +95,10 @@ class TrainingMode:
         must not advance the data stream or any state."""
         return SegmentBatch(rows.inputs, rows.labels, rows.puzzle_ids, None, self.trainer.loop_train)
 
+    def first_loop(self) -> LoopConfig:
+        """The loop configuration of step 0 (the trainer checks it against gradient accumulation)."""
+        return self.trainer.loop_train
+
     def state_dict(self) -> Any:
         """What the mode carries between steps (a checkpoint's ``carry``); None when nothing."""
         return None
@@ -167,6 +171,9 @@ class SimpleMode(TrainingMode):
 
     def probe_batch(self, rows: Batch) -> SegmentBatch:
         return SegmentBatch(rows.inputs, rows.labels, rows.puzzle_ids, None, self.loop_for(0)[0])
+
+    def first_loop(self) -> LoopConfig:
+        return self.loop_for(0)[0]
 
 
 def carried_solver(loop: LoopConfig) -> Solver:

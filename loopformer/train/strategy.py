@@ -75,6 +75,11 @@ class Strategy(EvalComm):
     def gathered(self, model: nn.Module) -> Iterator[nn.Module]:
         yield model
 
+    def no_sync(self, forward_model: nn.Module, sync: bool) -> contextlib.AbstractContextManager:
+        """Around one micro-step's forward + backward (``loopformer.train.accumulate``): ``sync``
+        False (an inner micro-step) leaves the gradients local; one process: nothing to do."""
+        return contextlib.nullcontext()
+
     # -- a step -------------------------------------------------------------------------------
     def clip_grad_norm(self, params: list[Tensor], max_norm: float) -> float:
         return clip_grad_norm(params, max_norm)
@@ -178,6 +183,10 @@ class DDPStrategy(_Distributed):
     def local_rows(self, rows: np.ndarray) -> np.ndarray:
         return rows[dist.eval_shard(len(rows))]
 
+    def no_sync(self, forward_model: nn.Module, sync: bool) -> contextlib.AbstractContextManager:
+        """An inner micro-step runs in DDP's ``no_sync()``: no gradient all-reduce until the last."""
+        return contextlib.nullcontext() if sync else forward_model.no_sync()
+
     def sum(self, values: list[float]) -> list[float]:
         return dist.all_reduce_sum(values)
 
@@ -199,6 +208,19 @@ class FSDPStrategy(_Distributed):
     def gathered(self, model: nn.Module) -> Iterator[nn.Module]:
         with dist.gathered(model):
             yield model
+
+    @contextlib.contextmanager
+    def no_sync(self, forward_model: nn.Module, sync: bool) -> Iterator[None]:
+        """An inner micro-step runs with ``set_requires_gradient_sync(False)``: the unsharded
+        gradients accumulate locally and are reduce-scattered once, in the last micro-step."""
+        if sync:
+            yield
+            return
+        forward_model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            forward_model.set_requires_gradient_sync(True)
 
     def clip_grad_norm(self, params: list[Tensor], max_norm: float) -> float:
         return dist.clip_grad_norm(params, max_norm)

@@ -41,7 +41,7 @@ from loopformer.loop import LoopConfig
 from loopformer.models.base import LoopedModel, ModelOutput
 from loopformer.nn import autocast
 from loopformer.tasks.base import Task, TokenDataset
-from loopformer.train import dist, resume
+from loopformer.train import accumulate, dist, resume
 from loopformer.train.best import BestTracker
 from loopformer.train.data import Batch, IndexStream, make_batch
 from loopformer.train.evaluation import TrainerEvaluation
@@ -51,6 +51,7 @@ from loopformer.train.losses import (
     q_halt_loss,
     q_learning_losses,
     sequence_loss,
+    wide,
 )
 from loopformer.train.metrics import RunLog, last_finite
 from loopformer.train.modes import SegmentBatch, TrainingMode, make_training_mode
@@ -121,6 +122,8 @@ class Trainer(TrainerEvaluation):
         )
         self.step = 0
         self.mode: TrainingMode = make_training_mode(tc.mode, self)
+        self.accum_steps = accumulate.micro_steps(tc, self.strategy.env.world_size)  # micro-batches per step
+        accumulate.check_loop(self.mode.first_loop().halting, self.accum_steps)  # refused before any write
         self.strategy.validate(tc)
         self.forward_model: torch.nn.Module = self.strategy.wrap(self.model, tc, self.probe_unused_parameters)
         # built after wrapping: FSDP2 turns the parameters into shards
@@ -187,8 +190,11 @@ class Trainer(TrainerEvaluation):
         resume.restore(self, folder)
 
     # -- one optimiser step --------------------------------------------------------------------
-    def loss(self, out: ModelOutput, batch: SegmentBatch) -> tuple[Tensor, dict[str, Tensor], Any]:
-        """(total loss, its named parts, accuracy) of ``out`` on ``batch``."""
+    def loss(
+        self, out: ModelOutput, batch: SegmentBatch, jacobian_probe: Tensor | None = None
+    ) -> tuple[Tensor, dict[str, Tensor], Any]:
+        """(total loss, its named parts, accuracy) of ``out`` on ``batch``; ``jacobian_probe``: the
+        Hutchinson vector for these rows (drawn from the step's generator when None)."""
         tc = self.config.train
         task_loss = sequence_loss(out.logits, batch.labels, tc.loss, tc.label_smoothing)
         acc = accuracy(out.logits, batch.labels)
@@ -198,13 +204,14 @@ class Trainer(TrainerEvaluation):
             parts["q_loss"] = q_halt_loss(out.q_logits, acc.exact)
             total = total + tc.q_loss_weight * parts["q_loss"]
         if out.aux_loss is not None and tc.ponder_weight > 0:
-            parts["ponder"] = out.aux_loss.float()
+            parts["ponder"] = wide(out.aux_loss)
             total = total + tc.ponder_weight * parts["ponder"]
         if tc.jacobian_weight > 0:
             with autocast(self.device, self.config.bf16):
                 ctx = self.model.embed(batch.inputs, batch.puzzle_ids)
                 parts["jacobian"] = jacobian_frobenius(
-                    self.model.step, out.state, ctx, self.generator(self.step, SALT_JAC)
+                    self.model.step, out.state, ctx, self.generator(self.step, SALT_JAC),
+                    probes=None if jacobian_probe is None else [jacobian_probe],
                 )
             total = total + tc.jacobian_weight * parts["jacobian"]
         return total, parts, acc
@@ -218,9 +225,12 @@ class Trainer(TrainerEvaluation):
         rows = len(cur.eligible()) if cur is not None else len(self.train_data)
         return self.step - (cur.stage_start if cur is not None else 0) < math.ceil(rows / tc.batch_size)
 
-    def _q_learning(self, out: ModelOutput, batch: SegmentBatch, exact: Tensor, parts: dict) -> Tensor:
+    def _q_learning(
+        self, out: ModelOutput, batch: SegmentBatch, exact: Tensor, parts: dict, segments: Tensor | None = None
+    ) -> Tensor:
         """HRM's Q-learning loss (``losses.q_learning_losses``) for a mode with a carry; the target runs
-        one more segment without gradient from this segment's state, as HRM's ACT wrapper does."""
+        one more segment without gradient from this segment's state, as HRM's ACT wrapper does.
+        ``segments``: the segment counts of ``batch``'s slots (default: the whole carry's)."""
         tc = self.config.train
         q_values = getattr(self.model, "q_values", None)
         if q_values is None:
@@ -233,7 +243,8 @@ class Trainer(TrainerEvaluation):
                 batch.inputs, loop=batch.loop, state=out.state.detach(), puzzle_ids=batch.puzzle_ids
             )
             q_next = q_values(nxt.state)
-        is_last = (self.carry.segments + 1 >= tc.max_segments).to(q.device)
+        segments = self.carry.segments if segments is None else segments
+        is_last = (segments + 1 >= tc.max_segments).to(q.device)
         parts["q_loss"], parts["q_continue_loss"] = q_learning_losses(q, q_next, exact, is_last)
         return tc.q_loss_weight * (parts["q_loss"] + parts["q_continue_loss"])
 
@@ -274,17 +285,15 @@ class Trainer(TrainerEvaluation):
         lr = lr_for(self.curriculum.schedule_step(self.step) if self.curriculum else self.step, tc)
         set_lr(self.optimizer, lr)
         batch = self.mode.batch(self.step)
-        out = self._forward(batch)
-        loss, parts, acc = self.loss(out, batch)
-        if tc.q_learning and self.mode.carry is not None:  # HRM: Q-learning over the carried segments
-            loss = loss + self._q_learning(out, batch, acc.exact, parts)
+        self.optimizer.zero_grad(set_to_none=True)
+        # forward + backward, as train.grad_accum_steps micro-batches (loopformer.train.accumulate)
+        res = accumulate.run_micro_steps(self, batch, self.accum_steps)
+        loss, parts, acc, out = res.loss, res.parts, res.acc, res.out
         state_rms = float(out.state.detach().float().pow(2).flatten(1).mean(1).sqrt().mean())
         # every rank takes the same divergence decision (a NaN on one rank reaches all)
         checked = self.strategy.mean({"loss": float(loss.detach()), "state_norm": state_rms})
         self._check("loss", checked["loss"], tc.max_loss)
         self._check("state norm", checked["state_norm"], tc.max_state_norm)
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
         grad_norm = self.strategy.clip_grad_norm(self.params, tc.grad_clip)
         self._check("gradient norm", grad_norm)
         self.optimizer.step()
