@@ -1,4 +1,4 @@
-"""The ``loopformer`` command: run | train | eval | solve | models | data | convert.
+"""The ``loopformer`` command: run | train | eval | compare | sweep | solve | models | data | convert.
 
 Built on click: subcommands live in ``loopformer.commands`` and are attached here. Errors (bad config
 keys, missing or corrupt checkpoints, wrong task or model) print one line and exit with status 1; ``--debug`` (or
@@ -48,13 +48,17 @@ def _attach_subcommands() -> None:
 
     for command in (run, train, evaluate_cmd, solve, models, data, convert):
         cli.add_command(command)
+    from loopformer.commands.compare import compare
     from loopformer.commands.recipes import recipes
+    from loopformer.commands.sweep import sweep
     from loopformer.data_prepare import prepare_cmd
     from loopformer.hub import push_cmd
 
     data.add_command(prepare_cmd)
     cli.add_command(push_cmd)
     cli.add_command(recipes)
+    cli.add_command(compare)
+    cli.add_command(sweep)
 
 
 _attach_subcommands()

@@ -133,7 +133,9 @@ def read_recipe(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any
     data = dict(data)
     parent = data.pop("base", None)
     if parent is not None and not isinstance(parent, str):
-        raise ConfigError(f"recipe {path}: 'base' must be a recipe file or name, got a {type(parent).__name__}")
+        raise ConfigError(
+            f"recipe {path}: 'base' must be a recipe file or name, got a {type(parent).__name__}"
+        )
     base: dict[str, Any] = {}
     if parent is not None:
         beside = Path(parent) if Path(parent).is_absolute() else path.parent / parent

@@ -118,7 +118,9 @@ def record_for_step(folder: str | Path, step: int) -> dict[str, Any] | None:
 def describe(record: dict[str, Any]) -> str:
     """One line for a report: versions, commit, threads, device, start time and command line."""
     git = record.get("git")
-    commit = f"commit {git['commit'][:10]}{' (dirty)' if git.get('dirty') else ''}" if git else "no git commit"
+    commit = (
+        f"commit {git['commit'][:10]}{' (dirty)' if git.get('dirty') else ''}" if git else "no git commit"
+    )
     return (
         f"loopformer {record.get('loopformer')}, torch {record.get('torch')}, Python {record.get('python')}, "
         f"{commit}, threads {record.get('threads')}, device {record.get('device')}, "

@@ -148,7 +148,7 @@ def load_run(
     if best:
         path = find_best(path)[0]
     for text in config_overrides:
-        key = text.split("=", 1)[0]
+        key = text.split("=", 1)[0].removeprefix("~")  # ~loop_eval.tol: back to the model's default
         if not key.startswith(EVAL_OVERRIDE_PREFIXES):
             raise ConfigError(
                 f"override {text!r}: evaluation can only change data.*, eval.* and loop_eval.* keys"

@@ -45,7 +45,9 @@ def test_base_names_a_shipped_recipe_from_any_folder(tmp_path: Path, monkeypatch
     (tmp_path / "elsewhere").mkdir()
     mine = _write(tmp_path / "elsewhere", "mine.yaml", {"base": "sudoku4_fprm", "train": {"steps": 7}})
     cfg = load_config(mine)
-    assert cfg.train.steps == 7 and cfg.model.fields["conv"] == "grid2d" and cfg.train.mode == "deep_supervision"
+    assert (
+        cfg.train.steps == 7 and cfg.model.fields["conv"] == "grid2d" and cfg.train.mode == "deep_supervision"
+    )
     # a file beside the recipe still wins over a shipped name, with or without .yaml
     _write(mine.parent, "sudoku4_fprm.yaml", {"train": {"lr": 0.005}})
     assert load_config(mine).train.lr == 0.005
@@ -94,4 +96,6 @@ def test_print_config_lists_every_model_and_loop_field() -> None:
     cfg = load_config("sudoku4_fprm", ["train.steps=4"])
     assert again.model_config() == cfg.model_config()
     for phase in ("train", "eval", "periodic"):
-        assert again.loop_config(again.model_config().loop, phase) == cfg.loop_config(cfg.model_config().loop, phase)
+        assert again.loop_config(again.model_config().loop, phase) == cfg.loop_config(
+            cfg.model_config().loop, phase
+        )

@@ -40,10 +40,10 @@ import click
 
 from loopformer.commands.common import eval_dataset, load_run, training_depth
 from loopformer.commands.suite import ModelUnderTest, SuiteOptions, accuracy_table, run_suite
-from loopformer.eval.report import describe_loop
 from loopformer.devices import device_option, resolve_device
 from loopformer.eval.evaluate import model_device
 from loopformer.eval.lm import evaluate_lm
+from loopformer.eval.report import describe_loop
 from loopformer.nn import autocast
 
 DEFAULT_RECIPE = "default"

@@ -11,12 +11,11 @@ blocks per loop step, seconds per example of the evaluation pass and whether it 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import time
 
 import numpy as np
 import torch

@@ -22,7 +22,6 @@ from loopformer.eval.budget import BudgetCurve, DifficultyStats
 from loopformer.eval.evaluate import EvalResult
 from loopformer.safe_io import atomic_write_text
 
-
 # halting rules that stop on a tolerance (the others ignore loop.tol)
 TOL_HALTINGS = ("residual", "kl_entropy", "act")
 
