@@ -111,7 +111,17 @@ def report_folders(path: str | Path) -> list[Path]:
 
 
 def _source_name(folder: Path) -> str:
+    """A report's row name: its sweep point's name, else its run's name, else the folder's."""
     if folder.name.startswith("eval-") and (folder.parent / "config.json").is_file():
+        sweep = folder.parent.parent / "sweep.json"
+        if sweep.is_file():
+            try:
+                points = json.loads(sweep.read_text(encoding="utf-8")).get("points", [])
+            except (OSError, ValueError):
+                points = []
+            for point in points:
+                if point.get("report") == f"{folder.parent.name}/{folder.name}":
+                    return str(point.get("name"))
         return folder.parent.name  # a run's own report: name it by the run
     return folder.name
 
