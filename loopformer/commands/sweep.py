@@ -190,8 +190,12 @@ def _train_point(recipe: str, run: Path, point: Point, echo: Any) -> None:
               help="loop budgets of each point's accuracy-vs-budget curve, e.g. 1,2,4,8")  # fmt: skip
 @click.option("--analyses/--no-analyses", default=False, show_default=True,
               help="logit lens, signal propagation and spectral radius in every report")  # fmt: skip
-@click.option("--device", default="auto", show_default=True,
-              help="where each point is evaluated: auto | cpu | cuda | cuda:N (training: the recipe's device key)")
+@click.option(
+    "--device",
+    default="auto",
+    show_default=True,
+    help="where each point is evaluated: auto | cpu | cuda | cuda:N (training: the recipe's device key)",
+)
 def sweep(recipe: str, grid: tuple[str, ...], out_dir: str, max_steps: str | None, analyses: bool,
           device: str) -> None:  # fmt: skip
     """Run RECIPE over a grid, e.g. loop_eval.solver=damped,anderson train.lr=1e-3,3e-4; compare the points.
