@@ -196,7 +196,8 @@ def parse_variants(variants: tuple[str, ...] | list[str]) -> list[tuple[str, lis
         if not parts:
             raise click.BadParameter("a variant needs at least one KEY=VALUE", param_hint="--variant")
         for part in parts:
-            if "=" not in part or not part.lstrip("~").startswith(("loop_eval.", "eval.")):
+            deletes = part.startswith("~") and "=" not in part  # ~loop_eval.tol: the model's default again
+            if not (deletes or "=" in part) or not part.lstrip("~").startswith(("loop_eval.", "eval.")):
                 raise click.BadParameter(
                     f"{part!r}: a variant changes loop_eval.* or eval.* keys (KEY=VALUE)", param_hint="--variant"
                 )
