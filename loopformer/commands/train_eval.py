@@ -201,7 +201,7 @@ def parse_variants(variants: tuple[str, ...] | list[str]) -> list[tuple[str, lis
                 raise click.BadParameter(
                     f"{part!r}: a variant changes loop_eval.* or eval.* keys (KEY=VALUE)", param_hint="--variant"
                 )
-        name = ",".join(p.removeprefix("loop_eval.") for p in parts)
+        name = ",".join(p[: p.startswith("~")] + p.lstrip("~").removeprefix("loop_eval.") for p in parts)
         parsed.append((name, parts))
     return parsed
 
