@@ -114,7 +114,8 @@ def test_compare_command_and_a_baseline_line(swept: Path, tmp_path: Path) -> Non
     assert result.exit_code == 0, result.output
     rows = json.loads((out / "comparison.json").read_text())["rows"]
     assert [r["baseline"] for r in rows] == [False, False, True]
-    assert rows[0]["name"] == "lr=1e-3" and rows[1]["name"] == "lr=1e-3 #2"  # a run folder: its newest report
+    # a run folder stands for its newest report; a sweep's reports are named by their points
+    assert [r["name"] for r in rows[:2]] == ["solver=anderson,lr=1e-3", "solver=damped,lr=1e-3"]
     assert (out / "plots" / "accuracy_vs_budget.png").is_file()
     refused = CliRunner().invoke(cli, ["compare", str(base_report), "-o", str(out)])
     assert refused.exit_code != 0 and "not empty" in refused.output  # output_folder rules
