@@ -1,4 +1,5 @@
-"""The ``loopformer`` command: run | train | eval | solve | models | data | convert | push | recipes.
+"""The ``loopformer`` command: run | train | eval | compare | sweep | solve | models | data | convert |
+consolidate | push | recipes.
 
 Built on click: subcommands live in ``loopformer.commands`` and are imported only when they run (or
 print their own ``--help``), so ``loopformer --help`` and ``loopformer recipes`` never import torch,
@@ -23,6 +24,14 @@ from loopformer.commands.common import CleanErrorGroup
 # name -> (where the command object lives, its one-line summary for ``loopformer --help``); the summary
 # is the first sentence of the command's own help (tests/test_startup.py checks they agree)
 LAZY_COMMANDS: dict[str, tuple[str, str]] = {
+    "compare": (
+        "loopformer.commands.compare:compare",
+        "Compare runs, eval reports or a sweep: one table and overlay plots (accuracy vs loop budget, loops vs difficulty).",
+    ),
+    "sweep": (
+        "loopformer.commands.sweep:sweep",
+        "Train and evaluate RECIPE over a grid of overrides (key=a,b other=x,y) into one folder, then compare.",
+    ),
     "consolidate": (
         "loopformer.commands.convert:consolidate_cmd",
         "Turn a sharded (FSDP2) checkpoint into a full safetensors checkpoint (for push, convert, one process).",

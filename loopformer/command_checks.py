@@ -52,7 +52,7 @@ def run_config_for(
     the model); ``data.task`` must stay the model's, and so must ``task`` when a command names one.
     """
     for text in overrides:
-        key = str(text).split("=", 1)[0].strip()
+        key = str(text).split("=", 1)[0].strip().removeprefix("~")  # ~loop_eval.tol: the model's default again
         if not key.startswith(prefixes):
             allowed = ", ".join(f"{p}*" for p in prefixes)
             raise ConfigError(f"override {text!r}: evaluation can only change {allowed} keys")

@@ -6,8 +6,9 @@ config fields, validated through ``loopformer.models.registry.make_config``), ``
 on top of the model's default ``LoopConfig``: ``loop_train`` and ``loop_eval`` (FPRM, arXiv
 2606.18206, trains its damped solver with gamma 0.9 and evaluates with 0.99).
 
-Recipes are YAML files in ``recipes/``; a recipe may name a parent with ``base: other.yaml``
-(merged key by key, the child wins). Command-line overrides are dotted paths, e.g.
+Recipes are YAML files in ``recipes/``; a recipe may name a parent with ``base: other.yaml`` or a
+shipped recipe's name (merged key by key, the child wins; ``~key`` deletes a key; a new model drops
+the old model's keys: ``loopformer.config_recipes``). Command-line overrides are dotted paths, e.g.
 ``train.lr=3e-4 model.d_model=64 loop_train.max_steps=8``; each value is parsed with
 ``yaml.safe_load`` (numbers, bools, lists, null) and then coerced to the field's type.
 
@@ -335,44 +336,25 @@ def validate(cfg: RunConfig) -> RunConfig:
 # Recipes and overrides
 # --------------------------------------------------------------------------------------------
 def find_recipe(name: str | Path) -> Path:
-    """A recipe path: as given, or ``<name>[.yaml]`` in ./recipes or the package's recipes (RECIPE_DIR)."""
-    candidates = [Path(name)]
-    stem = str(name) if str(name).endswith((".yaml", ".yml")) else f"{name}.yaml"
-    candidates += [Path("recipes") / stem, RECIPE_DIR / stem]
-    for path in candidates:
-        if path.is_file():
-            return path
-    known = sorted(p.stem for p in RECIPE_DIR.glob("*.yaml")) if RECIPE_DIR.is_dir() else []
-    raise ConfigError(f"no recipe {str(name)!r}{_suggest(Path(stem).stem, known) if known else ''}")
+    """A recipe path: as given, or ``<name>[.yaml]`` in ./recipes or the shipped recipes (``loopformer.config_recipes``)."""
+    from loopformer.config_recipes import find_recipe as _find
+
+    return _find(name)
 
 
 def _merge(base: dict[str, Any], child: Mapping[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for key, value in child.items():
-        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
-            out[key] = _merge(dict(out[key]), value)
-        else:
-            out[key] = value
-    return out
+    """``child`` merged over ``base`` as recipes merge (``loopformer.config_recipes.merge``)."""
+    from loopformer.config_recipes import merge
+
+    return merge(base, child)
 
 
-def read_recipe(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
-    """A recipe's raw table with its ``base:`` chain merged in (the child wins)."""
-    path = find_recipe(path).resolve()
-    if path in _seen:
-        raise ConfigError(f"recipe base cycle: {' -> '.join(str(p) for p in (*_seen, path))}")
-    data = _load_yaml(read_text(path, "recipe"), f"recipe {path}")
-    data = {} if data is None else data
-    if not isinstance(data, Mapping):
-        raise ConfigError(f"recipe {path} must be a table of config keys, got {type(data).__name__}")
-    data = dict(data)
-    parent = data.pop("base", None)
-    if parent is not None and not isinstance(parent, str):
-        raise ConfigError(f"recipe {path}: 'base' must be a recipe file name, got a {type(parent).__name__}")
-    if parent is not None:
-        parent_path = Path(parent) if Path(parent).is_absolute() else path.parent / parent
-        data = _merge(read_recipe(parent_path, (*_seen, path)), data)
-    return data
+def read_recipe(path: str | Path) -> dict[str, Any]:
+    """A recipe's raw table, its ``base:`` chain merged in and ``~key`` deletions applied
+    (``loopformer.config_recipes.read_recipe``)."""
+    from loopformer.config_recipes import read_recipe as _read
+
+    return _read(path)
 
 
 def read_text(path: Path, what: str) -> str:
@@ -431,10 +413,21 @@ def _check_path(parts: list[str]) -> None:
 
 def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
     """Raw recipe table with dotted ``key=value`` overrides written in (validated paths)."""
+    from loopformer.config_recipes import DELETE, delete_key, drop_foreign_model_keys
+
     data = json.loads(json.dumps(data, default=list))  # deep copy of plain data
     for text in overrides:
+        if text.startswith(DELETE):  # ~model.conv: the key goes, its default applies
+            if "=" in text:
+                raise ConfigError(f"override {text!r}: {DELETE}key deletes a key and takes no value")
+            _check_path(text[len(DELETE) :].split("."))
+            delete_key(data, text[len(DELETE) :], f"override {text!r}")
+            continue
         parts, value = parse_override(text)
         _check_path(parts)
+        if parts == ["model", "name"] and isinstance(data.get("model"), dict):
+            old = data["model"].get("name", ModelSpec.name)
+            data["model"] = drop_foreign_model_keys(data["model"], old, value, f"override {text!r}")
         node = data
         for part in parts[:-1]:
             child = node.get(part)

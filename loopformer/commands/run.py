@@ -43,6 +43,7 @@ from loopformer.commands.suite import ModelUnderTest, SuiteOptions, accuracy_tab
 from loopformer.devices import device_option, resolve_device
 from loopformer.eval.evaluate import model_device
 from loopformer.eval.lm import evaluate_lm
+from loopformer.eval.report import describe_loop
 from loopformer.nn import autocast
 
 DEFAULT_RECIPE = "default"
@@ -248,12 +249,12 @@ def run(recipe: str, out_dir: str | None, overwrite: bool, overrides: tuple[str,
             torch.cuda.set_device(dev)
         overrides = (*overrides, f"device={dev.type}")
     if print_config:
-        from loopformer.config import config_to_yaml
+        from loopformer.config_recipes import resolved_yaml
 
         main_cfg, base_cfg, _, _ = build_run_configs(recipe, overrides, Path(out_dir or "runs/<timestamp>"))
-        click.echo("# the looped model\n" + config_to_yaml(main_cfg), nl=False)
+        click.echo("# the looped model\n" + resolved_yaml(main_cfg), nl=False)
         if base_cfg is not None:
-            click.echo("---\n# the baseline\n" + config_to_yaml(base_cfg), nl=False)
+            click.echo("---\n# the baseline\n" + resolved_yaml(base_cfg), nl=False)
         return
     with contextlib.ExitStack() as stack:
         _run(recipe, out_dir, overwrite, overrides, dev, stack)
@@ -307,8 +308,8 @@ def _run(recipe: str, out_dir: str | None, overwrite: bool, overrides: tuple[str
         + (f", baseline {base_summary['wall_time']} s" if base_summary else "") + ").",
     ]
     suite = run_suite(
-        out, section.title or f"loopformer run: {main_label} vs {baselines[0].label if baselines else 'no baseline'} "
-        f"on {main_cfg.data.task}",
+        out, section.title or f"loopformer run: {main_label} ({describe_loop(main.loop)}) vs "
+        f"{baselines[0].label if baselines else 'no baseline'} on {main_cfg.data.task}",
         main_run.task, dataset, main, baselines, options, notes=notes, log=lambda m: console.print(f"  {m}"),
     )
     results = suite["results"]

@@ -3,11 +3,15 @@
 For the main model: validator accuracy on the held-out set, steps vs difficulty (Spearman), the
 accuracy vs step-budget curve, logit lens / overthinking past the training depth, signal
 propagation and the Jacobian spectral radius at the final state; for each baseline: validator
-accuracy and steps. Writes PNG plots, ``report.md`` and ``metrics.json`` into one folder.
+accuracy and steps. Writes PNG plots, ``report.md`` and ``metrics.json`` into one folder; plot titles
+name the model and its loop (``describe_loop``: solver, halting rule, tolerance, cap), and
+``metrics.json["models"]`` holds what ``loopformer compare`` reads per model: its loop, parameters,
+blocks per loop step, seconds per example of the evaluation pass and whether it is a baseline.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,7 +37,7 @@ from loopformer.eval.budget import (
     steps_vs_difficulty,
 )
 from loopformer.eval.evaluate import EvalResult, evaluate
-from loopformer.eval.report import write_report
+from loopformer.eval.report import describe_loop, write_report
 from loopformer.loop import LoopConfig
 from loopformer.models.base import LoopedModel
 from loopformer.tasks.base import Task, TokenDataset
@@ -85,22 +89,20 @@ def run_suite(
     plot_dir = out / "plots"
     results: dict[str, EvalResult] = {}
     difficulty: dict[str, DifficultyStats] = {}
-    log(f"evaluating {main.label} on {len(dataset)} held-out examples")
-    results[main.label] = evaluate(main.model, task, dataset, loop=main.loop, batch_size=opts.batch_size,
-                                   progress=opts.progress, seed=main.seed, segments=main.segments)
-    difficulty[main.label] = steps_vs_difficulty(
-        results[main.label].difficulty, results[main.label].steps, results[main.label].valid
-    )
-    for b in baselines:
-        log(f"evaluating {b.label}")
-        results[b.label] = evaluate(b.model, task, dataset, loop=b.loop, batch_size=opts.batch_size,
-                                    progress=opts.progress, seed=b.seed, segments=b.segments)
-        difficulty[b.label] = steps_vs_difficulty(results[b.label].difficulty, results[b.label].steps,
-                                                  results[b.label].valid)
+    models: dict[str, dict[str, Any]] = {}
+    for m in (main, *baselines):
+        log(f"evaluating {m.label} on {len(dataset)} held-out examples")
+        t0 = time.perf_counter()
+        results[m.label] = evaluate(m.model, task, dataset, loop=m.loop, batch_size=opts.batch_size,
+                                    progress=opts.progress, seed=m.seed, segments=m.segments)
+        models[m.label] = model_info(m, (time.perf_counter() - t0) / max(len(dataset), 1), m is not main)
+        difficulty[m.label] = steps_vs_difficulty(results[m.label].difficulty, results[m.label].steps,
+                                                  results[m.label].valid)
     plot_paths: dict[str, Path] = {}
     r_main = results[main.label]
-    plot_paths["steps histogram"] = plots.save_figure(plots.plot_steps_histogram(r_main), plot_dir / "steps_histogram.png")
-    plot_paths["steps vs difficulty"] = plots.save_figure(plots.plot_steps_vs_difficulty(r_main), plot_dir / "steps_vs_difficulty.png")
+    tt = f"{main.label} · {describe_loop(main.loop)}"  # every plot names the model and its loop
+    plot_paths["steps histogram"] = plots.save_figure(plots.plot_steps_histogram(r_main, title=tt), plot_dir / "steps_histogram.png")
+    plot_paths["steps vs difficulty"] = plots.save_figure(plots.plot_steps_vs_difficulty(r_main, title=tt), plot_dir / "steps_vs_difficulty.png")
 
     budget: dict[str, BudgetCurve] = {}
     small = dataset.subset(slice(0, min(len(dataset), max(opts.analysis_examples, 1))))
@@ -108,22 +110,22 @@ def run_suite(
         log(f"accuracy vs step budget {opts.budgets} ({opts.budget_mode})")
         budget[main.label] = accuracy_vs_budget(main.model, task, dataset, opts.budgets, mode=opts.budget_mode,
                                                 loop=main.loop, batch_size=opts.batch_size)
-        plot_paths["accuracy vs step budget"] = plots.save_figure(plots.plot_budget_curve(budget), plot_dir / "accuracy_vs_budget.png")
+        plot_paths["accuracy vs step budget"] = plots.save_figure(plots.plot_budget_curve(budget, title=tt), plot_dir / "accuracy_vs_budget.png")
     lens: LoopCurve | None = None
     if opts.lens_loops:
         log(f"logit lens / overthinking over {opts.lens_loops} loops on {len(small)} examples")
         lens = logit_lens(main.model, task, small, opts.lens_loops, loop=main.loop, batch_size=opts.batch_size,
                           train_depth=main.train_depth)
-        plot_paths["logit lens accuracy per loop"] = plots.save_figure(plots.plot_loop_accuracy(lens), plot_dir / "logit_lens.png")
-        plot_paths["overthinking margin"] = plots.save_figure(plots.plot_overthinking(lens), plot_dir / "overthinking.png")
+        plot_paths["logit lens accuracy per loop"] = plots.save_figure(plots.plot_loop_accuracy(lens, title=tt), plot_dir / "logit_lens.png")
+        plot_paths["overthinking margin"] = plots.save_figure(plots.plot_overthinking(lens, title=tt), plot_dir / "overthinking.png")
         if lens.bridge_rank:
-            plot_paths["bridge rank"] = plots.save_figure(plots.plot_bridge_rank(lens), plot_dir / "bridge_rank.png")
+            plot_paths["bridge rank"] = plots.save_figure(plots.plot_bridge_rank(lens, title=tt), plot_dir / "bridge_rank.png")
     signal: SignalCurve | None = None
     if opts.signal_loops:
         log(f"signal propagation over {opts.signal_loops} loops")
         signal = signal_propagation(main.model, small, opts.signal_loops, loop=main.loop,
                                     batch_size=min(opts.batch_size, 64), max_batches=1)
-        plot_paths["state norms"] = plots.save_figure(plots.plot_state_norms(signal), plot_dir / "state_norms.png")
+        plot_paths["state norms"] = plots.save_figure(plots.plot_state_norms(signal, title=tt), plot_dir / "state_norms.png")
     spectral: dict[str, float] | None = None
     if opts.spectral:
         log("Jacobian spectral radius at the final state")
@@ -139,7 +141,7 @@ def run_suite(
     report, metrics_path = write_report(
         out, title, results, budget=budget, difficulty=difficulty, lens=lens, signal=signal,
         spectral=spectral, plots=plot_paths, notes=notes,
-        extra={"easy_hard_steps": easy_hard, **(extra or {})},
+        extra={"easy_hard_steps": easy_hard, "models": models, **(extra or {})},
     )
     return {
         "results": results,
@@ -152,6 +154,23 @@ def run_suite(
         "report": report,
         "metrics": metrics_path,
         "plots": plot_paths,
+    }
+
+
+def model_info(m: ModelUnderTest, seconds_per_example: float, baseline: bool) -> dict[str, Any]:
+    """What ``loopformer compare`` needs of a model beside its accuracy (``metrics.json["models"]``)."""
+    import dataclasses
+
+    blocks = getattr(m.model.config, "n_layers", None)
+    return {
+        "loop": dataclasses.asdict(m.loop),
+        "loop_description": describe_loop(m.loop),
+        "parameters": m.model.num_parameters(),
+        "blocks": int(blocks) if isinstance(blocks, int) else None,  # transformer blocks per loop step
+        "segments": m.segments,
+        "seconds_per_example": seconds_per_example,
+        # no loop to speak of: a single pass (the plain transformer baseline)
+        "baseline": bool(baseline or m.loop.max_steps <= 1),
     }
 
 

@@ -34,7 +34,9 @@ from loopformer.nn import autocast
     is_flag=True,
     help="resume although the config changes the training stream (recorded in config_changes.jsonl)",
 )
-@click.option("--print-config", is_flag=True, help="print the resolved configuration (YAML) and exit")
+@click.option(
+    "--print-config", is_flag=True, help="print the resolved configuration, every model and loop field (YAML), and exit"
+)
 @click.option("--plan", is_flag=True, help="print the memory plan per GPU and the micro-batch that fits, and exit")
 @click.option("--gpu-memory", default="80GB", show_default=True, help="--plan: memory of one GPU (80GB, 141GB, 80GiB)")
 @click.option("--gpus", default=1, show_default=True, type=int, help="--plan: number of GPUs the batch is split over")
@@ -69,10 +71,10 @@ def train(
     if allow_config_change:
         extra.append("train.allow_config_change=true")
     cfg = build_config(raw, extra)
-    if print_config:
-        from loopformer.config import config_to_yaml
+    if print_config:  # every model and loop field with its effective value (loopformer.config_recipes)
+        from loopformer.config_recipes import resolved_yaml
 
-        click.echo(config_to_yaml(cfg), nl=False)
+        click.echo(resolved_yaml(cfg), nl=False)
         return
     if plan:
         from loopformer.train.plan import describe, make_plan, parse_memory
@@ -199,16 +201,27 @@ def train(
     show_default=True,
     help="accuracy points a candidate may lose against the trained solver on the slice",
 )
+@click.option(
+    "--variant",
+    "variants",
+    multiple=True,
+    metavar="'KEY=VALUE ...'",
+    help="also evaluate with these loop_eval.* / eval.* overrides (space-separated), e.g. "
+    "--variant loop_eval.solver=anderson; repeatable: one report compares the run's loop_eval and each variant",
+)
 @device_option()
 def evaluate_cmd(checkpoint: str, max_steps: str | None, budget_mode: str, task_options: tuple[str, ...],
                  sets: tuple[str, ...], examples: int, lens_loops: int | None, analyses: bool, ema: bool,
                  best: bool, out_dir: str | None, device: str, overwrite: bool = False, auto_solver: bool = False,
-                 auto_solver_slice: float = DEFAULT_FRACTION, auto_solver_tolerance: float = 0.0) -> None:  # fmt: skip
+                 auto_solver_slice: float = DEFAULT_FRACTION, auto_solver_tolerance: float = 0.0,
+                 variants: tuple[str, ...] = ()) -> None:  # fmt: skip
     """Evaluate CHECKPOINT (a run folder or checkpoint folder) on its held-out set; write a report.
 
     Text (no validator): loss and bits per byte. ARC: also pass@2, voting over augmentations.
     ``--set eval.protocol=authors_trm_deq`` (or ``both``): also the Attractor puzzle authors' evaluation.
     ``--auto-solver``: the report is on the held-out rows outside the search slice, with the chosen solver.
+    ``--variant``: the report holds one sub-report per loop (variants/<name>/) and their comparison table
+    and overlay plots (loopformer compare).
     """
     from loopformer.command_checks import check_count
 
@@ -218,15 +231,49 @@ def evaluate_cmd(checkpoint: str, max_steps: str | None, budget_mode: str, task_
     budgets = parse_int_list(max_steps, "--max-steps")
     check_count("--examples", examples, 0)
     check_count("--lens-loops", lens_loops, 0)
+    if auto_solver and variants:
+        raise click.UsageError("--auto-solver and --variant: choose one (the search picks one loop; --variant compares given ones)")
+    auto = (auto_solver_slice, auto_solver_tolerance / 100) if auto_solver else None
+    evaluate_checkpoint(checkpoint, overrides, budgets, budget_mode, examples, lens_loops, analyses, ema, best,
+                        out_dir, device, overwrite, parse_variants(variants), auto)  # fmt: skip
+
+
+def parse_variants(variants: tuple[str, ...] | list[str]) -> list[tuple[str, list[str]]]:
+    """``("loop_eval.solver=anderson loop_eval.tol=0.01", ...)`` -> [(name, overrides)]: each variant's
+    overrides (loop_eval.* / eval.* keys only) and a name made of them, without the ``loop_eval.`` prefix."""
+    import shlex
+
+    parsed = []
+    for text in variants:
+        parts = shlex.split(text)
+        if not parts:
+            raise click.BadParameter("a variant needs at least one KEY=VALUE", param_hint="--variant")
+        for part in parts:
+            deletes = part.startswith("~") and "=" not in part  # ~loop_eval.tol: the model's default again
+            if not (deletes or "=" in part) or not part.lstrip("~").startswith(("loop_eval.", "eval.")):
+                raise click.BadParameter(
+                    f"{part!r}: a variant changes loop_eval.* or eval.* keys (KEY=VALUE)", param_hint="--variant"
+                )
+        name = ",".join(p[: p.startswith("~")] + p.lstrip("~").removeprefix("loop_eval.") for p in parts)
+        parsed.append((name, parts))
+    return parsed
+
+
+def evaluate_checkpoint(checkpoint: str | Path, overrides: list[str], budgets: list[int], budget_mode: str = "capped",
+                        examples: int = 0, lens_loops: int | None = None, analyses: bool = True, ema: bool = True,
+                        best: bool = False, out_dir: str | Path | None = None, device: str = "auto",
+                        overwrite: bool = False, variants: list[tuple[str, list[str]]] | None = None,
+                        auto: tuple[float, float] | None = None) -> None:  # fmt: skip
+    """What ``loopformer eval`` does (also ``loopformer sweep``): load, evaluate, write the report."""
     dev = resolve_device(device)
     run = load_run(checkpoint, use_ema=ema, config_overrides=tuple(overrides), device=str(dev), best=best)
     from loopformer.train.dist import DistEnv
     from loopformer.train.setup import set_cpu_threads
 
     set_cpu_threads(run.config.train, DistEnv(), dev, run.model)  # the run's train.threads rule, logged
-    auto = (auto_solver_slice, auto_solver_tolerance / 100) if auto_solver else None
     with autocast(dev, run.config.bf16):  # evaluate in the precision the run trained in
-        _evaluate(run, examples, out_dir, budgets, budget_mode, lens_loops, analyses, overwrite, auto)
+        _evaluate(run, examples, None if out_dir is None else str(out_dir), budgets, budget_mode, lens_loops,
+                  analyses, overwrite, variants or [], auto)  # fmt: skip
 
 
 def _auto_solver(run: Any, dataset: Any, auto: tuple[float, float]) -> tuple[Any, Any, dict[str, Any]]:
@@ -282,7 +329,7 @@ def _report_folder(out: Path) -> Iterator[Path]:
 
 def _evaluate(run: Any, examples: int, out_dir: str | None, budgets: list[int], budget_mode: str,
               lens_loops: int | None, analyses: bool, overwrite: bool = False,
-              auto: tuple[float, float] | None = None) -> None:  # fmt: skip
+              variants: list[tuple[str, list[str]]] | None = None, auto: tuple[float, float] | None = None) -> None:  # fmt: skip
     from loopformer.output_folder import staged_output
 
     dataset = eval_dataset(run.task, run.config, examples)
@@ -298,7 +345,42 @@ def _evaluate(run: Any, examples: int, out_dir: str | None, budgets: list[int], 
         out = run_dir / f"eval-step{run.step}-{time.strftime('%Y%m%d-%H%M%S')}"
         target = _report_folder(out)
     with target as write_dir:
-        _evaluate_into(run, dataset, write_dir, out, budgets, budget_mode, lens_loops, analyses, auto_record)
+        if variants:
+            _evaluate_variants(run, dataset, write_dir, out, budgets, budget_mode, lens_loops, analyses, variants)
+        else:
+            _evaluate_into(run, dataset, write_dir, out, budgets, budget_mode, lens_loops, analyses, auto_record)
+
+
+def _evaluate_variants(run: Any, dataset: Any, out: Path, final: Path, budgets: list[int], budget_mode: str,
+                       lens_loops: int | None, analyses: bool, variants: list[tuple[str, list[str]]]) -> None:  # fmt: skip
+    """The run's loop_eval and each variant into ``out/variants/<name>/``, then their comparison into ``out``."""
+    import dataclasses
+
+    from loopformer.commands.compare import print_rows
+    from loopformer.config import apply_overrides, build_config, to_dict
+    from loopformer.eval.compare import load_entries, write_comparison
+
+    if not run.task.has_validator:
+        raise ValueError(f"--variant compares validator accuracy; task {run.task.name!r} has no validator")
+    names, folders = [], []
+    for i, (name, overrides) in enumerate([("loop_eval", []), *variants]):
+        config = build_config(apply_overrides(to_dict(run.config), overrides), check=False) if overrides else run.config
+        variant = dataclasses.replace(run, config=config, loop_eval=config.loop_config(run.model.config.loop, "eval"))
+        folder = Path("variants") / f"{i:02d}-{safe_name(name)}"
+        _evaluate_into(variant, dataset, out / folder, final / folder, budgets, budget_mode, lens_loops, analyses)
+        names.append(name)
+        folders.append(out / folder)
+    entries = load_entries(folders, names)
+    title = f"{run.family or run.config.model.name} ({run.path}): {len(entries)} evaluation loops compared"
+    written = write_comparison(out, entries, title)
+    print_rows([e.row() for e in entries], title)
+    click.echo(f"comparison: {final / Path(written['markdown']).relative_to(out)}")
+
+
+def safe_name(text: str) -> str:
+    """``text`` as a folder name: letters, digits and ``._=,+-`` kept, anything else ``-``."""
+    kept = "".join(c if c.isalnum() or c in "._=,+-" else "-" for c in text).strip("-.")
+    return kept[:120] or "point"
 
 
 def _evaluate_into(run: Any, dataset: Any, out: Path, final: Path, budgets: list[int], budget_mode: str,
@@ -360,9 +442,16 @@ def _evaluate_into(run: Any, dataset: Any, out: Path, final: Path, budgets: list
     )
     label = run.family or run.config.model.name
     console.print(f"{run.label}: {run.path} ({run.weights} weights)")
+    from loopformer.eval.report import describe_loop
+    from loopformer.provenance import collect, describe, record_for_step
+
+    run_dir = run.path.parent.parent if run.path.parent.name == "checkpoints" else run.path
+    trained_by = record_for_step(run_dir, run.step)
+    extra["provenance"] = {"training": trained_by, "evaluation": collect(next(run.model.parameters()).device)}
+    provenance = [f"Trained with {describe(trained_by)}."] if trained_by else []
     suite = run_suite(
         out,
-        f"evaluation of {label} ({run.path}, {run.label}, {run.weights} weights)",
+        f"{label} · {describe_loop(run.loop_eval)}: evaluation of {run.path} ({run.label}, {run.weights} weights)",
         run.task,
         dataset,
         ModelUnderTest(
@@ -374,6 +463,7 @@ def _evaluate_into(run: Any, dataset: Any, out: Path, final: Path, budgets: list
             f"Task: {run.config.data.task} {run.config.data.options}; {len(dataset)} held-out examples.",
             *_segment_note(run.config.eval.segments),
             *_auto_note(auto_record),
+            *provenance,
         ],
         log=lambda m: console.print(f"  {m}"),
         extra=extra,

@@ -3,7 +3,8 @@
 One function per figure; each takes the result objects of ``loopformer.eval.evaluate`` /
 ``loopformer.eval.analysis`` (or their ``to_dict()`` form) and returns a ``matplotlib.figure.Figure``
 (shown inline in a notebook); with ``path`` it also writes the PNG there (``save_figure`` does the same
-for a figure in hand).  Figures are built with the object-oriented API, never through pyplot, so the
+for a figure in hand); ``title`` (e.g. ``"fprm · damped solver · residual halting tol 0.1 · cap 64"``)
+is written above the plot.  Figures are built with the object-oriented API, never through pyplot, so the
 matplotlib backend (and a notebook's state) is left alone.
 Several series (e.g. the looped model and its baseline) can be drawn on one figure by passing a
 ``{label: result}`` mapping.
@@ -43,7 +44,9 @@ def save_figure(fig: Figure, path: str | Path | None = None) -> Figure:
     return path
 
 
-def _finish(fig: Figure, path: str | Path | None) -> Figure:
+def _finish(fig: Figure, path: str | Path | None, title: str = "") -> Figure:
+    if title:  # the run and its loop (report.describe_loop): solver, halting, tolerance, cap
+        fig.suptitle(title, fontsize=8)
     fig.tight_layout()
     if path is not None:
         save_figure(fig, path)
@@ -57,7 +60,7 @@ def _legend(ax: Any, labels: Mapping[str, Any]) -> None:
 
 def plot_budget_curve(
     curves: BudgetCurve | Mapping[str, BudgetCurve], path: str | Path | None = None
-) -> Figure:
+, title: str = "") -> Figure:
     """Validator accuracy vs inference step budget (the test-time compute curve)."""
     curves = _series(curves)
     fig, ax = _figure((5, 3.5))
@@ -71,10 +74,10 @@ def plot_budget_curve(
     ax.set_title(f"accuracy vs step budget ({mode})")
     ax.grid(alpha=0.3)
     _legend(ax, curves)
-    return _finish(fig, path)
+    return _finish(fig, path, title)
 
 
-def plot_steps_histogram(result: EvalResult, path: str | Path | None = None) -> Figure:
+def plot_steps_histogram(result: EvalResult, path: str | Path | None = None, title: str = "") -> Figure:
     """How many loop steps examples took."""
     fig, ax = _figure((5, 3.5))
     ks = sorted(result.steps_histogram)
@@ -82,10 +85,10 @@ def plot_steps_histogram(result: EvalResult, path: str | Path | None = None) -> 
     ax.set_xlabel("loop steps")
     ax.set_ylabel("examples")
     ax.set_title(f"steps per example (mean {result.mean_steps:.2f})")
-    return _finish(fig, path)
+    return _finish(fig, path, title)
 
 
-def plot_steps_vs_difficulty(result: EvalResult, path: str | Path | None = None) -> Figure:
+def plot_steps_vs_difficulty(result: EvalResult, path: str | Path | None = None, title: str = "") -> Figure:
     """Scatter of (difficulty, steps) per example with the mean per difficulty bucket."""
     d, s = result.difficulty, result.steps.astype(float)
     stats = steps_vs_difficulty(d, s, result.valid)
@@ -101,10 +104,10 @@ def plot_steps_vs_difficulty(result: EvalResult, path: str | Path | None = None)
     ax.set_ylabel("loop steps")
     ax.set_title(f"steps vs difficulty (Spearman rho {stats.spearman_rho:.2f})")
     ax.legend(frameon=False, fontsize=8)
-    return _finish(fig, path)
+    return _finish(fig, path, title)
 
 
-def plot_loop_accuracy(curves: LoopCurve | Mapping[str, LoopCurve], path: str | Path | None = None) -> Figure:
+def plot_loop_accuracy(curves: LoopCurve | Mapping[str, LoopCurve], path: str | Path | None = None, title: str = "") -> Figure:
     """Logit lens: accuracy of the readout of each loop's state."""
     curves = _series(curves)
     fig, ax = _figure((5, 3.5))
@@ -120,10 +123,10 @@ def plot_loop_accuracy(curves: LoopCurve | Mapping[str, LoopCurve], path: str | 
     ax.set_title("logit lens: accuracy per loop")
     ax.grid(alpha=0.3)
     ax.legend(frameon=False, fontsize=8)
-    return _finish(fig, path)
+    return _finish(fig, path, title)
 
 
-def plot_overthinking(curve: LoopCurve, path: str | Path | None = None) -> Figure:
+def plot_overthinking(curve: LoopCurve, path: str | Path | None = None, title: str = "") -> Figure:
     """Logit margin (left axis) and validator accuracy (right axis) vs inference loops."""
     fig, ax = _figure((5, 3.5))
     ax.plot(curve.loops, curve.margin, color="tab:purple", marker=".", label="logit margin")
@@ -138,10 +141,10 @@ def plot_overthinking(curve: LoopCurve, path: str | Path | None = None) -> Figur
         ax.axvline(curve.train_depth, color="gray", ls=":", lw=1)
         ax.text(curve.train_depth, ax.get_ylim()[1], " train depth", va="top", fontsize=8, color="gray")
     ax.set_title("overthinking: margin and accuracy vs loops")
-    return _finish(fig, path)
+    return _finish(fig, path, title)
 
 
-def plot_bridge_rank(curve: LoopCurve, path: str | Path | None = None) -> Figure:
+def plot_bridge_rank(curve: LoopCurve, path: str | Path | None = None, title: str = "") -> Figure:
     """Logit lens on knowledge-graph queries: mean rank of the bridge entity per loop."""
     fig, ax = _figure((5, 3.5))
     ax.plot(curve.loops, curve.bridge_rank, marker=".")
@@ -149,12 +152,12 @@ def plot_bridge_rank(curve: LoopCurve, path: str | Path | None = None) -> Figure
     ax.set_ylabel("mean bridge rank (0 = top)")
     ax.set_title("logit lens: bridge entity rank")
     ax.grid(alpha=0.3)
-    return _finish(fig, path)
+    return _finish(fig, path, title)
 
 
 def plot_state_norms(
     curves: SignalCurve | Mapping[str, SignalCurve], path: str | Path | None = None
-) -> Figure:
+, title: str = "") -> Figure:
     """Signal propagation: state RMS and update norm per loop (log scale)."""
     curves = _series(curves)
     fig, (a1, a2) = _figure((8, 3.5), 2)
@@ -172,4 +175,4 @@ def plot_state_norms(
     for a in (a1, a2):
         a.grid(alpha=0.3)
         _legend(a, curves)
-    return _finish(fig, path)
+    return _finish(fig, path, title)

@@ -3,6 +3,8 @@
 ``write_report(out_dir, title, results, ...)`` takes any of the result objects of
 ``loopformer.eval`` (evaluations per model, a budget curve, difficulty statistics, loop curves,
 signal curves, spectral radii) and writes what it was given; missing pieces are skipped.
+``describe_loop`` is the loop description (solver, halting rule, tolerance, cap) that report and plot
+titles carry.
 """
 
 from __future__ import annotations
@@ -19,6 +21,22 @@ from loopformer.eval.analysis import LoopCurve, SignalCurve
 from loopformer.eval.budget import BudgetCurve, DifficultyStats
 from loopformer.eval.evaluate import EvalResult
 from loopformer.safe_io import atomic_write_text
+
+# halting rules that stop on a tolerance (the others ignore loop.tol)
+TOL_HALTINGS = ("residual", "kl_entropy", "act")
+
+
+def describe_loop(loop: Any) -> str:
+    """``"damped solver · residual halting tol 0.001 · cap 64"``: the solver, halting rule, tolerance and
+    cap of a ``LoopConfig`` (or its ``to_dict()`` form), as every report and plot title names them."""
+    get = loop.get if isinstance(loop, Mapping) else lambda key, default=None: getattr(loop, key, default)
+    halting = str(get("halting", "?"))
+    tol = get("tol")
+    if halting in TOL_HALTINGS and tol is not None:
+        halt = f"{halting} halting tol {float(tol):g}"
+    else:
+        halt = f"{halting} halting (no tolerance)"
+    return f"{get('solver', '?')} solver · {halt} · cap {get('max_steps', '?')}"
 
 
 def _num(x: Any, pct: bool = False, digits: int = 2) -> str:

@@ -1,6 +1,7 @@
 """The run folder's logs and the progress bar (evaluation itself is ``loopformer.eval.evaluate``).
 
-- ``RunLog``: rank 0's writer for the run folder: ``open`` (``prepare_run_dir``: the config, a
+- ``RunLog``: rank 0's writer for the run folder: ``open`` (``prepare_run_dir``: the config, the
+  provenance record (``loopformer.provenance``), a
   resumed run's stale metrics, the trackers: TensorBoard / W&B), ``write`` (``write_metrics``: one
   JSONL line, mirrored to the trackers), ``write_summary`` and ``close``; on other ranks every call
   does nothing.
@@ -37,13 +38,19 @@ def last_finite(rows: Tensor) -> Tensor:
 # ----------------------------------------------------------------------------------------------
 # the run folder's logs
 # ----------------------------------------------------------------------------------------------
-def prepare_run_dir(config: RunConfig, run_dir: Path, ckpt_dir: Path, resumed: bool, step: int) -> Any:
-    """Write the config; a resumed run drops the metrics its killed predecessor wrote past ``step``.
+def prepare_run_dir(
+    config: RunConfig, run_dir: Path, ckpt_dir: Path, resumed: bool, step: int, device: Any = None
+) -> Any:
+    """Write the config and a provenance record (``loopformer.provenance``: appended on a resume); a
+    resumed run drops the metrics its killed predecessor wrote past ``step``.
 
     Returns the run's ``loopformer.tracking.Trackers`` (TensorBoard, W&B) when any is on, else None.
     """
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(config, run_dir)
+    from loopformer.provenance import append_record, collect
+
+    append_record(run_dir, collect(device if device is not None else config.device, step, resumed))
     metrics = run_dir / "metrics.jsonl"
     if resumed and metrics.is_file():  # drop lines the killed run wrote after it
         kept = [line for line in metrics.read_text(errors="replace").splitlines() if _step_of(line) <= step]
@@ -83,9 +90,9 @@ class RunLog:
         self.enabled = enabled
         self.trackers: Any = None  # loopformer.tracking.Trackers after open() when any tracker is on
 
-    def open(self, config: RunConfig, ckpt_dir: Path, resumed: bool, step: int) -> None:
+    def open(self, config: RunConfig, ckpt_dir: Path, resumed: bool, step: int, device: Any = None) -> None:
         if self.enabled:
-            self.trackers = prepare_run_dir(config, self.run_dir, ckpt_dir, resumed, step)
+            self.trackers = prepare_run_dir(config, self.run_dir, ckpt_dir, resumed, step, device)
 
     def write(self, record: dict[str, Any], step: int) -> None:
         if self.enabled:

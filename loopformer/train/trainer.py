@@ -407,7 +407,7 @@ class Trainer(TrainerEvaluation):
         try:
             # a resume that found no checkpoint still drops the metrics its killed predecessor wrote
             resumed = self.resumed_from is not None or bool(tc.resume)
-            self.log.open(self.config, self.ckpt_dir, resumed, self.step)  # inside: a failed write unlocks
+            self.log.open(self.config, self.ckpt_dir, resumed, self.step, self.device)  # inside: a failed write unlocks
             self.strategy.barrier()  # rank 0 has written the run folder's config before anyone goes on
             self.t0 = time.perf_counter()
             # SIGTERM / SIGINT: finish the step, checkpoint, unlock, say how to resume (loopformer.train.stop)

@@ -1,0 +1,75 @@
+"""``loopformer compare RUN_OR_REPORT... -o FOLDER``: one table and overlay plots across evaluations.
+
+Each argument is a report folder (``loopformer eval`` / ``run`` output: it holds ``metrics.json``), a
+run folder (its newest ``eval-*`` report), an ``eval --variant`` report (its variants) or a sweep
+folder (its points); see ``loopformer.eval.compare``. The output folder follows the rules of
+``loopformer.output_folder.staged_output``: refused when it holds something unless ``--overwrite``,
+built aside and swapped in whole.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import click
+
+
+def print_rows(rows: Sequence[dict[str, Any]], title: str) -> None:
+    """The comparison as a rich table on the console."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from loopformer.eval.report import _num
+
+    table = Table(title=title)
+    for col in ("run", "loop", "valid", "mean loops", "converged", "ms/example", "parameters", "compute"):
+        table.add_column(col, justify="left" if col in ("run", "loop") else "right")
+    for r in rows:
+        table.add_row(
+            r["name"] + (" (baseline)" if r["baseline"] else ""),
+            r["loop"],
+            _num(r["valid_accuracy"], True),
+            _num(r["mean_loops"]),
+            _num(r["converged_fraction"], True),
+            _num(r["ms_per_example"], digits=3),
+            "-" if r["parameters"] is None else f"{r['parameters']:,}",
+            _num(r["test_time_compute"], digits=1),
+        )
+    Console(highlight=False, width=160).print(table)
+
+
+def compare_into(out: Path, folders: Sequence[Path], title: str, overwrite: bool,
+                 names: Sequence[str] | None = None) -> dict[str, Path]:  # fmt: skip
+    """Write the comparison of report ``folders`` into ``out`` (staged; see the module docstring)."""
+    from loopformer.eval.compare import load_entries, write_comparison
+    from loopformer.output_folder import staged_output
+
+    entries = load_entries(folders, names)
+    with staged_output(out, "compare", overwrite, "--out") as staging:
+        written = write_comparison(staging, entries, title)
+    print_rows([e.row() for e in entries], title)
+    return {k: out / Path(v).relative_to(staging) for k, v in written.items()}
+
+
+@click.command("compare")
+@click.argument("sources", nargs=-1, required=True, metavar="RUN_OR_REPORT...")
+@click.option("--out", "-o", "out_dir", default=None, help="folder to write (default: a new compare-<time>)")
+@click.option(
+    "--overwrite", is_flag=True, help="replace what --out holds (moved aside once the new one is done)"
+)
+@click.option("--title", default=None, help="title of the table and plots")
+def compare(sources: tuple[str, ...], out_dir: str | None, overwrite: bool, title: str | None) -> None:
+    """Compare evaluations: accuracy, loops, converged, time, parameters; overlay plots.
+
+    RUN_OR_REPORT: a report folder (loopformer eval / run), a run folder (its newest eval-* report), an
+    eval --variant report or a sweep folder. Writes comparison.md, comparison.json and plots/ into --out.
+    """
+    from loopformer.eval.compare import report_folders
+
+    folders = [f for source in sources for f in report_folders(source)]
+    out = Path(out_dir) if out_dir else Path(f"compare-{time.strftime('%Y%m%d-%H%M%S')}")
+    written = compare_into(out, folders, title or f"comparison of {len(folders)} evaluations", overwrite)
+    click.echo(f"table: {written['markdown']}  plots: {out / 'plots'}")

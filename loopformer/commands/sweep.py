@@ -1,0 +1,241 @@
+"""``loopformer sweep RECIPE key=a,b,c other=x,y [key=value ...] -o FOLDER``: a grid of runs, then
+their comparison.
+
+Arguments whose value holds top-level commas are the grid's axes (``loop_eval.solver=damped,anderson``;
+a list stays one value when bracketed: ``train.betas=[0.9,0.95]``); the others are overrides of every
+point. The cartesian product runs sequentially into one folder:
+
+- axes that change training (anything but ``loop_eval.*`` / ``eval.*``) give one run folder per
+  combination, ``FOLDER/<key=value,...>/`` (``FOLDER/run/`` when no axis changes training), each key
+  by its last part (``lr=0.001``) unless two axes share it;
+- axes that only change evaluation (``loop_eval.*``, ``eval.*``) share their training run: each of
+  their combinations is one report, ``<run>/eval-<key=value,...>/`` (``eval-default`` without any);
+- ``FOLDER/sweep.json`` lists the grid and the reports; ``FOLDER/compare/`` holds the comparison
+  (``loopformer compare``: table and overlay plots), replaced at every sweep.
+
+Resumable: a point whose run finished (``summary.json`` at ``train.steps``) is not trained again, one
+killed part-way resumes from its checkpoint, and a report already written is kept. A finished point
+whose recorded configuration differs from the new one is refused (use another folder).
+
+Several GPUs: the points are independent, so one process per GPU is natural; ``point_command``
+gives the ``loopformer train`` / ``loopformer eval`` command lines of a point, for a launcher that
+places one per device (``CUDA_VISIBLE_DEVICES``); this command itself runs them in turn.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import click
+
+EVAL_PREFIXES = ("loop_eval.", "eval.")
+
+
+@dataclass
+class Point:
+    """One grid point: the training run folder it uses and its report folder inside that run."""
+
+    train: list[str]  # the overrides that change training (axes and fixed ones)
+    evaluate: list[str]  # loop_eval.* / eval.* overrides
+    run: str  # the run folder's name inside the sweep folder
+    report: str  # the report folder's name inside the run folder
+    name: str  # the comparison's row name
+
+
+def split_values(text: str) -> list[str]:
+    """``"a,[1,2],b"`` -> ``["a", "[1,2]", "b"]``: commas inside brackets or quotes do not split."""
+    out, depth, quote, current = [], 0, "", ""
+    for c in text:
+        if quote:
+            quote = "" if c == quote else quote
+        elif c in "'\"":
+            quote = c
+        elif c in "[{":
+            depth += 1
+        elif c in "]}":
+            depth -= 1
+        elif c == "," and depth == 0:
+            out.append(current)
+            current = ""
+            continue
+        current += c
+    return [*out, current]
+
+
+def parse_grid(arguments: tuple[str, ...] | list[str]) -> tuple[dict[str, list[str]], list[str]]:
+    """(axes {key: [values]}, fixed overrides) of the command line's ``key=value`` arguments."""
+    axes: dict[str, list[str]] = {}
+    fixed: list[str] = []
+    for text in arguments:
+        key, sep, raw = text.partition("=")
+        if not sep or not key.strip():
+            if text.startswith("~"):
+                fixed.append(text)
+                continue
+            raise click.BadParameter(f"expected key=value or key=a,b,c, got {text!r}", param_hint="GRID")
+        values = split_values(raw)
+        if len(values) == 1:
+            fixed.append(text)
+            continue
+        if any(not v.strip() for v in values):
+            raise click.BadParameter(f"{text!r} has an empty value", param_hint="GRID")
+        if key in axes:
+            raise click.BadParameter(f"{key} is given twice", param_hint="GRID")
+        axes[key] = values
+    return axes, fixed
+
+
+def short_keys(keys: list[str]) -> dict[str, str]:
+    """Each key by its last part (``loop_eval.solver`` -> ``solver``) unless two keys share it."""
+    last = [k.rsplit(".", 1)[-1] for k in keys]
+    return {k: s if last.count(s) == 1 else k for k, s in zip(keys, last)}
+
+
+def _label(pairs: list[tuple[str, str]], short: dict[str, str]) -> str:
+    from loopformer.commands.train_eval import safe_name
+
+    return safe_name(",".join(f"{short[k]}={v}" for k, v in pairs))
+
+
+def grid_points(axes: dict[str, list[str]], fixed: list[str]) -> list[Point]:
+    """Every combination of ``axes`` (first axis slowest), with ``fixed`` applied to each."""
+    train_fixed = [f for f in fixed if not f.lstrip("~").startswith(EVAL_PREFIXES)]
+    eval_fixed = [f for f in fixed if f.lstrip("~").startswith(EVAL_PREFIXES)]
+    keys = list(axes)
+    short = short_keys(keys)
+    points = []
+    for values in itertools.product(*(axes[k] for k in keys)):
+        pairs = list(zip(keys, values))
+        train = [(k, v) for k, v in pairs if not k.startswith(EVAL_PREFIXES)]
+        evaluate = [(k, v) for k, v in pairs if k.startswith(EVAL_PREFIXES)]
+        run = _label(train, short) if train else "run"
+        report = f"eval-{_label(evaluate, short)}" if evaluate else "eval-default"
+        points.append(Point(
+            train=train_fixed + [f"{k}={v}" for k, v in train],
+            evaluate=eval_fixed + [f"{k}={v}" for k, v in evaluate],
+            run=run, report=report, name=_label(pairs, short) or "default",
+        ))  # fmt: skip
+    return points
+
+
+def point_command(recipe: str, folder: Path, point: Point, budgets: str | None = None) -> list[list[str]]:
+    """The ``loopformer train`` and ``loopformer eval`` command lines of ``point`` (one process per GPU)."""
+    run = folder / point.run
+    train = ["loopformer", "train", recipe, *point.train, "-o", str(run), "--resume"]
+    evaluate = ["loopformer", "eval", str(run), *[a for o in point.evaluate for a in ("-s", o)],
+                "-o", str(run / point.report), "--no-analyses"]  # fmt: skip
+    return [train, evaluate + (["--max-steps", budgets] if budgets else [])]
+
+
+def _finished(run: Path, steps: int) -> bool:
+    try:
+        summary = json.loads((run / "summary.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return int(summary.get("steps", 0)) >= steps and bool(summary.get("checkpoint"))
+
+
+def _same_config(run: Path, cfg: Any) -> str | None:
+    """None when ``run``'s recorded config matches ``cfg``; else the first differing key."""
+    from loopformer.config import load_config_file, to_dict
+
+    old = to_dict(load_config_file(run, check=False))
+    new = to_dict(cfg)
+    for section in ("data", "eval", "loop_train", "loop_eval", "loop_periodic", "seed"):
+        if old.get(section) != new.get(section):
+            return section
+    ignore = {"resume", "overwrite", "progress"}
+    for key, value in new["train"].items():
+        if key not in ignore and old["train"].get(key) != value:
+            return f"train.{key}"
+    for key, value in new["model"].items():
+        if old["model"].get(key) != value:
+            return f"model.{key}"
+    return None
+
+
+def _train_point(recipe: str, run: Path, point: Point, echo: Any) -> None:
+    from loopformer.commands.run import find_run_recipe
+    from loopformer.config import build_config, read_recipe
+    from loopformer.train.trainer import Trainer
+
+    raw = read_recipe(find_run_recipe(recipe))
+    raw.pop("run", None)
+    cfg = build_config(raw, [*point.train, f"out_dir={run}"])
+    if (run / "config.json").is_file():
+        differs = _same_config(run, cfg)
+        if differs is not None:
+            raise click.UsageError(
+                f"{run} was trained with another {differs} than this sweep asks for; "
+                "sweep into another folder (or remove that point)"
+            )
+        if _finished(run, cfg.train.steps):
+            echo(f"{point.run}: finished earlier, not trained again")
+            return
+        cfg = build_config(raw, [*point.train, f"out_dir={run}", "train.resume=true"])
+    echo(f"{point.run}: training {cfg.model.name} for {cfg.train.steps} steps -> {run}")
+    Trainer(cfg).fit()
+
+
+@click.command("sweep")
+@click.argument("recipe")
+@click.argument("grid", nargs=-1, required=True)
+@click.option("--out", "-o", "out_dir", required=True, help="the sweep folder (one run folder per point)")
+@click.option("--max-steps", "max_steps", default=None, metavar="B1,B2,...",
+              help="loop budgets of each point's accuracy-vs-budget curve, e.g. 1,2,4,8")  # fmt: skip
+@click.option("--analyses/--no-analyses", default=False, show_default=True,
+              help="logit lens, signal propagation and spectral radius in every report")  # fmt: skip
+@click.option(
+    "--device",
+    default="auto",
+    show_default=True,
+    help="where each point is evaluated: auto | cpu | cuda | cuda:N (training: the recipe's device key)",
+)
+def sweep(recipe: str, grid: tuple[str, ...], out_dir: str, max_steps: str | None, analyses: bool,
+          device: str) -> None:  # fmt: skip
+    """Run RECIPE over a grid, e.g. loop_eval.solver=damped,anderson train.lr=1e-3,3e-4; compare the points.
+
+    GRID: key=a,b,c arguments are axes (their cartesian product is run in turn); key=value ones apply to
+    every point. Points that differ only in loop_eval.* / eval.* share one training run. Resumable:
+    finished points are skipped. The comparison (table + plots) goes to OUT/compare/.
+    """
+    from loopformer.commands.common import parse_int_list
+    from loopformer.commands.compare import compare_into
+    from loopformer.commands.train_eval import evaluate_checkpoint
+    from loopformer.safe_io import atomic_write_json
+    from loopformer.train.run_folder import RunLock
+
+    axes, fixed = parse_grid(grid)
+    if not axes:
+        raise click.BadParameter("no axis: give at least one key=a,b,... argument", param_hint="GRID")
+    budgets = parse_int_list(max_steps, "--max-steps")
+    points = grid_points(axes, fixed)
+    folder = Path(out_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    with RunLock(folder, "sweep"):  # one sweep at a time in a folder; each run folder is locked by its run
+        atomic_write_json(folder / "sweep.json", {
+            "recipe": recipe, "axes": axes, "fixed": fixed, "max_steps": budgets,
+            "points": [{"name": p.name, "run": p.run, "report": f"{p.run}/{p.report}",
+                        "commands": [shlex.join(c) for c in point_command(recipe, folder, p, max_steps)]}
+                       for p in points],
+            "reports": [f"{p.run}/{p.report}" for p in points],
+        }, root=folder, indent=2, newline=True)  # fmt: skip
+        for i, point in enumerate(points, 1):
+            click.echo(f"[{i}/{len(points)}] {point.name}")
+            run = folder / point.run
+            _train_point(recipe, run, point, click.echo)
+            report = run / point.report
+            if (report / "metrics.json").is_file():
+                click.echo(f"{point.name}: report {report} written earlier, kept")
+                continue
+            evaluate_checkpoint(run, point.evaluate, budgets, analyses=analyses, out_dir=report, device=device,
+                                overwrite=True)  # fmt: skip
+        reports = [folder / p.run / p.report for p in points]
+        written = compare_into(folder / "compare", reports, f"sweep of {recipe}: {', '.join(axes)}", True,
+                               [p.name for p in points])  # fmt: skip
+    click.echo(f"comparison: {written['markdown']}  plots: {folder / 'compare' / 'plots'}")

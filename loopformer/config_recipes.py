@@ -1,0 +1,198 @@
+"""Recipe composition: ``base:`` chains, ``~key`` deletions, a model change that drops the old
+model's keys, and the fully resolved view ``--print-config`` prints.
+
+- ``find_recipe(name)``: a path as given, or ``<name>[.yaml]`` in ./recipes or the shipped recipes.
+- ``read_recipe(path)``: the recipe's table with its ``base:`` chain merged in (the child wins key by
+  key). ``base:`` is a file relative to the recipe's folder or, when no such file exists, a recipe
+  name found as ``find_recipe`` finds it, so a user recipe anywhere may say ``base: sudoku4_fprm``.
+- ``~key`` deletes a key so its default applies: ``~model.conv:`` at the top of a recipe, ``~conv:``
+  inside its ``model:`` table, or ``~model.conv`` as a command-line override
+  (``loopformer.config.apply_overrides``). The value of a ``~key`` entry must be empty (null).
+- A child recipe or an override that changes ``model.name`` drops the inherited ``model.*`` keys the
+  new model's config does not have (``conv`` of FPRM when switching to TRM) and logs a note naming
+  them (``loopformer.config`` logger); keys the child sets itself are still checked strictly.
+- ``resolved_yaml(cfg)``: the run configuration with ``model`` and ``loop_train`` / ``loop_eval`` /
+  ``loop_periodic`` written out field by field (every field with its effective value); it loads
+  back to the same model and loops. Model fields the trainer fills from the task (``TASK_FIELDS``)
+  stay out unless the recipe sets them, so the printed config still takes them from the task.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from loopformer.config import (
+    RECIPE_DIR,
+    ConfigError,
+    RunConfig,
+    _load_yaml,
+    _suggest,
+    read_text,
+    to_dict,
+)
+
+log = logging.getLogger("loopformer.config")
+
+DELETE = "~"  # a key starting with it deletes the (dotted) key after it
+TASK_FIELDS = ("vocab_size", "seq_len", "causal", "num_puzzle_ids", "puzzle_emb_len", "grid")
+
+
+def find_recipe(name: str | Path) -> Path:
+    """A recipe path: as given, or ``<name>[.yaml]`` in ./recipes or the package's recipes (RECIPE_DIR)."""
+    candidates = [Path(name)]
+    stem = str(name) if str(name).endswith((".yaml", ".yml")) else f"{name}.yaml"
+    candidates += [Path("recipes") / stem, RECIPE_DIR / stem]
+    for path in candidates:
+        if path.is_file():
+            return path
+    known = sorted(p.stem for p in RECIPE_DIR.glob("*.yaml")) if RECIPE_DIR.is_dir() else []
+    raise ConfigError(f"no recipe {str(name)!r}{_suggest(Path(stem).stem, known) if known else ''}")
+
+
+def model_field_names(name: Any) -> set[str] | None:
+    """The config fields of model family ``name`` (with ``name``); None for an unknown family."""
+    from loopformer.models.registry import MODELS, model_classes
+
+    if not isinstance(name, str) or name not in MODELS:
+        return None
+    _, config_cls = model_classes(name)
+    return {f.name for f in dataclasses.fields(config_cls)} | {"name"}
+
+
+def drop_foreign_model_keys(model: dict[str, Any], old: Any, new: Any, where: str) -> dict[str, Any]:
+    """``model`` (an inherited ``model:`` table) without the keys model ``new`` does not have, when the
+    family changes from ``old`` to ``new``; logs a note naming the dropped keys."""
+    if old == new:
+        return model
+    valid = model_field_names(new)
+    if valid is None:  # an unknown family: validation names it with the nearest valid one
+        return model
+    dropped = sorted(k for k in model if k not in valid)
+    if dropped:
+        log.info(
+            "%s: model.name %r -> %r: dropped %s (options of %r that %r does not have)",
+            where, old, new, ", ".join(f"model.{k}" for k in dropped), old, new,
+        )  # fmt: skip
+    return {k: v for k, v in model.items() if k in valid}
+
+
+def delete_key(data: dict[str, Any], dotted: str, where: str) -> None:
+    """Remove ``dotted`` (``model.conv``) from the nested table ``data``; absent keys are no-ops."""
+    parts = dotted.split(".")
+    if not dotted or any(not p for p in parts):
+        raise ConfigError(f"{where}: {DELETE}{dotted!r} names no key (write e.g. ~model.conv)")
+    node: Any = data
+    for part in parts[:-1]:
+        node = node.get(part) if isinstance(node, dict) else None
+        if not isinstance(node, dict):
+            return
+    node.pop(parts[-1], None)
+
+
+def merge(base: Mapping[str, Any], child: Mapping[str, Any], where: str = "recipe", path: str = "") -> dict:
+    """``child`` merged over ``base`` key by key (nested tables merged, the child wins); the child's
+    ``~key`` entries delete keys first; a new ``model.name`` drops the old model's keys."""
+    out = {k: v for k, v in base.items()}
+    for key, value in child.items():
+        if isinstance(key, str) and key.startswith(DELETE):
+            if value is not None:
+                raise ConfigError(
+                    f"{where}: {path + '.' if path else ''}{key} deletes a key and takes no value, "
+                    f"got {value!r} (write `{key}:` with nothing after it)"
+                )
+            delete_key(out, key[len(DELETE) :], where)
+    for key, value in child.items():
+        if isinstance(key, str) and key.startswith(DELETE):
+            continue
+        old = out.get(key)
+        if isinstance(value, Mapping) and isinstance(old, Mapping):
+            old = dict(old)
+            if key == "model" and not path and "name" in value:
+                old = drop_foreign_model_keys(old, old.get("name", "fprm"), value["name"], where)
+            out[key] = merge(old, value, where, f"{path}.{key}" if path else str(key))
+        elif isinstance(value, Mapping):
+            out[key] = merge({}, value, where, f"{path}.{key}" if path else str(key))
+        else:
+            out[key] = value
+    return out
+
+
+def read_recipe(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """A recipe's raw table with its ``base:`` chain merged in (the child wins; see the module docstring)."""
+    path = find_recipe(path).resolve()
+    if path in _seen:
+        raise ConfigError(f"recipe base cycle: {' -> '.join(str(p) for p in (*_seen, path))}")
+    data = _load_yaml(read_text(path, "recipe"), f"recipe {path}")
+    data = {} if data is None else data
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"recipe {path} must be a table of config keys, got {type(data).__name__}")
+    data = dict(data)
+    parent = data.pop("base", None)
+    if parent is not None and not isinstance(parent, str):
+        raise ConfigError(
+            f"recipe {path}: 'base' must be a recipe file or name, got a {type(parent).__name__}"
+        )
+    base: dict[str, Any] = {}
+    if parent is not None:
+        beside = Path(parent) if Path(parent).is_absolute() else path.parent / parent
+        if not beside.is_file() and beside.with_name(f"{beside.name}.yaml").is_file():
+            beside = beside.with_name(f"{beside.name}.yaml")
+        try:
+            base = read_recipe(beside if beside.is_file() else parent, (*_seen, path))
+        except ConfigError as err:
+            if str(err).startswith("no recipe"):
+                raise ConfigError(f"recipe {path}: base {parent!r}: {err}") from None
+            raise
+    return merge(base, data, f"recipe {path.name}")
+
+
+def resolved_tables(cfg: RunConfig) -> dict[str, Any]:
+    """``cfg`` as plain data with the model and the three loops written out field by field."""
+    data = to_dict(cfg)
+    mc = cfg.model_config()
+    given = set(cfg.model.fields)
+    fields_ = {
+        f.name: to_dict(getattr(mc, f.name))
+        for f in dataclasses.fields(mc)
+        if f.name not in TASK_FIELDS or f.name in given
+    }
+    data["model"] = {"name": cfg.model.name, **fields_}
+    for phase in ("train", "eval", "periodic"):
+        data[f"loop_{phase}"] = to_dict(cfg.loop_config(mc.loop, phase))
+    return data
+
+
+def resolved_yaml(cfg: RunConfig) -> str:
+    """The YAML ``--print-config`` prints (see the module docstring)."""
+    import yaml
+
+    data = resolved_tables(cfg)
+    filled = [k for k in TASK_FIELDS if k not in data["model"] and k in _family_fields(cfg)]
+    head = (
+        "# resolved configuration: model and loop_train / loop_eval / loop_periodic list every field\n"
+        "# with its effective value"
+        + (f"; filled from the task when training: model.{', model.'.join(filled)}\n" if filled else "\n")
+    )
+    return head + yaml.safe_dump(data, sort_keys=False)
+
+
+def _family_fields(cfg: RunConfig) -> set[str]:
+    return model_field_names(cfg.model.name) or set()
+
+
+__all__ = [
+    "DELETE",
+    "TASK_FIELDS",
+    "delete_key",
+    "drop_foreign_model_keys",
+    "find_recipe",
+    "merge",
+    "model_field_names",
+    "read_recipe",
+    "resolved_tables",
+    "resolved_yaml",
+]

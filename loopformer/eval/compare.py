@@ -1,0 +1,267 @@
+"""Comparing evaluations: one table and overlay plots across runs, eval variants or sweep points.
+
+Reads only what evaluation reports already hold (``metrics.json`` written by
+``loopformer.commands.suite.run_suite``: ``results``, ``models``, ``budget``, ``difficulty``), so it
+works on reports from ``loopformer eval``, ``loopformer run`` and ``loopformer sweep`` alike.
+
+- ``report_folders(path)``: the report folders a command-line argument names: a report folder
+  itself (it holds ``metrics.json``), an ``eval --variant`` report (its ``variants/*``), a sweep folder
+  (its points' reports) or a run folder (its newest ``eval-*`` report).
+- ``load_entries(folders)``: one ``Entry`` per model of each report (a ``loopformer run`` report
+  holds the looped model and its baseline).
+- ``write_comparison(out, entries, title)``: ``comparison.md`` and ``comparison.json`` (accuracy,
+  mean loops, converged fraction, time per example, parameters, test-time compute = mean loops x
+  blocks per loop step) and ``plots/accuracy_vs_budget.png`` (log2 x-axis; a run without a budget
+  curve is one point at its mean loops; a baseline, a model without a loop, is a horizontal line)
+  and ``plots/loops_vs_difficulty.png``; every file through ``loopformer.safe_io``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from loopformer.eval import plots
+from loopformer.eval.report import _num, _table, describe_loop, write_json
+from loopformer.safe_io import atomic_write_text
+
+METRICS = "metrics.json"
+
+
+@dataclass
+class Entry:
+    """One model of one evaluation report, as a row of the comparison."""
+
+    name: str
+    source: Path
+    result: dict[str, Any]
+    model: dict[str, Any] = field(default_factory=dict)
+    budget: dict[str, Any] | None = None
+    difficulty: dict[str, Any] | None = None
+
+    @property
+    def loop(self) -> dict[str, Any]:
+        return self.model.get("loop") or self.result.get("loop") or {}
+
+    @property
+    def baseline(self) -> bool:
+        if "baseline" in self.model:
+            return bool(self.model["baseline"])
+        return int(self.loop.get("max_steps", 2)) <= 1
+
+    @property
+    def accuracy(self) -> float:
+        valid = self.result.get("valid_accuracy")
+        return float(valid if valid is not None else self.result.get("exact_accuracy") or math.nan)
+
+    def row(self) -> dict[str, Any]:
+        mean_steps = self.result.get("mean_steps")
+        blocks = self.model.get("blocks")
+        compute = mean_steps * blocks if isinstance(blocks, int) and mean_steps is not None else None
+        seconds = self.model.get("seconds_per_example")
+        return {
+            "name": self.name,
+            "loop": describe_loop(self.loop) if self.loop else "",
+            "baseline": self.baseline,
+            "examples": self.result.get("n"),
+            "valid_accuracy": self.result.get("valid_accuracy"),
+            "exact_accuracy": self.result.get("exact_accuracy"),
+            "mean_loops": mean_steps,
+            "converged_fraction": self.result.get("converged_fraction"),
+            "ms_per_example": None if seconds is None else 1000 * seconds,
+            "parameters": self.model.get("parameters"),
+            "blocks": blocks,
+            "test_time_compute": compute,  # mean loops x blocks per loop step
+            "source": str(self.source),
+        }
+
+
+def _is_report(folder: Path) -> bool:
+    return (folder / METRICS).is_file()
+
+
+def report_folders(path: str | Path) -> list[Path]:
+    """The report folders ``path`` names (see the module docstring); FileNotFoundError when none."""
+    path = Path(path)
+    if path.is_file() and path.name == METRICS:
+        return [path.parent]
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path}: no such run, report or sweep folder")
+    if _is_report(path):
+        return [path]
+    variants = sorted(p for p in (path / "variants").glob("*") if _is_report(p))
+    if variants:
+        return variants
+    sweep = path / "sweep.json"
+    if sweep.is_file():
+        listed = json.loads(sweep.read_text(encoding="utf-8")).get("reports", [])
+        found = [path / p for p in listed if _is_report(path / p)]
+        if found:
+            return found
+    evals = sorted((p for p in path.glob("eval-*") if _is_report(p)), key=lambda p: p.stat().st_mtime)
+    if evals:
+        return [evals[-1]]
+    raise FileNotFoundError(
+        f"{path} holds no evaluation report (metrics.json): run `loopformer eval {path}` first"
+    )
+
+
+def _source_name(folder: Path) -> str:
+    """A report's row name: its sweep point's name, else its run's name, else the folder's."""
+    if folder.name.startswith("eval-") and (folder.parent / "config.json").is_file():
+        sweep = folder.parent.parent / "sweep.json"
+        if sweep.is_file():
+            try:
+                points = json.loads(sweep.read_text(encoding="utf-8")).get("points", [])
+            except (OSError, ValueError):
+                points = []
+            for point in points:
+                if point.get("report") == f"{folder.parent.name}/{folder.name}":
+                    return str(point.get("name"))
+        return folder.parent.name  # a run's own report: name it by the run
+    return folder.name
+
+
+def load_entries(folders: Sequence[Path], names: Sequence[str] | None = None) -> list[Entry]:
+    """One ``Entry`` per model in each report folder; ``names`` (one per folder) replaces the folder names."""
+    entries: list[Entry] = []
+    for i, folder in enumerate(folders):
+        try:
+            metrics = json.loads((folder / METRICS).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as err:
+            raise ValueError(f"cannot read the report {folder / METRICS}: {err}") from None
+        results = metrics.get("results") or {}
+        if not results:
+            raise ValueError(f"the report {folder} holds no held-out results (a language-model report?)")
+        base = names[i] if names else _source_name(folder)
+        for label, result in results.items():
+            entries.append(
+                Entry(
+                    name=base if len(results) == 1 else f"{base}: {label}",
+                    source=folder,
+                    result=result,
+                    model=(metrics.get("models") or {}).get(label, {}),
+                    budget=(metrics.get("budget") or {}).get(label),
+                    difficulty=(metrics.get("difficulty") or {}).get(label),
+                )
+            )
+    seen: dict[str, int] = {}
+    for e in entries:  # unique row names
+        seen[e.name] = seen.get(e.name, 0) + 1
+        if seen[e.name] > 1:
+            e.name = f"{e.name} #{seen[e.name]}"
+    return entries
+
+
+def _legend_name(e: Entry, suffix: str = "") -> str:
+    """The entry's name and its loop (solver, halting rule, tolerance, cap) for a legend."""
+    if e.baseline:
+        return f"{e.name} (baseline, no loop)"
+    loop = f": {describe_loop(e.loop)}" if e.loop else ""
+    return f"{e.name}{suffix}{loop}"
+
+
+def plot_accuracy_vs_budget(entries: Sequence[Entry], title: str = "") -> Any:
+    """Accuracy vs loop budget (log2 x-axis); baselines are horizontal lines."""
+    fig, ax = plots._figure((7, 4.5))
+    for e in entries:
+        if e.baseline:
+            ax.axhline(100 * e.accuracy, ls="--", color="gray", lw=1.2, label=_legend_name(e))
+        elif e.budget and e.budget.get("points"):
+            pts = e.budget["points"]
+            ax.plot([p["budget"] for p in pts], [100 * (p["valid_accuracy"] or 0) for p in pts], marker="o",
+                    label=_legend_name(e, f" ({e.budget.get('mode', '')})"))  # fmt: skip
+        elif e.result.get("mean_steps"):
+            ax.plot(
+                [e.result["mean_steps"]],
+                [100 * e.accuracy],
+                marker="s",
+                ls="",
+                label=_legend_name(e, " (at its mean loops)"),
+            )
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("loop budget (max loops, log2)")
+    ax.set_ylabel("valid accuracy (%)")
+    ax.set_ylim(-2, 102)
+    ax.set_title("accuracy vs loop budget")
+    ax.grid(alpha=0.3)
+    ax.legend(frameon=False, fontsize=7)
+    return plots._finish(fig, None, title)
+
+
+def plot_loops_vs_difficulty(entries: Sequence[Entry], title: str = "") -> Any:
+    """Mean loops per difficulty bucket, one line per looped model."""
+    fig, ax = plots._figure((7, 4.5))
+    for e in entries:
+        buckets = (e.difficulty or {}).get("buckets") or []
+        if e.baseline or not buckets:
+            continue
+        ax.plot([(b["low"] + b["high"]) / 2 for b in buckets], [b["mean_steps"] for b in buckets], marker="o",
+                label=_legend_name(e))  # fmt: skip
+    ax.set_xlabel("difficulty")
+    ax.set_ylabel("mean loops")
+    ax.set_title("loops vs difficulty")
+    ax.grid(alpha=0.3)
+    ax.legend(frameon=False, fontsize=7)
+    return plots._finish(fig, None, title)
+
+
+def comparison_markdown(title: str, rows: list[dict[str, Any]], plot_paths: dict[str, str]) -> str:
+    header = ["run", "loop", "valid", "exact", "mean loops", "converged", "ms / example", "parameters",
+              "test-time compute"]  # fmt: skip
+    table = [
+        [
+            r["name"] + (" (baseline)" if r["baseline"] else ""),
+            r["loop"],
+            _num(r["valid_accuracy"], True),
+            _num(r["exact_accuracy"], True),
+            _num(r["mean_loops"]),
+            _num(r["converged_fraction"], True),
+            _num(r["ms_per_example"], digits=3),
+            "-" if r["parameters"] is None else f"{r['parameters']:,}",
+            _num(r["test_time_compute"], digits=1),
+        ]
+        for r in rows
+    ]
+    lines = [f"# {title}", "", *_table(header, table)]
+    lines += [
+        "`valid`: the task's independent validator. `ms / example`: wall time of the evaluation pass per "
+        "held-out example. `test-time compute`: mean loops x transformer blocks per loop step.",
+        "",
+    ]
+    for caption, rel in plot_paths.items():
+        lines += [f"![{caption}]({rel})", ""]
+    return "\n".join(lines)
+
+
+def write_comparison(out: str | Path, entries: Sequence[Entry], title: str = "comparison") -> dict[str, Path]:
+    """Write the comparison table (markdown + JSON) and overlay plots into ``out``; returns the paths."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = [e.row() for e in entries]
+    figures = {
+        "accuracy vs loop budget": ("accuracy_vs_budget.png", plot_accuracy_vs_budget(entries, title)),
+        "loops vs difficulty": ("loops_vs_difficulty.png", plot_loops_vs_difficulty(entries, title)),
+    }
+    rel = {}
+    for caption, (name, fig) in figures.items():
+        plots.save_figure(fig, out / "plots" / name)
+        rel[caption] = f"plots/{name}"
+    markdown = atomic_write_text(out / "comparison.md", comparison_markdown(title, rows, rel), root=out)
+    data = write_json(out / "comparison.json", {"title": title, "rows": rows, "plots": rel})
+    return {"markdown": markdown, "json": data, **{k: out / v for k, v in rel.items()}}
+
+
+__all__ = [
+    "Entry",
+    "comparison_markdown",
+    "load_entries",
+    "plot_accuracy_vs_budget",
+    "plot_loops_vs_difficulty",
+    "report_folders",
+    "write_comparison",
+]

@@ -1,0 +1,101 @@
+"""Recipe composition (issue 25): ``base:`` by shipped recipe name from any folder, ``~key`` deletions in a
+recipe and on the command line, a model change that drops the old model's keys with a note, and
+``--print-config`` listing every model and loop field with its effective value."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from loopformer.cli import cli
+from loopformer.config import ConfigError, build_config, load_config, read_recipe
+from loopformer.loop import LoopConfig
+
+
+@pytest.fixture
+def notes() -> list[str]:
+    """Messages of the ``loopformer.config`` logger while the test runs."""
+    seen: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record.getMessage())
+
+    logger = logging.getLogger("loopformer.config")
+    handler, level = Keep(), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    yield seen
+    logger.removeHandler(handler)
+    logger.setLevel(level)
+
+
+def _write(folder: Path, name: str, data: dict) -> Path:
+    path = folder / name
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_base_names_a_shipped_recipe_from_any_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)  # no ./recipes here: the name is found among the shipped recipes
+    (tmp_path / "elsewhere").mkdir()
+    mine = _write(tmp_path / "elsewhere", "mine.yaml", {"base": "sudoku4_fprm", "train": {"steps": 7}})
+    cfg = load_config(mine)
+    assert (
+        cfg.train.steps == 7 and cfg.model.fields["conv"] == "grid2d" and cfg.train.mode == "deep_supervision"
+    )
+    # a file beside the recipe still wins over a shipped name, with or without .yaml
+    _write(mine.parent, "sudoku4_fprm.yaml", {"train": {"lr": 0.005}})
+    assert load_config(mine).train.lr == 0.005
+    with pytest.raises(ConfigError, match=r"base 'sudoku4_fpr'.*did you mean 'sudoku4_fprm'"):
+        load_config(_write(mine.parent, "typo.yaml", {"base": "sudoku4_fpr"}))
+
+
+def test_tilde_key_deletes_in_a_recipe_and_on_the_command_line(tmp_path: Path) -> None:
+    child = _write(tmp_path, "child.yaml", {"base": "sudoku4_fprm", "~model.conv": None,
+                                            "train": {"~eval_every": None, "steps": 5}})  # fmt: skip
+    raw = read_recipe(child)
+    assert "conv" not in raw["model"] and "eval_every" not in raw["train"] and raw["train"]["steps"] == 5
+    cfg = build_config(raw)
+    assert cfg.train.eval_every == 0 and cfg.model_config().conv == "none"  # the defaults apply
+    cli_cfg = load_config("sudoku4_fprm", ["~model.conv", "~loop_eval.tol"])
+    assert "conv" not in cli_cfg.model.fields and "tol" not in cli_cfg.loop_eval
+    assert cli_cfg.loop_config(cli_cfg.model_config().loop, "eval").tol == 0.1  # the model's own tol now
+    with pytest.raises(ConfigError, match="takes no value"):
+        read_recipe(_write(tmp_path, "bad.yaml", {"base": "sudoku4_fprm", "~model.conv": "x"}))
+    with pytest.raises(ConfigError, match="unknown config key 'trian'"):
+        load_config("sudoku4_fprm", ["~trian.steps"])
+
+
+def test_changing_the_model_drops_the_old_models_keys_with_a_note(tmp_path: Path, notes: list[str]) -> None:
+    cfg = load_config("sudoku4_fprm", ["model.name=trm"])
+    assert cfg.model.name == "trm" and "conv" not in cfg.model.fields and cfg.model.fields["d_model"] == 64
+    assert any("model.conv" in n and "'trm'" in n for n in notes), notes
+    child = _write(tmp_path, "trm.yaml", {"base": "sudoku4_fprm", "model": {"name": "trm", "n_inner": 2}})
+    assert load_config(child).model.fields == {"d_model": 64, "n_heads": 4, "n_layers": 2, "n_inner": 2}
+    # a key the user sets for the new model is still checked
+    with pytest.raises(ConfigError, match="model 'trm' has no field 'conv'"):
+        load_config("sudoku4_fprm", ["model.name=trm", "model.conv=grid2d"])
+
+
+def test_print_config_lists_every_model_and_loop_field() -> None:
+    result = CliRunner().invoke(cli, ["train", "sudoku4_fprm", "train.steps=4", "--print-config"])
+    assert result.exit_code == 0, result.output
+    printed = yaml.safe_load(result.output)
+    loop_fields = set(LoopConfig.__dataclass_fields__)
+    for phase in ("loop_train", "loop_eval", "loop_periodic"):
+        assert set(printed[phase]) == loop_fields, phase
+    assert printed["loop_eval"]["anderson"]["m"] == 5  # a default the recipe never names
+    assert printed["model"]["expansion"] == 4.0 and printed["model"]["conv"] == "grid2d"
+    assert "vocab_size" not in printed["model"] and "model.vocab_size" in result.output  # taken from the task
+    again = build_config(printed)  # it loads back to the same model and loops
+    cfg = load_config("sudoku4_fprm", ["train.steps=4"])
+    assert again.model_config() == cfg.model_config()
+    for phase in ("train", "eval", "periodic"):
+        assert again.loop_config(again.model_config().loop, phase) == cfg.loop_config(
+            cfg.model_config().loop, phase
+        )
