@@ -86,8 +86,12 @@ def train_loss(f: Loaded) -> tuple[Tensor, dict[str, Tensor]]:
 
 def check_loss_and_grads(f: Loaded, loss: Tensor, parts: dict[str, Tensor]) -> None:
     for key, value in parts.items():
-        ref = f.tensors[f"train.{key}"].reshape(()).double()  # the reference's Q BCE is float32
-        torch.testing.assert_close(value.double(), ref, rtol=LOSS_RTOL, atol=0, msg=key)
+        ref = f.tensors[f"train.{key}"].reshape(()).double()
+        # the reference computes its Q BCE in float32 (q_halt_logits.to(torch.float32)) even in this float64
+        # fixture; loopformer keeps a float64 run in float64 (so gradient accumulation is exact there) and
+        # computes it in float32 for float32 / bf16 runs as the reference does: compared at float32 precision
+        rtol, atol = (1e-5, 1e-8) if key.startswith("q_") else (LOSS_RTOL, 0.0)
+        torch.testing.assert_close(value.double(), ref, rtol=rtol, atol=atol, msg=key)
     torch.testing.assert_close(
         loss.double(), f.tensors["train.loss"].reshape(()).double(), rtol=LOSS_RTOL, atol=0
     )
