@@ -129,3 +129,16 @@ def test_resume_with_only_cadence_and_length_changes_needs_no_flag(recipe, train
     result = _train(recipe, run, "--resume", *changes)
     assert result.exit_code == 0, cli_text(result)
     assert not (run / "config_changes.jsonl").exists()
+
+
+def test_what_a_checkpoint_records_beside_the_config_is_no_config_change() -> None:
+    """config.json also holds family, step and the plug-in modules that define the model (a plug-in run's
+    checkpoint lists them); none of them is a config key, so none blocks a resume of that run."""
+    from loopformer.config import RunConfig, config_to_json
+    from loopformer.train.resume_checks import config_changes
+
+    config = RunConfig()
+    saved = {**json.loads(config_to_json(config)), "family": "fprm", "step": 2, "plugins": ["my_plugins"]}
+    assert config_changes(saved, config) == {}
+    changed = {**saved, "seed": 7}
+    assert set(config_changes(changed, config)) == {"seed"}

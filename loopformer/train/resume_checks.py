@@ -98,7 +98,8 @@ def _free(key: str, current: dict[str, Any]) -> bool:
 def config_changes(saved: dict[str, Any], current: RunConfig) -> dict[str, dict[str, Any]]:
     """``{key: {"old": ..., "new": ...}}`` for the stream-changing keys where the checkpoint's
     ``config.json`` (``saved``) and ``current`` differ; a key one side lacks compares with its default."""
-    old = _flat({k: v for k, v in saved.items() if k not in ("family", "step")})
+    # family / step / plugins: what the checkpoint records beside the config (loopformer.train.checkpoint)
+    old = _flat({k: v for k, v in saved.items() if k not in ("family", "step", "plugins")})
     new = _flat(json.loads(config_to_json(current)))
     default = _flat(to_dict(RunConfig()))
     changes = {}
