@@ -26,15 +26,15 @@ from loopformer.commands.common import CleanErrorGroup
 LAZY_COMMANDS: dict[str, tuple[str, str]] = {
     "compare": (
         "loopformer.commands.compare:compare",
-        "Compare runs, eval reports or a sweep: one table and overlay plots (accuracy vs loop budget, loops vs difficulty).",
+        "Compare evaluations: accuracy, loops, converged, time, parameters; overlay plots.",
     ),
     "sweep": (
         "loopformer.commands.sweep:sweep",
-        "Train and evaluate RECIPE over a grid of overrides (key=a,b other=x,y) into one folder, then compare.",
+        "Run RECIPE over a grid, e.g. loop_eval.solver=damped,anderson train.lr=1e-3,3e-4; compare the points.",
     ),
     "consolidate": (
         "loopformer.commands.convert:consolidate_cmd",
-        "Turn a sharded (FSDP2) checkpoint into a full safetensors checkpoint (for push, convert, one process).",
+        "Turn a sharded (FSDP2) checkpoint into a full safetensors checkpoint.",
     ),
     "convert": (
         "loopformer.commands.convert:convert",

@@ -75,7 +75,9 @@ def test_compaction_equals_masking(solver, norm):
     assert a.steps.tolist() == m.steps.tolist()
     assert a.converged.tolist() == m.converged.tolist()
     torch.testing.assert_close(a.state, m.state, rtol=0, atol=1e-12)
-    torch.testing.assert_close(a.residuals, m.residuals, rtol=1e-9, atol=1e-14, equal_nan=True)
+    # a residual is a norm of f(z) - z, so it inherits the state's 1e-12 (Broyden's batched low-rank update
+    # rounds differently over 5 rows than over the active ones: ~1e-13 on residuals near tol)
+    torch.testing.assert_close(a.residuals, m.residuals, rtol=1e-9, atol=1e-12, equal_nan=True)
     torch.testing.assert_close(a.state_norms, m.state_norms, rtol=1e-12, atol=0, equal_nan=True)
     for g1, g2 in zip(ga, gm):
         torch.testing.assert_close(g1, g2, rtol=1e-9, atol=1e-12)

@@ -88,9 +88,11 @@ def convert(
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False),
               help="folder to write step_N/ (and its latest pointer) into")  # fmt: skip
 def consolidate_cmd(checkpoint: str, out_dir: str) -> None:
-    """Turn a sharded (FSDP2, train.checkpoint_format=sharded) checkpoint into a full safetensors
-    checkpoint (model.safetensors, ema.safetensors, the optimiser in full): what push, convert and a
-    resume with train.strategy=fsdp or one process read. eval / solve read sharded checkpoints directly."""
+    """Turn a sharded (FSDP2) checkpoint into a full safetensors checkpoint.
+
+    A sharded checkpoint is what train.checkpoint_format=sharded writes; the full one (model.safetensors,
+    ema.safetensors, the optimiser in full) is what push, convert and a resume with train.strategy=fsdp or
+    one process read. eval / solve read sharded checkpoints directly."""
     from loopformer.train.sharded import consolidate
 
     folder = consolidate(checkpoint, out_dir)

@@ -49,7 +49,7 @@ from loopformer.safe_io import (
     fsync_dir,
 )
 from loopformer.train.manifest import verify_checkpoint, write_manifest
-from loopformer.train.plugin_record import plugin_modules
+from loopformer.train.plugin_record import config_extras
 from loopformer.train.sharded import is_sharded, stored_weights
 from loopformer.train.state import flatten_state, rng_state, set_rng_state, unflatten_state  # noqa: F401 (re-exported)
 
@@ -212,8 +212,9 @@ def save_checkpoint(
     if model is not None:  # else weights and family name what is stored
         family, weights = model_family(model), getattr(model, "_orig_mod", model).state_dict() if weights is None else weights
     try:
-        modules = plugin_modules(getattr(model, "_orig_mod", model), config) if model is not None else []
-        _write_step_folder(tmp, step, family, config, ema_state, training_state, weights, modules)
+        base = getattr(model, "_orig_mod", model)
+        extra = config_extras(base, config, family, step) if model is not None else {"family": family, "step": step}
+        _write_step_folder(tmp, step, family, config, ema_state, training_state, weights, extra)
     except WriteError as err:  # named by the checkpoint it was for, not the hidden temporary folder
         shutil.rmtree(tmp, ignore_errors=True)  # a failed write leaves no partial folder behind
         file = Path(str(err.filename)).name
@@ -255,13 +256,12 @@ def _write_step_folder(
     ema_state: dict[str, Tensor] | None,
     training_state: dict[str, Any] | None,
     weights: dict[str, Tensor],
-    modules: list[str],
+    extra: dict[str, Any],
 ) -> None:
     save_weights(weights, tmp / "model.safetensors", {"family": family, "step": str(step)}, tmp)
     if ema_state is not None:
         save_weights(ema_state, tmp / "ema.safetensors", {"family": family, "step": str(step)}, tmp)
-    # modules: the user modules a fresh process must import to load it (loopformer.train.plugin_record)
-    extra: dict[str, Any] = {"family": family, "step": step, **({"plugins": modules} if modules else {})}
+    # extra: family, step and the user modules a fresh process must import (loopformer.train.plugin_record)
     atomic_write_text(tmp / "config.json", config_to_json(config, **extra), root=tmp)
     skeleton, tensors = flatten_state({"step": step, **(training_state or {})})
     _save_tensors(tensors, tmp / "state.safetensors", None, tmp)

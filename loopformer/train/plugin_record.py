@@ -49,3 +49,10 @@ def plugin_modules(model: nn.Module, config: RunConfig) -> list[str]:
     if modes is not None:
         classes.append(modes.TRAINING_MODES.get(config.train.mode))
     return external_modules(classes)
+
+
+def config_extras(model: nn.Module, config: RunConfig, family: str, step: int) -> dict[str, Any]:
+    """What a checkpoint's ``config.json`` holds beside the config: the family, the step and (when there
+    are any) the user modules a fresh process must import to load it."""
+    modules = plugin_modules(model, config)
+    return {"family": family, "step": step, **({"plugins": modules} if modules else {})}

@@ -43,6 +43,7 @@ from torch import Tensor, nn
 from loopformer.config import RunConfig, config_to_json
 from loopformer.safe_io import WriteError, atomic_path, atomic_write_json, atomic_write_text, fsync_dir
 from loopformer.train.manifest import write_manifest
+from loopformer.train.plugin_record import config_extras
 from loopformer.train.state import flatten_state
 
 LAYOUT = "dcp"
@@ -189,10 +190,7 @@ def save_sharded(
                 "optimizer_layout": LAYOUT,
                 "sharded": {"world_size": world, "aliases": aliases, "ema": ema_state is not None},
             }
-            from loopformer.train.plugin_record import plugin_modules
-
-            modules = plugin_modules(getattr(model, "module", model), config)  # user modules to import on load
-            extra: dict[str, Any] = {"family": family, "step": step, **({"plugins": modules} if modules else {})}
+            extra = config_extras(getattr(model, "module", model), config, family, step)
             atomic_write_text(tmp / "config.json", config_to_json(config, **extra), root=tmp)
             skeleton, tensors = flatten_state(state)
             from loopformer.train.checkpoint import _save_tensors

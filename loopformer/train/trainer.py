@@ -135,8 +135,7 @@ class Trainer(TrainerEvaluation):
         self.folder = RunFolder(Path(config.out_dir), bool(tc.resume), tc.overwrite, self.strategy.is_main)
         self.run_dir, self.ckpt_dir = self.folder.write_dir, self.folder.write_dir / "checkpoints"
         self.log = RunLog(self.run_dir, enabled=self.strategy.is_main)
-        self.elapsed_before = 0.0  # wall time spent before a resume
-        self.t0: float | None = None  # when fit() started
+        self.elapsed_before, self.t0 = 0.0, None  # wall time spent before a resume; when fit() started
         self.last_checkpoint: Path | None = None
         self.resumed_from: Path | None = None
         self.resumed_origin: Path | None = None  # the other run a resume branched from (origin.json)
