@@ -29,6 +29,9 @@ import torch
 from benchmarks.common import Result, paired_ratio, side_by_side, summary
 
 TARGET = 0.5
+# the search's tolerances, x the authors' 0.1: batch-wide halting runs every puzzle until the slowest
+# converges, so per-sample halting needs a tighter tolerance to match its accuracy
+SEARCH_TOL_FACTORS = (4.0, 2.0, 1.0, 0.5, 0.25, 0.1, 0.03, 0.01)
 AGREE, MAX_RUNS = 0.10, 4
 
 
@@ -57,7 +60,7 @@ def _search(model, task, authors, batch: int, n: int) -> tuple[object, dict]:
     per_sample = dataclasses.replace(authors, halting="residual", compaction=True)
     trials: list[Trial] = []
     configs = {}
-    for trial, cfg in candidate_configs(per_sample):
+    for trial, cfg in candidate_configs(per_sample, SEARCH_TOL_FACTORS):
         if cfg is None:
             trials.append(trial)
             continue
@@ -69,8 +72,15 @@ def _search(model, task, authors, batch: int, n: int) -> tuple[object, dict]:
         )
         trials.append(trial)
         configs[(trial.solver, trial.tol)] = cfg
-    chosen = choose(trials, ref["exact_acc"])
+    try:
+        chosen = choose(trials, ref["exact_acc"])
+        reached = True
+    except RuntimeError:
+        # no per-sample setting reached the authors' accuracy: the most accurate one, and the row says so
+        chosen = max((t for t in trials if t.error is None), key=lambda t: (t.accuracy, -t.map_evals))
+        reached = False
     record = {
+        "reached_authors_accuracy": reached,
         "n": n,
         "seed": 2024,
         "authors": ref,
@@ -127,6 +137,11 @@ def run(quick: bool = False) -> list[Result]:
         reasons.append(
             f"accuracy on the timed puzzles {evals['loopformer']['exact_acc']:.3f} < authors' "
             f"{evals['authors']['exact_acc']:.3f} (the search set's choice did not carry over)"
+        )
+    if not search["reached_authors_accuracy"]:
+        reasons.append(
+            f"no per-sample setting reached the authors' accuracy on the search puzzles "
+            f"({100 * search['authors']['exact_acc']:.1f}%); the most accurate one was timed"
         )
     if quick:
         reasons.append("quick mode: model trained for 20 steps only")
