@@ -17,7 +17,8 @@ accuracy by whether each puzzle's iterate converged:
   the run's ``metrics.jsonl``.
 
 Usage: ``python experiments/sudoku9_fprm_diagnosis.py --runs runs/sudoku9 [--runs runs/sudoku9_seed1]``
-(one core each; ~4 minutes a checkpoint and weights). Writes ``diagnosis.json`` into each run's folder
+(one core each; 4-18 minutes a checkpoint and weights, by load; ``--steps`` scores only some checkpoints,
+``--assemble`` none: it gathers the rows saved so far). Writes ``diagnosis.json`` into each run's folder
 and ``--out`` (default docs/figures/sudoku9/diagnosis.json + diagnosis.md).
 """
 
@@ -81,7 +82,7 @@ def score(path: Path, eval_set: Any, use_ema: bool) -> dict[str, Any]:
 
 
 def diagnose(
-    runs: Path, eval_size: int, live_steps: set[int], steps: set[int] | None = None
+    runs: Path, eval_size: int, live_steps: set[int], steps: set[int] | None = None, assemble: bool = False
 ) -> dict[str, Any]:
     run_dir = runs.resolve() / NAME
     cfg = configs(runs, False)[NAME]
@@ -94,7 +95,7 @@ def diagnose(
     torch.set_num_threads(1)
     for ckpt in sorted((run_dir / "checkpoints").glob("step_*")):
         step = int(ckpt.name.split("_")[1])
-        if steps is not None and step not in steps:
+        if assemble or (steps is not None and step not in steps):
             continue
         for use_ema in (True, False):
             if not use_ema and step not in live_steps:
@@ -142,11 +143,15 @@ def main() -> None:
         help="checkpoints also scored with their live (non-EMA) weights (comma-separated steps)",
     )
     parser.add_argument("--steps", default="", help="score only these checkpoints (comma-separated steps)")
+    parser.add_argument("--assemble", action="store_true", help="score nothing: gather the saved rows")
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "figures" / "sudoku9")
     args = parser.parse_args()
     live = {int(s) for s in args.live_steps.split(",") if s}
     only = {int(s) for s in args.steps.split(",") if s} or None
-    results = [diagnose(r, args.eval_size, live, only) for r in args.runs or [REPO / "runs" / "sudoku9"]]
+    results = [
+        diagnose(r, args.eval_size, live, only, args.assemble)
+        for r in args.runs or [REPO / "runs" / "sudoku9"]
+    ]
     write_json(args.out / "diagnosis.json", {"results": results})
     atomic_write_text(args.out / "diagnosis.md", markdown(results))
     print(markdown(results))
