@@ -48,6 +48,7 @@ STREAM_FREE = frozenset(
         "train.eval_every",
         "train.checkpoint_every",
         "train.keep_checkpoints",
+        "train.checkpoint_format",  # how checkpoints are stored (full or sharded), not what is trained
         "train.keep_best",
         "train.keep_best_mode",
         "train.max_state_norm",
