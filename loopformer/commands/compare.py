@@ -18,26 +18,19 @@ import click
 
 
 def print_rows(rows: Sequence[dict[str, Any]], title: str) -> None:
-    """The comparison as a rich table on the console."""
+    """The comparison as a rich table on the console (the markdown table's columns but exact accuracy)."""
     from rich.console import Console
     from rich.table import Table
 
-    from loopformer.eval.report import _num
+    from loopformer.eval.compare import COLUMNS, row_cells
 
+    shown = [i for i, col in enumerate(COLUMNS) if col != "exact"]
     table = Table(title=title)
-    for col in ("run", "loop", "valid", "mean loops", "converged", "ms/example", "parameters", "compute"):
-        table.add_column(col, justify="left" if col in ("run", "loop") else "right")
+    for i in shown:
+        table.add_column(COLUMNS[i], justify="left" if COLUMNS[i] in ("run", "loop") else "right")
     for r in rows:
-        table.add_row(
-            r["name"] + (" (baseline)" if r["baseline"] else ""),
-            r["loop"],
-            _num(r["valid_accuracy"], True),
-            _num(r["mean_loops"]),
-            _num(r["converged_fraction"], True),
-            _num(r["ms_per_example"], digits=3),
-            "-" if r["parameters"] is None else f"{r['parameters']:,}",
-            _num(r["test_time_compute"], digits=1),
-        )
+        cells = row_cells(r)
+        table.add_row(*(cells[i] for i in shown))
     Console(highlight=False, width=160).print(table)
 
 

@@ -210,23 +210,28 @@ def plot_loops_vs_difficulty(entries: Sequence[Entry], title: str = "") -> Any:
     return plots._finish(fig, None, title)
 
 
-def comparison_markdown(title: str, rows: list[dict[str, Any]], plot_paths: dict[str, str]) -> str:
-    header = ["run", "loop", "valid", "exact", "mean loops", "converged", "ms / example", "parameters",
-              "test-time compute"]  # fmt: skip
-    table = [
-        [
-            r["name"] + (" (baseline)" if r["baseline"] else ""),
-            r["loop"],
-            _num(r["valid_accuracy"], True),
-            _num(r["exact_accuracy"], True),
-            _num(r["mean_loops"]),
-            _num(r["converged_fraction"], True),
-            _num(r["ms_per_example"], digits=3),
-            "-" if r["parameters"] is None else f"{r['parameters']:,}",
-            _num(r["test_time_compute"], digits=1),
-        ]
-        for r in rows
+COLUMNS = ("run", "loop", "valid", "exact", "mean loops", "converged", "ms / example", "parameters",
+           "test-time compute")  # fmt: skip
+
+
+def row_cells(r: dict[str, Any]) -> list[str]:
+    """One comparison row as text, in ``COLUMNS`` order (the markdown table and the console table)."""
+    return [
+        r["name"] + (" (baseline)" if r["baseline"] else ""),
+        r["loop"],
+        _num(r["valid_accuracy"], True),
+        _num(r["exact_accuracy"], True),
+        _num(r["mean_loops"]),
+        _num(r["converged_fraction"], True),
+        _num(r["ms_per_example"], digits=3),
+        "-" if r["parameters"] is None else f"{r['parameters']:,}",
+        _num(r["test_time_compute"], digits=1),
     ]
+
+
+def comparison_markdown(title: str, rows: list[dict[str, Any]], plot_paths: dict[str, str]) -> str:
+    header = list(COLUMNS)
+    table = [row_cells(r) for r in rows]
     lines = [f"# {title}", "", *_table(header, table)]
     lines += [
         "`valid`: the task's independent validator. `ms / example`: wall time of the evaluation pass per "
