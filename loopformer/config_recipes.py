@@ -150,11 +150,16 @@ def read_recipe(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any
     return merge(base, data, f"recipe {path.name}")
 
 
-def resolved_tables(cfg: RunConfig) -> dict[str, Any]:
-    """``cfg`` as plain data with the model and the three loops written out field by field."""
+def resolved_tables(cfg: RunConfig, task_defaults: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``cfg`` as plain data with the model and the three loops written out field by field;
+    ``task_defaults`` (what the task fixes before its data is read: ``task_fields``) fill the
+    task-determined model fields the recipe leaves unset, the rest of those are left out."""
     data = to_dict(cfg)
-    mc = cfg.model_config()
-    given = set(cfg.model.fields)
+    known = {k: v for k, v in (task_defaults or {}).items() if k in _family_fields(cfg)}
+    mc = cfg.model_config(**known)
+    given = set(cfg.model.fields) | set(known)
+    if task_defaults is not None:  # the task is known: only the data's width is left to fill
+        given |= set(TASK_FIELDS) - {"seq_len"}
     fields_ = {
         f.name: to_dict(getattr(mc, f.name))
         for f in dataclasses.fields(mc)
@@ -166,18 +171,35 @@ def resolved_tables(cfg: RunConfig) -> dict[str, Any]:
     return data
 
 
-def resolved_yaml(cfg: RunConfig) -> str:
-    """The YAML ``--print-config`` prints (see the module docstring)."""
+def resolved_yaml(cfg: RunConfig, task_defaults: dict[str, Any] | None = None, task_note: str = "") -> str:
+    """The YAML ``--print-config`` prints (see the module docstring); ``task_note`` says why the
+    task's fields could not be read, when they could not."""
     import yaml
 
-    data = resolved_tables(cfg)
+    data = resolved_tables(cfg, task_defaults)
     filled = [k for k in TASK_FIELDS if k not in data["model"] and k in _family_fields(cfg)]
     head = (
         "# resolved configuration: model and loop_train / loop_eval / loop_periodic list every field\n"
         "# with its effective value"
-        + (f"; filled from the task when training: model.{', model.'.join(filled)}\n" if filled else "\n")
+        + (f"; filled from the training data when training: model.{', model.'.join(filled)}\n" if filled else "\n")
+        + (f"# {task_note}\n" if task_note else "")
     )
     return head + yaml.safe_dump(data, sort_keys=False)
+
+
+def print_config_yaml(cfg: RunConfig) -> str:
+    """``resolved_yaml`` with the task's own model fields filled in (``task_model_fields``: vocabulary,
+    causality, puzzle table, grid); when the task cannot be built here (missing data files, an
+    unknown plug-in) the header says why and those fields are left out."""
+    from loopformer.tasks.base import task_model_fields
+    from loopformer.tasks.registry import get_task
+
+    try:
+        task = get_task(cfg.data.task, **cfg.data.options)
+    except (KeyError, ValueError, OSError, TypeError) as err:
+        reason = str(err.args[0]) if isinstance(err, KeyError) and err.args else str(err)
+        return resolved_yaml(cfg, task_note=f"task {cfg.data.task!r} not built here ({reason}): its fields are left out")
+    return resolved_yaml(cfg, task_model_fields(task))
 
 
 def _family_fields(cfg: RunConfig) -> set[str]:
@@ -192,6 +214,7 @@ __all__ = [
     "find_recipe",
     "merge",
     "model_field_names",
+    "print_config_yaml",
     "read_recipe",
     "resolved_tables",
     "resolved_yaml",

@@ -91,11 +91,36 @@ def test_print_config_lists_every_model_and_loop_field() -> None:
         assert set(printed[phase]) == loop_fields, phase
     assert printed["loop_eval"]["anderson"]["m"] == 5  # a default the recipe never names
     assert printed["model"]["expansion"] == 4.0 and printed["model"]["conv"] == "grid2d"
-    assert "vocab_size" not in printed["model"] and "model.vocab_size" in result.output  # taken from the task
+    # what the task fixes is printed with its value; only the data's width waits for training
+    assert printed["model"]["vocab_size"] == 6 and printed["model"]["grid"] == [4, 4]
+    assert printed["model"]["causal"] is False and printed["model"]["num_puzzle_ids"] == 0
+    assert "seq_len" not in printed["model"] and "model.seq_len" in result.output
     again = build_config(printed)  # it loads back to the same model and loops
     cfg = load_config("sudoku4_fprm", ["train.steps=4"])
-    assert again.model_config() == cfg.model_config()
+    assert again.model_config() == cfg.model_config(vocab_size=6, grid=(4, 4), causal=False)
     for phase in ("train", "eval", "periodic"):
         assert again.loop_config(again.model_config().loop, phase) == cfg.loop_config(
             cfg.model_config().loop, phase
         )
+
+
+def test_print_config_shows_what_training_records(tmp_path: Path) -> None:
+    """Every model field ``--print-config`` prints is the value the trained run's config.yaml holds."""
+    args = ["train", "sudoku4_fprm", "train.steps=1", "train.eval_every=0", "data.train_size=8",
+            "data.eval_size=4", "train.batch_size=4"]
+    printed = yaml.safe_load(CliRunner().invoke(cli, [*args, "--print-config"]).output)
+    result = CliRunner().invoke(cli, [*args, f"out_dir={tmp_path / 'run'}"])
+    assert result.exit_code == 0, result.output
+    recorded = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["model"]
+    for key, value in printed["model"].items():
+        assert recorded[key] == value, key
+    assert set(recorded) - set(printed["model"]) == {"seq_len"}
+
+
+def test_print_config_says_why_a_task_could_not_be_built(tmp_path: Path) -> None:
+    missing = tmp_path / "no_such_arc"
+    result = CliRunner().invoke(cli, ["train", "paper_arc1_fprm", f"data.options.source={missing}", "--print-config"])
+    assert result.exit_code == 0, result.output
+    note = next(line for line in result.output.splitlines() if "not built here" in line)
+    assert "task 'arc'" in note and "no_such_arc" in note
+    assert "vocab_size" not in yaml.safe_load(result.output)["model"]

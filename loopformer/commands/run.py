@@ -249,12 +249,12 @@ def run(recipe: str, out_dir: str | None, overwrite: bool, overrides: tuple[str,
             torch.cuda.set_device(dev)
         overrides = (*overrides, f"device={dev.type}")
     if print_config:
-        from loopformer.config_recipes import resolved_yaml
+        from loopformer.config_recipes import print_config_yaml
 
         main_cfg, base_cfg, _, _ = build_run_configs(recipe, overrides, Path(out_dir or "runs/<timestamp>"))
-        click.echo("# the looped model\n" + resolved_yaml(main_cfg), nl=False)
+        click.echo("# the looped model\n" + print_config_yaml(main_cfg), nl=False)
         if base_cfg is not None:
-            click.echo("---\n# the baseline\n" + resolved_yaml(base_cfg), nl=False)
+            click.echo("---\n# the baseline\n" + print_config_yaml(base_cfg), nl=False)
         return
     with contextlib.ExitStack() as stack:
         _run(recipe, out_dir, overwrite, overrides, dev, stack)

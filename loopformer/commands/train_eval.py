@@ -72,9 +72,9 @@ def train(
         extra.append("train.allow_config_change=true")
     cfg = build_config(raw, extra)
     if print_config:  # every model and loop field with its effective value (loopformer.config_recipes)
-        from loopformer.config_recipes import resolved_yaml
+        from loopformer.config_recipes import print_config_yaml
 
-        click.echo(resolved_yaml(cfg), nl=False)
+        click.echo(print_config_yaml(cfg), nl=False)
         return
     if plan:
         from loopformer.train.plan import describe, make_plan, parse_memory

@@ -185,3 +185,20 @@ class Task(ABC):
     def infer_options(path: str | Path) -> dict[str, Any]:
         """Task options that can be read off a data file (e.g. a board size); none by default."""
         return {}
+
+
+def task_model_fields(task: Task) -> dict[str, Any]:
+    """Model fields ``task`` fixes before any data is read: ``vocab_size`` (when the task has a fixed
+    vocabulary), ``causal``, ``num_puzzle_ids`` (with one prepended puzzle token when non-zero) and
+    ``grid``. The trainer adds ``seq_len`` from the training data; ``--print-config`` shows these."""
+    out: dict[str, Any] = {}
+    if task.vocab_size:
+        out["vocab_size"] = int(task.vocab_size)
+    out["causal"] = bool(task.causal)
+    out["num_puzzle_ids"] = int(task.num_puzzle_ids)
+    if out["num_puzzle_ids"]:
+        out["puzzle_emb_len"] = 1  # one prepended puzzle token unless the recipe asks for more
+    grid = task.grid_shape()
+    if grid is not None:
+        out["grid"] = grid
+    return out

@@ -30,7 +30,7 @@ from loopformer.loop import LoopConfig, make_sampler
 from loopformer.loop.samplers import sampler_defaults
 from loopformer.models.base import LoopedModel
 from loopformer.runs import run_task, task_dataset
-from loopformer.tasks.base import Task, TokenDataset
+from loopformer.tasks.base import Task, TokenDataset, task_model_fields
 from loopformer.train.data import Curriculum
 from loopformer.train.dist import DistEnv
 from loopformer.train.optim import build_optimizer, lr_at
@@ -193,18 +193,8 @@ def make_curriculum(cc: CurriculumConfig, train_data: TokenDataset) -> Curriculu
 
 
 def task_model_defaults(task: Task | None, train_data: TokenDataset) -> dict[str, Any]:
-    """Model fields the task determines, used where the recipe leaves them unset."""
-    out: dict[str, Any] = {}
-    if task is not None:
-        if task.vocab_size:
-            out["vocab_size"] = int(task.vocab_size)
-        out["causal"] = bool(task.causal)
-        out["num_puzzle_ids"] = int(task.num_puzzle_ids)
-        if out["num_puzzle_ids"]:
-            out["puzzle_emb_len"] = 1  # one prepended puzzle token unless the recipe asks for more
-        grid = task.grid_shape()
-        if grid is not None:
-            out["grid"] = grid
+    """Model fields the task and its training data determine, used where the recipe leaves them unset."""
+    out: dict[str, Any] = task_model_fields(task) if task is not None else {}
     out["seq_len"] = int(train_data.inputs.shape[1])
     if "vocab_size" not in out:
         out["vocab_size"] = int(max(train_data.inputs.max(), train_data.labels.max()) + 1)
