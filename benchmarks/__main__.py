@@ -70,8 +70,20 @@ def run_one(name: str, quick: bool) -> tuple[list[dict[str, Any]], bool, float]:
     return dicts, ok, seconds
 
 
-def merge(old: list[dict[str, Any]], new: list[dict[str, Any]], ran: list[str]) -> list[dict[str, Any]]:
-    kept = [r for r in old if r.get("benchmark") not in ran]
+def merge(
+    old: list[dict[str, Any]],
+    new: list[dict[str, Any]],
+    ran: list[str],
+    by_name: frozenset[str] = frozenset(),
+) -> list[dict[str, Any]]:
+    """``new`` with the rows of ``old`` whose benchmark did not run; for a benchmark in ``by_name`` (its
+    module sets ``MERGE_BY_NAME``: rows labelled by the machine's state, e.g. idle / loaded) only the
+    rows it wrote again are replaced."""
+    fresh = {r.get("name") for r in new}
+    kept = [
+        r for r in old
+        if r.get("benchmark") not in ran or (r.get("benchmark") in by_name and r.get("name") not in fresh)
+    ]  # fmt: skip
     order = {name: i for i, name in enumerate(BENCHMARKS)}
     return sorted(kept + new, key=lambda r: order.get(r.get("benchmark"), len(order)))
 
@@ -155,7 +167,10 @@ def main(argv: list[str] | None = None) -> int:
             old = loaded if isinstance(loaded, list) else []
         except json.JSONDecodeError:
             old = []
-    results = merge(old, new, names)
+    by_name = frozenset(
+        n for n in names if getattr(importlib.import_module(f"benchmarks.bench_{n}"), "MERGE_BY_NAME", False)
+    )
+    results = merge(old, new, names, by_name)
     info["runs"] = provenance(results)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n")

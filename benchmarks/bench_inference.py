@@ -1,21 +1,39 @@
-"""Benchmark 10: inference at equal accuracy, loopformer's best setting vs the FPRM authors' evaluation.
+"""Benchmark 12: inference at equal accuracy, loopformer's best setting vs the FPRM authors' evaluation.
 
-The same trained FPRM (recipes/sudoku4_fprm.yaml shortened to ``bench_halting.TRAIN_STEPS`` steps, the
-cached model of the halting and solver benchmarks) evaluates the same held-out 4x4 puzzles two ways:
+Two trained FPRMs, each evaluated on the same held-out puzzles two ways:
 
-- ``authors``: the FPRM authors' evaluation (nilskiKonjIzDunava/fprm): damped solver (the recipe's
-  evaluation gamma 0.99, patience 5), residual tolerance 0.1 (relative sup norm), every sample of a
-  batch halting at the first step where *all* of them are below it. This is loopformer's emulation
-  (``halting: batch_residual`` + ``damped``, float32), not the authors' code: running their code
-  would need the trained weights converted into their model (loopformer.convert only reads theirs);
+- ``authors``: the FPRM authors' evaluation (nilskiKonjIzDunava/fprm, ``FixedPointOptimizer``): damped
+  solver, residual tolerance 0.1 (relative sup norm), every sample of a batch halting at the first step
+  where *all* of them are below it. This is loopformer's emulation (``halting: batch_residual`` +
+  ``damped``, float32), not the authors' code: running their code would need the trained weights
+  converted into their model (loopformer.convert only reads theirs);
 - ``loopformer``: per-sample residual halting with compaction and the solver / tolerance that
   ``loopformer eval --auto-solver``'s search (loopformer.eval.auto_solver) picks on a *separate* set
-  of puzzles: every registered solver at tol 0.4, 0.2, 0.1, 0.05, the fewest map evaluations whose
-  accuracy on that set is at least the authors' setting's.
+  of puzzles: every registered solver at a few tolerances, the fewest map evaluations whose accuracy
+  on that set is at least the authors' setting's.
+
+The models:
+
+- ``inference.fprm_vs_reference`` (the issue-26 row): the 9x9 FPRM of the FPRM vs TRM head-to-head
+  (arXiv 2606.18206's Sudoku recipe at CPU size, trained 60 CPU-minutes under the authors' protocol:
+  ``experiments/sudoku9_cpu.py``, seed 1, folder ``runs/sudoku9_seed1/fprm_authors``), evaluated under the
+  authors' evaluation protocol of that run (``loop_eval``: gamma 0.997, patience 10, cap 1000, 250 puzzles
+  a batch) on its own held-out puzzles: 250 timed, 100 others for the search. Without that folder the
+  row is skipped and says how to make it (about 70 CPU-minutes).
+- ``inference.fprm_vs_reference_sudoku4``: the halting benchmark's small FPRM on 4x4 Sudoku
+  (recipes/sudoku4_fprm.yaml shortened to ``bench_halting.TRAIN_STEPS`` steps), 256 timed puzzles, 128
+  for the search. Its step is so cheap that Python overhead, not the map, sets the time.
+
+History: the first run of the 9x9 row (2026-12-02) also tried 2x the authors' tolerance; anderson at tol
+0.2 tied the authors' 94% on the 100 search puzzles with the fewest map evaluations and then reached 90.8%
+vs 93.6% on the 250 timed ones (0.016x the time, target missed on accuracy). The search (here and in
+``loopformer eval --auto-solver``) no longer loosens the tolerance.
 
 Figure: wall time loopformer / authors over the timed puzzles (median of interleaved pairs; runs
 repeat until two consecutive runs agree within 10%), with both accuracies and map evaluations per
 sample (counted rows of the map). Target <= 0.5 at equal or better accuracy on the timed puzzles.
+
+    python -m benchmarks --only inference
 """
 
 from __future__ import annotations
@@ -30,8 +48,9 @@ from benchmarks.common import Result, paired_ratio, side_by_side, summary
 
 TARGET = 0.5
 # the search's tolerances, x the authors' 0.1: batch-wide halting runs every puzzle until the slowest
-# converges, so per-sample halting needs a tighter tolerance to match its accuracy
-SEARCH_TOL_FACTORS = (4.0, 2.0, 1.0, 0.5, 0.25, 0.1, 0.03, 0.01)
+# converges, so per-sample halting may need a tighter tolerance to match its accuracy; never a looser one
+# (loopformer.eval.auto_solver.TOL_FACTORS says why)
+SEARCH_TOL_FACTORS = (1.0, 0.5, 0.25, 0.1, 0.03, 0.01)
 AGREE, MAX_RUNS = 0.10, 4
 
 
@@ -50,17 +69,16 @@ def _evaluate(model, inputs: torch.Tensor, labels: torch.Tensor, loop, batch: in
     return {"exact_acc": right / n, "map_evals_per_sample": rows[0] / n, "steps_mean": steps / n}
 
 
-def _search(model, task, authors, batch: int, n: int) -> tuple[object, dict]:
-    """The auto-solver search on its own puzzles against the authors' accuracy there."""
+def _search(model, data, seed: int, authors, batch: int, tol_factors) -> tuple[object, dict]:
+    """The auto-solver search on its own puzzles (``data``) against the authors' accuracy there."""
     from loopformer.eval.auto_solver import Trial, candidate_configs, choose
 
-    data = task.generate(n, seed=2024, min_blanks=4, max_blanks=10)
     inputs, labels = torch.as_tensor(data.inputs), torch.as_tensor(data.labels)
     ref = _evaluate(model, inputs, labels, authors, batch)
     per_sample = dataclasses.replace(authors, halting="residual", compaction=True)
     trials: list[Trial] = []
     configs = {}
-    for trial, cfg in candidate_configs(per_sample, SEARCH_TOL_FACTORS):
+    for trial, cfg in candidate_configs(per_sample, tol_factors):
         if cfg is None:
             trials.append(trial)
             continue
@@ -81,13 +99,21 @@ def _search(model, task, authors, batch: int, n: int) -> tuple[object, dict]:
         reached = False
     record = {
         "reached_authors_accuracy": reached,
-        "n": n,
-        "seed": 2024,
+        "n": len(inputs),
+        "seed": seed,
         "authors": ref,
         "chosen": chosen.to_dict(),
         "candidates": [t.to_dict() for t in trials],
     }
     return configs[(chosen.solver, chosen.tol)], record
+
+
+SUDOKU9_RUN = "runs/sudoku9_seed1/fprm_authors"
+SUDOKU9_MAKE = (
+    "python experiments/sudoku9_cpu.py --phase probe --clock runs/sudoku9/probe.json --runs runs/sudoku9_seed1 "
+    "--set seed=1 --set data.train_seed=1, then the same with --phase train --only fprm_authors"
+)
+SUDOKU9_TOL_FACTORS = (1.0, 0.5, 0.25)  # the 9x9 candidates cost seconds each: fewer tolerances
 
 
 def run(quick: bool = False) -> list[Result]:
@@ -97,28 +123,73 @@ def run(quick: bool = False) -> list[Result]:
     start = time.perf_counter()
     model, cfg, trained_now, train_seconds = trained_model(quick)
     task = get_task("sudoku", size=4)
-    batch = cfg.eval.batch_size
     authors = dataclasses.replace(cfg.loop_config(model.config.loop, "eval"), halting="batch_residual")
-    best, search = _search(model, task, authors, batch, 32 if quick else 128)
-    n = 32 if quick else 256
-    data = task.generate(n, seed=4242, min_blanks=4, max_blanks=10)
-    inputs, labels = torch.as_tensor(data.inputs), torch.as_tensor(data.labels)
-    evals = {
-        name: _evaluate(model, inputs, labels, loop, batch)
-        for name, loop in (("authors", authors), ("loopformer", best))
-    }
+    n_search, n = (32, 32) if quick else (128, 256)
+    small = _compare(
+        "inference.fprm_vs_reference_sudoku4",
+        model,
+        authors,
+        task.generate(n_search, seed=2024, min_blanks=4, max_blanks=10),
+        2024,
+        task.generate(n, seed=4242, min_blanks=4, max_blanks=10),
+        cfg.eval.batch_size,
+        SEARCH_TOL_FACTORS,
+        (1, 3, 1) if quick else (MAX_RUNS, 7, 1),
+        f"recipes/sudoku4_fprm.yaml, {'quick' if quick else f'{TRAIN_STEPS} training steps'}",
+        quick,
+    )
+    small.details.update(trained_now=trained_now, train_seconds=train_seconds,
+                         row_seconds=round(time.perf_counter() - start, 1))  # fmt: skip
+    return [_sudoku9(quick), small]
 
-    def go(loop):
-        def call() -> None:
-            with torch.no_grad():
-                for i in range(0, n, batch):
-                    model(inputs[i : i + batch], loop=loop, generator=torch.Generator().manual_seed(i))
+
+def _sudoku9(quick: bool) -> Result:
+    """The 9x9 head-to-head FPRM under its authors' evaluation (skipped without the run folder or in --quick)."""
+    from pathlib import Path
+
+    from loopformer.runs import eval_dataset, load_run
+
+    name, target = (
+        "inference.fprm_vs_reference",
+        f"<= {TARGET} x the authors' evaluation time at equal or better accuracy",
+    )
+    folder = Path(__file__).resolve().parents[1] / SUDOKU9_RUN
+    if quick or not (folder / "checkpoints").is_dir():
+        why = "quick mode" if quick else f"{SUDOKU9_RUN} not found; make it with: {SUDOKU9_MAKE}"
+        return Result("inference", name, None, "x", target, None, f"skipped: {why}")
+    start = time.perf_counter()
+    run = load_run(folder, use_ema=True)
+    data = eval_dataset(run.task, run.config)
+    if len(data) < 350:
+        raise RuntimeError(f"{SUDOKU9_RUN}: {len(data)} held-out puzzles, need 350 (250 timed + 100 search)")
+    res = _compare(name, run.model, run.loop_eval, data.subset(slice(250, 350)), run.config.data.eval_seed,
+                   data.subset(slice(0, 250)), 250, SUDOKU9_TOL_FACTORS, (3, 1, 0),
+                   f"{SUDOKU9_RUN} (60-minute checkpoint, EMA), the run's held-out puzzles", quick)  # fmt: skip
+    res.details["row_seconds"] = round(time.perf_counter() - start, 1)
+    return res
+
+
+def _compare(
+    name, model, authors, search_data, search_seed, timed, batch, tol_factors, timing, what, quick
+) -> Result:
+    """One row: search on ``search_data``, then time authors vs the chosen setting on ``timed``;
+    ``timing`` = (most runs, interleaved rounds per run, warm-up calls)."""
+    best, search = _search(model, search_data, search_seed, authors, batch, tol_factors)
+    inputs, labels = torch.as_tensor(timed.inputs), torch.as_tensor(timed.labels)
+    n = len(inputs)
+    evals: dict[str, dict] = {}
+
+    def go(key, loop):
+        def call() -> None:  # the timed call is the scored evaluation itself (one pass, not two)
+            evals[key] = _evaluate(model, inputs, labels, loop, batch)
 
         return call
 
+    max_runs, repeats, warmup = timing
     runs, loads, times = [], [], {}
-    for _ in range(1 if quick else MAX_RUNS):
-        times = side_by_side({"authors": go(authors), "loopformer": go(best)}, repeats=3 if quick else 7)
+    for _ in range(max_runs):
+        calls = {"authors": go("authors", authors), "loopformer": go("loopformer", best)}
+        times = side_by_side(calls, repeats=repeats, warmup=warmup)
         runs.append(paired_ratio(times, "loopformer", "authors"))
         loads.append(round(os.getloadavg()[0], 2))
         if len(runs) >= 2 and abs(runs[-1] - runs[-2]) <= AGREE * min(runs[-1], runs[-2]):
@@ -169,21 +240,8 @@ def run(quick: bool = False) -> list[Result]:
         "runs": runs,
         "run_load_averages": loads,
         "times": summary(times),
-        "model": f"recipes/sudoku4_fprm.yaml, {'quick' if quick else f'{TRAIN_STEPS} training steps'}",
-        "trained_now": trained_now,
-        "train_seconds": train_seconds,
+        "model": what,
         "threads": torch.get_num_threads(),
-        "benchmark_seconds": round(time.perf_counter() - start, 1),
     }
-    return [
-        Result(
-            "inference",
-            "inference.fprm_vs_reference",
-            ratio,
-            "x",
-            f"<= {TARGET} x the authors' evaluation time at equal or better accuracy",
-            met,
-            "; ".join(reasons + [note]),
-            details,
-        )
-    ]
+    target = f"<= {TARGET} x the authors' evaluation time at equal or better accuracy"
+    return Result("inference", name, ratio, "x", target, met, "; ".join(reasons + [note]), details)

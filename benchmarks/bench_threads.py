@@ -7,7 +7,8 @@ does; rounds stop once ``BUDGET_S`` is spent). Seconds per step come from the ru
 clock between the second step and the last (the first step's one-off set-up and the final evaluation left out). The figure is the median over
 rounds of (s/step at 2 threads) / (s/step at 1 thread): above 1, two threads are slower. The load average
 is recorded with each row: the figure depends on how busy the machine is (a loaded 2-core machine was
-where issue 25 saw 3x-10x); an idle-machine row needs a run on an idle machine.
+where issue 25 saw 3x-10x). Rows end in ``.idle`` (1-minute load below ``IDLE_LOAD`` per CPU before and
+after) or ``.loaded``, and a rerun replaces only the rows of its own state, so both stay in results.json.
 
     python -m benchmarks --only threads
 """
@@ -26,6 +27,9 @@ import torch
 from benchmarks.common import Result
 
 RECIPES = ("default", "sudoku4_trm")
+# rows are named by the machine's state (``.idle`` / ``.loaded``) and a rerun replaces only its own
+MERGE_BY_NAME = True
+IDLE_LOAD = 0.5  # 1-minute load average per logical CPU below which (before and after) the machine is "idle"
 THREADS = (1, 2)
 
 
@@ -83,15 +87,19 @@ def run(quick: bool) -> list[Result]:
                     threads = 1 if quick else t
                     per[t].append(seconds_per_step(recipe, threads, steps, folder, QUICK if quick else ()))
             ratio = statistics.median(b / a for a, b in zip(per[1], per[2]))
+            cpus = os.cpu_count() or 1
+            idle = max(load_before[0], os.getloadavg()[0]) < IDLE_LOAD * cpus
+            state = "idle" if idle else "loaded"
             results.append(
                 Result(
                     "threads",
-                    f"threads.{recipe}.s_per_step_2_over_1",
+                    f"threads.{recipe}.s_per_step_2_over_1.{state}",
                     ratio,
                     "x",
                     None,
                     None,
-                    "s/step at 2 threads / at 1 thread (above 1: two threads slower); loaded machine",
+                    f"s/step at 2 threads / at 1 thread (above 1: two threads slower); {state} machine "
+                    f"(1-minute load {load_before[0]:.2f} before, {os.getloadavg()[0]:.2f} after, {cpus} CPUs)",
                     {
                         "what": f"{steps}-step training of recipe {recipe!r}, s/step from its metrics.jsonl clock",
                         "s_per_step": {str(t): [round(x, 4) for x in v] for t, v in per.items()},

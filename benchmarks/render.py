@@ -100,11 +100,15 @@ METHODS = {
     ),
     "inference": (
         "12. Inference at equal accuracy vs the authors' evaluation",
-        "The halting benchmark's trained FPRM on 4x4 Sudoku (the same 256 held-out puzzles for both): the "
-        "FPRM authors' evaluation (damped solver, gamma 0.99, patience 5, batch-wide halting at residual 0.1, "
-        "rel. sup norm; loopformer's `batch_residual` emulation, not their code) vs loopformer's per-sample "
-        "halting with the solver and tolerance `--auto-solver`'s search picks on 128 other puzzles (fewest "
-        "map evaluations at >= the authors' accuracy there). Ratio = wall time loopformer / authors, median "
+        "A trained FPRM evaluated on the same held-out puzzles two ways: the FPRM authors' evaluation (damped "
+        "solver, batch-wide halting at residual 0.1, rel. sup norm; loopformer's `batch_residual` emulation, not "
+        "their code) vs loopformer's per-sample halting with the solver and tolerance `--auto-solver`'s search "
+        "picks on other puzzles (fewest map evaluations at >= the authors' accuracy there). "
+        "`inference.fprm_vs_reference`: the 9x9 FPRM of the FPRM vs TRM head-to-head (runs/sudoku9_seed1, "
+        "60 CPU-minutes, made by experiments/sudoku9_cpu.py) under that run's authors' protocol (gamma 0.997, "
+        "patience 10, cap 1000, 250 a batch), 250 timed puzzles, 100 for the search; "
+        "`inference.fprm_vs_reference_sudoku4`: the halting benchmark's 4x4 FPRM, 256 timed, 128 for the "
+        "search. Ratio = wall time loopformer / authors, median "
         "of interleaved pairs; runs repeat until two agree within 10%.",
     ),
 }

@@ -142,6 +142,11 @@ def test_only_merges_into_existing_results(quick_run):
     assert merge(
         [{"benchmark": "engine", "name": "a"}], [{"benchmark": "memory", "name": "b"}], ["memory"]
     ) == [{"benchmark": "engine", "name": "a"}, {"benchmark": "memory", "name": "b"}]
+    # a benchmark merged by name (threads: idle / loaded rows) keeps its rows it did not write again
+    old = [{"benchmark": "threads", "name": "t.idle", "value": 1}, {"benchmark": "threads", "name": "t.loaded", "value": 2}]
+    new = [{"benchmark": "threads", "name": "t.loaded", "value": 3}]
+    assert merge(old, new, ["threads"], frozenset({"threads"})) == [old[0], new[0]]
+    assert merge(old, new, ["threads"]) == new
 
 
 def test_side_by_side_interleaves_and_pairs():
