@@ -96,7 +96,7 @@ def staged_output(
             names = ", ".join(p.name for p in old[:3]) + (" ..." if len(old) > 3 else "")
             raise RunFolderError(
                 f"{option} {folder} is not empty ({names}); choose a new or empty folder, or pass --overwrite "
-                f"(the old contents are moved aside to {folder}/{REPLACED_PREFIX}<time>/ once the new ones are complete)"
+                f"(the new contents replace the old in one step once they are complete)"
             )
         staging = target.parent / f".{target.name}{STAGING_PREFIX}{purpose}-{secrets.token_hex(4)}"
         try:
@@ -105,7 +105,7 @@ def staged_output(
             raise RunFolderError(f"cannot write beside the folder {folder}: {err.strerror}") from None
         try:
             yield staging
-            aside = _swap_in(folder, staging, old)
+            aside = swap_in(folder, staging, old)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)  # after a swap it holds the old content: gone too
             raise
@@ -142,7 +142,7 @@ _RENAMEAT2: Any = None  # the C library's renameat2, False where there is none (
 _AT_FDCWD, _RENAME_EXCHANGE = -100, 2
 
 
-def _swap_in(folder: Path, staging: Path, old: list[Path]) -> Path | None:
+def swap_in(folder: Path, staging: Path, old: list[Path]) -> Path | None:
     """Put ``staging``'s content in place of ``folder``'s, then delete the old content.
 
     ``staging`` is a sibling of ``folder``. Where the OS can, one ``renameat2(RENAME_EXCHANGE)``
@@ -170,4 +170,4 @@ def _swap_in(folder: Path, staging: Path, old: list[Path]) -> Path | None:
     return aside if old else None
 
 
-__all__ = ["inside_run", "refuse_inside_checkpoints", "staged_output", "training_run"]  # two re-exported
+__all__ = ["inside_run", "refuse_inside_checkpoints", "staged_output", "swap_in", "training_run"]  # two re-exported

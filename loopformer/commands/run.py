@@ -227,8 +227,8 @@ def run_folder_for(out_dir: str | None, overwrite: bool) -> Path:
 @click.command("run")
 @click.option("--recipe", "-r", default=DEFAULT_RECIPE, show_default=True, help="recipe name (in recipes/) or path")
 @click.option("--out", "-o", "out_dir", default=None, help="run folder (default: a new runs/<timestamp>)")
-@click.option("--overwrite", is_flag=True, help="replace the previous run in --out (moved aside once the new "
-              "models' first checkpoints are written)")
+@click.option("--overwrite", is_flag=True, help="replace the previous run in --out (each model's folder swapped in whole once "
+              "its first checkpoint is written)")
 @device_option()
 @click.option("--print-config", is_flag=True, help="print the resolved configurations (YAML) and exit")
 @click.argument("overrides", nargs=-1)

@@ -27,7 +27,7 @@ from loopformer.nn import autocast
 @click.option(
     "--overwrite",
     is_flag=True,
-    help="replace a previous run in the folder (moved aside once the new run's first checkpoint is written)",
+    help="replace a previous run in the folder (swapped in whole once the new run's first checkpoint is written)",
 )
 @click.option(
     "--allow-config-change",
