@@ -39,7 +39,15 @@ from pathlib import Path
 from typing import Any
 
 from loopformer.safe_io import fsync_dir
-from loopformer.train.run_folder import LOCK_NAME, STAGING, RunFolderError, RunLock, inside_run, training_run
+from loopformer.train.run_folder import (
+    LOCK_NAME,
+    STAGING,
+    RunFolderError,
+    RunLock,
+    inside_run,
+    nested_run,
+    training_run,
+)
 
 log = logging.getLogger("loopformer")
 
@@ -91,6 +99,12 @@ def staged_output(
         if old and protect_runs and training_run(folder):
             raise RunFolderError(
                 f"{option} {folder} holds a training run; `{purpose}` never replaces a run: choose another folder"
+            )
+        nested = nested_run(folder) if old and protect_runs else None
+        if nested is not None:  # --overwrite would remove it with the rest
+            raise RunFolderError(
+                f"{option} {folder} holds the training run {nested}; `{purpose}` never replaces a run: "
+                f"choose another folder"
             )
         if old and not overwrite:
             names = ", ".join(p.name for p in old[:3]) + (" ..." if len(old) > 3 else "")

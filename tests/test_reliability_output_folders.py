@@ -114,3 +114,25 @@ def test_train_out_inside_another_run_is_refused(tiny) -> None:
             "inside the folder of another run",
         )
     assert _files(run) == before and not (run / "nested").exists()
+
+
+def test_a_folder_holding_a_run_below_it_is_never_written_whole(tiny, tmp_path, monkeypatch) -> None:
+    """``train -o`` a parent of a run (``-o .`` in a folder of runs) is refused, and ``--overwrite``
+    of ``eval -o`` / ``compare -o`` / ... never removes a run lying deeper in the folder."""
+    import shutil
+
+    recipe, run = tiny
+    parent = tmp_path / "project"
+    shutil.copytree(run, parent / "runs" / "r1")
+    before = _files(parent)
+    fails_cleanly(CliRunner().invoke(cli, ["train", str(recipe), "-o", str(parent)]), "holds another run's folder")
+    monkeypatch.chdir(parent)
+    fails_cleanly(CliRunner().invoke(cli, ["train", str(recipe), "-o", "."]), "holds another run's folder")
+    with pytest.raises(RunFolderError, match="holds the training run"):
+        with staged_output(parent, "compare", overwrite=True):
+            pass
+    fails_cleanly(
+        CliRunner().invoke(cli, ["eval", str(run), "-o", str(parent), "--overwrite", "--examples", "2"]),
+        "holds the training run",
+    )
+    assert _files(parent) == before

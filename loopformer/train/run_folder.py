@@ -294,6 +294,30 @@ def training_run(folder: Path) -> bool:
     return ckpt.is_dir() and any(p.name.startswith("step_") for p in ckpt.iterdir())
 
 
+def nested_run(folder: str | Path, depth: int = 4, limit: int = 20000) -> Path | None:
+    """The first training run in a folder below ``folder`` (``depth`` levels, ``limit`` entries
+    looked at; links not followed); None when there is none. A command that writes ``folder`` whole
+    (``train``, or ``--overwrite`` of the other commands) would bury or remove it."""
+    level, seen = [Path(folder)], 0
+    for _ in range(depth):
+        below: list[Path] = []
+        for parent in level:
+            try:
+                entries = sorted(os.scandir(parent), key=lambda e: e.name)
+            except OSError:
+                continue
+            for entry in entries:
+                seen += 1
+                if seen > limit:
+                    return None
+                if entry.is_dir(follow_symlinks=False) and not entry.name.startswith("."):
+                    if training_run(Path(entry.path)):
+                        return Path(entry.path)
+                    below.append(Path(entry.path))
+        level = below
+    return None
+
+
 def inside_run(path: str | Path) -> tuple[Path, bool] | None:
     """(the run folder, whether ``path`` lies in its ``checkpoints/``) for the nearest folder above
     ``path`` that holds a training run; None when there is none."""
@@ -320,6 +344,12 @@ class RunFolder:
             raise RunFolderError(
                 f"{self.folder} is inside the folder of another run, {enclosing[0]}; a run never writes "
                 f"into another run's folder: choose an out_dir outside it"
+            )
+        nested = None if holds_run(self.folder) else nested_run(self.folder)
+        if nested is not None:  # e.g. -o . in a folder of runs: this run's files would mix with theirs
+            raise RunFolderError(
+                f"{self.folder} holds another run's folder, {nested}; a run is written into a folder of "
+                f"its own: choose a new or empty out_dir"
             )
         if is_main:
             self.lock.acquire()
