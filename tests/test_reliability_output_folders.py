@@ -136,3 +136,43 @@ def test_a_folder_holding_a_run_below_it_is_never_written_whole(tiny, tmp_path, 
         "holds the training run",
     )
     assert _files(parent) == before
+
+
+def test_data_generate_follows_the_run_folder_rules(tiny, tmp_path, monkeypatch) -> None:
+    """``data generate`` never writes into a run's folder (its ``metrics.jsonl`` was replaced by a CSV
+    before), refuses an existing file or HRM split unless ``--overwrite``, and builds an HRM split
+    aside: a failure half-way leaves the old split whole."""
+    _, run = tiny
+    before = _files(run)
+    gen = ["data", "generate", "sudoku", "--size", "4", "--count", "5"]
+    for out in ("metrics.jsonl", "checkpoints/x.csv", "notes/x.csv"):
+        fails_cleanly(CliRunner().invoke(cli, [*gen, "-o", str(run / out)]), "never writes into a run's folder")
+    fails_cleanly(CliRunner().invoke(cli, [*gen, "--format", "hrm", "-o", str(run)]), "never writes into a run")
+    assert _files(run) == before
+    csv = tmp_path / "d.csv"
+    assert CliRunner().invoke(cli, [*gen, "-o", str(csv)]).exit_code == 0
+    fails_cleanly(CliRunner().invoke(cli, [*gen, "--seed", "1", "-o", str(csv)]), "--overwrite")
+    hrm = tmp_path / "hrm"
+    assert CliRunner().invoke(cli, [*gen, "--format", "hrm", "-o", str(hrm)]).exit_code == 0
+    assert CliRunner().invoke(cli, [*gen, "--format", "hrm", "-o", str(hrm), "--split", "test"]).exit_code == 0
+    old = _files(hrm)
+    fails_cleanly(CliRunner().invoke(cli, [*gen, "--format", "hrm", "-o", str(hrm)]), "--overwrite")
+    import loopformer.tasks.formats as formats
+
+    real, calls = formats.save_npy, []
+
+    def full_disk(path, array, root=None):
+        calls.append(path)
+        if len(calls) == 3:
+            raise OSError(28, "No space left on device", str(path))
+        return real(path, array, root)
+
+    monkeypatch.setattr(formats, "save_npy", full_disk)
+    fails_cleanly(CliRunner().invoke(cli, [*gen, "--seed", "2", "--format", "hrm", "-o", str(hrm), "--overwrite"]),
+                  "No space left on device")  # fmt: skip
+    assert _files(hrm) == old and sorted(p.name for p in hrm.iterdir()) == ["identifiers.json", "test", "train"]
+    monkeypatch.setattr(formats, "save_npy", real)
+    result = CliRunner().invoke(cli, [*gen, "--seed", "2", "--format", "hrm", "-o", str(hrm), "--overwrite"])
+    assert result.exit_code == 0, cli_text(result)
+    new = _files(hrm)
+    assert new["train/all__inputs.npy"] != old["train/all__inputs.npy"] and new["test/dataset.json"] == old["test/dataset.json"]
