@@ -176,3 +176,22 @@ def test_data_generate_follows_the_run_folder_rules(tiny, tmp_path, monkeypatch)
     assert result.exit_code == 0, cli_text(result)
     new = _files(hrm)
     assert new["train/all__inputs.npy"] != old["train/all__inputs.npy"] and new["test/dataset.json"] == old["test/dataset.json"]
+
+
+def test_sweep_refuses_a_folder_that_is_not_its_own_before_writing(tiny, tmp_path) -> None:
+    """``sweep -o`` a run folder wrote ``sweep.json`` into it before failing; now a run, a folder inside
+    one, a folder holding something else and another sweep's folder are refused with nothing written."""
+    recipe, run = tiny
+    before = _files(run)
+    grid = ["sweep", str(recipe), "train.steps=1", "loop_eval.max_steps=2,3"]
+    for out in (run, run / "plots"):
+        fails_cleanly(CliRunner().invoke(cli, [*grid, "-o", str(out)]), "a sweep writes a folder of its own")
+    assert _files(run) == before and not (run / "plots").exists()
+    data = tmp_path / "data"
+    (data / "train").mkdir(parents=True)
+    fails_cleanly(CliRunner().invoke(cli, [*grid, "-o", str(data)]), "holds no earlier sweep")
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "sweep.json").write_text('{"recipe": "x", "axes": {"train.lr": [1]}, "fixed": {}}')
+    fails_cleanly(CliRunner().invoke(cli, [*grid, "-o", str(other)]), "holds another sweep")
+    assert sorted(p.name for p in other.iterdir()) == ["sweep.json"] and sorted(data.iterdir()) == [data / "train"]

@@ -94,12 +94,10 @@ def train(
     try:
         summary = trainer.fit()
     except TrainingInterrupted as err:  # SIGTERM / SIGINT: checkpointed and unlocked; say how to go on
-        import shlex
+        from loopformer.commands.common import resume_hint
 
         kept = [o for o in overrides if o.split("=", 1)[0] not in ("out_dir", "train.resume", "train.overwrite")]
-        again = shlex.join(["loopformer", "train", recipe, *kept, f"out_dir={cfg.out_dir}", "--resume"])
-        click.echo(f"{err}; resume with: {again}", err=True)
-        click.get_current_context().exit(err.exit_code)
+        resume_hint(err, ["loopformer", "train", recipe, *kept, f"out_dir={cfg.out_dir}", "--resume"])
     ev = summary.get("eval") or {}
     if "bits_per_byte" in ev:
         console.print(
