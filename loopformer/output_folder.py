@@ -38,7 +38,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from loopformer.safe_io import fsync_dir
+from loopformer.safe_io import check_inside, fsync_dir
 from loopformer.train.run_folder import (
     LOCK_NAME,
     STAGING,
@@ -89,6 +89,9 @@ def staged_output(
     if folder.exists() and not folder.is_dir():
         raise RunFolderError(f"{option} {folder} is a file, not a folder: name a folder to write into")
     refuse_inside_checkpoints(folder, option)
+    enclosing = inside_run(folder)
+    if enclosing is not None:  # a report inside a run: not through a link there (nor out of the run)
+        check_inside(folder, enclosing[0])
     with RunLock(folder, purpose):
         target = Path(os.path.realpath(folder))  # a folder may be a link (a scratch disk): build beside its target
         for stale in [*folder.glob(f"{STAGING_PREFIX}*"), *folder.glob(f"{REPLACED_PREFIX}*"),

@@ -57,7 +57,7 @@ STAGING = ".overwrite-staging"
 RUN_MARKERS = ("metrics.jsonl", "summary.json")
 # what a run writes at its folder's top level: none of these may be a symbolic link
 RUN_FILES = ("checkpoints", "metrics.jsonl", "summary.json", "config.yaml", "config.json", "wandb_id",
-             "tensorboard", STAGING, LOCK_NAME)  # fmt: skip
+             "tensorboard", "provenance.json", "origin.json", "config_changes.jsonl", STAGING, LOCK_NAME)  # fmt: skip
 
 _HELD: dict[tuple[int, int], RunLock] = {}  # (device, inode) of lock files this process holds
 
