@@ -38,7 +38,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from loopformer.safe_io import check_inside, fsync_dir
+from loopformer.safe_io import WriteError, check_inside, fsync_dir
 from loopformer.train.run_folder import (
     LOCK_NAME,
     STAGING,
@@ -92,42 +92,65 @@ def staged_output(
     enclosing = inside_run(folder)
     if enclosing is not None:  # a report inside a run: not through a link there (nor out of the run)
         check_inside(folder, enclosing[0])
-    with RunLock(folder, purpose):
-        target = Path(os.path.realpath(folder))  # a folder may be a link (a scratch disk): build beside its target
-        for stale in [*folder.glob(f"{STAGING_PREFIX}*"), *folder.glob(f"{REPLACED_PREFIX}*"),
-                      *target.parent.glob(f".{target.name}{STAGING_PREFIX}*"),
-                      *target.parent.glob(f".{target.name}{REPLACED_PREFIX}*")]:  # fmt: skip
-            shutil.rmtree(stale, ignore_errors=True)  # a killed command's leftovers: we hold the lock
-        old = _contents(folder)
-        if old and protect_runs and training_run(folder):
-            raise RunFolderError(
-                f"{option} {folder} holds a training run; `{purpose}` never replaces a run: choose another folder"
-            )
-        nested = nested_run(folder) if old and protect_runs else None
-        if nested is not None:  # --overwrite would remove it with the rest
-            raise RunFolderError(
-                f"{option} {folder} holds the training run {nested}; `{purpose}` never replaces a run: "
-                f"choose another folder"
-            )
-        if old and not overwrite:
-            names = ", ".join(p.name for p in old[:3]) + (" ..." if len(old) > 3 else "")
-            raise RunFolderError(
-                f"{option} {folder} is not empty ({names}); choose a new or empty folder, or pass --overwrite "
-                f"(the new contents replace the old in one step once they are complete)"
-            )
-        staging = target.parent / f".{target.name}{STAGING_PREFIX}{purpose}-{secrets.token_hex(4)}"
-        try:
-            staging.mkdir()
-        except OSError as err:
-            raise RunFolderError(f"cannot write beside the folder {folder}: {err.strerror}") from None
-        try:
-            yield staging
-            aside = swap_in(folder, staging, old)
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)  # after a swap it holds the old content: gone too
-            raise
+    created = not folder.exists()
+    try:
+        with RunLock(folder, purpose):
+            target = Path(os.path.realpath(folder))  # a folder may be a link (a scratch disk): build beside its target
+            for stale in [*folder.glob(f"{STAGING_PREFIX}*"), *folder.glob(f"{REPLACED_PREFIX}*"),
+                          *target.parent.glob(f".{target.name}{STAGING_PREFIX}*"),
+                          *target.parent.glob(f".{target.name}{REPLACED_PREFIX}*")]:  # fmt: skip
+                shutil.rmtree(stale, ignore_errors=True)  # a killed command's leftovers: we hold the lock
+            old = _contents(folder)
+            if old and protect_runs and training_run(folder):
+                raise RunFolderError(
+                    f"{option} {folder} holds a training run; `{purpose}` never replaces a run: choose another folder"
+                )
+            nested = nested_run(folder) if old and protect_runs else None
+            if nested is not None:  # --overwrite would remove it with the rest
+                raise RunFolderError(
+                    f"{option} {folder} holds the training run {nested}; `{purpose}` never replaces a run: "
+                    f"choose another folder"
+                )
+            if old and not overwrite:
+                names = ", ".join(p.name for p in old[:3]) + (" ..." if len(old) > 3 else "")
+                raise RunFolderError(
+                    f"{option} {folder} is not empty ({names}); choose a new or empty folder, or pass --overwrite "
+                    f"(the new contents replace the old in one step once they are complete)"
+                )
+            staging = target.parent / f".{target.name}{STAGING_PREFIX}{purpose}-{secrets.token_hex(4)}"
+            try:
+                staging.mkdir()
+            except OSError as err:
+                raise RunFolderError(f"cannot write beside the folder {folder}: {err.strerror}") from None
+            try:
+                yield staging
+                aside = swap_in(folder, staging, old)
+            except OSError as err:  # named by the folder the user gave, not the hidden staging one
+                shutil.rmtree(staging, ignore_errors=True)
+                raise _renamed(err, staging, folder) from None
+            except BaseException:
+                shutil.rmtree(staging, ignore_errors=True)  # after a swap it holds the old content: gone too
+                raise
+    except BaseException:
+        if created:  # a folder this command made and left empty goes again
+            try:
+                folder.rmdir()
+            except OSError:
+                pass
+        raise
     if aside is not None:
         log.warning("--overwrite: the previous contents of %s were replaced", folder)
+
+
+def _renamed(err: OSError, staging: Path, folder: Path) -> OSError:
+    """``err`` with a path inside ``staging`` given as the same path inside ``folder``."""
+    name = str(err.filename or "")
+    if not name.startswith(str(staging)):
+        return err
+    shown = str(folder) + name[len(str(staging)):]
+    if isinstance(err, WriteError):
+        return WriteError(err.errno, err.strerror, shown)
+    return OSError(err.errno, err.strerror, shown)
 
 
 def _exchange(a: Path, b: Path) -> bool:

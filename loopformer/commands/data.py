@@ -215,14 +215,20 @@ def write_generated(task: Task, ds: TokenDataset, out: Path, fmt: str, split: st
     from loopformer.train.run_folder import RunLock
 
     folder = out if fmt == "hrm" else (out.parent if str(out.parent) else Path("."))
-    with RunLock(folder, "generate"):  # data prepare -o and other generates into this folder wait
-        if fmt != "hrm":
-            task.save(ds, out)
-            return
-        from loopformer.tasks.formats import save_hrm_folder
+    created = not folder.exists()
+    try:
+        with RunLock(folder, "generate"):  # data prepare -o and other generates into this folder wait
+            if fmt != "hrm":
+                task.save(ds, out)
+                return
+            from loopformer.tasks.formats import save_hrm_folder
 
-        with staged_output(out / split, "generate", overwrite, "--out") as tmp:
-            save_hrm_folder(ds, out, split, vocab_size=task.vocab_size or None, split_folder=tmp)
+            with staged_output(out / split, "generate", overwrite, "--out") as tmp:
+                save_hrm_folder(ds, out, split, vocab_size=task.vocab_size or None, split_folder=tmp)
+    except BaseException:
+        if created and folder.is_dir() and not any(folder.iterdir()):
+            folder.rmdir()  # the folder this command made, left empty by the failure
+        raise
 
 
 @data.command("show")
