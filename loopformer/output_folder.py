@@ -153,6 +153,11 @@ def _renamed(err: OSError, staging: Path, folder: Path) -> OSError:
     return OSError(err.errno, err.strerror, shown)
 
 
+def exchange_folders(a: Path, b: Path) -> bool:
+    """Swap the folders ``a`` and ``b`` in one atomic step where the OS can; False (nothing changed) where not."""
+    return _exchange(a, b)
+
+
 def _exchange(a: Path, b: Path) -> bool:
     """Swap the folders ``a`` and ``b`` in one atomic step (Linux ``renameat2(RENAME_EXCHANGE)``);
     False where the OS or file system cannot (then nothing was changed)."""
@@ -210,4 +215,4 @@ def swap_in(folder: Path, staging: Path, old: list[Path]) -> Path | None:
     return aside if old else None
 
 
-__all__ = ["inside_run", "refuse_inside_checkpoints", "staged_output", "swap_in", "training_run"]  # two re-exported
+__all__ = ["inside_run", "refuse_inside_checkpoints", "exchange_folders", "staged_output", "swap_in", "training_run"]  # two re-exported

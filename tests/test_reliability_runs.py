@@ -215,3 +215,27 @@ def test_loopformer_run_never_reuses_a_previous_run_folder(tmp_path, monkeypatch
         run_folder_for(str(first), False)
     assert run_folder_for(str(first), True) == first
     assert run_folder_for(str(tmp_path / "new"), False) == tmp_path / "new"
+
+
+def test_saving_a_step_again_swaps_the_folder_in_one_exchange(tmp_path, monkeypatch) -> None:
+    """Re-saving a step (a resume that stops at once) replaced ``step_N`` by two renames, with a moment
+    when the folder was missing (a kill there lost the only checkpoint); now one exchange."""
+    tr = _trainer(tiny_config(tmp_path, "train.steps=2"))
+    tr.fit()
+    final = tmp_path / "checkpoints" / "step_00000002"
+    real = os.replace
+
+    def watched(src, dst, *args, **kwargs):
+        assert os.fspath(src) != os.fspath(final), "the step folder was renamed away"
+        return real(src, dst, *args, **kwargs)
+
+    import loopformer.output_folder as of
+
+    exchanged = []
+    real_exchange = of.exchange_folders
+    monkeypatch.setattr(of, "exchange_folders", lambda a, b: exchanged.append(b) or real_exchange(a, b))
+    monkeypatch.setattr(os, "replace", watched)
+    tr.save()
+    assert exchanged == [final]
+    assert latest_checkpoint(tmp_path / "checkpoints") == final
+    assert not [p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith(".")]
