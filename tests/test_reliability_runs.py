@@ -239,3 +239,14 @@ def test_saving_a_step_again_swaps_the_folder_in_one_exchange(tmp_path, monkeypa
     assert exchanged == [final]
     assert latest_checkpoint(tmp_path / "checkpoints") == final
     assert not [p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith(".")]
+
+
+def test_a_resume_of_a_finished_run_keeps_one_record_per_step(tmp_path) -> None:
+    """``train --resume`` of a run that had finished evaluated again and appended a second record for
+    its last step; the evaluation now joins that step's record."""
+    _trainer(tiny_config(tmp_path, "train.steps=2")).fit()
+    first = _metrics(tmp_path)
+    _trainer(tiny_config(tmp_path, "train.steps=2", "train.resume=true")).fit()
+    again = _metrics(tmp_path)
+    assert [m["step"] for m in again] == [1, 2] and again[0] == first[0]
+    assert {k for k in again[1] if k.startswith("eval_")} == {k for k in first[1] if k.startswith("eval_")}
