@@ -150,16 +150,12 @@ COPIED_24 = [
     "tests/test_reliability_output_swap.py",
     "tests/test_reliability_overwrite.py",
     "tests/test_reliability_output_folders.py",
-    "tests/test_reliability_lock.py",
     "tests/test_reliability_signals.py",
-    "tests/test_reliability_write_limit.py",
 ]
 R = "tests/test_reliability_resume.py::"
 O = "tests/test_reliability_overwrite.py::"
 F = "tests/test_reliability_output_folders.py::"
-L = "tests/test_reliability_lock.py::"
 S = "tests/test_reliability_signals.py::"
-Z = "tests/test_reliability_write_limit.py::"
 V = "tests/test_reliability_convert.py::"
 W = "tests/test_reliability_output_swap.py::"
 CASES_24: list[tuple[int, str, str]] = [
@@ -197,15 +193,16 @@ CASES_24: list[tuple[int, str, str]] = [
      F + "test_a_folder_holding_a_run_below_it_is_never_written_whole"),
     (12, "data generate replaces a run's metrics.jsonl; HRM split written in place",
      F + "test_data_generate_follows_the_run_folder_rules"),
-    (12, "sweep -o a run folder writes sweep.json into it", F + "test_sweep_refuses_a_folder_that_is_not_its_own_before_writing"),
-    (12, "data generate, sweep, consolidate write without the folder's lock",
-     L + "test_every_command_that_writes_a_folder_waits_for_its_lock"),
     (12, "run: SIGTERM exits 1 with no resume command (and no --resume)",
      S + "test_run_stopped_by_a_signal_resumes_with_the_printed_command"),
-    (12, "sweep: SIGINT exits 1 with no resume command", S + "test_sweep_stopped_by_a_signal_resumes_with_the_printed_command"),
-    (12, "eval -o / compare -o / data generate past a write limit name the hidden staging folder",
-     Z + "test_eval_compare_and_data_generate_past_the_limit_leave_the_old_output"),
 ]  # fmt: skip
+# Not in the table: tests whose commands (sweep, compare, consolidate) 873c8e8 does not have, so they
+# fail there for that reason alone; against main before this work (b9ec86c) they fail for theirs:
+# test_reliability_output_folders.py::test_sweep_refuses_a_folder_that_is_not_its_own_before_writing,
+# test_reliability_lock.py::test_every_command_that_writes_a_folder_waits_for_its_lock,
+# test_reliability_signals.py::test_sweep_stopped_by_a_signal_resumes_with_the_printed_command,
+# test_reliability_write_limit.py::test_eval_compare_and_data_generate_past_the_limit_leave_the_old_output
+# (docs/reliability.md, below the table)
 # (cases, commit before, files copied into its worktree): one table each
 GROUPS = [("issue 16", "CASES", "BEFORE", "COPIED"), ("issue 24", "CASES_24", "BEFORE_24", "COPIED_24")]
 
