@@ -195,3 +195,24 @@ def test_sweep_refuses_a_folder_that_is_not_its_own_before_writing(tiny, tmp_pat
     (other / "sweep.json").write_text('{"recipe": "x", "axes": {"train.lr": [1]}, "fixed": {}}')
     fails_cleanly(CliRunner().invoke(cli, [*grid, "-o", str(other)]), "holds another sweep")
     assert sorted(p.name for p in other.iterdir()) == ["sweep.json"] and sorted(data.iterdir()) == [data / "train"]
+
+
+def test_run_out_refuses_a_run_folder_a_folder_inside_one_or_a_foreign_folder(tiny, tmp_path) -> None:
+    """``loopformer run -o RUN/sub`` created ``sub`` inside the run before its training was refused, and
+    ``run -o`` a folder holding a dataset or another run wrote its report among them; now each is refused
+    before anything is created."""
+    import shutil
+
+    recipe, run = tiny
+    before = _files(run)
+    for out in (run / "sub", run):
+        fails_cleanly(CliRunner().invoke(cli, ["run", "-r", str(recipe), "-o", str(out), "--overwrite"]),
+                      "is or lies in the training run")  # fmt: skip
+    assert _files(run) == before and not (run / "sub").exists()
+    project = tmp_path / "project"
+    shutil.copytree(run, project / "runs" / "r1")
+    fails_cleanly(CliRunner().invoke(cli, ["run", "-r", str(recipe), "-o", str(project)]), "holds the training run")
+    data = tmp_path / "data"
+    (data / "train").mkdir(parents=True)
+    fails_cleanly(CliRunner().invoke(cli, ["run", "-r", str(recipe), "-o", str(data)]), "holds no earlier")
+    assert sorted(p.name for p in project.iterdir()) == ["runs"] and sorted(p.name for p in data.iterdir()) == ["train"]

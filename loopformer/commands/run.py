@@ -228,6 +228,7 @@ def run_folder_for(out_dir: str | None, overwrite: bool, resume: bool = False) -
         out = Path(out_dir)
         if out.exists() and not out.is_dir():
             raise RunFolderError(f"--out {out} is a file, not a folder: name a folder to write into")
+        _refuse_foreign_folder(out)
         if resume and not (holds_run(out / "model") or holds_run(out / "baseline")):
             raise RunFolderError(f"--resume: {out} holds no `loopformer run` to continue (no model/ checkpoints)")
         previous = (out / "summary.json").is_file() or holds_run(out / "model") or holds_run(out / "baseline")
@@ -244,6 +245,36 @@ def run_folder_for(out_dir: str | None, overwrite: bool, resume: bool = False) -
         except FileExistsError:
             n += 1
             out = stamp.with_name(f"{stamp.name}-{n}")
+
+
+def _refuse_foreign_folder(out: Path) -> None:
+    """Refuse, before anything is created, an ``--out`` that is or lies in a training run's folder, or
+    that holds something other than a previous ``loopformer run`` (a dataset, another run below it)."""
+    from loopformer.train.run_folder import (
+        LOCK_NAME,
+        RunFolderError,
+        holds_run,
+        inside_run,
+        nested_run,
+        training_run,
+    )
+
+    found = (out, False) if training_run(out) else inside_run(out)
+    if found is not None:
+        raise RunFolderError(f"--out {out} is or lies in the training run {found[0]}; `loopformer run` writes a "
+                             f"folder of its own: choose another --out")  # fmt: skip
+    if not out.is_dir():
+        return
+    previous = (out / "summary.json").is_file() or holds_run(out / "model") or holds_run(out / "baseline")
+    for child in sorted(out.iterdir()):  # a run of its own (model/, baseline/) is fine; any other is not
+        if child.is_dir() and not child.is_symlink() and child.name not in ("model", "baseline"):
+            nested = child if training_run(child) else nested_run(child)
+            if nested is not None:
+                raise RunFolderError(f"--out {out} holds the training run {nested}; choose a new or empty --out")
+    others = sorted(p.name for p in out.iterdir() if p.name != LOCK_NAME)
+    if others and not previous:
+        raise RunFolderError(f"--out {out} is not empty ({', '.join(others[:3])}) and holds no earlier "
+                             f"`loopformer run`; choose a new or empty --out")  # fmt: skip
 
 
 @click.command("run")
