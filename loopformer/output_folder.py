@@ -38,8 +38,16 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from loopformer.safe_io import fsync_dir
-from loopformer.train.run_folder import LOCK_NAME, STAGING, RunFolderError, RunLock, inside_run, training_run
+from loopformer.safe_io import WriteError, check_inside, fsync_dir
+from loopformer.train.run_folder import (
+    LOCK_NAME,
+    STAGING,
+    RunFolderError,
+    RunLock,
+    inside_run,
+    nested_run,
+    training_run,
+)
 
 log = logging.getLogger("loopformer")
 
@@ -81,36 +89,73 @@ def staged_output(
     if folder.exists() and not folder.is_dir():
         raise RunFolderError(f"{option} {folder} is a file, not a folder: name a folder to write into")
     refuse_inside_checkpoints(folder, option)
-    with RunLock(folder, purpose):
-        target = Path(os.path.realpath(folder))  # a folder may be a link (a scratch disk): build beside its target
-        for stale in [*folder.glob(f"{STAGING_PREFIX}*"), *folder.glob(f"{REPLACED_PREFIX}*"),
-                      *target.parent.glob(f".{target.name}{STAGING_PREFIX}*"),
-                      *target.parent.glob(f".{target.name}{REPLACED_PREFIX}*")]:  # fmt: skip
-            shutil.rmtree(stale, ignore_errors=True)  # a killed command's leftovers: we hold the lock
-        old = _contents(folder)
-        if old and protect_runs and training_run(folder):
-            raise RunFolderError(
-                f"{option} {folder} holds a training run; `{purpose}` never replaces a run: choose another folder"
-            )
-        if old and not overwrite:
-            names = ", ".join(p.name for p in old[:3]) + (" ..." if len(old) > 3 else "")
-            raise RunFolderError(
-                f"{option} {folder} is not empty ({names}); choose a new or empty folder, or pass --overwrite "
-                f"(the old contents are moved aside to {folder}/{REPLACED_PREFIX}<time>/ once the new ones are complete)"
-            )
-        staging = target.parent / f".{target.name}{STAGING_PREFIX}{purpose}-{secrets.token_hex(4)}"
-        try:
-            staging.mkdir()
-        except OSError as err:
-            raise RunFolderError(f"cannot write beside the folder {folder}: {err.strerror}") from None
-        try:
-            yield staging
-            aside = _swap_in(folder, staging, old)
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)  # after a swap it holds the old content: gone too
-            raise
+    enclosing = inside_run(folder)
+    if enclosing is not None:  # a report inside a run: not through a link there (nor out of the run)
+        check_inside(folder, enclosing[0])
+    created = not folder.exists()
+    try:
+        with RunLock(folder, purpose):
+            target = Path(os.path.realpath(folder))  # a folder may be a link (a scratch disk): build beside its target
+            for stale in [*folder.glob(f"{STAGING_PREFIX}*"), *folder.glob(f"{REPLACED_PREFIX}*"),
+                          *target.parent.glob(f".{target.name}{STAGING_PREFIX}*"),
+                          *target.parent.glob(f".{target.name}{REPLACED_PREFIX}*")]:  # fmt: skip
+                shutil.rmtree(stale, ignore_errors=True)  # a killed command's leftovers: we hold the lock
+            old = _contents(folder)
+            if old and protect_runs and training_run(folder):
+                raise RunFolderError(
+                    f"{option} {folder} holds a training run; `{purpose}` never replaces a run: choose another folder"
+                )
+            nested = nested_run(folder) if old and protect_runs else None
+            if nested is not None:  # --overwrite would remove it with the rest
+                raise RunFolderError(
+                    f"{option} {folder} holds the training run {nested}; `{purpose}` never replaces a run: "
+                    f"choose another folder"
+                )
+            if old and not overwrite:
+                names = ", ".join(p.name for p in old[:3]) + (" ..." if len(old) > 3 else "")
+                raise RunFolderError(
+                    f"{option} {folder} is not empty ({names}); choose a new or empty folder, or pass --overwrite "
+                    f"(the new contents replace the old in one step once they are complete)"
+                )
+            staging = target.parent / f".{target.name}{STAGING_PREFIX}{purpose}-{secrets.token_hex(4)}"
+            try:
+                staging.mkdir()
+            except OSError as err:
+                raise RunFolderError(f"cannot write beside the folder {folder}: {err.strerror}") from None
+            try:
+                yield staging
+                aside = swap_in(folder, staging, old)
+            except OSError as err:  # named by the folder the user gave, not the hidden staging one
+                shutil.rmtree(staging, ignore_errors=True)
+                raise _renamed(err, staging, folder) from None
+            except BaseException:
+                shutil.rmtree(staging, ignore_errors=True)  # after a swap it holds the old content: gone too
+                raise
+    except BaseException:
+        if created:  # a folder this command made and left empty goes again
+            try:
+                folder.rmdir()
+            except OSError:
+                pass
+        raise
     if aside is not None:
         log.warning("--overwrite: the previous contents of %s were replaced", folder)
+
+
+def _renamed(err: OSError, staging: Path, folder: Path) -> OSError:
+    """``err`` with a path inside ``staging`` given as the same path inside ``folder``."""
+    name = str(err.filename or "")
+    if not name.startswith(str(staging)):
+        return err
+    shown = str(folder) + name[len(str(staging)):]
+    if isinstance(err, WriteError):
+        return WriteError(err.errno, err.strerror, shown)
+    return OSError(err.errno, err.strerror, shown)
+
+
+def exchange_folders(a: Path, b: Path) -> bool:
+    """Swap the folders ``a`` and ``b`` in one atomic step where the OS can; False (nothing changed) where not."""
+    return _exchange(a, b)
 
 
 def _exchange(a: Path, b: Path) -> bool:
@@ -142,7 +187,7 @@ _RENAMEAT2: Any = None  # the C library's renameat2, False where there is none (
 _AT_FDCWD, _RENAME_EXCHANGE = -100, 2
 
 
-def _swap_in(folder: Path, staging: Path, old: list[Path]) -> Path | None:
+def swap_in(folder: Path, staging: Path, old: list[Path]) -> Path | None:
     """Put ``staging``'s content in place of ``folder``'s, then delete the old content.
 
     ``staging`` is a sibling of ``folder``. Where the OS can, one ``renameat2(RENAME_EXCHANGE)``
@@ -170,4 +215,4 @@ def _swap_in(folder: Path, staging: Path, old: list[Path]) -> Path | None:
     return aside if old else None
 
 
-__all__ = ["inside_run", "refuse_inside_checkpoints", "staged_output", "training_run"]  # two re-exported
+__all__ = ["inside_run", "refuse_inside_checkpoints", "exchange_folders", "staged_output", "swap_in", "training_run"]  # two re-exported

@@ -160,8 +160,23 @@ def save_npy(path: str | Path, array: Any, root: str | Path | None = None) -> Pa
     import numpy as np
 
     with atomic_writer(path, "wb", root) as fh:
-        np.save(fh, array)
+        np.save(_PlainWriter(fh), array)  # not a real file: numpy writes through .write, whose errors name errno
     return Path(path)
+
+
+class _PlainWriter:
+    """A file object numpy does not recognise as a real file: ``np.save`` then writes through
+    ``write`` (an ``OSError`` with its errno: "File too large") instead of C ``fwrite`` (a bare
+    "8192 requested and 0 written")."""
+
+    def __init__(self, fh: IO[bytes]) -> None:
+        self._fh = fh
+
+    def write(self, data: bytes) -> int:
+        return self._fh.write(data)
+
+    def flush(self) -> None:
+        self._fh.flush()
 
 
 def append_line(path: str | Path, line: str, root: str | Path | None = None, fsync: bool = False) -> None:

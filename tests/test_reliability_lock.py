@@ -110,3 +110,48 @@ def test_the_same_process_locking_again_takes_over_its_own_lock(tmp_path) -> Non
     second.release()
     first.release()  # a no-op: it gave the lock up
     assert not (tmp_path / LOCK_NAME).exists()
+
+
+def test_every_command_that_writes_a_folder_waits_for_its_lock(tmp_path) -> None:
+    """While another process holds a folder's lock, every command that would write into it is refused
+    naming the holder, and writes nothing: train, resume, eval (into the run, or -o), compare -o,
+    data generate (a file in it, or an HRM folder), data prepare -o, sweep -o, consolidate --out."""
+    import yaml
+    from click.testing import CliRunner
+    from reliability_common import fails_cleanly, tiny_recipe
+
+    from loopformer.cli import cli
+
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump(tiny_recipe(), sort_keys=False))
+    run, busy = tmp_path / "run", tmp_path / "busy"
+    assert CliRunner().invoke(cli, ["train", str(recipe), "-o", str(run)]).exit_code == 0
+    step = sorted((run / "checkpoints").glob("step_*"))[-1]
+    report = tmp_path / "report"
+    assert CliRunner().invoke(cli, ["eval", str(run), "-o", str(report), "--examples", "2"]).exit_code == 0
+    gen = ["data", "generate", "sudoku", "--size", "4", "--count", "3"]
+    commands = {
+        busy: [["train", str(recipe), "-o", str(busy)], ["eval", str(run), "-o", str(busy), "--examples", "2"],
+               ["compare", str(report), "-o", str(busy)], [*gen, "-o", str(busy / "d.csv")],
+               [*gen, "--format", "hrm", "-o", str(busy)], ["sweep", str(recipe), "loop_eval.max_steps=2,3", "-o", str(busy)],
+               ["data", "prepare", "sudoku-extreme", "-o", str(busy), "--from", str(tmp_path)],
+               ["push", str(run), "me/x", "--to-folder", str(busy)]],
+        run: [["train", str(recipe), "-o", str(run), "--resume"], ["eval", str(run), "--examples", "2"],
+              ["consolidate", str(step), "--out", str(run / "checkpoints")]],
+    }  # fmt: skip
+    for folder, invocations in commands.items():
+        folder.mkdir(exist_ok=True)
+        code = (
+            "import time; from loopformer.train.run_folder import RunLock; "
+            f"RunLock({str(folder)!r}, 'train').acquire(); print('locked', flush=True); time.sleep(120)"
+        )
+        proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        try:
+            assert proc.stdout.readline().strip() == "locked"
+            before = sorted(p.relative_to(folder) for p in folder.rglob("*"))
+            for args in invocations:
+                fails_cleanly(CliRunner().invoke(cli, args), f"in use by process {proc.pid}")
+                assert sorted(p.relative_to(folder) for p in folder.rglob("*")) == before, args
+        finally:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()

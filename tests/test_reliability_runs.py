@@ -68,9 +68,9 @@ def test_overwrite_keeps_the_old_run_until_the_first_new_checkpoint(tmp_path) ->
     summary = _trainer(tiny_config(tmp_path, "train.steps=3", "train.overwrite=true")).fit()
     assert [p.name for p in step_dirs(tmp_path / "checkpoints")] == ["step_00000003"]
     assert summary["checkpoint"] == str(tmp_path / "checkpoints" / "step_00000003")
-    aside = [p for p in tmp_path.iterdir() if p.name.startswith(".replaced-")]
-    assert len(aside) == 1
-    assert {k: v for k, v in _snapshot(aside[0]).items()} == before  # moved aside, byte for byte
+    # replaced whole (one exchange with the folder it was built in beside): nothing of the old run is left
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+    assert not [p for p in tmp_path.parent.iterdir() if p.name.startswith(f".{tmp_path.name}.")]
     assert [m["step"] for m in _metrics(tmp_path)] == [1, 2, 3]
 
 
@@ -215,3 +215,38 @@ def test_loopformer_run_never_reuses_a_previous_run_folder(tmp_path, monkeypatch
         run_folder_for(str(first), False)
     assert run_folder_for(str(first), True) == first
     assert run_folder_for(str(tmp_path / "new"), False) == tmp_path / "new"
+
+
+def test_saving_a_step_again_swaps_the_folder_in_one_exchange(tmp_path, monkeypatch) -> None:
+    """Re-saving a step (a resume that stops at once) replaced ``step_N`` by two renames, with a moment
+    when the folder was missing (a kill there lost the only checkpoint); now one exchange."""
+    tr = _trainer(tiny_config(tmp_path, "train.steps=2"))
+    tr.fit()
+    final = tmp_path / "checkpoints" / "step_00000002"
+    real = os.replace
+
+    def watched(src, dst, *args, **kwargs):
+        assert os.fspath(src) != os.fspath(final), "the step folder was renamed away"
+        return real(src, dst, *args, **kwargs)
+
+    import loopformer.output_folder as of
+
+    exchanged = []
+    real_exchange = of.exchange_folders
+    monkeypatch.setattr(of, "exchange_folders", lambda a, b: exchanged.append(b) or real_exchange(a, b))
+    monkeypatch.setattr(os, "replace", watched)
+    tr.save()
+    assert exchanged == [final]
+    assert latest_checkpoint(tmp_path / "checkpoints") == final
+    assert not [p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith(".")]
+
+
+def test_a_resume_of_a_finished_run_keeps_one_record_per_step(tmp_path) -> None:
+    """``train --resume`` of a run that had finished evaluated again and appended a second record for
+    its last step; the evaluation now joins that step's record."""
+    _trainer(tiny_config(tmp_path, "train.steps=2")).fit()
+    first = _metrics(tmp_path)
+    _trainer(tiny_config(tmp_path, "train.steps=2", "train.resume=true")).fit()
+    again = _metrics(tmp_path)
+    assert [m["step"] for m in again] == [1, 2] and again[0] == first[0]
+    assert {k for k in again[1] if k.startswith("eval_")} == {k for k in first[1] if k.startswith("eval_")}

@@ -74,7 +74,8 @@ def test_check_inside_refuses_links_and_paths_leaving_the_folder(tmp_path) -> No
     assert check_inside(linked_run / "metrics.jsonl", linked_run) == linked_run / "metrics.jsonl"
 
 
-@pytest.mark.parametrize("link", ["metrics.jsonl", "checkpoints", "config.yaml"])
+@pytest.mark.parametrize("link", ["metrics.jsonl", "checkpoints", "config.yaml", "provenance.json", "origin.json",
+                                  "config_changes.jsonl"])  # fmt: skip
 def test_training_refuses_to_write_through_a_link_in_its_run_folder(tmp_path, link) -> None:
     run, victim = tmp_path / "run", tmp_path / "victim"
     run.mkdir()
@@ -87,3 +88,24 @@ def test_training_refuses_to_write_through_a_link_in_its_run_folder(tmp_path, li
         assert list(victim.iterdir()) == []
     else:
         assert victim.read_text() == "precious\n"
+
+
+def test_a_report_into_a_link_inside_a_run_folder_is_refused(tmp_path) -> None:
+    """``eval -o RUN/LINK`` (a link inside the run folder to a folder outside it) wrote the report
+    through the link; now refused naming it. A report folder that is itself a link elsewhere is fine."""
+    from loopformer.output_folder import staged_output
+
+    run, outside = tmp_path / "run", tmp_path / "outside"
+    (run / "checkpoints" / "step_00000001").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    outside.mkdir()
+    (run / "report-link").symlink_to(outside)
+    for target in (run / "report-link", run / "report-link" / "sub"):
+        with pytest.raises(UnsafePathError, match="report-link is a symbolic link"):
+            with staged_output(target, "eval", overwrite=True):
+                pass
+    assert list(outside.iterdir()) == []
+    (tmp_path / "scratch").symlink_to(outside)
+    with staged_output(tmp_path / "scratch", "eval", overwrite=False) as staging:
+        (staging / "report.md").write_text("ok")
+    assert (outside / "report.md").read_text() == "ok"

@@ -11,6 +11,7 @@ import signal
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from click.testing import CliRunner
 from reliability_common import cli_text, tiny_recipe
@@ -86,3 +87,79 @@ def test_a_second_signal_stops_at_once_and_leaves_the_folder_whole(recipe, tmp_p
     assert "training stopped" not in text  # no checkpoint: it stopped in the step
     assert not (run / "checkpoints").exists() or not list((run / "checkpoints").glob("step_*"))
     assert _whole(run) == [1, 2, 3]
+
+
+def _same_weights(a: Path, b: Path) -> bool:
+    from safetensors.torch import load_file
+
+    x, y = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
+    return x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+
+
+def test_run_stopped_by_a_signal_resumes_with_the_printed_command(recipe, tmp_path, monkeypatch) -> None:
+    """``loopformer run``: SIGTERM in the looped model's training checkpoints it, exits 143 and prints
+    ``loopformer run ... --resume``, which continues it bit for bit and then trains the baseline."""
+    out = tmp_path / "out"
+    args = ["run", "-r", str(recipe), "-o", str(out), "train.steps=6", "run.budgets=[1]", "run.lens_loops=0",
+            "run.signal_loops=0", "run.spectral=false"]  # fmt: skip
+    _signal_at(monkeypatch, 3, signal.SIGTERM)
+    result = CliRunner().invoke(cli, args)
+    text = " ".join(cli_text(result).split())
+    assert result.exit_code == 143 and "Traceback" not in text and "internal error" not in text, text[-800:]
+    assert "training stopped by SIGTERM after step 4" in text
+    assert f"resume with: loopformer run -r {recipe} train.steps=6 'run.budgets=[1]'" in text, text[-600:]
+    again = text.split("resume with: ", 1)[1].split()
+    assert again[:2] == ["loopformer", "run"] and again[-1] == "--resume" and "-o" in again, again
+    assert not (out / "model" / ".loopformer.lock").exists() and not (out / "baseline").exists()
+    monkeypatch.undo()
+    resumed = CliRunner().invoke(cli, [*args, "--resume"])
+    assert resumed.exit_code == 0, cli_text(resumed)[-800:]
+    assert load_run(out / "model").step == 6 and load_run(out / "baseline").step == 6
+    ref = CliRunner().invoke(cli, ["train", str(recipe), "-o", str(tmp_path / "ref"), "train.steps=6"])
+    assert ref.exit_code == 0, cli_text(ref)
+    assert _same_weights(out / "model" / "checkpoints" / "step_00000006",
+                         tmp_path / "ref" / "checkpoints" / "step_00000006")  # fmt: skip
+    kept = CliRunner().invoke(cli, [*args, "--resume"])  # both finished: kept, only evaluated again
+    assert kept.exit_code == 0 and "trained earlier" in kept.output, cli_text(kept)[-800:]
+
+
+def test_sweep_stopped_by_a_signal_resumes_with_the_printed_command(recipe, tmp_path, monkeypatch) -> None:
+    out = tmp_path / "sweep"
+    args = ["sweep", str(recipe), "train.steps=6", "loop_eval.max_steps=2,3", "-o", str(out)]
+    _signal_at(monkeypatch, 3, signal.SIGINT)
+    result = CliRunner().invoke(cli, args)
+    text = " ".join(cli_text(result).split())
+    assert result.exit_code == 130 and "Traceback" not in text, text[-800:]
+    assert f"resume with: loopformer sweep {recipe} train.steps=6 loop_eval.max_steps=2,3 -o {out}" in text, text[-600:]
+    monkeypatch.undo()
+    resumed = CliRunner().invoke(cli, args)
+    assert resumed.exit_code == 0, cli_text(resumed)[-800:]
+    (point,) = [p for p in out.iterdir() if (p / "checkpoints").is_dir()]
+    ref = CliRunner().invoke(cli, ["train", str(recipe), "-o", str(tmp_path / "ref"), "train.steps=6"])
+    assert ref.exit_code == 0, cli_text(ref)
+    assert _same_weights(point / "checkpoints" / "step_00000006", tmp_path / "ref" / "checkpoints" / "step_00000006")
+    assert (out / "compare" / "comparison.md").is_file()
+
+
+def test_sigterm_outside_a_training_unwinds_and_unlocks(recipe, tmp_path, monkeypatch) -> None:
+    """A SIGTERM during ``eval -o`` (no training loop to checkpoint) is one line and exit 143, not the
+    default silent death: the lock is released and the half-built report folder removed."""
+    run = tmp_path / "run"
+    assert CliRunner().invoke(cli, ["train", str(recipe), "-o", str(run), "train.steps=2"]).exit_code == 0
+    import loopformer.commands.train_eval as te
+
+    real = te._evaluate_into
+
+    def killed(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(te, "_evaluate_into", killed)
+    report = tmp_path / "report"
+    result = CliRunner().invoke(cli, ["eval", str(run), "-o", str(report), "--examples", "2"])
+    text = cli_text(result)
+    assert result.exit_code == 143 and "interrupted (SIGTERM): loopformer eval" in text, text[-600:]
+    assert "Traceback" not in text and "internal error" not in text
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["recipe.yaml", "run"] or not any(report.iterdir())
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL

@@ -143,3 +143,44 @@ def test_a_resume_that_drops_records_past_the_limit_keeps_the_old_log(long_run, 
     error = _assert_run_intact(run, _resume_under_limit(recipe, run, kept - 1, LONG_STEPS), step)
     assert "metrics.jsonl" in error
     assert metrics.read_bytes() == before  # the new, shorter log was never renamed over the old one
+
+
+def _under_limit(limit: int, *args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "PYTHONDONTWRITEBYTECODE": "1", "LOOPFORMER_DEBUG": ""}  # fmt: skip
+    return subprocess.run([sys.executable, "-c", CHILD, str(limit), *args], capture_output=True, text=True,
+                          env=env, timeout=300, cwd=cwd)  # fmt: skip
+
+
+def _tree(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_eval_compare_and_data_generate_past_the_limit_leave_the_old_output(base_run, tmp_path) -> None:
+    """``eval -o``, ``compare -o`` and ``data generate`` (a file, an HRM folder) that fail past the limit:
+    one line naming the file the user asked for (not the hidden staging folder), the previous output
+    byte for byte, no staging folder, temporary file or lock left, and no new, empty folder."""
+    _, run = base_run
+    report, table = tmp_path / "report", tmp_path / "table"
+    for args in (["eval", str(run), "-o", str(report), "--examples", "2"], ["compare", str(report), "-o", str(table)]):
+        result = CliRunner().invoke(cli, args)
+        assert result.exit_code == 0, cli_text(result)
+    gen = ["data", "generate", "sudoku", "--size", "4", "--count", "3000"]
+    assert CliRunner().invoke(cli, [*gen, "-o", str(tmp_path / "d.csv")]).exit_code == 0
+    before = _tree(tmp_path)
+    cases = [
+        (["eval", str(run), "-o", "report", "--examples", "2", "--overwrite"], "report/"),
+        (["eval", str(run), "-o", "fresh", "--examples", "2"], "fresh/"),
+        (["compare", "report", "-o", "table", "--overwrite"], "table/"),
+        ([*gen, "--seed", "1", "-o", "d.csv", "--overwrite"], "d.csv"),
+        ([*gen, "--format", "hrm", "-o", "hrm"], "hrm/train/"),
+    ]
+    for args, named in cases:
+        result = _under_limit(4096, *args, cwd=tmp_path)
+        text = result.stdout + result.stderr
+        errors = [line for line in text.splitlines() if line.startswith("Error")]
+        assert result.returncode == 1 and len(errors) == 1, f"{args}: {text[-600:]}"
+        assert "Traceback" not in text and "internal error" not in text, text[-600:]
+        assert f"could not write {named}" in errors[0] and "File too large" in errors[0], errors[0]
+        assert _tree(tmp_path) == before, args
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["d.csv", "report", "table"], args

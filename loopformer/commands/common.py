@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import errno
 import os
+import signal
+import threading
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -64,8 +66,14 @@ class CleanErrorGroup(click.Group):
     """A click group that reports errors in one line (no traceback unless --debug)."""
 
     def invoke(self, ctx: click.Context) -> Any:
+        previous = _catch_sigterm()
         try:
             return super().invoke(ctx)
+        except Terminated:
+            if debug_enabled(ctx):
+                raise
+            click.echo(interrupted_message(ctx.invoked_subcommand, "SIGTERM"), err=True)
+            ctx.exit(143)  # 128 + SIGTERM, as for a process the signal killed
         except KeyboardInterrupt:
             if debug_enabled(ctx):
                 raise
@@ -79,17 +87,47 @@ class CleanErrorGroup(click.Group):
             if debug_enabled(ctx):
                 raise
             raise click.ClickException(one_line(err)) from None
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
 
 
-def interrupted_message(command: str | None) -> str:
-    """What a Ctrl-C that reached the command line stopped, instead of click's bare "Aborted!"."""
+class Terminated(KeyboardInterrupt):
+    """A SIGTERM outside a training loop (which checkpoints on it): unwinds like Ctrl-C, so every lock
+    is released and no temporary file is left, instead of the default, silent death."""
+
+
+def _terminate(signum: int, frame: Any) -> None:
+    raise Terminated
+
+
+def _catch_sigterm() -> Any:
+    """Turn SIGTERM into ``Terminated`` while a command runs (main thread, default handler only);
+    returns the handler to put back, or None when nothing was changed."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return None
+    return signal.signal(signal.SIGTERM, _terminate)
+
+
+def resume_hint(err: Any, command: list[str]) -> None:
+    """Print a stopped training's message and the command that continues it; exit 128 + the signal."""
+    import shlex
+
+    click.echo(f"{err}; resume with: {shlex.join(command)}", err=True)
+    click.get_current_context().exit(err.exit_code)
+
+
+def interrupted_message(command: str | None, how: str = "Ctrl-C") -> str:
+    """What a Ctrl-C (or SIGTERM) that reached the command line stopped, instead of click's "Aborted!"."""
     name = f"loopformer {command}" if command else "loopformer"
-    text = f"interrupted (Ctrl-C): {name} stopped before it finished"
-    if command in ("train", "run"):
+    text = f"interrupted ({how}): {name} stopped before it finished"
+    if command in ("train", "run", "sweep"):
         return text + (
-            "; a training stops cleanly on the first Ctrl-C (it writes a checkpoint and prints the command "
+            f"; a training stops cleanly on the first {how} (it writes a checkpoint and prints the command "
             "that resumes it); this was a second one or came outside the training loop: resume from the last "
-            "checkpoint written with train.resume=true"
+            "checkpoint written with train.resume=true" + ("" if command == "train" else " (--resume)")
         )
     return text + "; files are written atomically, so nothing half-written was left behind"
 

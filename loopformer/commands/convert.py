@@ -93,7 +93,19 @@ def consolidate_cmd(checkpoint: str, out_dir: str) -> None:
     A sharded checkpoint is what train.checkpoint_format=sharded writes; the full one (model.safetensors,
     ema.safetensors, the optimiser in full) is what push, convert and a resume with train.strategy=fsdp or
     one process read. eval / solve read sharded checkpoints directly."""
+    from pathlib import Path
+
+    from loopformer.train.run_folder import RunFolderError, RunLock, inside_run, training_run
     from loopformer.train.sharded import consolidate
 
-    folder = consolidate(checkpoint, out_dir)
+    out = Path(out_dir)
+    source = Path(checkpoint)
+    source_run = inside_run(source) or ((source, False) if training_run(source) else None)
+    enclosing = inside_run(out)
+    if enclosing is not None and (source_run is None or Path(source_run[0]).resolve() != enclosing[0].resolve()):
+        raise RunFolderError(f"--out {out} is inside the training run {enclosing[0]}, not the run of {checkpoint}: "
+                             f"choose a folder outside it")  # fmt: skip
+    # the run's own lock when writing into its checkpoints (a training there would race), else --out's
+    with RunLock(enclosing[0] if enclosing is not None else out, "consolidate"):
+        folder = consolidate(checkpoint, out_dir)
     click.echo(f"wrote {folder}")

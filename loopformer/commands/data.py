@@ -137,6 +137,7 @@ def data() -> None:
     help="native: the task's own file format (task.save); hrm: an HRM/TRM folder.",
 )
 @click.option("--split", default="train", show_default=True, help="Split folder for --format hrm.")
+@click.option("--overwrite", is_flag=True, help="replace an existing OUT file (--format hrm: the split folder)")
 def generate_cmd(
     task_name: str,
     size: int | None,
@@ -146,6 +147,7 @@ def generate_cmd(
     extra: tuple[str, ...],
     fmt: str,
     split: str,
+    overwrite: bool,
 ) -> None:
     """Generate COUNT examples of TASK with SEED and write them to OUT."""
     from rich.console import Console
@@ -159,6 +161,7 @@ def generate_cmd(
     task, gen_kw = _make_task(task_name, options)
     if count < 0:
         raise click.BadParameter("must be >= 0", param_hint="--count")
+    check_generate_target(out, fmt, split, overwrite)
     console = Console(stderr=True)
     takes_progress = "progress" in inspect.signature(task.generate).parameters
     with Progress(
@@ -179,16 +182,53 @@ def generate_cmd(
             raise click.ClickException(f"generation failed: {exc}") from None
         bar.update(bar_id, completed=count)
     try:
-        if fmt == "hrm":
-            from loopformer.tasks.formats import save_hrm_folder
-
-            save_hrm_folder(ds, out, split, vocab_size=task.vocab_size or None)
-        else:
-            out.parent.mkdir(parents=True, exist_ok=True)
-            task.save(ds, out)
+        write_generated(task, ds, out, fmt, split, overwrite)
     except NotImplementedError as exc:
         raise click.ClickException(f"{exc}; use --format hrm") from None
     console.print(f"wrote {len(ds)} {task_name} examples to {out}")
+
+
+def check_generate_target(out: Path, fmt: str, split: str, overwrite: bool) -> None:
+    """Refuse, before anything is generated, an OUT that lies in a training run's folder, or that
+    already holds a dataset (the file; ``--format hrm``: the split folder) unless ``overwrite``."""
+    from loopformer.train.run_folder import RunFolderError, inside_run, training_run
+
+    target = out / split if fmt == "hrm" else out
+    for folder in (out, target):
+        found = (folder, False) if training_run(folder) else inside_run(folder)
+        if found is not None:
+            raise RunFolderError(f"--out {out} is inside the training run {found[0]}; `data generate` "
+                                 f"never writes into a run's folder: choose another path")  # fmt: skip
+    if fmt != "hrm" and out.is_dir():
+        raise RunFolderError(f"--out {out} is a folder; name the file to write (or use --format hrm)")
+    if fmt == "hrm" and out.exists() and not out.is_dir():
+        raise RunFolderError(f"--out {out} is a file, not a folder: --format hrm writes a folder")
+    if target.exists() and not overwrite and (target.is_file() or any(target.iterdir())):
+        raise RunFolderError(f"--out {target} already exists; pass --overwrite to replace it, "
+                             f"or choose another path")  # fmt: skip
+
+
+def write_generated(task: Task, ds: TokenDataset, out: Path, fmt: str, split: str, overwrite: bool) -> None:
+    """Write ``ds`` to ``out`` under the folder's lock: a file atomically, an HRM split folder built
+    aside and swapped in whole (``loopformer.output_folder.staged_output``)."""
+    from loopformer.output_folder import staged_output
+    from loopformer.train.run_folder import RunLock
+
+    folder = out if fmt == "hrm" else (out.parent if str(out.parent) else Path("."))
+    created = not folder.exists()
+    try:
+        with RunLock(folder, "generate"):  # data prepare -o and other generates into this folder wait
+            if fmt != "hrm":
+                task.save(ds, out)
+                return
+            from loopformer.tasks.formats import save_hrm_folder
+
+            with staged_output(out / split, "generate", overwrite, "--out") as tmp:
+                save_hrm_folder(ds, out, split, vocab_size=task.vocab_size or None, split_folder=tmp)
+    except BaseException:
+        if created and folder.is_dir() and not any(folder.iterdir()):
+            folder.rmdir()  # the folder this command made, left empty by the failure
+        raise
 
 
 @data.command("show")

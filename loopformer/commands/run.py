@@ -170,6 +170,12 @@ def task_description(cfg: Any) -> str:
 def _train(cfg: Any, label: str, echo: Any) -> dict[str, Any]:
     from loopformer.train.trainer import Trainer
 
+    if cfg.train.resume:  # --resume: a model whose training finished before the interruption is kept
+        done = _finished_summary(Path(cfg.out_dir), cfg.train.steps)
+        if done is not None:
+            echo(f"[bold]{label}[/bold]: trained earlier ({done['steps']} steps), kept -> {cfg.out_dir}")
+            return done
+
     echo(f"[bold]training {label}[/bold]: {cfg.model.name}, {cfg.train.steps} steps of {cfg.train.batch_size} "
          f"({cfg.train.mode}) -> {cfg.out_dir}")
     t0 = time.perf_counter()
@@ -177,6 +183,18 @@ def _train(cfg: Any, label: str, echo: Any) -> dict[str, Any]:
     echo(f"  {trainer.model.num_parameters():,} parameters, {len(trainer.train_data)} training examples")
     summary = trainer.fit()
     summary["wall_time"] = round(time.perf_counter() - t0, 1)
+    return summary
+
+
+def _finished_summary(run: Path, steps: int) -> dict[str, Any] | None:
+    """``run``'s ``summary.json`` when its training reached ``steps``, else None."""
+    try:
+        summary = json.loads((run / "summary.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(summary, dict) or int(summary.get("steps") or 0) < steps or not summary.get("checkpoint"):
+        return None
+    summary.setdefault("wall_time", 0.0)
     return summary
 
 
@@ -199,17 +217,22 @@ def _run_lm(out: Path, label: str, main_run: Any, base_summary: dict[str, Any] |
     echo(f"summary: {out / 'summary.json'}")
 
 
-def run_folder_for(out_dir: str | None, overwrite: bool) -> Path:
+def run_folder_for(out_dir: str | None, overwrite: bool, resume: bool = False) -> Path:
     """The folder of a ``loopformer run``: ``--out`` (refused when it holds a previous run, unless
-    ``overwrite``), else a new ``runs/<timestamp>`` (``-2``, ``-3``... when that name is taken)."""
+    ``overwrite`` or ``resume``), else a new ``runs/<timestamp>`` (``-2``, ``-3``... when that name is taken)."""
     from loopformer.train.run_folder import RunFolderError, holds_run
 
+    if resume and (not out_dir or overwrite):
+        raise click.UsageError("--resume continues the run in --out: give --out, and not --overwrite")
     if out_dir:
         out = Path(out_dir)
         if out.exists() and not out.is_dir():
             raise RunFolderError(f"--out {out} is a file, not a folder: name a folder to write into")
+        _refuse_foreign_folder(out)
+        if resume and not (holds_run(out / "model") or holds_run(out / "baseline")):
+            raise RunFolderError(f"--resume: {out} holds no `loopformer run` to continue (no model/ checkpoints)")
         previous = (out / "summary.json").is_file() or holds_run(out / "model") or holds_run(out / "baseline")
-        if previous and not overwrite:
+        if previous and not overwrite and not resume:
             raise RunFolderError(f"{out} holds a previous `loopformer run`; pass another --out, leave --out "
                                  f"out for a new runs/<timestamp> folder, or replace it with --overwrite")
         return out
@@ -224,15 +247,47 @@ def run_folder_for(out_dir: str | None, overwrite: bool) -> Path:
             out = stamp.with_name(f"{stamp.name}-{n}")
 
 
+def _refuse_foreign_folder(out: Path) -> None:
+    """Refuse, before anything is created, an ``--out`` that is or lies in a training run's folder, or
+    that holds something other than a previous ``loopformer run`` (a dataset, another run below it)."""
+    from loopformer.train.run_folder import (
+        LOCK_NAME,
+        RunFolderError,
+        holds_run,
+        inside_run,
+        nested_run,
+        training_run,
+    )
+
+    found = (out, False) if training_run(out) else inside_run(out)
+    if found is not None:
+        raise RunFolderError(f"--out {out} is or lies in the training run {found[0]}; `loopformer run` writes a "
+                             f"folder of its own: choose another --out")  # fmt: skip
+    if not out.is_dir():
+        return
+    previous = (out / "summary.json").is_file() or holds_run(out / "model") or holds_run(out / "baseline")
+    for child in sorted(out.iterdir()):  # a run of its own (model/, baseline/) is fine; any other is not
+        if child.is_dir() and not child.is_symlink() and child.name not in ("model", "baseline"):
+            nested = child if training_run(child) else nested_run(child)
+            if nested is not None:
+                raise RunFolderError(f"--out {out} holds the training run {nested}; choose a new or empty --out")
+    others = sorted(p.name for p in out.iterdir() if p.name != LOCK_NAME)
+    if others and not previous:
+        raise RunFolderError(f"--out {out} is not empty ({', '.join(others[:3])}) and holds no earlier "
+                             f"`loopformer run`; choose a new or empty --out")  # fmt: skip
+
+
 @click.command("run")
 @click.option("--recipe", "-r", default=DEFAULT_RECIPE, show_default=True, help="recipe name (in recipes/) or path")
 @click.option("--out", "-o", "out_dir", default=None, help="run folder (default: a new runs/<timestamp>)")
-@click.option("--overwrite", is_flag=True, help="replace the previous run in --out (moved aside once the new "
-              "models' first checkpoints are written)")
+@click.option("--overwrite", is_flag=True, help="replace the previous run in --out (each model's folder swapped in whole once "
+              "its first checkpoint is written)")
+@click.option("--resume", is_flag=True, help="continue the run in --out after an interruption (SIGTERM, "
+              "Ctrl-C): each model resumes from its latest checkpoint, a finished one is kept")
 @device_option()
 @click.option("--print-config", is_flag=True, help="print the resolved configurations (YAML) and exit")
 @click.argument("overrides", nargs=-1)
-def run(recipe: str, out_dir: str | None, overwrite: bool, overrides: tuple[str, ...], device: str,
+def run(recipe: str, out_dir: str | None, overwrite: bool, resume: bool, overrides: tuple[str, ...], device: str,
         print_config: bool) -> None:
     """Train the recipe's looped model and an equal-size plain transformer, evaluate both, report.
 
@@ -257,24 +312,34 @@ def run(recipe: str, out_dir: str | None, overwrite: bool, overrides: tuple[str,
             click.echo("---\n# the baseline\n" + print_config_yaml(base_cfg), nl=False)
         return
     with contextlib.ExitStack() as stack:
-        _run(recipe, out_dir, overwrite, overrides, dev, stack)
+        _run(recipe, out_dir, overwrite, overrides, dev, stack, resume)
 
 
 def _run(recipe: str, out_dir: str | None, overwrite: bool, overrides: tuple[str, ...], dev: Any,
-         stack: contextlib.ExitStack) -> None:  # fmt: skip
+         stack: contextlib.ExitStack, resume: bool = False) -> None:  # fmt: skip
     from rich.console import Console
 
+    from loopformer.commands.common import resume_hint
+    from loopformer.train.stop import TrainingInterrupted
+
     console = Console(highlight=False)
+    given = overrides
     if overwrite:
         overrides = (*overrides, "train.overwrite=true")
+    if resume:
+        overrides = (*overrides, "train.resume=true")
     # every override checked (as `train` checks them) before a run folder is claimed or anything written
     build_run_configs(recipe, overrides, Path(out_dir or "runs/<timestamp>"))
-    out = run_folder_for(out_dir, overwrite)
+    out = run_folder_for(out_dir, overwrite, resume)
     main_cfg, base_cfg, section, base_desc = build_run_configs(recipe, overrides, out)
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
-    main_summary = _train(main_cfg, "the looped model", console.print)
-    base_summary = _train(base_cfg, "the baseline", console.print) if base_cfg is not None else None
+    try:
+        main_summary = _train(main_cfg, "the looped model", console.print)
+        base_summary = _train(base_cfg, "the baseline", console.print) if base_cfg is not None else None
+    except TrainingInterrupted as err:  # SIGTERM / SIGINT: checkpointed and unlocked; say how to go on
+        kept = [o for o in given if o.split("=", 1)[0] not in ("train.resume", "train.overwrite")]
+        resume_hint(err, ["loopformer", "run", "-r", recipe, *kept, "-o", str(out), "--resume"])
 
     stack.enter_context(autocast(dev, main_cfg.bf16))  # evaluate in the precision the run trained in
     main_run = load_run(main_summary["checkpoint"], use_ema=main_cfg.eval.use_ema, device=str(dev))

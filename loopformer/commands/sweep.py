@@ -182,6 +182,38 @@ def _train_point(recipe: str, run: Path, point: Point, echo: Any) -> None:
     Trainer(cfg).fit()
 
 
+def check_sweep_folder(folder: Path, recipe: str, axes: dict[str, Any], fixed: dict[str, Any]) -> None:
+    """Refuse a sweep folder that is a file, lies in a training run's folder, is one, or holds
+    something other than this sweep (another sweep's ``sweep.json``, a dataset, a report)."""
+    from loopformer.train.run_folder import LOCK_NAME, RunFolderError, inside_run, training_run
+
+    if folder.exists() and not folder.is_dir():
+        raise RunFolderError(f"--out {folder} is a file, not a folder: name a folder to write into")
+    found = (folder, False) if training_run(folder) else inside_run(folder)
+    if found is not None:
+        raise RunFolderError(f"--out {folder} is or lies in the training run {found[0]}; a sweep writes "
+                             f"a folder of its own: choose another --out")  # fmt: skip
+    if not folder.is_dir():
+        return
+    record = folder / "sweep.json"
+    if not record.is_file():
+        others = sorted(p.name for p in folder.iterdir() if p.name != LOCK_NAME)
+        if others:
+            raise RunFolderError(f"--out {folder} is not empty ({', '.join(others[:3])}) and holds no "
+                                 f"earlier sweep; choose a new or empty folder")  # fmt: skip
+        return
+    try:
+        old = json.loads(record.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise RunFolderError(f"{record} does not parse ({err}); choose a new folder") from None
+    if not isinstance(old, dict) or (old.get("recipe"), old.get("axes"), old.get("fixed")) != (recipe, axes, fixed):
+        raise RunFolderError(
+            f"--out {folder} holds another sweep ({record}: recipe {old.get('recipe') if isinstance(old, dict) else '?'}, "
+            f"axes {', '.join(old.get('axes') or []) if isinstance(old, dict) else '?'}); a sweep is resumed "
+            f"with the same recipe and grid: choose another --out"
+        )
+
+
 @click.command("sweep")
 @click.argument("recipe")
 @click.argument("grid", nargs=-1, required=True)
@@ -204,11 +236,12 @@ def sweep(recipe: str, grid: tuple[str, ...], out_dir: str, max_steps: str | Non
     every point. Points that differ only in loop_eval.* / eval.* share one training run. Resumable:
     finished points are skipped. The comparison (table + plots) goes to OUT/compare/.
     """
-    from loopformer.commands.common import parse_int_list
+    from loopformer.commands.common import parse_int_list, resume_hint
     from loopformer.commands.compare import compare_into
     from loopformer.commands.train_eval import evaluate_checkpoint
     from loopformer.safe_io import atomic_write_json
     from loopformer.train.run_folder import RunLock
+    from loopformer.train.stop import TrainingInterrupted
 
     axes, fixed = parse_grid(grid)
     if not axes:
@@ -216,8 +249,9 @@ def sweep(recipe: str, grid: tuple[str, ...], out_dir: str, max_steps: str | Non
     budgets = parse_int_list(max_steps, "--max-steps")
     points = grid_points(axes, fixed)
     folder = Path(out_dir)
-    folder.mkdir(parents=True, exist_ok=True)
+    check_sweep_folder(folder, recipe, axes, fixed)  # before anything is written
     with RunLock(folder, "sweep"):  # one sweep at a time in a folder; each run folder is locked by its run
+        check_sweep_folder(folder, recipe, axes, fixed)  # again, now that no other sweep can write it
         atomic_write_json(folder / "sweep.json", {
             "recipe": recipe, "axes": axes, "fixed": fixed, "max_steps": budgets,
             "points": [{"name": p.name, "run": p.run, "report": f"{p.run}/{p.report}",
@@ -228,7 +262,13 @@ def sweep(recipe: str, grid: tuple[str, ...], out_dir: str, max_steps: str | Non
         for i, point in enumerate(points, 1):
             click.echo(f"[{i}/{len(points)}] {point.name}")
             run = folder / point.run
-            _train_point(recipe, run, point, click.echo)
+            try:
+                _train_point(recipe, run, point, click.echo)
+            except TrainingInterrupted as err:  # SIGTERM / SIGINT: the point is checkpointed; rerun resumes
+                again = ["loopformer", "sweep", recipe, *grid, "-o", out_dir,
+                         *(["--max-steps", max_steps] if max_steps else []),
+                         *(["--analyses"] if analyses else []), *(["--device", device] if device != "auto" else [])]  # fmt: skip
+                resume_hint(err, again)
             report = run / point.report
             if (report / "metrics.json").is_file():
                 click.echo(f"{point.name}: report {report} written earlier, kept")

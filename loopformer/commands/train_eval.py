@@ -27,7 +27,7 @@ from loopformer.nn import autocast
 @click.option(
     "--overwrite",
     is_flag=True,
-    help="replace a previous run in the folder (moved aside once the new run's first checkpoint is written)",
+    help="replace a previous run in the folder (swapped in whole once the new run's first checkpoint is written)",
 )
 @click.option(
     "--allow-config-change",
@@ -94,12 +94,10 @@ def train(
     try:
         summary = trainer.fit()
     except TrainingInterrupted as err:  # SIGTERM / SIGINT: checkpointed and unlocked; say how to go on
-        import shlex
+        from loopformer.commands.common import resume_hint
 
         kept = [o for o in overrides if o.split("=", 1)[0] not in ("out_dir", "train.resume", "train.overwrite")]
-        again = shlex.join(["loopformer", "train", recipe, *kept, f"out_dir={cfg.out_dir}", "--resume"])
-        click.echo(f"{err}; resume with: {again}", err=True)
-        click.get_current_context().exit(err.exit_code)
+        resume_hint(err, ["loopformer", "train", recipe, *kept, f"out_dir={cfg.out_dir}", "--resume"])
     ev = summary.get("eval") or {}
     if "bits_per_byte" in ev:
         console.print(

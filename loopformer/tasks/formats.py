@@ -260,9 +260,12 @@ def load_hrm_folder(path: str | Path, split: str = "train", task: Task | None = 
 
 
 def save_hrm_folder(
-    dataset: TokenDataset, path: str | Path, split: str = "train", vocab_size: int | None = None
+    dataset: TokenDataset, path: str | Path, split: str = "train", vocab_size: int | None = None,
+    split_folder: str | Path | None = None,
 ) -> None:
-    """Write ``dataset`` as ``path/split`` in HRM's format (set "all"); see the module docstring."""
+    """Write ``dataset`` as ``path/split`` in HRM's format (set "all"); see the module docstring.
+    ``split_folder``: where the split's files go instead of ``path/split`` (a staging folder that is
+    swapped in whole afterwards); ``identifiers.json`` is still written to ``path``."""
     inputs, labels = dataset.inputs, dataset.labels
     if vocab_size is None:
         vocab_size = int(dataset.meta.get("vocab_size", 0)) or int(
@@ -276,15 +279,18 @@ def save_hrm_folder(
             f"labels have tokens outside [0, vocab_size={vocab_size}) other than IGNORE_INDEX"
         )
     dtype = np.uint8 if vocab_size <= 256 else np.int32
-    folder = Path(path) / split
+    folder = Path(split_folder) if split_folder is not None else Path(path) / split
+    root = folder if split_folder is not None else path
     folder.mkdir(parents=True, exist_ok=True)
-    save_npy(folder / "all__inputs.npy", inputs.astype(dtype), root=path)
-    save_npy(folder / "all__labels.npy", np.where(labels == IGNORE_INDEX, 0, labels).astype(dtype), root=path)
-    write_hrm_index(path, split, inputs.shape[1], dataset.puzzle_ids, dataset.difficulty, vocab_size)
+    save_npy(folder / "all__inputs.npy", inputs.astype(dtype), root=root)
+    save_npy(folder / "all__labels.npy", np.where(labels == IGNORE_INDEX, 0, labels).astype(dtype), root=root)
+    write_hrm_index(path, split, inputs.shape[1], dataset.puzzle_ids, dataset.difficulty, vocab_size,
+                    split_folder=split_folder)  # fmt: skip
 
 
 def write_hrm_index(path: str | Path, split: str, seq_len: int, puzzle_ids: np.ndarray | None,
-                    difficulty: np.ndarray, vocab_size: int, num_ids: int | None = None) -> None:  # fmt: skip
+                    difficulty: np.ndarray, vocab_size: int, num_ids: int | None = None,
+                    split_folder: str | Path | None = None) -> None:  # fmt: skip
     """Everything of ``path/split`` but the inputs / labels arrays (already written there, e.g. through
     ``np.lib.format.open_memmap`` for sets larger than memory): identifiers, CSR offsets, difficulty,
     ``dataset.json`` and ``identifiers.json``.  ``num_ids`` defaults to the largest puzzle id + 1."""
@@ -300,12 +306,13 @@ def write_hrm_index(path: str | Path, split: str, seq_len: int, puzzle_ids: np.n
         puzzle_indices = np.concatenate([starts, [n]]).astype(np.int32)
         num_ids = num_ids or int(ids.max(initial=0)) + 1
     num_puzzles = len(identifiers)
-    folder = Path(path) / split
+    folder = Path(split_folder) if split_folder is not None else Path(path) / split
+    root = folder if split_folder is not None else path
     folder.mkdir(parents=True, exist_ok=True)
-    save_npy(folder / "all__puzzle_identifiers.npy", identifiers, root=path)
-    save_npy(folder / "all__puzzle_indices.npy", puzzle_indices, root=path)
-    save_npy(folder / "all__group_indices.npy", np.arange(num_puzzles + 1, dtype=np.int32), root=path)
-    save_npy(folder / "all__difficulty.npy", np.asarray(difficulty, dtype=np.float64), root=path)
+    save_npy(folder / "all__puzzle_identifiers.npy", identifiers, root=root)
+    save_npy(folder / "all__puzzle_indices.npy", puzzle_indices, root=root)
+    save_npy(folder / "all__group_indices.npy", np.arange(num_puzzles + 1, dtype=np.int32), root=root)
+    save_npy(folder / "all__difficulty.npy", np.asarray(difficulty, dtype=np.float64), root=root)
     metadata = {
         "pad_id": 0,
         "ignore_label_id": 0,
@@ -317,7 +324,7 @@ def write_hrm_index(path: str | Path, split: str, seq_len: int, puzzle_ids: np.n
         "mean_puzzle_examples": float(n / num_puzzles) if num_puzzles else 0.0,
         "sets": ["all"],
     }
-    atomic_write_json(folder / "dataset.json", metadata, root=path, indent=2)
+    atomic_write_json(folder / "dataset.json", metadata, root=root, indent=2)
     identifiers_path = Path(path) / "identifiers.json"
     names = ["<blank>"] + [str(i) for i in range(1, int(num_ids))]
     try:

@@ -46,7 +46,7 @@ def write_best(
     if not _STEP_DIR.match(name) or not (root / name).is_dir():
         raise CheckpointError(f"best checkpoint {checkpoint} is not a step folder of {root}")
     record = {"checkpoint": name, "metric": metric, "value": float(value), "step": int(step), "mode": mode}
-    atomic_write_text(root / BEST, json.dumps(record) + "\n")  # temp file, fsync, rename, fsync the folder
+    atomic_write_text(root / BEST, json.dumps(record) + "\n", root=root)  # temp file, fsync, rename, fsync the folder
     return root / BEST
 
 

@@ -230,11 +230,16 @@ def save_checkpoint(
 def publish(root: Path, tmp: Path, final: Path, keep: int, within: str | Path | None = None) -> None:
     """Rename the complete folder ``tmp`` to ``final``, point ``root/latest`` at it, keep the newest ``keep``."""
     within = (root.parent if root.name == "checkpoints" else root) if within is None else within
-    if final.exists():  # re-saving a step (after a resume): swap the old folder out first
-        trash = root / f".tmp-{final.name}-old-{os.getpid()}"
-        os.replace(final, trash)
-        os.replace(tmp, final)
-        shutil.rmtree(trash, ignore_errors=True)
+    if final.exists():  # re-saving a step (after a resume): one exchange, the step folder never missing
+        from loopformer.output_folder import exchange_folders
+
+        if exchange_folders(tmp, final):
+            shutil.rmtree(tmp, ignore_errors=True)  # it holds the old folder now
+        else:  # no exchange on this OS / file system: two renames
+            trash = root / f".tmp-{final.name}-old-{os.getpid()}"
+            os.replace(final, trash)
+            os.replace(tmp, final)
+            shutil.rmtree(trash, ignore_errors=True)
     else:
         os.replace(tmp, final)
     atomic_write_text(root / LATEST, final.name + "\n", root=within)

@@ -98,6 +98,19 @@ class RunLog:
         if self.enabled:
             write_metrics(self.run_dir, record, self.trackers, step)
 
+    def join_last(self, record: dict[str, Any], step: int) -> None:
+        """Add ``record`` to the log's last record when that is ``step``'s (a resume at the final step
+        evaluates again: still one record per step; the file is rewritten whole, atomically), else append."""
+        if not self.enabled:
+            return
+        path = self.run_dir / "metrics.jsonl"
+        lines = path.read_text(errors="replace").splitlines() if path.is_file() else []
+        if not lines or _step_of(lines[-1]) != step:
+            self.write(record, step)
+            return
+        lines[-1] = json.dumps({**json.loads(lines[-1]), **record})
+        atomic_write_text(path, "".join(line + "\n" for line in lines), root=self.run_dir)
+
     def write_summary(self, summary: dict[str, Any]) -> None:
         if self.enabled:
             atomic_write_json(self.run_dir / "summary.json", summary, root=self.run_dir, indent=2)

@@ -17,10 +17,11 @@
 - ``RunFolder``: what a training process does with its folder. A fresh run (not a resume) into a
   folder that already holds a run (checkpoints, ``metrics.jsonl`` or ``summary.json``) is refused
   with a message naming ``train.resume=true`` and ``--overwrite``. With ``--overwrite``
-  (``train.overwrite=true``) the new run writes into a hidden staging folder
-  ``<folder>/.overwrite-staging``; only after its first checkpoint is safely written does
-  ``complete_overwrite`` move the old contents aside to ``<folder>/.replaced-<UTC time>/`` and
-  the new files into place. A run killed before that leaves the old run untouched. A folder whose
+  (``train.overwrite=true``) the new run is built in a hidden folder beside it,
+  ``.<name>.staging-train-overwrite`` (locked too); only after its first checkpoint is safely
+  written does ``complete_overwrite`` swap the two folders in one ``renameat2(RENAME_EXCHANGE)``
+  (``loopformer.output_folder.swap_in``) and remove the old run. A kill at any instant leaves the
+  folder holding the old run or the new one, whole; the next command clears the leftovers. A folder whose
   run files (``checkpoints``, ``metrics.jsonl``, ``config.*``, ...) are symbolic links is refused
   (``loopformer.safe_io.UnsafePathError`` naming the link): nothing is written through a link, and a
   folder inside another run's folder (``inside_run``: its ``checkpoints/step_N``, say) is refused.
@@ -56,7 +57,7 @@ STAGING = ".overwrite-staging"
 RUN_MARKERS = ("metrics.jsonl", "summary.json")
 # what a run writes at its folder's top level: none of these may be a symbolic link
 RUN_FILES = ("checkpoints", "metrics.jsonl", "summary.json", "config.yaml", "config.json", "wandb_id",
-             "tensorboard", STAGING, LOCK_NAME)  # fmt: skip
+             "tensorboard", "provenance.json", "origin.json", "config_changes.jsonl", STAGING, LOCK_NAME)  # fmt: skip
 
 _HELD: dict[tuple[int, int], RunLock] = {}  # (device, inode) of lock files this process holds
 
@@ -265,6 +266,17 @@ def refuse_links(folder: str | Path, names: tuple[str, ...] = RUN_FILES) -> None
             )
 
 
+def overwrite_staging(folder: str | Path) -> Path:
+    """Where ``train --overwrite`` builds its new run: ``.<name>.staging-train-overwrite`` beside the
+    folder (beside its target when it is a link); the same name on every rank."""
+    target = Path(os.path.realpath(folder))
+    return target.parent / f".{target.name}.staging-train-overwrite"
+
+
+def _replaced_name(target: Path) -> str:
+    return f".{target.name}.replaced-train-overwrite"  # where the fallback's first rename puts the old run
+
+
 def holds_run(folder: str | Path) -> bool:
     """Whether ``folder`` holds a training run: checkpoints, ``metrics.jsonl`` or ``summary.json``."""
     folder = Path(folder)
@@ -280,6 +292,30 @@ def training_run(folder: Path) -> bool:
         return True
     ckpt = folder / "checkpoints"
     return ckpt.is_dir() and any(p.name.startswith("step_") for p in ckpt.iterdir())
+
+
+def nested_run(folder: str | Path, depth: int = 4, limit: int = 20000) -> Path | None:
+    """The first training run in a folder below ``folder`` (``depth`` levels, ``limit`` entries
+    looked at; links not followed); None when there is none. A command that writes ``folder`` whole
+    (``train``, or ``--overwrite`` of the other commands) would bury or remove it."""
+    level, seen = [Path(folder)], 0
+    for _ in range(depth):
+        below: list[Path] = []
+        for parent in level:
+            try:
+                entries = sorted(os.scandir(parent), key=lambda e: e.name)
+            except OSError:
+                continue
+            for entry in entries:
+                seen += 1
+                if seen > limit:
+                    return None
+                if entry.is_dir(follow_symlinks=False) and not entry.name.startswith("."):
+                    if training_run(Path(entry.path)):
+                        return Path(entry.path)
+                    below.append(Path(entry.path))
+        level = below
+    return None
 
 
 def inside_run(path: str | Path) -> tuple[Path, bool] | None:
@@ -302,11 +338,18 @@ class RunFolder:
         self.is_main = is_main
         self.lock = RunLock(self.folder, "resume" if resume else "train")
         self.staging: Path | None = None
+        self.staging_lock: RunLock | None = None
         enclosing = inside_run(self.folder)
         if enclosing is not None:  # e.g. another run's checkpoints/step_N: its files would mix with ours
             raise RunFolderError(
                 f"{self.folder} is inside the folder of another run, {enclosing[0]}; a run never writes "
                 f"into another run's folder: choose an out_dir outside it"
+            )
+        nested = None if holds_run(self.folder) else nested_run(self.folder)
+        if nested is not None:  # e.g. -o . in a folder of runs: this run's files would mix with theirs
+            raise RunFolderError(
+                f"{self.folder} holds another run's folder, {nested}; a run is written into a folder of "
+                f"its own: choose a new or empty out_dir"
             )
         if is_main:
             self.lock.acquire()
@@ -315,17 +358,49 @@ class RunFolder:
             except UnsafePathError:
                 self.lock.release()
                 raise
-            shutil.rmtree(self.folder / STAGING, ignore_errors=True)  # a killed overwrite's leftovers
+            try:
+                self._clear_leftovers()
+            except BaseException:
+                self.lock.release()
+                raise
         if not resume and holds_run(self.folder):
             if not overwrite:
                 self.close()
                 raise RunFolderError(
                     f"{self.folder} already holds a training run; continue it with train.resume=true "
                     f"(loopformer train ... --resume), replace it with --overwrite (train.overwrite=true; "
-                    f"the old files are moved aside once the new run's first checkpoint is written), "
+                    f"the old run is replaced whole once the new run's first checkpoint is written), "
                     f"or choose another out_dir"
                 )
-            self.staging = self.folder / STAGING
+            self.staging = overwrite_staging(self.folder)
+            if is_main:
+                self._start_staging()
+
+    def _clear_leftovers(self) -> None:
+        """Remove what a killed overwrite left (we hold the folder's lock, which it needed)."""
+        target = Path(os.path.realpath(self.folder))
+        shutil.rmtree(self.folder / STAGING, ignore_errors=True)  # the in-folder staging of older versions
+        for name in (overwrite_staging(self.folder).name, _replaced_name(target)):
+            if (target.parent / name).is_dir():
+                shutil.rmtree(target.parent / name, ignore_errors=True)
+
+    def _start_staging(self) -> None:
+        """Create and lock the folder the new run is built in, beside the old one."""
+        assert self.staging is not None
+        cwd, target = Path.cwd().resolve(), Path(os.path.realpath(self.folder))
+        if target in cwd.parents:
+            self.close()
+            raise RunFolderError(
+                f"--overwrite would replace {self.folder}, which holds the current folder {cwd}; "
+                f"run the command from outside it"
+            )
+        try:
+            self.staging.mkdir()
+            self.staging_lock = RunLock(self.staging, "train").acquire()
+        except (OSError, RunFolderError) as err:
+            self.close()
+            reason = err.strerror if isinstance(err, OSError) else str(err)
+            raise RunFolderError(f"--overwrite: cannot build the new run beside {self.folder}: {reason}") from None
 
     @property
     def write_dir(self) -> Path:
@@ -333,31 +408,38 @@ class RunFolder:
         return self.staging if self.staging is not None else self.folder
 
     def complete_overwrite(self) -> Path | None:
-        """After the new run's first checkpoint: move the old run aside, the new files into place.
+        """After the new run's first checkpoint: swap the new run in for the old one, whole.
 
-        Returns the folder the old contents went to (None when no overwrite was pending).
+        The new run was built in ``overwrite_staging(folder)``, beside the folder; one
+        ``renameat2(RENAME_EXCHANGE)`` swaps the two (``loopformer.output_folder.swap_in``), so the
+        folder holds the old run or the new one at every instant, and only then is the old run,
+        now in the staging folder's place, removed. Returns where the old run was (None when no
+        overwrite was pending).
         """
         if self.staging is None:
             return None
         staging, self.staging = self.staging, None
-        aside = (
-            self.folder / f".replaced-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{secrets.token_hex(3)}"
-        )
         if not self.is_main:
-            return aside
-        aside.mkdir()
-        for entry in sorted(self.folder.iterdir()):
-            if entry.name in (LOCK_NAME, STAGING) or entry.name.startswith(".replaced-"):
-                continue
-            os.replace(entry, aside / entry.name)
-        for entry in sorted(staging.iterdir()):
-            os.replace(entry, self.folder / entry.name)
-        staging.rmdir()
-        log.warning("--overwrite: the previous run in %s was moved to %s", self.folder, aside)
-        return aside
+            return staging
+        from loopformer.output_folder import swap_in
+
+        target = Path(os.path.realpath(self.folder))
+        in_target = Path.cwd().resolve() == target
+        swap_in(self.folder, staging, [target])
+        if in_target:  # the shell's folder was the old run: follow the name to the new one
+            os.chdir(target)
+        self.lock.release()  # the old run's lock file went with it (the path now names the new one)
+        self.lock, self.staging_lock = self.staging_lock, None
+        self.lock.folder, self.lock.path = self.folder, self.folder / LOCK_NAME
+        log.warning("--overwrite: the previous run in %s was replaced", self.folder)
+        return staging
 
     def close(self) -> None:
         """Release the lock; an overwrite that never reached its first checkpoint is discarded."""
         if self.is_main and self.staging is not None:
+            if self.staging_lock is not None:
+                self.staging_lock.release()
+                self.staging_lock = None
             shutil.rmtree(self.staging, ignore_errors=True)
+            self.staging = None
         self.lock.release()

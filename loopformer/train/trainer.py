@@ -387,7 +387,9 @@ class Trainer(TrainerEvaluation):
             record.update({f"eval_{k}": v for k, v in self.last_eval.items()})
             if self.last_eval:
                 record.update(self.best.fields())
-            if record:
+            if record and self.last_metrics.get("step") != self.step:  # no step trained here: a resume at the end
+                self.log.join_last({"step": self.step, **record}, self.step)
+            elif record:
                 self.log.write({"step": self.step, **record}, self.step)
 
     def _stop_on_signal(self, signum: int) -> None:
