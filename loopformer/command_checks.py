@@ -9,6 +9,12 @@ the memory bound is evaluation's), then what only a trained run can be checked a
 model was trained on. ``check_count`` refuses a command's own numeric options (``--examples``,
 ``--max-steps``, ``run.budgets``...) by their names. All of it runs before any data is loaded or
 model built; every refusal is a ``ConfigError`` (one line, exit status 1).
+
+A command's own loop counts (``eval --max-steps`` / ``--lens-loops``, ``run.budgets`` /
+``run.lens_loops`` / ``run.signal_loops``, ``sweep --max-steps``) go through ``check_loop_counts``: the
+memory bound ``loop_eval.max_steps`` gets (``loopformer.memory_check.check_loops``), naming the option;
+``eval --variant`` overrides through ``run_config_for`` like ``--set`` (``check_variants``). ``eval`` and
+``sweep`` run them as ``load_run``'s ``check``, on the run's stored config, before the weights are read.
 """
 
 from __future__ import annotations
@@ -27,6 +33,39 @@ def check_count(option: str, value: Any, low: int) -> None:
         return
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ConfigError(f"{option} must be an integer >= {low}, got {value!r}")
+
+
+def check_fraction(option: str, value: Any, low: float, high: float, closed: bool = False) -> None:
+    """ConfigError unless ``value`` is a finite number in ``(low, high)`` (``[low, high]`` when ``closed``)."""
+    import math
+
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or not (low <= value <= high if closed else low < value < high):
+        bounds = f"[{low:g}, {high:g}]" if closed else f"({low:g}, {high:g})"
+        raise ConfigError(f"{option} must be a finite number in {bounds}, got {value!r}")
+
+
+def check_loop_counts(cfg: RunConfig, counts: dict[str, Any], device: str | None = None) -> None:
+    """``check_loops`` for each ``{option: count}`` (a list item by item; None = not given): each count of
+    loops ``cfg``'s evaluation would run must fit in memory, as ``loop_eval.max_steps`` must."""
+    from loopformer.memory_check import check_loops
+
+    for option, value in counts.items():
+        for item in value if isinstance(value, list | tuple) else [value]:
+            if item is not None:
+                check_loops(cfg, option, int(item), device)
+
+
+def check_variants(cfg: RunConfig, variants: Sequence[Sequence[str]], device: str | None = None) -> list[RunConfig]:
+    """Each variant's overrides applied to ``cfg`` (a validated run config) and validated as ``--set`` is
+    (``run_config_for``); ConfigError naming the variant."""
+    out = []
+    for overrides in variants:
+        try:
+            out.append(run_config_for(cfg, overrides, device=device))
+        except ConfigError as err:
+            raise ConfigError(f"--variant {' '.join(overrides)!r}: {err}") from None
+    return out
 
 
 def check_counts(prefix: str, low: int, **values: Any) -> None:

@@ -412,11 +412,17 @@ def _check_path(parts: list[str]) -> None:
 
 
 def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
-    """Raw recipe table with dotted ``key=value`` overrides written in (validated paths)."""
+    """Raw recipe table with dotted ``key=value`` overrides written in (validated paths). A key set (or
+    deleted) twice in one list is refused: which value was meant is a guess."""
     from loopformer.config_recipes import DELETE, delete_key, drop_foreign_model_keys
 
     data = json.loads(json.dumps(data, default=list))  # deep copy of plain data
+    seen: dict[str, str] = {}
     for text in overrides:
+        key = text.split("=", 1)[0].strip().removeprefix(DELETE)
+        if key in seen:
+            raise ConfigError(f"override {text!r}: {key} is already given ({seen[key]!r}); give each key once")
+        seen[key] = text
         if text.startswith(DELETE):  # ~model.conv: the key goes, its default applies
             if "=" in text:
                 raise ConfigError(f"override {text!r}: {DELETE}key deletes a key and takes no value")

@@ -130,6 +130,10 @@ def build_run_configs(
     main_raw = apply_overrides(raw, main_over)
     main_raw["out_dir"] = str(out / "model")
     main_cfg = build_config(main_raw, ())
+    from loopformer.command_checks import check_loop_counts
+
+    check_loop_counts(main_cfg, {"run.budgets": section.budgets, "run.lens_loops": section.lens_loops,
+                                 "run.signal_loops": section.signal_loops})  # fmt: skip
 
     base_cfg = None
     spec = section.baseline
