@@ -114,16 +114,39 @@ def run_config_for(
     return validate(cfg, training=False, device=device)
 
 
-def check_task_fits_model(task: Any, cfg: RunConfig) -> None:
-    """ConfigError when the task ``cfg.data`` builds has tokens the trained model has no embedding for
-    (``data.options`` changed, e.g. a larger Sudoku than the model was trained on)."""
-    model_vocab = cfg.model.fields.get("vocab_size")
+def model_task_mismatch(fields: dict[str, Any], task: Any, width: int | None = None) -> str | None:
+    """What the model ``fields`` (``model.*``: ``vocab_size``, ``seq_len``, ``grid``) cannot hold of
+    ``task``, or None: fewer token ids than the task has, a grid other than the task's board, fewer
+    positions than the board's cells or than ``width`` (the data's sequence length, when known)."""
+    vocab, seq, grid = fields.get("vocab_size"), fields.get("seq_len"), fields.get("grid")
     task_vocab = int(getattr(task, "vocab_size", 0) or 0)
-    if isinstance(model_vocab, int) and task_vocab > model_vocab:
+    if isinstance(vocab, int) and task_vocab > vocab:
+        return f"task {task.name!r} has {task_vocab} token ids, but model.vocab_size={vocab}"
+    board = task.grid_shape() if hasattr(task, "grid_shape") else None
+    if isinstance(grid, list | tuple) and board is not None and tuple(int(g) for g in grid) != tuple(board):
+        return f"task {task.name!r} has a {board[0]}x{board[1]} grid, but model.grid={list(grid)}"
+    cells = width if width is not None else (int(getattr(task, "seq_len", 0) or 0) if board is not None else 0)
+    if isinstance(seq, int) and cells and seq < cells:
+        return f"task {task.name!r} has {cells} tokens per example, but model.seq_len={seq}"
+    return None
+
+
+def check_task_fits_model(task: Any, cfg: RunConfig) -> None:
+    """ConfigError when the task ``cfg.data`` builds does not fit the trained model (``data.options``
+    changed, e.g. a larger Sudoku or maze than the model was trained on): ``model_task_mismatch``."""
+    problem = model_task_mismatch(cfg.model.fields, task)
+    if problem is not None:
         raise ConfigError(
-            f"data.options={cfg.data.options}: task {task.name!r} then has {task_vocab} tokens, "
-            f"the model was trained with model.vocab_size={model_vocab}"
+            f"data.options={cfg.data.options}: {problem}; the model can only be evaluated on data of its shape"
         )
+
+
+def check_model_fields(given: dict[str, Any], task: Any, width: int) -> None:
+    """ConfigError when a recipe's own ``model.vocab_size`` / ``seq_len`` / ``grid`` (``given``; the
+    trainer fills the unset ones from the task) cannot hold the task's data of ``width`` tokens."""
+    problem = model_task_mismatch(given, task, width)
+    if problem is not None:
+        raise ConfigError(f"{problem}; leave it unset (the task sets it) or make it fit the data")
 
 
 def check_trajectory(loops: int, tokens: int, what: str) -> None:
