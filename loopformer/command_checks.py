@@ -114,14 +114,18 @@ def run_config_for(
     return validate(cfg, training=False, device=device)
 
 
-def model_task_mismatch(fields: dict[str, Any], task: Any, width: int | None = None) -> str | None:
+def model_task_mismatch(
+    fields: dict[str, Any], task: Any, width: int | None = None, ids: int | None = None
+) -> str | None:
     """What the model ``fields`` (``model.*``: ``vocab_size``, ``seq_len``, ``grid``) cannot hold of
-    ``task``, or None: fewer token ids than the task has, a grid other than the task's board, fewer
-    positions than the board's cells or than ``width`` (the data's sequence length, when known)."""
+    ``task``, or None: fewer token ids than the task has (than ``ids``, the data's largest id + 1, when
+    known), a grid other than the task's board, fewer positions than the board's cells or than ``width``
+    (the data's sequence length, when known)."""
     vocab, seq, grid = fields.get("vocab_size"), fields.get("seq_len"), fields.get("grid")
-    task_vocab = int(getattr(task, "vocab_size", 0) or 0)
-    if isinstance(vocab, int) and task_vocab > vocab:
-        return f"task {task.name!r} has {task_vocab} token ids, but model.vocab_size={vocab}"
+    need = ids if ids is not None else int(getattr(task, "vocab_size", 0) or 0)
+    if isinstance(vocab, int) and need > vocab:
+        held = "its data has" if ids is not None else "has"
+        return f"task {task.name!r} {held} {need} token ids, but model.vocab_size={vocab}"
     board = task.grid_shape() if hasattr(task, "grid_shape") else None
     if isinstance(grid, list | tuple) and board is not None and tuple(int(g) for g in grid) != tuple(board):
         return f"task {task.name!r} has a {board[0]}x{board[1]} grid, but model.grid={list(grid)}"
@@ -141,10 +145,11 @@ def check_task_fits_model(task: Any, cfg: RunConfig) -> None:
         )
 
 
-def check_model_fields(given: dict[str, Any], task: Any, width: int) -> None:
+def check_model_fields(given: dict[str, Any], task: Any, width: int, ids: int) -> None:
     """ConfigError when a recipe's own ``model.vocab_size`` / ``seq_len`` / ``grid`` (``given``; the
-    trainer fills the unset ones from the task) cannot hold the task's data of ``width`` tokens."""
-    problem = model_task_mismatch(given, task, width)
+    trainer fills the unset ones from the task) cannot hold the task's data: ``width`` tokens an example,
+    token ids up to ``ids`` - 1."""
+    problem = model_task_mismatch(given, task, width, ids)
     if problem is not None:
         raise ConfigError(f"{problem}; leave it unset (the task sets it) or make it fit the data")
 
