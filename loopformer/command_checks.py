@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from loopformer.config import ConfigError, RunConfig, apply_overrides, build_config, to_dict
+from loopformer.config import ConfigError, RunConfig, apply_overrides, build_config, check_unique, to_dict
 
 EVAL_OVERRIDE_PREFIXES = ("data.", "eval.", "loop_eval.")
 
@@ -90,6 +90,7 @@ def run_config_for(
     ``overrides`` may only touch keys under ``prefixes`` (evaluation changes how the model is run, never
     the model); ``data.task`` must stay the model's, and so must ``task`` when a command names one.
     """
+    check_unique(overrides)
     for text in overrides:
         key = str(text).split("=", 1)[0].strip().removeprefix("~")  # ~loop_eval.tol: the model's default again
         if not key.startswith(prefixes):

@@ -104,11 +104,13 @@ def build_run_configs(
         _merge,
         apply_overrides,
         build_config,
+        check_unique,
         from_dict,
         parse_override,
         read_recipe,
     )
 
+    check_unique(overrides)
     raw = read_recipe(find_run_recipe(recipe))
     run_raw = raw.pop("run", {}) or {}
     main_over, run_over, base_over = split_overrides(overrides)

@@ -56,9 +56,10 @@ def train(
     from rich.console import Console
 
     from loopformer.commands.run import find_run_recipe
-    from loopformer.config import build_config, read_recipe
+    from loopformer.config import build_config, check_unique, read_recipe
     from loopformer.train.trainer import Trainer
 
+    check_unique(overrides)
     raw = read_recipe(find_run_recipe(recipe))
     raw.pop("run", None)  # the `loopformer run` table is not part of a training config
     extra = list(overrides)
