@@ -22,9 +22,21 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from loopformer.config import ConfigError, RunConfig, apply_overrides, build_config, check_unique, to_dict
+from loopformer.config import ConfigError, RunConfig, apply_overrides, build_config, to_dict
 
 EVAL_OVERRIDE_PREFIXES = ("data.", "eval.", "loop_eval.")
+
+
+def check_unique(overrides: Sequence[str]) -> None:
+    """ConfigError when a command line's overrides set (or delete, ``~key``) one key twice: which value
+    was meant is a guess. Run by ``train``, ``run``, ``eval`` / ``solve`` / ``push``
+    (``run_config_for``) on what the user typed."""
+    seen: dict[str, str] = {}
+    for text in overrides:
+        key = str(text).split("=", 1)[0].strip().removeprefix("~")
+        if key in seen:
+            raise ConfigError(f"override {text!r}: {key} is already given ({seen[key]!r}); give each key once")
+        seen[key] = str(text)
 
 
 def check_count(option: str, value: Any, low: int) -> None:
@@ -130,7 +142,8 @@ def model_task_mismatch(
     board = task.grid_shape() if hasattr(task, "grid_shape") else None
     if isinstance(grid, list | tuple) and board is not None and tuple(int(g) for g in grid) != tuple(board):
         return f"task {task.name!r} has a {board[0]}x{board[1]} grid, but model.grid={list(grid)}"
-    cells = width if width is not None else (int(getattr(task, "seq_len", 0) or 0) if board is not None else 0)
+    on_board = board is not None and isinstance(grid, list | tuple)  # a model trained on a board
+    cells = width if width is not None else (int(getattr(task, "seq_len", 0) or 0) if on_board else 0)
     if isinstance(seq, int) and cells and seq < cells:
         return f"task {task.name!r} has {cells} tokens per example, but model.seq_len={seq}"
     return None

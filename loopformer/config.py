@@ -413,7 +413,8 @@ def _check_path(parts: list[str]) -> None:
 
 def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
     """Raw recipe table with dotted ``key=value`` overrides written in (validated paths); a later
-    override of a key wins (code layers its lists so; a user's list is checked by ``check_unique``)."""
+    override of a key wins (code layers its lists so; a command line is checked by
+    ``loopformer.command_checks.check_unique``)."""
     from loopformer.config_recipes import DELETE, delete_key, drop_foreign_model_keys
 
     data = json.loads(json.dumps(data, default=list))  # deep copy of plain data
@@ -438,18 +439,6 @@ def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str,
             node = child
         node[parts[-1]] = value
     return data
-
-
-def check_unique(overrides: Sequence[str]) -> None:
-    """ConfigError when a command line's overrides set (or delete, ``~key``) one key twice: which value
-    was meant is a guess. Run by ``train``, ``run``, ``eval`` / ``solve`` / ``push``
-    (``loopformer.command_checks.run_config_for``) on what the user typed."""
-    seen: dict[str, str] = {}
-    for text in overrides:
-        key = str(text).split("=", 1)[0].strip().removeprefix("~")
-        if key in seen:
-            raise ConfigError(f"override {text!r}: {key} is already given ({seen[key]!r}); give each key once")
-        seen[key] = str(text)
 
 
 def build_config(data: Mapping[str, Any], overrides: Sequence[str] = (), check: bool = True) -> RunConfig:

@@ -99,12 +99,12 @@ def build_run_configs(
     recipe: str | Path, overrides: tuple[str, ...], out: Path
 ) -> tuple[Any, Any | None, RunSection, str]:
     """(main RunConfig, baseline RunConfig or None, the run table, baseline description)."""
+    from loopformer.command_checks import check_unique
     from loopformer.config import (
         ConfigError,
         _merge,
         apply_overrides,
         build_config,
-        check_unique,
         from_dict,
         parse_override,
         read_recipe,

@@ -55,8 +55,9 @@ def train(
     """Train the model of RECIPE (a name in recipes/ or a path); OVERRIDES are key=value pairs."""
     from rich.console import Console
 
+    from loopformer.command_checks import check_unique
     from loopformer.commands.run import find_run_recipe
-    from loopformer.config import build_config, check_unique, read_recipe
+    from loopformer.config import build_config, read_recipe
     from loopformer.train.trainer import Trainer
 
     check_unique(overrides)
@@ -267,17 +268,14 @@ def evaluate_checkpoint(checkpoint: str | Path, overrides: list[str], budgets: l
                         best: bool = False, out_dir: str | Path | None = None, device: str = "auto",
                         overwrite: bool = False, variants: list[tuple[str, list[str]]] | None = None,
                         auto: tuple[float, float] | None = None) -> None:  # fmt: skip
-    """What ``loopformer eval`` does (also ``loopformer sweep``): load, evaluate, write the report.
-
-    The run's config with ``overrides``, each variant's and the loop counts (``budgets``, ``lens_loops``)
-    are checked before the weights are read (``loopformer.command_checks``)."""
+    """What ``loopformer eval`` does (also ``loopformer sweep``): load, evaluate, write the report; the
+    overrides, variants and loop counts are checked before the weights are read (``command_checks``)."""
     from loopformer.command_checks import check_loop_counts, check_variants
 
     dev = resolve_device(device)
 
     def checks(config: Any) -> None:
-        lens = lens_loops if analyses else None
-        check_loop_counts(config, {"--max-steps": budgets, "--lens-loops": lens}, str(dev))
+        check_loop_counts(config, {"--max-steps": budgets, "--lens-loops": lens_loops if analyses else None}, str(dev))
         check_variants(config, [o for _, o in variants or []], str(dev))
 
     run = load_run(checkpoint, use_ema=ema, config_overrides=tuple(overrides), device=str(dev), best=best,
