@@ -82,9 +82,12 @@ class Solution:
 
 
 def parse_puzzle(task: Task, puzzle: str | np.ndarray | list[int]) -> np.ndarray:
-    """Input tokens [T] for one puzzle: text through the task's parser, or token ids."""
+    """Input tokens [T] for one puzzle: text through the task's parser, or integer token ids (a list or
+    an integer array; floats, booleans, bytes and other objects are a ``TaskDataError``)."""
+    if isinstance(puzzle, bytes | bytearray):
+        raise TaskDataError("the puzzle is bytes; pass text (decode it) or a list / array of token ids")
     if not isinstance(puzzle, str):
-        tokens = np.asarray(puzzle, dtype=np.int64).reshape(-1)
+        tokens = _token_ids(puzzle)
     else:  # the task's notation (Task.parse_grid; by default whitespace- or comma-separated token ids)
         tokens = np.asarray(task.parse_grid(puzzle, "puzzle"), dtype=np.int64).reshape(-1)
     if tokens.size == 0:
@@ -94,6 +97,26 @@ def parse_puzzle(task: Task, puzzle: str | np.ndarray | list[int]) -> np.ndarray
     if task.seq_len and tokens.size != task.seq_len:
         raise TaskDataError(f"the puzzle has {tokens.size} tokens, task {task.name!r} expects {task.seq_len}")
     return tokens
+
+
+def _token_ids(puzzle: Any) -> np.ndarray:
+    """``puzzle`` (a list or array of token ids) as int64 [T]; TaskDataError unless every id is an integer
+    (floats holding whole numbers are taken)."""
+    try:
+        raw = np.asarray(puzzle)
+    except (ValueError, TypeError):  # ragged nesting
+        raise TaskDataError("the puzzle's token ids do not form an array (ragged lists?)") from None
+    flat = raw.reshape(-1)
+    if flat.size == 0:
+        return flat.astype(np.int64)
+    whole = raw.dtype.kind == "f" and bool(np.isfinite(flat).all() and (flat == np.round(flat)).all())
+    if raw.dtype == object and all(isinstance(x, int) and not isinstance(x, bool) for x in flat):
+        raise TaskDataError("the puzzle's token ids are far beyond any vocabulary")
+    if raw.dtype.kind not in "iu" and not whole:
+        raise TaskDataError(f"the puzzle's token ids must be integers, got {flat[0]!r} ({raw.dtype})")
+    if raw.dtype.kind == "u" and flat.max() > np.iinfo(np.int64).max:
+        raise TaskDataError("the puzzle's token ids are far beyond any vocabulary")
+    return flat.astype(np.int64)
 
 
 def format_answer(task: Task, tokens: np.ndarray) -> str | None:
@@ -117,14 +140,20 @@ def solve(model: LoadedRun | str | Path, puzzle: str | np.ndarray | list[int], m
     per-puzzle embedding table (TRM / HRM on ARC: the puzzle's task id, as in the run's dataset); required
     when the table has more than one row, 0 for a one-row table.
     """
+    from loopformer.command_checks import check_count, check_trajectory
     from loopformer.eval.analysis import trace_loops
     from loopformer.eval.evaluate import model_device
     from loopformer.nn import autocast
     from loopformer.numerics import NumericalFaultError
 
+    check_count("max_steps", max_steps, 1)
+    check_count("segments", segments, 1)
+    check_count("puzzle_id", puzzle_id, 0)
     run = model if isinstance(model, LoadedRun) else load(model)
     task = run.task
     tokens = parse_puzzle(task, puzzle)
+    loops = (max_steps or int(run.loop_eval.max_steps)) * (segments or max(int(run.config.eval.segments), 1))
+    check_trajectory(loops, tokens.size, f"max_steps={max_steps}" if max_steps else "loop_eval.max_steps")
     loop = run.loop_eval if max_steps is None else with_budget(run.loop_eval, max_steps, "capped")
     segments = run.config.eval.segments if segments is None else segments
     device = model_device(run.model)

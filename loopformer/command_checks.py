@@ -9,6 +9,12 @@ the memory bound is evaluation's), then what only a trained run can be checked a
 model was trained on. ``check_count`` refuses a command's own numeric options (``--examples``,
 ``--max-steps``, ``run.budgets``...) by their names. All of it runs before any data is loaded or
 model built; every refusal is a ``ConfigError`` (one line, exit status 1).
+
+A command's own loop counts (``eval --max-steps`` / ``--lens-loops``, ``run.budgets`` /
+``run.lens_loops`` / ``run.signal_loops``, ``sweep --max-steps``) go through ``check_loop_counts``: the
+memory bound ``loop_eval.max_steps`` gets (``loopformer.memory_check.check_loops``), naming the option;
+``eval --variant`` overrides through ``run_config_for`` like ``--set`` (``check_variants``). ``eval`` and
+``sweep`` run them as ``load_run``'s ``check``, on the run's stored config, before the weights are read.
 """
 
 from __future__ import annotations
@@ -21,12 +27,57 @@ from loopformer.config import ConfigError, RunConfig, apply_overrides, build_con
 EVAL_OVERRIDE_PREFIXES = ("data.", "eval.", "loop_eval.")
 
 
+def check_unique(overrides: Sequence[str]) -> None:
+    """ConfigError when a command line's overrides set (or delete, ``~key``) one key twice: which value
+    was meant is a guess. Run by ``train``, ``run``, ``eval`` / ``solve`` / ``push``
+    (``run_config_for``) on what the user typed."""
+    seen: dict[str, str] = {}
+    for text in overrides:
+        key = str(text).split("=", 1)[0].strip().removeprefix("~")
+        if key in seen:
+            raise ConfigError(f"override {text!r}: {key} is already given ({seen[key]!r}); give each key once")
+        seen[key] = str(text)
+
+
 def check_count(option: str, value: Any, low: int) -> None:
     """ConfigError unless ``value`` (a command option; None = not given) is an integer >= ``low``."""
     if value is None:
         return
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ConfigError(f"{option} must be an integer >= {low}, got {value!r}")
+
+
+def check_fraction(option: str, value: Any, low: float, high: float, closed: bool = False) -> None:
+    """ConfigError unless ``value`` is a finite number in ``(low, high)`` (``[low, high]`` when ``closed``)."""
+    import math
+
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or not (low <= value <= high if closed else low < value < high):
+        bounds = f"[{low:g}, {high:g}]" if closed else f"({low:g}, {high:g})"
+        raise ConfigError(f"{option} must be a finite number in {bounds}, got {value!r}")
+
+
+def check_loop_counts(cfg: RunConfig, counts: dict[str, Any], device: str | None = None) -> None:
+    """``check_loops`` for each ``{option: count}`` (a list item by item; None = not given): each count of
+    loops ``cfg``'s evaluation would run must fit in memory, as ``loop_eval.max_steps`` must."""
+    from loopformer.memory_check import check_loops
+
+    for option, value in counts.items():
+        for item in value if isinstance(value, list | tuple) else [value]:
+            if item is not None:
+                check_loops(cfg, option, int(item), device)
+
+
+def check_variants(cfg: RunConfig, variants: Sequence[Sequence[str]], device: str | None = None) -> list[RunConfig]:
+    """Each variant's overrides applied to ``cfg`` (a validated run config) and validated as ``--set`` is
+    (``run_config_for``); ConfigError naming the variant."""
+    out = []
+    for overrides in variants:
+        try:
+            out.append(run_config_for(cfg, overrides, device=device))
+        except ConfigError as err:
+            raise ConfigError(f"--variant {' '.join(overrides)!r}: {err}") from None
+    return out
 
 
 def check_counts(prefix: str, low: int, **values: Any) -> None:
@@ -51,6 +102,7 @@ def run_config_for(
     ``overrides`` may only touch keys under ``prefixes`` (evaluation changes how the model is run, never
     the model); ``data.task`` must stay the model's, and so must ``task`` when a command names one.
     """
+    check_unique(overrides)
     for text in overrides:
         key = str(text).split("=", 1)[0].strip().removeprefix("~")  # ~loop_eval.tol: the model's default again
         if not key.startswith(prefixes):
@@ -75,16 +127,45 @@ def run_config_for(
     return validate(cfg, training=False, device=device)
 
 
+def model_task_mismatch(
+    fields: dict[str, Any], task: Any, width: int | None = None, ids: int | None = None
+) -> str | None:
+    """What the model ``fields`` (``model.*``: ``vocab_size``, ``seq_len``, ``grid``) cannot hold of
+    ``task``, or None: fewer token ids than the task has (than ``ids``, the data's largest id + 1, when
+    known), a grid other than the task's board, fewer positions than the board's cells or than ``width``
+    (the data's sequence length, when known)."""
+    vocab, seq, grid = fields.get("vocab_size"), fields.get("seq_len"), fields.get("grid")
+    need = ids if ids is not None else int(getattr(task, "vocab_size", 0) or 0)
+    if isinstance(vocab, int) and need > vocab:
+        held = "its data has" if ids is not None else "has"
+        return f"task {task.name!r} {held} {need} token ids, but model.vocab_size={vocab}"
+    board = task.grid_shape() if hasattr(task, "grid_shape") else None
+    if isinstance(grid, list | tuple) and board is not None and tuple(int(g) for g in grid) != tuple(board):
+        return f"task {task.name!r} has a {board[0]}x{board[1]} grid, but model.grid={list(grid)}"
+    on_board = board is not None and isinstance(grid, list | tuple)  # a model trained on a board
+    cells = width if width is not None else (int(getattr(task, "seq_len", 0) or 0) if on_board else 0)
+    if isinstance(seq, int) and cells and seq < cells:
+        return f"task {task.name!r} has {cells} tokens per example, but model.seq_len={seq}"
+    return None
+
+
 def check_task_fits_model(task: Any, cfg: RunConfig) -> None:
-    """ConfigError when the task ``cfg.data`` builds has tokens the trained model has no embedding for
-    (``data.options`` changed, e.g. a larger Sudoku than the model was trained on)."""
-    model_vocab = cfg.model.fields.get("vocab_size")
-    task_vocab = int(getattr(task, "vocab_size", 0) or 0)
-    if isinstance(model_vocab, int) and task_vocab > model_vocab:
+    """ConfigError when the task ``cfg.data`` builds does not fit the trained model (``data.options``
+    changed, e.g. a larger Sudoku or maze than the model was trained on): ``model_task_mismatch``."""
+    problem = model_task_mismatch(cfg.model.fields, task)
+    if problem is not None:
         raise ConfigError(
-            f"data.options={cfg.data.options}: task {task.name!r} then has {task_vocab} tokens, "
-            f"the model was trained with model.vocab_size={model_vocab}"
+            f"data.options={cfg.data.options}: {problem}; the model can only be evaluated on data of its shape"
         )
+
+
+def check_model_fields(given: dict[str, Any], task: Any, width: int, ids: int) -> None:
+    """ConfigError when a recipe's own ``model.vocab_size`` / ``seq_len`` / ``grid`` (``given``; the
+    trainer fills the unset ones from the task) cannot hold the task's data: ``width`` tokens an example,
+    token ids up to ``ids`` - 1."""
+    problem = model_task_mismatch(given, task, width, ids)
+    if problem is not None:
+        raise ConfigError(f"{problem}; leave it unset (the task sets it) or make it fit the data")
 
 
 def check_trajectory(loops: int, tokens: int, what: str) -> None:

@@ -412,7 +412,9 @@ def _check_path(parts: list[str]) -> None:
 
 
 def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
-    """Raw recipe table with dotted ``key=value`` overrides written in (validated paths)."""
+    """Raw recipe table with dotted ``key=value`` overrides written in (validated paths); a later
+    override of a key wins (code layers its lists so; a command line is checked by
+    ``loopformer.command_checks.check_unique``)."""
     from loopformer.config_recipes import DELETE, delete_key, drop_foreign_model_keys
 
     data = json.loads(json.dumps(data, default=list))  # deep copy of plain data

@@ -356,6 +356,47 @@ def _check_options(
                 f"unknown option {prefix}.{key}: {what} takes {', '.join(names) or 'no options'}"
                 f"{_suggest(key, names, prefix) if names else ''}"
             )
+    _check_option_types(fn, options, prefix)
+
+
+SIMPLE_TYPES = (int, float, bool, str, type(None))
+
+
+def _simple(tp: Any) -> bool:
+    """An annotation ``coerce`` can check without knowing the task: scalars, Optional / unions,
+    Literal, and tuples / lists of them."""
+    import types
+    import typing
+
+    if tp in SIMPLE_TYPES:
+        return True
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is typing.Literal:
+        return True
+    return origin in (typing.Union, types.UnionType, tuple, list) and bool(args) and all(
+        a is Ellipsis or _simple(a) for a in args
+    )
+
+
+def _check_option_types(fn: Any, options: dict[str, Any], prefix: str) -> None:
+    """Each option against the annotation of its parameter (``size: int`` refuses ``1.5`` or ``"abc"``,
+    ``box: tuple[int, int] | None`` refuses ``3``), with its key; a scalar is stored as coerced
+    (``4.0`` -> ``4``). Parameters without a simple annotation (``Any``, arrays) are left to the task."""
+    import typing
+
+    from loopformer.config import coerce
+
+    try:
+        hints = typing.get_type_hints(fn)
+    except Exception:  # an annotation that does not resolve: nothing to check by
+        return
+    for key, value in options.items():
+        tp = hints.get(key)
+        if tp is None or not _simple(tp):
+            continue
+        coerced = coerce(value, tp, f"{prefix}.{key}")
+        if isinstance(coerced, SIMPLE_TYPES):
+            options[key] = coerced
 
 
 def validate(cfg: RunConfig, training: bool = True, device: str | None = None) -> RunConfig:

@@ -19,6 +19,8 @@ def resolve_device(spec: str | torch.device | None) -> torch.device:
     """``auto`` / None -> CUDA when available, else CPU; ``cpu``; ``cuda``; ``cuda:N`` (checked)."""
     if isinstance(spec, torch.device):
         spec = str(spec)
+    if spec is not None and not isinstance(spec, str):
+        raise ValueError(f"device {spec!r}: expected auto, cpu, cuda or cuda:N (a string or torch.device)")
     text = (spec or "auto").strip().lower()
     if text == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -149,15 +149,18 @@ def model_card(config: dict[str, Any], summary: dict[str, Any] | None, family: s
 def check_push(run: str | Path, repo_id: str) -> Path:
     """The checkpoint folder ``push`` would share, after the checks every command makes before any work:
     ``repo_id`` reads as owner/name, and the checkpoint's config parses and validates as ``train``
-    validates it (``loopformer.command_checks.run_config_for``)."""
+    validates it (``loopformer.command_checks.run_config_for``), then its weights load into the model as
+    ``eval`` loads them (``load_checkpoint``: names, shapes, dtypes, finite values, EMA included), so a
+    checkpoint ``eval`` would refuse is never shared."""
     from loopformer.command_checks import run_config_for
-    from loopformer.train.checkpoint import read_checkpoint_config, resolve_checkpoint
+    from loopformer.train.checkpoint import load_checkpoint, read_checkpoint_config, resolve_checkpoint
 
     if parse_hub_id(repo_id) is None:
         raise ValueError(f"repository id {repo_id!r}: expected owner/name")
     ckpt = resolve_checkpoint(run)
     stored, _, _ = read_checkpoint_config(ckpt)  # CheckpointError naming config.json when it does not parse
     run_config_for(stored, device="cpu")
+    load_checkpoint(ckpt, use_ema=True, device="cpu")
     return ckpt
 
 

@@ -10,7 +10,12 @@ hold at once, each term tied to the keys that set it:
 - one hidden state of a batch: ``train.batch_size`` (or ``eval.batch_size``) x sequence length x
   ``model.d_model`` in bf16 (a real forward keeps many more);
 - generated data sets (no ``data.train_path`` / ``data.eval_path``): ``data.train_size`` /
-  ``data.eval_size`` rows x sequence length of int64 inputs and labels, in host memory.
+  ``data.eval_size`` rows x sequence length of int64 inputs and labels, in host memory;
+- the loop's per-step history (``loopformer.loop.state.History``: a float32 residual and state norm per
+  step and sample, kept twice with compaction): ``loop_train.max_steps`` x ``train.batch_size`` when
+  training, ``loop_eval.max_steps`` / ``loop_periodic.max_steps`` x ``eval.batch_size``, 16 bytes each.
+  ``check_loops`` applies the same bound to a command's own loop counts (``eval --max-steps``,
+  ``--lens-loops``, ``run.budgets``, ...), naming the option.
 
 The sequence length is the model's ``seq_len`` when the config sets it (a trained run's config always
 does), else what the task's class says without building it (``sequence_length``), else 1. The device's
@@ -84,6 +89,22 @@ def sequence_length(cfg: Any) -> int:
     return option("seq_len") if "seq_len" in params else 1
 
 
+HISTORY_BYTES = 16.0  # per loop step and sample: float32 residual + state norm, and their segment buffers
+
+
+def loop_terms(cfg: Any, training: bool = True) -> list[tuple[float, str]]:
+    """(bytes, what sets them) of the loops' per-step histories (module docstring)."""
+    base = cfg.model_config().loop
+    phases = [("train", "train")] if training else []
+    phases += [("eval", "eval")] + ([("periodic", "eval")] if training else [])
+    terms = []
+    for phase, section in phases:
+        steps, batch = _int(cfg.loop_config(base, phase).max_steps), _int(getattr(cfg, section).batch_size)
+        terms.append((HISTORY_BYTES * steps * batch,
+                      f"loop_{phase}.max_steps={steps} x {section}.batch_size={batch}"))  # fmt: skip
+    return terms
+
+
 def memory_terms(cfg: Any, training: bool = True) -> tuple[list[tuple[float, str]], list[tuple[float, str]]]:
     """(device terms, host terms): lists of (bytes, what sets them) of ``cfg``'s lower bound."""
     mc = cfg.model_config()
@@ -99,6 +120,7 @@ def memory_terms(cfg: Any, training: bool = True) -> tuple[list[tuple[float, str
         device.append(
             (2.0 * b * seq * d, f"{section}.batch_size={b} x sequence length {seq} x model.d_model={d}")
         )
+    device += loop_terms(cfg, training)
     host = []
     for split, size, path in (("train", cfg.data.train_size, cfg.data.train_path),
                               ("eval", cfg.data.eval_size, cfg.data.eval_path)):  # fmt: skip
@@ -111,11 +133,26 @@ def memory_terms(cfg: Any, training: bool = True) -> tuple[list[tuple[float, str
 def check_memory(cfg: Any, device: str | None = None, training: bool = True) -> None:
     """ConfigError when ``cfg``'s lower bound (module docstring) exceeds the memory of ``device``
     (default ``cfg.device``) or the RAM; the message names the keys of the largest term."""
+    _check_terms(*memory_terms(cfg, training), device or cfg.device)
+
+
+def check_loops(cfg: Any, option: str, loops: int, device: str | None = None) -> None:
+    """ConfigError naming ``option`` when evaluating ``cfg`` with ``loops`` loops (a command's own count:
+    ``eval --max-steps``, ``--lens-loops``, ``run.budgets``...) needs far more memory than there is: the
+    bound ``check_memory`` applies to ``loop_eval.max_steps``, with ``loops`` in its place."""
+    device_terms, host_terms = memory_terms(cfg, training=False)
+    batch = _int(cfg.eval.batch_size)
+    device_terms = [t for t in device_terms if not t[1].startswith("loop_")]
+    device_terms.append((HISTORY_BYTES * _int(loops) * batch, f"{option} {loops} (loops) x eval.batch_size={batch}"))
+    _check_terms(device_terms, host_terms, device or cfg.device)
+
+
+def _check_terms(device_terms: list[tuple[float, str]], host_terms: list[tuple[float, str]], device: str) -> None:
+    """ConfigError when the device terms exceed ``device``'s memory or the host terms the RAM."""
     from loopformer.config import ConfigError
 
-    device_terms, host_terms = memory_terms(cfg, training)
     ram = physical_memory()
-    capacity, where = device_memory(device or cfg.device)
+    capacity, where = device_memory(device)
     checks = [(device_terms, capacity, where)]
     if where == "RAM":
         checks = [(device_terms + host_terms, ram, "RAM")]
@@ -125,7 +162,7 @@ def check_memory(cfg: Any, device: str | None = None, training: bool = True) -> 
         need = sum(b for b, _ in terms)
         if limit is None or not terms or need <= FAR_BEYOND * limit:
             continue
-        largest = max(terms)[1]
+        largest = max(terms, key=lambda t: t[0])[1]  # the first of equal terms: loop_eval before loop_periodic
         raise ConfigError(
             f"{largest}: the run needs at least {need / GIB:,.1f} GiB of {name}, far more than the "
             f"{limit / GIB:,.1f} GiB this machine has; lower these sizes"

@@ -18,6 +18,7 @@ import cycle between training and evaluation (``tests/test_layering.py``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -144,6 +145,7 @@ def load_run(
     device: str = "cpu",
     best: bool = False,
     task: str | None = None,
+    check: Callable[[RunConfig], None] | None = None,
 ) -> LoadedRun:
     """Load a checkpoint (a checkpoint folder, a ``checkpoints/`` root, a run folder or a hub id) and its task,
     with the EMA weights when ``use_ema`` and the checkpoint keeps an EMA. ``best``: the run's best
@@ -152,7 +154,8 @@ def load_run(
     ``config_overrides`` (``data.*``, ``eval.*``, ``loop_eval.*`` keys only) change how the run is
     evaluated, never the model. The run's config with them is validated as ``train`` validates
     (``loopformer.command_checks.run_config_for``; ``task``: the task the caller expects) before the
-    weights are read or the task built.
+    weights are read or the task built. ``check``: the caller's own checks of that config (a command's
+    options, ``loopformer.command_checks``), run then too.
     """
     from loopformer.command_checks import check_task_fits_model, run_config_for
 
@@ -170,6 +173,8 @@ def load_run(
         if not config_overrides and task in (None, stored.data.task):  # the stored config itself: damaged?
             verified(resolve_checkpoint(path))
         raise
+    if check is not None:
+        check(config)
     built_task = run_task(config.data)
     check_task_fits_model(built_task, config)
     ckpt = load_checkpoint(path, use_ema=use_ema, device=device)

@@ -156,6 +156,8 @@ def parse_int_list(text: str | None, what: str) -> list[int]:
         values = [int(x) for x in text.replace(" ", "").split(",") if x]
     except ValueError:
         raise click.BadParameter(f"expected comma-separated integers, got {text!r}", param_hint=what) from None
+    if not values:
+        raise click.BadParameter(f"no step count in {text!r}", param_hint=what)
     if any(v < 1 for v in values):
         raise click.BadParameter(f"step counts must be >= 1, got {text!r}", param_hint=what)
     return values

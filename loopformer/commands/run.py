@@ -99,6 +99,7 @@ def build_run_configs(
     recipe: str | Path, overrides: tuple[str, ...], out: Path
 ) -> tuple[Any, Any | None, RunSection, str]:
     """(main RunConfig, baseline RunConfig or None, the run table, baseline description)."""
+    from loopformer.command_checks import check_unique
     from loopformer.config import (
         ConfigError,
         _merge,
@@ -109,6 +110,7 @@ def build_run_configs(
         read_recipe,
     )
 
+    check_unique(overrides)
     raw = read_recipe(find_run_recipe(recipe))
     run_raw = raw.pop("run", {}) or {}
     main_over, run_over, base_over = split_overrides(overrides)
@@ -130,6 +132,10 @@ def build_run_configs(
     main_raw = apply_overrides(raw, main_over)
     main_raw["out_dir"] = str(out / "model")
     main_cfg = build_config(main_raw, ())
+    from loopformer.command_checks import check_loop_counts
+
+    check_loop_counts(main_cfg, {"run.budgets": section.budgets, "run.lens_loops": section.lens_loops,
+                                 "run.signal_loops": section.signal_loops})  # fmt: skip
 
     base_cfg = None
     spec = section.baseline

@@ -79,13 +79,16 @@ def parse_grid(arguments: tuple[str, ...] | list[str]) -> tuple[dict[str, list[s
                 continue
             raise click.BadParameter(f"expected key=value or key=a,b,c, got {text!r}", param_hint="GRID")
         values = split_values(raw)
+        if key in axes or any(f.partition("=")[0] == key for f in fixed):
+            raise click.BadParameter(f"{key} is given twice", param_hint="GRID")
         if len(values) == 1:
             fixed.append(text)
             continue
         if any(not v.strip() for v in values):
             raise click.BadParameter(f"{text!r} has an empty value", param_hint="GRID")
-        if key in axes:
-            raise click.BadParameter(f"{key} is given twice", param_hint="GRID")
+        repeated = sorted({v for v in values if values.count(v) > 1})
+        if repeated:
+            raise click.BadParameter(f"{text!r} lists {', '.join(repeated)} more than once", param_hint="GRID")
         axes[key] = values
     return axes, fixed
 
@@ -157,6 +160,23 @@ def _same_config(run: Path, cfg: Any) -> str | None:
         if old["model"].get(key) != value:
             return f"model.{key}"
     return None
+
+
+def check_points(recipe: str, folder: Path, points: list[Point], budgets: list[int], device: str) -> None:
+    """Every point's training config (``train``'s checks) and its evaluation overrides and loop budgets
+    (``eval``'s, ``loopformer.command_checks``), before the sweep folder is created or a point trained."""
+    from loopformer.command_checks import check_loop_counts, run_config_for
+    from loopformer.commands.run import find_run_recipe
+    from loopformer.config import build_config, read_recipe
+    from loopformer.devices import resolve_device
+
+    raw = read_recipe(find_run_recipe(recipe))
+    raw.pop("run", None)
+    dev = str(resolve_device(device))
+    for point in points:
+        cfg = build_config(raw, [*point.train, f"out_dir={folder / point.run}"])
+        evaluated = run_config_for(cfg, point.evaluate, device=dev)
+        check_loop_counts(evaluated, {"--max-steps": budgets}, dev)
 
 
 def _train_point(recipe: str, run: Path, point: Point, echo: Any) -> None:
@@ -250,6 +270,7 @@ def sweep(recipe: str, grid: tuple[str, ...], out_dir: str, max_steps: str | Non
     points = grid_points(axes, fixed)
     folder = Path(out_dir)
     check_sweep_folder(folder, recipe, axes, fixed)  # before anything is written
+    check_points(recipe, folder, points, budgets, device)
     with RunLock(folder, "sweep"):  # one sweep at a time in a folder; each run folder is locked by its run
         check_sweep_folder(folder, recipe, axes, fixed)  # again, now that no other sweep can write it
         atomic_write_json(folder / "sweep.json", {

@@ -55,10 +55,12 @@ def train(
     """Train the model of RECIPE (a name in recipes/ or a path); OVERRIDES are key=value pairs."""
     from rich.console import Console
 
+    from loopformer.command_checks import check_unique
     from loopformer.commands.run import find_run_recipe
     from loopformer.config import build_config, read_recipe
     from loopformer.train.trainer import Trainer
 
+    check_unique(overrides)
     raw = read_recipe(find_run_recipe(recipe))
     raw.pop("run", None)  # the `loopformer run` table is not part of a training config
     extra = list(overrides)
@@ -221,7 +223,7 @@ def evaluate_cmd(checkpoint: str, max_steps: str | None, budget_mode: str, task_
     ``--variant``: the report holds one sub-report per loop (variants/<name>/) and their comparison table
     and overlay plots (loopformer compare).
     """
-    from loopformer.command_checks import check_count
+    from loopformer.command_checks import check_count, check_fraction
 
     overrides = list(sets) + [
         f"data.eval_generate.{k}={v}" for k, v in parse_pairs(task_options, "--task-option").items()
@@ -229,6 +231,8 @@ def evaluate_cmd(checkpoint: str, max_steps: str | None, budget_mode: str, task_
     budgets = parse_int_list(max_steps, "--max-steps")
     check_count("--examples", examples, 0)
     check_count("--lens-loops", lens_loops, 0)
+    check_fraction("--auto-solver-slice", auto_solver_slice, 0.0, 1.0)
+    check_fraction("--auto-solver-tolerance", auto_solver_tolerance, 0.0, 100.0, closed=True)
     if auto_solver and variants:
         raise click.UsageError("--auto-solver and --variant: choose one (the search picks one loop; --variant compares given ones)")
     auto = (auto_solver_slice, auto_solver_tolerance / 100) if auto_solver else None
@@ -262,9 +266,18 @@ def evaluate_checkpoint(checkpoint: str | Path, overrides: list[str], budgets: l
                         best: bool = False, out_dir: str | Path | None = None, device: str = "auto",
                         overwrite: bool = False, variants: list[tuple[str, list[str]]] | None = None,
                         auto: tuple[float, float] | None = None) -> None:  # fmt: skip
-    """What ``loopformer eval`` does (also ``loopformer sweep``): load, evaluate, write the report."""
+    """What ``loopformer eval`` does (also ``loopformer sweep``): load, evaluate, write the report; the
+    overrides, variants and loop counts are checked before the weights are read (``command_checks``)."""
+    from loopformer.command_checks import check_loop_counts, check_variants
+
     dev = resolve_device(device)
-    run = load_run(checkpoint, use_ema=ema, config_overrides=tuple(overrides), device=str(dev), best=best)
+
+    def checks(config: Any) -> None:
+        check_loop_counts(config, {"--max-steps": budgets, "--lens-loops": lens_loops if analyses else None}, str(dev))
+        check_variants(config, [o for _, o in variants or []], str(dev))
+
+    run = load_run(checkpoint, use_ema=ema, config_overrides=tuple(overrides), device=str(dev), best=best,
+                   check=checks)  # fmt: skip
     from loopformer.train.dist import DistEnv
     from loopformer.train.setup import set_cpu_threads
 
@@ -354,15 +367,15 @@ def _evaluate_variants(run: Any, dataset: Any, out: Path, final: Path, budgets: 
     """The run's loop_eval and each variant into ``out/variants/<name>/``, then their comparison into ``out``."""
     import dataclasses
 
+    from loopformer.command_checks import check_variants
     from loopformer.commands.compare import print_rows
-    from loopformer.config import apply_overrides, build_config, to_dict
     from loopformer.eval.compare import load_entries, write_comparison
 
     if not run.task.has_validator:
         raise ValueError(f"--variant compares validator accuracy; task {run.task.name!r} has no validator")
     names, folders = [], []
     for i, (name, overrides) in enumerate([("loop_eval", []), *variants]):
-        config = build_config(apply_overrides(to_dict(run.config), overrides), check=False) if overrides else run.config
+        config = check_variants(run.config, [overrides])[0] if overrides else run.config
         variant = dataclasses.replace(run, config=config, loop_eval=config.loop_config(run.model.config.loop, "eval"))
         folder = Path("variants") / f"{i:02d}-{safe_name(name)}"
         _evaluate_into(variant, dataset, out / folder, final / folder, budgets, budget_mode, lens_loops, analyses)

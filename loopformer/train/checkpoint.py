@@ -48,6 +48,7 @@ from loopformer.safe_io import (
     check_inside,
     fsync_dir,
 )
+from loopformer.train.checkpoint_dtypes import dtype_problem
 from loopformer.train.manifest import verify_checkpoint, write_manifest
 from loopformer.train.plugin_record import config_extras
 from loopformer.train.sharded import is_sharded, stored_weights
@@ -152,6 +153,8 @@ def check_weights(weights: dict[str, Tensor], model: nn.Module, source: str) -> 
                 f"{source}: parameter {name!r} has shape {tuple(t.shape)} in the checkpoint "
                 f"but {tuple(expected[name].shape)} in the model"
             )
+        if (problem := dtype_problem(name, t, expected[name])) is not None:
+            raise CheckpointError(f"{source}: {problem}")
 
 
 def load_weights_into(model: nn.Module, path: str | Path) -> None:
@@ -478,6 +481,8 @@ def check_weights_subset(weights: dict[str, Tensor], model: nn.Module, source: s
                 f"{source}: parameter {name!r} has shape {tuple(t.shape)} in the checkpoint "
                 f"but {tuple(params[name].shape)} in the model"
             )
+        if (problem := dtype_problem(name, t, params[name])) is not None:
+            raise CheckpointError(f"{source}: {problem}")
 
 
 def load_training_state(path: str | Path) -> dict[str, Any]:

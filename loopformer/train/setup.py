@@ -208,6 +208,12 @@ def build_run_model(config: RunConfig, task: Task | None, train_data: TokenDatas
     _, config_cls = model_classes(config.model.name)
     valid = {f.name for f in dataclasses.fields(config_cls)}
     defaults = {k: v for k, v in task_model_defaults(task, train_data).items() if k in valid}
+    if task is not None:  # the recipe's own sizes must hold the task's data (an embedding lookup fails else)
+        from loopformer.command_checks import check_model_fields
+
+        given = config.model.fields
+        ids = int(max(train_data.inputs.max(), train_data.labels.max())) + 1 if "vocab_size" in given else 0
+        check_model_fields(given, task, int(train_data.inputs.shape[1]), ids)
     if "num_puzzle_ids" in config.model.fields:  # the recipe decides the puzzle embedding: no task default
         defaults.pop("puzzle_emb_len", None)
     model_config = config.model_config(**defaults)
