@@ -7,8 +7,8 @@ does; rounds stop once ``BUDGET_S`` is spent). Seconds per step come from the ru
 clock between the second step and the last (the first step's one-off set-up and the final evaluation left out). The figure is the median over
 rounds of (s/step at 2 threads) / (s/step at 1 thread): above 1, two threads are slower. The load average
 is recorded with each row: the figure depends on how busy the machine is (a loaded 2-core machine was
-where issue 25 saw 3x-10x). Rows end in ``.idle`` (1-minute load below ``IDLE_LOAD`` per CPU before and
-after) or ``.loaded``, and a rerun replaces only the rows of its own state, so both stay in results.json.
+where issue 25 saw 3x-10x). Rows end in ``.idle`` (1-minute load below ``IDLE_LOAD`` per CPU when the
+benchmark starts) or ``.loaded``, and a rerun replaces only the rows of its own state, so both stay in results.json.
 
     python -m benchmarks --only threads
 """
@@ -29,7 +29,7 @@ from benchmarks.common import Result
 RECIPES = ("default", "sudoku4_trm")
 # rows are named by the machine's state (``.idle`` / ``.loaded``) and a rerun replaces only its own
 MERGE_BY_NAME = True
-IDLE_LOAD = 0.5  # 1-minute load average per logical CPU below which (before and after) the machine is "idle"
+IDLE_LOAD = 0.5  # 1-minute load average per logical CPU below which, at the start, the machine is "idle"
 THREADS = (1, 2)
 
 
@@ -88,7 +88,7 @@ def run(quick: bool) -> list[Result]:
                     per[t].append(seconds_per_step(recipe, threads, steps, folder, QUICK if quick else ()))
             ratio = statistics.median(b / a for a, b in zip(per[1], per[2]))
             cpus = os.cpu_count() or 1
-            idle = max(load_before[0], os.getloadavg()[0]) < IDLE_LOAD * cpus
+            idle = load_before[0] < IDLE_LOAD * cpus  # before only: the benchmark's own threads load it after
             state = "idle" if idle else "loaded"
             results.append(
                 Result(
