@@ -255,6 +255,11 @@ def _command() -> Any:
                  to_folder: Path | None, overwrite: bool = False) -> None:  # fmt: skip
         """Share RUN's latest checkpoint as hub model REPO_ID (owner/name) with a generated model card."""
         check_push(run, repo_id)  # before a folder is claimed or anything sent
+        if revision is not None and (not revision.strip() or revision != revision.strip()):
+            raise click.BadParameter(f"{revision!r} is not a branch name", param_hint="--revision")
+        if message is not None and not message.strip():
+            raise click.BadParameter("an empty commit message; leave --message out for the default",
+                                     param_hint="--message")  # fmt: skip
         if to_folder is not None:
             from loopformer.output_folder import staged_output
 

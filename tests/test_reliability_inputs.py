@@ -187,3 +187,28 @@ def test_push_refuses_weights_eval_would_refuse(trained, tmp_path) -> None:
     bad = _retyped(run, tmp_path / "shape", lambda t: torch.zeros(3, 3))
     fails_cleanly(invoke("push", str(bad), "me/x", "--to-folder", str(tmp_path / "pushed")), "shape (3, 3)")
     assert not (tmp_path / "pushed").exists()
+
+
+@pytest.mark.parametrize("tol", ["inf", "nan", "true", "-0.1"])
+def test_eval_refuses_a_tolerance_that_is_not_a_positive_number(trained, tmp_path, tol) -> None:
+    run, _ = trained
+    out = tmp_path / "report"
+    fails_cleanly(invoke("eval", str(run), "--no-analyses", "-o", str(out), "-s", f"loop_eval.tol={tol}"), "tol")
+    assert not out.exists()
+
+
+def test_compare_refuses_one_evaluation_given_twice(trained, tmp_path) -> None:
+    run, _ = trained
+    report = tmp_path / "report"
+    assert invoke("eval", str(run), "--no-analyses", "-o", str(report)).exit_code == 0
+    result = invoke("compare", str(report), str(tmp_path / "." / "report"), "-o", str(tmp_path / "c"))
+    assert result.exit_code == 2 and "already gave" in result.output, result.output  # a usage error
+    assert not (tmp_path / "c").exists()
+
+
+@pytest.mark.parametrize(("option", "value"), [("--revision", ""), ("--revision", " main"), ("--message", " ")])
+def test_push_refuses_an_empty_revision_or_message(trained, tmp_path, option, value) -> None:
+    run, _ = trained
+    result = invoke("push", str(run), "me/model", option, value, "--to-folder", str(tmp_path / "p"))
+    assert result.exit_code == 2 and option in result.output, result.output  # a usage error
+    assert not (tmp_path / "p").exists()

@@ -62,7 +62,16 @@ def compare(sources: tuple[str, ...], out_dir: str | None, overwrite: bool, titl
     """
     from loopformer.eval.compare import report_folders
 
-    folders = [f for source in sources for f in report_folders(source)]
+    pairs = [(source, folder) for source in sources for folder in report_folders(source)]
+    folders = [folder for _, folder in pairs]
+    seen: dict[Path, str] = {}
+    for source, folder in pairs:
+        key = Path(folder).resolve()
+        if key in seen:  # one evaluation twice would be a comparison with itself
+            raise click.BadParameter(
+                f"{source!r} names the report {folder} that {seen[key]!r} already gave", param_hint="RUN_OR_REPORT"
+            )
+        seen[key] = source
     out = Path(out_dir) if out_dir else Path(f"compare-{time.strftime('%Y%m%d-%H%M%S')}")
     written = compare_into(out, folders, title or f"comparison of {len(folders)} evaluations", overwrite)
     click.echo(f"table: {written['markdown']}  plots: {out / 'plots'}")

@@ -19,6 +19,7 @@ arXiv 1603.08983).
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -133,8 +134,11 @@ class LoopConfig:
         if self.min_steps > self.max_steps:
             raise ValueError(f"LoopConfig.min_steps={self.min_steps} exceeds max_steps={self.max_steps}")
         for name in ("tol", "diverge_threshold"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"LoopConfig.{name} must be > 0, got {getattr(self, name)!r}")
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"LoopConfig.{name} must be a number > 0, got {value!r}")
+        if not math.isfinite(self.tol):  # an infinite tolerance halts every sample before its first step
+            raise ValueError(f"LoopConfig.tol must be finite, got {self.tol!r}")
         for name, options_cls in GROUPS.items():
             setattr(self, name, _group(name, getattr(self, name), options_cls))
         if not isinstance(self.plugins, Mapping):
