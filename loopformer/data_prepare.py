@@ -24,6 +24,9 @@ data``).  Point a recipe at it: ``data.train_path=OUT data.eval_path=OUT``.
 
 from __future__ import annotations
 
+import errno
+import os
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -261,8 +264,8 @@ def prepare_arc(name: str, out: Path, from_dir: Path | None, augment: int, seed:
         folder = out / split
         folder.mkdir(parents=True, exist_ok=True)
         # straight into the .npy files: with 1000 versions ARC-AGI-1 has ~3M rows (2.7 GB per array)
-        inputs = np.lib.format.open_memmap(folder / "all__inputs.npy", "w+", np.uint8, (n, CANVAS_TOKENS))
-        labels = np.lib.format.open_memmap(folder / "all__labels.npy", "w+", np.uint8, (n, CANVAS_TOKENS))
+        inputs = reserved_memmap(folder / "all__inputs.npy", (n, CANVAS_TOKENS))
+        labels = reserved_memmap(folder / "all__labels.npy", (n, CANVAS_TOKENS))
         ids, difficulty = np.zeros(n, np.int64), np.zeros(n)
         r = 0
         for t, i, pair, translate in items:
@@ -292,6 +295,25 @@ def prepare_arc(name: str, out: Path, from_dir: Path | None, augment: int, seed:
     atomic_write_json(out / "identifiers.json", names, root=out)
     return {"task": "arc", "rows": counts, "tasks": {"training": len(training), "evaluation": len(evaluation)},
             "num_puzzle_ids": 1 + len(puzzles) * versions}  # fmt: skip
+
+
+def reserved_memmap(path: Path, shape: tuple[int, int]) -> np.memmap:
+    """A uint8 ``.npy`` memory map whose disk blocks are allocated up front: on a full disk a write into a
+    sparse map's page kills the process with SIGBUS, so the space is claimed first (``posix_fallocate``)
+    and a shortage is an ``OSError`` naming the file and the bytes it needs."""
+    array = np.lib.format.open_memmap(path, "w+", np.uint8, shape)
+    size = path.stat().st_size
+    try:
+        if hasattr(os, "posix_fallocate"):
+            with open(path, "r+b") as fh:
+                os.posix_fallocate(fh.fileno(), 0, size)
+        elif shutil.disk_usage(path.parent).free < size:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    except OSError as err:
+        del array
+        path.unlink(missing_ok=True)
+        raise OSError(err.errno, f"{path}: cannot reserve {size:,} bytes ({err.strerror or err})") from None
+    return array
 
 
 def prepare(name: str, out: str | Path, from_dir: str | Path | None = None, subset: int | None = None,

@@ -192,3 +192,46 @@ def test_cli_prepare_then_a_run_reads_the_folder(tmp_path) -> None:
         cli, ["data", "prepare", "sudoku-extreme", "--from", str(src), "--out", str(out)]
     )
     assert again.exit_code == 1 and "is not empty" in again.output and "--overwrite" in again.output
+
+
+def test_a_disk_too_full_for_the_arc_arrays_is_an_error_before_any_page_is_written(
+    tmp_path, monkeypatch
+) -> None:
+    """The ARC arrays are memory maps; their blocks are claimed first, so a full disk is a clear error
+    (never SIGBUS on a page write) and the dataset already in the folder stays."""
+    import errno
+    import os
+
+    folder = tmp_path / "corpus" / "AboveBelow"
+    folder.mkdir(parents=True)
+    pair = {"input": [[1, 2]], "output": [[2, 1]]}
+    (folder / "AboveBelow1.json").write_text(json.dumps({"train": [pair], "test": [pair]}))
+    out = tmp_path / "concept"
+    prepare("conceptarc", out, tmp_path / "corpus", augment=1)
+    before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    claimed: list[int] = []
+
+    def full_disk(fd: int, offset: int, length: int) -> None:
+        claimed.append(length)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "posix_fallocate", full_disk, raising=False)
+    args = [
+        "data",
+        "prepare",
+        "conceptarc",
+        "--from",
+        str(tmp_path / "corpus"),
+        "--out",
+        str(out),
+        "--overwrite",
+    ]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 1, result.output
+    assert (
+        "cannot reserve" in result.output
+        and "No space left" in result.output
+        and "all__inputs.npy" in result.output
+    )
+    assert claimed and claimed[0] > 0
+    assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
