@@ -151,6 +151,7 @@ COPIED_24 = [
     "tests/test_reliability_overwrite.py",
     "tests/test_reliability_output_folders.py",
     "tests/test_reliability_signals.py",
+    "tests/test_reliability_inputs.py",
 ]
 R = "tests/test_reliability_resume.py::"
 O = "tests/test_reliability_overwrite.py::"
@@ -158,6 +159,7 @@ F = "tests/test_reliability_output_folders.py::"
 S = "tests/test_reliability_signals.py::"
 V = "tests/test_reliability_convert.py::"
 W = "tests/test_reliability_output_swap.py::"
+In = "tests/test_reliability_inputs.py::"
 CASES_24: list[tuple[int, str, str]] = [
     (10, "resume from another run's checkpoint into this run", R + "test_resume_from_another_runs_checkpoint_into_this_run_is_refused"),
     (10, "resume from another run's checkpoint into a new folder: origin recorded",
@@ -195,6 +197,28 @@ CASES_24: list[tuple[int, str, str]] = [
      F + "test_data_generate_follows_the_run_folder_rules"),
     (12, "run: SIGTERM exits 1 with no resume command (and no --resume)",
      S + "test_run_stopped_by_a_signal_resumes_with_the_printed_command"),
+    (13, "eval -s loop_eval.max_steps=10**12: internal error (allocation)",
+     In + "test_eval_refuses_hostile_options_before_evaluating[-s loop_eval.max_steps=1000000000000]"),
+    (13, "eval --max-steps 10**12: internal error", In + "test_eval_refuses_hostile_options_before_evaluating[--max-steps 1000000000000]"),
+    (13, "eval --variant loop_eval.max_steps=0: refused only after the base evaluation",
+     In + "test_eval_refuses_hostile_options_before_evaluating[--variant loop_eval.max_steps=0]"),
+    (13, "eval --variant eval.segments=0 accepted", In + "test_eval_refuses_hostile_options_before_evaluating[--variant eval.segments=0]"),
+    (13, "eval --auto-solver-slice 2 accepted", In + "test_eval_refuses_hostile_options_before_evaluating[--auto-solver --auto-solver-slice 2]"),
+    (13, "eval -s K=1 -s K=2: the last silently wins",
+     In + "test_eval_refuses_hostile_options_before_evaluating[-s loop_eval.max_steps=3 -s loop_eval.max_steps=4]"),
+    (13, "eval -t min_blanks=abc: message without the key", In + "test_eval_refuses_hostile_options_before_evaluating[-t min_blanks=abc]"),
+    (13, "train model.vocab_size=3: internal IndexError", In + "test_train_refuses_sizes_the_task_or_memory_cannot_hold[model.vocab_size=3]"),
+    (13, "train model.seq_len=3: trains, records a wrong config", In + "test_train_refuses_sizes_the_task_or_memory_cannot_hold[model.seq_len=3]"),
+    (13, "train data.options.box=3: internal TypeError", In + "test_train_refuses_sizes_the_task_or_memory_cannot_hold[data.options.box=3]"),
+    (13, "train train.steps=1 train.steps=2: the last silently wins", In + "test_train_refuses_a_key_given_twice"),
+    (13, "run run.budgets=[10**12]: internal error",
+     In + "test_run_refuses_loop_counts_and_sizes_before_training[run.budgets=[1000000000000]-run.budgets 1000000000000]"),
+    (13, "a 7x7 maze run evaluated on 9x9 mazes", In + "test_a_maze_run_is_not_evaluated_on_another_maze_size"),
+    (13, "a float64 tensor in a float32 checkpoint: rounded silently",
+     In + "test_a_checkpoint_mixing_dtypes_is_refused_not_rounded[float64-<lambda>-float64 in the checkpoint]"),
+    (13, "push shares weights eval refuses (NaN)", In + "test_push_refuses_weights_eval_would_refuse"),
+    (13, "eval -s loop_eval.tol=inf accepted", In + "test_eval_refuses_a_tolerance_that_is_not_a_positive_number[inf]"),
+    (13, "push --revision '' accepted", In + "test_push_refuses_an_empty_revision_or_message[--revision-]"),
 ]  # fmt: skip
 # Not in the table: tests whose commands (sweep, compare, consolidate) 873c8e8 does not have, so they
 # fail there for that reason alone; against main before this work (b9ec86c) they fail for theirs:
