@@ -15,6 +15,7 @@ given with ``--import MODULE`` (repeatable), in that order.
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import Any
 
 import click
@@ -166,7 +167,12 @@ def setup_logging(quiet: bool = False) -> None:
 
     logger = logging.getLogger("loopformer")
     if not any(getattr(h, "_loopformer", False) for h in logger.handlers):
-        handler = RichHandler(console=Console(stderr=True), show_path=False, show_time=False)
+        handler: logging.Handler
+        if sys.stderr.isatty():
+            handler = RichHandler(console=Console(stderr=True), show_path=False, show_time=False)
+        else:  # a log file (nohup, SLURM, torchrun): one plain line per message, never wrapped at 80 columns
+            handler = logging.StreamHandler(sys.stderr)
+            handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
         handler._loopformer = True  # type: ignore[attr-defined]
         logger.addHandler(handler)
         logger.propagate = False

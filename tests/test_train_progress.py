@@ -76,3 +76,6 @@ def test_train_into_a_log_file_shows_progress_and_evaluations(tmp_path: Path) ->
     assert steps == ["2/6", "4/6", "6/6"], text
     assert re.search(r"^eval step 3 \(ema weights\): valid_acc ", text, re.M), text
     assert re.search(r"^final eval step 6 \(ema weights\): valid_acc ", text, re.M), text
+    # log messages are plain lines too: the thread-count line is whole, not wrapped at 80 columns
+    threads = [line for line in text.splitlines() if "CPU threads:" in line]
+    assert len(threads) == 1 and threads[0].startswith("INFO ") and threads[0].endswith("train.threads=N)"), text
