@@ -62,8 +62,7 @@ def train_with_curves(recipe: str, overrides: list[str], log: Any = print) -> di
     trainer = Trainer(cfg, task=task, train_data=train, eval_data=None)
     loop = cfg.loop_config(trainer.model.config.loop, "eval")
     run_dir = Path(cfg.out_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, run_dir)
+    save_config(cfg, trainer.run_dir)  # where the run writes now (beside the folder until an overwrite's swap)
     every = max(1, min(EVAL_EVERY, cfg.train.steps // 4))
     curves: dict[str, list[float]] = {"step": [], "loss": [], **{k: [] for k in probes}}
     t0 = time.perf_counter()
@@ -111,7 +110,8 @@ def run(quick: bool = False, steps: int | None = None) -> dict[str, Any]:
     for label, recipe in RECIPES.items():
         overrides = []
         if quick:
-            overrides += ["train.steps=8", f"out_dir=runs/ltg_quick/grok_{label[-1]}"]
+            # the dry run's scratch run is replaced each time (a full run's folder is never: it is refused)
+            overrides += ["train.steps=8", f"out_dir=runs/ltg_quick/grok_{label[-1]}", "train.overwrite=true"]
         elif steps:
             overrides.append(f"train.steps={steps}")
         result["models"][label] = train_with_curves(recipe, overrides)
