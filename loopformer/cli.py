@@ -157,6 +157,25 @@ def load_user_code(imports: tuple[str, ...] | list[str] = ()) -> None:
     import_modules(list(imports), "--import")
 
 
+def _plain_stderr_handler() -> Any:
+    """A ``LEVEL message`` handler writing to whatever ``sys.stderr`` is when a record is written (a test
+    runner or a redirection may replace it after the handler is made), as rich's stderr console does."""
+    import logging
+
+    class PlainStderrHandler(logging.StreamHandler):
+        @property  # type: ignore[override]
+        def stream(self) -> Any:
+            return sys.stderr
+
+        @stream.setter
+        def stream(self, value: Any) -> None:
+            pass
+
+    handler = PlainStderrHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
+    return handler
+
+
 def setup_logging(quiet: bool = False) -> None:
     """Show the ``loopformer.*`` loggers' messages (curriculum level-ups, resumes, warnings) on stderr:
     info and up, or warnings and up with ``-q``."""
@@ -171,8 +190,7 @@ def setup_logging(quiet: bool = False) -> None:
         if sys.stderr.isatty():
             handler = RichHandler(console=Console(stderr=True), show_path=False, show_time=False)
         else:  # a log file (nohup, SLURM, torchrun): one plain line per message, never wrapped at 80 columns
-            handler = logging.StreamHandler(sys.stderr)
-            handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
+            handler = _plain_stderr_handler()
         handler._loopformer = True  # type: ignore[attr-defined]
         logger.addHandler(handler)
         logger.propagate = False
