@@ -166,14 +166,9 @@ def check_push(run: str | Path, repo_id: str) -> Path:
 
 def _read_summary(path: Path) -> dict[str, Any]:
     """A run's ``summary.json`` as a table; ValueError naming the file (never quoting it) otherwise."""
-    try:
-        summary = json.loads(path.read_text(encoding="utf-8"))
-    except UnicodeDecodeError as err:
-        raise ValueError(f"{path}: not UTF-8 text (byte {err.start})") from None
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path}: not valid JSON (line {err.lineno}, column {err.colno})") from None
-    except RecursionError:
-        raise ValueError(f"{path}: JSON nested too deeply") from None
+    from loopformer.json_files import read_json
+
+    summary = read_json(path, ValueError)
     if not isinstance(summary, dict):
         raise ValueError(f"{path}: expected a JSON object, got {type(summary).__name__}")
     return summary

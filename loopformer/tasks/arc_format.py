@@ -7,7 +7,6 @@ docstring describes the sources, the validation and the canvas encoding.
 from __future__ import annotations
 
 import functools
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from loopformer import json_files
 from loopformer.tasks.base import TaskDataError
 
 MAX_GRID = 30
@@ -141,18 +141,7 @@ def load_folder(path: str | Path, split: str | None = None) -> list[ArcPuzzle]:
 
 def read_json(path: Path) -> Any:
     """A UTF-8 JSON file; TaskDataError naming the file and line (never quoting its contents)."""
-    try:
-        return json.loads(path.read_bytes().decode("utf-8"))
-    except UnicodeDecodeError as error:
-        raise TaskDataError(f"{path}: not UTF-8 text (byte {error.start})") from None
-    except json.JSONDecodeError as error:
-        raise TaskDataError(
-            f"{path}: not valid JSON (line {error.lineno}, column {error.colno}: {error.msg})"
-        ) from None
-    except RecursionError:
-        raise TaskDataError(f"{path}: JSON nested too deeply") from None
-    except OSError as error:
-        raise TaskDataError(f"{path}: cannot read ({error.strerror or type(error).__name__})") from None
+    return json_files.read_json(path, TaskDataError)
 
 
 def load_kaggle(challenges: str | Path, solutions: str | Path | None = None) -> list[ArcPuzzle]:

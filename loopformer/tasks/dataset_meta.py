@@ -11,12 +11,12 @@ that resolves outside ``folder``.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from pathlib import Path
 from typing import Any
 
+from loopformer.json_files import read_json
 from loopformer.tasks.base import TaskDataError
 
 SET_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}")
@@ -45,18 +45,7 @@ def _no_duplicates(path: Path) -> Any:
 
 
 def _read(path: Path) -> Any:
-    try:
-        return json.loads(path.read_bytes().decode("utf-8"), object_pairs_hook=_no_duplicates(path))
-    except UnicodeDecodeError as err:
-        raise TaskDataError(f"{path}: not UTF-8 text (byte {err.start})") from None
-    except json.JSONDecodeError as err:
-        raise TaskDataError(
-            f"{path}: not valid JSON (line {err.lineno}, column {err.colno}: {err.msg})"
-        ) from None
-    except RecursionError:
-        raise TaskDataError(f"{path}: JSON nested too deeply") from None
-    except OSError as err:
-        raise TaskDataError(f"{path}: cannot read ({err.strerror or type(err).__name__})") from None
+    return read_json(path, TaskDataError, object_pairs_hook=_no_duplicates(path))
 
 
 def _is_int(value: Any) -> bool:

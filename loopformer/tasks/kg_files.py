@@ -29,13 +29,13 @@ records of those types (e.g. ``["2hop_test", "3hop_test"]``).
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from loopformer.json_files import read_json
 from loopformer.tasks.base import IGNORE_INDEX, Task, TaskDataError, TokenDataset
 
 TOKEN = re.compile(r"<[^>]+>")
@@ -47,16 +47,7 @@ def _read_json(path: Path) -> Any:
     """A UTF-8 JSON file; TaskDataError naming the file and position (never quoting its contents)."""
     if not path.is_file():
         raise TaskDataError(f"{path} does not exist")
-    try:
-        return json.loads(path.read_bytes().decode("utf-8"))
-    except UnicodeDecodeError as err:
-        raise TaskDataError(f"{path}: not UTF-8 text (byte {err.start})") from None
-    except json.JSONDecodeError as err:
-        raise TaskDataError(f"{path}: not valid JSON ({err.msg} at line {err.lineno})") from None
-    except RecursionError:
-        raise TaskDataError(f"{path}: JSON nested too deeply") from None
-    except OSError as err:
-        raise TaskDataError(f"{path}: cannot read ({err.strerror or type(err).__name__})") from None
+    return read_json(path, TaskDataError)
 
 
 def _vocabulary(path: Path) -> list[str]:
