@@ -191,13 +191,13 @@ def generate_cmd(
 def check_generate_target(out: Path, fmt: str, split: str, overwrite: bool) -> None:
     """Refuse, before anything is generated, an OUT that lies in a training run's folder, or that
     already holds a dataset (the file; ``--format hrm``: the split folder) unless ``overwrite``."""
-    from loopformer.train.run_folder import RunFolderError, inside_run, training_run
+    from loopformer.train.run_folder import RunFolderError, run_at_or_above
 
     target = out / split if fmt == "hrm" else out
     for folder in (out, target):
-        found = (folder, False) if training_run(folder) else inside_run(folder)
+        found = run_at_or_above(folder)
         if found is not None:
-            raise RunFolderError(f"--out {out} is inside the training run {found[0]}; `data generate` "
+            raise RunFolderError(f"--out {out} is inside the training run {found}; `data generate` "
                                  f"never writes into a run's folder: choose another path")  # fmt: skip
     if fmt != "hrm" and out.is_dir():
         raise RunFolderError(f"--out {out} is a folder; name the file to write (or use --format hrm)")

@@ -260,14 +260,14 @@ def _refuse_foreign_folder(out: Path) -> None:
         LOCK_NAME,
         RunFolderError,
         holds_run,
-        inside_run,
         nested_run,
+        run_at_or_above,
         training_run,
     )
 
-    found = (out, False) if training_run(out) else inside_run(out)
+    found = run_at_or_above(out)
     if found is not None:
-        raise RunFolderError(f"--out {out} is or lies in the training run {found[0]}; `loopformer run` writes a "
+        raise RunFolderError(f"--out {out} is or lies in the training run {found}; `loopformer run` writes a "
                              f"folder of its own: choose another --out")  # fmt: skip
     if not out.is_dir():
         return

@@ -205,13 +205,13 @@ def _train_point(recipe: str, run: Path, point: Point, echo: Any) -> None:
 def check_sweep_folder(folder: Path, recipe: str, axes: dict[str, Any], fixed: dict[str, Any]) -> None:
     """Refuse a sweep folder that is a file, lies in a training run's folder, is one, or holds
     something other than this sweep (another sweep's ``sweep.json``, a dataset, a report)."""
-    from loopformer.train.run_folder import LOCK_NAME, RunFolderError, inside_run, training_run
+    from loopformer.train.run_folder import LOCK_NAME, RunFolderError, run_at_or_above
 
     if folder.exists() and not folder.is_dir():
         raise RunFolderError(f"--out {folder} is a file, not a folder: name a folder to write into")
-    found = (folder, False) if training_run(folder) else inside_run(folder)
+    found = run_at_or_above(folder)
     if found is not None:
-        raise RunFolderError(f"--out {folder} is or lies in the training run {found[0]}; a sweep writes "
+        raise RunFolderError(f"--out {folder} is or lies in the training run {found}; a sweep writes "
                              f"a folder of its own: choose another --out")  # fmt: skip
     if not folder.is_dir():
         return

@@ -329,6 +329,14 @@ def inside_run(path: str | Path) -> tuple[Path, bool] | None:
     return None
 
 
+def run_at_or_above(path: str | Path) -> Path | None:
+    """The training run ``path`` is, or the nearest one above it (``inside_run``); None when neither."""
+    if training_run(Path(path)):
+        return Path(path)
+    found = inside_run(path)
+    return found[0] if found is not None else None
+
+
 class RunFolder:
     """The training process' view of its run folder: lock, refusal or staged overwrite."""
 
