@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import copy
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -90,6 +92,21 @@ def break_weights(run: Path, dest: Path, how: str) -> Path:
         save_file(tensors, str(folder / name), metadata=metadata)
     rewrite_manifest(folder)
     return dest
+
+
+def hold_lock(folder: Path, purpose: str = "train", seconds: float = 60.0) -> subprocess.Popen:
+    """Another process holding ``folder``'s run lock (``RunLock(folder, purpose)``) for ``seconds``;
+    returned once it holds it. The caller kills it."""
+    code = (
+        "import time; from loopformer.train.run_folder import RunLock; "
+        f"RunLock({str(folder)!r}, {purpose!r}).acquire(); print('locked', flush=True); time.sleep({seconds})"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    if proc.stdout is None or proc.stdout.readline().strip() != "locked":
+        proc.kill()
+        proc.wait()
+        raise AssertionError(f"the lock holder for {folder} did not take the lock")
+    return proc
 
 
 def cli_text(result: Any) -> str:

@@ -10,11 +10,10 @@ import multiprocessing as mp
 import os
 import signal
 import socket
-import subprocess
-import sys
 import time
 
 import pytest
+from reliability_common import hold_lock
 
 from loopformer.train.run_folder import LOCK_NAME, RunFolderError, RunLock
 
@@ -86,13 +85,8 @@ def test_a_lock_held_before_its_holder_wrote_its_details_is_held(tmp_path) -> No
 
 
 def test_a_killed_holder_frees_the_folder_and_a_second_lock_names_the_holder(tmp_path) -> None:
-    code = (
-        "import time; from loopformer.train.run_folder import RunLock; "
-        f"RunLock({str(tmp_path)!r}, 'convert').acquire(); print('locked', flush=True); time.sleep(60)"
-    )
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    proc = hold_lock(tmp_path, "convert")
     try:
-        assert proc.stdout.readline().strip() == "locked"
         with pytest.raises(RunFolderError, match=rf"in use by process {proc.pid} on .*\(convert since"):
             RunLock(tmp_path, "eval").acquire()
     finally:
@@ -141,13 +135,8 @@ def test_every_command_that_writes_a_folder_waits_for_its_lock(tmp_path) -> None
     }  # fmt: skip
     for folder, invocations in commands.items():
         folder.mkdir(exist_ok=True)
-        code = (
-            "import time; from loopformer.train.run_folder import RunLock; "
-            f"RunLock({str(folder)!r}, 'train').acquire(); print('locked', flush=True); time.sleep(120)"
-        )
-        proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        proc = hold_lock(folder, seconds=120)
         try:
-            assert proc.stdout.readline().strip() == "locked"
             before = sorted(p.relative_to(folder) for p in folder.rglob("*"))
             for args in invocations:
                 fails_cleanly(CliRunner().invoke(cli, args), f"in use by process {proc.pid}")

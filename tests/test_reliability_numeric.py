@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from reliability_common import PUZZLE, break_weights, fails_cleanly, tiny_recipe
+from reliability_common import PUZZLE, break_weights, fails_cleanly, hold_lock, tiny_recipe
 
 from loopformer.cli import cli
 from loopformer.commands.solve import SOLVE_JSON_KEYS
@@ -79,18 +79,10 @@ def test_solve_json_schema_is_stable_for_a_good_puzzle(tiny_run) -> None:
 
 
 def test_eval_is_kept_out_of_a_run_folder_in_use(tiny_run, tmp_path) -> None:
-    import subprocess
-    import sys
-
     run = tmp_path / "busy"
     shutil.copytree(tiny_run, run)
-    code = (
-        "import time; from loopformer.train.run_folder import RunLock; "
-        f"RunLock({str(run)!r}, 'train').acquire(); print('locked', flush=True); time.sleep(60)"
-    )
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    proc = hold_lock(run)
     try:
-        assert proc.stdout.readline().strip() == "locked"
         result = CliRunner().invoke(cli, ["eval", str(run), "--no-analyses", "-n", "2"])
         fails_cleanly(result, f"in use by process {proc.pid}")
     finally:

@@ -13,6 +13,7 @@ import time
 
 import pytest
 import torch
+from reliability_common import hold_lock
 from test_train_utils import TinyLooped, tiny_config, tiny_dataset
 
 from loopformer.train import Trainer, TrainingDivergedError
@@ -74,18 +75,8 @@ def test_overwrite_keeps_the_old_run_until_the_first_new_checkpoint(tmp_path) ->
     assert [m["step"] for m in _metrics(tmp_path)] == [1, 2, 3]
 
 
-def _hold_lock(folder, seconds: float = 30.0) -> subprocess.Popen:
-    code = (
-        "import sys, time; from loopformer.train.run_folder import RunLock; "
-        f"RunLock({str(folder)!r}, 'train').acquire(); print('locked', flush=True); time.sleep({seconds})"
-    )
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-    assert proc.stdout.readline().strip() == "locked"
-    return proc
-
-
 def test_a_second_process_is_kept_out_and_a_stale_lock_is_taken_over(tmp_path) -> None:
-    proc = _hold_lock(tmp_path)
+    proc = hold_lock(tmp_path, seconds=30)
     try:
         with pytest.raises(RunFolderError, match=rf"in use by process {proc.pid} on {socket.gethostname()}"):
             _trainer(tiny_config(tmp_path, "train.steps=2"))
