@@ -65,34 +65,89 @@ BASELINES: dict[str, list[str]] = {
         "loop_eval={}",
     ],
 }
-# The authors' protocols (second rerun): FPRM trained as nilskiKonjIzDunava/fprm trains it (a slot halts when
-# its fixed-point residual is below fp_thresh or its step size below 1e-3, pretrain.py / FixedPointOptimizer;
-# the damped solver's step size / patience / best residual carried across a sample's segments and reset only
-# when it halts; arch.max_iter 12 segments; rel_sup residual) and evaluated as its eval loop does
-# (the whole batch stops when its largest residual is below 0.1, cap max_iter_eval 1000, step decay 0.997 and
-# patience 10: the model card's Sudoku protocol); TRM as SamsungSAILMontreal/TinyRecursiveModels trains and
-# evaluates it (halt_max_steps 16 segments, Q-halting with exploration 0.1; evaluation runs all 16
-# segments). The curriculum check scores each model as it is evaluated (TRM: 16 chained segments; FPRM: the
-# authors' solver and halting, its cap bounded at 64 steps for cost: data.curriculum.max_steps).
+# The head-to-head (issue 32): each model built with its authors' architecture options, scaled to the CPU width
+# (d 64, 4 heads, 2 blocks), and trained / evaluated under its authors' protocol.
+# - FPRM: the options of nilskiKonjIzDunava/fprm as recipes/paper_sudoku_extreme_fprm.yaml sets them (grid conv
+#   that replaces the state, tied-b eps 1e-5, gain-free RMSNorm eps 1e-5, no head norm, Q-head on the first
+#   puzzle-embedding position, LeCun init, initial iterate std 6, SwiGLU width rounded to 256, 16 puzzle-embedding
+#   tokens, weight decay on vectors) with one change: the MLP token mixer (their arch.mlp_t, which their Sudoku
+#   config leaves off; TRM's Sudoku variant uses it) instead of attention, which did not learn 9x9 at this width
+#   on a CPU (docs/results.md, "Which FPRM setting").
+# - TRM: SamsungSAILMontreal/TinyRecursiveModels as recipes/paper_sudoku_extreme_trm.yaml sets it (MLP mixer, no
+#   positions, L_cycles 6 = n_inner, H_cycles 3 per segment, 16 puzzle-embedding tokens, LeCun init, gain-free
+#   RMSNorm, SwiGLU width rounded to 256, weight decay on every parameter).
+# Parameters: FPRM 398,529, TRM 397,825 (0.2% apart; neither was rescaled: at the same width both builds land
+# within 5%). Both train the puzzle embedding by sign-SGD as both authors do. The optimiser, learning rate,
+# batch, EMA, data and curriculum are shared (recipes/sudoku9_fprm.yaml): the comparison varies the model and
+# its authors' segment / halting / evaluation protocol only (the authors' own optimisers, AdamW 1e-3 for FPRM and
+# AdamATan2 1e-4 for TRM, are tuned for 78k-step GPU runs, not for ~1-6k CPU steps).
+FPRM_BUILD = (
+    "model={name: fprm, d_model: 64, n_heads: 4, n_layers: 2, expansion: 4.0, mixer: mlp, conv: grid2d, "
+    "conv_kernel: 3, conv_form: replace, a1_init: 0.75, a2_init: 0.25, tied_eps: 1.0e-5, norm: pre, "
+    "state_norm: none, norm_eps: 1.0e-5, norm_gain: false, head_norm: false, q_pool: first, init: lecun, "
+    "init_std: 6.0, mlp_multiple: 256, num_puzzle_ids: 1, puzzle_emb_len: 16, puzzle_emb_dim: 64, "
+    "decay_vectors: true}"
+)
+TRM_BUILD = (
+    "model={name: trm, d_model: 64, n_heads: 4, n_layers: 2, expansion: 4.0, mixer: mlp, n_inner: 6, "
+    "rope: false, num_puzzle_ids: 1, puzzle_emb_len: 16, puzzle_emb_dim: -1, norm_eps: 1.0e-5, "
+    "norm_gain: false, mlp_multiple: 256, init: lecun, loop: {max_steps: 3}}"
+)
+PUZZLE_EMB = [  # both authors: sign-SGD for the puzzle embedding at the model's rate, not in the EMA
+    "train.puzzle_emb_optimizer=sign_sgd",
+    "train.puzzle_emb_lr=2.0e-3",
+    "train.puzzle_emb_weight_decay=1.0e-3",
+    "train.ema_puzzle_embeddings=false",
+]
+# The authors' protocols: FPRM trained as nilskiKonjIzDunava/fprm trains it (a slot halts when its fixed-point
+# residual is below fp_thresh or its step size below 1e-3, pretrain.py / FixedPointOptimizer; the damped solver's
+# step size / patience / best residual carried across a sample's segments and reset only when it halts;
+# arch.max_iter 12 segments; rel_sup residual) and evaluated as its eval loop does (the whole batch stops when its
+# largest residual is below 0.1, cap max_iter_eval 1000, step decay 0.997 and patience 10: the model card's Sudoku
+# protocol with a cap of 1000 instead of 35,000); TRM as TinyRecursiveModels trains and evaluates it
+# (halt_max_steps 16 segments, Q-halting with exploration 0.1; evaluation runs all 16 segments, here as one loop
+# of 16 x 3 = 48 cycles, identical without gradient: tests/test_parity_trm.py). The curriculum check scores
+# both at the same test-time compute, 126 blocks per puzzle: FPRM 63 steps x 2 blocks, TRM 9 cycles x 14 blocks
+# (data.curriculum.max_steps).
 FPRM_AUTHORS_EVAL = (
     "loop_eval={solver: damped, damp_gamma: 0.997, damp_patience: 10, damp_min_step: 1.0e-3, tol: 0.1, "
     "residual_norm: rel_sup, halting: batch_residual, max_steps: 1000}"
 )
+# loopformer's addition (not the paper's): a contraction term on FPRM's map, the Hutchinson estimate of
+# ||dF/dz||_F^2 / dim at each segment's last iterate (train.jacobian_weight; the Attractor and DEQ papers' term)
+JACOBIAN_WEIGHT = 0.1
 AUTHORS: dict[str, list[str]] = {
     "fprm_authors": [
+        FPRM_BUILD,
+        *PUZZLE_EMB,
         "train.halt_on_converged=true",
         "train.carry_solver_state=true",
         "train.max_segments=12",
         "loop_train.residual_norm=rel_sup",
         "loop_train.damp_min_step=1.0e-3",
         FPRM_AUTHORS_EVAL,
-        "data.curriculum.max_steps=64",
-        # no periodic evaluation: the eval phase scores every budget's checkpoint (FPRM's in-run evaluation
-        # at cap 1000 took 4 min a time; it reads no training RNG, so the training stream is the same)
+        "data.curriculum.max_steps=63",
+        # no periodic evaluation: the eval phase scores every budget's checkpoint (it reads no training RNG)
         "train.eval_every=0",
     ],
-    "trm_authors": [*BASELINES["trm"], "train.max_segments=16", "eval.segments=16", "train.eval_every=0"],
+    "trm_authors": [
+        TRM_BUILD,
+        *PUZZLE_EMB,
+        "train.decay_all=true",
+        "train.halt_on_q=true",
+        "train.halt_exploration=0.1",
+        "train.max_segments=16",
+        "loop_train={}",
+        "loop_eval={halting: fixed, max_steps: 48}",
+        "eval.segments=1",
+        "data.curriculum.max_steps=9",
+        "train.eval_every=0",
+    ],
 }
+AUTHORS["fprm_authors_jac"] = [*AUTHORS["fprm_authors"], f"train.jacobian_weight={JACOBIAN_WEIGHT}"]
+# models whose budgets are another model's step counts rather than equal training FLOPs (the contraction term's
+# cost is reported in time, at the same steps)
+SAME_STEPS = {"fprm_authors_jac": "fprm_authors"}
 MODELS = ("fprm", *BASELINES, *AUTHORS)
 PROTOCOL = {
     "fprm": "ours: fixed-length segments (8 per slot, lock-step refill), eval per-sample residual halting, cap 64",
@@ -100,14 +155,28 @@ PROTOCOL = {
     "trm": "ours: 8 segments, eval 8 segments chained, curriculum check 1 segment",
     "fprm_authors": "authors': halt on convergence, solver state carried, 12 segments; eval batch-wide, "
     "cap 1000, decay 0.997, patience 10",
-    "trm_authors": "authors': 16 segments, Q-halting; eval 16 segments chained (curriculum check too)",
+    "trm_authors": "authors': 16 segments, Q-halting; eval 16 segments chained (48 cycles)",
+    "fprm_authors_jac": "fprm_authors + loopformer's contraction term (train.jacobian_weight "
+    f"{JACOBIAN_WEIGHT}), same steps",
 }
-# test-time compute: transformer blocks applied per loop step (FPRM: its n_layers blocks; TRM: n_inner
-# latent updates + 1 answer update, each through its n_layers blocks)
-BLOCKS_PER_STEP = {"fprm_authors": 2, "trm_authors": (3 + 1) * 2}
-# test-time budgets in loop steps (FPRM: up to 512 steps = 1,024 blocks, past TRM's 384; the authors' cap of
-# 1000 is the evaluation row itself; TRM: within its first segment, then whole segments up to all 16)
-BUDGETS = {"fprm_authors": [2**k for k in range(10)], "trm_authors": [1, 2, 3, 6, 12, 24, 48]}
+# test-time compute: transformer blocks applied per loop step (FPRM: its n_layers blocks; TRM: n_inner = 6
+# latent updates + 1 answer update per cycle, each through its n_layers blocks)
+BLOCKS_PER_STEP = {"fprm_authors": 2, "trm_authors": (6 + 1) * 2, "fprm_authors_jac": 2}
+# matched test-time compute: budgets in blocks per puzzle, log2 from 8 to 2,048; a model runs the largest whole
+# number of its loop steps within the budget (TRM's first cycle needs 14 blocks, so it has no 8-block point)
+BLOCK_BUDGETS = [2**k for k in range(3, 12)]
+# The clock of the equal-FLOPs budgets, measured once (experiments/sudoku9_cpu.py --phase probe --measure-clock,
+# 2026-11 on one core of the development CPU at load 8.6): the first rerun's FPRM took 0.553 CPU-seconds per
+# step at 31.62 GFLOP per step, so 15 minutes = 1,628 steps of it = 5.15e13 FLOPs of training; every model's
+# 15-minute budget is that many FLOPs divided by its own FLOPs per step (FlopCounterMode, forward + backward).
+CLOCK = {
+    "steps_15": 1628,
+    "reference": "fprm",
+    "reference_flops_per_step": 31619604480.0,
+    "fprm_s_per_step": 0.5529184185,
+    "threads": 1,
+    "load_average": 8.62939453125,
+}
 MINUTES = (15, 30, 60)
 BLANK_BINS = ((20, 29), (30, 39), (40, 49), (50, 60))
 # the two real Sudoku-Extreme rows of tests/test_tasks_sudoku.py (sapientinc/sudoku-extreme test split)
@@ -117,7 +186,21 @@ EXTREME_ROWS = (
 )
 
 
-def configs(runs: Path, quick: bool, extra: list[str] | None = None) -> dict[str, Any]:
+def seed_overrides(seed: int) -> list[str]:
+    """Model seed ``seed`` and training data generated from seed ``100 + seed``: never the held-out set's seed
+    (``data.eval_seed`` 1): generated sets of one seed share their first rows, so a training seed equal to the
+    held-out seed trains on the held-out puzzles (``loopformer`` now refuses that; the earlier second FPRM seed,
+    ``data.train_seed=1``, did)."""
+    return [f"seed={seed}", f"data.train_seed={100 + seed}"]
+
+
+def run_dir(runs: Path, name: str, seed: int | None) -> Path:
+    """The run folder of ``name``: ``runs/seed<N>/<name>`` for the head-to-head's seeds, ``runs/<name>`` for the
+    first rerun's single runs (``seed`` None)."""
+    return runs / name if seed is None else runs / f"seed{seed}" / name
+
+
+def configs(runs: Path, quick: bool, extra: list[str] | None = None, seed: int | None = None) -> dict[str, Any]:
     q = (
         [
             "data.train_size=64",
@@ -130,21 +213,18 @@ def configs(runs: Path, quick: bool, extra: list[str] | None = None) -> dict[str
         if quick
         else []
     )
-    q = [*q, *(extra or [])]  # --set: e.g. a second seed (seed=1 data.train_seed=1) into its own --runs folder
-    cfgs = {"fprm": make_config(RECIPE, [*q, f"out_dir={runs / 'fprm'}"])}
+    q = [*q, *(seed_overrides(seed) if seed is not None else []), *(extra or [])]
+    cfgs = {"fprm": make_config(RECIPE, [*q, f"out_dir={run_dir(runs, 'fprm', seed)}"])}
     for name, over in {**BASELINES, **AUTHORS}.items():
-        cfgs[name] = make_config(RECIPE, [*q, *over, f"out_dir={runs / name}"])
+        cfgs[name] = make_config(RECIPE, [*over, *q, f"out_dir={run_dir(runs, name, seed)}"])
     return cfgs
 
 
-def probe(args: argparse.Namespace) -> dict[str, Any]:
-    """FPRM s/step at ``args.threads`` threads (median of timed steps after a warm-up) and every model's
-    FLOPs/step. ``--clock FILE`` keeps an earlier probe's clock (``steps_15``) and FLOPs (a probe.json or a
-    results.json holding one) and counts only the models it lacks, so new rows share the old budgets."""
-    cfgs = configs(args.runs, args.quick, args.set)
-    if args.clock is not None:
-        return extend_probe(args, cfgs)
-    cfg = dataclasses.replace(cfgs["fprm"], out_dir=str(args.runs / "probe"))
+def measure_clock(args: argparse.Namespace) -> dict[str, Any]:
+    """FPRM's (the first rerun's ``fprm``) s/step at ``args.threads`` threads (median of timed steps after a
+    warm-up) and FLOPs per step: a new :data:`CLOCK` (printed; paste it into the script to adopt it)."""
+    cfg = configs(args.runs, args.quick, args.set)["fprm"]
+    cfg = dataclasses.replace(cfg, out_dir=str(args.runs / "probe"))
     cfg.data = dataclasses.replace(cfg.data, train_size=4 * cfg.train.batch_size, eval_size=0)
     cfg.data.curriculum = dataclasses.replace(cfg.data.curriculum, enabled=False)
     cfg.train.threads = args.threads
@@ -160,66 +240,77 @@ def probe(args: argparse.Namespace) -> dict[str, Any]:
         trainer.step += 1
         times.append(time.process_time() - t0)
     s_per_step = float(np.median(times))
-    load = os.getloadavg()[0]
-    flops = {n: flops_per_step(c, steps=2, out_dir=args.runs / "probe") for n, c in cfgs.items()}
-    steps_15 = max(4, round(15 * 60 / s_per_step)) if not args.quick else 4
-    payload = {
+    clock = {
+        "steps_15": max(4, round(15 * 60 / s_per_step)),
+        "reference": "fprm",
+        "reference_flops_per_step": flops_per_step(cfg, steps=2, out_dir=args.runs / "probe"),
         "fprm_s_per_step": s_per_step,
         "threads": args.threads,
-        "load_average": load,
-        "steps_15": steps_15,
+        "load_average": os.getloadavg()[0],
     }
-    return _save_probe(args, payload, flops, list(cfgs))
+    print(json.dumps(clock, indent=1), flush=True)
+    return clock
 
 
-def _save_probe(
-    args: argparse.Namespace, payload: dict[str, Any], flops: dict[str, float], names: list[str]
-) -> dict[str, Any]:
-    """``payload`` with the FLOPs and every model's budgets (15 / 30 / 60 minutes = 1 / 2 / 4 x its
-    15-minute step count at FPRM's FLOPs: equal training FLOPs), written to ``runs/probe.json``."""
-    steps_15 = payload["steps_15"]
-    payload = {
-        **payload,
-        "flops_per_step": flops,
-        "budget_steps": {
-            n: [k * max(1, round(steps_15 * flops["fprm"] / flops[n])) for k in (1, 2, 4)] for n in names
-        },
-    }
-    write_json(args.runs / "probe.json", payload)
+def probe(args: argparse.Namespace, names: list[str] | None = None) -> dict[str, Any]:
+    """Every model's FLOPs per training step and its budgets at :data:`CLOCK` (15 / 30 / 60 minutes = 1 / 2 / 4 x
+    its 15-minute step count at the reference's FLOPs: equal training FLOPs; :data:`SAME_STEPS` models take
+    another model's steps), written to ``<runs>/probe.json``. Models already counted there are kept; FLOPs
+    per step do not depend on the seed. ``--quick``: 4 / 8 / 16 steps."""
+    path = args.runs / "probe.json"
+    held = json.loads(path.read_text()) if path.is_file() else {}
+    if held and held.get("clock") != CLOCK and not args.quick:
+        raise SystemExit(f"{path} was made with another clock ({held.get('clock')}); use another --runs folder")
+    cfgs = configs(args.runs, args.quick, args.set)
+    flops = dict(held.get("flops_per_step", {}))
+    for n in names or list(cfgs):
+        if n not in flops:
+            print(f"counting the training FLOPs of {n} ...", flush=True)
+            flops[n] = flops_per_step(cfgs[n], steps=2, out_dir=args.runs / "probe")
+    budgets: dict[str, list[int]] = {}
+    for n in flops:
+        if args.quick:
+            budgets[n] = [4, 8, 16]
+            continue
+        ref = SAME_STEPS.get(n)
+        per = CLOCK["steps_15"] * CLOCK["reference_flops_per_step"] / flops[ref or n]
+        budgets[n] = [k * max(1, round(per)) for k in (1, 2, 4)]
+    payload = {"clock": CLOCK, "flops_per_step": flops, "budget_steps": budgets, "quick": bool(args.quick)}
+    args.runs.mkdir(parents=True, exist_ok=True)
+    write_json(path, payload)
     print(json.dumps(payload, indent=1), flush=True)
     return payload
 
 
-def extend_probe(args: argparse.Namespace, cfgs: dict[str, Any]) -> dict[str, Any]:
-    """The probe of ``args.clock`` with the FLOPs and budgets of the models it does not hold."""
-    held = json.loads(args.clock.read_text())
-    plan = dict(held.get("probe", held))
-    flops = dict(plan["flops_per_step"])
-    for n, c in cfgs.items():
-        if n not in flops:
-            flops[n] = flops_per_step(c, steps=2, out_dir=args.runs / "probe")
-    clock = str(args.clock.relative_to(REPO) if args.clock.is_relative_to(REPO) else args.clock)
-    return _save_probe(args, {**plan, "clock_from": clock}, flops, list(cfgs))
+def seeds_of(args: argparse.Namespace) -> list[int | None]:
+    """The seeds the phases run: ``--seeds`` (the head-to-head's folders) or None (the first rerun's)."""
+    return [int(t) for t in args.seeds.split(",") if t] if args.seeds else [None]
 
 
-def train_one(args: argparse.Namespace, name: str) -> None:
-    plan = json.loads((args.runs / "probe.json").read_text())
-    cfg = configs(args.runs, args.quick, args.set)[name]
+def train_one(args: argparse.Namespace, name: str, seed: int | None) -> None:
+    path = args.runs / "probe.json"
+    plan = json.loads(path.read_text()) if path.is_file() else {}
+    if name not in plan.get("budget_steps", {}):
+        plan = probe(args, [name, *SAME_STEPS.get(name, "").split()])
+    cfg = configs(args.runs, args.quick, args.set, seed)[name]
     budgets = [b for b, m in zip(plan["budget_steps"][name], MINUTES) if m <= args.max_minutes]
     first, last = budgets[0], budgets[-1]
     cfg.train.steps = last
     cfg.train.checkpoint_every = first
-    cfg.train.resume = bool(args.resume)  # continue a shorter budget's run (bit-identical to one long run)
+    # continue this run from its newest checkpoint (bit-identical to one uninterrupted run)
+    folder = Path(cfg.out_dir)
+    cfg.train.resume = bool(args.resume) and (folder / "checkpoints").is_dir()
     cfg.train.keep_checkpoints = 8
     torch.set_num_threads(1)
     t0, c0 = time.perf_counter(), time.process_time()
     summary = Trainer(cfg).fit()
-    record = args.runs / name / "experiment.json"
-    earlier = json.loads(record.read_text()) if args.resume and record.is_file() else None
+    record = folder / "experiment.json"
+    earlier = json.loads(record.read_text()) if cfg.train.resume and record.is_file() else None
     write_json(
         record,
         {
-            "earlier_part": earlier,  # the shorter budget's run this one continued (--resume)
+            "earlier_part": earlier,  # the part of this run before the resume (--resume)
+            "seed": seed,
             "steps": cfg.train.steps,
             "checkpoint_every": first,
             "wall_time_s": round(time.perf_counter() - t0, 1),
@@ -618,10 +709,15 @@ def main() -> None:
         help="--phase eval: score nothing, gather the saved rows into the outputs",
     )
     parser.add_argument(
-        "--clock",
-        type=Path,
-        default=None,
-        help="keep this probe's clock and FLOPs (probe.json or results.json)",
+        "--seeds",
+        default="",
+        help="comma-separated seeds of the head-to-head (runs in <runs>/seed<N>/<model>), e.g. 0,1,2; "
+        "without it the first rerun's single runs (<runs>/<model>)",
+    )
+    parser.add_argument(
+        "--measure-clock",
+        action="store_true",
+        help="--phase probe: time the reference FPRM's steps and print a new CLOCK instead of counting FLOPs",
     )
     parser.add_argument(
         "--set",
@@ -633,11 +729,16 @@ def main() -> None:
     parser.add_argument("--runs", type=Path, default=REPO / "runs" / "sudoku9")
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "figures" / "sudoku9")
     args = parser.parse_args()
+    only = [s for s in args.only.split(",") if s]
+    unknown = sorted(set(only) - set(MODELS))
+    if unknown:
+        parser.error(f"--only: unknown model(s) {', '.join(unknown)} (known: {', '.join(MODELS)})")
     if args.phase in ("probe", "all"):
-        probe(args)
+        measure_clock(args) if args.measure_clock else probe(args, only or None)
     if args.phase in ("train", "all"):
-        for name in [s for s in args.only.split(",") if s] or MODELS:
-            train_one(args, name)
+        for seed in seeds_of(args):
+            for name in only or MODELS:
+                train_one(args, name, seed)
     if args.phase in ("eval", "all"):
         evaluate(args)
 
