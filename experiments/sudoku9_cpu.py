@@ -200,7 +200,9 @@ def run_dir(runs: Path, name: str, seed: int | None) -> Path:
     return runs / name if seed is None else runs / f"seed{seed}" / name
 
 
-def configs(runs: Path, quick: bool, extra: list[str] | None = None, seed: int | None = None) -> dict[str, Any]:
+def configs(
+    runs: Path, quick: bool, extra: list[str] | None = None, seed: int | None = None
+) -> dict[str, Any]:
     q = (
         [
             "data.train_size=64",
@@ -260,7 +262,9 @@ def probe(args: argparse.Namespace, names: list[str] | None = None) -> dict[str,
     path = args.runs / "probe.json"
     held = json.loads(path.read_text()) if path.is_file() else {}
     if held and held.get("clock") != CLOCK and not args.quick:
-        raise SystemExit(f"{path} was made with another clock ({held.get('clock')}); use another --runs folder")
+        raise SystemExit(
+            f"{path} was made with another clock ({held.get('clock')}); use another --runs folder"
+        )
     cfgs = configs(args.runs, args.quick, args.set)
     flops = dict(held.get("flops_per_step", {}))
     for n in names or list(cfgs):
