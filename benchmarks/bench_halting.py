@@ -80,7 +80,8 @@ def trained_model(
     """Train (or load the cached) model of ``recipe`` (``run_config``); returns (model, run config,
     trained_now, train seconds). Cached under benchmarks/.cache/<cache_name>-<size>-<hash of the config>."""
     from loopformer.config import to_dict
-    from loopformer.train import Trainer, load_checkpoint
+    from loopformer.runs.checkpoint import load_checkpoint
+    from loopformer.train import Trainer
 
     cfg = run_config(quick, recipe)
     key = hashlib.sha256(json.dumps(to_dict(cfg), sort_keys=True, default=str).encode()).hexdigest()[:12]

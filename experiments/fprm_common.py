@@ -33,9 +33,9 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from loopformer.config import RunConfig, build_config, read_recipe
 from loopformer.eval.evaluate import batch_tensors, iter_batches, score_predictions
+from loopformer.files import atomic_write_text
 from loopformer.loop import LoopConfig
 from loopformer.models.base import LoopedModel
-from loopformer.safe_io import atomic_write_text
 from loopformer.tasks.base import Task, TokenDataset
 from loopformer.train.trainer import Trainer
 

@@ -36,7 +36,7 @@ from fprm_common import (
 
 from loopformer.eval.analysis import spectral_radius_at_fixed_point, spectral_radius_summary
 from loopformer.eval.budget import steps_vs_difficulty
-from loopformer.runs import eval_dataset, load_for_eval
+from loopformer.runs import eval_dataset, load_run
 
 TOLS = (0.1, 0.01, 0.001)
 SOLVERS: dict[str, dict[str, Any]] = {
@@ -63,7 +63,7 @@ def main() -> None:
                            f"out_dir={args.runs / 'quick_model'}"])
         train(cfg)
         run_path, cap = args.runs / "quick_model", 8
-    run = load_for_eval(run_path, use_ema=True)
+    run = load_run(run_path, use_ema=True)
     data = eval_dataset(run.task, run.config)
     base = dataclasses.replace(run.loop_eval, max_steps=cap, halting="residual")
     results: dict[str, Any] = {}

@@ -131,7 +131,7 @@ def train_or_load(
     ``info``: wall_time (s, of the training run), steps, parameters, curriculum history and final level,
     final training metrics, run_dir, reused (bool).
     """
-    from loopformer.runs import load_for_eval
+    from loopformer.runs import load_run
     from loopformer.train.trainer import Trainer
 
     cfg = load_config(recipe, overrides)
@@ -141,7 +141,7 @@ def train_or_load(
     if not retrain and info_path.is_file():
         info = json.loads(info_path.read_text())
         if info.get("config_key") == key:
-            run = load_for_eval(run_dir, use_ema=False)
+            run = load_run(run_dir, use_ema=False)
             log(f"reusing {run_dir} (trained in {info['wall_time']:.0f} s)")
             info["reused"] = True
             info["curriculum_advances"] = _advances(info["curriculum_history"], cfg.data.curriculum.threshold)

@@ -36,8 +36,8 @@ import torch
 from fprm_common import REPO, write_json
 from sudoku9_cpu import BLANK_BINS, _frac, configs, score_authors
 
+from loopformer.files import atomic_write_text
 from loopformer.runs import load_run
-from loopformer.safe_io import atomic_write_text
 from loopformer.tasks.sudoku import SudokuTask
 
 NAME = "fprm_authors"

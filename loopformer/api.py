@@ -32,7 +32,7 @@ import torch
 
 from loopformer.devices import resolve_device
 from loopformer.eval.budget import with_budget
-from loopformer.runs import LoadedRun, load_for_eval
+from loopformer.runs import LoadedRun, load_run
 from loopformer.tasks.base import Task, TaskDataError
 
 
@@ -41,7 +41,7 @@ def load(run_or_hub_id: str | Path, device: str | torch.device = "auto", use_ema
 
     ``device``: ``auto`` (CUDA when present), ``cpu``, ``cuda`` or ``cuda:N``.
     """
-    return load_for_eval(run_or_hub_id, use_ema=use_ema, device=str(resolve_device(device)))
+    return load_run(run_or_hub_id, use_ema=use_ema, device=str(resolve_device(device)))
 
 
 @dataclass
@@ -140,7 +140,7 @@ def solve(model: LoadedRun | str | Path, puzzle: str | np.ndarray | list[int], m
     per-puzzle embedding table (TRM / HRM on ARC: the puzzle's task id, as in the run's dataset); required
     when the table has more than one row, 0 for a one-row table.
     """
-    from loopformer.command_checks import check_count, check_trajectory
+    from loopformer.config.checks import check_count, check_trajectory
     from loopformer.eval.analysis import trace_loops
     from loopformer.eval.evaluate import model_device
     from loopformer.nn import autocast

@@ -56,7 +56,7 @@ LAZY_COMMANDS: dict[str, tuple[str, str]] = {
         "Every registered model family with its parameter count at paper size and at the default CPU size.",
     ),
     "push": (
-        "loopformer.hub:push_cmd",
+        "loopformer.runs.hub:push_cmd",
         "Share RUN's latest checkpoint as hub model REPO_ID (owner/name) with a generated model card.",
     ),
     "recipes": (
@@ -81,7 +81,7 @@ LAZY_COMMANDS: dict[str, tuple[str, str]] = {
 def _data_group() -> click.Group:
     """``loopformer data`` with its ``prepare`` subcommand attached."""
     from loopformer.commands.data import data
-    from loopformer.data_prepare import prepare_cmd
+    from loopformer.commands.data_prepare import prepare_cmd
 
     if "prepare" not in data.commands:
         data.add_command(prepare_cmd)
@@ -198,7 +198,7 @@ def setup_logging(quiet: bool = False) -> None:
 
 
 def _attach_subcommands() -> None:
-    """Import and attach every subcommand now (what importing this module did in earlier releases)."""
+    """Import and attach every subcommand now (tests that read the command table)."""
     ctx = click.Context(cli)
     for name in LAZY_COMMANDS:
         cli.get_command(ctx, name)

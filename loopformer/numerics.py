@@ -1,6 +1,6 @@
 """Numerical-fault checks: a model with NaN / infinite weights, logits or states is never scored.
 
-``check_weights_finite`` runs when a checkpoint is loaded (``loopformer.train.checkpoint``);
+``check_weights_finite`` runs when a checkpoint is loaded (``loopformer.runs.checkpoint``);
 ``check_output`` after every evaluation forward (``loopformer.eval.evaluate``) and in ``solve``.
 Each raises ``NumericalFaultError`` naming what is non-finite, so ``eval`` / ``solve`` exit with
 status 1 and a clear message instead of reporting "0%" for a broken model.

@@ -67,7 +67,7 @@ def rewrite_manifest(folder: Path) -> None:
     """Make the checkpoint consistent again after editing its files: where checkpoints carry a manifest
     (size + SHA-256, added by the reliability work), write it anew; code without manifests needs nothing."""
     try:
-        from loopformer.train.manifest import write_manifest
+        from loopformer.runs.manifest import write_manifest
     except ImportError:  # code from before checkpoint manifests
         return
     write_manifest(folder)
@@ -98,7 +98,7 @@ def hold_lock(folder: Path, purpose: str = "train", seconds: float = 60.0) -> su
     """Another process holding ``folder``'s run lock (``RunLock(folder, purpose)``) for ``seconds``;
     returned once it holds it. The caller kills it."""
     code = (
-        "import time; from loopformer.train.run_folder import RunLock; "
+        "import time; from loopformer.runs.folder import RunLock; "
         f"RunLock({str(folder)!r}, {purpose!r}).acquire(); print('locked', flush=True); time.sleep({seconds})"
     )
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)

@@ -35,9 +35,9 @@ from reliability_common import TINY_RECIPE
 
 from loopformer.config import ConfigError
 from loopformer.numerics import NumericalFaultError
+from loopformer.runs.folder import RunFolderError
+from loopformer.runs.layout import CheckpointError
 from loopformer.tasks.base import TaskDataError
-from loopformer.train.checkpoint import CheckpointError
-from loopformer.train.run_folder import RunFolderError
 
 PROJECT_ERRORS = (ConfigError, TaskDataError, CheckpointError, NumericalFaultError, RunFolderError)
 REPO = Path(__file__).resolve().parent.parent
@@ -184,7 +184,7 @@ ARC_TASK = {
 def _checkpoint(folder: Path) -> Path:
     from loopformer.config import build_config
     from loopformer.models.registry import build_model
-    from loopformer.train.checkpoint import save_checkpoint
+    from loopformer.runs.checkpoint import save_checkpoint
 
     cfg = build_config({**TINY_RECIPE, "out_dir": str(folder)})
     filled = {"vocab_size": 6, "seq_len": 16, "grid": [4, 4]}  # what the trainer fills in from the task
@@ -271,10 +271,10 @@ OVERRIDE_VALUES = st.one_of(
 def fuzz_kinds(work: Path, scale: float = 1.0) -> dict[str, Callable[[Tally], None]]:
     """``{kind: run(tally)}``; each runs its share of the cases (``scale`` x the default counts)."""
     from loopformer.config import build_config, load_config, load_config_file
+    from loopformer.runs.checkpoint import load_checkpoint, load_training_state
     from loopformer.tasks.arc import load_folder, load_kaggle
     from loopformer.tasks.formats import load_hrm_folder, save_hrm_folder
     from loopformer.tasks.sudoku import SudokuTask
-    from loopformer.train.checkpoint import load_checkpoint, load_training_state
 
     work.mkdir(parents=True, exist_ok=True)
     count = lambda n: max(1, int(n * scale))  # noqa: E731
@@ -454,7 +454,7 @@ def _worker(cfg: dict[str, Any], pause: str, conn: Any) -> None:
 
     from test_train_utils import TinyLooped, tiny_dataset
 
-    import loopformer.train.checkpoint as ck
+    import loopformer.runs.checkpoint as ck
     import loopformer.train.trainer as tr
     from loopformer.config import build_config
 
@@ -562,7 +562,8 @@ def _import_before_forking() -> None:
 def kill_resume_rounds(work: Path, kills: int = 4, steps: int = 30, seed: int = 0) -> dict[str, Any]:
     """One run SIGKILLed ``kills`` times (alternately inside a checkpoint write and at a random moment),
     resumed after each kill, then to the end; and an uninterrupted run. Returns the record."""
-    from loopformer.train.checkpoint import latest_checkpoint, load_weights
+    from loopformer.runs.checkpoint import latest_checkpoint
+    from loopformer.runs.layout import load_weights
 
     _import_before_forking()
     rng = random.Random(seed)

@@ -120,7 +120,7 @@ class FakeApi:
 def test_push_then_load_by_hub_id(tiny_run: Path, tmp_path: Path, monkeypatch) -> None:
     import huggingface_hub
 
-    from loopformer.hub import push
+    from loopformer.runs.hub import push
 
     hub_root = tmp_path / "hub"
     api = FakeApi(hub_root)
@@ -166,7 +166,7 @@ def test_push_then_load_by_hub_id(tiny_run: Path, tmp_path: Path, monkeypatch) -
     folder = CliRunner().invoke(cli, ["push", str(tiny_run), "me/x", "--to-folder", str(tmp_path / "staged")])
     assert folder.exit_code == 0 and (tmp_path / "staged" / "README.md").is_file()
     assert "loopformer.load('me/x')" in (tmp_path / "staged" / "README.md").read_text()
-    from loopformer.hub import model_card
+    from loopformer.runs.hub import model_card
 
     unnamed = model_card({}, None, "fprm", 1)  # no repository known: a placeholder that says so
     assert "loopformer.load('<owner>/<name>')" in unnamed and "Replace `<owner>/<name>`" in unnamed

@@ -111,7 +111,7 @@ def test_ctrl_c_says_what_it_interrupted(monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 def test_eval_writes_report_matching_evaluate(tiny_run: Path, tmp_path: Path) -> None:
-    from loopformer.commands.common import eval_dataset, load_run
+    from loopformer.runs import eval_dataset, load_run
 
     out = tmp_path / "ev"
     result = CliRunner().invoke(cli, ["eval", str(tiny_run), "--max-steps", "1,3", "--out", str(out),
@@ -145,7 +145,7 @@ def test_errors_are_one_line(tiny_run: Path, tmp_path: Path, tiny_recipe: Path) 
     # a corrupt checkpoint: truncate the weights file of a copy
     import shutil
 
-    from loopformer.train.checkpoint import resolve_checkpoint
+    from loopformer.runs.checkpoint import resolve_checkpoint
 
     bad = tmp_path / "bad"
     shutil.copytree(resolve_checkpoint(tiny_run), bad)
@@ -207,7 +207,7 @@ def test_default_recipe_is_found_from_any_folder(tmp_path: Path, monkeypatch: py
 
 def test_run_evaluates_with_the_configured_segments(tiny_recipe: Path, tmp_path: Path) -> None:
     """``loopformer run`` passes eval.segments (and the run's seed) to its evaluation, like ``loopformer eval``."""
-    from loopformer.commands.common import eval_dataset, load_run
+    from loopformer.runs import eval_dataset, load_run
 
     out = tmp_path / "run"
     result = CliRunner().invoke(cli, ["run", "--recipe", str(tiny_recipe), "--out", str(out), "train.steps=2",

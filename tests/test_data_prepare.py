@@ -12,7 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 from loopformer.cli import cli
-from loopformer.data_prepare import DATASETS, dihedral_rows, prepare, sudoku_augment
+from loopformer.commands.data_prepare import DATASETS, dihedral_rows, prepare, sudoku_augment
 from loopformer.tasks.base import TaskDataError
 from loopformer.tasks.formats import load_hrm_folder
 from loopformer.tasks.maze import MazeTask

@@ -35,9 +35,9 @@ from test_train_utils import TinyLooped, tiny_config, tiny_dataset
 from torch import Tensor
 
 from loopformer.loop import make_sampler
+from loopformer.runs.layout import step_dirs
+from loopformer.runs.sharded import stored_weights
 from loopformer.train import Trainer, dist
-from loopformer.train.checkpoint import step_dirs
-from loopformer.train.sharded import stored_weights
 
 REPO = Path(__file__).resolve().parent.parent
 GRAD_TOL = {"rtol": 1e-5, "atol": 1e-7}

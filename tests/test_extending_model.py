@@ -22,7 +22,8 @@ from loopformer.eval.evaluate import evaluate
 from loopformer.loop import LoopConfig
 from loopformer.models.base import LoopedModel, ModelConfig
 from loopformer.models.registry import MODELS, register_model
-from loopformer.train import Trainer, load_checkpoint
+from loopformer.runs.checkpoint import load_checkpoint
+from loopformer.train import Trainer
 
 
 @dataclass

@@ -1,7 +1,6 @@
 """Loop-count samplers: reproducible per global step, right distribution, clipped."""
 
 import math
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -58,18 +57,14 @@ def test_bad_sampler_arguments():
 
 
 def test_each_sampler_declares_what_it_takes_from_the_run() -> None:
-    from loopformer.loop.samplers import SAMPLERS, sampler_defaults
-    from loopformer.train.setup import loop_sampler
+    from loopformer.loop.samplers import SAMPLERS, sampler_defaults, training_sampler
 
     assert sampler_defaults("fixed", max_steps=6, seed=3) == {"n": 6}
     assert sampler_defaults("poisson", 6, 3) == sampler_defaults("lognormal_poisson", 6, 3) == {"seed": 3}
     assert sampler_defaults("no_such_sampler", 6, 3) == {}
     assert set(SAMPLERS) == {"fixed", "poisson", "lognormal_poisson"}
-    tc = SimpleNamespace(loop_sampler="fixed", loop_sampler_options={})
-    assert loop_sampler(tc, SimpleNamespace(max_steps=6), seed=3).n == 6
-    tc = SimpleNamespace(loop_sampler="poisson", loop_sampler_options={"seed": 11})
-    assert loop_sampler(tc, SimpleNamespace(max_steps=6), seed=3).seed == 11  # given options win
+    assert training_sampler("fixed", {}, max_steps=6, seed=3).n == 6
+    assert training_sampler("poisson", {"seed": 11}, max_steps=6, seed=3).seed == 11  # given options win
+    assert training_sampler("none", {}, max_steps=6, seed=3) is None
     with pytest.raises(ValueError, match="unknown sampler 'nope'"):
-        loop_sampler(
-            SimpleNamespace(loop_sampler="nope", loop_sampler_options={}), SimpleNamespace(max_steps=6), 3
-        )
+        training_sampler("nope", {}, 6, 3)

@@ -16,7 +16,7 @@ import torch
 from loopformer.convert import build_converted, converter, load_state_dict, read_reference_config
 from loopformer.convert.fixtures import FIXTURE_DIR, load_fixture, prefixed
 from loopformer.loop import run_loop
-from loopformer.train.checkpoint import CheckpointError
+from loopformer.runs.layout import CheckpointError
 from loopformer.train.losses import sequence_loss
 from loopformer.train.muon import MuonAdamW
 from loopformer.train.optim import set_lr

@@ -8,7 +8,7 @@ from pathlib import Path
 from reliability_common import tiny_recipe
 
 from loopformer.config import build_config
-from loopformer.provenance import describe, read_records, record_for_step
+from loopformer.runs.provenance import describe, read_records, record_for_step
 from loopformer.train.trainer import Trainer
 
 

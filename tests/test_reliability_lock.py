@@ -15,7 +15,7 @@ import time
 import pytest
 from reliability_common import hold_lock
 
-from loopformer.train.run_folder import LOCK_NAME, RunFolderError, RunLock
+from loopformer.runs.folder import LOCK_NAME, RunFolderError, RunLock
 
 ROUNDS = 200
 DEAD_PID = 999_999_999  # above any pid_max: no such process

@@ -1,4 +1,4 @@
-"""Issue 24, the output-folder swap (``loopformer.output_folder.staged_output``): the new content replaces
+"""Issue 24, the output-folder swap (``loopformer.runs.outputs.staged_output``): the new content replaces
 the old in one atomic step where the OS allows (``renameat2(RENAME_EXCHANGE)``), the old content is
 removed only after the new one is in place (nothing accumulates), and a crash at any step of the swap
 (simulated by making that step fail) leaves the folder holding the old content or the new, whole."""
@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-import loopformer.output_folder as of
-from loopformer.output_folder import staged_output
+import loopformer.runs.outputs as of
+from loopformer.runs.outputs import staged_output
 
 
 def _files(folder) -> dict[str, bytes]:

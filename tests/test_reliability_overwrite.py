@@ -20,7 +20,7 @@ from reliability_common import cli_text, tiny_recipe
 
 from loopformer.cli import cli
 from loopformer.runs import load_run
-from loopformer.train.run_folder import LOCK_NAME
+from loopformer.runs.folder import LOCK_NAME
 
 
 def _snapshot(folder: Path) -> dict[str, bytes]:
@@ -39,7 +39,7 @@ def _killed_child(monkeypatch_target: str, recipe: Path, run: Path) -> int:
     pid = os.fork()
     if pid == 0:  # the child: never returns
         try:
-            import loopformer.output_folder as of
+            import loopformer.runs.outputs as of
 
             def die(*args, **kwargs):
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -49,7 +49,7 @@ def _killed_child(monkeypatch_target: str, recipe: Path, run: Path) -> int:
             elif monkeypatch_target == "remove-old":
                 of.shutil = types.SimpleNamespace(rmtree=die)  # only output_folder's (swap_in's) removal
             elif monkeypatch_target == "after-remove":  # after the swap and the removal of the old run
-                import loopformer.train.run_folder as rf
+                import loopformer.runs.folder as rf
 
                 rf.RunLock.release = die
             CliRunner().invoke(cli, ["train", str(recipe), "-o", str(run), "--overwrite", "train.steps=3"])
@@ -89,7 +89,7 @@ def test_a_kill_during_overwrite_leaves_the_old_run_or_the_new_one_whole(tmp_pat
 
 def test_overwrite_replaces_the_whole_folder_in_one_exchange(tmp_path, monkeypatch) -> None:
     """One rename-exchange swaps the new run in: no entry-by-entry moves inside the run folder."""
-    import loopformer.output_folder as of
+    import loopformer.runs.outputs as of
 
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(yaml.safe_dump(tiny_recipe(train={"steps": 2}), sort_keys=False))

@@ -1,4 +1,4 @@
-"""Issue 24, one write path (``loopformer.safe_io``): atomic replacement, appends that never rewrite
+"""Issue 24, one write path (``loopformer.files``): atomic replacement, appends that never rewrite
 earlier lines or leave a torn one, and no write through a symbolic link inside a run folder."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import os
 import pytest
 from test_train_utils import TinyLooped, tiny_config, tiny_dataset
 
-from loopformer.safe_io import (
+from loopformer.files import (
     UnsafePathError,
     WriteError,
     append_line,
@@ -93,7 +93,7 @@ def test_training_refuses_to_write_through_a_link_in_its_run_folder(tmp_path, li
 def test_a_report_into_a_link_inside_a_run_folder_is_refused(tmp_path) -> None:
     """``eval -o RUN/LINK`` (a link inside the run folder to a folder outside it) wrote the report
     through the link; now refused naming it. A report folder that is itself a link elsewhere is fine."""
-    from loopformer.output_folder import staged_output
+    from loopformer.runs.outputs import staged_output
 
     run, outside = tmp_path / "run", tmp_path / "outside"
     (run / "checkpoints" / "step_00000001").mkdir(parents=True)

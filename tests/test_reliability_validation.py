@@ -1,5 +1,5 @@
 """Issue 24, one validation path: ``eval``, ``solve``, ``run`` and ``push`` check their overrides and options
-exactly as ``train`` does (``loopformer.command_checks`` runs ``train``'s ``validate`` on a trained run's
+exactly as ``train`` does (``loopformer.config.checks`` runs ``train``'s ``validate`` on a trained run's
 config): negative counts, zero segments, a task other than the model's, sizes that cannot fit in memory,
 each one line naming the key or option, before any weights are read or folders written."""
 
@@ -35,12 +35,12 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 @pytest.fixture
 def no_weights_read(monkeypatch):
     """Fail the test if a checkpoint's weights are read: the checks must come first."""
-    import loopformer.runs
+    import loopformer.runs.load
 
     def refuse(*args, **kwargs):
         raise AssertionError("weights were read before the overrides were checked")
 
-    monkeypatch.setattr(loopformer.runs, "load_checkpoint", refuse)
+    monkeypatch.setattr(loopformer.runs.load, "load_checkpoint", refuse)
 
 
 # (command arguments after the run / recipe, what the one-line message must name)

@@ -20,7 +20,7 @@ from reliability_common import cli_text, tiny_recipe
 
 from loopformer.cli import cli
 from loopformer.runs import load_run
-from loopformer.train.checkpoint import latest_good_checkpoint
+from loopformer.runs.checkpoint import latest_good_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 12

@@ -75,7 +75,7 @@ def test_wandb_patched_module(tmp_path: Path, monkeypatch) -> None:
 
 
 def test_trackers_fan_out(tmp_path: Path) -> None:
-    from loopformer.tracking import Trackers
+    from loopformer.train.tracking import Trackers
 
     calls = []
 

@@ -8,8 +8,8 @@ import torch
 from test_train_paper_options import PAPER
 from test_train_utils import tiny_config, tiny_dataset
 
+from loopformer.runs.checkpoint import load_checkpoint
 from loopformer.train import Trainer
-from loopformer.train.checkpoint import load_checkpoint
 
 TABLE = "embedding.puzzle_emb.weight"
 

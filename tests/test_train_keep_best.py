@@ -10,9 +10,10 @@ from test_train_utils import TinyLooped, tiny_config, tiny_dataset
 
 from loopformer.config import ConfigError, validate
 from loopformer.runs import checkpoint_label
+from loopformer.runs.best import find_best, read_best
+from loopformer.runs.checkpoint import load_checkpoint, resolve_checkpoint
+from loopformer.runs.layout import CheckpointError, step_dirs
 from loopformer.train import Trainer
-from loopformer.train.best import find_best, read_best
-from loopformer.train.checkpoint import CheckpointError, load_checkpoint, resolve_checkpoint, step_dirs
 
 
 def _trainer(cfg, seed: int = 0) -> Trainer:

@@ -11,8 +11,9 @@ from test_train_utils import SEQ, TinyLooped, tiny_config, tiny_dataset
 
 from loopformer.config import load_config_file
 from loopformer.loop import make_sampler
-from loopformer.train import Trainer, TrainingDivergedError, load_checkpoint
-from loopformer.train.checkpoint import step_dirs
+from loopformer.runs.checkpoint import load_checkpoint
+from loopformer.runs.layout import step_dirs
+from loopformer.train import Trainer, TrainingDivergedError
 
 
 def _trainer(cfg, seed: int = 0) -> Trainer:

@@ -140,7 +140,7 @@ CASES: list[tuple[int, str, str]] = [
 
 # Issue 24's resume / convert / output-swap cases, measured against main before that work (873c8e8,
 # "experiments/sudoku9_cpu.py: --set KEY=VALUE ..."): their test files use only the CLI, the parity
-# fixtures and ``loopformer.output_folder.staged_output``, all of which that commit has
+# fixtures and ``loopformer.runs.outputs.staged_output``, all of which that commit has
 BEFORE_24 = "873c8e8"
 COPIED_24 = [
     "tests/conftest.py",

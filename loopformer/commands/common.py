@@ -1,6 +1,5 @@
-"""Shared pieces of the ``loopformer`` commands: one-line errors, argument parsing; checkpoint + task
-loading (``load_run``) lives in ``loopformer.runs`` (re-exported here, imported on first use: this module
-is what ``loopformer --help`` loads, and it must not import torch).
+"""Shared pieces of the ``loopformer`` commands: one-line errors, argument parsing (this module is what
+``loopformer --help`` loads: it must not import torch).
 
 Every command raises ordinary exceptions (``ConfigError``, ``CheckpointError``, ``TaskDataError``,
 ``KeyError`` from the registries, ``FileNotFoundError``...); ``CleanErrorGroup`` turns any of them
@@ -19,9 +18,8 @@ from typing import TYPE_CHECKING, Any
 import click
 
 if TYPE_CHECKING:
-    from loopformer.runs import LoadedRun, eval_dataset, load_run, training_depth
+    pass
 
-_FROM_RUNS = ("LoadedRun", "eval_dataset", "load_run", "training_depth")
 
 # exceptions whose message is already meant for the user
 _USER_ERRORS = ("ConfigError", "CheckpointError", "TaskDataError", "FileNotFoundError", "KeyError",
@@ -163,15 +161,4 @@ def parse_int_list(text: str | None, what: str) -> list[int]:
     return values
 
 
-def __getattr__(name: str) -> Any:
-    """``LoadedRun`` / ``eval_dataset`` / ``load_run`` / ``training_depth`` from ``loopformer.runs``, imported
-    on first use (it imports torch)."""
-    if name in _FROM_RUNS:
-        from loopformer import runs
-
-        return getattr(runs, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-__all__ = ["CleanErrorGroup", "LoadedRun", "eval_dataset", "load_run", "one_line", "parse_int_list",
-           "parse_pairs", "training_depth"]
+__all__ = ["CleanErrorGroup", "one_line", "parse_int_list", "parse_pairs"]

@@ -3,7 +3,7 @@
 Each argument is a report folder (``loopformer eval`` / ``run`` output: it holds ``metrics.json``), a
 run folder (its newest ``eval-*`` report), an ``eval --variant`` report (its variants) or a sweep
 folder (its points); see ``loopformer.eval.compare``. The output folder follows the rules of
-``loopformer.output_folder.staged_output``: refused when it holds something unless ``--overwrite``,
+``loopformer.runs.outputs.staged_output``: refused when it holds something unless ``--overwrite``,
 built aside and swapped in whole.
 """
 
@@ -38,7 +38,7 @@ def compare_into(out: Path, folders: Sequence[Path], title: str, overwrite: bool
                  names: Sequence[str] | None = None) -> dict[str, Path]:  # fmt: skip
     """Write the comparison of report ``folders`` into ``out`` (staged; see the module docstring)."""
     from loopformer.eval.compare import load_entries, write_comparison
-    from loopformer.output_folder import staged_output
+    from loopformer.runs.outputs import staged_output
 
     entries = load_entries(folders, names)
     with staged_output(out, "compare", overwrite, "--out") as staging:

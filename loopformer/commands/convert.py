@@ -67,7 +67,7 @@ def convert(
         )
     from pathlib import Path
 
-    from loopformer.output_folder import staged_output
+    from loopformer.runs.outputs import staged_output
 
     out = Path(out_dir)
     # built aside and swapped in whole; an earlier conversion may be replaced, a trained run never
@@ -95,8 +95,8 @@ def consolidate_cmd(checkpoint: str, out_dir: str) -> None:
     one process read. eval / solve read sharded checkpoints directly."""
     from pathlib import Path
 
-    from loopformer.train.run_folder import RunFolderError, RunLock, inside_run, training_run
-    from loopformer.train.sharded import consolidate
+    from loopformer.runs.folder import RunFolderError, RunLock, inside_run, training_run
+    from loopformer.runs.sharded import consolidate
 
     out = Path(out_dir)
     source = Path(checkpoint)

@@ -191,7 +191,7 @@ def generate_cmd(
 def check_generate_target(out: Path, fmt: str, split: str, overwrite: bool) -> None:
     """Refuse, before anything is generated, an OUT that lies in a training run's folder, or that
     already holds a dataset (the file; ``--format hrm``: the split folder) unless ``overwrite``."""
-    from loopformer.train.run_folder import RunFolderError, run_at_or_above
+    from loopformer.runs.folder import RunFolderError, run_at_or_above
 
     target = out / split if fmt == "hrm" else out
     for folder in (out, target):
@@ -210,9 +210,9 @@ def check_generate_target(out: Path, fmt: str, split: str, overwrite: bool) -> N
 
 def write_generated(task: Task, ds: TokenDataset, out: Path, fmt: str, split: str, overwrite: bool) -> None:
     """Write ``ds`` to ``out`` under the folder's lock: a file atomically, an HRM split folder built
-    aside and swapped in whole (``loopformer.output_folder.staged_output``)."""
-    from loopformer.output_folder import staged_output
-    from loopformer.train.run_folder import RunLock
+    aside and swapped in whole (``loopformer.runs.outputs.staged_output``)."""
+    from loopformer.runs.folder import RunLock
+    from loopformer.runs.outputs import staged_output
 
     folder = out if fmt == "hrm" else (out.parent if str(out.parent) else Path("."))
     created = not folder.exists()

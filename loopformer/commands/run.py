@@ -38,13 +38,13 @@ from typing import Any
 
 import click
 
-from loopformer.commands.common import eval_dataset, load_run, training_depth
 from loopformer.commands.suite import ModelUnderTest, SuiteOptions, accuracy_table, run_suite
 from loopformer.devices import device_option, resolve_device
 from loopformer.eval.evaluate import model_device
 from loopformer.eval.lm import evaluate_lm
 from loopformer.eval.report import describe_loop
 from loopformer.nn import autocast
+from loopformer.runs import eval_dataset, load_run, training_depth
 
 DEFAULT_RECIPE = "default"
 # fields a plain transformer shares with the looped families (copied unless the baseline sets them)
@@ -99,16 +99,16 @@ def build_run_configs(
     recipe: str | Path, overrides: tuple[str, ...], out: Path
 ) -> tuple[Any, Any | None, RunSection, str]:
     """(main RunConfig, baseline RunConfig or None, the run table, baseline description)."""
-    from loopformer.command_checks import check_unique
     from loopformer.config import (
         ConfigError,
-        _merge,
         apply_overrides,
         build_config,
         from_dict,
         parse_override,
         read_recipe,
     )
+    from loopformer.config.checks import check_unique
+    from loopformer.config.recipes import merge
 
     check_unique(overrides)
     raw = read_recipe(find_run_recipe(recipe))
@@ -125,14 +125,14 @@ def build_run_configs(
     section: RunSection = from_dict(RunSection, run_raw, "run")
     if section.budget_mode not in ("capped", "fixed"):
         raise ConfigError(f"run.budget_mode: {section.budget_mode!r} is not 'capped' or 'fixed'")
-    from loopformer.command_checks import check_counts
+    from loopformer.config.checks import check_counts
 
     check_counts("run.", 1, budgets=section.budgets, analysis_examples=section.analysis_examples)
     check_counts("run.", 0, lens_loops=section.lens_loops, signal_loops=section.signal_loops)
     main_raw = apply_overrides(raw, main_over)
     main_raw["out_dir"] = str(out / "model")
     main_cfg = build_config(main_raw, ())
-    from loopformer.command_checks import check_loop_counts
+    from loopformer.config.checks import check_loop_counts
 
     check_loop_counts(main_cfg, {"run.budgets": section.budgets, "run.lens_loops": section.lens_loops,
                                  "run.signal_loops": section.signal_loops})  # fmt: skip
@@ -150,7 +150,7 @@ def build_run_configs(
         valid = {f.name for f in dataclasses.fields(config_cls)}
         inherited = {k: v for k, v in main_cfg.model.fields.items() if k in SHARED_MODEL_FIELDS and k in valid}
         base_raw["model"] = {**inherited, **base_model, "name": base_name}
-        base_raw["train"] = _merge(base_raw.get("train", {}), spec.train)
+        base_raw["train"] = merge(base_raw.get("train", {}), spec.train)
         base_raw["loop_train"] = dict(spec.loop_train)
         base_raw["loop_eval"] = dict(spec.loop_eval)
         base_raw["out_dir"] = str(out / "baseline")
@@ -226,7 +226,7 @@ def _run_lm(out: Path, label: str, main_run: Any, base_summary: dict[str, Any] |
 def run_folder_for(out_dir: str | None, overwrite: bool, resume: bool = False) -> Path:
     """The folder of a ``loopformer run``: ``--out`` (refused when it holds a previous run, unless
     ``overwrite`` or ``resume``), else a new ``runs/<timestamp>`` (``-2``, ``-3``... when that name is taken)."""
-    from loopformer.train.run_folder import RunFolderError, holds_run
+    from loopformer.runs.folder import RunFolderError, holds_run
 
     if resume and (not out_dir or overwrite):
         raise click.UsageError("--resume continues the run in --out: give --out, and not --overwrite")
@@ -256,7 +256,7 @@ def run_folder_for(out_dir: str | None, overwrite: bool, resume: bool = False) -
 def _refuse_foreign_folder(out: Path) -> None:
     """Refuse, before anything is created, an ``--out`` that is or lies in a training run's folder, or
     that holds something other than a previous ``loopformer run`` (a dataset, another run below it)."""
-    from loopformer.train.run_folder import (
+    from loopformer.runs.folder import (
         LOCK_NAME,
         RunFolderError,
         holds_run,
@@ -310,7 +310,7 @@ def run(recipe: str, out_dir: str | None, overwrite: bool, resume: bool, overrid
             torch.cuda.set_device(dev)
         overrides = (*overrides, f"device={dev.type}")
     if print_config:
-        from loopformer.config_recipes import print_config_yaml
+        from loopformer.config.recipes import print_config_yaml
 
         main_cfg, base_cfg, _, _ = build_run_configs(recipe, overrides, Path(out_dir or "runs/<timestamp>"))
         click.echo("# the looped model\n" + print_config_yaml(main_cfg), nl=False)

@@ -17,11 +17,11 @@ from typing import Any
 import click
 import numpy as np
 
-from loopformer.api import format_answer as answer_text
+from loopformer.api import format_answer
 from loopformer.api import solve as solve_puzzle
-from loopformer.commands.common import load_run
 from loopformer.devices import device_option, resolve_device
 from loopformer.numerics import NumericalFaultError
+from loopformer.runs import load_run
 from loopformer.tasks.base import Task, TaskDataError
 
 
@@ -82,7 +82,6 @@ def solve_record(**values: Any) -> dict[str, Any]:
     return record
 
 
-format_answer = answer_text  # the task's text for tokens, None for no well-formed grid (loopformer.api)
 
 
 @click.command("solve")
@@ -115,7 +114,7 @@ def solve(
 
     Example: loopformer solve sudoku "5...27..9..41......1..5.3...92.6.8...5......66..7..29.8...7...2.......8...9..36.." -c runs/x
     """
-    from loopformer.command_checks import check_count
+    from loopformer.config.checks import check_count
 
     check_count("--max-steps", max_steps, 1)
     check_count("--puzzle-id", puzzle_id, 0)
@@ -129,7 +128,7 @@ def solve(
     tokens = parse_puzzle(task, puzzle)
     if task.seq_len and tokens.size != task.seq_len:
         raise TaskDataError(f"the puzzle has {tokens.size} tokens, the model's task expects {task.seq_len}")
-    from loopformer.command_checks import check_trajectory
+    from loopformer.config.checks import check_trajectory
 
     loops = (max_steps or int(run.loop_eval.max_steps)) * max(int(run.config.eval.segments), 1)
     check_trajectory(loops, tokens.size, f"--max-steps {max_steps}" if max_steps else "loop_eval.max_steps")

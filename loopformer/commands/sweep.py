@@ -164,10 +164,10 @@ def _same_config(run: Path, cfg: Any) -> str | None:
 
 def check_points(recipe: str, folder: Path, points: list[Point], budgets: list[int], device: str) -> None:
     """Every point's training config (``train``'s checks) and its evaluation overrides and loop budgets
-    (``eval``'s, ``loopformer.command_checks``), before the sweep folder is created or a point trained."""
-    from loopformer.command_checks import check_loop_counts, run_config_for
+    (``eval``'s, ``loopformer.config.checks``), before the sweep folder is created or a point trained."""
     from loopformer.commands.run import find_run_recipe
     from loopformer.config import build_config, read_recipe
+    from loopformer.config.checks import check_loop_counts, run_config_for
     from loopformer.devices import resolve_device
 
     raw = read_recipe(find_run_recipe(recipe))
@@ -205,7 +205,7 @@ def _train_point(recipe: str, run: Path, point: Point, echo: Any) -> None:
 def check_sweep_folder(folder: Path, recipe: str, axes: dict[str, Any], fixed: dict[str, Any]) -> None:
     """Refuse a sweep folder that is a file, lies in a training run's folder, is one, or holds
     something other than this sweep (another sweep's ``sweep.json``, a dataset, a report)."""
-    from loopformer.train.run_folder import LOCK_NAME, RunFolderError, run_at_or_above
+    from loopformer.runs.folder import LOCK_NAME, RunFolderError, run_at_or_above
 
     if folder.exists() and not folder.is_dir():
         raise RunFolderError(f"--out {folder} is a file, not a folder: name a folder to write into")
@@ -259,8 +259,8 @@ def sweep(recipe: str, grid: tuple[str, ...], out_dir: str, max_steps: str | Non
     from loopformer.commands.common import parse_int_list, resume_hint
     from loopformer.commands.compare import compare_into
     from loopformer.commands.train_eval import evaluate_checkpoint
-    from loopformer.safe_io import atomic_write_json
-    from loopformer.train.run_folder import RunLock
+    from loopformer.files import atomic_write_json
+    from loopformer.runs.folder import RunLock
     from loopformer.train.stop import TrainingInterrupted
 
     axes, fixed = parse_grid(grid)

@@ -10,13 +10,14 @@ from typing import Any
 
 import click
 
-from loopformer.commands.common import eval_dataset, load_run, parse_int_list, parse_pairs, training_depth
+from loopformer.commands.common import parse_int_list, parse_pairs
 from loopformer.commands.suite import ModelUnderTest, SuiteOptions, accuracy_table, run_suite
 from loopformer.devices import device_option, resolve_device
 from loopformer.eval.auto_solver import DEFAULT_FRACTION
 from loopformer.eval.lm import evaluate_lm
 from loopformer.eval.predict import arc_pass_at_k
 from loopformer.nn import autocast
+from loopformer.runs import eval_dataset, load_run, training_depth
 
 
 @click.command("train")
@@ -55,9 +56,9 @@ def train(
     """Train the model of RECIPE (a name in recipes/ or a path); OVERRIDES are key=value pairs."""
     from rich.console import Console
 
-    from loopformer.command_checks import check_unique
     from loopformer.commands.run import find_run_recipe
     from loopformer.config import build_config, read_recipe
+    from loopformer.config.checks import check_unique
     from loopformer.train.trainer import Trainer
 
     check_unique(overrides)
@@ -73,8 +74,8 @@ def train(
     if allow_config_change:
         extra.append("train.allow_config_change=true")
     cfg = build_config(raw, extra)
-    if print_config:  # every model and loop field with its effective value (loopformer.config_recipes)
-        from loopformer.config_recipes import print_config_yaml
+    if print_config:  # every model and loop field with its effective value (loopformer.config.recipes)
+        from loopformer.config.recipes import print_config_yaml
 
         click.echo(print_config_yaml(cfg), nl=False)
         return
@@ -223,7 +224,7 @@ def evaluate_cmd(checkpoint: str, max_steps: str | None, budget_mode: str, task_
     ``--variant``: the report holds one sub-report per loop (variants/<name>/) and their comparison table
     and overlay plots (loopformer compare).
     """
-    from loopformer.command_checks import check_count, check_fraction
+    from loopformer.config.checks import check_count, check_fraction
 
     overrides = list(sets) + [
         f"data.eval_generate.{k}={v}" for k, v in parse_pairs(task_options, "--task-option").items()
@@ -268,7 +269,7 @@ def evaluate_checkpoint(checkpoint: str | Path, overrides: list[str], budgets: l
                         auto: tuple[float, float] | None = None) -> None:  # fmt: skip
     """What ``loopformer eval`` does (also ``loopformer sweep``): load, evaluate, write the report; the
     overrides, variants and loop counts are checked before the weights are read (``command_checks``)."""
-    from loopformer.command_checks import check_loop_counts, check_variants
+    from loopformer.config.checks import check_loop_counts, check_variants
 
     dev = resolve_device(device)
 
@@ -332,7 +333,7 @@ def _auto_note(record: dict[str, Any] | None) -> list[str]:
 @contextmanager
 def _report_folder(out: Path) -> Iterator[Path]:
     """The default report folder (a new name inside the run folder), the run folder locked meanwhile."""
-    from loopformer.train.run_folder import RunLock
+    from loopformer.runs.folder import RunLock
 
     with RunLock(out.parent, "eval"):
         yield out
@@ -341,7 +342,7 @@ def _report_folder(out: Path) -> Iterator[Path]:
 def _evaluate(run: Any, examples: int, out_dir: str | None, budgets: list[int], budget_mode: str,
               lens_loops: int | None, analyses: bool, overwrite: bool = False,
               variants: list[tuple[str, list[str]]] | None = None, auto: tuple[float, float] | None = None) -> None:  # fmt: skip
-    from loopformer.output_folder import staged_output
+    from loopformer.runs.outputs import staged_output
 
     dataset = eval_dataset(run.task, run.config, examples)
     auto_record = None
@@ -367,8 +368,8 @@ def _evaluate_variants(run: Any, dataset: Any, out: Path, final: Path, budgets: 
     """The run's loop_eval and each variant into ``out/variants/<name>/``, then their comparison into ``out``."""
     import dataclasses
 
-    from loopformer.command_checks import check_variants
     from loopformer.commands.compare import print_rows
+    from loopformer.config.checks import check_variants
     from loopformer.eval.compare import load_entries, write_comparison
 
     if not run.task.has_validator:
@@ -454,7 +455,7 @@ def _evaluate_into(run: Any, dataset: Any, out: Path, final: Path, budgets: list
     label = run.family or run.config.model.name
     console.print(f"{run.label}: {run.path} ({run.weights} weights)")
     from loopformer.eval.report import describe_loop
-    from loopformer.provenance import collect, describe, record_for_step
+    from loopformer.runs.provenance import collect, describe, record_for_step
 
     run_dir = run.path.parent.parent if run.path.parent.name == "checkpoints" else run.path
     trained_by = record_for_step(run_dir, run.step)

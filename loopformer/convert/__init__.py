@@ -17,7 +17,7 @@ are parsed before the mapping runs and are visible to it (``given``), so the ``-
 tensors are all float64 gives a float64 model (initial states included): nothing is rounded to float32.
 
 Checkpoints are read with ``torch.load(weights_only=True)`` (no arbitrary unpickling) or as
-safetensors; the run folder is written by ``loopformer.train.checkpoint.save_checkpoint`` (step 0), so
+safetensors; the run folder is written by ``loopformer.runs.checkpoint.save_checkpoint`` (step 0), so
 ``loopformer eval``, ``solve`` and the analyses accept it.
 """
 
@@ -34,8 +34,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from loopformer.safe_io import atomic_write_text
-from loopformer.train.checkpoint import CheckpointError
+from loopformer.files import atomic_write_text
+from loopformer.runs.layout import CheckpointError
 
 # system name -> module under loopformer.convert defining ``convert(state, ref_config) -> Converted``
 CONVERTERS: dict[str, str] = {
@@ -202,7 +202,7 @@ def build_converted(
     ``dtype``: convert the model first (e.g. float64 for the parity tests)."""
     from loopformer.config import build_config
     from loopformer.models.registry import build_model
-    from loopformer.train.checkpoint import check_weights
+    from loopformer.runs.layout import check_weights
 
     config = build_config(converted.run, list(overrides))
     model = build_model(config.model.name, config=config.model_config())
@@ -238,7 +238,7 @@ def convert_checkpoint(
     (``CheckpointError``) unless ``allow_defaults``.
     """
     from loopformer.config import save_config
-    from loopformer.train.checkpoint import save_checkpoint
+    from loopformer.runs.checkpoint import save_checkpoint
 
     fn = converter(system)
     overrides = list(overrides)

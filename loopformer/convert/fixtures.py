@@ -20,7 +20,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from loopformer.safe_io import atomic_path, atomic_write_json
+from loopformer.files import atomic_path, atomic_write_json
 
 FIXTURE_DIR = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "parity"
 

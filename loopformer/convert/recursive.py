@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from loopformer.convert import KeyMap
-from loopformer.train.checkpoint import CheckpointError
+from loopformer.runs.layout import CheckpointError
 
 PREFIXES = ("_orig_mod.", "model.", "inner.")
 

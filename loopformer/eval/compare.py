@@ -13,7 +13,7 @@ works on reports from ``loopformer eval``, ``loopformer run`` and ``loopformer s
   mean loops, converged fraction, time per example, parameters, test-time compute = mean loops x
   blocks per loop step) and ``plots/accuracy_vs_budget.png`` (log2 x-axis; a run without a budget
   curve is one point at its mean loops; a baseline, a model without a loop, is a horizontal line)
-  and ``plots/loops_vs_difficulty.png``; every file through ``loopformer.safe_io``.
+  and ``plots/loops_vs_difficulty.png``; every file through ``loopformer.files``.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Any
 
 from loopformer.eval import plots
 from loopformer.eval.report import _num, _table, describe_loop, write_json
-from loopformer.safe_io import atomic_write_text
+from loopformer.files import atomic_write_text
 
 METRICS = "metrics.json"
 

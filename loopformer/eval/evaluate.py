@@ -441,7 +441,7 @@ def _result(
 
 
 _MOVED = {
-    "load_for_eval": "loopformer.runs.load_run",
+    "load_run": "loopformer.runs.load_run",
     "LoadedRun": "loopformer.runs.LoadedRun",
     "eval_dataset": "loopformer.runs.eval_dataset",
     "training_depth": "loopformer.runs.training_depth",

@@ -37,7 +37,7 @@ def save_figure(fig: Figure, path: str | Path | None = None) -> Figure:
     """Write ``fig`` as a PNG at ``path`` (folders created); returns the path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    from loopformer.safe_io import atomic_writer
+    from loopformer.files import atomic_writer
 
     with atomic_writer(path, "wb", root=path.parent) as fh:  # the format from the name, not the temp file's
         fig.savefig(fh, dpi=110, format=path.suffix.lstrip(".").lower() or "png")

@@ -20,7 +20,7 @@ import numpy as np
 from loopformer.eval.analysis import LoopCurve, SignalCurve
 from loopformer.eval.budget import BudgetCurve, DifficultyStats
 from loopformer.eval.evaluate import EvalResult
-from loopformer.safe_io import atomic_write_text
+from loopformer.files import atomic_write_text
 
 # halting rules that stop on a tolerance (the others ignore loop.tol)
 TOL_HALTINGS = ("residual", "kl_entropy", "act")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -119,3 +120,12 @@ def make_sampler(kind: str, **kw) -> Sampler:
         return SAMPLERS[kind](**kw)
     except TypeError as err:
         raise ValueError(f"bad arguments for sampler {kind!r}: {err}") from err
+
+
+def training_sampler(kind: str, options: dict[str, Any], max_steps: int, seed: int) -> Sampler | None:
+    """The loop-count sampler a training run uses (``train.loop_sampler`` / ``train.loop_sampler_options``):
+    ``kind``'s defaults from the run (``sampler_defaults``) under the given ``options``; None for ``"none"``
+    (the training loop config as is)."""
+    if kind == "none":
+        return None
+    return make_sampler(kind, **{**sampler_defaults(kind, max_steps, seed), **options})

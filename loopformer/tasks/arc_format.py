@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from loopformer import json_files
+from loopformer import files
 from loopformer.tasks.base import TaskDataError
 
 MAX_GRID = 30
@@ -141,7 +141,7 @@ def load_folder(path: str | Path, split: str | None = None) -> list[ArcPuzzle]:
 
 def read_json(path: Path) -> Any:
     """A UTF-8 JSON file; TaskDataError naming the file and line (never quoting its contents)."""
-    return json_files.read_json(path, TaskDataError)
+    return files.read_json(path, TaskDataError)
 
 
 def load_kaggle(challenges: str | Path, solutions: str | Path | None = None) -> list[ArcPuzzle]:

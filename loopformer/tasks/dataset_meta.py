@@ -16,7 +16,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from loopformer.json_files import read_json
+from loopformer.files import read_json
 from loopformer.tasks.base import TaskDataError
 
 SET_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}")

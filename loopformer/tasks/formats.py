@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from loopformer.safe_io import atomic_write_json, save_npy
+from loopformer.files import atomic_write_json, save_npy
 from loopformer.tasks.base import IGNORE_INDEX, TaskDataError, TokenDataset
 from loopformer.tasks.puzzle_csv import (  # noqa: F401  (re-exported: the CSV half of the formats)
     PUZZLE_CSV_COLUMNS,

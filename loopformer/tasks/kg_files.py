@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from loopformer.json_files import read_json
+from loopformer.files import read_json
 from loopformer.tasks.base import IGNORE_INDEX, Task, TaskDataError, TokenDataset
 
 TOKEN = re.compile(r"<[^>]+>")
@@ -233,6 +233,6 @@ class KGFilesTask(Task):
             answer = int(lab[self._pos(len(query), len(row))])
             text = "".join(self.tokens[t] for t in query)
             out.append({"input_text": text, "target_text": text + self.tokens[answer] + END, "type": kind})
-        from loopformer.safe_io import atomic_write_json
+        from loopformer.files import atomic_write_json
 
         atomic_write_json(path, out)

@@ -35,7 +35,7 @@ def save_npz(dataset: TokenDataset, path: str | Path) -> None:
     arrays["meta"] = np.array(json.dumps(dataset.meta, default=_json_default))
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    from loopformer.safe_io import atomic_writer
+    from loopformer.files import atomic_writer
 
     with atomic_writer(path, "wb") as handle:  # a file handle keeps numpy from appending ".npz"
         np.savez_compressed(handle, **arrays)

@@ -407,7 +407,7 @@ def write_puzzle_csv(
         if "seed" in dataset.meta:
             default += f"-seed{dataset.meta['seed']}"
         sources = [default] * len(dataset)
-    from loopformer.safe_io import atomic_writer
+    from loopformer.files import atomic_writer
 
     with atomic_writer(path, "w", newline="") as fh:
         writer = csv.writer(fh, lineterminator="\n")

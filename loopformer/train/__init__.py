@@ -1,13 +1,13 @@
-"""Training: the trainer (pluggable training modes and distributed strategies), losses, optimiser, checkpoints.
+"""Training: the trainer (pluggable training modes and distributed strategies), carry, accumulation, the data
+stream, losses, optimisers, seeding, set-up, the trainer's evaluations, progress, metrics logs, stop signals,
+``--plan`` and tracking. Checkpoints are written through run storage (``loopformer.runs.checkpoint``).
 
 Public API::
 
-    from loopformer.train import Trainer, load_checkpoint
+    from loopformer.train import Trainer
     summary = Trainer(config).fit()                       # config: loopformer.config.RunConfig
-    ckpt = load_checkpoint("runs/x", use_ema=True)        # -> Checkpoint(model, config, step, ...)
 
-The names are imported on first use, so ``import loopformer.train.checkpoint`` (which
-``loopformer.runs`` needs to read a checkpoint) does not import the trainer.
+The names are imported on first use, so importing one module of the package does not import the trainer.
 """
 
 from __future__ import annotations
@@ -16,13 +16,6 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "Checkpoint": "checkpoint",
-    "CheckpointError": "checkpoint",
-    "latest_checkpoint": "checkpoint",
-    "load_checkpoint": "checkpoint",
-    "read_checkpoint_config": "checkpoint",
-    "resolve_checkpoint": "checkpoint",
-    "save_checkpoint": "checkpoint",
     "accuracy": "losses",
     "q_halt_loss": "losses",
     "sequence_loss": "losses",

@@ -29,9 +29,9 @@ from torch import Tensor
 
 from loopformer.config import TrainConfig
 from loopformer.models.base import ModelOutput
+from loopformer.runs.layout import CheckpointError
 from loopformer.tasks.base import TokenDataset
 from loopformer.train import dist
-from loopformer.train.checkpoint import CheckpointError
 from loopformer.train.data import make_batch
 from loopformer.train.dist import DistEnv
 from loopformer.train.seeding import SALT_EXPLORE, seed_for

@@ -1,7 +1,7 @@
 """The run folder's logs and the progress bar (evaluation itself is ``loopformer.eval.evaluate``).
 
 - ``RunLog``: rank 0's writer for the run folder: ``open`` (``prepare_run_dir``: the config, the
-  provenance record (``loopformer.provenance``), a
+  provenance record (``loopformer.runs.provenance``), a
   resumed run's stale metrics, the trackers: TensorBoard / W&B), ``write`` (``write_metrics``: one
   JSONL line, mirrored to the trackers), ``write_summary`` and ``close``; on other ranks every call
   does nothing.
@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from loopformer.config import RunConfig, save_config
-from loopformer.safe_io import append_line, atomic_write_json, atomic_write_text
+from loopformer.files import append_line, atomic_write_json, atomic_write_text
 
 log = logging.getLogger("loopformer.train")
 
@@ -41,14 +41,14 @@ def last_finite(rows: Tensor) -> Tensor:
 def prepare_run_dir(
     config: RunConfig, run_dir: Path, ckpt_dir: Path, resumed: bool, step: int, device: Any = None
 ) -> Any:
-    """Write the config and a provenance record (``loopformer.provenance``: appended on a resume); a
+    """Write the config and a provenance record (``loopformer.runs.provenance``: appended on a resume); a
     resumed run drops the metrics its killed predecessor wrote past ``step``.
 
-    Returns the run's ``loopformer.tracking.Trackers`` (TensorBoard, W&B) when any is on, else None.
+    Returns the run's ``loopformer.train.tracking.Trackers`` (TensorBoard, W&B) when any is on, else None.
     """
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(config, run_dir)
-    from loopformer.provenance import append_record, collect
+    from loopformer.runs.provenance import append_record, collect
 
     append_record(run_dir, collect(device if device is not None else config.device, step, resumed))
     metrics = run_dir / "metrics.jsonl"
@@ -56,9 +56,9 @@ def prepare_run_dir(
         kept = [line for line in metrics.read_text(errors="replace").splitlines() if _step_of(line) <= step]
         # a new file renamed over the old one: a failed write (disk full) leaves the old log whole
         atomic_write_text(metrics, "".join(line + "\n" for line in kept), root=run_dir)
-    # a fresh run never deletes anything: loopformer.train.run_folder refused a folder holding a run
+    # a fresh run never deletes anything: loopformer.runs.folder refused a folder holding a run
     # (or, with --overwrite, made this a staging folder that replaces the old run at the first checkpoint)
-    from loopformer.tracking import open_trackers
+    from loopformer.train.tracking import open_trackers
 
     return open_trackers(config, run_dir)  # TensorBoard / W&B when asked
 
@@ -88,7 +88,7 @@ class RunLog:
     def __init__(self, run_dir: Path, enabled: bool = True) -> None:
         self.run_dir = run_dir
         self.enabled = enabled
-        self.trackers: Any = None  # loopformer.tracking.Trackers after open() when any tracker is on
+        self.trackers: Any = None  # loopformer.train.tracking.Trackers after open() when any tracker is on
 
     def open(self, config: RunConfig, ckpt_dir: Path, resumed: bool, step: int, device: Any = None) -> None:
         if self.enabled:

@@ -166,11 +166,11 @@ def training_loss(
 def plan_loop(cfg: RunConfig, model: nn.Module) -> Any:
     """The training loop at its cap: ``fixed`` halting (learned ACT kept) at the largest count."""
     from loopformer.loop.halting import HALTINGS
-    from loopformer.train.setup import loop_sampler
+    from loopformer.loop.samplers import training_sampler
 
     loop = cfg.loop_config(model.config.loop, "train")
     steps = loop.max_steps
-    sampler = loop_sampler(cfg.train, loop, cfg.seed)
+    sampler = training_sampler(cfg.train.loop_sampler, cfg.train.loop_sampler_options, loop.max_steps, cfg.seed)
     if sampler is not None:
         steps = max(int(sampler.sample(s)) for s in range(256))
     halting = loop.halting if HALTINGS.get(loop.halting).learned else "fixed"

@@ -1,13 +1,13 @@
 """The trainer's checkpoints: what a bit-exact resume needs, written and read back.
 
-``save(trainer)`` writes ``checkpoints/step_N/`` through ``loopformer.train.checkpoint.save_checkpoint``:
+``save(trainer)`` writes ``checkpoints/step_N/`` through ``loopformer.runs.checkpoint.save_checkpoint``:
 the weights (FSDP: gathered to full tensors by the strategy), the EMA, and ``training_state``:
 the optimiser (in the strategy's layout, tagged ``optimizer_layout``), the data stream, the
 curriculum, the training mode's carried state (``carry``), the RNG states and the elapsed time.
 ``resume_folder`` finds the folder ``train.resume`` names (``true``: the run's newest good one, by
 its manifest; none -> a fresh start; only corrupt ones -> an error naming them), ``check(trainer,
 folder)`` refuses another run's checkpoint or a config that changes the training stream
-(``loopformer.train.resume_checks``) and ``restore(trainer, folder)`` loads every piece back. Under torchrun every rank
+(``loopformer.runs.resume_checks``) and ``restore(trainer, folder)`` loads every piece back. Under torchrun every rank
 calls ``save`` (the mode's carry is gathered); only rank 0 writes.
 """
 
@@ -18,30 +18,28 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from loopformer.safe_io import atomic_write_text
-from loopformer.train import checkpoint as ckpt
-from loopformer.train import dist
-from loopformer.train.checkpoint import (
-    CheckpointError,
+from loopformer.files import atomic_write_text
+from loopformer.numerics import nonfinite_names
+from loopformer.runs import checkpoint as ckpt
+from loopformer.runs.checkpoint import (
     latest_good_checkpoint,
     load_training_state,
-    load_weights,
     model_family,
-    nonfinite_tensors,
     resolve_checkpoint,
-    rng_state,
     save_checkpoint,
-    set_rng_state,
 )
-from loopformer.train.manifest import verify_checkpoint
-from loopformer.train.resume_checks import (
+from loopformer.runs.layout import CheckpointError, load_weights
+from loopformer.runs.manifest import verify_checkpoint
+from loopformer.runs.resume_checks import (
     check_config,
     check_origin,
     no_good_checkpoint,
     record_changes,
     record_origin,
 )
-from loopformer.train.sharded import is_sharded, load_sharded, save_sharded
+from loopformer.runs.sharded import is_sharded, load_sharded, save_sharded
+from loopformer.runs.state import rng_state, set_rng_state
+from loopformer.train import dist
 
 if TYPE_CHECKING:
     from loopformer.train.trainer import Trainer
@@ -72,7 +70,7 @@ def save(tr: Trainer) -> Path:
     state = training_state(tr)
     ema_state = tr.strategy.full_ema(tr.ema.state_dict() if tr.ema else None)
     weights = tr.strategy.full_weights(tr.model)
-    bad = nonfinite_tensors(weights if weights is not None else tr.model.state_dict())
+    bad = nonfinite_names(weights if weights is not None else tr.model.state_dict())
     if bad:  # never write (or call good) a checkpoint of blown-up weights
         tr.diverged("weights", float("nan"), f"non-finite parameter {bad[0]!r}")
     if tr.strategy.is_main:
@@ -92,9 +90,9 @@ def save(tr: Trainer) -> Path:
 
 
 def _save_sharded(tr: Trainer) -> Path:
-    """Every rank writes its shards (``loopformer.train.sharded``); nothing is gathered."""
+    """Every rank writes its shards (``loopformer.runs.sharded``); nothing is gathered."""
     local = {k: v.to_local() if hasattr(v, "to_local") else v for k, v in tr.model.state_dict().items()}
-    bad = nonfinite_tensors(local)
+    bad = nonfinite_names(local)
     if dist.all_reduce_max(float(bool(bad))) > 0:  # every rank stops, whichever holds the bad shard
         tr.diverged("weights", float("nan"), f"non-finite parameter {bad[0]!r}" if bad else "non-finite shard")
     return save_sharded(
@@ -132,7 +130,7 @@ def resume_folder(resume: bool | str, ckpt_dir: Path) -> Path | None:
 
 def check(tr: Trainer, folder: Path) -> None:
     """Before ``restore``: ``folder`` is this run's (or this run is a new branch of it) and the config
-    trains the same stream (or the change is allowed): ``loopformer.train.resume_checks``."""
+    trains the same stream (or the change is allowed): ``loopformer.runs.resume_checks``."""
     tr.resumed_origin = check_origin(folder, tr.ckpt_dir, tr.run_dir)
     tr.config_changes = check_config(tr.config, folder, tr.run_dir)
 
@@ -148,7 +146,7 @@ def record(tr: Trainer, folder: Path) -> None:
 
 def restore(tr: Trainer, folder: Path) -> None:
     """Restore weights, EMA, optimiser, data stream, curriculum, mode state and RNG from ``folder``
-    (a sharded checkpoint: on any world size and strategy, ``loopformer.train.sharded``)."""
+    (a sharded checkpoint: on any world size and strategy, ``loopformer.runs.sharded``)."""
     state = load_training_state(folder)
     if is_sharded(folder):
         if tr.ema is not None and not state.get("sharded", {}).get("ema"):

@@ -12,8 +12,6 @@
 - ``task_model_defaults`` / ``build_run_model``: the model a recipe names, with the fields the
   task determines (vocabulary, sequence length, causality, puzzle ids, grid) filled in where the
   recipe leaves them unset; the fully resolved model config is written back into the run config.
-- ``loop_sampler``: simple mode's loop-count sampler (Loop, Think & Generalize, arXiv
-  2604.07822: fixed, Poisson, log-normal Poisson), or None for ``train.loop_sampler: none``.
 """
 
 from __future__ import annotations
@@ -26,8 +24,6 @@ from typing import Any
 import torch
 
 from loopformer.config import CurriculumConfig, RunConfig, TrainConfig, to_dict
-from loopformer.loop import LoopConfig, make_sampler
-from loopformer.loop.samplers import sampler_defaults
 from loopformer.models.base import LoopedModel
 from loopformer.runs import run_task, task_dataset
 from loopformer.tasks.base import Task, TokenDataset, task_model_fields
@@ -209,7 +205,7 @@ def build_run_model(config: RunConfig, task: Task | None, train_data: TokenDatas
     valid = {f.name for f in dataclasses.fields(config_cls)}
     defaults = {k: v for k, v in task_model_defaults(task, train_data).items() if k in valid}
     if task is not None:  # the recipe's own sizes must hold the task's data (an embedding lookup fails else)
-        from loopformer.command_checks import check_model_fields
+        from loopformer.config.checks import check_model_fields
 
         given = config.model.fields
         ids = int(max(train_data.inputs.max(), train_data.labels.max())) + 1 if "vocab_size" in given else 0
@@ -224,9 +220,3 @@ def build_run_model(config: RunConfig, task: Task | None, train_data: TokenDatas
     return build_model(config.model.name, config=model_config)
 
 
-def loop_sampler(tc: TrainConfig, loop_train: LoopConfig, seed: int) -> Any:
-    """The simple-mode loop-count sampler; None for ``train.loop_sampler: none`` (loop_train as is)."""
-    if tc.loop_sampler == "none":
-        return None
-    defaults = sampler_defaults(tc.loop_sampler, loop_train.max_steps, seed)
-    return make_sampler(tc.loop_sampler, **{**defaults, **tc.loop_sampler_options})

@@ -33,8 +33,8 @@ from torch import Tensor, nn
 
 from loopformer.config import TrainConfig
 from loopformer.eval.evaluate import EvalComm
+from loopformer.runs.layout import CheckpointError, check_weights, load_weights, load_weights_into
 from loopformer.train import dist
-from loopformer.train.checkpoint import CheckpointError, check_weights, load_weights, load_weights_into
 from loopformer.train.optim import clip_grad_norm
 from loopformer.train.setup import resolve_device
 
@@ -123,7 +123,7 @@ class Strategy(EvalComm):
         return full
 
     def sharded_checkpoints(self, tc: TrainConfig) -> bool:
-        """Whether checkpoints are sharded (``loopformer.train.sharded``): only when asked for here."""
+        """Whether checkpoints are sharded (``loopformer.runs.sharded``): only when asked for here."""
         return tc.checkpoint_format == "sharded"
 
     def check_layout(self, layout: str, folder: Path) -> None:

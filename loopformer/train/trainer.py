@@ -38,11 +38,13 @@ from torch import Tensor
 
 from loopformer.config import RunConfig
 from loopformer.loop import LoopConfig
+from loopformer.loop.samplers import training_sampler
 from loopformer.models.base import LoopedModel, ModelOutput
 from loopformer.nn import autocast
+from loopformer.runs.best import BestTracker
+from loopformer.runs.folder import RunFolder
 from loopformer.tasks.base import Task, TokenDataset
 from loopformer.train import accumulate, dist, resume
-from loopformer.train.best import BestTracker
 from loopformer.train.data import Batch, IndexStream, make_batch
 from loopformer.train.evaluation import TrainerEvaluation
 from loopformer.train.losses import (
@@ -57,12 +59,10 @@ from loopformer.train.metrics import RunLog, last_finite
 from loopformer.train.modes import SegmentBatch, TrainingMode, make_training_mode
 from loopformer.train.optim import EMA, set_lr
 from loopformer.train.progress import TrainProgress
-from loopformer.train.run_folder import RunFolder
 from loopformer.train.seeding import SALT_INIT, SALT_JAC, seed_everything, step_generator
 from loopformer.train.setup import (
     build_data,
     configure_process,
-    loop_sampler,
     lr_for,
     make_curriculum,
     make_optimizer,
@@ -115,7 +115,7 @@ class Trainer(TrainerEvaluation):
         self.loop_eval: LoopConfig = config.loop_config(self.model.config.loop, "eval")
         # the trainer's own evaluations (periodic, final; they choose train.keep_best): loop_periodic over loop_eval
         self.loop_periodic: LoopConfig = config.loop_config(self.model.config.loop, "periodic")
-        self.sampler = loop_sampler(tc, self.loop_train, config.seed)
+        self.sampler = training_sampler(tc.loop_sampler, tc.loop_sampler_options, self.loop_train.max_steps, config.seed)
         self.curriculum = make_curriculum(config.data.curriculum, self.train_data)
         self.stream = IndexStream(
             len(self.train_data), config.seed, self.curriculum.eligible() if self.curriculum else None
@@ -130,7 +130,7 @@ class Trainer(TrainerEvaluation):
         self.optimizer = make_optimizer(self.model, tc)
         self.params = [p for g in self.optimizer.param_groups for p in g["params"]]
         self.ema = EMA(self.model, tc.ema, tc.ema_warmup, tc.ema_puzzle_embeddings) if tc.ema > 0 else None
-        # lock the folder; a fresh run never destroys a previous one (loopformer.train.run_folder)
+        # lock the folder; a fresh run never destroys a previous one (loopformer.runs.folder)
         self.progress = TrainProgress(False, 0, 0, 1)  # fit() replaces it with the run's console output
         self.folder = RunFolder(Path(config.out_dir), bool(tc.resume), tc.overwrite, self.strategy.is_main)
         self.run_dir, self.ckpt_dir = self.folder.write_dir, self.folder.write_dir / "checkpoints"

@@ -205,7 +205,7 @@ class TrainConfig:
         False  # a fresh run into a folder holding a run replaces it (moved aside at the first checkpoint)
     )
     # a resume whose config changes the training stream (seed, data, model, optimiser, ...: see
-    # loopformer/train/resume_checks.py) is refused unless this is true; the change is recorded in
+    # loopformer/runs/resume_checks.py) is refused unless this is true; the change is recorded in
     # <run>/config_changes.jsonl
     allow_config_change: bool = False
     max_state_norm: float = 1e6  # a larger mean state norm counts as divergence
@@ -215,14 +215,14 @@ class TrainConfig:
         False  # TensorBoard event files in <run>/tensorboard (pip install 'loopformer[tensorboard]')
     )
     wandb: bool = (
-        False  # Weights & Biases tracking (pip install 'loopformer[wandb]'), see loopformer/tracking.py
+        False  # Weights & Biases tracking (pip install 'loopformer[wandb]'), see loopformer/train/tracking.py
     )
     wandb_project: str = "loopformer"
     wandb_mode: Literal["online", "offline", "disabled"] = "online"
     threads: int = 0  # CPU threads; 0 = auto: 1 for models below 2M parameters, else one per physical core
     # multi-process (torchrun), see loopformer/train/dist.py
     strategy: Literal["ddp", "fsdp"] = "ddp"
-    # auto: sharded (every rank writes its shards, loopformer/train/sharded.py) under FSDP, full otherwise
+    # auto: sharded (every rank writes its shards, loopformer/runs/sharded.py) under FSDP, full otherwise
     checkpoint_format: Literal["auto", "full", "sharded"] = "auto"
     sync_halting: bool = (
         False  # every rank leaves each loop on the same global step count (one all-reduce per step)
@@ -272,7 +272,7 @@ class RunConfig:
     # -- derived objects ------------------------------------------------------------------------
     def model_config(self, **defaults: Any) -> Any:
         """The family's config object; ``defaults`` (e.g. from the task) apply where unset."""
-        from loopformer.config import ConfigError, _model_fields
+        from loopformer.config.strict import ConfigError, _model_fields
         from loopformer.models.registry import make_config
 
         fields_ = {**defaults, **self.model.fields}
@@ -284,7 +284,7 @@ class RunConfig:
     def loop_config(self, base: Any, phase: Literal["train", "eval", "periodic"]) -> Any:
         """``base`` (the model's default LoopConfig) with this run's train / eval overrides; "periodic":
         the eval loop with ``loop_periodic`` on top (the trainer's own evaluations)."""
-        from loopformer.config import _loop_fields, _merge_fields
+        from loopformer.config.strict import _loop_fields, _merge_fields
 
         if phase == "periodic":
             base = self.loop_config(base, "eval")

@@ -13,115 +13,58 @@ Layout of ``<run>/checkpoints/step_00001000/``:
   JSON skeleton and a flat tensor table, and joined back by ``unflatten_state``.
 
 A checkpoint is first written to a hidden temporary folder and then renamed into place; the
-``latest`` pointer file (the folder's name) is replaced atomically (``loopformer.safe_io``, which also
+``latest`` pointer file (the folder's name) is replaced atomically (``loopformer.files``, which also
 writes every file inside the folder); only the newest ``keep`` checkpoints are kept. The ``best`` pointer
-(``loopformer.train.best.write_best``: a JSON record naming the step folder of the best evaluation by
+(``loopformer.runs.best.write_best``: a JSON record naming the step folder of the best evaluation by
 ``train.keep_best``, its metric, value and step, replaced atomically) protects its folder: pruning never
 removes it. Nothing is ever unpickled: safetensors and JSON only.
 """
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import os
-import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from loopformer.config import ConfigError, RunConfig, config_to_json, load_config_file
-from loopformer.numerics import check_weights_finite, nonfinite_names
-from loopformer.plugins import import_modules
-from loopformer.safe_io import (
+from loopformer.files import (
     WriteError,
-    atomic_path,
     atomic_write_json,
     atomic_write_text,
     check_inside,
     fsync_dir,
 )
-from loopformer.train.checkpoint_dtypes import dtype_problem
-from loopformer.train.manifest import verify_checkpoint, write_manifest
-from loopformer.train.plugin_record import config_extras
-from loopformer.train.sharded import is_sharded, stored_weights
-from loopformer.train.state import flatten_state, rng_state, set_rng_state, unflatten_state  # noqa: F401 (re-exported)
+from loopformer.numerics import check_weights_finite, nonfinite_names
+from loopformer.plugins import import_modules
+from loopformer.runs.best import best_checkpoint, find_best
+from loopformer.runs.layout import (
+    _STEP_DIR,
+    BEST,
+    LATEST,
+    CheckpointError,
+    check_weights,
+    check_weights_subset,
+    load_weights,
+    save_tensors,
+    save_weights,
+    step_dirs,
+    step_name,
+)
+from loopformer.runs.manifest import verify_checkpoint, write_manifest
+from loopformer.runs.plugin_record import config_extras
+from loopformer.runs.sharded import is_sharded, stored_weights
+from loopformer.runs.state import flatten_state, unflatten_state
 
 log = logging.getLogger("loopformer.train")
 
-LATEST = "latest"
-BEST = "best"
-_STEP_DIR = re.compile(r"^step_(\d+)$")
 
-
-class CheckpointError(RuntimeError):
-    """A missing, corrupt or mismatched checkpoint; the message names the file or parameter."""
-
-
-# --------------------------------------------------------------------------------------------
-# Weights files
-# --------------------------------------------------------------------------------------------
-def save_weights(
-    tensors: dict[str, Tensor],
-    path: str | Path,
-    metadata: dict[str, str] | None = None,
-    root: str | Path | None = None,
-) -> None:
-    """safetensors file of ``tensors``, written atomically (``loopformer.safe_io``; ``root``: the folder it
-    must stay inside); tensors sharing storage (tied weights) are stored once."""
-    unique: dict[str, Tensor] = {}
-    aliases: dict[str, str] = {}
-    seen: dict[tuple, str] = {}
-    for name, t in tensors.items():
-        key = (t.device, t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride())) if t.numel() else None
-        if key is not None and key in seen:
-            aliases[name] = seen[key]
-            continue
-        if key is not None:
-            seen[key] = name
-        unique[name] = t.detach().to("cpu", copy=True).contiguous()
-    meta = dict(metadata or {})
-    meta["aliases"] = json.dumps(aliases)
-    _save_tensors(unique, Path(path), meta, root)
-
-
-def _save_tensors(tensors: dict[str, Tensor], path: Path, metadata: dict[str, str] | None, root: Any) -> None:
-    with atomic_path(path, root) as tmp:
-        try:
-            save_file(tensors, str(tmp), metadata=metadata)
-        except SafetensorError as err:  # safetensors reports a failed write (disk full) as its own error
-            code = re.search(r"os error (\d+)", str(err))
-            number = int(code.group(1)) if code else errno.EIO
-            raise WriteError(number, os.strerror(number) if code else str(err), str(path)) from None
-
-
-def load_weights(path: str | Path) -> dict[str, Tensor]:
-    """Tensors of a safetensors file (aliases restored); CheckpointError naming a bad file."""
-    path = Path(path)
-    if not path.is_file():
-        raise CheckpointError(f"checkpoint file {path} does not exist")
-    try:
-        from safetensors import safe_open
-
-        tensors = load_file(str(path))
-        with safe_open(str(path), framework="pt") as handle:
-            meta = handle.metadata() or {}
-    except (SafetensorError, OSError, ValueError, RuntimeError) as err:
-        raise CheckpointError(f"checkpoint file {path} is corrupt or truncated: {err}") from None
-    try:
-        aliases = json.loads(meta.get("aliases", "{}"))
-        for alias, target in aliases.items():
-            tensors[str(alias)] = tensors[target]
-    except (ValueError, KeyError, TypeError, AttributeError):
-        raise CheckpointError(f"checkpoint file {path} has corrupt alias metadata") from None
-    return tensors
 
 
 def model_family(model: nn.Module) -> str:
@@ -137,47 +80,6 @@ def model_family(model: nn.Module) -> str:
     return next(k.__name__ for k in cls.__mro__ if not k.__name__.startswith("FSDP"))  # not FSDP2's "FSDP<Model>"
 
 
-def check_weights(weights: dict[str, Tensor], model: nn.Module, source: str) -> None:
-    """Names and shapes of ``weights`` against ``model.state_dict()``; CheckpointError on mismatch."""
-    expected = {k: v for k, v in model.state_dict().items()}
-    missing = [k for k in expected if k not in weights]
-    unexpected = [k for k in weights if k not in expected]
-    if missing or unexpected:
-        raise CheckpointError(
-            f"{source} does not match {type(model).__name__}: missing parameters {missing[:8]}"
-            f"{' ...' if len(missing) > 8 else ''}, unexpected {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}"
-        )
-    for name, t in weights.items():
-        if tuple(t.shape) != tuple(expected[name].shape):
-            raise CheckpointError(
-                f"{source}: parameter {name!r} has shape {tuple(t.shape)} in the checkpoint "
-                f"but {tuple(expected[name].shape)} in the model"
-            )
-        if (problem := dtype_problem(name, t, expected[name])) is not None:
-            raise CheckpointError(f"{source}: {problem}")
-
-
-def load_weights_into(model: nn.Module, path: str | Path) -> None:
-    weights = load_weights(path)
-    check_weights(weights, model, str(path))
-    model.load_state_dict(weights, strict=True)
-
-
-# --------------------------------------------------------------------------------------------
-# Checkpoint folders
-# --------------------------------------------------------------------------------------------
-def step_name(step: int) -> str:
-    """The checkpoint folder name of ``step``: ``step_00001000``."""
-    return f"step_{step:08d}"
-
-
-def step_dirs(root: str | Path) -> list[Path]:
-    """Checkpoint folders under ``root`` sorted by step (oldest first)."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _STEP_DIR.match(p.name))]
-    return [p for _, p in sorted(found)]
 
 
 def save_checkpoint(
@@ -234,7 +136,7 @@ def publish(root: Path, tmp: Path, final: Path, keep: int, within: str | Path | 
     """Rename the complete folder ``tmp`` to ``final``, point ``root/latest`` at it, keep the newest ``keep``."""
     within = (root.parent if root.name == "checkpoints" else root) if within is None else within
     if final.exists():  # re-saving a step (after a resume): one exchange, the step folder never missing
-        from loopformer.output_folder import exchange_folders
+        from loopformer.runs.outputs import exchange_folders
 
         if exchange_folders(tmp, final):
             shutil.rmtree(tmp, ignore_errors=True)  # it holds the old folder now
@@ -248,8 +150,6 @@ def publish(root: Path, tmp: Path, final: Path, keep: int, within: str | Path | 
     atomic_write_text(root / LATEST, final.name + "\n", root=within)
     fsync_dir(root)
     if keep > 0:
-        from loopformer.train.best import best_checkpoint
-
         best = best_checkpoint(root)  # the best evaluation's folder (train.keep_best) is never pruned
         for old in step_dirs(root)[:-keep]:
             if old != final and old != best:
@@ -269,10 +169,10 @@ def _write_step_folder(
     save_weights(weights, tmp / "model.safetensors", {"family": family, "step": str(step)}, tmp)
     if ema_state is not None:
         save_weights(ema_state, tmp / "ema.safetensors", {"family": family, "step": str(step)}, tmp)
-    # extra: family, step and the user modules a fresh process must import (loopformer.train.plugin_record)
+    # extra: family, step and the user modules a fresh process must import (loopformer.runs.plugin_record)
     atomic_write_text(tmp / "config.json", config_to_json(config, **extra), root=tmp)
     skeleton, tensors = flatten_state({"step": step, **(training_state or {})})
-    _save_tensors(tensors, tmp / "state.safetensors", None, tmp)
+    save_tensors(tensors, tmp / "state.safetensors", None, tmp)
     atomic_write_json(tmp / "state.json", skeleton, root=tmp)
     write_manifest(tmp)  # sizes + SHA-256 of every file, fsynced: a resume verifies before it trusts
     fsync_dir(tmp)
@@ -333,13 +233,11 @@ def _nonfinite_reason(folder: Path) -> str | None:
     if is_sharded(folder):  # each rank checked its own shards before writing (resume.save)
         return None
     try:
-        bad = nonfinite_tensors(load_weights(folder / "model.safetensors"))
+        bad = nonfinite_names(load_weights(folder / "model.safetensors"))
     except CheckpointError as err:
         return str(err)
     return f"non-finite weights ({bad[0]!r})" if bad else None
 
-
-nonfinite_tensors = nonfinite_names
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
@@ -349,8 +247,6 @@ def resolve_checkpoint(path: str | Path) -> Path:
     if not path.exists():
         raise CheckpointError(f"checkpoint {path} does not exist")
     if path.is_file() and path.name == BEST:  # checkpoints/best: the folder it points to
-        from loopformer.train.best import find_best
-
         return find_best(path)[0]
     if (path / "model.safetensors").is_file() or is_sharded(path):
         return path
@@ -468,21 +364,6 @@ def load_checkpoint(
         weights = "ema"
     check_weights_finite(model.state_dict(), f"checkpoint {folder} ({weights} weights)")
     return Checkpoint(folder, step, family, config, model, ema_state, weights)
-
-
-def check_weights_subset(weights: dict[str, Tensor], model: nn.Module, source: str) -> None:
-    """EMA tables hold parameters only: every entry must be a parameter of matching shape."""
-    params = dict(model.named_parameters())
-    for name, t in weights.items():
-        if name not in params:
-            raise CheckpointError(f"{source}: {name!r} is not a parameter of {type(model).__name__}")
-        if tuple(t.shape) != tuple(params[name].shape):
-            raise CheckpointError(
-                f"{source}: parameter {name!r} has shape {tuple(t.shape)} in the checkpoint "
-                f"but {tuple(params[name].shape)} in the model"
-            )
-        if (problem := dtype_problem(name, t, params[name])) is not None:
-            raise CheckpointError(f"{source}: {problem}")
 
 
 def load_training_state(path: str | Path) -> dict[str, Any]:

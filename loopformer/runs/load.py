@@ -3,7 +3,7 @@
 Both sides use this module: the trainer builds its train / eval sets with ``task_dataset``, and
 ``loopformer eval`` / ``loopformer run`` / ``solve`` / the experiments load a trained model with
 ``load_run`` and its held-out set with ``eval_dataset``. Layering: this module imports the task
-registry and the checkpoint reader (``loopformer.train.checkpoint``, which imports nothing else of
+registry and the checkpoint reader (``loopformer.runs.checkpoint``, which imports nothing else of
 the trainer) and never ``loopformer.eval``; ``loopformer.eval`` imports neither, so there is no
 import cycle between training and evaluation (``tests/test_layering.py``).
 
@@ -11,7 +11,7 @@ import cycle between training and evaluation (``tests/test_layering.py``).
   folder (``loopformer.tasks.formats.load_hrm_folder``) or ``task.generate``.
 - ``task_dataset``: ``load_split`` with the errors a training run needs (an empty training set).
 - ``eval_dataset``: the held-out set of a run (``eval.max_examples`` applied).
-- ``load_run`` (also ``load_for_eval``): a checkpoint's model (EMA weights when asked and present),
+- ``load_run`` (also ``load_run``): a checkpoint's model (EMA weights when asked and present),
   its task, run configuration and train / eval loops as a ``LoadedRun``.
 - ``training_depth``: loops per forward call in training (the depth an overthinking plot marks).
 """
@@ -23,23 +23,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from loopformer.command_checks import EVAL_OVERRIDE_PREFIXES  # noqa: F401  (re-exported)
 from loopformer.config import ConfigError, DataConfig, RunConfig
-from loopformer.hub import resolve_source
 from loopformer.loop import LoopConfig
-from loopformer.loop.samplers import SAMPLERS, make_sampler, sampler_defaults
+from loopformer.loop.samplers import training_sampler
 from loopformer.models.base import LoopedModel
-from loopformer.tasks.base import Task, TokenDataset
-from loopformer.tasks.registry import get_task
-from loopformer.train.best import best_label, best_record_for, find_best
-from loopformer.train.checkpoint import (
-    CheckpointError,
+from loopformer.runs.best import best_label, best_record_for, find_best
+from loopformer.runs.checkpoint import (
     latest_checkpoint,
     load_checkpoint,
     read_checkpoint_config,
     resolve_checkpoint,
     verified,
 )
+from loopformer.runs.hub import resolve_source
+from loopformer.runs.layout import CheckpointError
+from loopformer.tasks.base import Task, TokenDataset
+from loopformer.tasks.registry import get_task
 
 HRM_SPLITS = {"train": "train", "eval": "test"}  # our split name -> HRM's folder name
 
@@ -153,11 +152,11 @@ def load_run(
 
     ``config_overrides`` (``data.*``, ``eval.*``, ``loop_eval.*`` keys only) change how the run is
     evaluated, never the model. The run's config with them is validated as ``train`` validates
-    (``loopformer.command_checks.run_config_for``; ``task``: the task the caller expects) before the
+    (``loopformer.config.checks.run_config_for``; ``task``: the task the caller expects) before the
     weights are read or the task built. ``check``: the caller's own checks of that config (a command's
-    options, ``loopformer.command_checks``), run then too.
+    options, ``loopformer.config.checks``), run then too.
     """
-    from loopformer.command_checks import check_task_fits_model, run_config_for
+    from loopformer.config.checks import check_task_fits_model, run_config_for
 
     path = resolve_source(path)  # a hub id (owner/name) is downloaded, a local path kept
     if best:
@@ -200,17 +199,12 @@ def load_run(
     )
 
 
-load_for_eval = load_run  # the name the experiments and earlier releases used
 
 
 def training_depth(run: LoadedRun) -> int:
     """Loops per forward call in training (the training depth an overthinking plot marks)."""
     cfg = run.config
-    kind, max_steps = cfg.train.loop_sampler, int(run.loop_train.max_steps)
-    if kind not in SAMPLERS:  # "none": the training loop config as is
-        return max_steps
-    sampler = make_sampler(
-        kind, **{**sampler_defaults(kind, max_steps, cfg.seed), **cfg.train.loop_sampler_options}
-    )
-    depth = sampler.constant_depth
+    max_steps = int(run.loop_train.max_steps)
+    sampler = training_sampler(cfg.train.loop_sampler, cfg.train.loop_sampler_options, max_steps, cfg.seed)
+    depth = None if sampler is None else sampler.constant_depth
     return max_steps if depth is None else int(depth)

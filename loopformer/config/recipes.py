@@ -1,5 +1,12 @@
-"""Recipe composition: ``base:`` chains, ``~key`` deletions, a model change that drops the old
-model's keys, and the fully resolved view ``--print-config`` prints.
+"""Reading recipes: the strict YAML reader, ``base:`` chains, ``~key`` deletions, a model change that drops
+the old model's keys, ``key=value`` overrides, and the fully resolved view ``--print-config`` prints.
+
+- ``load_yaml(text, where)``: ``yaml.safe_load`` with two more refusals: a duplicate key in a mapping and
+  documents whose aliases would expand past ``MAX_YAML_NODES`` nodes (a "billion laughs" file), each a
+  ``ConfigError`` naming the file and line. ``read_text`` reads a file as UTF-8 or names the bad byte.
+- ``parse_override`` / ``apply_overrides``: dotted ``key=value`` overrides (``train.lr=3e-4``), each value
+  parsed as YAML (numbers, bools, lists, null) and its path checked against the schema before it is
+  written into the raw table; ``~key`` deletes a key.
 
 - ``find_recipe(name)``: a path as given, or ``<name>[.yaml]`` in ./recipes or the shipped recipes.
 - ``read_recipe(path)``: the recipe's table with its ``base:`` chain merged in (the child wins key by
@@ -7,7 +14,7 @@ model's keys, and the fully resolved view ``--print-config`` prints.
   name found as ``find_recipe`` finds it, so a user recipe anywhere may say ``base: sudoku4_fprm``.
 - ``~key`` deletes a key so its default applies: ``~model.conv:`` at the top of a recipe, ``~conv:``
   inside its ``model:`` table, or ``~model.conv`` as a command-line override
-  (``loopformer.config.apply_overrides``). The value of a ``~key`` entry must be empty (null).
+  (``apply_overrides``). The value of a ``~key`` entry must be empty (null).
 - A child recipe or an override that changes ``model.name`` drops the inherited ``model.*`` keys the
   new model's config does not have (``conv`` of FPRM when switching to TRM) and logs a note naming
   them (``loopformer.config`` logger); keys the child sets itself are still checked strictly.
@@ -20,25 +27,189 @@ model's keys, and the fully resolved view ``--print-config`` prints.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
-from collections.abc import Mapping
+import typing
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from loopformer.config import (
-    RECIPE_DIR,
-    ConfigError,
-    RunConfig,
-    _load_yaml,
-    _suggest,
-    read_text,
-    to_dict,
-)
+import yaml
+
+from loopformer.config.schema import ModelSpec, RunConfig
+from loopformer.config.strict import ConfigError, _hints, _join, _suggest, to_dict
 
 log = logging.getLogger("loopformer.config")
 
+RECIPE_DIR = Path(__file__).resolve().parents[1] / "recipes"  # shipped in the wheel; ./recipes links here
+
+MAX_YAML_NODES = 100_000
+
 DELETE = "~"  # a key starting with it deletes the (dotted) key after it
+
 TASK_FIELDS = ("vocab_size", "seq_len", "causal", "num_puzzle_ids", "puzzle_emb_len", "grid")
+
+
+
+def read_text(path: Path, what: str) -> str:
+    """A UTF-8 text file; ConfigError naming the file (and the first bad byte) otherwise."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(
+            f"{what} {path} is not UTF-8 text (byte {err.start} is 0x{err.object[err.start]:02x})"
+        ) from None
+    except OSError as err:
+        raise ConfigError(f"cannot read {what} {path}: {err.strerror or type(err).__name__}") from None
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``'train.lr=3e-4'`` -> (['train', 'lr'], '3e-4' parsed by yaml.safe_load)."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} is not of the form key=value (e.g. train.lr=3e-4)")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override {text!r} has an empty key")
+    try:
+        value = load_yaml(raw, f"override {key}") if raw.strip() else ""
+    except ConfigError as err:
+        if "is not valid YAML" not in str(err):
+            raise  # duplicate keys, alias bombs
+        value = raw
+    return key.split("."), value
+
+
+def _check_path(parts: list[str]) -> None:
+    """Errors early for keys that cannot exist in the schema (free tables accept any key)."""
+    cls: Any = RunConfig
+    walked = ""
+    for part in parts:
+        if cls is None:  # inside a free table (options, loop overrides, model fields)
+            return
+        if cls is ModelSpec:
+            return  # family fields are checked once the name is known
+        names = [f.name for f in dataclasses.fields(cls)]
+        if part not in names:
+            raise ConfigError(f"unknown config key {_join(walked, part)!r}{_suggest(part, names, walked)}")
+        tp = _hints(cls)[part]
+        walked = _join(walked, part)
+        cls = tp if (dataclasses.is_dataclass(tp) and isinstance(tp, type)) else None
+        if cls is None and part != parts[-1] and typing.get_origin(tp) is not dict and tp is not dict:
+            raise ConfigError(f"config key {walked!r} is a value, not a table")
+
+
+def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    """Raw recipe table with dotted ``key=value`` overrides written in (validated paths); a later
+    override of a key wins (code layers its lists so; a command line is checked by
+    ``loopformer.config.checks.check_unique``)."""
+    data = json.loads(json.dumps(data, default=list))  # deep copy of plain data
+    for text in overrides:
+        if text.startswith(DELETE):  # ~model.conv: the key goes, its default applies
+            if "=" in text:
+                raise ConfigError(f"override {text!r}: {DELETE}key deletes a key and takes no value")
+            _check_path(text[len(DELETE) :].split("."))
+            delete_key(data, text[len(DELETE) :], f"override {text!r}")
+            continue
+        parts, value = parse_override(text)
+        _check_path(parts)
+        if parts == ["model", "name"] and isinstance(data.get("model"), dict):
+            old = data["model"].get("name", ModelSpec.name)
+            data["model"] = drop_foreign_model_keys(data["model"], old, value, f"override {text!r}")
+        node = data
+        for part in parts[:-1]:
+            child = node.get(part)
+            if not isinstance(child, dict):
+                child = {}
+                node[part] = child
+            node = child
+        node[parts[-1]] = value
+    return data
+
+
+class StrictLoader(yaml.SafeLoader):
+    """SafeLoader refusing duplicate keys and alias expansion beyond ``MAX_YAML_NODES`` nodes."""
+
+    where = "YAML"
+
+    def compose_document(self) -> Any:
+        node = super().compose_document()
+        _expanded_size(node, self.where)
+        return node
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            try:
+                first = seen.get(key)
+            except TypeError:
+                raise ConfigError(
+                    f"{self.where}: line {key_node.start_mark.line + 1}: a mapping key must be a plain value"
+                ) from None
+            if first is not None:
+                raise ConfigError(
+                    f"{self.where}: line {key_node.start_mark.line + 1}: duplicate key {key!r} "
+                    f"(first given on line {first})"
+                )
+            seen[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep=deep)
+
+
+def _expanded_size(root: yaml.Node | None, where: str) -> None:
+    """Nodes the document has once every alias is expanded (memoised per node, so it is cheap)."""
+    sizes: dict[int, int] = {}
+    open_: set[int] = set()  # on the current depth-first path: meeting one again is a cycle
+    stack = [(root, False)] if root is not None else []
+    while stack:
+        node, done = stack.pop()
+        if id(node) in sizes:
+            continue
+        if not done and id(node) in open_:
+            raise ConfigError(
+                f"{where}: line {node.start_mark.line + 1}: an alias refers to a value that "
+                "contains it (a recursive structure); refusing it"
+            )
+        open_.add(id(node))
+        children = []
+        if isinstance(node, yaml.SequenceNode):
+            children = list(node.value)
+        elif isinstance(node, yaml.MappingNode):
+            children = [n for pair in node.value for n in pair]
+        if not done:
+            stack.append((node, True))
+            stack.extend((c, False) for c in children if id(c) not in sizes)
+            continue
+        sizes[id(node)] = 1 + sum(sizes.get(id(c), 1) for c in children)
+        open_.discard(id(node))
+        if sizes[id(node)] > MAX_YAML_NODES:
+            raise ConfigError(
+                f"{where}: line {node.start_mark.line + 1}: the document expands to more than "
+                f"{MAX_YAML_NODES:,} values through aliases (&anchor / *alias); refusing it"
+            )
+
+
+def load_yaml(text: str, where: str) -> Any:
+    """``text`` parsed like ``yaml.safe_load`` (see the module docstring); ConfigError naming ``where``
+    and the line, never quoting the text."""
+    loader = None
+    try:
+        loader = StrictLoader(text)  # the reader refuses control characters here already
+        loader.where = where
+        return loader.get_single_data()
+    except yaml.MarkedYAMLError as err:
+        mark = err.problem_mark or err.context_mark
+        at = f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else "?"
+        raise ConfigError(f"{where} is not valid YAML: {err.problem or err.context} at {at}") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{where} is not valid YAML ({type(err).__name__})") from None
+    except RecursionError:
+        raise ConfigError(f"{where}: nested too deeply") from None
+    finally:
+        if loader is not None:
+            loader.dispose()
 
 
 def find_recipe(name: str | Path) -> Path:
@@ -126,7 +297,7 @@ def read_recipe(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any
     path = find_recipe(path).resolve()
     if path in _seen:
         raise ConfigError(f"recipe base cycle: {' -> '.join(str(p) for p in (*_seen, path))}")
-    data = _load_yaml(read_text(path, "recipe"), f"recipe {path}")
+    data = load_yaml(read_text(path, "recipe"), f"recipe {path}")
     data = {} if data is None else data
     if not isinstance(data, Mapping):
         raise ConfigError(f"recipe {path} must be a table of config keys, got {type(data).__name__}")

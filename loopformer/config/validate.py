@@ -6,7 +6,7 @@ ranges (sizes >= 1, rates in [0, 1), finite non-negative weights, a sane learnin
 model's shape (``d_model`` divisible by ``n_heads``), the device (``cuda`` needs a CUDA device),
 CPU thread counts, the task's name and options (checked against the task's constructor and
 ``generate`` signatures without building the task), the loop sampler's options, and sizes that
-cannot fit in memory (``loopformer.memory_check``).
+cannot fit in memory (``loopformer.config.memory``).
 
 ``load_yaml(text, where)`` is ``yaml.safe_load`` with two more refusals: a duplicate key in a
 mapping and documents whose aliases would expand past ``MAX_YAML_NODES`` nodes (a "billion
@@ -20,11 +20,9 @@ import math
 import os
 from typing import Any
 
-import yaml
+from loopformer.config.schema import RunConfig
+from loopformer.config.strict import ConfigError, _loop_fields, _model_fields, to_dict
 
-from loopformer.config import ConfigError, RunConfig, _loop_fields, _model_fields, to_dict
-
-MAX_YAML_NODES = 100_000
 MAX_LR = 10.0
 
 
@@ -57,94 +55,6 @@ def _check_muon(t: Any) -> None:
         raise ConfigError(
             "train.optimizer=muon_adamw takes neither train.puzzle_emb_optimizer=sign_sgd nor train.decay_all"
         )
-
-
-# --------------------------------------------------------------------------------------------
-# YAML
-# --------------------------------------------------------------------------------------------
-class StrictLoader(yaml.SafeLoader):
-    """SafeLoader refusing duplicate keys and alias expansion beyond ``MAX_YAML_NODES`` nodes."""
-
-    where = "YAML"
-
-    def compose_document(self) -> Any:
-        node = super().compose_document()
-        _expanded_size(node, self.where)
-        return node
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
-        seen: dict[Any, int] = {}
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":
-                continue
-            key = self.construct_object(key_node, deep=True)
-            try:
-                first = seen.get(key)
-            except TypeError:
-                raise ConfigError(
-                    f"{self.where}: line {key_node.start_mark.line + 1}: a mapping key must be a plain value"
-                ) from None
-            if first is not None:
-                raise ConfigError(
-                    f"{self.where}: line {key_node.start_mark.line + 1}: duplicate key {key!r} "
-                    f"(first given on line {first})"
-                )
-            seen[key] = key_node.start_mark.line + 1
-        return super().construct_mapping(node, deep=deep)
-
-
-def _expanded_size(root: yaml.Node | None, where: str) -> None:
-    """Nodes the document has once every alias is expanded (memoised per node, so it is cheap)."""
-    sizes: dict[int, int] = {}
-    open_: set[int] = set()  # on the current depth-first path: meeting one again is a cycle
-    stack = [(root, False)] if root is not None else []
-    while stack:
-        node, done = stack.pop()
-        if id(node) in sizes:
-            continue
-        if not done and id(node) in open_:
-            raise ConfigError(
-                f"{where}: line {node.start_mark.line + 1}: an alias refers to a value that "
-                "contains it (a recursive structure); refusing it"
-            )
-        open_.add(id(node))
-        children = []
-        if isinstance(node, yaml.SequenceNode):
-            children = list(node.value)
-        elif isinstance(node, yaml.MappingNode):
-            children = [n for pair in node.value for n in pair]
-        if not done:
-            stack.append((node, True))
-            stack.extend((c, False) for c in children if id(c) not in sizes)
-            continue
-        sizes[id(node)] = 1 + sum(sizes.get(id(c), 1) for c in children)
-        open_.discard(id(node))
-        if sizes[id(node)] > MAX_YAML_NODES:
-            raise ConfigError(
-                f"{where}: line {node.start_mark.line + 1}: the document expands to more than "
-                f"{MAX_YAML_NODES:,} values through aliases (&anchor / *alias); refusing it"
-            )
-
-
-def load_yaml(text: str, where: str) -> Any:
-    """``text`` parsed like ``yaml.safe_load`` (see the module docstring); ConfigError naming ``where``
-    and the line, never quoting the text."""
-    loader = None
-    try:
-        loader = StrictLoader(text)  # the reader refuses control characters here already
-        loader.where = where
-        return loader.get_single_data()
-    except yaml.MarkedYAMLError as err:
-        mark = err.problem_mark or err.context_mark
-        at = f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else "?"
-        raise ConfigError(f"{where} is not valid YAML: {err.problem or err.context} at {at}") from None
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{where} is not valid YAML ({type(err).__name__})") from None
-    except RecursionError:
-        raise ConfigError(f"{where}: nested too deeply") from None
-    finally:
-        if loader is not None:
-            loader.dispose()
 
 
 # --------------------------------------------------------------------------------------------
@@ -242,10 +152,10 @@ def _check_accumulation(t: Any) -> None:
 
 
 def _check_sampler(cfg: RunConfig, loop: Any) -> None:
-    from loopformer.train.setup import loop_sampler
+    from loopformer.loop.samplers import training_sampler
 
     try:
-        loop_sampler(cfg.train, loop, cfg.seed)
+        training_sampler(cfg.train.loop_sampler, cfg.train.loop_sampler_options, loop.max_steps, cfg.seed)
     except (ValueError, TypeError) as err:
         raise ConfigError(f"train.loop_sampler / train.loop_sampler_options: {err}") from None
 
@@ -312,7 +222,7 @@ def _check_task(cfg: RunConfig) -> None:
 
     d = cfg.data
     if not known_task(d.task):
-        from loopformer.config import _suggest
+        from loopformer.config.strict import _suggest
 
         raise ConfigError(f"data.task: unknown task {d.task!r}{_suggest(d.task, list(TASKS))}")
     cls = task_class(d.task)
@@ -350,7 +260,7 @@ def _check_options(
     names = [n for n, p in params.items() if n not in skip and p.kind is not inspect.Parameter.VAR_POSITIONAL]
     for key in options:
         if key not in names:
-            from loopformer.config import _suggest
+            from loopformer.config.strict import _suggest
 
             raise ConfigError(
                 f"unknown option {prefix}.{key}: {what} takes {', '.join(names) or 'no options'}"
@@ -384,7 +294,7 @@ def _check_option_types(fn: Any, options: dict[str, Any], prefix: str) -> None:
     (``4.0`` -> ``4``). Parameters without a simple annotation (``Any``, arrays) are left to the task."""
     import typing
 
-    from loopformer.config import coerce
+    from loopformer.config.strict import coerce
 
     try:
         hints = typing.get_type_hints(fn)
@@ -403,9 +313,9 @@ def validate(cfg: RunConfig, training: bool = True, device: str | None = None) -
     """Check every value of ``cfg`` (see the module docstring); model fields are replaced by their
     coerced values (a nested ``loop`` table stays a table with LoopConfig types) so the dump round-trips.
 
-    ``training=False`` checks a trained run's config for evaluation (``loopformer.command_checks``): the
+    ``training=False`` checks a trained run's config for evaluation (``loopformer.config.checks``): the
     training machine's settings (``device``, ``train.threads``) are not held against this machine, and
-    the memory bound (``loopformer.memory_check``) is evaluation's, on ``device`` (default ``cfg.device``)."""
+    the memory bound (``loopformer.config.memory``) is evaluation's, on ``device`` (default ``cfg.device``)."""
     fields_ = _model_fields(cfg.model.name, cfg.model.fields, "model")
     cfg.model.fields = {k: to_dict(v) for k, v in fields_.items()}
     cfg.loop_train = to_dict(_loop_fields(cfg.loop_train, "loop_train"))
@@ -425,7 +335,7 @@ def validate(cfg: RunConfig, training: bool = True, device: str | None = None) -
     _check_run(cfg, training)
     _check_task(cfg)
     _check_prediction_position(cfg)
-    from loopformer.memory_check import check_memory
+    from loopformer.config.memory import check_memory
 
     check_memory(cfg, device, training)
     return cfg

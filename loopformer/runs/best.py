@@ -19,13 +19,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from loopformer.safe_io import atomic_write_text
-from loopformer.train.checkpoint import (
-    _STEP_DIR,
-    BEST,
-    CheckpointError,
-    step_name,
-)
+from loopformer.files import atomic_write_text
+from loopformer.runs.layout import _STEP_DIR, BEST, CheckpointError, step_name
 
 log = logging.getLogger("loopformer.train")
 

@@ -1,4 +1,6 @@
-"""The one write path: every file loopformer writes goes through this module.
+"""Files: the one write path (every file loopformer writes goes through this module) and the one reader of
+JSON files a user gives. It imports nothing of loopformer, so every layer uses it: tasks write datasets and
+read ARC / knowledge-graph JSON with it, run storage (``loopformer.runs``) writes run folders and checkpoints.
 
 - ``atomic_write_bytes`` / ``atomic_write_text`` / ``atomic_write_json`` and the ``atomic_writer``
   context manager (for writers that want a file object: ``np.save``, ``savefig``, ``csv``; ``atomic_path``
@@ -17,8 +19,12 @@
   ``root`` itself may be a link (a run folder on a scratch disk); only what lies below it is checked.
 - ``WriteError``: an ``OSError`` raised by a failed write, whose message names the file and the
   reason (``No space left on device``, ``File too large``, ``Read-only file system``).
+- ``read_json(path, error)``: a JSON file a user gave, parsed, or ``error`` (the caller's exception type:
+  ``TaskDataError`` for data files, ``ValueError`` for run summaries) with one line naming the file and what
+  is wrong (not UTF-8 and at which byte, invalid JSON and where, nested too deeply, unreadable), never
+  quoting the file's contents.
 
-The only file written in place is the run lock (``loopformer.train.run_folder``): an OS lock lives
+The only file written in place is the run lock (``loopformer.runs.folder``): an OS lock lives
 on one inode, so that file must never be replaced.
 """
 
@@ -27,7 +33,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
@@ -206,7 +212,26 @@ def append_line(path: str | Path, line: str, root: str | Path | None = None, fsy
         os.close(fd)
 
 
+def read_json(
+    path: Path,
+    error: type[Exception] = ValueError,
+    object_pairs_hook: Callable[[list[tuple[str, Any]]], Any] | None = None,
+) -> Any:
+    """The parsed UTF-8 JSON file ``path``; ``error`` naming the file and position otherwise."""
+    try:
+        return json.loads(path.read_bytes().decode("utf-8"), object_pairs_hook=object_pairs_hook)
+    except UnicodeDecodeError as err:
+        raise error(f"{path}: not UTF-8 text (byte {err.start})") from None
+    except json.JSONDecodeError as err:
+        raise error(f"{path}: not valid JSON (line {err.lineno}, column {err.colno}: {err.msg})") from None
+    except RecursionError:
+        raise error(f"{path}: JSON nested too deeply") from None
+    except OSError as err:
+        raise error(f"{path}: cannot read ({err.strerror or type(err).__name__})") from None
+
+
 __all__ = [
+    "read_json",
     "UnsafePathError",
     "WriteError",
     "append_line",

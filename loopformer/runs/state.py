@@ -1,7 +1,4 @@
-"""Training state helpers for checkpoints: nested state <-> (JSON skeleton, tensor table), RNG states.
-
-Split out of ``loopformer.train.checkpoint`` (which re-exports these names).
-"""
+"""The training-state skeleton of a checkpoint: nested state <-> (JSON skeleton, tensor table), RNG states."""
 
 from __future__ import annotations
 

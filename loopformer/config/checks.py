@@ -1,7 +1,7 @@
 """One validation path for every command: what ``train`` checks, ``eval``, ``solve``, ``run`` and ``push`` check too.
 
 ``train`` and ``run`` build their configs with ``loopformer.config.build_config``, which validates every
-value (``loopformer.config_validate.validate``: ranges with the dotted key, the task's options, sizes that
+value (``loopformer.config.validate.validate``: ranges with the dotted key, the task's options, sizes that
 cannot fit in memory). ``eval``, ``solve`` and ``push`` start from a trained run's stored config instead;
 ``run_config_for`` applies their ``--set`` overrides to it and runs the *same* ``validate`` (for
 evaluation: the training machine's ``device`` / ``train.threads`` are not held against this one, and
@@ -12,7 +12,7 @@ model built; every refusal is a ``ConfigError`` (one line, exit status 1).
 
 A command's own loop counts (``eval --max-steps`` / ``--lens-loops``, ``run.budgets`` /
 ``run.lens_loops`` / ``run.signal_loops``, ``sweep --max-steps``) go through ``check_loop_counts``: the
-memory bound ``loop_eval.max_steps`` gets (``loopformer.memory_check.check_loops``), naming the option;
+memory bound ``loop_eval.max_steps`` gets (``loopformer.config.memory.check_loops``), naming the option;
 ``eval --variant`` overrides through ``run_config_for`` like ``--set`` (``check_variants``). ``eval`` and
 ``sweep`` run them as ``load_run``'s ``check``, on the run's stored config, before the weights are read.
 """
@@ -22,7 +22,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from loopformer.config import ConfigError, RunConfig, apply_overrides, build_config, to_dict
+from loopformer.config.build import build_config
+from loopformer.config.recipes import apply_overrides
+from loopformer.config.schema import RunConfig
+from loopformer.config.strict import ConfigError, to_dict
 
 EVAL_OVERRIDE_PREFIXES = ("data.", "eval.", "loop_eval.")
 
@@ -60,7 +63,7 @@ def check_fraction(option: str, value: Any, low: float, high: float, closed: boo
 def check_loop_counts(cfg: RunConfig, counts: dict[str, Any], device: str | None = None) -> None:
     """``check_loops`` for each ``{option: count}`` (a list item by item; None = not given): each count of
     loops ``cfg``'s evaluation would run must fit in memory, as ``loop_eval.max_steps`` must."""
-    from loopformer.memory_check import check_loops
+    from loopformer.config.memory import check_loops
 
     for option, value in counts.items():
         for item in value if isinstance(value, list | tuple) else [value]:
@@ -122,7 +125,7 @@ def run_config_for(
 
         known = "" if task in TASKS else f" (and {task!r} is no known task: {', '.join(sorted(TASKS))})"
         raise ConfigError(f"task {task!r}: the model was trained on task {trained_on!r}{known}")
-    from loopformer.config_validate import validate
+    from loopformer.config.validate import validate
 
     return validate(cfg, training=False, device=device)
 
@@ -170,8 +173,8 @@ def check_model_fields(given: dict[str, Any], task: Any, width: int, ids: int) -
 
 def check_trajectory(loops: int, tokens: int, what: str) -> None:
     """ConfigError when keeping ``tokens`` int64 answers for each of ``loops`` loops (``solve`` keeps every
-    loop's answer) needs far more than this machine's RAM (``loopformer.memory_check.FAR_BEYOND``)."""
-    from loopformer.memory_check import FAR_BEYOND, GIB, physical_memory
+    loop's answer) needs far more than this machine's RAM (``loopformer.config.memory.FAR_BEYOND``)."""
+    from loopformer.config.memory import FAR_BEYOND, GIB, physical_memory
 
     ram, need = physical_memory(), 8.0 * max(int(loops), 1) * max(int(tokens), 1)
     if ram is not None and need > FAR_BEYOND * ram:

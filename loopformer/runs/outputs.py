@@ -4,7 +4,7 @@
 ``staged_output(folder, purpose, overwrite)`` is a context manager that:
 
 - refuses a ``folder`` inside a run's ``checkpoints/`` (``inside_run``), or a file;
-- locks ``folder`` (``loopformer.train.run_folder.RunLock``) for the whole command, released on
+- locks ``folder`` (``loopformer.runs.folder.RunLock``) for the whole command, released on
   every exit path;
 - refuses a ``folder`` that already holds something (a run, a dataset, a report) unless
   ``overwrite``; a folder holding a training run is never replaced by these commands
@@ -21,7 +21,7 @@
   the old content back). On an error or a kill before the swap the staging folder is dropped (now,
   or by the next command that locks the folder) and the old contents are untouched.
 
-``inside_run(path)`` (``loopformer.train.run_folder``) is also what keeps ``train -o`` out of another run's folder.
+``inside_run(path)`` (``loopformer.runs.folder``) is also what keeps ``train -o`` out of another run's folder.
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from loopformer.safe_io import WriteError, check_inside, fsync_dir
-from loopformer.train.run_folder import (
+from loopformer.files import WriteError, check_inside, fsync_dir
+from loopformer.runs.folder import (
     LOCK_NAME,
     STAGING,
     RunFolderError,
@@ -215,4 +215,4 @@ def swap_in(folder: Path, staging: Path, old: list[Path]) -> Path | None:
     return aside if old else None
 
 
-__all__ = ["inside_run", "refuse_inside_checkpoints", "exchange_folders", "staged_output", "swap_in", "training_run"]  # two re-exported
+__all__ = ["refuse_inside_checkpoints", "exchange_folders", "staged_output", "swap_in"]

@@ -1,8 +1,8 @@
 """Refuse a configuration whose sizes cannot fit in this machine's memory, before any work.
 
-``check_memory(cfg, device)`` runs inside ``loopformer.config_validate.validate``, so every command that
+``check_memory(cfg, device)`` runs inside ``loopformer.config.validate.validate``, so every command that
 validates a config (``train`` when it builds one; ``eval``, ``solve``, ``run`` and ``push`` through
-``loopformer.command_checks``) refuses the same sizes. It adds up a *lower bound* of what the run must
+``loopformer.config.checks``) refuses the same sizes. It adds up a *lower bound* of what the run must
 hold at once, each term tied to the keys that set it:
 
 - the weights: ``model.n_layers`` x 4 ``model.d_model``^2 (attention projections; the MLP left out)
@@ -149,7 +149,7 @@ def check_loops(cfg: Any, option: str, loops: int, device: str | None = None) ->
 
 def _check_terms(device_terms: list[tuple[float, str]], host_terms: list[tuple[float, str]], device: str) -> None:
     """ConfigError when the device terms exceed ``device``'s memory or the host terms the RAM."""
-    from loopformer.config import ConfigError
+    from loopformer.config.strict import ConfigError
 
     ram = physical_memory()
     capacity, where = device_memory(device)

@@ -28,9 +28,10 @@ from pathlib import Path
 from typing import Any
 
 from loopformer.config import RunConfig, config_to_json, to_dict
-from loopformer.safe_io import append_line, atomic_write_json
-from loopformer.train.checkpoint import CheckpointError, _read_json, step_dirs
-from loopformer.train.run_folder import holds_run
+from loopformer.files import append_line, atomic_write_json
+from loopformer.runs.checkpoint import _read_json
+from loopformer.runs.folder import holds_run
+from loopformer.runs.layout import CheckpointError, step_dirs
 
 CHANGES = "config_changes.jsonl"
 ORIGIN = "origin.json"
@@ -99,7 +100,7 @@ def _free(key: str, current: dict[str, Any]) -> bool:
 def config_changes(saved: dict[str, Any], current: RunConfig) -> dict[str, dict[str, Any]]:
     """``{key: {"old": ..., "new": ...}}`` for the stream-changing keys where the checkpoint's
     ``config.json`` (``saved``) and ``current`` differ; a key one side lacks compares with its default."""
-    # family / step / plugins: what the checkpoint records beside the config (loopformer.train.checkpoint)
+    # family / step / plugins: what the checkpoint records beside the config (loopformer.runs.checkpoint)
     old = _flat({k: v for k, v in saved.items() if k not in ("family", "step", "plugins")})
     new = _flat(json.loads(config_to_json(current)))
     default = _flat(to_dict(RunConfig()))

@@ -7,7 +7,7 @@ parameter name) plus the EMA, and ``dcp.save``s them with DCP's safetensors stor
 (``HuggingFaceStorageWriter(save_distributed=True)``): rank ``r`` writes
 ``shard-0000{r+1}-model-00001-of-00001.safetensors`` holding its pieces, each file's header recording
 every piece's offsets in the full tensor. No pickle anywhere (DCP's default ``.metadata`` file is a
-pickle, this format has none), so ``loopformer.train.checkpoint``'s "safetensors and JSON only" holds.
+pickle, this format has none), so ``loopformer.runs.checkpoint``'s "safetensors and JSON only" holds.
 
 Layout of a sharded ``step_N/``: the shard files; ``config.json``; ``state.safetensors`` +
 ``state.json`` (rank 0: the stream, curriculum, carry, RNG, ``optimizer`` = the optimiser's
@@ -16,7 +16,7 @@ non-tensor part (``param_groups``, non-tensor per-parameter values), ``optimizer
 ``ema.<name>``, ``optim.<name>.<key>``; a tied weight is stored once (``aliases``).
 
 Atomicity: rank 0 creates ``.tmp-step_N-sharded`` (a name every rank knows), every rank writes its
-shard into it through ``loopformer.safe_io.atomic_path`` (``SafeFileSystem``), rank 0 adds the rest
+shard into it through ``loopformer.files.atomic_path`` (``SafeFileSystem``), rank 0 adds the rest
 and the manifest and renames the folder into place (``checkpoint.publish``). A write that fails on
 any rank fails ``dcp.save`` on every rank and leaves no folder behind.
 
@@ -41,10 +41,11 @@ import torch.distributed as tdist
 from torch import Tensor, nn
 
 from loopformer.config import RunConfig, config_to_json
-from loopformer.safe_io import WriteError, atomic_path, atomic_write_json, atomic_write_text, fsync_dir
-from loopformer.train.manifest import write_manifest
-from loopformer.train.plugin_record import config_extras
-from loopformer.train.state import flatten_state
+from loopformer.files import WriteError, atomic_path, atomic_write_json, atomic_write_text, fsync_dir
+from loopformer.runs.layout import CheckpointError, load_weights, save_tensors, step_name
+from loopformer.runs.manifest import write_manifest
+from loopformer.runs.plugin_record import config_extras
+from loopformer.runs.state import flatten_state
 
 LAYOUT = "dcp"
 SHARD_PREFIX = "shard-"
@@ -63,8 +64,6 @@ def _hf_storage() -> Any:
     try:
         from torch.distributed.checkpoint import hf_storage
     except ImportError:
-        from loopformer.train.checkpoint import CheckpointError
-
         raise CheckpointError(
             f"sharded checkpoints need torch.distributed.checkpoint.hf_storage (torch >= 2.9; this is "
             f"torch {torch.__version__}); set train.checkpoint_format=full"
@@ -73,7 +72,7 @@ def _hf_storage() -> Any:
 
 
 def _safe_writer(path: Path) -> Any:
-    """DCP's safetensors writer whose files go through ``loopformer.safe_io.atomic_path``."""
+    """DCP's safetensors writer whose files go through ``loopformer.files.atomic_path``."""
     from torch.distributed.checkpoint.filesystem import FileSystem
 
     class SafeFileSystem(FileSystem):
@@ -165,7 +164,7 @@ def save_sharded(
     docstring. ``training_state``: what rank 0 writes beside the shards (without the optimiser)."""
     from torch.distributed.checkpoint import save as dcp_save
 
-    from loopformer.train.checkpoint import publish, step_name
+    from loopformer.runs.checkpoint import publish
 
     name = step_name(step)
     tmp = root / f".tmp-{name}-sharded"
@@ -193,9 +192,7 @@ def save_sharded(
             extra = config_extras(getattr(model, "module", model), config, family, step)
             atomic_write_text(tmp / "config.json", config_to_json(config, **extra), root=tmp)
             skeleton, tensors = flatten_state(state)
-            from loopformer.train.checkpoint import _save_tensors
-
-            _save_tensors(tensors, tmp / "state.safetensors", None, tmp)
+            save_tensors(tensors, tmp / "state.safetensors", None, tmp)
             atomic_write_json(tmp / "state.json", skeleton, root=tmp)
             write_manifest(tmp)
             fsync_dir(tmp)
@@ -222,8 +219,6 @@ def load_sharded(
     from torch.distributed.checkpoint import load as dcp_load
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
-    from loopformer.train.checkpoint import CheckpointError
-
     table, _, _ = tensor_table(model, optimizer, ema)
     try:
         dcp_load(table, storage_reader=_reader(folder), no_dist=not _grouped())
@@ -246,8 +241,6 @@ def load_sharded(
 
 def stored_weights(folder: Path) -> tuple[dict[str, Tensor], dict[str, Tensor] | None]:
     """(the model weights, the EMA weights or None) of a checkpoint folder, full or sharded."""
-    from loopformer.train.checkpoint import load_weights
-
     if is_sharded(folder):
         full = read_full(folder)
         return full["model"], full["ema"] or None
@@ -260,7 +253,7 @@ def read_full(folder: str | Path) -> dict[str, dict[str, Tensor]]:
     (``optim``: ``name.key`` -> tensor); tied tensors restored from the ``aliases`` in state.json."""
     from torch.distributed.checkpoint import load as dcp_load
 
-    from loopformer.train.checkpoint import CheckpointError, load_training_state
+    from loopformer.runs.checkpoint import load_training_state
 
     folder = Path(folder)
     try:
@@ -296,7 +289,7 @@ def full_optimizer_state(full: dict[str, Tensor], saved: dict[str, Any]) -> dict
 def consolidate(src: str | Path, out: str | Path) -> Path:
     """Write the sharded checkpoint ``src`` as a full (safetensors) checkpoint ``out/step_N`` (the
     ``latest`` pointer beside it); what ``convert`` / ``push`` / a resume with any strategy read."""
-    from loopformer.train.checkpoint import (
+    from loopformer.runs.checkpoint import (
         load_training_state,
         read_checkpoint_config,
         resolve_checkpoint,
@@ -306,8 +299,6 @@ def consolidate(src: str | Path, out: str | Path) -> Path:
 
     folder = verified(resolve_checkpoint(src))
     if not is_sharded(folder):
-        from loopformer.train.checkpoint import CheckpointError
-
         raise CheckpointError(f"{folder} is not a sharded checkpoint (it already holds model.safetensors)")
     config, family, step = read_checkpoint_config(folder)
     state = load_training_state(folder)

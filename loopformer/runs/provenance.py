@@ -1,7 +1,7 @@
 """Provenance: what produced a run, recorded in its folder as ``provenance.json``.
 
 Each training start (a fresh run or a resume) appends one record to the ``records`` list of
-``<run>/provenance.json`` (rewritten atomically through ``loopformer.safe_io``, earlier records kept):
+``<run>/provenance.json`` (rewritten atomically through ``loopformer.files``, earlier records kept):
 the loopformer / torch / Python versions, the platform, the git commit of the loopformer source and
 whether its work tree had uncommitted changes (only when loopformer runs from a clone), the CPU
 thread count, the device, the world size under torchrun, the command line, the working folder, the
@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from loopformer.safe_io import atomic_write_json
+from loopformer.files import atomic_write_json
 
 FILE = "provenance.json"
 _SOURCE = Path(__file__).resolve().parent.parent  # the clone's root when loopformer runs from one

@@ -50,7 +50,7 @@ def _wandb_run(config: Any, run_dir: Path) -> Any:
 
     id_file = run_dir / "wandb_id"
     run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:8]
-    from loopformer.safe_io import atomic_write_text
+    from loopformer.files import atomic_write_text
 
     atomic_write_text(id_file, run_id, root=run_dir)
     tc = config.train

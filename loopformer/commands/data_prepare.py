@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from loopformer.safe_io import atomic_write_json
+from loopformer.files import atomic_write_json
 from loopformer.tasks.base import TaskDataError, TokenDataset
 
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
@@ -388,7 +388,7 @@ def _command() -> Any:
         from rich.console import Console
         from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
 
-        from loopformer.command_checks import check_count
+        from loopformer.config.checks import check_count
 
         for option, value in (("--subset", subset), ("--augment", augment), ("--seed", seed)):
             check_count(option, value, 0)  # before the output folder is claimed
@@ -402,7 +402,7 @@ def _command() -> Any:
                     bars[stage] = bar.add_task(stage, total=total)
                 bar.update(bars[stage], completed=done)
 
-            from loopformer.output_folder import staged_output
+            from loopformer.runs.outputs import staged_output
 
             # built in a hidden folder and swapped in whole: a killed prepare leaves the old dataset
             with staged_output(out, "prepare", overwrite, "--out") as tmp:

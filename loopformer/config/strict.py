@@ -1,29 +1,16 @@
-"""Run configuration: nested dataclasses, YAML recipes and strict ``key=value`` overrides.
+"""Strict conversion of plain data to the configuration's dataclasses: unknown keys and bad types are errors.
 
-One source of truth. ``RunConfig`` nests ``ModelSpec`` (a model family name plus that family's
-config fields, validated through ``loopformer.models.registry.make_config``), ``DataConfig``
-(with ``CurriculumConfig``), ``TrainConfig``, ``EvalConfig`` and two loop-override tables applied
-on top of the model's default ``LoopConfig``: ``loop_train`` and ``loop_eval`` (FPRM, arXiv
-2606.18206, trains its damped solver with gamma 0.9 and evaluates with 0.99).
-
-Recipes are YAML files in ``recipes/``; a recipe may name a parent with ``base: other.yaml`` or a
-shipped recipe's name (merged key by key, the child wins; ``~key`` deletes a key; a new model drops
-the old model's keys: ``loopformer.config_recipes``). Command-line overrides are dotted paths, e.g.
-``train.lr=3e-4 model.d_model=64 loop_train.max_steps=8``; each value is parsed with
-``yaml.safe_load`` (numbers, bools, lists, null) and then coerced to the field's type.
-
-Why plain dataclasses and a small strict loader rather than OmegaConf: the loader is ~200
-lines, adds no dependency, and every error names the full dotted key and suggests the nearest
-valid one (``difflib``), including inside the model family's own config and ``LoopConfig``,
-whose fields are only known once the family name is resolved. The resolved config dumps to
-YAML and JSON (``save_config``) and loads back to an equal object (``load_config_file``).
+``from_dict(cls, data)`` builds a dataclass from a table; ``coerce(value, type, path)`` converts one value to
+its annotation (``Annotated[str, Registered(...)]`` values must be registered names or ``module:Class``
+plug-ins); ``to_dict`` turns a config back into plain YAML / JSON data. Every ``ConfigError`` names the full
+dotted key and suggests the nearest valid one (``difflib`` plus a bonus for a shared prefix), also inside a
+model family's own config and ``LoopConfig``, whose fields are only known once the family is resolved.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
-import json
 import os
 import types
 import typing
@@ -31,54 +18,13 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import yaml
-
-from loopformer.config_schema import (
-    CurriculumConfig,
-    DataConfig,
-    EvalConfig,
-    ModelSpec,
-    RunConfig,
-    TrainConfig,
-)
-
-__all__ = [
-    "CHECKPOINT_META_KEYS",
-    "RECIPE_DIR",
-    "ConfigError",
-    "CurriculumConfig",
-    "DataConfig",
-    "EvalConfig",
-    "ModelSpec",
-    "RunConfig",
-    "TrainConfig",
-    "apply_overrides",
-    "build_config",
-    "coerce",
-    "config_to_json",
-    "config_to_yaml",
-    "find_recipe",
-    "from_dict",
-    "load_config",
-    "load_config_file",
-    "parse_override",
-    "read_recipe",
-    "save_config",
-    "to_dict",
-    "validate",
-]
-
-CHECKPOINT_META_KEYS = ("family", "step", "plugins")  # written next to the config in checkpoints
-RECIPE_DIR = Path(__file__).resolve().parent / "recipes"  # shipped in the wheel; ./recipes links here
+from loopformer.config.schema import ModelSpec
 
 
 class ConfigError(ValueError):
     """A bad recipe or override: the message names the dotted key and the nearest valid one."""
 
 
-# --------------------------------------------------------------------------------------------
-# Strict conversion
-# --------------------------------------------------------------------------------------------
 def _suggest(key: str, options: Sequence[str], prefix: str = "") -> str:
     """'; did you mean 'prefix.nearest'?' or the list of valid names when nothing is close."""
     best = _nearest(key, options)
@@ -324,172 +270,3 @@ def to_dict(obj: Any) -> Any:
         return str(obj)
     return obj
 
-
-def validate(cfg: RunConfig) -> RunConfig:
-    """Check every value once the config is built (``loopformer.config_validate.validate``)."""
-    from loopformer.config_validate import validate as _validate
-
-    return _validate(cfg)
-
-
-# --------------------------------------------------------------------------------------------
-# Recipes and overrides
-# --------------------------------------------------------------------------------------------
-def find_recipe(name: str | Path) -> Path:
-    """A recipe path: as given, or ``<name>[.yaml]`` in ./recipes or the shipped recipes (``loopformer.config_recipes``)."""
-    from loopformer.config_recipes import find_recipe as _find
-
-    return _find(name)
-
-
-def _merge(base: dict[str, Any], child: Mapping[str, Any]) -> dict[str, Any]:
-    """``child`` merged over ``base`` as recipes merge (``loopformer.config_recipes.merge``)."""
-    from loopformer.config_recipes import merge
-
-    return merge(base, child)
-
-
-def read_recipe(path: str | Path) -> dict[str, Any]:
-    """A recipe's raw table, its ``base:`` chain merged in and ``~key`` deletions applied
-    (``loopformer.config_recipes.read_recipe``)."""
-    from loopformer.config_recipes import read_recipe as _read
-
-    return _read(path)
-
-
-def read_text(path: Path, what: str) -> str:
-    """A UTF-8 text file; ConfigError naming the file (and the first bad byte) otherwise."""
-    try:
-        return path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as err:
-        raise ConfigError(
-            f"{what} {path} is not UTF-8 text (byte {err.start} is 0x{err.object[err.start]:02x})"
-        ) from None
-    except OSError as err:
-        raise ConfigError(f"cannot read {what} {path}: {err.strerror or type(err).__name__}") from None
-
-
-def _load_yaml(text: str, where: str) -> Any:
-    from loopformer.config_validate import load_yaml
-
-    return load_yaml(text, where)
-
-
-def parse_override(text: str) -> tuple[list[str], Any]:
-    """``'train.lr=3e-4'`` -> (['train', 'lr'], '3e-4' parsed by yaml.safe_load)."""
-    if "=" not in text:
-        raise ConfigError(f"override {text!r} is not of the form key=value (e.g. train.lr=3e-4)")
-    key, raw = text.split("=", 1)
-    key = key.strip()
-    if not key or any(not part for part in key.split(".")):
-        raise ConfigError(f"override {text!r} has an empty key")
-    try:
-        value = _load_yaml(raw, f"override {key}") if raw.strip() else ""
-    except ConfigError as err:
-        if "is not valid YAML" not in str(err):
-            raise  # duplicate keys, alias bombs
-        value = raw
-    return key.split("."), value
-
-
-def _check_path(parts: list[str]) -> None:
-    """Errors early for keys that cannot exist in the schema (free tables accept any key)."""
-    cls: Any = RunConfig
-    walked = ""
-    for part in parts:
-        if cls is None:  # inside a free table (options, loop overrides, model fields)
-            return
-        if cls is ModelSpec:
-            return  # family fields are checked once the name is known
-        names = [f.name for f in dataclasses.fields(cls)]
-        if part not in names:
-            raise ConfigError(f"unknown config key {_join(walked, part)!r}{_suggest(part, names, walked)}")
-        tp = _hints(cls)[part]
-        walked = _join(walked, part)
-        cls = tp if (dataclasses.is_dataclass(tp) and isinstance(tp, type)) else None
-        if cls is None and part != parts[-1] and typing.get_origin(tp) is not dict and tp is not dict:
-            raise ConfigError(f"config key {walked!r} is a value, not a table")
-
-
-def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
-    """Raw recipe table with dotted ``key=value`` overrides written in (validated paths); a later
-    override of a key wins (code layers its lists so; a command line is checked by
-    ``loopformer.command_checks.check_unique``)."""
-    from loopformer.config_recipes import DELETE, delete_key, drop_foreign_model_keys
-
-    data = json.loads(json.dumps(data, default=list))  # deep copy of plain data
-    for text in overrides:
-        if text.startswith(DELETE):  # ~model.conv: the key goes, its default applies
-            if "=" in text:
-                raise ConfigError(f"override {text!r}: {DELETE}key deletes a key and takes no value")
-            _check_path(text[len(DELETE) :].split("."))
-            delete_key(data, text[len(DELETE) :], f"override {text!r}")
-            continue
-        parts, value = parse_override(text)
-        _check_path(parts)
-        if parts == ["model", "name"] and isinstance(data.get("model"), dict):
-            old = data["model"].get("name", ModelSpec.name)
-            data["model"] = drop_foreign_model_keys(data["model"], old, value, f"override {text!r}")
-        node = data
-        for part in parts[:-1]:
-            child = node.get(part)
-            if not isinstance(child, dict):
-                child = {}
-                node[part] = child
-            node = child
-        node[parts[-1]] = value
-    return data
-
-
-def build_config(data: Mapping[str, Any], overrides: Sequence[str] = (), check: bool = True) -> RunConfig:
-    """RunConfig from a raw table plus overrides; ``check`` also validates model / loop keys."""
-    cfg = from_dict(RunConfig, apply_overrides(dict(data), overrides))
-    return validate(cfg) if check else cfg
-
-
-def load_config(
-    recipe: str | Path | None = None, overrides: Sequence[str] = (), check: bool = True
-) -> RunConfig:
-    """The run configuration of ``recipe`` (a path or a name in recipes/; None = defaults)."""
-    data = read_recipe(recipe) if recipe is not None else {}
-    return build_config(data, overrides, check)
-
-
-def config_to_yaml(cfg: RunConfig) -> str:
-    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
-
-
-def config_to_json(cfg: RunConfig, **extra: Any) -> str:
-    return json.dumps({**to_dict(cfg), **extra}, indent=2)
-
-
-def save_config(cfg: RunConfig, folder: str | Path) -> None:
-    """Write ``config.yaml`` and ``config.json`` into ``folder`` (each atomically: ``loopformer.safe_io``)."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    from loopformer.safe_io import atomic_write_text
-
-    atomic_write_text(folder / "config.yaml", config_to_yaml(cfg), root=folder)
-    atomic_write_text(folder / "config.json", config_to_json(cfg), root=folder)
-
-
-def load_config_file(path: str | Path, check: bool = True) -> RunConfig:
-    """Load a dumped ``config.yaml`` / ``config.json`` (or a folder holding one)."""
-    path = Path(path)
-    if path.is_dir():
-        path = path / "config.json" if (path / "config.json").is_file() else path / "config.yaml"
-    if not path.is_file():
-        raise ConfigError(f"no config file at {path}")
-    text = read_text(path, "config file")
-    if path.suffix == ".json":
-        try:
-            data = json.loads(text)
-        except (json.JSONDecodeError, RecursionError) as err:
-            at = f" at line {err.lineno}, column {err.colno}" if isinstance(err, json.JSONDecodeError) else ""
-            raise ConfigError(f"{path} is not valid JSON{at}") from None
-    else:
-        data = _load_yaml(text, str(path))
-    if not isinstance(data, Mapping):
-        raise ConfigError(f"{path} does not hold a config table")
-    data = {k: v for k, v in data.items() if k not in CHECKPOINT_META_KEYS}
-    return build_config(data, (), check)

@@ -14,7 +14,7 @@ import json
 import os
 from pathlib import Path
 
-from loopformer.safe_io import atomic_write_json
+from loopformer.files import atomic_write_json
 
 MANIFEST = "manifest.json"
 REQUIRED = ("model.safetensors", "config.json")
@@ -54,7 +54,7 @@ def verify_checkpoint(folder: Path, hashes: bool = True) -> str | None:
         return "not a folder"
     for name in REQUIRED:
         if name == "model.safetensors" and any(folder.glob("shard-*.safetensors")):
-            continue  # a sharded checkpoint (loopformer.train.sharded): its weights are in the shards
+            continue  # a sharded checkpoint (loopformer.runs.sharded): its weights are in the shards
         if not (folder / name).is_file():
             return f"{name} is missing"
     manifest = folder / MANIFEST

@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from loopformer.safe_io import atomic_copy, atomic_write_text
+from loopformer.files import atomic_copy, atomic_write_text
 
 HUB_ID = re.compile(r"^(?:hf://)?(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:@(?P<rev>[\w./-]+))?$")
 PUSHED_FILES = ("model.safetensors", "ema.safetensors", "config.json")
@@ -149,11 +149,11 @@ def model_card(config: dict[str, Any], summary: dict[str, Any] | None, family: s
 def check_push(run: str | Path, repo_id: str) -> Path:
     """The checkpoint folder ``push`` would share, after the checks every command makes before any work:
     ``repo_id`` reads as owner/name, and the checkpoint's config parses and validates as ``train``
-    validates it (``loopformer.command_checks.run_config_for``), then its weights load into the model as
+    validates it (``loopformer.config.checks.run_config_for``), then its weights load into the model as
     ``eval`` loads them (``load_checkpoint``: names, shapes, dtypes, finite values, EMA included), so a
     checkpoint ``eval`` would refuse is never shared."""
-    from loopformer.command_checks import run_config_for
-    from loopformer.train.checkpoint import load_checkpoint, read_checkpoint_config, resolve_checkpoint
+    from loopformer.config.checks import run_config_for
+    from loopformer.runs.checkpoint import load_checkpoint, read_checkpoint_config, resolve_checkpoint
 
     if parse_hub_id(repo_id) is None:
         raise ValueError(f"repository id {repo_id!r}: expected owner/name")
@@ -166,7 +166,7 @@ def check_push(run: str | Path, repo_id: str) -> Path:
 
 def _read_summary(path: Path) -> dict[str, Any]:
     """A run's ``summary.json`` as a table; ValueError naming the file (never quoting it) otherwise."""
-    from loopformer.json_files import read_json
+    from loopformer.files import read_json
 
     summary = read_json(path, ValueError)
     if not isinstance(summary, dict):
@@ -177,16 +177,16 @@ def _read_summary(path: Path) -> dict[str, Any]:
 def stage_run(run: str | Path, folder: Path, repo_id: str | None = None) -> dict[str, Any]:
     """Copy what a pushed model holds into ``folder`` (the model card names ``repo_id``); returns
     {"checkpoint", "step", "family", "files"}."""
-    from loopformer.train.checkpoint import read_checkpoint_config, resolve_checkpoint
+    from loopformer.runs.checkpoint import read_checkpoint_config, resolve_checkpoint
 
     ckpt = resolve_checkpoint(run)
     read_checkpoint_config(ckpt)  # config.json parses (CheckpointError naming it otherwise)
     raw = json.loads((ckpt / "config.json").read_text(encoding="utf-8"))
     files = []
-    from loopformer.train.sharded import is_sharded, stored_weights
+    from loopformer.runs.sharded import is_sharded, stored_weights
 
     if is_sharded(ckpt):  # every rank's shards, joined into the full weights files a download expects
-        from loopformer.train.checkpoint import save_weights
+        from loopformer.runs.layout import save_weights
 
         meta = {"family": str(raw.get("family", "")), "step": str(raw.get("step", 0))}
         for name, table in zip(("model.safetensors", "ema.safetensors"), stored_weights(ckpt), strict=True):
@@ -256,7 +256,7 @@ def _command() -> Any:
             raise click.BadParameter("an empty commit message; leave --message out for the default",
                                      param_hint="--message")  # fmt: skip
         if to_folder is not None:
-            from loopformer.output_folder import staged_output
+            from loopformer.runs.outputs import staged_output
 
             with staged_output(to_folder, "push", overwrite, "--to-folder") as tmp:  # swapped in whole
                 staged = stage_run(run, tmp, repo_id if parse_hub_id(repo_id) else None)

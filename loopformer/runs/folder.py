@@ -20,10 +20,10 @@
   (``train.overwrite=true``) the new run is built in a hidden folder beside it,
   ``.<name>.staging-train-overwrite`` (locked too); only after its first checkpoint is safely
   written does ``complete_overwrite`` swap the two folders in one ``renameat2(RENAME_EXCHANGE)``
-  (``loopformer.output_folder.swap_in``) and remove the old run. A kill at any instant leaves the
+  (``loopformer.runs.outputs.swap_in``) and remove the old run. A kill at any instant leaves the
   folder holding the old run or the new one, whole; the next command clears the leftovers. A folder whose
   run files (``checkpoints``, ``metrics.jsonl``, ``config.*``, ...) are symbolic links is refused
-  (``loopformer.safe_io.UnsafePathError`` naming the link): nothing is written through a link, and a
+  (``loopformer.files.UnsafePathError`` naming the link): nothing is written through a link, and a
   folder inside another run's folder (``inside_run``: its ``checkpoints/step_N``, say) is refused.
 
 ``fcntl.flock`` rather than the ``filelock`` package: it is the same system call, and not a new
@@ -43,7 +43,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from loopformer.safe_io import UnsafePathError
+from loopformer.files import UnsafePathError
 
 try:
     import fcntl
@@ -419,7 +419,7 @@ class RunFolder:
         """After the new run's first checkpoint: swap the new run in for the old one, whole.
 
         The new run was built in ``overwrite_staging(folder)``, beside the folder; one
-        ``renameat2(RENAME_EXCHANGE)`` swaps the two (``loopformer.output_folder.swap_in``), so the
+        ``renameat2(RENAME_EXCHANGE)`` swaps the two (``loopformer.runs.outputs.swap_in``), so the
         folder holds the old run or the new one at every instant, and only then is the old run,
         now in the staging folder's place, removed. Returns where the old run was (None when no
         overwrite was pending).
@@ -429,7 +429,7 @@ class RunFolder:
         staging, self.staging = self.staging, None
         if not self.is_main:
             return staging
-        from loopformer.output_folder import swap_in
+        from loopformer.runs.outputs import swap_in
 
         target = Path(os.path.realpath(self.folder))
         in_target = Path.cwd().resolve() == target
