@@ -12,19 +12,27 @@ defined outside the package, docs/extending.md) into a ``loopformer`` command:
   ``loop_*.solver`` / ``halting`` / ``grad``, ``train.mode``): the module is imported and the class
   used directly (``resolve_class``).
 
-A checkpoint records the modules that define its model, task and loop plug-ins when they are not
-loopformer's own (``plugin_modules``, the ``plugins`` entry of its ``config.json``), so ``eval``,
-``solve`` and ``loopformer.load`` import them again (``import_modules``) with a clear error when one
-cannot be imported. This module imports nothing heavy (no torch): the command line loads it first.
+Code runs only when the user asks. A checkpoint records the modules that define its model, task and loop
+plug-ins when they are not loopformer's own (the ``plugins`` entry of its ``config.json``), but a run folder,
+checkpoint or downloaded model is data: nothing it names is ever imported. While loopformer reads such a
+file (``reading_data``), a module it names must already be imported, by the user: ``--import``,
+``LOOPFORMER_IMPORT``, an installed ``loopformer.plugins`` entry point, or the user's own ``import`` before
+``loopformer.load``; otherwise ``PluginError`` names the module, the file and the option that allows it
+(``check_recorded``). No module of this package adds the current folder or a run folder to the import path.
+A plug-in that exits or raises any ``BaseException`` (but ``KeyboardInterrupt``) while importing is a
+``PluginError``, never a silent exit. This module imports nothing heavy (no torch): the command line loads it
+first.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import importlib
 import logging
 import os
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 log = logging.getLogger("loopformer.plugins")
@@ -33,6 +41,8 @@ ENTRY_POINT_GROUP = "loopformer.plugins"
 ENV_VAR = "LOOPFORMER_IMPORT"
 
 _entry_points_loaded = False
+# the data file being read (a checkpoint's config.json, a downloaded model): None while reading user input
+_reading: contextvars.ContextVar[str | None] = contextvars.ContextVar("loopformer_reading_data", default=None)
 
 
 class PluginError(ImportError):
@@ -47,14 +57,42 @@ def env_modules(value: str | None = None) -> list[str]:
 
 
 def import_modules(names: Iterable[str], needed_by: str) -> list[Any]:
-    """Import each module of ``names`` (in order); ``needed_by`` says who asked, for the error message.
+    """Import each module of ``names`` (in order) that the user asked for (``--import``, ``LOOPFORMER_IMPORT``,
+    a recipe's ``module:Class``); ``needed_by`` says who asked, for the error message. A module that cannot be
+    imported raises ``PluginError`` naming it and the cause."""
+    return [_import(name, needed_by) for name in names]
 
-    The current directory is searched after everything else (a plug-in next to the recipe works without
-    ``PYTHONPATH``). A module that cannot be imported raises ``PluginError`` naming it and the cause."""
-    modules = []
+
+@contextlib.contextmanager
+def reading_data(where: str) -> Iterator[None]:
+    """Within this block loopformer reads a file it did not get from the user (``where``: e.g. "checkpoint
+    runs/x/checkpoints/step_00000100/config.json"): a module it names is never imported (``_import`` refuses
+    one that is not imported yet)."""
+    token = _reading.set(where)
+    try:
+        yield
+    finally:
+        _reading.reset(token)
+
+
+def _refusal(name: str, where: str) -> PluginError:
+    return PluginError(
+        f"{where} names plug-in module {name!r}, which is not imported; loopformer never imports code that a "
+        f"run folder, checkpoint or downloaded model names. If you trust it, import it yourself: "
+        f"`loopformer --import {name} ...` (or {ENV_VAR}={name}, an installed {ENTRY_POINT_GROUP!r} entry point, "
+        f"or `import {name}` before loopformer.load), with its folder on PYTHONPATH"
+    )
+
+
+def check_recorded(names: Iterable[str], where: str) -> None:
+    """Every module of ``names`` (a checkpoint's recorded plug-ins) is already imported, by the user; the
+    installed entry points are loaded first. ``PluginError`` naming the first one that is not."""
+    load_entry_points()
     for name in names:
-        modules.append(_import(name, needed_by))
-    return modules
+        if not isinstance(name, str) or not name or not all(p.isidentifier() for p in name.split(".")):
+            raise PluginError(f"{where}: {name!r} is not a Python module name")
+        if name not in sys.modules:
+            raise _refusal(name, where)
 
 
 def _import(name: str, needed_by: str) -> Any:
@@ -62,21 +100,26 @@ def _import(name: str, needed_by: str) -> Any:
         raise PluginError(f"{needed_by}: {name!r} is not a Python module name (expected e.g. mypkg.plugins)")
     if name in sys.modules:
         return sys.modules[name]
-    if "" not in sys.path and os.getcwd() not in sys.path:
-        sys.path.append(os.getcwd())  # last: a file in the current folder never shadows an installed package
+    where = _reading.get()
+    if where is not None:  # a data file names it: never imported on its word
+        load_entry_points()
+        if name not in sys.modules:
+            raise _refusal(name, where)
+        return sys.modules[name]
     try:
         return importlib.import_module(name)
     except ModuleNotFoundError as err:
         missing = err.name or name
-        where = "" if missing == name else f" (it imports {missing!r}, which is not installed)"
+        where_ = "" if missing == name else f" (it imports {missing!r}, which is not installed)"
         raise PluginError(
-            f"{needed_by}: cannot import plug-in module {name!r}{where}; put the module on PYTHONPATH, "
-            "install it, or run from the folder that holds it"
+            f"{needed_by}: cannot import plug-in module {name!r}{where_}; put its folder on PYTHONPATH "
+            f"(e.g. PYTHONPATH=. for a module in the current folder) or install it"
         ) from err
-    except Exception as err:  # the user's module raised while importing: name it and the error
-        raise PluginError(
-            f"{needed_by}: importing plug-in module {name!r} failed: {type(err).__name__}: {err}"
-        ) from err
+    except KeyboardInterrupt:
+        raise
+    except BaseException as err:  # the user's module raised (or called sys.exit) while importing
+        what = f"exited (SystemExit {err.code!r})" if isinstance(err, SystemExit) else f"failed: {type(err).__name__}: {err}"
+        raise PluginError(f"{needed_by}: importing plug-in module {name!r} {what}") from err
 
 
 def load_entry_points() -> list[str]:
@@ -94,7 +137,9 @@ def load_entry_points() -> list[str]:
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         try:
             ep.load()
-        except Exception as err:  # a plug-in's own import error: warn, name it, go on
+        except KeyboardInterrupt:
+            raise
+        except BaseException as err:  # a plug-in's own import error (or exit): warn, name it, go on
             dist = getattr(getattr(ep, "dist", None), "name", "?")
             log.warning(
                 "plug-in entry point %r (%s, from %s) could not be loaded: %s: %s",
@@ -113,6 +158,8 @@ def reset_entry_points() -> None:
     """Forget that the entry points were loaded (tests)."""
     global _entry_points_loaded
     _entry_points_loaded = False
+# the data file being read (a checkpoint's config.json, a downloaded model): None while reading user input
+_reading: contextvars.ContextVar[str | None] = contextvars.ContextVar("loopformer_reading_data", default=None)
 
 
 def is_class_path(name: object) -> bool:
@@ -159,11 +206,13 @@ __all__ = [
     "ENTRY_POINT_GROUP",
     "ENV_VAR",
     "PluginError",
+    "check_recorded",
     "env_modules",
     "external_modules",
     "import_modules",
     "is_class_path",
     "load_entry_points",
     "own_module",
+    "reading_data",
     "resolve_class",
 ]

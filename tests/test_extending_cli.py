@@ -86,23 +86,36 @@ def test_import_option_trains_and_the_checkpoint_records_the_module(trained: Pat
     assert summary["eval"]["valid_acc"] > 0.9  # chance for a whole row is 6^-8
 
 
-def test_eval_and_solve_import_the_recorded_module(trained: Path, plugin_dir: Path, tmp_path: Path) -> None:
-    ok(loopformer(["eval", str(trained), "--no-analyses", "-o", "report"], tmp_path, [plugin_dir]))
+def test_eval_and_solve_run_the_recorded_module_only_when_imported(
+    trained: Path, plugin_dir: Path, tmp_path: Path
+) -> None:
+    # on PYTHONPATH but not imported: the checkpoint's word is not enough (docs/extending.md)
+    for args in (
+        ["eval", str(trained), "--no-analyses", "-o", "report"],
+        ["solve", "successor", "01234501", "-c", str(trained), "--json"],
+    ):
+        proc = loopformer(args, tmp_path, [plugin_dir])
+        message = " ".join(proc.stderr.split())
+        assert proc.returncode == 1 and "names plug-in module 'my_plugins', which is not imported" in message
+        assert "--import my_plugins" in message and str(trained) in message and "Traceback" not in proc.stderr
+    ok(loopformer(["--import", "my_plugins", "eval", str(trained), "--no-analyses", "-o", "report"], tmp_path,
+                  [plugin_dir]))  # fmt: skip
     metrics = json.loads((tmp_path / "report" / "metrics.json").read_text())
     assert "gated_cell" in json.dumps(metrics)
     out = ok(
-        loopformer(["solve", "successor", "01234501", "-c", str(trained), "--json"], tmp_path, [plugin_dir])
+        loopformer(["solve", "successor", "01234501", "-c", str(trained), "--json"], tmp_path, [plugin_dir],
+                   LOOPFORMER_IMPORT="my_plugins")  # fmt: skip
     )
     answer = json.loads(out)
     assert answer["solution"] == "12345012" and answer["valid"] is True
 
 
-def test_a_recorded_module_that_cannot_be_imported_is_a_clear_error(trained: Path, tmp_path: Path) -> None:
-    proc = loopformer(["eval", str(trained), "--no-analyses", "-o", "report"], tmp_path, [])
+def test_an_import_that_cannot_be_found_is_a_clear_error(trained: Path, tmp_path: Path) -> None:
+    proc = loopformer(["--import", "my_plugins", "eval", str(trained), "--no-analyses", "-o", "report"], tmp_path, [])
     assert proc.returncode == 1
     message = " ".join(proc.stderr.split())
     assert "cannot import plug-in module 'my_plugins'" in message and "PYTHONPATH" in message
-    assert str(trained) in message and "Traceback" not in proc.stderr
+    assert "Traceback" not in proc.stderr
 
 
 def test_environment_variable_and_module_class_names(plugin_dir: Path, tmp_path: Path) -> None:

@@ -40,7 +40,7 @@ def no_weights_read(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("weights were read before the overrides were checked")
 
-    monkeypatch.setattr(loopformer.runs.load, "load_checkpoint", refuse)
+    monkeypatch.setattr(loopformer.runs.load, "load_stored_weights", refuse)
 
 
 # (command arguments after the run / recipe, what the one-line message must name)

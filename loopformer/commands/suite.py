@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from loopformer.eval import plots
@@ -185,7 +184,3 @@ def accuracy_table(results: Mapping[str, EvalResult]) -> Any:
         table.add_row(label, str(r.n), f"{100 * r.valid_accuracy:.1f}%", f"{100 * r.exact_accuracy:.1f}%",
                       f"{100 * r.token_accuracy:.1f}%", f"{r.mean_steps:.2f}", f"{100 * r.converged_fraction:.0f}%")
     return table
-
-
-def mean_or_nan(x: Sequence[float]) -> float:
-    return float(np.mean(x)) if len(x) else float("nan")

@@ -83,9 +83,6 @@ class KeyMap:
         self.used.add(key)
         return self.state[key]
 
-    def take_optional(self, key: str) -> Tensor | None:
-        return self.take(key) if key in self.state else None
-
     def keys_with(self, prefix: str) -> list[str]:
         return sorted(k for k in self.state if k.startswith(prefix))
 

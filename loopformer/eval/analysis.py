@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -130,11 +129,6 @@ class LoopCurve:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
-
-    @property
-    def best_loop(self) -> int:
-        return self.loops[int(np.argmax(self.valid_accuracy))]
-
 
 def logit_margin(logits: Tensor, labels: Tensor) -> Tensor:
     """Correct logit minus the best other logit at every labelled position; [B, T], nan elsewhere."""
@@ -420,10 +414,6 @@ def signal_propagation(
         relative_update=[float(x / n_total) for x in sums["rel"]],
         state_rms0=rms0 / n_total,
     )
-
-
-def finite_or_none(x: float) -> float | None:
-    return None if x is None or not math.isfinite(x) else float(x)
 
 
 __all__: Sequence[str] = (

@@ -438,34 +438,3 @@ def _result(
         loop=loop,
         records=records,
     )
-
-
-_MOVED = {
-    "load_run": "loopformer.runs.load_run",
-    "LoadedRun": "loopformer.runs.LoadedRun",
-    "eval_dataset": "loopformer.runs.eval_dataset",
-    "training_depth": "loopformer.runs.training_depth",
-}
-_ELSEWHERE = {"LMEvalResult": "lm", "evaluate_lm": "lm", "predict": "predict", "arc_pass_at_k": "predict"}
-_BUDGET = (
-    "BUDGET_MODES",
-    "BudgetCurve",
-    "BudgetPoint",
-    "DifficultyBucket",
-    "DifficultyStats",
-    "accuracy_vs_budget",
-    "easy_hard_steps",
-    "steps_vs_difficulty",
-    "with_budget",
-)
-
-
-def __getattr__(name: str) -> Any:
-    """Names that moved to sibling modules (same package: no import cycle) still resolve here."""
-    import importlib
-
-    if name in _BUDGET or name in _ELSEWHERE:
-        return getattr(importlib.import_module(f"loopformer.eval.{_ELSEWHERE.get(name, 'budget')}"), name)
-    if name in _MOVED:
-        raise ImportError(f"loopformer.eval.evaluate.{name} moved: use {_MOVED[name]}")
-    raise AttributeError(f"module 'loopformer.eval.evaluate' has no attribute {name!r}")

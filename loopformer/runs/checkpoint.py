@@ -22,7 +22,6 @@ removes it. Nothing is ever unpickled: safetensors and JSON only.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -40,9 +39,10 @@ from loopformer.files import (
     atomic_write_text,
     check_inside,
     fsync_dir,
+    read_json,
 )
 from loopformer.numerics import check_weights_finite, nonfinite_names
-from loopformer.plugins import import_modules
+from loopformer.plugins import check_recorded, reading_data
 from loopformer.runs.best import best_checkpoint, find_best
 from loopformer.runs.layout import (
     _STEP_DIR,
@@ -271,12 +271,14 @@ class Checkpoint:
 
 
 def read_checkpoint_config(path: str | Path, check: bool = False) -> tuple[RunConfig, str, int]:
-    """(RunConfig, family, step) from a checkpoint's ``config.json``."""
+    """(RunConfig, family, step) from a checkpoint's ``config.json``. The plug-in modules it records must
+    already be imported by the user (``loopformer.plugins.check_recorded``): nothing a checkpoint names is
+    imported, and a ``module:Class`` name in it resolves only against imported modules."""
     folder = resolve_checkpoint(path)
     cfg_path = folder / "config.json"
     if not cfg_path.is_file():
         raise CheckpointError(f"checkpoint {folder} has no config.json")
-    raw = _read_json(cfg_path)
+    raw = read_json(cfg_path, CheckpointError)
     if not isinstance(raw, dict):
         raise CheckpointError(f"{cfg_path} does not hold a config object")
     step = raw.get("step", 0)
@@ -285,26 +287,14 @@ def read_checkpoint_config(path: str | Path, check: bool = False) -> tuple[RunCo
     plugins = raw.get("plugins", [])
     if not isinstance(plugins, list) or not all(isinstance(m, str) for m in plugins):
         raise CheckpointError(f"{cfg_path}: 'plugins' must be a list of module names")
-    import_modules(plugins, f"checkpoint {folder} (its config.json lists plug-in modules {plugins})")
-    try:
-        config = load_config_file(cfg_path, check=check)
-    except ConfigError as err:
-        raise CheckpointError(f"{cfg_path}: {err}") from None
+    where = f"checkpoint {cfg_path}"
+    with reading_data(where):
+        check_recorded(plugins, where)
+        try:
+            config = load_config_file(cfg_path, check=check)
+        except ConfigError as err:
+            raise CheckpointError(f"{cfg_path}: {err}") from None
     return config, str(raw.get("family", "")), step
-
-
-def _read_json(path: Path) -> Any:
-    """Parsed JSON; CheckpointError naming the file and position (never its contents)."""
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except UnicodeDecodeError as err:
-        raise CheckpointError(f"{path} is corrupt: not UTF-8 (byte {err.start})") from None
-    except json.JSONDecodeError as err:
-        raise CheckpointError(
-            f"{path} is corrupt: invalid JSON at line {err.lineno}, column {err.colno}"
-        ) from None
-    except (OSError, ValueError, RecursionError) as err:
-        raise CheckpointError(f"{path} is unreadable ({type(err).__name__})") from None
 
 
 def verified(folder: Path) -> Path:
@@ -332,24 +322,39 @@ def load_checkpoint(
     folder = verified(resolve_checkpoint(path))
     config, family, step = read_checkpoint_config(folder)
     if model is None:
-        from loopformer.models.registry import build_model, known_model
-
-        if not known_model(family):
-            raise CheckpointError(
-                f"checkpoint {folder} holds a {family!r} model, which is not in the model registry; "
-                "pass the model to load into"
-            )
-        model = build_model(config.model.name, config=config.model_config())
+        model = build_stored_model(folder, family, config)
     else:
         given = model_family(model)
         if family and given != family:
             raise CheckpointError(
                 f"checkpoint {folder} holds a {family!r} model, but the given model is {given!r}"
             )
+    ema_state, weights = load_stored_weights(folder, model, use_ema, device)
+    return Checkpoint(folder, step, family, config, model, ema_state, weights)
+
+
+def build_stored_model(folder: Path, family: str, config: RunConfig) -> nn.Module:
+    """The model a checkpoint's config describes, untrained (its family must be registered)."""
+    from loopformer.models.registry import build_model, known_model
+
+    if not known_model(family):
+        raise CheckpointError(
+            f"checkpoint {folder} holds a {family!r} model, which is not in the model registry; "
+            "pass the model to load into"
+        )
+    return build_model(config.model.name, config=config.model_config())
+
+
+def load_stored_weights(
+    folder: Path, model: nn.Module, use_ema: bool, device: torch.device | str
+) -> tuple[dict[str, Tensor] | None, str]:
+    """Load a verified checkpoint folder's weights into ``model`` (moved to ``device``; float64 kept for a
+    float64 checkpoint), the EMA weights when ``use_ema`` and the checkpoint keeps them; returns (the EMA
+    table or None, which weights the model holds: "model" | "ema")."""
     weights_file, ema_state = stored_weights(folder)  # a full or a sharded checkpoint
     floats = [t.dtype for t in weights_file.values() if t.is_floating_point()]
     if floats and all(d == torch.float64 for d in floats):
-        model = model.to(torch.float64)  # a float64 checkpoint (a converted one) is not rounded on load
+        model.to(torch.float64)  # a float64 checkpoint (a converted one) is not rounded on load
     model.to(device)
     check_weights(weights_file, model, str(folder))
     model.load_state_dict(weights_file, strict=True)
@@ -363,7 +368,7 @@ def load_checkpoint(
                     p.copy_(ema_state[name].to(p.device))
         weights = "ema"
     check_weights_finite(model.state_dict(), f"checkpoint {folder} ({weights} weights)")
-    return Checkpoint(folder, step, family, config, model, ema_state, weights)
+    return ema_state, weights
 
 
 def load_training_state(path: str | Path) -> dict[str, Any]:
@@ -372,7 +377,7 @@ def load_training_state(path: str | Path) -> dict[str, Any]:
     json_path, tensor_path = folder / "state.json", folder / "state.safetensors"
     if not json_path.is_file():
         raise CheckpointError(f"checkpoint {folder} has no state.json (not a training checkpoint?)")
-    skeleton = _read_json(json_path)
+    skeleton = read_json(json_path, CheckpointError)
     tensors = load_weights(tensor_path) if tensor_path.is_file() else {}
     try:
         return unflatten_state(skeleton, tensors)

@@ -1,18 +1,15 @@
 """Run loading: a run's data splits, and a trained run ready to evaluate.
 
-Both sides use this module: the trainer builds its train / eval sets with ``task_dataset``, and
-``loopformer eval`` / ``loopformer run`` / ``solve`` / the experiments load a trained model with
-``load_run`` and its held-out set with ``eval_dataset``. Layering: this module imports the task
-registry and the checkpoint reader (``loopformer.runs.checkpoint``, which imports nothing else of
-the trainer) and never ``loopformer.eval``; ``loopformer.eval`` imports neither, so there is no
-import cycle between training and evaluation (``tests/test_layering.py``).
+The trainer builds its train / eval sets with ``task_dataset``; ``loopformer eval`` / ``run`` / ``solve``,
+``loopformer.load`` and the experiments load a trained model with ``load_run`` and its held-out set with
+``eval_dataset``.
 
 - ``load_split``: a run's train / eval set from ``DataConfig``: a file (``task.load``), an HRM / TRM
   folder (``loopformer.tasks.formats.load_hrm_folder``) or ``task.generate``.
 - ``task_dataset``: ``load_split`` with the errors a training run needs (an empty training set).
 - ``eval_dataset``: the held-out set of a run (``eval.max_examples`` applied).
-- ``load_run`` (also ``load_run``): a checkpoint's model (EMA weights when asked and present),
-  its task, run configuration and train / eval loops as a ``LoadedRun``.
+- ``load_run``: a checkpoint's model (EMA weights when asked and present), its task, run configuration and
+  train / eval loops as a ``LoadedRun``.
 - ``training_depth``: loops per forward call in training (the depth an overthinking plot marks).
 """
 
@@ -23,14 +20,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from loopformer.config import ConfigError, DataConfig, RunConfig
+from loopformer.config import DataConfig, RunConfig
+from loopformer.config.checks import check_task_fits_model, run_config_for
 from loopformer.loop import LoopConfig
 from loopformer.loop.samplers import training_sampler
 from loopformer.models.base import LoopedModel
 from loopformer.runs.best import best_label, best_record_for, find_best
 from loopformer.runs.checkpoint import (
+    build_stored_model,
     latest_checkpoint,
-    load_checkpoint,
+    load_stored_weights,
     read_checkpoint_config,
     resolve_checkpoint,
     verified,
@@ -150,55 +149,40 @@ def load_run(
     with the EMA weights when ``use_ema`` and the checkpoint keeps an EMA. ``best``: the run's best
     checkpoint (``checkpoints/best``, ``train.keep_best``) instead of its latest.
 
-    ``config_overrides`` (``data.*``, ``eval.*``, ``loop_eval.*`` keys only) change how the run is
-    evaluated, never the model. The run's config with them is validated as ``train`` validates
-    (``loopformer.config.checks.run_config_for``; ``task``: the task the caller expects) before the
-    weights are read or the task built. ``check``: the caller's own checks of that config (a command's
-    options, ``loopformer.config.checks``), run then too.
+    One straight path: read the folder (resolve it, verify its manifest before anything in it is used, read
+    ``config.json``: the plug-in modules it names must already be imported by the user) -> read and validate
+    its config with ``config_overrides`` (``data.*``, ``eval.*``, ``loop_eval.*`` keys only: they change how
+    the run is evaluated, never the model) as ``train`` validates it (``loopformer.config.checks.run_config_for``;
+    ``task``: the task the caller expects; ``check``: the caller's own checks of that config) -> build the
+    model -> load the weights.
     """
-    from loopformer.config.checks import check_task_fits_model, run_config_for
-
-    path = resolve_source(path)  # a hub id (owner/name) is downloaded, a local path kept
-    if best:
-        path = find_best(path)[0]
-    try:
-        stored, _, _ = read_checkpoint_config(path)
-    except CheckpointError:  # a damaged config.json: the manifest's check says best what is wrong
-        verified(resolve_checkpoint(path))
-        raise
-    try:
-        config = run_config_for(stored, config_overrides, device=device, task=task)
-    except ConfigError:
-        if not config_overrides and task in (None, stored.data.task):  # the stored config itself: damaged?
-            verified(resolve_checkpoint(path))
-        raise
+    folder = resolve_source(path)  # a hub id (owner/name) is downloaded, a local path kept
+    folder = verified(find_best(folder)[0] if best else resolve_checkpoint(folder))
+    stored, family, step = read_checkpoint_config(folder)
+    config = run_config_for(stored, config_overrides, device=device, task=task)
     if check is not None:
         check(config)
     built_task = run_task(config.data)
     check_task_fits_model(built_task, config)
-    ckpt = load_checkpoint(path, use_ema=use_ema, device=device)
-    model = ckpt.model
+    model = build_stored_model(folder, family, config)
     if not isinstance(model, LoopedModel):
-        raise CheckpointError(
-            f"checkpoint {ckpt.path} holds a {type(model).__name__}, not a loopformer model"
-        )
+        raise CheckpointError(f"checkpoint {folder} holds a {type(model).__name__}, not a loopformer model")
+    _, weights = load_stored_weights(folder, model, use_ema, device)
     model.eval()
-    label, record = checkpoint_label(ckpt.path, ckpt.step)
+    label, record = checkpoint_label(folder, step)
     return LoadedRun(
-        path=ckpt.path,
-        step=ckpt.step,
-        family=ckpt.family,
+        path=folder,
+        step=step,
+        family=family,
         model=model,
         task=built_task,
         config=config,
         loop_eval=config.loop_config(model.config.loop, "eval"),
         loop_train=config.loop_config(model.config.loop, "train"),
-        weights=ckpt.weights,
+        weights=weights,
         label=label,
         best=record,
     )
-
-
 
 
 def training_depth(run: LoadedRun) -> int:

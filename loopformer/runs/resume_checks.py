@@ -28,8 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from loopformer.config import RunConfig, config_to_json, to_dict
-from loopformer.files import append_line, atomic_write_json
-from loopformer.runs.checkpoint import _read_json
+from loopformer.files import append_line, atomic_write_json, read_json
 from loopformer.runs.folder import holds_run
 from loopformer.runs.layout import CheckpointError, step_dirs
 
@@ -116,7 +115,7 @@ def check_config(config: RunConfig, folder: Path, run_dir: Path) -> dict[str, di
     """The stream-changing differences between ``config`` and the checkpoint ``folder``'s; refused
     (CheckpointError listing them) unless ``train.allow_config_change`` (``record_changes`` then
     writes them once the checkpoint is loaded)."""
-    saved = _read_json(folder / "config.json")
+    saved = read_json(folder / "config.json", CheckpointError)
     if not isinstance(saved, dict):
         raise CheckpointError(f"{folder / 'config.json'} does not hold a config object")
     changes = config_changes(saved, config)
@@ -174,7 +173,7 @@ def _origin(run_dir: Path) -> str | None:
     if not path.is_file():
         return None
     try:
-        record = _read_json(path)
+        record = read_json(path, CheckpointError)
     except CheckpointError:
         return None
     return record.get("checkpoint") if isinstance(record, dict) else None

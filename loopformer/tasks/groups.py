@@ -198,12 +198,6 @@ class GroupTask(Task):
             },
         )
 
-    def _decode_word(self, tokens: np.ndarray) -> list[Perm]:
-        tokens = [int(t) for t in np.asarray(tokens).reshape(-1)]
-        if any(t < 0 or t > self.order for t in tokens):
-            raise TaskDataError(f"group {self.group}: input token outside 0..{self.order}")
-        return [self.elements[t - 1] for t in tokens if t != PAD]
-
     def prefix_correct(self, inputs: np.ndarray, prediction: np.ndarray) -> np.ndarray:
         """bool [T]: True at i when predictions 0..i are all the true running products.
 

@@ -355,11 +355,3 @@ class KGDepthTask(_KGQueryTask):
         order = rng.permutation(len(x))
         return TokenDataset(x[order], y[order], d[order], meta=self._meta(extra))
 
-
-def __getattr__(name: str) -> Any:
-    """``KGSystematicTask`` / ``SYSTEMATIC_SPLITS`` moved to ``loopformer.tasks.kg_systematic``."""
-    if name in ("KGSystematicTask", "SYSTEMATIC_SPLITS"):
-        from loopformer.tasks import kg_systematic
-
-        return getattr(kg_systematic, name)
-    raise AttributeError(f"module 'loopformer.tasks.kg' has no attribute {name!r}")

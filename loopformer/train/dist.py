@@ -8,7 +8,7 @@ gets ``DistEnv(rank=0, world_size=1)`` and every helper is then a no-op or the i
   ``MASTER_ADDR`` / ``MASTER_PORT``); backend ``nccl`` on CUDA (device ``cuda:LOCAL_RANK``),
   ``gloo`` on CPU; ``shutdown`` destroys the process group the trainer created.
 - ``all_reduce_mean`` (metrics), ``all_reduce_max``, ``all_gather_rows`` (the deep-supervision
-  carry, gathered to one global carry for the checkpoint), ``broadcast_object``, ``barrier``.
+  carry, gathered to one global carry for the checkpoint), ``barrier``.
 - ``shard``: rank ``r`` of ``w`` takes rows ``[r * B / w, (r + 1) * B / w)`` of each global
   batch of ``B`` rows. The index stream (``loopformer.train.data.IndexStream``) is global and
   identical on every rank (a pure function of seed, epoch and position), so the concatenation
@@ -230,15 +230,6 @@ def all_gather_rows(t: Tensor | None) -> Tensor | None:
     parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
     dist.all_gather(parts, x)
     return torch.cat(parts).to(device=t.device, dtype=dtype)
-
-
-def broadcast_object(obj: Any, src: int = 0) -> Any:
-    """``obj`` from rank ``src`` on every rank."""
-    if not is_distributed():
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=src)
-    return box[0]
 
 
 def shard(rows: np.ndarray | Tensor, rank_: int | None = None, world: int | None = None) -> Any:
