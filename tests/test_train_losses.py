@@ -54,7 +54,9 @@ def test_ce_matches_torch_cross_entropy() -> None:
     labels = torch.randint(0, 7, (3, 5), generator=g)
     labels[1, :2] = IGNORE_INDEX
     losses, mask = token_losses(logits, labels, "ce")
-    reference = F.cross_entropy(logits.reshape(-1, 7), labels.reshape(-1), reduction="none", ignore_index=IGNORE_INDEX)
+    reference = F.cross_entropy(
+        logits.reshape(-1, 7), labels.reshape(-1), reduction="none", ignore_index=IGNORE_INDEX
+    )
     assert torch.allclose(losses.reshape(-1), reference, atol=1e-6)
     per_sample = reference.reshape(3, 5).sum(1) / mask.sum(1)
     assert torch.allclose(sequence_loss(logits, labels), per_sample.mean(), atol=1e-6)
@@ -86,3 +88,26 @@ def test_hutchinson_jacobian_estimate_matches_the_frobenius_norm_of_a_linear_map
     assert abs(float(est.detach()) - exact) / exact < 0.05
     est.backward()  # differentiable in the step's parameters: d/dW ||W||_F^2 / 6 = 2 W / 6 on average
     assert torch.allclose(W.grad, 2 * W.detach() / 6, atol=0.1)
+
+
+def test_jacobian_penalty_of_an_attention_model_equals_the_explicit_jacobian_and_trains() -> None:
+    # FPRM with attention (scaled-dot-product attention has no double backward in its fused kernels): the
+    # penalty with a given probe v equals ||v^T J||^2 / (B dim) from the explicit float64 Jacobian, and its
+    # gradient reaches the attention weights (double backward through the math kernel)
+    from loopformer.models import build_model
+
+    torch.manual_seed(0)
+    model = build_model("fprm", vocab_size=5, seq_len=4, d_model=8, n_heads=2, n_layers=1).double()
+    inputs = torch.randint(0, 5, (2, 4))
+    ctx = model.embed(inputs)
+    z = torch.randn(2, 4, 8, dtype=torch.float64)
+    v = torch.randn(2, 4, 8, dtype=torch.float64)
+    est = jacobian_frobenius(model.step, z, ctx, probes=[v])
+    J = torch.autograd.functional.jacobian(
+        lambda t: model.step(t, *[c.detach() for c in ctx]), z
+    )  # [B,T,d,B,T,d]
+    vJ = torch.einsum("btd,btdcse->cse", v, J)
+    assert torch.allclose(est, vJ.pow(2).sum() / (2 * 4 * 8), rtol=1e-10, atol=0)
+    est.backward()
+    attention = [p for n, p in model.named_parameters() if ".mix." in n]  # qkv and output projections
+    assert attention and all(p.grad is not None and p.grad.abs().sum() > 0 for p in attention)

@@ -15,7 +15,9 @@
   otherwise, where ' marks the Q values after one more (no-grad) segment; batch means.
 - ``jacobian_frobenius``: Hutchinson estimate of ``||J||_F^2`` at the final state,
   ``E_v ||v^T J||^2`` with ``v ~ N(0, I)``, per sample and divided by the state size (the DEQ
-  Jacobian regulariser; FPRM ships it off by default).
+  Jacobian regulariser, Bai et al. arXiv 2106.14342; FPRM ships it off by default). Its extra step runs
+  scaled-dot-product attention on PyTorch's math kernel: the fused CPU / CUDA kernels have no double
+  backward, the math kernel's ops do, so the penalty trains attention models too.
 The ACT ponder cost is the model's own ``ModelOutput.aux_loss``; the trainer weighs it.
 """
 
@@ -27,6 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from loopformer.tasks.base import IGNORE_INDEX
 
@@ -103,7 +106,9 @@ def accuracy(logits: Tensor, labels: Tensor) -> Accuracy:
 
 def q_halt_loss(q_logits: Tensor, exact: Tensor) -> Tensor:
     """BCE-with-logits of the Q / halting head against ``exact`` (answer fully right), batch mean."""
-    return F.binary_cross_entropy_with_logits(wide(q_logits).reshape(-1), exact.to(wide(q_logits).dtype).reshape(-1))
+    return F.binary_cross_entropy_with_logits(
+        wide(q_logits).reshape(-1), exact.to(wide(q_logits).dtype).reshape(-1)
+    )
 
 
 def q_learning_losses(q: Tensor, q_next: Tensor, exact: Tensor, is_last: Tensor) -> tuple[Tensor, Tensor]:
@@ -130,7 +135,8 @@ def jacobian_frobenius(
     once for the whole batch and hands each micro-batch its rows, ``loopformer.train.accumulate``).
     """
     z = z.detach().requires_grad_(True)
-    fz = step(z, *ctx)
+    with sdpa_kernel([SDPBackend.MATH]):  # double backward: the math kernel's ops have it, the fused ones not
+        fz = step(z, *ctx)
     per_sample_dim = z[0].numel() if z.dim() > 1 else 1
     total = z.new_zeros(())
     for i in range(n_samples):
