@@ -64,6 +64,11 @@ class LoopConfig:
     # size / best residual are computed in bf16 (its decay factor rounded to bf16: 0.996 and 0.997 both
     # become 0.99609375); needs bf16 autocast (bf16: true) for the body's matmuls
     state_dtype: str = "auto"
+    # rows per group of a batch-wide halting rule (batch_residual): the rule decides per group of this many
+    # consecutive rows of the batch (0: the whole batch). The Attractor LM's solver stops on its 32-sequence
+    # micro-batch (github jacobfa/Attractor launch_configs/attractor-small-140m.yaml micro_batch_size 32);
+    # groups that do not straddle micro-batches let gradient accumulation equal the full batch
+    halt_group: int = 0
     # options, grouped by the plug-in they belong to
     damped: DampedOptions = field(default_factory=DampedOptions)
     anderson: AndersonOptions = field(default_factory=AndersonOptions)
@@ -131,6 +136,7 @@ class LoopConfig:
         _integer("max_steps", self.max_steps, 1)
         _integer("min_steps", self.min_steps, 0)
         _integer("grad_steps", self.grad_steps, 0)
+        _integer("halt_group", self.halt_group, 0)
         if self.min_steps > self.max_steps:
             raise ValueError(f"LoopConfig.min_steps={self.min_steps} exceeds max_steps={self.max_steps}")
         for name in ("tol", "diverge_threshold"):

@@ -145,10 +145,10 @@ def _stop_masks(lp: LoopState, t: int, it: _Iteration, last: bool) -> tuple[Tens
 
 def _stalled(lp: LoopState, it: _Iteration) -> Tensor:
     """The active samples a solver stall stops: the stalled ones, or with ``batch_stalls`` all of
-    them once every one has stalled (and none before)."""
+    them once every one (of their halting group) has stalled, and none before."""
     stalled = it.info["stalled"]
     if lp.batch_stalls:
-        return stalled.all().expand_as(stalled)
+        return lp.halting.batch_all(stalled, lp.hstate)
     return stalled
 
 

@@ -121,7 +121,8 @@ class Trainer(TrainerEvaluation):
         self.step = 0
         self.mode: TrainingMode = make_training_mode(tc.mode, self)
         self.accum_steps = accumulate.micro_steps(tc, self.strategy.env.world_size)  # micro-batches per step
-        accumulate.check_loop(self.mode.first_loop().halting, self.accum_steps)  # refused before any write
+        micro_rows = tc.batch_size // self.strategy.env.world_size // self.accum_steps
+        accumulate.check_loop(self.mode.first_loop(), self.accum_steps, micro_rows)  # refused before any write
         self.strategy.validate(tc)
         self.forward_model: torch.nn.Module = self.strategy.wrap(self.model, tc, self.probe_unused_parameters)
         # built after wrapping: FSDP2 turns the parameters into shards
