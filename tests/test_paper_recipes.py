@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from loopformer.config import ConfigError, RunConfig, load_config, read_recipe
+from loopformer.tasks.token_file import prepare_text
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
@@ -357,16 +358,20 @@ def test_paper_lm_dry_run(model: str, tmp_path: Path) -> None:
     words = ["loop", "fixed", "point", "attractor", "the", "model", "solves", "a", "puzzle", "with", "depth"]
     (corpus / "a.txt").write_text(" ".join(rng.choice(words, size=1500)))
     (corpus / "b.md").write_text(" ".join(rng.choice(words, size=1500)))
+    tokens = tmp_path / "tokens"  # as the recipes' headers say: a token file, streamed
+    tokens.mkdir()
+    prepare_text(tokens, corpus, shuffle=True)
     _dry_run(
         ROOT / "recipes" / f"paper_lm_{model}_140m.yaml",
         [
-            f"data.options.path={corpus}",
+            f"data.options.path={tokens}",
             "data.options.seq_len=32",
             "data.options.val_fraction=0.25",
-            "data.train_size=32",
             "data.eval_size=8",
             "model.n_layers=2",
             "bf16=false",
+            "train.micro_batch_size=2",  # the recipes' 32 at batch 4: micro-batches of 2 ...
+            "loop_train.halt_group=2",  # ... and the Attractor's halting groups inside them
         ],
         tmp_path,
     )
