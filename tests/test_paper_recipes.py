@@ -94,7 +94,7 @@ def test_fprm_paper_recipes_evaluate_under_the_published_protocol(task: str, gam
     assert shown.exit_code == 0, shown.output
     printed = yaml.safe_load(shown.output)
     assert printed["loop_eval"]["max_steps"] == 35000
-    assert printed["loop_eval"]["damped"] == {"gamma": gamma, "patience": 10, "min_step": 1e-3}
+    assert printed["loop_eval"]["damped"] == {"gamma": gamma, "patience": 10, "min_step": 1e-3, "min_improvement": 0.0}
     assert printed["train"]["keep_best"] == "exact_acc"
 
 
