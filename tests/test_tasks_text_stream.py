@@ -168,7 +168,9 @@ def test_a_streamed_set_holds_no_rows_and_the_memory_check_counts_its_corpus(cor
     assert host[0][1].startswith("data.task=text's streamed") and host[0][0] < 1e6  # the built-in corpus
     cfg = load_config("lm_transformer", [*overrides, f"data.options.path={out}"], check=False)
     assert memory_terms(cfg)[1][0][0] == 0  # memory-mapped: nothing held
-    sudoku = build_config({"data": {"task": "sudoku", "train_size": 500_000_000}}, ["device=cpu"], check=False)
+    sudoku = build_config(
+        {"data": {"task": "sudoku", "train_size": 500_000_000}}, ["device=cpu"], check=False
+    )
     with pytest.raises(ConfigError, match="data.train_size=500000000 rows"):
         check_memory(sudoku)  # a set that is generated up front still counts its rows
 
@@ -226,3 +228,24 @@ def test_a_resumed_text_run_replays_the_uninterrupted_run_bit_exactly(corpus, tm
         for line in (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()
     ]
     assert losses == again and len([v for v in losses if v is not None]) == 6
+
+
+def test_prepare_text_errors_are_one_clear_line(tmp_path) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("pyarrow") is None:
+        (tmp_path / "t.parquet").write_bytes(b"PAR1")
+        with pytest.raises(TaskDataError, match="pyarrow"):
+            prepare_text(tmp_path, tmp_path / "t.parquet")
+    with pytest.raises(TaskDataError, match="no such file"):
+        prepare_text(tmp_path, tmp_path / "missing.txt")
+    (tmp_path / "a.txt").write_text("text")
+    with pytest.raises(TaskDataError, match="apply to a .npy"):
+        prepare_text(tmp_path, tmp_path / "a.txt", vocab_size=32768)
+    runner = CliRunner()
+    result = runner.invoke(cli, ["data", "prepare", "maze-hard", "--shuffle", "--out", str(tmp_path / "m")])
+    assert result.exit_code != 0 and "apply to text" in result.output
+    result = runner.invoke(
+        cli, ["data", "prepare", "maze-hard", "--from", str(tmp_path / "a.txt"), "--out", str(tmp_path / "m")]
+    )
+    assert result.exit_code != 0 and "must be a folder" in result.output
