@@ -325,11 +325,14 @@ def test_without_the_divergence_stop_every_sample_runs_its_steps(compaction):
     written = z0.clone()
     for _ in range(12):
         written = cubic(written, x, s)
-    cfg = LoopConfig(halting="fixed", max_steps=12, diverge_threshold=1.0, stop_diverged=False, compaction=compaction)
+    cfg = LoopConfig(
+        halting="fixed", max_steps=12, diverge_threshold=1.0, stop_diverged=False, compaction=compaction
+    )
     res = run_loop(cubic, z0, cfg, ctx=(x, s))
     assert res.steps.tolist() == [12, 12] and not torch.isfinite(res.state[1]).all()
     torch.testing.assert_close(res.state, written, rtol=0, atol=0, equal_nan=True)
-    stopped = run_loop(cubic, z0, LoopConfig(halting="fixed", max_steps=12, diverge_threshold=1.0), ctx=(x, s))
+    default = LoopConfig(halting="fixed", max_steps=12, diverge_threshold=1.0)
+    stopped = run_loop(cubic, z0, default, ctx=(x, s))
     assert int(stopped.steps[1]) < 12 and torch.isfinite(stopped.state).all()  # the default stops it
     with pytest.raises(ValueError, match="stop_diverged"):
         LoopConfig(stop_diverged="no")

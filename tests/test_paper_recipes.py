@@ -94,7 +94,8 @@ def test_fprm_paper_recipes_evaluate_under_the_published_protocol(task: str, gam
     assert shown.exit_code == 0, shown.output
     printed = yaml.safe_load(shown.output)
     assert printed["loop_eval"]["max_steps"] == 35000
-    assert printed["loop_eval"]["damped"] == {"gamma": gamma, "patience": 10, "min_step": 1e-3, "min_improvement": 0.0}
+    damped = {"gamma": gamma, "patience": 10, "min_step": 1e-3, "min_improvement": 0.0}
+    assert printed["loop_eval"]["damped"] == damped
     assert printed["train"]["keep_best"] == "exact_acc"
 
 
@@ -334,7 +335,7 @@ def test_paper_maze_hard_dry_run(model: str, tmp_path: Path) -> None:
 def test_paper_arc1_dry_run(model: str, tmp_path: Path) -> None:
     folder = _arc_folder(tmp_path)
     subsets = ["data.options.subsets=[evaluation]"]  # TRM / HRM protocol (all four recipes)
-    if model == "attractor":  # TRM-DEQ at 900 tokens: 8 layers x 8 solver evaluations x 3 cycles is minutes here
+    if model == "attractor":  # TRM-DEQ at 900 tokens: 8 layers x 8 evaluations x 3 cycles takes minutes
         subsets += ["model.n_layers=2", "model.deq_max_iter=3", "model.deq_min_iter=2"]
     _dry_run(
         ROOT / "recipes" / f"paper_arc1_{model}.yaml",

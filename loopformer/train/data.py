@@ -143,7 +143,9 @@ class WindowStream:
         self.drawn = int(state["epoch"]) * self.n + int(state["position"])
 
 
-def make_stream(dataset: TokenDataset, seed: int, curriculum: Curriculum | None) -> IndexStream | WindowStream:
+def make_stream(
+    dataset: TokenDataset, seed: int, curriculum: Curriculum | None
+) -> IndexStream | WindowStream:
     """The training stream of ``dataset``: in order for a streamed set, else seeded epochs over the rows the
     curriculum (if any) makes eligible."""
     if dataset.streamed:
