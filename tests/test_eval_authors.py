@@ -10,6 +10,7 @@ import torch
 from test_train_utils import TinyConfig, TinyLooped, tiny_config, tiny_dataset
 
 from loopformer.eval.authors import evaluate_authors_trm_deq
+from loopformer.eval.evaluate import EvalComm
 from loopformer.loop import LoopConfig
 from loopformer.tasks.base import IGNORE_INDEX
 from loopformer.train import Trainer
@@ -36,8 +37,8 @@ class FixedInit(TinyLooped):
 
 
 def _written_out(model, data, batch_size, max_batches, calls, exploration, seed):
-    """The reference's rule, one sample at a time where it can be: (evaluated, count, exact, steps, token sum)."""
-    g = torch.Generator().manual_seed(seed)
+    """The reference's rule, one sample at a time where it can be: (evaluated, count, exact, steps, token sum);
+    each block's exploration draws from a generator seeded by (seed, block)."""
     evaluated = count = exact = steps_total = 0
     tokens = 0.0
     n_batches = -(-len(data) // batch_size)
@@ -45,6 +46,7 @@ def _written_out(model, data, batch_size, max_batches, calls, exploration, seed)
         n_batches = min(n_batches, max_batches)
     for b in range(n_batches):
         rows = np.arange(b * batch_size, min(len(data), (b + 1) * batch_size))
+        g = torch.Generator().manual_seed(int(np.random.SeedSequence([seed, b]).generate_state(1)[0]))
         x = torch.as_tensor(data.inputs[rows])
         B = len(rows)
         with torch.no_grad():
@@ -98,6 +100,32 @@ def test_authors_protocol_matches_the_rule_written_out(exploration: float) -> No
     summary = got.summary()
     assert summary["n"] == count and summary["exact_acc"] == pytest.approx(exact / count)
     assert summary["segments"] == pytest.approx(steps / count)
+
+
+class _Rank(EvalComm):
+    """Process ``rank`` of ``world`` as a distributed strategy deals the authors' blocks (sums left local)."""
+
+    def __init__(self, rank: int, world: int) -> None:
+        self.rank, self.world = rank, world
+
+    def local_batches(self, n: int) -> np.ndarray:
+        return np.arange(self.rank, n, self.world)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_several_processes_evaluate_the_same_first_rows_as_one(world: int) -> None:
+    """The reference on W ranks evaluates the test set's first (cap x W) local batches (PuzzleDataset._iter_test
+    deals each global window's slices); here the blocks are dealt round-robin and the cap counts all of them, so
+    W processes give the one-process numbers exactly (the draws are per block, not per process)."""
+    model, data = FixedInit(), tiny_dataset(60, seed=2)
+    kw = dict(loop=LOOP, batch_size=8, max_batches=5, calls=5, exploration=0.5, seed=3)
+    one = evaluate_authors_trm_deq(model, None, data, **kw)
+    parts = [evaluate_authors_trm_deq(model, None, data, comm=_Rank(r, world), **kw) for r in range(world)]
+    fields = ("evaluated", "count", "exact", "steps_sum", "calls_sum", "batches")
+    assert [sum(getattr(p, f) for p in parts) for f in fields] == [getattr(one, f) for f in fields]
+    assert one.evaluated == 40 and one.batches == 5  # the first 5 blocks of 8 rows, whatever the world size
+    assert sum(p.token_fraction_sum for p in parts) == pytest.approx(one.token_fraction_sum)
+    assert [p.batches for p in parts] == [len(range(r, 5, world)) for r in range(world)]
 
 
 def test_all_halted_stops_the_batch_and_no_cap_evaluates_everything() -> None:

@@ -315,6 +315,29 @@ def test_diverge_threshold_stops_sample():
     assert not res.converged[1]
 
 
+@pytest.mark.parametrize("compaction", [True, False])
+def test_without_the_divergence_stop_every_sample_runs_its_steps(compaction):
+    """stop_diverged=False: the FPRM / TRM references' training segments, n steps with no divergence test; the
+    blowing-up sample iterates to the cap (its state non-finite, as the reference's), the others are as before."""
+    s = torch.tensor([0.0, 1.0], dtype=DT)
+    x = torch.ones(2, 1, dtype=DT)
+    z0 = torch.full((2, 1), 1.5, dtype=DT)
+    written = z0.clone()
+    for _ in range(12):
+        written = cubic(written, x, s)
+    cfg = LoopConfig(
+        halting="fixed", max_steps=12, diverge_threshold=1.0, stop_diverged=False, compaction=compaction
+    )
+    res = run_loop(cubic, z0, cfg, ctx=(x, s))
+    assert res.steps.tolist() == [12, 12] and not torch.isfinite(res.state[1]).all()
+    torch.testing.assert_close(res.state, written, rtol=0, atol=0, equal_nan=True)
+    default = LoopConfig(halting="fixed", max_steps=12, diverge_threshold=1.0)
+    stopped = run_loop(cubic, z0, default, ctx=(x, s))
+    assert int(stopped.steps[1]) < 12 and torch.isfinite(stopped.state).all()  # the default stops it
+    with pytest.raises(ValueError, match="stop_diverged"):
+        LoopConfig(stop_diverged="no")
+
+
 # ---- configuration errors ---------------------------------------------------------------------
 
 @pytest.mark.parametrize(

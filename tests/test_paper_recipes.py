@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from loopformer.config import ConfigError, RunConfig, load_config, read_recipe
+from loopformer.tasks.token_file import prepare_text
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
@@ -93,7 +94,8 @@ def test_fprm_paper_recipes_evaluate_under_the_published_protocol(task: str, gam
     assert shown.exit_code == 0, shown.output
     printed = yaml.safe_load(shown.output)
     assert printed["loop_eval"]["max_steps"] == 35000
-    assert printed["loop_eval"]["damped"] == {"gamma": gamma, "patience": 10, "min_step": 1e-3}
+    damped = {"gamma": gamma, "patience": 10, "min_step": 1e-3, "min_improvement": 0.0}
+    assert printed["loop_eval"]["damped"] == damped
     assert printed["train"]["keep_best"] == "exact_acc"
 
 
@@ -332,7 +334,9 @@ def test_paper_maze_hard_dry_run(model: str, tmp_path: Path) -> None:
 @pytest.mark.parametrize("model", PAPER_MODELS)
 def test_paper_arc1_dry_run(model: str, tmp_path: Path) -> None:
     folder = _arc_folder(tmp_path)
-    subsets = ["data.options.subsets=[evaluation]"] if model in ("trm", "hrm", "fprm") else []  # TRM / HRM protocol
+    subsets = ["data.options.subsets=[evaluation]"]  # TRM / HRM protocol (all four recipes)
+    if model == "attractor":  # TRM-DEQ at 900 tokens: 8 layers x 8 evaluations x 3 cycles takes minutes
+        subsets += ["model.n_layers=2", "model.deq_max_iter=3", "model.deq_min_iter=2"]
     _dry_run(
         ROOT / "recipes" / f"paper_arc1_{model}.yaml",
         [
@@ -357,16 +361,20 @@ def test_paper_lm_dry_run(model: str, tmp_path: Path) -> None:
     words = ["loop", "fixed", "point", "attractor", "the", "model", "solves", "a", "puzzle", "with", "depth"]
     (corpus / "a.txt").write_text(" ".join(rng.choice(words, size=1500)))
     (corpus / "b.md").write_text(" ".join(rng.choice(words, size=1500)))
+    tokens = tmp_path / "tokens"  # as the recipes' headers say: a token file, streamed
+    tokens.mkdir()
+    prepare_text(tokens, corpus, shuffle=True)
     _dry_run(
         ROOT / "recipes" / f"paper_lm_{model}_140m.yaml",
         [
-            f"data.options.path={corpus}",
+            f"data.options.path={tokens}",
             "data.options.seq_len=32",
             "data.options.val_fraction=0.25",
-            "data.train_size=32",
             "data.eval_size=8",
             "model.n_layers=2",
             "bf16=false",
+            "train.micro_batch_size=2",  # the recipes' 32 at batch 4: micro-batches of 2 ...
+            "loop_train.halt_group=2",  # ... and the Attractor's halting groups inside them
         ],
         tmp_path,
     )

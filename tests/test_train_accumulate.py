@@ -31,6 +31,10 @@ SMALL = ("model.d_model=16", "model.n_heads=2", "model.n_layers=1", "model.vocab
 DAMPED = ("loop_train={solver: damped, halting: fixed, max_steps: 3, tol: 1.0e-9, damp_patience: 1, "
           "damp_gamma: 0.5, residual_norm: rel_sup, grad: truncated, grad_steps: 3}")  # fmt: skip
 DEEP = ("train.mode=deep_supervision", "train.max_segments=2")
+GROUPED = ("loop_train={solver: anderson, halting: batch_residual, halt_group: 2, tol: 0.3, max_steps: 8, "
+           "grad: truncated, grad_steps: 2}")  # fmt: skip
+ATTRACTOR_GROUPED = ("loop_train={solver: anderson_attractor, halting: batch_residual, halt_group: 2, tol: 1.0e-3, "
+                     "min_steps: 2, max_steps: 8, grad: neumann, grad_steps: 1}")  # fmt: skip
 
 # (model: "tiny" = TinyLooped, else a family name; overrides)
 MODES: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -48,6 +52,10 @@ MODES: dict[str, tuple[str, tuple[str, ...]]] = {
     "simple_act": ("ut_act", ("loop_train.max_steps=4",)),
     # the Attractor's own training loop (its solver and gradient mode)
     "simple_attractor": ("attractor", ("train.loop_sampler=none", "loop_train.max_steps=5")),
+    # batch-wide halting per group of rows (loop_train.halt_group = the micro-batch: the Attractor LM's
+    # solver stops on its 32-sequence micro-batch): the engine's Anderson, and the Attractor LM's own loop
+    "simple_batch_halting_groups": ("tiny", ("train.loop_sampler=none", GROUPED)),
+    "simple_attractor_halting_groups": ("attractor", ("train.loop_sampler=none", ATTRACTOR_GROUPED)),
     # deep supervision: TRM's Q halting with exploration, refill of halted slots; AdamATan2, sign-SGD puzzle rows
     "deep_trm_q_halting": ("trm", (*DEEP, "train.halt_on_q=true", "train.halt_exploration=0.5", "model.n_inner=2",
                                    "train.optimizer=adam_atan2", "train.puzzle_emb_optimizer=sign_sgd",
@@ -189,3 +197,20 @@ def test_batch_wide_halting_is_refused_with_the_reason(tmp_path) -> None:
     with pytest.raises(AccumulationError, match="batch-wide.*largest residual of the whole batch"):
         _trainer(tmp_path / "a", "tiny", over, 2)
     assert _trainer(tmp_path / "b", "tiny", over, 1).accum_steps == 1  # without accumulation it runs
+    # groups that a micro-batch would split are refused too; groups inside micro-batches are exact (above)
+    with pytest.raises(AccumulationError, match="halt_group=4 rows.*micro-batches of 2 rows"):
+        _trainer(tmp_path / "c", "tiny", (over[0], over[1][:-1] + ", halt_group: 4}"), 4)
+    assert _trainer(tmp_path / "d", "tiny", (over[0], over[1][:-1] + ", halt_group: 2}"), 4).accum_steps == 4
+
+
+@pytest.mark.parametrize("mode", ["simple_batch_halting_groups", "simple_attractor_halting_groups"])
+def test_halting_groups_change_the_step(tmp_path, float64, mode: str) -> None:
+    """The grouped modes above are not the ungrouped step in disguise: the groups stop at other steps."""
+    model, overrides = MODES[mode]
+    grouped = _trainer(tmp_path / "g", model, overrides, 1)
+    ungrouped = (overrides[0], overrides[1].replace("halt_group: 2", "halt_group: 0"))
+    whole = _trainer(tmp_path / "w", model, ungrouped, 1)
+    loops = [tr.train_step()["loop_steps"] for tr in (grouped, whole)]
+    assert loops[0] < loops[1]  # without groups every row waits for the slowest row of the batch
+    a, b = _snapshot(grouped, {}), _snapshot(whole, {})
+    assert any(not torch.equal(a[k], b[k]) for k in a if k.startswith("grad."))

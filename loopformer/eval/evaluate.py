@@ -123,13 +123,19 @@ class EvalResult:
 class EvalComm:
     """One process: every row is local, sums are the values, no lock-step.
 
-    A distributed strategy subclasses it: ``local_rows`` picks this rank's rows, ``sum`` adds a
+    A distributed strategy subclasses it: ``local_rows`` picks this rank's rows, ``local_batches`` its
+    round-robin share of a run of batches, ``sum`` adds a
     list of floats over ranks, ``max`` takes the maximum, and ``lockstep`` returns an object with
     ``callback(t, z, active)`` / ``drain()`` (``loopformer.train.dist.LockstepHalting``) or None.
     """
 
     def local_rows(self, rows: np.ndarray) -> np.ndarray:
         return rows
+
+    def local_batches(self, n: int) -> np.ndarray:
+        """Which of ``n`` consecutive batches this process runs when batches are dealt round-robin (the
+        authors' protocol, ``loopformer.eval.authors``): all of them here."""
+        return np.arange(n, dtype=np.int64)
 
     def sum(self, values: list[float]) -> list[float]:
         return list(values)

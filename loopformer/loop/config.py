@@ -57,6 +57,10 @@ class LoopConfig:
     grad_steps: int = 1  # truncated: differentiable final steps; neumann: number of J^T terms
     compaction: bool = True  # drop halted samples from the active batch (else torch.where masking)
     diverge_threshold: float = 1e4  # residual above this (or non-finite) stops a sample, not converged
+    # False: no divergence stop at all (a sample iterates on whatever its residual, and a non-finite state
+    # reaches the loss, where the trainer stops the run): the FPRM / TRM / HRM references' training segments
+    # and TRM-DEQ's inner solve run their steps with no such test
+    stop_diverged: bool = True
     trace: bool = True  # record residuals / state norms every step (fixed halting may skip them)
     # the loop state's precision (STATE_DTYPES): auto = as the model gives it (float32 under bf16 autocast);
     # bfloat16 = the FPRM reference's (nilskiKonjIzDunava/fprm FixedPointOptimizer): the iterate, the
@@ -64,6 +68,11 @@ class LoopConfig:
     # size / best residual are computed in bf16 (its decay factor rounded to bf16: 0.996 and 0.997 both
     # become 0.99609375); needs bf16 autocast (bf16: true) for the body's matmuls
     state_dtype: str = "auto"
+    # rows per group of a batch-wide halting rule (batch_residual): the rule decides per group of this many
+    # consecutive rows of the batch (0: the whole batch). The Attractor LM's solver stops on its 32-sequence
+    # micro-batch (github jacobfa/Attractor launch_configs/attractor-small-140m.yaml micro_batch_size 32);
+    # groups that do not straddle micro-batches let gradient accumulation equal the full batch
+    halt_group: int = 0
     # options, grouped by the plug-in they belong to
     damped: DampedOptions = field(default_factory=DampedOptions)
     anderson: AndersonOptions = field(default_factory=AndersonOptions)
@@ -131,6 +140,9 @@ class LoopConfig:
         _integer("max_steps", self.max_steps, 1)
         _integer("min_steps", self.min_steps, 0)
         _integer("grad_steps", self.grad_steps, 0)
+        _integer("halt_group", self.halt_group, 0)
+        if not isinstance(self.stop_diverged, bool):
+            raise ValueError(f"LoopConfig.stop_diverged must be true or false, got {self.stop_diverged!r}")
         if self.min_steps > self.max_steps:
             raise ValueError(f"LoopConfig.min_steps={self.min_steps} exceeds max_steps={self.max_steps}")
         for name in ("tol", "diverge_threshold"):

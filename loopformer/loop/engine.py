@@ -9,7 +9,8 @@ reads only what their classes declare, never their names.
   (``norms.py``) and the state RMS, forms the next iterate (the solver) and asks the halting rule
   which samples are done; the step cap, a solver's stall (``can_stall``) and divergence
   (non-finite residual or state, residual > diverge_threshold) also stop a sample. A diverged
-  sample keeps its last finite iterate and converged=False.
+  sample keeps its last finite iterate and converged=False; ``stop_diverged=False`` turns the
+  divergence stop off (the references' training segments have none).
 - with ``compaction`` halted samples leave the active batch (``LoopState.compact``), so adaptive
   halting saves real compute; without it finished rows are frozen with ``torch.where``
   (``_run_masked``). Both give the same results.
@@ -120,10 +121,10 @@ def _could_stop(lp: LoopState, t: int, it: _Iteration) -> bool:
     """One cheap host question per step: could any active sample stop here? (NaN answers yes.)"""
     bound = lp.halting.residual_bound(t)
     lo, hi = torch.aminmax(it.res)
-    if not (lo.item() >= bound and hi.item() <= lp.cfg.diverge_threshold):
+    if not (lo.item() >= bound and hi.item() <= lp.diverge_threshold):
         return True
     # with the rule's bound > 0 a non-finite ||f(z)|| already shows as a residual of 0 or NaN
-    if not (lp.norm_is_step and bound > 0) and not it.nrm.amax().item() < INF:
+    if lp.cfg.stop_diverged and not (lp.norm_is_step and bound > 0) and not it.nrm.amax().item() < INF:
         return True
     if lp.watch_stalls and bool(_stalled(lp, it).any()):
         return True
@@ -135,8 +136,11 @@ def _stop_masks(lp: LoopState, t: int, it: _Iteration, last: bool) -> tuple[Tens
     """(finished, bad, converged) per active sample; bad: diverged (keeps its previous iterate)."""
     if not lp.every_step:
         _, it.done, it.conv, _ = lp.halting.check(t, lp.z, it.z_next, it.res, lp.hstate, lp.ctx_a)
-    # non-finite residual or state, or residual above the threshold (NaN compares False)
-    bad = ~((it.res <= lp.cfg.diverge_threshold) & (it.nrm < INF))
+    # non-finite residual or state, or residual above the threshold (NaN compares False); none without stop_diverged
+    if lp.cfg.stop_diverged:
+        bad = ~((it.res <= lp.cfg.diverge_threshold) & (it.nrm < INF))
+    else:
+        bad = torch.zeros_like(it.done)
     finished = torch.ones_like(it.done) if last else it.done | bad
     if lp.watch_stalls:
         finished = finished | _stalled(lp, it)
@@ -145,10 +149,10 @@ def _stop_masks(lp: LoopState, t: int, it: _Iteration, last: bool) -> tuple[Tens
 
 def _stalled(lp: LoopState, it: _Iteration) -> Tensor:
     """The active samples a solver stall stops: the stalled ones, or with ``batch_stalls`` all of
-    them once every one has stalled (and none before)."""
+    them once every one (of their halting group) has stalled, and none before."""
     stalled = it.info["stalled"]
     if lp.batch_stalls:
-        return stalled.all().expand_as(stalled)
+        return lp.halting.batch_all(stalled, lp.hstate)
     return stalled
 
 

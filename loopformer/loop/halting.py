@@ -10,6 +10,9 @@ needs to know (``Halting``), its options are the frozen dataclass ``Options``.
 - ``residual``: halt at the first step (>= min_steps) with residual < tol (FPRM eps; Attractor tol).
 - ``batch_residual``: every sample halts at the first step where all running samples' residuals are
   below tol (FPRM's inference in the authors' code); per-sample otherwise identical to ``residual``.
+  With ``LoopConfig.halt_group`` = g > 0 "all" means all running rows of the sample's group, the
+  consecutive rows ``[k g, (k + 1) g)`` of the batch (``group_all``): the Attractor LM's stop spans its
+  micro-batch of 32 sequences, not the whole batch.
 - ``kl_entropy``: Loop-Think-Generalize: read ``p_t = softmax(readout(z_t))`` every step (p_0
   from z0) and halt at the first t >= 1 with ``KL(p_t || p_{t-1}) < kl_threshold`` AND
   ``H(p_t) < entropy_threshold`` (nats); per-position values reduce to one per sample by max
@@ -102,6 +105,30 @@ class Halting:
     def sample_stats(self, state: State) -> dict[str, Tensor]:
         return {}
 
+    def batch_all(self, mask: Tensor, state: State) -> Tensor:
+        """For a rule with ``batch_stalls``: per running row, whether ``mask`` holds for every running row it
+        halts with (the whole batch here; its group under ``halt_group``)."""
+        return mask.all().expand_as(mask)
+
+
+def halt_groups(b: int, group: int, device: torch.device) -> Tensor | None:
+    """Each row's group of ``group`` consecutive rows of a batch of ``b`` (None: one group, the batch)."""
+    if group <= 0 or group >= b:
+        return None
+    return torch.arange(b, device=device) // group
+
+
+def group_all(mask: Tensor, groups: Tensor | None) -> Tensor:
+    """Per row: ``mask`` holds for every row of its group (``groups``: the rows' group ids, None: all rows)."""
+    if groups is None:
+        return mask.all().expand_as(mask)
+    # the running rows' groups renumbered 0, 1, ... (rows stay in batch order, so equal ids are adjacent):
+    # fewer ids than rows, no host read
+    dense = torch.cumsum(torch.cat([groups.new_ones(1), (groups[1:] != groups[:-1]).long()]), 0) - 1
+    failing = torch.zeros(mask.shape[0], dtype=torch.int32, device=mask.device)
+    failing.index_add_(0, dense, (~mask).to(torch.int32))
+    return failing.index_select(0, dense) == 0
+
 
 HALTINGS: Registry[type[Halting]] = Registry("halting", Halting)
 HALTING_ALIASES = {"never": "fixed"}
@@ -145,10 +172,18 @@ class BatchResidualHalting(Halting):
     def residual_bound(self, t: int) -> float:
         return self.cfg.tol if t + 1 >= self.cfg.min_steps else 0.0
 
+    def init(self, z0: Tensor, ctx: tuple[Any, ...]) -> State:
+        groups = halt_groups(z0.shape[0], self.cfg.halt_group, z0.device)
+        return {} if groups is None else {"group": groups}  # batch-first: compacted with the rows
+
     def check(self, t, z, z_next, res, state, ctx):
         conv = res < self.cfg.tol
-        ready = t + 1 >= self.cfg.min_steps and bool(conv.all())
-        return z_next, conv if ready else torch.zeros_like(conv), conv, state
+        if t + 1 < self.cfg.min_steps:
+            return z_next, torch.zeros_like(conv), conv, state
+        return z_next, group_all(conv, state.get("group")), conv, state
+
+    def batch_all(self, mask: Tensor, state: State) -> Tensor:
+        return group_all(mask, state.get("group"))
 
 
 def _reduce(x: Tensor, how: str) -> Tensor:
@@ -233,4 +268,6 @@ __all__ = [
     "KLEntropyHalting",
     "KLEntropyOptions",
     "ResidualHalting",
+    "group_all",
+    "halt_groups",
 ]

@@ -144,15 +144,23 @@ class Picard(Solver):
 
 @dataclass(frozen=True)
 class DampedOptions:
-    """FPRM Algorithm 1: step decay, patience and the step size below which a sample stalls."""
+    """FPRM Algorithm 1: step decay, patience and the step size below which a sample stalls.
+
+    ``min_improvement``: a residual counts as an improvement (resetting the patience) only when it is below
+    the best so far minus this much. 0 (default) is nilskiKonjIzDunava/fprm at 68e118cd
+    (``models/fixed_point_reasoning/model_utils.py`` ``FixedPointOptimizer.step``: ``residues < best``);
+    0.01 is the same function at 9e0ebf35 (``residues < best - 1e-2``, "so slow monotonic drift doesn't keep
+    resetting patience")."""
 
     gamma: float = 0.9
     patience: int = 5
     min_step: float = 1e-3
+    min_improvement: float = 0.0
     legacy_names: ClassVar[dict[str, str]] = {
         "gamma": "damp_gamma",
         "patience": "damp_patience",
         "min_step": "damp_min_step",
+        "min_improvement": "damp_min_improvement",
     }
 
     def __post_init__(self) -> None:
@@ -164,6 +172,10 @@ class DampedOptions:
             )
         if not self.min_step > 0:
             raise option_error("damped", "min_step", self.legacy_names, f"must be > 0, got {self.min_step!r}")
+        if not 0 <= self.min_improvement < float("inf"):
+            raise option_error(
+                "damped", "min_improvement", self.legacy_names, f"must be >= 0, got {self.min_improvement!r}"
+            )
 
 
 @SOLVERS.register
@@ -198,7 +210,8 @@ class Damped(Solver):
         with torch.no_grad():
             if self.lowp:  # the residual in the scalars' dtype (bf16 values already: exact)
                 res = res.to(eta.dtype)
-            improved = res < state["best"]
+            margin = opts.min_improvement
+            improved = res < (state["best"] - margin if margin else state["best"])
             best = torch.where(improved, res, state["best"])
             patience = (state["patience"] - 1).masked_fill_(improved, opts.patience)
             # improved implies patience > 0, so the shrink test needs no extra mask

@@ -95,6 +95,8 @@ class LoopState:
         self.solver.report_stalls = self.watch_stalls
         self.norm_is_step = self.solver.returns_step and not self.halting.edits_iterate
         self.every_step = self.halting.every_step
+        # the residual above which a sample counts as diverged (none with stop_diverged off)
+        self.diverge_threshold = cfg.diverge_threshold if cfg.stop_diverged else math.inf
         self.track = cfg.trace or self.halting.stops_early
         b, device = z0.shape[0], z0.device
         self.b, self.device = b, device

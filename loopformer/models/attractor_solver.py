@@ -8,8 +8,8 @@ group: ``anderson_m``, ``anderson_reg`` with ``anderson_reg_relative: false`` fo
 when it stops: the reference returns ``f(x_k)`` of the last iterate it checked (``Fh[:, last_idx]``),
 the engine's ``anderson`` the next mixed iterate. This solver returns ``f(z)`` on the step at which a
 sample stops: the step cap, or the halting rule's test on this step's residual (``residual``:
-``res < tol`` per sample; ``batch_residual``: every running sample below tol, the reference's
-``rel.max() < tol``; both from ``min_steps`` on). With any other halting rule only the step cap
+``res < tol`` per sample; ``batch_residual``: every running sample (of its ``halt_group``) below tol, the
+reference's ``rel.max() < tol`` over its micro-batch; both from ``min_steps`` on). With any other halting rule only the step cap
 returns ``f(z)`` (the solver cannot know when such a rule stops). The implicit gradient modes then attach at ``f(x_k)``, as the reference's
 ``_attach_implicit_grad`` does.
 """
@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from loopformer.loop.halting import group_all, halt_groups
 from loopformer.loop.quasi_newton import Anderson, AndersonOptions
 from loopformer.loop.solvers import SOLVERS, Info, State
 
@@ -41,22 +42,25 @@ class AttractorAnderson(Anderson):
         self.needs_residual = True
 
     def init(self, z: Tensor) -> State:
-        return {"k": 0, "t": 0}
+        groups = halt_groups(z.shape[0], self.cfg.halt_group, z.device)
+        return {"k": 0, "t": 0} if groups is None else {"k": 0, "t": 0, "group": groups}
 
-    def _stops(self, res: Tensor | None, t: int, b: int, device: torch.device) -> Tensor:
+    def _stops(
+        self, res: Tensor | None, t: int, b: int, device: torch.device, groups: Tensor | None
+    ) -> Tensor:
         cfg = self.cfg
         if t + 1 >= cfg.max_steps:
             return torch.ones(b, dtype=torch.bool, device=device)
         if cfg.halting not in RESIDUAL_RULES or res is None or t + 1 < cfg.min_steps:
             return torch.zeros(b, dtype=torch.bool, device=device)
         below = res < cfg.tol
-        return below if cfg.halting == "residual" else below.all().expand(b)
+        return below if cfg.halting == "residual" else group_all(below, groups)
 
     def update(self, z: Tensor, fz: Tensor, res: Tensor | None, state: State) -> tuple[Tensor, State, Info]:
         t = state["t"]
         mixed, state, info = super().update(z, fz, res, state)
         state = {**state, "t": t + 1}
-        stop = self._stops(res, t, z.shape[0], z.device)
+        stop = self._stops(res, t, z.shape[0], z.device, state.get("group"))
         if bool(stop.any()):
             mixed = torch.where(stop.view(-1, *([1] * (z.dim() - 1))), fz.to(mixed.dtype), mixed)
         return mixed, state, info

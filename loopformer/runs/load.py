@@ -48,7 +48,9 @@ def load_split(task: Task, data: DataConfig, split: str) -> TokenDataset | None:
     A path that is a folder is read with ``load_hrm_folder`` (``<path>/train`` or ``<path>/test``, or
     the folder itself when it holds a ``dataset.json``); a file with ``task.load``. Without a path,
     ``task.generate(size, seed, **options)``: size 0 asks for all rows (tasks with a finite pool, e.g.
-    ARC or KG, return them all; generators return none). None when that gives no rows.
+    ARC or KG, return them all; generators return none). None when that gives no rows. The training set
+    of a task that ``streams`` (text) is ``task.stream(size, seed, **options)`` instead: rows read when a
+    batch indexes them (size 0: one pass over the split).
     """
     if split not in HRM_SPLITS:
         raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
@@ -67,6 +69,8 @@ def load_split(task: Task, data: DataConfig, split: str) -> TokenDataset | None:
         return task.load(path)
     seed = data.train_seed if split == "train" else data.eval_seed
     options = data.train_generate if split == "train" else data.eval_generate
+    if split == "train" and task.streams:  # read a batch at a time, never held whole (the text task)
+        return task.stream(size, seed, **options)
     dataset = task.generate(size, seed, **options)
     return dataset if len(dataset) else None
 

@@ -29,6 +29,7 @@ from typing import Any
 
 from loopformer.config import RunConfig, config_to_json, to_dict
 from loopformer.files import append_line, atomic_write_json, read_json
+from loopformer.loop import LoopConfig
 from loopformer.runs.folder import holds_run
 from loopformer.runs.layout import CheckpointError, step_dirs
 
@@ -103,6 +104,8 @@ def config_changes(saved: dict[str, Any], current: RunConfig) -> dict[str, dict[
     old = _flat({k: v for k, v in saved.items() if k not in ("family", "step", "plugins")})
     new = _flat(json.loads(config_to_json(current)))
     default = _flat(to_dict(RunConfig()))
+    # the model's resolved loop: a field added since the checkpoint was written compares with its default
+    default.update({f"model.loop.{k}": v for k, v in _flat(to_dict(LoopConfig())).items()})
     changes = {}
     for key in sorted(set(old) | set(new)):
         a, b = old.get(key, default.get(key, _MISSING)), new.get(key, default.get(key, _MISSING))

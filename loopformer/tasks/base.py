@@ -10,7 +10,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -30,7 +30,12 @@ class TokenDataset:
     difficulty: float64 [N] the task's difficulty measure (blanks, backtracks, hops, path length...).
     puzzle_ids: int64 [N] per-puzzle identifiers (ARC, TRM-style puzzle embeddings) or None.
     meta:       free-form description (task name, generation arguments, source file).
+
+    ``streamed``: False here; True for a set whose rows are read when indexed, never held whole
+    (``Task.stream``: the text task's windows). The trainer draws such a set's rows in order.
     """
+
+    streamed: ClassVar[bool] = False
 
     inputs: np.ndarray
     labels: np.ndarray
@@ -120,6 +125,19 @@ class Task(ABC):
     @abstractmethod
     def generate(self, n: int, seed: int, **difficulty: Any) -> TokenDataset:
         """Generate ``n`` examples deterministically from ``seed``."""
+
+    streams: ClassVar[bool] = False  # True: the training set comes from ``stream``, not ``generate``
+
+    def stream(self, n: int, seed: int, **options: Any) -> TokenDataset:
+        """A training set of ``n`` rows read when a batch indexes them (``TokenDataset.streamed``), for a
+        task with ``streams``; ``options`` as ``generate``'s."""
+        raise NotImplementedError(f"task {self.name!r} does not stream its training set")
+
+    @classmethod
+    def resident_bytes(cls, options: dict[str, Any]) -> int:
+        """Host memory a streamed training set of this task built with ``options`` holds (the memory
+        check's term for it); 0 when nothing is held."""
+        return 0
 
     def load(self, path: str | Path) -> TokenDataset:
         """Load the task's standard on-disk format."""

@@ -20,9 +20,11 @@ batch makes with the step's generators are made once for the whole batch and sli
 states of a mode that starts from ``init_state`` (``initial_states``) and the Hutchinson probes of
 ``train.jacobian_weight``.
 
-Refused (``AccumulationError``): a halting rule that couples the rows of a batch
-(``Halting.batch_stalls``, i.e. ``batch_residual``: every sample runs until the *largest*
-residual of the batch is below tol), because a micro-batch would stop on its own rows' residuals.
+A halting rule that couples the rows of a batch (``Halting.batch_stalls``, i.e. ``batch_residual``: every
+sample runs until the *largest* residual of the batch is below tol) is exact too when it couples groups of
+rows that no micro-batch splits: ``LoopConfig.halt_group`` = g dividing the micro-batch (the Attractor LM:
+its micro-batch of 32, github jacobfa/Attractor ``launch_configs/attractor-small-140m.yaml``); refused
+(``AccumulationError``) otherwise, because a micro-batch would stop on its own rows' residuals.
 Not exact: random draws a model makes from the global RNG or inside its forward -- dropout masks
 and AttractorPuzzle's Jacobian probes -- are drawn per micro-batch: the same distribution, other
 draws (documented in docs/architecture.md).
@@ -38,6 +40,7 @@ import torch
 from torch import Tensor
 
 from loopformer.config import ConfigError, TrainConfig
+from loopformer.loop import LoopConfig
 from loopformer.loop.engine import LoopResult
 from loopformer.loop.halting import HALTINGS
 from loopformer.models.base import ModelOutput
@@ -85,14 +88,18 @@ def micro_steps(tc: TrainConfig, world_size: int = 1) -> int:
     return k
 
 
-def check_loop(loop_halting: str, k: int) -> None:
-    """AccumulationError for a halting rule whose decision couples the rows of the batch."""
-    if k > 1 and HALTINGS.get(loop_halting).batch_stalls:
+def check_loop(loop: LoopConfig, k: int, rows: int) -> None:
+    """AccumulationError for a halting rule whose decision couples rows that micro-batches of ``rows``
+    rows would split (a batch-wide rule without a ``halt_group`` dividing ``rows``)."""
+    g = loop.halt_group
+    if k > 1 and HALTINGS.get(loop.halting).batch_stalls and not (0 < g and rows % g == 0):
+        group = f"groups of loop_train.halt_group={g} rows" if g else "the whole batch"
         raise AccumulationError(
-            f"train.grad_accum_steps={k}: the training loop's halting rule {loop_halting!r} is batch-wide "
-            "(every sample runs until the largest residual of the whole batch is below tol), so a "
-            "micro-batch would halt on its own rows and the step would differ from the full batch; "
-            "train with a per-sample rule (loop_train.halting=residual) or without accumulation"
+            f"train.grad_accum_steps={k}: the training loop's halting rule {loop.halting!r} is batch-wide "
+            f"(every sample runs until the largest residual of {group} is below tol), which micro-batches "
+            f"of {rows} rows would split, so the step would differ from the full batch; set "
+            f"loop_train.halt_group to a divisor of {rows} (a group per micro-batch or smaller), train with "
+            "a per-sample rule (loop_train.halting=residual) or without accumulation"
         )
 
 
@@ -196,7 +203,7 @@ def run_micro_steps(trainer: Trainer, batch: SegmentBatch, k: int) -> StepResult
     tc = trainer.config.train
     B = batch.inputs.shape[0]
     b = B // k
-    check_loop(batch.loop.halting, k)
+    check_loop(batch.loop, k, B // k)
     state = batch.state if batch.state is not None or k == 1 else initial_states(trainer, batch)
     probe: Tensor | None = None
     losses, parts_sum, accs, outs = [], {}, [], []

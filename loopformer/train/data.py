@@ -5,6 +5,9 @@
   function of (seed, epoch, position) and a resumed run replays it exactly from the two
   integers in ``state_dict()``. When the eligible set changes (the curriculum advanced), a new
   epoch starts.
+- ``WindowStream``: the stream of a streamed training set (``TokenDataset.streamed``: the text task's
+  windows, ``loopformer.tasks.text``): window numbers 0, 1, 2, ... in order, which the set maps to its
+  windows; one integer (how many were drawn) resumes it exactly.
 - ``Curriculum``: Loop, Think & Generalize's schedule (arXiv 2604.07822): train on examples
   whose difficulty <= level; start at ``start``; advance by ``step`` when the exact-match
   accuracy on the current level reaches ``threshold`` (0.95); stop at ``max_level``.
@@ -103,6 +106,51 @@ class IndexStream:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.seed, self.epoch, self.position = int(state["seed"]), int(state["epoch"]), int(state["position"])
         self._order = None
+
+
+class WindowStream:
+    """The rows of a streamed training set in order: ``take(k)`` returns the next ``k`` window numbers (they
+    run past the set's ``n`` rows into its next pass; the set maps any number to a window). Same interface
+    as ``IndexStream``; its state is the count drawn, kept as (epoch, position) of ``n``-row epochs."""
+
+    def __init__(self, n: int, seed: int) -> None:
+        if n < 1:
+            raise ValueError("cannot draw batches from an empty dataset")
+        self.n, self.seed, self.drawn = n, seed, 0
+
+    @property
+    def epoch(self) -> int:
+        return self.drawn // self.n
+
+    @property
+    def position(self) -> int:
+        return self.drawn % self.n
+
+    def set_eligible(self, eligible: np.ndarray | None) -> None:
+        if eligible is not None:
+            raise ValueError("a streamed training set has no curriculum (its rows are read, not held)")
+
+    def take(self, k: int) -> np.ndarray:
+        out = np.arange(self.drawn, self.drawn + k, dtype=np.int64)
+        self.drawn += k
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"seed": self.seed, "epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.seed = int(state["seed"])
+        self.drawn = int(state["epoch"]) * self.n + int(state["position"])
+
+
+def make_stream(
+    dataset: TokenDataset, seed: int, curriculum: Curriculum | None
+) -> IndexStream | WindowStream:
+    """The training stream of ``dataset``: in order for a streamed set, else seeded epochs over the rows the
+    curriculum (if any) makes eligible."""
+    if dataset.streamed:
+        return WindowStream(len(dataset), seed)
+    return IndexStream(len(dataset), seed, curriculum.eligible() if curriculum is not None else None)
 
 
 class Curriculum:

@@ -220,6 +220,7 @@ class Plan:
     gpu_memory: int
     strategy: str
     batch_wide: str = ""  # the training loop's halting rule when it is batch-wide (accumulation refuses it)
+    halt_group: int = 0  # its loop_train.halt_group: micro-batches it divides are exact
 
     @property
     def state_bytes(self) -> int:
@@ -374,7 +375,7 @@ def make_plan(cfg: RunConfig, gpus: int, gpu_memory: int) -> tuple[Plan, str]:
         carry_bytes=carry, per_example=(a2 - a1) // (MEASURED_AT[1] - MEASURED_AT[0]),
         fixed=max(a1 - MEASURED_AT[0] * (a2 - a1) // (MEASURED_AT[1] - MEASURED_AT[0]), 0), measured=(a1, a2),
         rows_per_gpu=rows_per_gpu, gpus=gpus, gpu_memory=gpu_memory, strategy=tc.strategy,
-        batch_wide=_batch_wide(cfg, model),
+        batch_wide=_batch_wide(cfg, model), halt_group=cfg.loop_config(model.config.loop, "train").halt_group,
     )  # fmt: skip
     return plan, source
 
@@ -449,7 +450,9 @@ def verdict(p: Plan) -> str:
     k = p.rows_per_gpu // m
     if k == 1:
         return f"fits: micro-batch {m} = the full {p.rows_per_gpu} rows per GPU (peak {_gib(p.peak(m))}); no accumulation needed"
-    refused = (f"; the training loop's halting {p.batch_wide!r} is batch-wide, which accumulation refuses: "
-               "also set loop_train.halting=residual (per sample)") if p.batch_wide else ""  # fmt: skip
+    split = p.batch_wide and not (p.halt_group and m % p.halt_group == 0)
+    refused = (f"; the training loop's halting {p.batch_wide!r} is batch-wide, which accumulation refuses when "
+               f"micro-batches split its groups: also set loop_train.halt_group to a divisor of {m} (or "
+               "loop_train.halting=residual, per sample)") if split else ""  # fmt: skip
     return (f"largest micro-batch that fits: {m} (peak {_gib(p.peak(m))}) -> set train.grad_accum_steps={k} "
             f"(or train.micro_batch_size={m}){refused}")  # fmt: skip

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from loopformer.config import CurriculumConfig, RunConfig, TrainConfig, to_dict
+from loopformer.config import ConfigError, CurriculumConfig, RunConfig, TrainConfig, to_dict
 from loopformer.models.base import LoopedModel
 from loopformer.runs import run_task, task_dataset
 from loopformer.tasks.base import Task, TokenDataset, task_model_fields
@@ -183,6 +183,11 @@ def make_curriculum(cc: CurriculumConfig, train_data: TokenDataset) -> Curriculu
     """The difficulty curriculum over the training set's difficulty (None when ``enabled`` is off)."""
     if not cc.enabled:
         return None
+    if train_data.streamed:
+        raise ConfigError(
+            "data.curriculum: the training set is streamed (read a batch at a time), so there are no rows "
+            "to order by difficulty; turn the curriculum off"
+        )
     return Curriculum(
         train_data.difficulty, cc.start, cc.step, cc.max_level, cc.threshold, cc.restart_optimizer
     )

@@ -183,6 +183,9 @@ class DDPStrategy(_Distributed):
     def local_rows(self, rows: np.ndarray) -> np.ndarray:
         return rows[dist.eval_shard(len(rows))]
 
+    def local_batches(self, n: int) -> np.ndarray:
+        return np.arange(self.env.rank, n, self.env.world_size, dtype=np.int64)
+
     def no_sync(self, forward_model: nn.Module, sync: bool) -> contextlib.AbstractContextManager:
         """An inner micro-step runs in DDP's ``no_sync()``: no gradient all-reduce until the last."""
         return contextlib.nullcontext() if sync else forward_model.no_sync()

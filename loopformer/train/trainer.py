@@ -45,7 +45,7 @@ from loopformer.runs.best import BestTracker
 from loopformer.runs.folder import RunFolder
 from loopformer.tasks.base import Task, TokenDataset
 from loopformer.train import accumulate, dist, resume
-from loopformer.train.data import Batch, IndexStream, make_batch
+from loopformer.train.data import Batch, make_batch, make_stream
 from loopformer.train.evaluation import TrainerEvaluation
 from loopformer.train.losses import (
     accuracy,
@@ -117,13 +117,12 @@ class Trainer(TrainerEvaluation):
         self.loop_periodic: LoopConfig = config.loop_config(self.model.config.loop, "periodic")
         self.sampler = training_sampler(tc.loop_sampler, tc.loop_sampler_options, self.loop_train.max_steps, config.seed)
         self.curriculum = make_curriculum(config.data.curriculum, self.train_data)
-        self.stream = IndexStream(
-            len(self.train_data), config.seed, self.curriculum.eligible() if self.curriculum else None
-        )
+        self.stream = make_stream(self.train_data, config.seed, self.curriculum)
         self.step = 0
         self.mode: TrainingMode = make_training_mode(tc.mode, self)
         self.accum_steps = accumulate.micro_steps(tc, self.strategy.env.world_size)  # micro-batches per step
-        accumulate.check_loop(self.mode.first_loop().halting, self.accum_steps)  # refused before any write
+        micro_rows = tc.batch_size // self.strategy.env.world_size // self.accum_steps
+        accumulate.check_loop(self.mode.first_loop(), self.accum_steps, micro_rows)  # refused before any write
         self.strategy.validate(tc)
         self.forward_model: torch.nn.Module = self.strategy.wrap(self.model, tc, self.probe_unused_parameters)
         # built after wrapping: FSDP2 turns the parameters into shards
