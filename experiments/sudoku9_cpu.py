@@ -1,28 +1,39 @@
-"""9x9 Sudoku on a CPU: FPRM vs an equal-parameter transformer and TRM at equal training FLOPs.
+"""9x9 Sudoku on a CPU: FPRM vs TRM (and a plain transformer) at equal training FLOPs.
 
-What a 2-core CPU learns on the papers' own task shape (81 tokens; FPRM arXiv 2606.18206, TRM
-arXiv 2510.04871, HRM arXiv 2506.21734 report Sudoku-Extreme):
+What one core of a 2-core CPU learns on the papers' own task shape (81 tokens; FPRM arXiv 2606.18206, TRM
+arXiv 2510.04871, HRM arXiv 2506.21734 report Sudoku-Extreme). Two sets of runs:
 
-1. ``--phase probe``: FPRM's seconds per training step with ``--threads`` threads (default 1: one core,
-   the other one left to other work; pin the process with ``taskset -c 1`` to keep the figure clean) on
-   this machine (with the load average) -> ``steps_15``, the FPRM steps of 15 minutes of training. Budgets are step counts
-   from then on (15 / 30 / 60 min = 1 / 2 / 4 x ``steps_15``), so the results do not depend on the
-   load during the (long) training runs; each run's own wall time is recorded beside them.
-2. ``--phase train --only NAME``: trains one model to its 60-minute budget with a checkpoint at every
-   15-minute mark. FPRM trains ``recipes/sudoku9_fprm.yaml``; the baselines are that recipe with the
-   model table replaced (same width / heads / layers, so equal parameters up to a head) and their
-   step counts set to FPRM's training FLOPs (``torch.utils.flop_counter.FlopCounterMode`` over real
-   training steps, forward + backward) divided by their own FLOPs per step. Runs of different models
-   can go in parallel processes (one thread each).
-3. ``--phase eval``: every checkpoint on one held-out set (generated, seeded apart from training;
-   20-60 blanks): valid accuracy by the task's independent validator (rows / columns / boxes / givens
-   re-checked without the label) per blanks bin and per solving technique (the exact solver's
-   backtrack count: 0 = propagation by naked / hidden singles alone, > 0 = search needed), FPRM's loop
-   steps vs blanks (Spearman), and the hidden-difficulty check on the two real Sudoku-Extreme rows.
-   Writes ``results.json``, ``accuracy_vs_blanks.png`` and ``table.md`` (the markdown of the
-   "9x9 Sudoku on a CPU" section in docs/results.md).
+- **The head-to-head** (``--seeds 0,1,2``; runs in ``<runs>/seed<N>/<model>``): ``fprm_authors`` and
+  ``trm_authors``, each built with its authors' architecture options scaled to the CPU width (FPRM 398,529
+  parameters, TRM 397,825: ``FPRM_BUILD`` / ``TRM_BUILD`` below say which options) and trained / evaluated
+  under its authors' protocol, plus ``fprm_authors_jac``: FPRM with loopformer's contraction term
+  (``train.jacobian_weight``), at FPRM's step counts. Seed N: model seed N, training puzzles from seed
+  100 + N (never the held-out set's seed).
+- **The first rerun** (no ``--seeds``; ``<runs>/<model>``): ``fprm`` (recipes/sudoku9_fprm.yaml), ``transformer``
+  and ``trm`` with our protocols (``PROTOCOL``).
 
-Usage: ``python experiments/sudoku9_cpu.py --phase all [--quick]`` or the phases one by one.
+Budgets: equal training FLOPs. ``CLOCK`` fixes 15 minutes as 1,628 steps of the first rerun's FPRM (0.553
+CPU-seconds a step, measured on one core; ``--phase probe --measure-clock`` measures it again); a model's
+15-minute budget is those FLOPs over its own FLOPs per step (``torch.utils.flop_counter.FlopCounterMode``,
+forward + backward), 30 and 60 minutes twice and four times that. Budgets are step counts, so results do not
+depend on the machine's load; each run records its wall and CPU time.
+
+1. ``--phase probe``: counts each model's FLOPs per step and writes its budgets to ``<runs>/probe.json``
+   (the train phase does it when missing).
+2. ``--phase train --only NAME [--seeds 0,1,2] [--max-minutes 15|30|60] [--resume]``: one model to its budget,
+   a checkpoint at every 15-minute mark; one thread; resumable (``--resume`` continues the newest checkpoint
+   bit-identically). Runs of different models can go in parallel processes (pin each with ``taskset``).
+3. ``--phase eval``: with ``--seeds``, every head-to-head checkpoint on the held-out set (1,000 generated
+   puzzles, 20-60 blanks, 104 needing search) through ``sudoku9_h2h.py``: each model's own protocol, accuracy
+   at matched test-time compute (8 to 2,048 blocks per puzzle), the paired bootstrap of FPRM - TRM, seed
+   means and ranges -> ``results_h2h.json``, ``table_h2h.md``, ``accuracy_vs_budget.png``,
+   ``contraction_vs_budget.png``; rows are saved per checkpoint (``eval-h2h-<M>min.json``, skipped when
+   present), ``--assemble`` only gathers them. Without ``--seeds``: the first rerun's ``results.json``,
+   ``table.md``, ``accuracy_vs_blanks.png``. Both are the "9x9 Sudoku on a CPU" section of docs/results.md.
+
+Usage (about 75 CPU-minutes per 60-minute run on an idle core; nine runs): ``python experiments/sudoku9_cpu.py
+--phase train --only fprm_authors --seeds 0,1,2`` (and ``trm_authors``, ``fprm_authors_jac``, one process
+each), then ``--phase eval --seeds 0,1,2``. ``--quick`` is a dry run at tiny size.
 """
 
 from __future__ import annotations
@@ -36,15 +47,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import sudoku9_h2h as h2h
 import torch
 from fprm_common import REPO, flops_per_step, make_config, pyplot, save_figure, write_json
 
-from loopformer.eval.analysis import trace_loops
-from loopformer.eval.budget import steps_vs_difficulty, with_budget
-from loopformer.eval.evaluate import evaluate as evaluate_data
-from loopformer.eval.evaluate import iter_batches, loop_summary
+from loopformer.eval.budget import steps_vs_difficulty
 from loopformer.runs import load_run
-from loopformer.tasks.base import TokenDataset
 from loopformer.tasks.sudoku import SudokuTask
 from loopformer.train.trainer import Trainer
 
@@ -148,7 +156,8 @@ AUTHORS["fprm_authors_jac"] = [*AUTHORS["fprm_authors"], f"train.jacobian_weight
 # models whose budgets are another model's step counts rather than equal training FLOPs (the contraction term's
 # cost is reported in time, at the same steps)
 SAME_STEPS = {"fprm_authors_jac": "fprm_authors"}
-MODELS = ("fprm", *BASELINES, *AUTHORS)
+LEGACY = ("fprm", *BASELINES)  # the first rerun's single runs (our protocols)
+MODELS = (*LEGACY, *AUTHORS)
 PROTOCOL = {
     "fprm": "ours: fixed-length segments (8 per slot, lock-step refill), eval per-sample residual halting, cap 64",
     "transformer": "one pass",
@@ -159,12 +168,6 @@ PROTOCOL = {
     "fprm_authors_jac": "fprm_authors + loopformer's contraction term (train.jacobian_weight "
     f"{JACOBIAN_WEIGHT}), same steps",
 }
-# test-time compute: transformer blocks applied per loop step (FPRM: its n_layers blocks; TRM: n_inner = 6
-# latent updates + 1 answer update per cycle, each through its n_layers blocks)
-BLOCKS_PER_STEP = {"fprm_authors": 2, "trm_authors": (6 + 1) * 2, "fprm_authors_jac": 2}
-# matched test-time compute: budgets in blocks per puzzle, log2 from 8 to 2,048; a model runs the largest whole
-# number of its loop steps within the budget (TRM's first cycle needs 14 blocks, so it has no 8-block point)
-BLOCK_BUDGETS = [2**k for k in range(3, 12)]
 # The clock of the equal-FLOPs budgets, measured once (experiments/sudoku9_cpu.py --phase probe --measure-clock,
 # 2026-11 on one core of the development CPU at load 8.6): the first rerun's FPRM took 0.553 CPU-seconds per
 # step at 31.62 GFLOP per step, so 15 minutes = 1,628 steps of it = 5.15e13 FLOPs of training; every model's
@@ -380,128 +383,121 @@ def evaluate_checkpoint(name: str, path: Path, eval_set: Any, backtracks: np.nda
     }
 
 
-def authors_eval(run: Any) -> tuple[Any, int]:
-    """(loop, chained segments) of a run as its authors evaluate it: ``loop_eval`` with ``eval.segments``
-    chained calls."""
-    return run.loop_eval, run.config.eval.segments
-
-
-def score_authors(run: Any, eval_set: Any) -> Any:
-    """``loopformer.eval.evaluate`` of ``run``'s weights (EMA) under :func:`authors_eval` (250 a batch)."""
-    loop, segments = authors_eval(run)
-    return evaluate_data(run.model, run.task, eval_set, loop=loop, batch_size=250, seed=0, segments=segments)
-
-
-@torch.no_grad()
-def budget_curve(name: str, run: Any, eval_set: Any) -> list[dict[str, Any]]:
-    """Valid accuracy after exactly b loop steps for each b of ``BUDGETS[name]``, read in one pass per batch
-    (``loopformer.eval.analysis.trace_loops`` reads the model's head at every step; TRM's steps count on
-    across its chained segments, as it is evaluated): the test-time compute curve."""
-    loop, segments = run.loop_eval, run.config.eval.segments
-    budgets = BUDGETS[name]
-    if segments == 1:
-        loop = with_budget(loop, max(budgets), "fixed")
-    elif max(budgets) != loop.max_steps * segments:
-        raise ValueError(
-            f"{name}: budgets must end at the chained evaluation's {loop.max_steps * segments} steps"
-        )
-    preds = {b: np.zeros_like(eval_set.inputs) for b in budgets}
-    run.model.eval()
-    gen = torch.Generator().manual_seed(0)
-    for index in iter_batches(eval_set, 250):
-        inputs = torch.as_tensor(eval_set.inputs[index], dtype=torch.long)
-
-        def observe(t: int, z: Any, logits: Any, index: Any = index) -> None:
-            if t in preds:
-                preds[t][index] = logits.argmax(-1).numpy()
-
-        trace_loops(run.model, inputs, loop, observe, generator=gen, segments=segments)
-    points = []
-    for b in budgets:
-        valid = np.asarray([run.task.check(x, y) for x, y in zip(eval_set.inputs, preds[b])], dtype=bool)
-        points.append(
-            {
-                "budget_steps": b,
-                "blocks": b * BLOCKS_PER_STEP[name],
-                "valid": float(valid.mean()),
-                "mode": "exactly b steps",
-            }
-        )
-        print(name, "budget", points[-1], flush=True)
-    return points
-
-
-@torch.no_grad()
-def evaluate_authors(
-    name: str, path: Path, eval_set: Any, backtracks: np.ndarray, curve: bool
-) -> dict[str, Any]:
-    """One checkpoint of an authors'-protocol model: accuracy as its authors evaluate it, test-time compute
-    (loop steps x blocks per step), the Sudoku-Extreme rows, and with ``curve`` accuracy vs loop budget."""
-    run = load_run(path, use_ema=True)
-    res = score_authors(run, eval_set)
-    v, s = res.valid, res.steps.astype(np.float64)
-    blanks = eval_set.difficulty
-    stats = steps_vs_difficulty(blanks, s, v)
-    loop, segments = authors_eval(run)
-    extreme = []
-    for text in EXTREME_ROWS:
-        grid = run.task.parse_grid(text)[None].astype(np.int64)
-        one = TokenDataset(grid, grid.copy(), np.zeros(1))  # the validator scores it; the label is unused
-        r = evaluate_data(run.model, run.task, one, loop=loop, batch_size=1, seed=0, segments=segments)
-        extreme.append(
-            {
-                "valid": bool(r.records[0].valid),
-                "steps": int(r.steps[0]),
-                "converged": bool(r.records[0].converged),
-                "protocol": PROTOCOL[name],
-            }
-        )
-    row: dict[str, Any] = {
-        "step": run.step,
-        "weights": run.weights,
-        "protocol": PROTOCOL[name],
-        "loop": {**loop_summary(loop), "segments": segments},
-        "n": int(len(v)),
-        "valid": float(v.mean()),
-        "valid_30plus": _frac(v[blanks >= 30]),
-        "by_blanks": {f"{lo}-{hi}": _frac(v[(blanks >= lo) & (blanks <= hi)]) for lo, hi in BLANK_BINS},
-        "propagation_only": _frac(v[backtracks == 0]),
-        "needs_search": _frac(v[backtracks > 0]),
-        "n_needs_search": int((backtracks > 0).sum()),
-        "mean_steps": float(s.mean()),
-        "blocks_per_step": BLOCKS_PER_STEP[name],
-        "mean_blocks": float(s.mean()) * BLOCKS_PER_STEP[name],
-        "converged": float(res.converged_fraction),
-        "steps_vs_blanks_spearman": stats.spearman_rho,
-        "spearman_p": stats.spearman_p,
-        "extreme": extreme,
-    }
-    if curve:
-        points = budget_curve(name, run, eval_set)
-        row["budget_curve"] = points
-    return row
-
-
 def _frac(mask: np.ndarray) -> float | None:
     return float(mask.mean()) if len(mask) else None
 
 
-def evaluate(args: argparse.Namespace) -> None:
-    plan = json.loads((args.runs / "probe.json").read_text())
+def _only(args: argparse.Namespace) -> list[str]:
+    return [n for n in args.only.split(",") if n]
+
+
+def held_out(args: argparse.Namespace) -> tuple[Any, Any, np.ndarray]:
+    """(the FPRM config, the held-out set: 1,000 generated puzzles with 20-60 blanks from ``data.eval_seed``,
+    each puzzle's exact-solver backtrack count)."""
     cfg = configs(args.runs, args.quick, args.set)["fprm"]
-    task = SudokuTask(9)
-    eval_set = task.generate(
+    eval_set = SudokuTask(9).generate(
         16 if args.quick else args.eval_size, seed=cfg.data.eval_seed, min_blanks=20, max_blanks=60
     )
-    backtracks = np.asarray(eval_set.meta["backtracks"])
-    only = [n for n in args.only.split(",") if n]
-    unknown = sorted(set(only) - set(MODELS))
-    if unknown:
-        raise SystemExit(f"--only: unknown model(s) {', '.join(unknown)} (known: {', '.join(MODELS)})")
+    return cfg, eval_set, np.asarray(eval_set.meta["backtracks"])
+
+
+def train_overlap(args: argparse.Namespace, seed: int, eval_set: Any) -> int:
+    """How many held-out puzzles (inputs) are in seed ``seed``'s training set (regenerated as the trainer does)."""
+    cfg = configs(args.runs, args.quick, args.set, seed)["fprm_authors"]
+    train = SudokuTask(9).generate(cfg.data.train_size, seed=cfg.data.train_seed, **cfg.data.train_generate)
+    seen = {row.tobytes() for row in train.inputs}
+    return int(sum(row.tobytes() in seen for row in eval_set.inputs))
+
+
+def evaluate_h2h(args: argparse.Namespace) -> None:
+    """Every checkpoint of the head-to-head's seeds (``--seeds``, ``--only`` among AUTHORS, ``--minutes``) through
+    ``sudoku9_h2h.evaluate_checkpoint`` into ``<runs>/seed<N>/<model>/eval-h2h-<M>min.json`` (skipped when it
+    exists), then ``results_h2h.json``, ``table_h2h.md`` and ``accuracy_vs_budget.png`` from every saved row."""
+    seeds = [s for s in seeds_of(args) if s is not None]
+    names = [n for n in (_only(args) or AUTHORS) if n in AUTHORS]
+    plan = probe(args, names)
+    cfg, eval_set, backtracks = held_out(args)
+    for seed in [] if args.assemble else seeds:
+        for name in names:
+            folder = run_dir(args.runs, name, seed)
+            for minutes, step in zip(MINUTES, plan["budget_steps"][name]):
+                saved = folder / f"eval-h2h-{minutes}min.json"
+                ckpt = folder / "checkpoints" / f"step_{step:08d}"
+                if minutes not in args.minutes or saved.is_file() or not ckpt.is_dir():
+                    continue
+                family = "trm" if name.startswith("trm") else "fprm"
+                row = h2h.evaluate_checkpoint(name, family, ckpt, eval_set, backtracks, list(EXTREME_ROWS))
+                row.update(seed=seed, minutes=minutes, train_time_s=_train_times(folder).get(step))
+                write_json(saved, row)
+                print(
+                    name, seed, minutes, {k: row["protocol"][k] for k in ("valid", "mean_blocks")}, flush=True
+                )
+    rows = h2h.load_rows(args.runs, seeds, list(AUTHORS), list(MINUTES))
+    summary = h2h.summarise(
+        {n: r for n, r in rows.items() if n != "fprm_authors_jac"}, "fprm_authors", "trm_authors"
+    )
+    jac = h2h.summarise(
+        {n: r for n, r in rows.items() if n != "trm_authors"}, "fprm_authors_jac", "fprm_authors"
+    )
+    labels = {"fprm_authors": "FPRM", "trm_authors": "TRM", "fprm_authors_jac": "FPRM + contraction term"}
+    payload = {
+        "command": "python experiments/sudoku9_cpu.py --phase eval --seeds 0,1,2 (then --assemble)",
+        "probe": plan,
+        "protocols": {n: PROTOCOL[n] for n in AUTHORS},
+        "eval_set": {"n": len(eval_set), "blanks": [20, 60], "seed": cfg.data.eval_seed,
+                     "needs_search": int((backtracks > 0).sum())},
+        "train_overlap": {str(s): train_overlap(args, s, eval_set) for s in seeds},
+        "summary": summary,
+        "contraction": jac,
+        "train": {n: {str(s): _experiment(run_dir(args.runs, n, s)) for s in seeds} for n in AUTHORS},
+    }  # fmt: skip
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_json(args.out / "results_h2h.json", payload)
+    text = h2h.markdown(summary, labels) + "\nloopformer's contraction term (same steps as FPRM):\n\n"
+    text += h2h.markdown(jac, labels)
+    (args.out / "table_h2h.md").write_text(text)
+    if summary:
+        h2h.plot(summary, labels, args.out / "accuracy_vs_budget.png", pyplot, save_figure)
+    if jac:
+        h2h.plot(jac, labels, args.out / "contraction_vs_budget.png", pyplot, save_figure)
+    print(text)
+
+
+def ship(args: argparse.Namespace) -> None:
+    """``--phase ship --seeds 0,1,2``: each seed's 60-minute ``fprm_authors`` checkpoint's EMA weights as a
+    checkpoint of its own (weights, config, manifest; no optimiser state: 1.6 MB) in
+    ``benchmarks/checkpoints/sudoku9_fprm_seed<N>/``, so ``python -m benchmarks --only inference`` runs from a
+    clean clone (benchmarks/bench_inference.py)."""
+    from loopformer.runs.checkpoint import save_checkpoint
+
+    plan = probe(args, ["fprm_authors"])
+    for seed in [s for s in seeds_of(args) if s is not None]:
+        step = plan["budget_steps"]["fprm_authors"][-1]
+        ckpt = run_dir(args.runs, "fprm_authors", seed) / "checkpoints" / f"step_{step:08d}"
+        run = load_run(ckpt, use_ema=True)
+        if run.weights != "ema":
+            raise SystemExit(f"{ckpt} keeps no EMA weights")
+        dest = REPO / "benchmarks" / "checkpoints" / f"sudoku9_fprm_seed{seed}"
+        if dest.exists():
+            raise SystemExit(f"{dest} exists: remove it to ship seed {seed} again")
+        folder = save_checkpoint(dest / "checkpoints", step, run.model, run.config)
+        print(f"seed {seed}: {ckpt} (EMA) -> {folder}", flush=True)
+
+
+def _experiment(folder: Path) -> dict[str, Any]:
+    record = folder / "experiment.json"
+    return json.loads(record.read_text()) if record.is_file() else {"unfinished": True}
+
+
+def evaluate(args: argparse.Namespace) -> None:
+    """The first rerun's single runs (``<runs>/<model>``, our protocols): ``results.json`` / ``table.md``."""
+    plan = probe(args, [n for n in LEGACY if n in (_only(args) or LEGACY)])
+    cfg, eval_set, backtracks = held_out(args)
+    only = [n for n in _only(args) if n in LEGACY]
     # rows of models not evaluated now (--only, or no run folder here) stay as the earlier eval wrote them
     earlier = args.out / "results.json"
     results: dict[str, Any] = json.loads(earlier.read_text())["results"] if earlier.is_file() else {}
-    for name in only or MODELS:
+    for name in only or LEGACY:
         run_dir = args.runs / name
         if not (run_dir / "checkpoints").is_dir():
             print(f"{name}: no checkpoints in {run_dir}, skipped", flush=True)
@@ -517,10 +513,7 @@ def evaluate(args: argparse.Namespace) -> None:
                 if not ckpt.is_dir():
                     print(f"{name}: no checkpoint {ckpt}", flush=True)
                     continue
-                if name in AUTHORS:
-                    row = evaluate_authors(name, ckpt, eval_set, backtracks, curve=minutes == MINUTES[-1])
-                else:
-                    row = evaluate_checkpoint(name, ckpt, eval_set, backtracks)
+                row = evaluate_checkpoint(name, ckpt, eval_set, backtracks)
                 row.update(minutes=minutes, train_time_s=times.get(step))
                 write_json(saved, row)
                 print(
@@ -537,7 +530,7 @@ def evaluate(args: argparse.Namespace) -> None:
             "train": exp,
             "gflops_per_step": plan["flops_per_step"][name] / 1e9,
         }
-    results = {n: results[n] for n in MODELS if n in results}
+    results = {n: results[n] for n in LEGACY if n in results}
     payload = {
         "command": "python experiments/sudoku9_cpu.py --phase eval [--only NAME,...]",
         "probe": plan,
@@ -553,8 +546,6 @@ def evaluate(args: argparse.Namespace) -> None:
     write_json(args.out / "results.json", payload)
     (args.out / "table.md").write_text(markdown(payload))
     plot(payload, args.out / "accuracy_vs_blanks.png")
-    if any("budget_curve" in r for res in results.values() for r in res["checkpoints"]):
-        plot_budget(payload, args.out / "accuracy_vs_budget.png")
     print((args.out / "table.md").read_text())
 
 
@@ -569,24 +560,8 @@ def _train_times(run_dir: Path) -> dict[int, float]:
 
 
 def markdown(payload: dict[str, Any]) -> str:
-    """The first rerun's table (our protocol), then the authors'-protocol table with test-time compute,
-    then the accuracy-vs-budget points."""
-    ours = {n: r for n, r in payload["results"].items() if n not in AUTHORS}
-    theirs = {n: r for n, r in payload["results"].items() if n in AUTHORS}
-    text = _table(ours, compute=False)
-    if theirs:
-        text += (
-            "\nUnder the authors' protocols (" + "; ".join(f"{n}: {PROTOCOL[n]}" for n in theirs) + "):\n\n"
-        )
-        text += _table(theirs, compute=True)
-        curves = [(n, r) for n, res in theirs.items() for r in res["checkpoints"] if "budget_curve" in r]
-        if curves:
-            text += "\nAccuracy vs test-time compute (60-minute checkpoints; blocks = loop steps x blocks per step):\n\n"
-            text += "| model | loop steps (exactly) | blocks | valid |\n|---|---|---|---|\n"
-            for n, r in curves:
-                for p in r["budget_curve"]:
-                    text += f"| {n} | {p['budget_steps']} | {p['blocks']} | {_pct(p['valid'])} |\n"
-    return text
+    """The first rerun's table (our protocols)."""
+    return _table(payload["results"], compute=False)
 
 
 def _table(results: dict[str, Any], compute: bool) -> str:
@@ -652,49 +627,9 @@ def plot(payload: dict[str, Any], path: Path) -> None:
     save_figure(fig, path)
 
 
-def plot_budget(payload: dict[str, Any], path: Path) -> None:
-    """Held-out valid accuracy vs test-time compute (transformer blocks applied per puzzle, log2 axis) of
-    the authors'-protocol 60-minute checkpoints; each model's own evaluation (its authors' protocol) as a
-    marker."""
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(6, 3.6))
-    for i, (name, res) in enumerate(payload["results"].items()):
-        for row in res["checkpoints"]:
-            if "budget_curve" not in row:
-                continue
-            pts = row["budget_curve"]
-            ax.plot(
-                [p["blocks"] for p in pts],
-                [p["valid"] for p in pts],
-                "-",
-                marker="o",
-                markersize=3,
-                color=f"C{i}",
-                label=f"{name}, exactly b loop steps",
-            )
-            ax.plot(
-                [max(row["mean_blocks"], 1.0)],
-                [row["valid"]],
-                "*",
-                markersize=10,
-                color=f"C{i}",
-                label=f"{name}, authors' evaluation ({row['mean_blocks']:.0f} blocks used)",
-            )
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("test-time compute: blocks applied per puzzle (loop steps x blocks per step)")
-    ax.set_ylabel("valid accuracy (held-out, 1,000)")
-    ax.set_ylim(-0.02, 1.02)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=6)
-    ax.set_title(
-        "9x9 Sudoku, 60 min on one CPU core, equal training FLOPs: accuracy vs test-time compute", fontsize=8
-    )
-    save_figure(fig, path)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--phase", choices=("probe", "train", "eval", "all"), default="all")
+    parser.add_argument("--phase", choices=("probe", "train", "eval", "ship", "all"), default="all")
     parser.add_argument("--only", default="", help="comma-separated models for --phase train / eval")
     parser.add_argument("--quick", action="store_true", help="a few steps at tiny size (dry run)")
     parser.add_argument("--threads", type=int, default=1, help="threads of the probe (the budgets' clock)")
@@ -744,7 +679,9 @@ def main() -> None:
             for name in only or MODELS:
                 train_one(args, name, seed)
     if args.phase in ("eval", "all"):
-        evaluate(args)
+        evaluate_h2h(args) if args.seeds else evaluate(args)
+    if args.phase == "ship":
+        ship(args)
 
 
 if __name__ == "__main__":
