@@ -13,13 +13,10 @@ import errno
 import os
 import signal
 import threading
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Any
 
 import click
-
-if TYPE_CHECKING:
-    pass
-
 
 # exceptions whose message is already meant for the user
 _USER_ERRORS = ("ConfigError", "CheckpointError", "TaskDataError", "FileNotFoundError", "KeyError",
@@ -130,6 +127,25 @@ def interrupted_message(command: str | None, how: str = "Ctrl-C") -> str:
     return text + "; files are written atomically, so nothing half-written was left behind"
 
 
+class PathParam(click.ParamType):
+    """A path a user typed (``-o``, ``--out``, ``--config`` ...): a ``Path`` as given, never parsed as a
+    config value (``-o "exp #2"``, ``-o 0001``, ``-o 2024-01-01``, a name holding a newline stay what they
+    are); empty text, which names no folder, is refused."""
+
+    name = "path"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Path:
+        if isinstance(value, Path):
+            return value
+        text = os.fsdecode(value) if isinstance(value, bytes) else str(value)
+        if not text.strip():
+            self.fail("an empty path names no file or folder", param, ctx)
+        return Path(text)
+
+
+PATH = PathParam()
+
+
 def parse_pairs(pairs: tuple[str, ...] | list[str], what: str) -> dict[str, Any]:
     """``("a=1", "b=[2,3]")`` -> ``{"a": 1, "b": [2, 3]}`` (values parsed as YAML)."""
     import yaml
@@ -161,4 +177,4 @@ def parse_int_list(text: str | None, what: str) -> list[int]:
     return values
 
 
-__all__ = ["CleanErrorGroup", "one_line", "parse_int_list", "parse_pairs"]
+__all__ = ["PATH", "CleanErrorGroup", "PathParam", "one_line", "parse_int_list", "parse_pairs"]

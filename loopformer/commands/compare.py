@@ -16,6 +16,8 @@ from typing import Any
 
 import click
 
+from loopformer.commands.common import PATH
+
 
 def print_rows(rows: Sequence[dict[str, Any]], title: str) -> None:
     """The comparison as a rich table on the console (the markdown table's columns but exact accuracy)."""
@@ -49,12 +51,12 @@ def compare_into(out: Path, folders: Sequence[Path], title: str, overwrite: bool
 
 @click.command("compare")
 @click.argument("sources", nargs=-1, required=True, metavar="RUN_OR_REPORT...")
-@click.option("--out", "-o", "out_dir", default=None, help="folder to write (default: a new compare-<time>)")
+@click.option("--out", "-o", "out_dir", type=PATH, default=None, help="folder to write (default: a new compare-<time>)")
 @click.option(
     "--overwrite", is_flag=True, help="replace what --out holds (moved aside once the new one is done)"
 )
 @click.option("--title", default=None, help="title of the table and plots")
-def compare(sources: tuple[str, ...], out_dir: str | None, overwrite: bool, title: str | None) -> None:
+def compare(sources: tuple[str, ...], out_dir: Path | None, overwrite: bool, title: str | None) -> None:
     """Compare evaluations: accuracy, loops, converged, time, parameters; overlay plots.
 
     RUN_OR_REPORT: a report folder (loopformer eval / run), a run folder (its newest eval-* report), an

@@ -8,8 +8,12 @@ before the key mapping runs (an error that suggests one is fixed by passing it).
 
 from __future__ import annotations
 
+import shlex
+from pathlib import Path
+
 import click
 
+from loopformer.commands.common import PATH
 from loopformer.convert import CONVERTERS
 
 
@@ -19,7 +23,7 @@ from loopformer.convert import CONVERTERS
 @click.option(
     "--config",
     "config_file",
-    type=click.Path(dir_okay=False),
+    type=PATH,
     default=None,
     help="the reference's training configuration (e.g. TRM / HRM all_config.yaml)",
 )
@@ -28,7 +32,7 @@ from loopformer.convert import CONVERTERS
     "-o",
     "out_dir",
     required=True,
-    type=click.Path(file_okay=False),
+    type=PATH,
     help="run folder to write (config.yaml + checkpoints/step_00000000)",
 )
 @click.option(
@@ -51,8 +55,8 @@ from loopformer.convert import CONVERTERS
 def convert(
     system: str,
     checkpoint: str,
-    config_file: str | None,
-    out_dir: str,
+    config_file: Path | None,
+    out_dir: Path,
     overrides: tuple[str, ...],
     allow_defaults: bool = False,
     overwrite: bool = False,
@@ -65,8 +69,6 @@ def convert(
         raise NotImplementedError(
             f"no key mapping for {system!r} yet (available: {', '.join(sorted(CONVERTERS))})"
         )
-    from pathlib import Path
-
     from loopformer.runs.outputs import staged_output
 
     out = Path(out_dir)
@@ -80,21 +82,19 @@ def convert(
     folder = out / staged.relative_to(tmp)
     for note in converted.notes:
         click.echo(f"note: {note}")
-    click.echo(f"wrote {folder} ({len(converted.weights)} tensors); evaluate with: loopformer eval {out_dir}")
+    click.echo(f"wrote {folder} ({len(converted.weights)} tensors); evaluate with: loopformer eval {shlex.quote(str(out_dir))}")
 
 
 @click.command("consolidate")
 @click.argument("checkpoint", type=click.Path(exists=True))
-@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False),
+@click.option("--out", "out_dir", required=True, type=PATH,
               help="folder to write step_N/ (and its latest pointer) into")  # fmt: skip
-def consolidate_cmd(checkpoint: str, out_dir: str) -> None:
+def consolidate_cmd(checkpoint: str, out_dir: Path) -> None:
     """Turn a sharded (FSDP2) checkpoint into a full safetensors checkpoint.
 
     A sharded checkpoint is what train.checkpoint_format=sharded writes; the full one (model.safetensors,
     ema.safetensors, the optimiser in full) is what push, convert and a resume with train.strategy=fsdp or
     one process read. eval / solve read sharded checkpoints directly."""
-    from pathlib import Path
-
     from loopformer.runs.folder import RunFolderError, RunLock, inside_run, training_run
     from loopformer.runs.sharded import consolidate
 

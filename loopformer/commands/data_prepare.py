@@ -351,9 +351,11 @@ def prepare(name: str, out: str | Path, from_dir: str | Path | None = None, subs
 def _command() -> Any:
     import click
 
+    from loopformer.commands.common import PATH
+
     @click.command("prepare")
     @click.argument("name", type=click.Choice(list(DATASETS)))
-    @click.option("--out", "-o", "out", type=click.Path(path_type=Path), required=True, help="Output folder.")
+    @click.option("--out", "-o", "out", type=PATH, required=True, help="Output folder.")
     @click.option("--from", "from_dir", type=click.Path(exists=True, file_okay=False, path_type=Path),
                   default=None, help="Folder with the files already on disk (no download).")  # fmt: skip
     @click.option(

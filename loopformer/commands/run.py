@@ -38,6 +38,7 @@ from typing import Any
 
 import click
 
+from loopformer.commands.common import PATH
 from loopformer.commands.suite import ModelUnderTest, SuiteOptions, accuracy_table, run_suite
 from loopformer.devices import device_option, resolve_device
 from loopformer.eval.evaluate import model_device
@@ -223,7 +224,7 @@ def _run_lm(out: Path, label: str, main_run: Any, base_summary: dict[str, Any] |
     echo(f"summary: {out / 'summary.json'}")
 
 
-def run_folder_for(out_dir: str | None, overwrite: bool, resume: bool = False) -> Path:
+def run_folder_for(out_dir: str | Path | None, overwrite: bool, resume: bool = False) -> Path:
     """The folder of a ``loopformer run``: ``--out`` (refused when it holds a previous run, unless
     ``overwrite`` or ``resume``), else a new ``runs/<timestamp>`` (``-2``, ``-3``... when that name is taken)."""
     from loopformer.runs.folder import RunFolderError, holds_run
@@ -285,7 +286,7 @@ def _refuse_foreign_folder(out: Path) -> None:
 
 @click.command("run")
 @click.option("--recipe", "-r", default=DEFAULT_RECIPE, show_default=True, help="recipe name (in recipes/) or path")
-@click.option("--out", "-o", "out_dir", default=None, help="run folder (default: a new runs/<timestamp>)")
+@click.option("--out", "-o", "out_dir", type=PATH, default=None, help="run folder (default: a new runs/<timestamp>)")
 @click.option("--overwrite", is_flag=True, help="replace the previous run in --out (each model's folder swapped in whole once "
               "its first checkpoint is written)")
 @click.option("--resume", is_flag=True, help="continue the run in --out after an interruption (SIGTERM, "
@@ -293,7 +294,7 @@ def _refuse_foreign_folder(out: Path) -> None:
 @device_option()
 @click.option("--print-config", is_flag=True, help="print the resolved configurations (YAML) and exit")
 @click.argument("overrides", nargs=-1)
-def run(recipe: str, out_dir: str | None, overwrite: bool, resume: bool, overrides: tuple[str, ...], device: str,
+def run(recipe: str, out_dir: Path | None, overwrite: bool, resume: bool, overrides: tuple[str, ...], device: str,
         print_config: bool) -> None:
     """Train the recipe's looped model and an equal-size plain transformer, evaluate both, report.
 
@@ -321,7 +322,7 @@ def run(recipe: str, out_dir: str | None, overwrite: bool, resume: bool, overrid
         _run(recipe, out_dir, overwrite, overrides, dev, stack, resume)
 
 
-def _run(recipe: str, out_dir: str | None, overwrite: bool, overrides: tuple[str, ...], dev: Any,
+def _run(recipe: str, out_dir: Path | None, overwrite: bool, overrides: tuple[str, ...], dev: Any,
          stack: contextlib.ExitStack, resume: bool = False) -> None:  # fmt: skip
     from rich.console import Console
 

@@ -33,6 +33,8 @@ from typing import Any
 
 import click
 
+from loopformer.commands.common import PATH
+
 EVAL_PREFIXES = ("loop_eval.", "eval.")
 
 
@@ -174,7 +176,7 @@ def check_points(recipe: str, folder: Path, points: list[Point], budgets: list[i
     raw.pop("run", None)
     dev = str(resolve_device(device))
     for point in points:
-        cfg = build_config(raw, [*point.train, f"out_dir={folder / point.run}"])
+        cfg = build_config(raw, point.train, out_dir=folder / point.run)
         evaluated = run_config_for(cfg, point.evaluate, device=dev)
         check_loop_counts(evaluated, {"--max-steps": budgets}, dev)
 
@@ -186,7 +188,7 @@ def _train_point(recipe: str, run: Path, point: Point, echo: Any) -> None:
 
     raw = read_recipe(find_run_recipe(recipe))
     raw.pop("run", None)
-    cfg = build_config(raw, [*point.train, f"out_dir={run}"])
+    cfg = build_config(raw, point.train, out_dir=run)
     if (run / "config.json").is_file():
         differs = _same_config(run, cfg)
         if differs is not None:
@@ -197,7 +199,7 @@ def _train_point(recipe: str, run: Path, point: Point, echo: Any) -> None:
         if _finished(run, cfg.train.steps):
             echo(f"{point.run}: finished earlier, not trained again")
             return
-        cfg = build_config(raw, [*point.train, f"out_dir={run}", "train.resume=true"])
+        cfg = build_config(raw, [*point.train, "train.resume=true"], out_dir=run)
     echo(f"{point.run}: training {cfg.model.name} for {cfg.train.steps} steps -> {run}")
     Trainer(cfg).fit()
 
@@ -237,7 +239,7 @@ def check_sweep_folder(folder: Path, recipe: str, axes: dict[str, Any], fixed: d
 @click.command("sweep")
 @click.argument("recipe")
 @click.argument("grid", nargs=-1, required=True)
-@click.option("--out", "-o", "out_dir", required=True, help="the sweep folder (one run folder per point)")
+@click.option("--out", "-o", "out_dir", type=PATH, required=True, help="the sweep folder (one run folder per point)")
 @click.option("--max-steps", "max_steps", default=None, metavar="B1,B2,...",
               help="loop budgets of each point's accuracy-vs-budget curve, e.g. 1,2,4,8")  # fmt: skip
 @click.option("--analyses/--no-analyses", default=False, show_default=True,
@@ -248,7 +250,7 @@ def check_sweep_folder(folder: Path, recipe: str, axes: dict[str, Any], fixed: d
     show_default=True,
     help="where each point is evaluated: auto | cpu | cuda | cuda:N (training: the recipe's device key)",
 )
-def sweep(recipe: str, grid: tuple[str, ...], out_dir: str, max_steps: str | None, analyses: bool,
+def sweep(recipe: str, grid: tuple[str, ...], out_dir: Path, max_steps: str | None, analyses: bool,
           device: str) -> None:  # fmt: skip
     """Run RECIPE over a grid, e.g. loop_eval.solver=damped,anderson train.lr=1e-3,3e-4; compare the points.
 
@@ -286,7 +288,7 @@ def sweep(recipe: str, grid: tuple[str, ...], out_dir: str, max_steps: str | Non
             try:
                 _train_point(recipe, run, point, click.echo)
             except TrainingInterrupted as err:  # SIGTERM / SIGINT: the point is checkpointed; rerun resumes
-                again = ["loopformer", "sweep", recipe, *grid, "-o", out_dir,
+                again = ["loopformer", "sweep", recipe, *grid, "-o", str(out_dir),
                          *(["--max-steps", max_steps] if max_steps else []),
                          *(["--analyses"] if analyses else []), *(["--device", device] if device != "auto" else [])]  # fmt: skip
                 resume_hint(err, again)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -10,7 +11,7 @@ from typing import Any
 
 import click
 
-from loopformer.commands.common import parse_int_list, parse_pairs
+from loopformer.commands.common import PATH, parse_int_list, parse_pairs
 from loopformer.commands.suite import ModelUnderTest, SuiteOptions, accuracy_table, run_suite
 from loopformer.devices import device_option, resolve_device
 from loopformer.eval.auto_solver import DEFAULT_FRACTION
@@ -24,7 +25,7 @@ from loopformer.runs import eval_dataset, load_run, training_depth
 @click.argument("recipe")
 @click.argument("overrides", nargs=-1)
 @click.option("--resume", is_flag=True, help="continue from the run folder's latest checkpoint")
-@click.option("--out", "-o", "out_dir", default=None, help="run folder (overrides out_dir)")
+@click.option("--out", "-o", "out_dir", type=PATH, default=None, help="run folder (instead of the recipe's out_dir)")
 @click.option(
     "--overwrite",
     is_flag=True,
@@ -45,7 +46,7 @@ def train(
     recipe: str,
     overrides: tuple[str, ...],
     resume: bool,
-    out_dir: str | None,
+    out_dir: Path | None,
     overwrite: bool,
     allow_config_change: bool,
     print_config: bool,
@@ -65,15 +66,13 @@ def train(
     raw = read_recipe(find_run_recipe(recipe))
     raw.pop("run", None)  # the `loopformer run` table is not part of a training config
     extra = list(overrides)
-    if out_dir:
-        extra.append(f"out_dir={out_dir}")
     if resume:
         extra.append("train.resume=true")
     if overwrite:
         extra.append("train.overwrite=true")
     if allow_config_change:
         extra.append("train.allow_config_change=true")
-    cfg = build_config(raw, extra)
+    cfg = build_config(raw, extra, out_dir=out_dir)  # -o is a path, never an override
     if print_config:  # every model and loop field with its effective value (loopformer.config.recipes)
         from loopformer.config.recipes import print_config_yaml
 
@@ -100,7 +99,7 @@ def train(
         from loopformer.commands.common import resume_hint
 
         kept = [o for o in overrides if o.split("=", 1)[0] not in ("out_dir", "train.resume", "train.overwrite")]
-        resume_hint(err, ["loopformer", "train", recipe, *kept, f"out_dir={cfg.out_dir}", "--resume"])
+        resume_hint(err, ["loopformer", "train", recipe, *kept, "-o", str(cfg.out_dir), "--resume"])
     ev = summary.get("eval") or {}
     if "bits_per_byte" in ev:
         console.print(
@@ -122,7 +121,7 @@ def train(
     console.print(f"checkpoint: {summary['checkpoint']}  ({summary['wall_time']:.0f} s)")
     if best:
         console.print(
-            f"the published protocol (loop_eval) on the best checkpoint: loopformer eval {cfg.out_dir} --best"
+            f"the published protocol (loop_eval) on the best checkpoint: loopformer eval {shlex.quote(cfg.out_dir)} --best"
         )
 
 
@@ -180,7 +179,7 @@ def train(
     is_flag=True,
     help="the run's best checkpoint (checkpoints/best, kept by train.keep_best) instead of its latest",
 )
-@click.option("--out", "-o", "out_dir", default=None, help="report folder (default <run>/eval-step<N>-<time>)")
+@click.option("--out", "-o", "out_dir", type=PATH, default=None, help="report folder (default <run>/eval-step<N>-<time>)")
 @click.option("--overwrite", is_flag=True, help="replace the report in --out (moved aside once the new one is done)")
 @click.option(
     "--auto-solver",
@@ -213,7 +212,7 @@ def train(
 @device_option()
 def evaluate_cmd(checkpoint: str, max_steps: str | None, budget_mode: str, task_options: tuple[str, ...],
                  sets: tuple[str, ...], examples: int, lens_loops: int | None, analyses: bool, ema: bool,
-                 best: bool, out_dir: str | None, device: str, overwrite: bool = False, auto_solver: bool = False,
+                 best: bool, out_dir: Path | None, device: str, overwrite: bool = False, auto_solver: bool = False,
                  auto_solver_slice: float = DEFAULT_FRACTION, auto_solver_tolerance: float = 0.0,
                  variants: tuple[str, ...] = ()) -> None:  # fmt: skip
     """Evaluate CHECKPOINT (a run folder or checkpoint folder) on its held-out set; write a report.
