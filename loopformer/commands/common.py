@@ -163,6 +163,33 @@ def parse_pairs(pairs: tuple[str, ...] | list[str], what: str) -> dict[str, Any]
     return out
 
 
+def parse_variants(variants: tuple[str, ...] | list[str]) -> list[tuple[str, list[str]]]:
+    """``("loop_eval.solver=anderson loop_eval.tol=0.01", ...)`` -> [(name, overrides)]: each variant's
+    overrides (loop_eval.* / eval.* keys only) and a name made of them, without the ``loop_eval.`` prefix."""
+    import shlex
+
+    parsed = []
+    for text in variants:
+        parts = shlex.split(text)
+        if not parts:
+            raise click.BadParameter("a variant needs at least one KEY=VALUE", param_hint="--variant")
+        for part in parts:
+            deletes = part.startswith("~") and "=" not in part  # ~loop_eval.tol: the model's default again
+            if not (deletes or "=" in part) or not part.lstrip("~").startswith(("loop_eval.", "eval.")):
+                raise click.BadParameter(
+                    f"{part!r}: a variant changes loop_eval.* or eval.* keys (KEY=VALUE)", param_hint="--variant"
+                )
+        name = ",".join(p[: p.startswith("~")] + p.lstrip("~").removeprefix("loop_eval.") for p in parts)
+        parsed.append((name, parts))
+    return parsed
+
+
+def safe_name(text: str) -> str:
+    """``text`` as a folder name: letters, digits and ``._=,+-`` kept, anything else ``-``."""
+    kept = "".join(c if c.isalnum() or c in "._=,+-" else "-" for c in text).strip("-.")
+    return kept[:120] or "point"
+
+
 def parse_int_list(text: str | None, what: str) -> list[int]:
     if not text:
         return []
@@ -177,4 +204,5 @@ def parse_int_list(text: str | None, what: str) -> list[int]:
     return values
 
 
-__all__ = ["PATH", "CleanErrorGroup", "PathParam", "one_line", "parse_int_list", "parse_pairs"]
+__all__ = ["PATH", "CleanErrorGroup", "PathParam", "one_line", "parse_int_list", "parse_pairs", "parse_variants",
+           "safe_name"]

@@ -39,13 +39,14 @@ from typing import Any
 import click
 
 from loopformer.commands.common import PATH
-from loopformer.commands.suite import ModelUnderTest, SuiteOptions, accuracy_table, run_suite
+from loopformer.commands.suite import ModelUnderTest, SuiteOptions, accuracy_table, run_suite, spearman_text
 from loopformer.devices import device_option, resolve_device
 from loopformer.eval.evaluate import model_device
 from loopformer.eval.lm import evaluate_lm
 from loopformer.eval.report import describe_loop
 from loopformer.nn import autocast
 from loopformer.runs import eval_dataset, load_run, training_depth
+from loopformer.runs.fingerprint import heldout_record
 
 DEFAULT_RECIPE = "default"
 # fields a plain transformer shares with the looped families (copied unless the baseline sets them)
@@ -194,14 +195,16 @@ def _train(cfg: Any, label: str, echo: Any) -> dict[str, Any]:
 
 
 def _finished_summary(run: Path, steps: int) -> dict[str, Any] | None:
-    """``run``'s ``summary.json`` when its training reached ``steps``, else None."""
-    try:
-        summary = json.loads((run / "summary.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    if not isinstance(summary, dict) or int(summary.get("steps") or 0) < steps or not summary.get("checkpoint"):
+    """``run``'s ``summary.json`` when its training reached ``steps`` (read through its schema; its
+    checkpoint confined to the run's own ``checkpoints/``: ``loopformer.runs.records.finished_summary``)."""
+    from loopformer.runs.records import finished_summary
+
+    summary = finished_summary(run, steps)
+    if summary is None:
         return None
     summary.setdefault("wall_time", 0.0)
+    if summary["wall_time"] is None:
+        summary["wall_time"] = 0.0
     return summary
 
 
@@ -220,7 +223,8 @@ def _run_lm(out: Path, label: str, main_run: Any, base_summary: dict[str, Any] |
                          seed=r.config.seed)
         results[name] = {"checkpoint": str(r.path), **lm.to_dict()}
         echo(f"[bold]{name}[/bold]: held-out loss {lm.loss:.4f} nats/token, bits per byte {lm.bits_per_byte:.4f}")
-    write_json(out / "summary.json", {"task": task_description(main_run.config), "model": label, "results": results})
+    write_json(out / "summary.json", {"task": task_description(main_run.config), "model": label, "results": results,
+                                      "heldout": heldout_record(main_run.config, dataset)})
     echo(f"summary: {out / 'summary.json'}")
 
 
@@ -383,6 +387,7 @@ def _run(recipe: str, out_dir: Path | None, overwrite: bool, overrides: tuple[st
         out, section.title or f"loopformer run: {main_label} ({describe_loop(main.loop)}) vs "
         f"{baselines[0].label if baselines else 'no baseline'} on {main_cfg.data.task}",
         main_run.task, dataset, main, baselines, options, notes=notes, log=lambda m: console.print(f"  {m}"),
+        extra={"heldout": heldout_record(main_run.config, dataset)},  # what compare checks reports agree on
     )
     results = suite["results"]
     r_main = results[main_label]
@@ -425,7 +430,6 @@ def _run(recipe: str, out_dir: Path | None, overwrite: bool, overrides: tuple[st
                   f"{100 * r_main.valid_accuracy:.1f}%"
                   + (f", baseline {100 * r_base.valid_accuracy:.1f}% ({base_desc})" if r_base else ""))
     console.print(f"[bold]mean loop steps[/bold]: easy (difficulty <= {eh['split_difficulty']:g}) "
-                  f"{eh['easy_mean_steps']:.2f}, hard {eh['hard_mean_steps']:.2f}; Spearman rho "
-                  f"{stats.spearman_rho:.2f} (p={stats.spearman_p:.2g})")
+                  f"{eh['easy_mean_steps']:.2f}, hard {eh['hard_mean_steps']:.2f}; {spearman_text(stats)}")
     console.print(f"checkpoint: {main_run.path}")
     console.print(f"report: {suite['report']}   plots: {out / 'plots'}   summary: {out / 'summary.json'}")

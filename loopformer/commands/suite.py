@@ -173,6 +173,17 @@ def model_info(m: ModelUnderTest, seconds_per_example: float, baseline: bool) ->
     }
 
 
+def spearman_text(stats: Any) -> str:
+    """``Spearman rho 0.42 (p=0.01)``, or why there is none: a rank correlation with no spread in the
+    loop counts or the difficulties is undefined, never a result to print as ``nan``."""
+    import math
+
+    if math.isnan(stats.spearman_rho):
+        return ("Spearman rho undefined (every example took the same number of loops, or all share one "
+                "difficulty: there is nothing to rank)")  # fmt: skip
+    return f"Spearman rho {stats.spearman_rho:.2f} (p={stats.spearman_p:.2g})"
+
+
 def accuracy_table(results: Mapping[str, EvalResult]) -> Any:
     """A rich table of the held-out results."""
     from rich.table import Table

@@ -14,8 +14,11 @@ point. The cartesian product runs sequentially into one folder:
   (``loopformer compare``: table and overlay plots), replaced at every sweep.
 
 Resumable: a point whose run finished (``summary.json`` at ``train.steps``) is not trained again, one
-killed part-way resumes from its checkpoint, and a report already written is kept. A finished point
-whose recorded configuration differs from the new one is refused (use another folder).
+killed part-way resumes from its checkpoint, and a report already written with the same evaluation
+settings is kept; one written with others (another ``--max-steps`` or ``--analyses``) is evaluated again.
+A finished point whose recorded configuration differs from the new one is refused (use another folder).
+Nothing is written through a symbolic link inside the sweep folder (a linked ``compare/``, point or
+report folder is refused), and the paths ``sweep.json`` lists are read only inside the folder.
 
 Several GPUs: the points are independent, so one process per GPU is natural; ``point_command``
 gives the ``loopformer train`` / ``loopformer eval`` command lines of a point, for a launcher that
@@ -25,7 +28,6 @@ places one per device (``CUDA_VISIBLE_DEVICES``); this command itself runs them 
 from __future__ import annotations
 
 import itertools
-import json
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +35,7 @@ from typing import Any
 
 import click
 
-from loopformer.commands.common import PATH
+from loopformer.commands.common import PATH, safe_name
 
 EVAL_PREFIXES = ("loop_eval.", "eval.")
 
@@ -102,8 +104,6 @@ def short_keys(keys: list[str]) -> dict[str, str]:
 
 
 def _label(pairs: list[tuple[str, str]], short: dict[str, str]) -> str:
-    from loopformer.commands.train_eval import safe_name
-
     return safe_name(",".join(f"{short[k]}={v}" for k, v in pairs))
 
 
@@ -138,11 +138,10 @@ def point_command(recipe: str, folder: Path, point: Point, budgets: str | None =
 
 
 def _finished(run: Path, steps: int) -> bool:
-    try:
-        summary = json.loads((run / "summary.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
-    return int(summary.get("steps", 0)) >= steps and bool(summary.get("checkpoint"))
+    """Whether ``run``'s training reached ``steps`` (its ``summary.json``, read through its schema)."""
+    from loopformer.runs.records import finished_summary
+
+    return finished_summary(run, steps) is not None
 
 
 def _same_config(run: Path, cfg: Any) -> str | None:
@@ -204,6 +203,23 @@ def _train_point(recipe: str, run: Path, point: Point, echo: Any) -> None:
     Trainer(cfg).fit()
 
 
+def _report_differs(report: Path, point: Point, budgets: list[int], analyses: bool) -> str | None:
+    """None when ``report`` holds a report made as this sweep makes it now (its ``metrics.json``
+    ``evaluation`` record: the point's overrides, ``--max-steps``, ``--analyses``); "" when there is none;
+    else how it was made otherwise (it is evaluated again: a rerun never keeps a report made under other
+    settings while ``sweep.json`` claims the new ones)."""
+    from loopformer.eval.compare import read_metrics
+
+    if not (report / "metrics.json").is_file():
+        return ""
+    made = read_metrics(report).get("evaluation")
+    if not isinstance(made, dict):
+        return "without a record of its evaluation settings"
+    now = {"overrides": list(point.evaluate), "budgets": list(budgets), "analyses": analyses}
+    differ = [f"{k} {made.get(k)!r} (now {v!r})" for k, v in now.items() if made.get(k) != v]
+    return f"with other evaluation settings: {'; '.join(differ)}" if differ else None
+
+
 def check_sweep_folder(folder: Path, recipe: str, axes: dict[str, Any], fixed: dict[str, Any]) -> None:
     """Refuse a sweep folder that is a file, lies in a training run's folder, is one, or holds
     something other than this sweep (another sweep's ``sweep.json``, a dataset, a report)."""
@@ -224,15 +240,14 @@ def check_sweep_folder(folder: Path, recipe: str, axes: dict[str, Any], fixed: d
             raise RunFolderError(f"--out {folder} is not empty ({', '.join(others[:3])}) and holds no "
                                  f"earlier sweep; choose a new or empty folder")  # fmt: skip
         return
-    try:
-        old = json.loads(record.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as err:
-        raise RunFolderError(f"{record} does not parse ({err}); choose a new folder") from None
-    if not isinstance(old, dict) or (old.get("recipe"), old.get("axes"), old.get("fixed")) != (recipe, axes, fixed):
+    from loopformer.eval.compare import read_sweep
+
+    old = read_sweep(folder)  # through its schema: a malformed file is one line naming the field
+    if (old.get("recipe"), old.get("axes"), old.get("fixed")) != (recipe, axes, fixed):
         raise RunFolderError(
-            f"--out {folder} holds another sweep ({record}: recipe {old.get('recipe') if isinstance(old, dict) else '?'}, "
-            f"axes {', '.join(old.get('axes') or []) if isinstance(old, dict) else '?'}); a sweep is resumed "
-            f"with the same recipe and grid: choose another --out"
+            f"--out {folder} holds another sweep ({record}: recipe {old.get('recipe', '?')}, "
+            f"axes {', '.join(old.get('axes') or [])}); a sweep is resumed with the same recipe and grid: "
+            f"choose another --out"
         )
 
 
@@ -261,7 +276,7 @@ def sweep(recipe: str, grid: tuple[str, ...], out_dir: Path, max_steps: str | No
     from loopformer.commands.common import parse_int_list, resume_hint
     from loopformer.commands.compare import compare_into
     from loopformer.commands.train_eval import evaluate_checkpoint
-    from loopformer.files import atomic_write_json
+    from loopformer.files import atomic_write_json, check_inside
     from loopformer.runs.folder import RunLock
     from loopformer.train.stop import TrainingInterrupted
 
@@ -275,8 +290,12 @@ def sweep(recipe: str, grid: tuple[str, ...], out_dir: Path, max_steps: str | No
     check_points(recipe, folder, points, budgets, device)
     with RunLock(folder, "sweep"):  # one sweep at a time in a folder; each run folder is locked by its run
         check_sweep_folder(folder, recipe, axes, fixed)  # again, now that no other sweep can write it
+        for point in points:  # the sweep's own folders: never through a link out of it
+            check_inside(folder / point.run / point.report, folder)
+        check_inside(folder / "compare", folder)
         atomic_write_json(folder / "sweep.json", {
             "recipe": recipe, "axes": axes, "fixed": fixed, "max_steps": budgets,
+            "evaluation": {"max_steps": budgets, "analyses": analyses},
             "points": [{"name": p.name, "run": p.run, "report": f"{p.run}/{p.report}",
                         "commands": [shlex.join(c) for c in point_command(recipe, folder, p, max_steps)]}
                        for p in points],
@@ -293,12 +312,15 @@ def sweep(recipe: str, grid: tuple[str, ...], out_dir: Path, max_steps: str | No
                          *(["--analyses"] if analyses else []), *(["--device", device] if device != "auto" else [])]  # fmt: skip
                 resume_hint(err, again)
             report = run / point.report
-            if (report / "metrics.json").is_file():
+            why = _report_differs(report, point, budgets, analyses)
+            if why is None:
                 click.echo(f"{point.name}: report {report} written earlier, kept")
                 continue
+            if why:
+                click.echo(f"{point.name}: report {report} was written {why}; evaluating again")
             evaluate_checkpoint(run, point.evaluate, budgets, analyses=analyses, out_dir=report, device=device,
                                 overwrite=True)  # fmt: skip
         reports = [folder / p.run / p.report for p in points]
         written = compare_into(folder / "compare", reports, f"sweep of {recipe}: {', '.join(axes)}", True,
-                               [p.name for p in points])  # fmt: skip
+                               [p.name for p in points], root=folder)  # fmt: skip
     click.echo(f"comparison: {written['markdown']}  plots: {folder / 'compare' / 'plots'}")

@@ -11,8 +11,8 @@ from typing import Any
 
 import click
 
-from loopformer.commands.common import PATH, parse_int_list, parse_pairs
-from loopformer.commands.suite import ModelUnderTest, SuiteOptions, accuracy_table, run_suite
+from loopformer.commands.common import PATH, parse_int_list, parse_pairs, parse_variants, safe_name
+from loopformer.commands.suite import ModelUnderTest, SuiteOptions, accuracy_table, run_suite, spearman_text
 from loopformer.devices import device_option, resolve_device
 from loopformer.eval.auto_solver import DEFAULT_FRACTION
 from loopformer.eval.lm import evaluate_lm
@@ -240,27 +240,6 @@ def evaluate_cmd(checkpoint: str, max_steps: str | None, budget_mode: str, task_
                         out_dir, device, overwrite, parse_variants(variants), auto)  # fmt: skip
 
 
-def parse_variants(variants: tuple[str, ...] | list[str]) -> list[tuple[str, list[str]]]:
-    """``("loop_eval.solver=anderson loop_eval.tol=0.01", ...)`` -> [(name, overrides)]: each variant's
-    overrides (loop_eval.* / eval.* keys only) and a name made of them, without the ``loop_eval.`` prefix."""
-    import shlex
-
-    parsed = []
-    for text in variants:
-        parts = shlex.split(text)
-        if not parts:
-            raise click.BadParameter("a variant needs at least one KEY=VALUE", param_hint="--variant")
-        for part in parts:
-            deletes = part.startswith("~") and "=" not in part  # ~loop_eval.tol: the model's default again
-            if not (deletes or "=" in part) or not part.lstrip("~").startswith(("loop_eval.", "eval.")):
-                raise click.BadParameter(
-                    f"{part!r}: a variant changes loop_eval.* or eval.* keys (KEY=VALUE)", param_hint="--variant"
-                )
-        name = ",".join(p[: p.startswith("~")] + p.lstrip("~").removeprefix("loop_eval.") for p in parts)
-        parsed.append((name, parts))
-    return parsed
-
-
 def evaluate_checkpoint(checkpoint: str | Path, overrides: list[str], budgets: list[int], budget_mode: str = "capped",
                         examples: int = 0, lens_loops: int | None = None, analyses: bool = True, ema: bool = True,
                         best: bool = False, out_dir: str | Path | None = None, device: str = "auto",
@@ -282,9 +261,12 @@ def evaluate_checkpoint(checkpoint: str | Path, overrides: list[str], budgets: l
     from loopformer.train.setup import set_cpu_threads
 
     set_cpu_threads(run.config.train, DistEnv(), dev, run.model)  # the run's train.threads rule, logged
+    # how this report was made (metrics.json "evaluation"): a sweep re-evaluates a report made otherwise
+    record = {"overrides": list(overrides), "budgets": list(budgets), "budget_mode": budget_mode,
+              "examples": examples, "analyses": analyses, "lens_loops": lens_loops, "ema": ema, "best": best}  # fmt: skip
     with autocast(dev, run.config.bf16):  # evaluate in the precision the run trained in
         _evaluate(run, examples, None if out_dir is None else str(out_dir), budgets, budget_mode, lens_loops,
-                  analyses, overwrite, variants or [], auto)  # fmt: skip
+                  analyses, overwrite, variants or [], auto, record)  # fmt: skip
 
 
 def _auto_solver(run: Any, dataset: Any, auto: tuple[float, float]) -> tuple[Any, Any, dict[str, Any]]:
@@ -330,17 +312,22 @@ def _auto_note(record: dict[str, Any] | None) -> list[str]:
 
 
 @contextmanager
-def _report_folder(out: Path) -> Iterator[Path]:
-    """The default report folder (a new name inside the run folder), the run folder locked meanwhile."""
+def _report_folder(out: Path, run_dir: Path) -> Iterator[Path]:
+    """The default report folder (a new name inside the run folder ``run_dir``, never through a link there),
+    the run folder locked meanwhile."""
+    from loopformer.files import check_inside
     from loopformer.runs.folder import RunLock
 
+    check_inside(out, run_dir)
     with RunLock(out.parent, "eval"):
         yield out
 
 
+
 def _evaluate(run: Any, examples: int, out_dir: str | None, budgets: list[int], budget_mode: str,
               lens_loops: int | None, analyses: bool, overwrite: bool = False,
-              variants: list[tuple[str, list[str]]] | None = None, auto: tuple[float, float] | None = None) -> None:  # fmt: skip
+              variants: list[tuple[str, list[str]]] | None = None, auto: tuple[float, float] | None = None,
+              record: dict[str, Any] | None = None) -> None:  # fmt: skip
     from loopformer.runs.outputs import staged_output
 
     dataset = eval_dataset(run.task, run.config, examples)
@@ -354,22 +341,27 @@ def _evaluate(run: Any, examples: int, out_dir: str | None, budgets: list[int], 
     else:  # next to the checkpoints, not inside one (old checkpoints are rotated away)
         run_dir = run.path.parent.parent if run.path.parent.name == "checkpoints" else run.path
         out = run_dir / f"eval-step{run.step}-{time.strftime('%Y%m%d-%H%M%S')}"
-        target = _report_folder(out)
+        target = _report_folder(out, run_dir)
     with target as write_dir:
         if variants:
-            _evaluate_variants(run, dataset, write_dir, out, budgets, budget_mode, lens_loops, analyses, variants)
+            _evaluate_variants(run, dataset, write_dir, out, budgets, budget_mode, lens_loops, analyses, variants,
+                               record)  # fmt: skip
         else:
-            _evaluate_into(run, dataset, write_dir, out, budgets, budget_mode, lens_loops, analyses, auto_record)
+            _evaluate_into(run, dataset, write_dir, out, budgets, budget_mode, lens_loops, analyses, auto_record,
+                           record)  # fmt: skip
 
 
 def _evaluate_variants(run: Any, dataset: Any, out: Path, final: Path, budgets: list[int], budget_mode: str,
-                       lens_loops: int | None, analyses: bool, variants: list[tuple[str, list[str]]]) -> None:  # fmt: skip
-    """The run's loop_eval and each variant into ``out/variants/<name>/``, then their comparison into ``out``."""
+                       lens_loops: int | None, analyses: bool, variants: list[tuple[str, list[str]]],
+                       record: dict[str, Any] | None = None) -> None:  # fmt: skip
+    """The run's loop_eval and each variant into ``out/variants/<name>/``, then their comparison into ``out``.
+    Every key a variant names is honoured: ``eval.max_examples`` evaluates that many held-out rows (the
+    keys that cannot vary are refused before the weights are read: ``config.checks.VARIANT_FIXED``)."""
     import dataclasses
 
     from loopformer.commands.compare import print_rows
     from loopformer.config.checks import check_variants
-    from loopformer.eval.compare import load_entries, write_comparison
+    from loopformer.eval.compare import heldout_line, load_entries, write_comparison
 
     if not run.task.has_validator:
         raise ValueError(f"--variant compares validator accuracy; task {run.task.name!r} has no validator")
@@ -377,30 +369,35 @@ def _evaluate_variants(run: Any, dataset: Any, out: Path, final: Path, budgets: 
     for i, (name, overrides) in enumerate([("loop_eval", []), *variants]):
         config = check_variants(run.config, [overrides])[0] if overrides else run.config
         variant = dataclasses.replace(run, config=config, loop_eval=config.loop_config(run.model.config.loop, "eval"))
+        rows = dataset
+        if any(o.lstrip("~").startswith("eval.max_examples") for o in overrides):  # the variant's own row count
+            rows = eval_dataset(run.task, config, 0)
         folder = Path("variants") / f"{i:02d}-{safe_name(name)}"
-        _evaluate_into(variant, dataset, out / folder, final / folder, budgets, budget_mode, lens_loops, analyses)
+        _evaluate_into(variant, rows, out / folder, final / folder, budgets, budget_mode, lens_loops, analyses,
+                       record={**(record or {}), "variant": list(overrides)})  # fmt: skip
         names.append(name)
         folders.append(out / folder)
     entries = load_entries(folders, names)
-    title = f"{run.family or run.config.model.name} ({run.path}): {len(entries)} evaluation loops compared"
+    title = (f"{run.family or run.config.model.name} ({run.path}): {len(entries)} evaluation loops compared · "
+             f"{heldout_line(entries, allow=True)}")  # fmt: skip
     written = write_comparison(out, entries, title)
     print_rows([e.row() for e in entries], title)
     click.echo(f"comparison: {final / Path(written['markdown']).relative_to(out)}")
 
 
-def safe_name(text: str) -> str:
-    """``text`` as a folder name: letters, digits and ``._=,+-`` kept, anything else ``-``."""
-    kept = "".join(c if c.isalnum() or c in "._=,+-" else "-" for c in text).strip("-.")
-    return kept[:120] or "point"
-
-
 def _evaluate_into(run: Any, dataset: Any, out: Path, final: Path, budgets: list[int], budget_mode: str,
-                   lens_loops: int | None, analyses: bool, auto_record: dict[str, Any] | None = None) -> None:  # fmt: skip
-    """Evaluate and write the report into ``out``, naming the files by where they end up (``final``)."""
+                   lens_loops: int | None, analyses: bool, auto_record: dict[str, Any] | None = None,
+                   record: dict[str, Any] | None = None) -> None:  # fmt: skip
+    """Evaluate and write the report into ``out``, naming the files by where they end up (``final``); the
+    report records what it was evaluated on (``heldout``: task, options, the held-out set's fingerprint)
+    and how (``evaluation``: ``record``)."""
     from rich.console import Console
 
     from loopformer.eval.report import write_json
+    from loopformer.runs.fingerprint import heldout_record
     from loopformer.tasks.arc import ArcTask
+
+    made = {"heldout": heldout_record(run.config, dataset), "evaluation": record}
 
     def shown(path: str | Path) -> Path:
         return final / Path(path).relative_to(out)
@@ -410,14 +407,14 @@ def _evaluate_into(run: Any, dataset: Any, out: Path, final: Path, budgets: list
         lm = evaluate_lm(run.model, run.task, dataset, loop=run.loop_eval, batch_size=batch_size, progress=True,
                          seed=run.config.seed, segments=run.config.eval.segments)
         write_json(out / "metrics.json", {"checkpoint": str(run.path), "step": run.step, "weights": run.weights,
-                                          "label": run.label, **lm.to_dict()})
+                                          "label": run.label, **lm.to_dict(), **made})
         console.print(f"held-out ({lm.n} windows, {lm.tokens} tokens): loss {lm.loss:.4f} nats/token, "
                       f"bits per byte {lm.bits_per_byte:.4f}, token accuracy {100 * lm.token_accuracy:.1f}%, "
                       f"mean steps {lm.mean_steps:.2f}")  # fmt: skip
         console.print(f"metrics: {final / 'metrics.json'}")
         return
     extra: dict[str, Any] = {"checkpoint": {"path": str(run.path), "step": run.step, "label": run.label,
-                                            "best": run.best}}  # fmt: skip
+                                            "best": run.best}, **made}  # fmt: skip
     if auto_record is not None:
         extra["auto_solver"] = auto_record
     if isinstance(run.task, ArcTask):  # pass@2 over every test pair x augmentation version
@@ -493,6 +490,5 @@ def _evaluate_into(run: Any, dataset: Any, out: Path, final: Path, budgets: list
             f"exploration, {run.config.eval.segments} calls): exact {100 * a['exact_acc']:.1f}% of the "
             f"{a['n']} examples halted at the last call ({a['evaluated']} evaluated)"
         )
-    stats = suite["difficulty"][label]
-    console.print(f"steps vs difficulty: Spearman rho {stats.spearman_rho:.2f} (p={stats.spearman_p:.2g})")
+    console.print(f"steps vs difficulty: {spearman_text(suite['difficulty'][label])}")
     console.print(f"report: {shown(suite['report'])}  metrics: {shown(suite['metrics'])}")

@@ -43,7 +43,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from loopformer.files import UnsafePathError
+from loopformer.files import UnsafePathError, check_record, missing_parts, remove_empty
 
 try:
     import fcntl
@@ -76,25 +76,47 @@ def _start_time(pid: int) -> str | None:
     return fields[19] if len(fields) > 19 else None
 
 
+def _python_process(pid: int) -> bool:
+    """Whether ``pid`` runs Python (a loopformer lock holder does); True where ``/proc`` cannot tell."""
+    try:
+        command = Path(f"/proc/{pid}/cmdline").read_bytes().lower()
+    except OSError:
+        return True
+    return b"python" in command or b"loopformer" in command
+
+
 def _alive(pid: int, started: str | None) -> bool:
-    if pid <= 0:
+    """Whether ``pid`` is the very process a lock record names: alive, started when the record says, and a
+    Python process (pid 1, the init process, or a recycled pid running something else never holds a folder
+    for ever)."""
+    if pid <= 1:
         return False
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError, ValueError):
         return False
     except PermissionError:
         return True  # exists, owned by someone else
     now = _start_time(pid)
-    return started is None or now is None or now == started
+    if started is not None and now is not None and now != started:
+        return False
+    return _python_process(pid)
 
 
-def _parse_lock(text: str) -> dict[str, Any] | None:
+def _parse_lock(text: str, path: Path | None = None) -> dict[str, Any] | None:
+    """The lock file's record (``loopformer.runs.records.LOCK``), None when it holds none that is valid (a
+    record with a field of the wrong type, a pid that is no process id: logged, then treated as no holder)."""
+    from loopformer.runs.records import LOCK
+
     try:
         info = json.loads(text)
     except ValueError:
         return None
-    return info if isinstance(info, dict) and isinstance(info.get("pid"), int) else None
+    try:
+        return check_record(info, LOCK, str(path or LOCK_NAME), RunFolderError)
+    except RunFolderError as err:
+        log.warning("%s; the lock file names no holder", err)
+        return None
 
 
 def _describe(info: dict[str, Any] | None) -> str:
@@ -194,7 +216,8 @@ class RunLock:
     def _holder(self, fd: int) -> dict[str, Any] | None:
         """The holder's record; it writes it just after locking, so wait a moment for it."""
         for _ in range(20):
-            info = _parse_lock(os.pread(fd, 1 << 16, 0).decode("utf-8", "replace"))
+            text = os.pread(fd, 1 << 16, 0).decode("utf-8", "replace")
+            info = _parse_lock(text, self.path) if text.strip() else None
             if info is not None:
                 return info
             time.sleep(0.01)
@@ -203,7 +226,7 @@ class RunLock:
     def _refuse_foreign(self, text: str) -> None:
         """We hold the flock, but the file names a holder flock does not see: a live process on this
         host (an older loopformer's lock) or another host."""
-        info = _parse_lock(text)
+        info = _parse_lock(text, self.path) if text.strip() else None
         if info is None or info.get("token") == self.token:
             return
         host = socket.gethostname()
@@ -286,6 +309,23 @@ def holds_run(folder: str | Path) -> bool:
     return ckpt.is_dir() and any(p.name == "latest" or p.name.startswith("step_") for p in ckpt.iterdir())
 
 
+DATASET_MARKERS = ("dataset.json", "prepare.json")  # an HRM / TRM split, a `data prepare` folder
+
+
+def holds_dataset(folder: str | Path) -> bool:
+    """Whether ``folder`` holds a dataset: an HRM / TRM split or ``data prepare`` output (``dataset.json``
+    or ``prepare.json`` in it or in one of its sub-folders). Only ``data prepare`` / ``data generate``
+    replace one."""
+    folder = Path(folder)
+    if any((folder / name).is_file() for name in DATASET_MARKERS):
+        return True
+    try:
+        children = [p for p in folder.iterdir() if p.is_dir() and not p.name.startswith(".")]
+    except OSError:
+        return False
+    return any((child / "dataset.json").is_file() for child in children)
+
+
 def training_run(folder: Path) -> bool:
     """Whether ``folder`` holds a training run's own files (checkpoints or ``metrics.jsonl``)."""
     if (folder / "metrics.jsonl").is_file():
@@ -347,6 +387,7 @@ class RunFolder:
         self.lock = RunLock(self.folder, "resume" if resume else "train")
         self.staging: Path | None = None
         self.staging_lock: RunLock | None = None
+        self.created = missing_parts(self.folder) if is_main else []  # removed by close() while still empty
         enclosing = inside_run(self.folder)
         if enclosing is not None:  # e.g. another run's checkpoints/step_N: its files would mix with ours
             raise RunFolderError(
@@ -451,3 +492,4 @@ class RunFolder:
             shutil.rmtree(self.staging, ignore_errors=True)
             self.staging = None
         self.lock.release()
+        remove_empty(self.created)  # a run that failed before writing anything leaves no empty folder

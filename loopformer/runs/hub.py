@@ -165,13 +165,12 @@ def check_push(run: str | Path, repo_id: str) -> Path:
 
 
 def _read_summary(path: Path) -> dict[str, Any]:
-    """A run's ``summary.json`` as a table; ValueError naming the file (never quoting it) otherwise."""
-    from loopformer.files import read_json
+    """A run's ``summary.json`` checked against its schema (``loopformer.runs.records.SUMMARY``);
+    ValueError naming the file and the field (never quoting it) otherwise."""
+    from loopformer.files import read_record
+    from loopformer.runs.records import SUMMARY
 
-    summary = read_json(path, ValueError)
-    if not isinstance(summary, dict):
-        raise ValueError(f"{path}: expected a JSON object, got {type(summary).__name__}")
-    return summary
+    return read_record(path, SUMMARY)
 
 
 def stage_run(run: str | Path, folder: Path, repo_id: str | None = None) -> dict[str, Any]:

@@ -262,8 +262,13 @@ def read_full(folder: str | Path) -> dict[str, dict[str, Tensor]]:
         dcp_load(table, storage_reader=_reader(folder), no_dist=True)
     except (RuntimeError, ValueError, KeyError, OSError, AssertionError) as err:
         raise CheckpointError(f"sharded checkpoint {folder} is unreadable: {err}") from None
-    aliases = load_training_state(folder).get("sharded", {}).get("aliases", {})
+    aliases = (load_training_state(folder).get("sharded") or {}).get("aliases", {})
     for alias, target in aliases.items():
+        if target not in table:
+            raise CheckpointError(
+                f"{folder / 'state.json'}: 'sharded.aliases.{alias}' names the tensor {target!r}, which the "
+                f"shards of {folder} do not hold"
+            )
         table[alias] = table[target]
     out: dict[str, dict[str, Tensor]] = {"model": {}, "ema": {}, "optim": {}}
     for key, t in table.items():

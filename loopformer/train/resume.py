@@ -32,6 +32,7 @@ from loopformer.runs.layout import CheckpointError, load_weights
 from loopformer.runs.manifest import verify_checkpoint
 from loopformer.runs.resume_checks import (
     check_config,
+    check_data,
     check_origin,
     no_good_checkpoint,
     record_changes,
@@ -59,6 +60,7 @@ def training_state(tr: Trainer, optimizer: bool = True) -> dict[str, Any]:
         "rng": rng_state(),
         "elapsed": tr.elapsed(),
         "best": tr.best.state_dict(),  # train.keep_best's record (BestTracker)
+        "data": tr.data_record,  # the fingerprints of the training and held-out sets (runs/fingerprint.py)
     }
 
 
@@ -129,10 +131,12 @@ def resume_folder(resume: bool | str, ckpt_dir: Path) -> Path | None:
 
 
 def check(tr: Trainer, folder: Path) -> None:
-    """Before ``restore``: ``folder`` is this run's (or this run is a new branch of it) and the config
-    trains the same stream (or the change is allowed): ``loopformer.runs.resume_checks``."""
+    """Before ``restore``: ``folder`` is this run's (or this run is a new branch of it), the config
+    trains the same stream and the data holds the same rows (or the change is allowed):
+    ``loopformer.runs.resume_checks``."""
     tr.resumed_origin = check_origin(folder, tr.ckpt_dir, tr.run_dir)
     tr.config_changes = check_config(tr.config, folder, tr.run_dir)
+    tr.config_changes.update(check_data(tr.config, folder, tr.run_dir, tr.data_record))
 
 
 def record(tr: Trainer, folder: Path) -> None:
