@@ -10,8 +10,9 @@ read ARC / knowledge-graph JSON with it, run storage (``loopformer.runs``) write
   failed write (a full disk, a file-size limit, a read-only folder) removes the temporary file and
   leaves the previous file untouched; readers see the old content or the new, never a mix.
 - ``save_npy``: ``np.save`` through ``atomic_writer``; ``atomic_copy``: a file copied the same way.
-- ``append_line``: one line appended to a log (``metrics.jsonl``) with ``O_APPEND``. Earlier lines
-  are never rewritten; a write that fails part-way is cut back to the size the file had, so the
+- ``append_line``: one line appended to a log (``metrics.jsonl``) with ``O_APPEND``. A log that is a
+  hard link shared with another folder (a run copied with ``cp -al``) is first given its own copy
+  (``unshare``), so an append never changes the other folder's file. Earlier lines are never rewritten; a write that fails part-way is cut back to the size the file had, so the
   log never ends in a torn line. Dropping records (a resume past its checkpoint) writes a new
   file with ``atomic_write_text`` instead.
 - ``check_inside(path, root)``: inside a run or data folder ``root``, nothing is written through a
@@ -196,11 +197,24 @@ class _PlainWriter:
         self._fh.flush()
 
 
+def unshare(path: str | Path) -> None:
+    """Give ``path`` an inode of its own when it is a hard link shared with another name (a run folder copied
+    with ``cp -al``): its content is copied and renamed over it, so writing into it in place (an append)
+    never changes the other copy's file."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return
+    if st.st_nlink > 1 and not os.path.islink(path):
+        atomic_copy(path, path)
+
+
 def append_line(path: str | Path, line: str, root: str | Path | None = None, fsync: bool = False) -> None:
     """Append ``line`` (a newline is added) to ``path``: never rewrites what is there, and a write
     that fails part-way is cut back to the previous size (no torn last line). ``WriteError`` on failure."""
     path = check_inside(path, root)
     data = (line.rstrip("\n") + "\n").encode("utf-8")
+    unshare(path)
     try:
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     except OSError as err:
@@ -371,6 +385,7 @@ __all__ = [
     "atomic_path",
     "atomic_writer",
     "check_inside",
+    "unshare",
     "fsync_dir",
     "missing_parts",
     "remove_empty",

@@ -17,7 +17,9 @@ Datasets (``DATASETS``), their sources and the papers' settings (the defaults of
   each (task, augmentation) is one puzzle id; ``--augment`` versions per task (1000 in both papers).
 
 Output: the HRM / TRM numpy folder (``loopformer.tasks.formats``): ``OUT/train``, ``OUT/test`` and
-``OUT/prepare.json`` (what was done, with the seed).  The arrays are ``.npy`` files, which numpy maps
+``OUT/prepare.json`` (what was done, with the seed). A source without a test set (``--from DIR`` holding
+only ``train.csv``, ConceptARC) writes no ``OUT/test`` and the command says how to evaluate instead; ARC
+test pairs without a known output are left out (nothing to train on or score) and counted.  The arrays are ``.npy`` files, which numpy maps
 into memory, so a run opens even a 1M-row training set in about a second (``python -m benchmarks --only
 data``).  Point a recipe at it: ``data.train_path=OUT data.eval_path=OUT``.
 """
@@ -252,10 +254,13 @@ def prepare_arc(name: str, out: Path, from_dir: Path | None, augment: int, seed:
     puzzles = training + evaluation
     versions = augment + 1
     rows: dict[str, list[tuple[int, int, Any, bool]]] = {"train": [], "test": []}
+    unlabelled = {"train": 0, "test": 0}  # test pairs without a known output: nothing to train on or score
     for t, puzzle in enumerate(puzzles):
         is_eval = t >= len(training)
         rows["train"] += [(t, i, pair, True) for i, pair in enumerate(puzzle.train)]
-        rows["test" if is_eval else "train"] += [(t, i, pair, False) for i, pair in enumerate(puzzle.test)]
+        split = "test" if is_eval else "train"
+        rows[split] += [(t, i, pair, False) for i, pair in enumerate(puzzle.test) if pair.output is not None]
+        unlabelled[split] += sum(pair.output is None for pair in puzzle.test)
     counts = {}
     for split, items in rows.items():
         if not items:
@@ -294,7 +299,8 @@ def prepare_arc(name: str, out: Path, from_dir: Path | None, augment: int, seed:
     names = ["<blank>"] + [p.id if v == 0 else f"{p.id}|||{v}" for p in puzzles for v in range(versions)]
     atomic_write_json(out / "identifiers.json", names, root=out)
     return {"task": "arc", "rows": counts, "tasks": {"training": len(training), "evaluation": len(evaluation)},
-            "num_puzzle_ids": 1 + len(puzzles) * versions}  # fmt: skip
+            "num_puzzle_ids": 1 + len(puzzles) * versions,
+            "pairs_without_output": {k: v for k, v in unlabelled.items() if v}}  # fmt: skip
 
 
 def reserved_memmap(path: Path, shape: tuple[int, int]) -> np.memmap:
@@ -343,6 +349,27 @@ def prepare(name: str, out: str | Path, from_dir: str | Path | None = None, subs
     record = {"dataset": name, "source": source, "subset": subset, "augment": augment, "seed": seed, **info}
     atomic_write_json(out / "prepare.json", record, root=out, indent=2)
     return record
+
+
+def done_message(name: str, out: Path, record: dict[str, Any], seed: int) -> str:
+    """What ``data prepare`` wrote and how to use it: train and evaluate on it, or, without a test split
+    (none in the source), how to evaluate instead; pairs left out for want of an output are counted."""
+    import shlex
+
+    rows = ", ".join(f"{split} {n}" for split, n in record["rows"].items())
+    text = (f"wrote {name} to {out} ({rows} rows; subset {record['subset']}, augment {record['augment']}, "
+            f"seed {seed})")  # fmt: skip
+    left = record.get("pairs_without_output") or {}
+    if left:
+        text += "; left out, having no known output: " + ", ".join(f"{n} {k} pairs" for k, n in left.items())
+    where = shlex.quote(str(out))
+    if "test" in record["rows"]:
+        return text + f"; train with data.train_path={where} data.eval_path={where}"
+    return text + (
+        f"; it has NO test split (the source has no test set), so data.eval_path={where} cannot evaluate: train "
+        f"with data.train_path={where} and evaluate on a test split of your own (data.eval_path=FOLDER_OR_FILE) "
+        f"or on generated puzzles (data.eval_size=N, without data.eval_path)"
+    )
 
 
 # ------------------------------------------------------------------------------------------- command
@@ -409,10 +436,8 @@ def _command() -> Any:
             # built in a hidden folder and swapped in whole: a killed prepare leaves the old dataset
             with staged_output(out, "prepare", overwrite, "--out") as tmp:
                 record = prepare(name, tmp, from_dir, subset, augment, seed, progress, cache_dir)
-        rows = ", ".join(f"{split} {n}" for split, n in record["rows"].items())
         console = Console(stderr=True, soft_wrap=True)
-        console.print(f"wrote {name} to {out} ({rows} rows; subset {record['subset']}, augment {record['augment']}, "
-                      f"seed {seed}); train with data.train_path={out} data.eval_path={out}")  # fmt: skip
+        console.print(done_message(name, out, record, seed))
 
     return prepare_cmd
 

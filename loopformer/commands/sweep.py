@@ -273,12 +273,8 @@ def sweep(recipe: str, grid: tuple[str, ...], out_dir: Path, max_steps: str | No
     every point. Points that differ only in loop_eval.* / eval.* share one training run. Resumable:
     finished points are skipped. The comparison (table + plots) goes to OUT/compare/.
     """
-    from loopformer.commands.common import parse_int_list, resume_hint
-    from loopformer.commands.compare import compare_into
-    from loopformer.commands.train_eval import evaluate_checkpoint
-    from loopformer.files import atomic_write_json, check_inside
-    from loopformer.runs.folder import RunLock
-    from loopformer.train.stop import TrainingInterrupted
+    from loopformer.commands.common import parse_int_list
+    from loopformer.files import missing_parts, remove_empty
 
     axes, fixed = parse_grid(grid)
     if not axes:
@@ -288,6 +284,24 @@ def sweep(recipe: str, grid: tuple[str, ...], out_dir: Path, max_steps: str | No
     folder = Path(out_dir)
     check_sweep_folder(folder, recipe, axes, fixed)  # before anything is written
     check_points(recipe, folder, points, budgets, device)
+    created = missing_parts(folder)  # removed again (while empty) when the sweep fails before writing
+    try:
+        _sweep(recipe, grid, folder, axes, fixed, points, budgets, max_steps, analyses, device)
+    except BaseException:
+        remove_empty(created)
+        raise
+
+
+def _sweep(recipe: str, grid: tuple[str, ...], folder: Path, axes: dict[str, Any], fixed: list[str],
+           points: list[Point], budgets: list[int], max_steps: str | None, analyses: bool, device: str) -> None:  # fmt: skip
+    """The sweep itself, in its locked folder (see the module docstring)."""
+    from loopformer.commands.common import resume_hint
+    from loopformer.commands.compare import compare_into
+    from loopformer.commands.train_eval import evaluate_checkpoint
+    from loopformer.files import atomic_write_json, check_inside
+    from loopformer.runs.folder import RunLock
+    from loopformer.train.stop import TrainingInterrupted
+
     with RunLock(folder, "sweep"):  # one sweep at a time in a folder; each run folder is locked by its run
         check_sweep_folder(folder, recipe, axes, fixed)  # again, now that no other sweep can write it
         for point in points:  # the sweep's own folders: never through a link out of it
@@ -307,7 +321,7 @@ def sweep(recipe: str, grid: tuple[str, ...], out_dir: Path, max_steps: str | No
             try:
                 _train_point(recipe, run, point, click.echo)
             except TrainingInterrupted as err:  # SIGTERM / SIGINT: the point is checkpointed; rerun resumes
-                again = ["loopformer", "sweep", recipe, *grid, "-o", str(out_dir),
+                again = ["loopformer", "sweep", recipe, *grid, "-o", str(folder),
                          *(["--max-steps", max_steps] if max_steps else []),
                          *(["--analyses"] if analyses else []), *(["--device", device] if device != "auto" else [])]  # fmt: skip
                 resume_hint(err, again)

@@ -12,6 +12,7 @@ from typing import Any
 import click
 
 from loopformer.commands.common import PATH, parse_int_list, parse_pairs, parse_variants, safe_name
+from loopformer.commands.eval_extras import auto_note, auto_solver_search, segment_note
 from loopformer.commands.suite import ModelUnderTest, SuiteOptions, accuracy_table, run_suite, spearman_text
 from loopformer.devices import device_option, resolve_device
 from loopformer.eval.auto_solver import DEFAULT_FRACTION
@@ -99,7 +100,12 @@ def train(
         from loopformer.commands.common import resume_hint
 
         kept = [o for o in overrides if o.split("=", 1)[0] not in ("out_dir", "train.resume", "train.overwrite")]
-        resume_hint(err, ["loopformer", "train", recipe, *kept, "-o", str(cfg.out_dir), "--resume"])
+        resume_hint(err, ["loopformer", "train", recipe, *kept, f"out_dir={cfg.out_dir}", "--resume"])
+    except Exception as err:  # named by the run folder given, never the hidden --overwrite staging folder
+        shown = trainer.folder.user_error(err)
+        if shown is err:
+            raise
+        raise shown from None
     ev = summary.get("eval") or {}
     if "bits_per_byte" in ev:
         console.print(
@@ -269,48 +275,6 @@ def evaluate_checkpoint(checkpoint: str | Path, overrides: list[str], budgets: l
                   analyses, overwrite, variants or [], auto, record)  # fmt: skip
 
 
-def _auto_solver(run: Any, dataset: Any, auto: tuple[float, float]) -> tuple[Any, Any, dict[str, Any]]:
-    """The solver search on a slice of ``dataset``: (the run with the chosen loop_eval, the report rows,
-    the search's record for metrics.json); prints the comparison."""
-    import dataclasses
-
-    from rich.console import Console
-
-    from loopformer.eval.auto_solver import compare, format_report, search
-
-    if not run.task.has_validator:
-        raise click.UsageError("--auto-solver needs a task scored by accuracy (this one is scored by loss)")
-    console = Console(highlight=False)
-    kwargs = {"batch_size": run.config.eval.batch_size, "seed": run.config.seed, "segments": run.config.eval.segments}
-    console.print(f"auto-solver: searching from {run.loop_eval.solver} tol={run.loop_eval.tol:g}")
-    result, chosen, rows = search(run.model, run.task, dataset, run.loop_eval, fraction=auto[0],
-                                  accuracy_tolerance=auto[1], log=lambda m: console.print(f"  {m}"), **kwargs)  # fmt: skip
-    result.report = compare(run.model, run.task, rows, {"trained": run.loop_eval, "chosen": chosen}, **kwargs)
-    for line in format_report(result):
-        console.print(line)
-    return dataclasses.replace(run, loop_eval=chosen), rows, result.to_dict()
-
-
-def _segment_note(segments: int) -> list[str]:
-    if segments <= 1:
-        return []
-    return [
-        f"Accuracy and steps: {segments} chained segments carrying the state (eval.segments); the step "
-        "budgets and the per-loop analyses run one segment."
-    ]
-
-
-def _auto_note(record: dict[str, Any] | None) -> list[str]:
-    if record is None:
-        return []
-    c, r = record["chosen"], record["reference"]
-    return [
-        f"Solver: {c['label']} chosen by --auto-solver on {record['search_rows']} held-out examples not in this "
-        f"report ({c['map_evals']:.2f} map evaluations per sample at {100 * c['accuracy']:.1f}% vs the trained "
-        f"{r['label']}: {r['map_evals']:.2f} at {100 * r['accuracy']:.1f}%); metrics.json auto_solver has every candidate."
-    ]
-
-
 @contextmanager
 def _report_folder(out: Path, run_dir: Path) -> Iterator[Path]:
     """The default report folder (a new name inside the run folder ``run_dir``, never through a link there),
@@ -333,7 +297,7 @@ def _evaluate(run: Any, examples: int, out_dir: str | None, budgets: list[int], 
     dataset = eval_dataset(run.task, run.config, examples)
     auto_record = None
     if auto is not None:  # search on a slice; the report covers the other rows with the chosen solver
-        run, dataset, auto_record = _auto_solver(run, dataset, auto)
+        run, dataset, auto_record = auto_solver_search(run, dataset, auto)
     # no second process writes into a run folder in use (a training, another eval): lock what we write into
     if out_dir:  # -o: the run-folder rules (refused when it holds a report, built aside, swapped in whole)
         out = Path(out_dir)
@@ -468,9 +432,11 @@ def _evaluate_into(run: Any, dataset: Any, out: Path, final: Path, budgets: list
         (),
         options,
         notes=[
-            f"Task: {run.config.data.task} {run.config.data.options}; {len(dataset)} held-out examples.",
-            *_segment_note(run.config.eval.segments),
-            *_auto_note(auto_record),
+            f"Task: {run.config.data.task} {run.config.data.options}; {len(dataset)} held-out examples"
+            + (f" ({made['heldout']['unscored_rows']} rows without labels left out: they cannot be scored)."
+               if made["heldout"]["unscored_rows"] else "."),
+            *segment_note(run.config.eval.segments),
+            *auto_note(auto_record),
             *provenance,
         ],
         log=lambda m: console.print(f"  {m}"),

@@ -11,8 +11,8 @@ another seed all give another fingerprint, while the same rows read from a moved
   ``{"data.train (rows)": {"old": ..., "new": ...}}``; a resume refuses them unless
   ``--allow-config-change`` (``loopformer.train.resume``).
 - ``heldout_record(config, dataset)``: what every evaluation report records (``metrics.json`` ``heldout``):
-  the task, its options and the held-out set's fingerprint; ``loopformer compare`` compares reports only
-  when these agree.
+  the task, its options, the held-out set's fingerprint and the rows left out because they cannot be
+  scored (``unscored_rows``); ``loopformer compare`` compares reports only when these agree.
 
 Data sets above ``FULL_HASH_BYTES`` are digested from evenly spaced row blocks (``"sampled": true``), so a
 multi-gigabyte token file costs a bounded read at start-up.
@@ -116,8 +116,9 @@ def data_changes(saved: Any, current: dict[str, Any]) -> dict[str, dict[str, Any
 
 def heldout_record(config: RunConfig, dataset: Any) -> dict[str, Any]:
     """What an evaluation report records about its held-out set: task, task options, fingerprint."""
+    unscored = int((getattr(dataset, "meta", None) or {}).get("unscored_rows", 0))
     return {"task": config.data.task, "options": dict(config.data.options),
-            **(data_fingerprint(config.data, "eval", dataset) or {})}  # fmt: skip
+            **(data_fingerprint(config.data, "eval", dataset) or {}), "unscored_rows": unscored}  # fmt: skip
 
 
 __all__ = ["data_changes", "data_fingerprint", "dataset_digest", "heldout_record", "source", "training_data"]

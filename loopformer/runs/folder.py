@@ -192,6 +192,9 @@ class RunLock:
             now = None
         if now is None or (now.st_dev, now.st_ino) != key:  # the holder removed it as we locked it
             return False
+        if os.fstat(fd).st_nlink > 1:  # a hard link shared with another folder (cp -al): a lock file of our own
+            self.path.unlink()
+            return False
         self._refuse_foreign(os.pread(fd, 1 << 16, 0).decode("utf-8", "replace"))
         pid = os.getpid()
         record = {
@@ -309,23 +312,6 @@ def holds_run(folder: str | Path) -> bool:
     return ckpt.is_dir() and any(p.name == "latest" or p.name.startswith("step_") for p in ckpt.iterdir())
 
 
-DATASET_MARKERS = ("dataset.json", "prepare.json")  # an HRM / TRM split, a `data prepare` folder
-
-
-def holds_dataset(folder: str | Path) -> bool:
-    """Whether ``folder`` holds a dataset: an HRM / TRM split or ``data prepare`` output (``dataset.json``
-    or ``prepare.json`` in it or in one of its sub-folders). Only ``data prepare`` / ``data generate``
-    replace one."""
-    folder = Path(folder)
-    if any((folder / name).is_file() for name in DATASET_MARKERS):
-        return True
-    try:
-        children = [p for p in folder.iterdir() if p.is_dir() and not p.name.startswith(".")]
-    except OSError:
-        return False
-    return any((child / "dataset.json").is_file() for child in children)
-
-
 def training_run(folder: Path) -> bool:
     """Whether ``folder`` holds a training run's own files (checkpoints or ``metrics.jsonl``)."""
     if (folder / "metrics.jsonl").is_file():
@@ -382,7 +368,7 @@ class RunFolder:
 
     def __init__(self, folder: str | Path, resume: bool, overwrite: bool, is_main: bool = True) -> None:
         self.folder = Path(folder)
-        self.resume = resume
+        self.resume, self.overwrite = resume, overwrite
         self.is_main = is_main
         self.lock = RunLock(self.folder, "resume" if resume else "train")
         self.staging: Path | None = None
@@ -482,6 +468,12 @@ class RunFolder:
         self.lock.folder, self.lock.path = self.folder, self.folder / LOCK_NAME
         log.warning("--overwrite: the previous run in %s was replaced", self.folder)
         return staging
+
+    def user_error(self, err: Exception) -> Exception:
+        """``err`` naming the run folder the user gave where it names the hidden overwrite staging folder."""
+        from loopformer.runs.outputs import renamed_error
+
+        return renamed_error(err, overwrite_staging(self.folder), self.folder) if self.overwrite else err
 
     def close(self) -> None:
         """Release the lock; an overwrite that never reached its first checkpoint is discarded."""

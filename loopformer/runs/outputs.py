@@ -49,7 +49,6 @@ from loopformer.runs.folder import (
     STAGING,
     RunFolderError,
     RunLock,
-    holds_dataset,
     inside_run,
     nested_run,
     training_run,
@@ -60,6 +59,23 @@ log = logging.getLogger("loopformer")
 STAGING_PREFIX = ".staging-"
 REPLACED_PREFIX = ".replaced-"
 DATASET_WRITERS = ("prepare", "generate")  # the purposes that may replace a dataset folder
+
+
+DATASET_MARKERS = ("dataset.json", "prepare.json")  # an HRM / TRM split, a `data prepare` folder
+
+
+def holds_dataset(folder: str | Path) -> bool:
+    """Whether ``folder`` holds a dataset: an HRM / TRM split or ``data prepare`` output (``dataset.json``
+    or ``prepare.json`` in it or in one of its sub-folders). Only ``data prepare`` / ``data generate``
+    replace one."""
+    folder = Path(folder)
+    if any((folder / name).is_file() for name in DATASET_MARKERS):
+        return True
+    try:
+        children = [p for p in folder.iterdir() if p.is_dir() and not p.name.startswith(".")]
+    except OSError:
+        return False
+    return any((child / "dataset.json").is_file() for child in children)
 
 
 def refuse_inside_checkpoints(path: str | Path, option: str) -> None:
@@ -144,7 +160,7 @@ def staged_output(
                 aside = swap_in(folder, staging, old)
             except Exception as err:  # named by the folder the user gave, not the hidden staging one
                 shutil.rmtree(staging, ignore_errors=True)
-                renamed = _renamed(err, staging, folder)
+                renamed = renamed_error(err, staging, folder)
                 if renamed is err:
                     raise
                 raise renamed from None
@@ -158,7 +174,7 @@ def staged_output(
         log.warning("--overwrite: the previous contents of %s were replaced", folder)
 
 
-def _renamed(err: Exception, staging: Path, folder: Path) -> Exception:
+def renamed_error(err: Exception, staging: Path, folder: Path) -> Exception:
     """``err`` with a path inside ``staging`` given as the same path inside ``folder`` (an OSError's file
     name, or the text of an error whose one argument is its message); ``err`` itself when it names none."""
     if isinstance(err, OSError):
@@ -239,4 +255,4 @@ def swap_in(folder: Path, staging: Path, old: list[Path]) -> Path | None:
     return aside if old else None
 
 
-__all__ = ["refuse_inside_checkpoints", "exchange_folders", "staged_output", "swap_in"]
+__all__ = ["holds_dataset", "exchange_folders", "refuse_inside_checkpoints", "renamed_error", "staged_output", "swap_in"]

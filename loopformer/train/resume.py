@@ -31,6 +31,7 @@ from loopformer.runs.checkpoint import (
 from loopformer.runs.layout import CheckpointError, load_weights
 from loopformer.runs.manifest import verify_checkpoint
 from loopformer.runs.resume_checks import (
+    branch_origin,
     check_config,
     check_data,
     check_origin,
@@ -124,6 +125,8 @@ def resume_folder(resume: bool | str, ckpt_dir: Path) -> Path | None:
             raise no_good_checkpoint(ckpt_dir, skipped)
         for reason in skipped:
             log.warning("resume: skipped %s", reason)
+        if folder is None:  # a branch killed before its first checkpoint goes on from where it branched
+            folder = branch_origin(ckpt_dir.parent)
         if folder is None:
             log.info("resume: no usable checkpoint in %s, starting from scratch", ckpt_dir)
         return folder
