@@ -269,7 +269,10 @@ def convert_checkpoint(
         )
     token = _GIVEN.set(given_values)
     try:
-        converted = fn(state, read_reference_config(config_file))
+        try:
+            converted = fn(state, read_reference_config(config_file))
+        except CheckpointError as err:  # the mapping names the system ("TRM checkpoint"): name the file too
+            raise CheckpointError(f"{checkpoint}: {err}") from None
     except (CheckpointError, ValueError, NotImplementedError) as err:
         if config_file is not None:
             raise
