@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 from click.testing import CliRunner
-from reliability_common import cli_text, fails_cleanly, make_sharded, tiny_recipe, train_tiny
+from reliability_common import cli_text, fails_cleanly, make_sharded, tiny_recipe
 
 from loopformer.cli import cli
 
@@ -81,7 +81,9 @@ def test_compare_out_never_replaces_a_dataset_and_leaves_no_folder_it_made(swept
     report = folder / "run" / "eval-max_steps=2"
     data = _dataset(tmp_path / "data")
     before = _files(data)
-    fails_cleanly(CliRunner().invoke(cli, ["compare", str(report), "-o", str(data), "--overwrite"]), "dataset")
+    fails_cleanly(
+        CliRunner().invoke(cli, ["compare", str(report), "-o", str(data), "--overwrite"]), "dataset"
+    )
     assert _files(data) == before
     broken = tmp_path / "broken"
     shutil.copytree(report, broken)

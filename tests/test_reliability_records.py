@@ -19,7 +19,13 @@ import pytest
 import torch
 import yaml
 from click.testing import CliRunner
-from reliability_common import cli_text, fails_cleanly, make_sharded, newest_checkpoint, tiny_recipe, train_tiny
+from reliability_common import (
+    cli_text,
+    fails_cleanly,
+    make_sharded,
+    newest_checkpoint,
+    tiny_recipe,
+)
 
 from loopformer.cli import cli
 
@@ -54,7 +60,9 @@ def _copy(folder: Path, dest: Path) -> Path:
 def test_a_crafted_sweep_json_is_one_line_naming_the_field(swept, tmp_path, content, field) -> None:
     sweep = _copy(swept[0], tmp_path / "s")
     (sweep / "sweep.json").write_text(content)
-    fails_cleanly(CliRunner().invoke(cli, ["compare", str(sweep), "-o", str(tmp_path / "c")]), "sweep.json", field)
+    fails_cleanly(
+        CliRunner().invoke(cli, ["compare", str(sweep), "-o", str(tmp_path / "c")]), "sweep.json", field
+    )
 
 
 @pytest.mark.parametrize(
@@ -62,7 +70,10 @@ def test_a_crafted_sweep_json_is_one_line_naming_the_field(swept, tmp_path, cont
     [
         ('{"results": {"m": {"valid_accuracy": "high"}}}', "results.m.valid_accuracy"),
         ('{"results": {"m": {"n": 3}}, "models": {"m": {"blocks": "two"}}}', "models.m.blocks"),
-        ('{"results": {"m": {"n": 3}}, "budget": {"m": {"points": [{"budget": "x"}]}}}', "budget.m.points[0].budget"),
+        (
+            '{"results": {"m": {"n": 3}}, "budget": {"m": {"points": [{"budget": "x"}]}}}',
+            "budget.m.points[0].budget",
+        ),
         ('{"results": [1]}', "results"),
     ],
     ids=["accuracy-a-string", "blocks-a-string", "budget-a-string", "results-a-list"],
@@ -70,7 +81,9 @@ def test_a_crafted_sweep_json_is_one_line_naming_the_field(swept, tmp_path, cont
 def test_a_crafted_report_metrics_json_is_one_line_naming_the_field(swept, tmp_path, content, field) -> None:
     report = _copy(swept[0] / "run" / "eval-max_steps=2", tmp_path / "report")
     (report / "metrics.json").write_text(content)
-    fails_cleanly(CliRunner().invoke(cli, ["compare", str(report), "-o", str(tmp_path / "c")]), "metrics.json", field)
+    fails_cleanly(
+        CliRunner().invoke(cli, ["compare", str(report), "-o", str(tmp_path / "c")]), "metrics.json", field
+    )
 
 
 @pytest.mark.parametrize(
@@ -102,13 +115,17 @@ def test_a_lock_file_naming_no_holder_never_blocks_nor_crashes(swept, tmp_path, 
     """A lock file whose pid no process of ours can have (too large for the OS, or pid 1: the init
     process, alive for ever) and that nobody holds (no ``flock``) is stale: the folder is free."""
     run = _copy(swept[0] / "run", tmp_path / "run")
-    (run / ".loopformer.lock").write_text(json.dumps({"pid": pid, "host": socket.gethostname(), "purpose": "train"}))
+    (run / ".loopformer.lock").write_text(
+        json.dumps({"pid": pid, "host": socket.gethostname(), "purpose": "train"})
+    )
     result = CliRunner().invoke(cli, ["train", str(swept[1]), "-o", str(run), "--resume"])
     assert result.exit_code == 0, cli_text(result)[-400:]
 
 
 def test_a_sharded_alias_naming_a_missing_tensor_is_one_line(swept, tmp_path) -> None:
-    step = make_sharded(swept[0] / "run", tmp_path / "sharded", aliases={"model.tied": "model.no_such_tensor"})
+    step = make_sharded(
+        swept[0] / "run", tmp_path / "sharded", aliases={"model.tied": "model.no_such_tensor"}
+    )
     text = fails_cleanly(CliRunner().invoke(cli, ["eval", str(step), "--no-analyses", "-o", str(tmp_path / "r")]),
                          "state.json", "no_such_tensor")  # fmt: skip
     assert "aliases" in text
@@ -121,7 +138,9 @@ def test_an_authors_state_dict_missing_a_key_names_it_as_missing(tmp_path) -> No
     key = next(k for k in state if k.endswith("embed_tokens.embedding_weight"))
     del state[key]
     torch.save(state, ref / "step_1")
-    text = fails_cleanly(CliRunner().invoke(cli, ["convert", "trm", str(ref / "step_1"), "-o", str(tmp_path / "o")]))
+    text = fails_cleanly(
+        CliRunner().invoke(cli, ["convert", "trm", str(ref / "step_1"), "-o", str(tmp_path / "o")])
+    )
     assert "missing" in text and "embed_tokens.embedding_weight" in text and str(ref / "step_1") in text
 
 

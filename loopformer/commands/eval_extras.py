@@ -21,7 +21,11 @@ def auto_solver_search(run: Any, dataset: Any, auto: tuple[float, float]) -> tup
     if not run.task.has_validator:
         raise click.UsageError("--auto-solver needs a task scored by accuracy (this one is scored by loss)")
     console = Console(highlight=False)
-    kwargs = {"batch_size": run.config.eval.batch_size, "seed": run.config.seed, "segments": run.config.eval.segments}
+    kwargs = {
+        "batch_size": run.config.eval.batch_size,
+        "seed": run.config.seed,
+        "segments": run.config.eval.segments,
+    }
     console.print(f"auto-solver: searching from {run.loop_eval.solver} tol={run.loop_eval.tol:g}")
     result, chosen, rows = search(run.model, run.task, dataset, run.loop_eval, fraction=auto[0],
                                   accuracy_tolerance=auto[1], log=lambda m: console.print(f"  {m}"), **kwargs)  # fmt: skip

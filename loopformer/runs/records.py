@@ -109,7 +109,9 @@ def finished_summary(run: str | Path, steps: int) -> dict[str, Any] | None:
     name = Path(str(summary["checkpoint"])).name
     where = f"{run / SUMMARY_FILE}: 'checkpoint'"
     if _STEP_DIR.match(name) is None:
-        raise CheckpointError(f"{where} names {summary['checkpoint']!r}, which is not a step_N checkpoint folder")
+        raise CheckpointError(
+            f"{where} names {summary['checkpoint']!r}, which is not a step_N checkpoint folder"
+        )
     folder = inside(run, f"checkpoints/{name}", where)
     if not folder.is_dir():
         return None  # pruned or removed: the run is not finished as far as this command can see
