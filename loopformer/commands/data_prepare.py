@@ -366,9 +366,9 @@ def done_message(name: str, out: Path, record: dict[str, Any], seed: int) -> str
     if "test" in record["rows"]:
         return text + f"; train with data.train_path={where} data.eval_path={where}"
     return text + (
-        f"; it has NO test split (the source has no test set), so data.eval_path={where} cannot evaluate: train "
-        f"with data.train_path={where} and evaluate on a test split of your own (data.eval_path=FOLDER_OR_FILE) "
-        f"or on generated puzzles (data.eval_size=N, without data.eval_path)"
+        f"; it has NO test split (the source has no test set), so it cannot be an evaluation path: train with "
+        f"data.train_path={where} and evaluate on a test split of your own (data.eval_path=FOLDER_OR_FILE) or on "
+        f"generated puzzles (data.eval_size=N, without data.eval_path)"
     )
 
 
