@@ -342,6 +342,10 @@ def _run(recipe: str, out_dir: Path | None, overwrite: bool, overrides: tuple[st
     # every override checked (as `train` checks them) before a run folder is claimed or anything written
     build_run_configs(recipe, overrides, Path(out_dir or "runs/<timestamp>"))
     out = run_folder_for(out_dir, overwrite, resume)
+    from loopformer.files import check_inside
+
+    for part in ("model", "baseline", "plots"):  # the folders `run` owns in OUT: never through a link
+        check_inside(out / part / "x", out)
     main_cfg, base_cfg, section, base_desc = build_run_configs(recipe, overrides, out)
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()

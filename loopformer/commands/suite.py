@@ -37,6 +37,7 @@ from loopformer.eval.budget import (
 )
 from loopformer.eval.evaluate import EvalResult, evaluate
 from loopformer.eval.report import describe_loop, write_report
+from loopformer.files import check_inside
 from loopformer.loop import LoopConfig
 from loopformer.models.base import LoopedModel
 from loopformer.tasks.base import Task, TokenDataset
@@ -86,6 +87,7 @@ def run_suite(
     opts = options or SuiteOptions()
     out = Path(out_dir)
     plot_dir = out / "plots"
+    check_inside(plot_dir / "x.png", out)  # never through a link inside the report folder (a plots/ link)
     results: dict[str, EvalResult] = {}
     difficulty: dict[str, DifficultyStats] = {}
     models: dict[str, dict[str, Any]] = {}

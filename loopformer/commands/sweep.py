@@ -147,8 +147,10 @@ def _finished(run: Path, steps: int) -> bool:
 def _same_config(run: Path, cfg: Any) -> str | None:
     """None when ``run``'s recorded config matches ``cfg``; else the first differing key."""
     from loopformer.config import load_config_file, to_dict
+    from loopformer.plugins import reading_data
 
-    old = to_dict(load_config_file(run, check=False))
+    with reading_data(f"{run / 'config.json'}"):  # a run folder is data: nothing it names is imported
+        old = to_dict(load_config_file(run, check=False))
     new = to_dict(cfg)
     for section in ("data", "eval", "loop_train", "loop_eval", "loop_periodic", "seed"):
         if old.get(section) != new.get(section):
