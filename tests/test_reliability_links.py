@@ -127,3 +127,16 @@ def test_an_error_inside_a_staged_output_names_the_users_folder(tmp_path) -> Non
             raise ValueError(f"{staging / 'plots' / 'x.png'}: cannot draw")
     assert str(out / "plots" / "x.png") in str(raised.value) and ".staging-" not in str(raised.value)
     assert not out.exists()
+
+
+def test_an_output_folder_that_is_a_link_is_refused_and_its_target_untouched(swept, tmp_path) -> None:
+    folder, _ = swept
+    report = folder / "run" / "eval-max_steps=2"
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "notes.txt").write_text("precious\n")
+    link = tmp_path / "link"
+    link.symlink_to(target, target_is_directory=True)
+    for args in (["compare", str(report)], ["eval", str(folder / "run"), "--no-analyses", "--examples", "2"]):
+        fails_cleanly(CliRunner().invoke(cli, [*args, "-o", str(link), "--overwrite"]), "symbolic link")
+        assert _files(target) == {"notes.txt": b"precious\n"}

@@ -277,6 +277,8 @@ CASES_35: list[tuple[int, str, str]] = [
      Li + "test_consolidate_out_follows_the_output_rules"),
     (15, "an error inside a staged output names the hidden staging folder",
      Li + "test_an_error_inside_a_staged_output_names_the_users_folder"),
+    (15, "compare -o / eval -o a link --overwrite: its target emptied and refilled",
+     Li + "test_an_output_folder_that_is_a_link_is_refused_and_its_target_untouched"),
     (16, "sweep.json: reports a number", SWEEP_JSON + "[reports-a-number]"),
     (16, "sweep.json: a point's name a number", SWEEP_JSON + "[name-a-number]"),
     (16, "sweep.json: a point without its report", SWEEP_JSON + "[no-report]"),

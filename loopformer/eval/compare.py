@@ -10,7 +10,7 @@ works on reports from ``loopformer eval``, ``loopformer run`` and ``loopformer s
   folder, and the points without a report are named) or a run folder (its newest ``eval-*`` report).
 - ``load_entries(folders)``: one ``Entry`` per model of each report (a ``loopformer run`` report
   holds the looped model and its baseline); each ``metrics.json`` (and ``sweep.json``) is read through
-  its schema (``METRICS``, ``SWEEP``; ``loopformer.files.read_record``), so a malformed one is one line
+  its schema (``METRICS_SCHEMA``, ``SWEEP``; ``loopformer.files.read_record``), so a malformed one is one line
   naming the file and the field.
 - ``heldout_line(entries, allow)``: what the reports were evaluated on (their ``heldout`` record: task,
   task options, the held-out set's fingerprint); reports that differ there are refused unless

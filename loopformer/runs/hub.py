@@ -124,7 +124,7 @@ def model_card(config: dict[str, Any], summary: dict[str, Any] | None, family: s
     by_difficulty = summary.get("mean_steps_by_difficulty")
     if by_difficulty:
         lines += ["## Steps vs difficulty", "", "| difficulty | mean loop steps |", "|---|---|"]
-        lines += [f"| {k} | {v:.2f} |" for k, v in dict(by_difficulty).items()]
+        lines += [f"| {k} | {'-' if v is None else f'{v:.2f}'} |" for k, v in dict(by_difficulty).items()]
         lines.append("")
     params = summary.get("parameters")
     lines += ["## Recipe", "", f"- model: `{name}` ({family}), {params if params is not None else '?'} parameters",

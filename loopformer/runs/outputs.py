@@ -3,8 +3,9 @@
 
 ``staged_output(folder, purpose, overwrite)`` is a context manager that:
 
-- refuses a ``folder`` inside a run's ``checkpoints/`` (``inside_run``), or a file; with ``root`` (the
-  folder that owns it: a sweep's ``compare/``) a ``folder`` with a symbolic link anywhere below ``root``;
+- refuses a ``folder`` inside a run's ``checkpoints/`` (``inside_run``), a file, a ``folder`` that is a
+  symbolic link (its target would be emptied and refilled), and with ``root`` (the folder that owns it: a
+  sweep's ``compare/``) a ``folder`` with a symbolic link anywhere below ``root``;
 - refuses a folder holding a dataset (``holds_dataset``) unless the command is ``data prepare`` /
   ``data generate``;
 - locks ``folder`` (``loopformer.runs.folder.RunLock``) for the whole command, released on
@@ -43,7 +44,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from loopformer.files import WriteError, check_inside, fsync_dir, missing_parts, remove_empty
+from loopformer.files import UnsafePathError, WriteError, check_inside, fsync_dir, missing_parts, remove_empty
 from loopformer.runs.folder import (
     LOCK_NAME,
     STAGING,
@@ -114,6 +115,11 @@ def staged_output(
     folder = Path(folder)
     if root is not None:
         check_inside(folder, root)
+    if folder.is_symlink():  # replaced whole: never through a link (its target would be emptied and refilled)
+        raise UnsafePathError(
+            f"{option} {folder} is a symbolic link (to {os.readlink(folder)}); `{purpose}` replaces its output "
+            f"folder whole and never through a link: name the folder itself ({os.path.realpath(folder)})"
+        )
     if folder.exists() and not folder.is_dir():
         raise RunFolderError(f"{option} {folder} is a file, not a folder: name a folder to write into")
     refuse_inside_checkpoints(folder, option)

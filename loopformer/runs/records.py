@@ -42,7 +42,7 @@ SUMMARY: dict[str, Any] = {
     "best?": ({"label": str, "metric": str, "value": float, "step?": NONNEG, "checkpoint?": str}, None),
     "wall_time?": NUMBER,
     "parameters?": (int, Each((int, None)), None),
-    "mean_steps_by_difficulty?": (Each(float), None),
+    "mean_steps_by_difficulty?": (Each(NUMBER), None),
     "recipe?": (str, None),
     "overrides?": ([str], None),
 }
