@@ -205,6 +205,20 @@ def _train_point(recipe: str, run: Path, point: Point, echo: Any) -> None:
     Trainer(cfg).fit()
 
 
+def _check_compare_folder(compare: Path) -> None:
+    """The sweep replaces its own ``compare/`` on every run, never through a link, and only when it holds
+    its earlier comparison (or nothing): anything else there is refused, not replaced."""
+    from loopformer.files import check_inside
+    from loopformer.runs.folder import RunFolderError
+
+    check_inside(compare, compare.parent)
+    if compare.is_dir() and not (compare / "comparison.json").is_file():
+        others = sorted(p.name for p in compare.iterdir() if not p.name.startswith("."))
+        if others:
+            raise RunFolderError(f"{compare} holds {', '.join(others[:3])}, not this sweep's comparison; the sweep "
+                                 f"replaces only its own: move it away")  # fmt: skip
+
+
 def _report_differs(report: Path, point: Point, budgets: list[int], analyses: bool) -> str | None:
     """None when ``report`` holds a report made as this sweep makes it now (its ``metrics.json``
     ``evaluation`` record: the point's overrides, ``--max-steps``, ``--analyses``); "" when there is none;
@@ -308,7 +322,7 @@ def _sweep(recipe: str, grid: tuple[str, ...], folder: Path, axes: dict[str, Any
         check_sweep_folder(folder, recipe, axes, fixed)  # again, now that no other sweep can write it
         for point in points:  # the sweep's own folders: never through a link out of it
             check_inside(folder / point.run / point.report, folder)
-        check_inside(folder / "compare", folder)
+        _check_compare_folder(folder / "compare")
         atomic_write_json(folder / "sweep.json", {
             "recipe": recipe, "axes": axes, "fixed": fixed, "max_steps": budgets,
             "evaluation": {"max_steps": budgets, "analyses": analyses},
