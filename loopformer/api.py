@@ -39,8 +39,11 @@ from loopformer.tasks.base import Task, TaskDataError
 def load(run_or_hub_id: str | Path, device: str | torch.device = "auto", use_ema: bool = True) -> LoadedRun:
     """A trained model from a run folder, checkpoint folder or hub id (``owner/name[@revision]``).
 
-    ``device``: ``auto`` (CUDA when present), ``cpu``, ``cuda`` or ``cuda:N``.
+    ``device``: ``auto`` (CUDA when present), ``cpu``, ``cuda`` or ``cuda:N``. ``use_ema``: True or False
+    (anything else, such as the string "no", is a ValueError: it would read as true).
     """
+    if not isinstance(use_ema, bool):
+        raise ValueError(f"loopformer.load: use_ema must be True or False, got {use_ema!r}")
     return load_run(run_or_hub_id, use_ema=use_ema, device=str(resolve_device(device)))
 
 
@@ -110,6 +113,8 @@ def _token_ids(puzzle: Any) -> np.ndarray:
     if flat.size == 0:
         return flat.astype(np.int64)
     whole = raw.dtype.kind == "f" and bool(np.isfinite(flat).all() and (flat == np.round(flat)).all())
+    if whole and float(np.abs(flat).max()) >= 2.0**63:  # no int64 holds it: the cast would wrap silently
+        raise TaskDataError("the puzzle's token ids are far beyond any vocabulary")
     if raw.dtype == object and all(isinstance(x, int) and not isinstance(x, bool) for x in flat):
         raise TaskDataError("the puzzle's token ids are far beyond any vocabulary")
     if raw.dtype.kind not in "iu" and not whole:

@@ -10,19 +10,31 @@ read ARC / knowledge-graph JSON with it, run storage (``loopformer.runs``) write
   failed write (a full disk, a file-size limit, a read-only folder) removes the temporary file and
   leaves the previous file untouched; readers see the old content or the new, never a mix.
 - ``save_npy``: ``np.save`` through ``atomic_writer``; ``atomic_copy``: a file copied the same way.
-- ``append_line``: one line appended to a log (``metrics.jsonl``) with ``O_APPEND``. Earlier lines
-  are never rewritten; a write that fails part-way is cut back to the size the file had, so the
+- ``append_line``: one line appended to a log (``metrics.jsonl``) with ``O_APPEND``. A log that is a
+  hard link shared with another folder (a run copied with ``cp -al``) is first given its own copy
+  (``unshare``), so an append never changes the other folder's file. Earlier lines are never rewritten; a write that fails part-way is cut back to the size the file had, so the
   log never ends in a torn line. Dropping records (a resume past its checkpoint) writes a new
   file with ``atomic_write_text`` instead.
 - ``check_inside(path, root)``: inside a run or data folder ``root``, nothing is written through a
   symbolic link or into a path that resolves outside ``root``. ``UnsafePathError`` names the link.
   ``root`` itself may be a link (a run folder on a scratch disk); only what lies below it is checked.
+- ``missing_parts`` / ``remove_empty``: the folders a command is about to create, and removing them again
+  (while empty) after it failed, so a failed command leaves no empty folder behind.
 - ``WriteError``: an ``OSError`` raised by a failed write, whose message names the file and the
   reason (``No space left on device``, ``File too large``, ``Read-only file system``).
 - ``read_json(path, error)``: a JSON file a user gave, parsed, or ``error`` (the caller's exception type:
   ``TaskDataError`` for data files, ``ValueError`` for run summaries) with one line naming the file and what
   is wrong (not UTF-8 and at which byte, invalid JSON and where, nested too deeply, unreadable), never
   quoting the file's contents.
+- ``read_record(path, schema, error)`` / ``check_record``: a JSON object loopformer wrote itself (a run's
+  ``summary.json``, ``provenance.json``, a report's ``metrics.json``, a sweep's ``sweep.json``, ...; the
+  schemas live with their writers, ``loopformer.runs.records`` for run storage), read back through
+  ``read_json`` and checked against its schema, so a malformed or crafted file is one line naming the
+  file and the field (``summary.json: 'steps' must be an integer >= 0, got str``), never a bare key name
+  or an internal error. A schema is a dict of field -> kind (a trailing ``?`` marks an optional field);
+  a kind is a type (``int`` is never a ``bool``, ``float`` takes an ``int``), a tuple of kinds (any of),
+  a nested schema, ``[kind]`` (a list of such items), ``Each(kind)`` (an object of such values) or
+  ``Rule(kind, test, "what it must be")``.
 
 The only file written in place is the run lock (``loopformer.runs.folder``): an OS lock lives
 on one inode, so that file must never be replaced.
@@ -185,11 +197,24 @@ class _PlainWriter:
         self._fh.flush()
 
 
+def unshare(path: str | Path) -> None:
+    """Give ``path`` an inode of its own when it is a hard link shared with another name (a run folder copied
+    with ``cp -al``): its content is copied and renamed over it, so writing into it in place (an append)
+    never changes the other copy's file."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return
+    if st.st_nlink > 1 and not os.path.islink(path):
+        atomic_copy(path, path)
+
+
 def append_line(path: str | Path, line: str, root: str | Path | None = None, fsync: bool = False) -> None:
     """Append ``line`` (a newline is added) to ``path``: never rewrites what is there, and a write
     that fails part-way is cut back to the previous size (no torn last line). ``WriteError`` on failure."""
     path = check_inside(path, root)
     data = (line.rstrip("\n") + "\n").encode("utf-8")
+    unshare(path)
     try:
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     except OSError as err:
@@ -212,6 +237,27 @@ def append_line(path: str | Path, line: str, root: str | Path | None = None, fsy
         os.close(fd)
 
 
+def missing_parts(folder: str | Path) -> list[Path]:
+    """``folder`` and the folders above it that do not exist yet, innermost first (what a command that
+    creates ``folder`` creates; ``remove_empty`` takes them away again after a failure)."""
+    folder = Path(os.path.abspath(folder))
+    missing = []
+    for part in (folder, *folder.parents):
+        if part.exists() or part.is_symlink():
+            break
+        missing.append(part)
+    return missing
+
+
+def remove_empty(folders: list[Path]) -> None:
+    """Remove ``folders`` (innermost first) while they are empty: a failed command leaves no empty folder."""
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:
+            return
+
+
 def read_json(
     path: Path,
     error: type[Exception] = ValueError,
@@ -230,7 +276,104 @@ def read_json(
         raise error(f"{path}: cannot read ({err.strerror or type(err).__name__})") from None
 
 
+class Each:
+    """A record field holding an object whose every value is of ``kind`` (free keys)."""
+
+    def __init__(self, kind: Any) -> None:
+        self.kind = kind
+
+
+class Rule:
+    """A record field of ``kind`` that must also pass ``test`` (``what``: "an integer >= 0")."""
+
+    def __init__(self, kind: Any, test: Callable[[Any], bool], what: str) -> None:
+        self.kind, self.test, self.what = kind, test, what
+
+
+def _kind_name(kind: Any) -> str:
+    if isinstance(kind, Rule):
+        return kind.what
+    if isinstance(kind, tuple):
+        return " or ".join(_kind_name(k) for k in kind)
+    if isinstance(kind, dict | Each) or kind is dict:
+        return "an object"
+    if isinstance(kind, list) or kind is list:
+        return "a list"
+    if kind is None or kind is type(None):
+        return "null"
+    names = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
+    return names.get(kind, getattr(kind, "__name__", str(kind)))
+
+
+def _found(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def _matches(value: Any, kind: Any) -> bool:
+    """Whether ``value`` has the JSON type of ``kind`` (not looking inside objects and lists)."""
+    if isinstance(kind, Rule):
+        return _matches(value, kind.kind)
+    if isinstance(kind, tuple):
+        return any(_matches(value, k) for k in kind)
+    if kind is None or kind is type(None):
+        return value is None
+    if isinstance(kind, dict | Each) or kind is dict:
+        return isinstance(value, dict)
+    if isinstance(kind, list) or kind is list:
+        return isinstance(value, list)
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    return isinstance(value, kind)
+
+
+def check_record(data: Any, schema: dict[str, Any], where: str, error: type[Exception] = ValueError,
+                 field: str = "") -> Any:  # fmt: skip
+    """``data`` after checking it against ``schema`` (see the module docstring); ``error`` naming
+    ``where`` and the field otherwise."""
+    _check_value(data, schema, where, error, field)
+    return data
+
+
+def _check_value(value: Any, kind: Any, where: str, error: type[Exception], field: str) -> None:
+    shown = f"{field!r}" if field else "the file"
+    if not _matches(value, kind):
+        raise error(f"{where}: {shown} must be {_kind_name(kind)}, got {_found(value)}")
+    if isinstance(kind, tuple):  # the first alternative that matches decides what is inside
+        kind = next(k for k in kind if _matches(value, k))
+    if isinstance(kind, Rule):
+        if not kind.test(value):
+            raise error(f"{where}: {shown} must be {kind.what}")
+        kind = kind.kind
+    if isinstance(kind, dict):
+        for name, sub in kind.items():
+            key = name.rstrip("?")
+            dotted = f"{field}.{key}" if field else key
+            if key not in value:
+                if name.endswith("?"):
+                    continue
+                raise error(f"{where}: the field {dotted!r} is missing")
+            _check_value(value[key], sub, where, error, dotted)
+    elif isinstance(kind, Each):
+        for key, item in value.items():
+            _check_value(item, kind.kind, where, error, f"{field}.{key}" if field else str(key))
+    elif isinstance(kind, list) and kind:
+        for i, item in enumerate(value):
+            _check_value(item, kind[0], where, error, f"{field}[{i}]")
+
+
+def read_record(path: Path, schema: dict[str, Any], error: type[Exception] = ValueError) -> dict[str, Any]:
+    """A JSON object loopformer wrote (``path``), parsed by ``read_json`` and checked against ``schema``;
+    ``error`` with one line naming the file and the field otherwise."""
+    return check_record(read_json(Path(path), error), schema, str(path), error)
+
+
 __all__ = [
+    "Each",
+    "Rule",
+    "check_record",
+    "read_record",
     "read_json",
     "UnsafePathError",
     "WriteError",
@@ -242,6 +385,9 @@ __all__ = [
     "atomic_path",
     "atomic_writer",
     "check_inside",
+    "unshare",
     "fsync_dir",
+    "missing_parts",
+    "remove_empty",
     "save_npy",
 ]

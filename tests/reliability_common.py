@@ -125,3 +125,38 @@ def fails_cleanly(result: Any, *needles: str) -> str:
     for needle in needles:
         assert needle in text, f"{needle!r} not in the message: {text.strip()[-300:]}"
     return text
+
+
+def train_tiny(folder: Path, recipe: Path, *overrides: str) -> Path:
+    """A tiny run trained through the CLI into ``folder`` (``recipe``: a YAML file); asserts it finished."""
+    from click.testing import CliRunner
+
+    from loopformer.cli import cli
+
+    result = CliRunner().invoke(cli, ["train", str(recipe), "-o", str(folder), *overrides])
+    assert result.exit_code == 0, cli_text(result)[-600:]
+    return folder
+
+
+def make_sharded(run: Path, dest: Path, aliases: dict[str, str] | None = None) -> Path:
+    """``dest/checkpoints/step_N``: ``run``'s newest checkpoint written again as a one-process sharded
+    checkpoint (``loopformer.runs.sharded.save_sharded``); ``aliases`` are added to its ``state.json``
+    ``sharded.aliases`` (the manifest rewritten to match)."""
+    import json
+    import warnings
+
+    from loopformer.runs.checkpoint import load_checkpoint
+    from loopformer.runs.sharded import save_sharded
+
+    ck = load_checkpoint(newest_checkpoint(run))
+    optimizer = torch.optim.AdamW(ck.model.parameters())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP: "torch.distributed is disabled ... a single process"
+        folder = save_sharded(dest / "checkpoints", ck.step, ck.family, ck.model, optimizer, ck.config,
+                              ck.ema_state, {"stream": {}, "rng": {}}, 0, True)  # fmt: skip
+    if aliases:
+        state = json.loads((folder / "state.json").read_text())
+        state["sharded"]["aliases"].update(aliases)
+        (folder / "state.json").write_text(json.dumps(state))
+        rewrite_manifest(folder)
+    return folder

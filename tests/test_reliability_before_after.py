@@ -23,7 +23,7 @@ def _tool():
     return module
 
 
-@pytest.mark.parametrize("group", ["issue 16", "issue 24"])
+@pytest.mark.parametrize("group", ["issue 16", "issue 24", "issue 35"])
 def test_every_case_names_a_collected_test(group: str) -> None:
     tool = _tool()
     _, cases, _, copied = next(g for g in tool.GROUPS if g[0] == group)

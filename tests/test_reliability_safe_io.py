@@ -92,7 +92,8 @@ def test_training_refuses_to_write_through_a_link_in_its_run_folder(tmp_path, li
 
 def test_a_report_into_a_link_inside_a_run_folder_is_refused(tmp_path) -> None:
     """``eval -o RUN/LINK`` (a link inside the run folder to a folder outside it) wrote the report
-    through the link; now refused naming it. A report folder that is itself a link elsewhere is fine."""
+    through the link; now refused naming it. A report folder that is itself a link elsewhere is refused too
+    (issue 35: an output replaced whole never goes through a link; its target stays as it was)."""
     from loopformer.runs.outputs import staged_output
 
     run, outside = tmp_path / "run", tmp_path / "outside"
@@ -106,6 +107,8 @@ def test_a_report_into_a_link_inside_a_run_folder_is_refused(tmp_path) -> None:
                 pass
     assert list(outside.iterdir()) == []
     (tmp_path / "scratch").symlink_to(outside)
-    with staged_output(tmp_path / "scratch", "eval", overwrite=False) as staging:
-        (staging / "report.md").write_text("ok")
-    assert (outside / "report.md").read_text() == "ok"
+    (outside / "notes.txt").write_text("precious")
+    with pytest.raises(UnsafePathError, match="scratch is a symbolic link"):
+        with staged_output(tmp_path / "scratch", "eval", overwrite=True):
+            pass
+    assert sorted(p.name for p in outside.iterdir()) == ["notes.txt"]

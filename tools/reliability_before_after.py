@@ -4,9 +4,12 @@ before the reliability work and passes on the current code.
     python tools/reliability_before_after.py                      # print the table
     python tools/reliability_before_after.py --write docs/reliability.md
     python tools/reliability_before_after.py --group "issue 24" --write docs/reliability.md
+    python tools/reliability_before_after.py --group "issue 35" --write docs/reliability.md
 
 ``--group "issue 24"``: issue 24's resume / convert / output-swap cases (``CASES_24``), against main
-before that work (``BEFORE_24``), written between the ``before-after-24`` markers.
+before that work (``BEFORE_24``), written between the ``before-after-24`` markers; ``--group "issue 35"``:
+issue 35's trust-boundary cases (``CASES_35``: paths, links, the library's own files, fingerprints,
+unscorable data, resume and branch, the low cases) against ``BEFORE_35``, between ``before-after-35``.
 
 It makes a temporary git worktree at ``--before`` (default: the parent of the first reliability commit,
 "Run folders: lock file ..."), copies the current test files that hold the cases (they use only entry
@@ -227,8 +230,105 @@ CASES_24: list[tuple[int, str, str]] = [
 # test_reliability_signals.py::test_sweep_stopped_by_a_signal_resumes_with_the_printed_command,
 # test_reliability_write_limit.py::test_eval_compare_and_data_generate_past_the_limit_leave_the_old_output
 # (docs/reliability.md, below the table)
+# Issue 35's trust-boundary cases, measured against main before that work's second part (2deded7, "Loading a
+# run is one straight path ..."; the first part, nothing a run folder names is imported, landed there): their
+# test files use the CLI, files on disk, loopformer.config / runs.eval_dataset / runs.outputs.staged_output /
+# runs.sharded.save_sharded / the task classes / loopformer.load / solve, all of which that commit has
+BEFORE_35 = "2deded7"
+COPIED_35 = [
+    "tests/conftest.py",
+    "tests/reliability_common.py",
+    "tests/test_reliability_paths.py",
+    "tests/test_reliability_links.py",
+    "tests/test_reliability_records.py",
+    "tests/test_reliability_fingerprints.py",
+    "tests/test_reliability_scoring.py",
+    "tests/test_reliability_branch.py",
+    "tests/test_reliability_low_cases.py",
+]
+Pa = "tests/test_reliability_paths.py::"
+Li = "tests/test_reliability_links.py::"
+Re = "tests/test_reliability_records.py::"
+Fi = "tests/test_reliability_fingerprints.py::"
+Sc = "tests/test_reliability_scoring.py::"
+Br = "tests/test_reliability_branch.py::"
+Lo = "tests/test_reliability_low_cases.py::"
+TRAIN_OUT = Pa + "test_train_out_is_the_folder_named_as_typed"
+SWEEP_JSON = Re + "test_a_crafted_sweep_json_is_one_line_naming_the_field"
+METRICS_JSON = Re + "test_a_crafted_report_metrics_json_is_one_line_naming_the_field"
+SUMMARY_JSON = Re + "test_a_crafted_summary_json_is_one_line_naming_the_field"
+LOCK = Re + "test_a_lock_file_naming_no_holder_never_blocks_nor_crashes"
+CASES_35: list[tuple[int, str, str]] = [
+    (14, "train -o 'exp #2' trained into ./exp", TRAIN_OUT + "[hash]"),
+    (14, "train -o 0001 trained into ./1", TRAIN_OUT + "[leading-zeros]"),
+    (14, "train -o 0x10 trained into ./16", TRAIN_OUT + "[hex]"),
+    (14, "train -o 2024-01-01: a type error", TRAIN_OUT + "[date]"),
+    (14, "train -o yes: a type error", TRAIN_OUT + "[yes]"),
+    (14, "train -o with a newline: a space", TRAIN_OUT + "[newline]"),
+    (14, "out_dir=0001 #x as an override: ./1", Pa + "test_an_out_dir_override_is_a_path_too"),
+    (14, "sweep -o 's #1' trained into ./s", Pa + "test_sweep_out_is_the_folder_named_as_typed"),
+    (15, "a linked compare/ in a sweep: the link's target emptied and refilled on a rerun",
+     Li + "test_a_linked_compare_folder_in_a_sweep_is_refused_and_its_target_untouched"),
+    (15, "compare follows sweep.json's report paths out of the sweep folder",
+     Li + "test_report_paths_in_sweep_json_stay_inside_the_sweep_folder"),
+    (15, "compare -o a dataset --overwrite replaced it; a failed compare left the folders it made",
+     Li + "test_compare_out_never_replaces_a_dataset_and_leaves_no_folder_it_made"),
+    (15, "consolidate --out another run / a dataset / a link; an earlier consolidation replaced silently",
+     Li + "test_consolidate_out_follows_the_output_rules"),
+    (15, "an error inside a staged output names the hidden staging folder",
+     Li + "test_an_error_inside_a_staged_output_names_the_users_folder"),
+    (15, "compare -o / eval -o a link --overwrite: its target emptied and refilled",
+     Li + "test_an_output_folder_that_is_a_link_is_refused_and_its_target_untouched"),
+    (16, "sweep.json: reports a number", SWEEP_JSON + "[reports-a-number]"),
+    (16, "sweep.json: a point's name a number", SWEEP_JSON + "[name-a-number]"),
+    (16, "sweep.json: a point without its report", SWEEP_JSON + "[no-report]"),
+    (16, "sweep.json: a list", SWEEP_JSON + "[a-list]"),
+    (16, "metrics.json: an accuracy a string", METRICS_JSON + "[accuracy-a-string]"),
+    (16, "metrics.json: blocks a string", METRICS_JSON + "[blocks-a-string]"),
+    (16, "metrics.json: a budget a string", METRICS_JSON + "[budget-a-string]"),
+    (16, "metrics.json: results a list", METRICS_JSON + "[results-a-list]"),
+    (16, "summary.json: steps a string", SUMMARY_JSON + "[steps-a-string]"),
+    (16, "summary.json: checkpoint a number", SUMMARY_JSON + "[checkpoint-a-number]"),
+    (16, "provenance.json: a record's step a string; records a number",
+     Re + "test_a_crafted_provenance_json_is_one_line_naming_the_field"),
+    (16, "lock file with a huge pid", LOCK + "[huge]"),
+    (16, "lock file with a pid beyond pid_max", LOCK + "[beyond-pid-max]"),
+    (16, "lock file naming pid 1: the folder held for ever", LOCK + "[init]"),
+    (16, "sharded checkpoint: an alias naming a missing tensor", Re + "test_a_sharded_alias_naming_a_missing_tensor_is_one_line"),
+    (16, "convert: an authors' state dict missing a key (a bare key name)",
+     Re + "test_an_authors_state_dict_missing_a_key_names_it_as_missing"),
+    (17, "resume after the training data file was regenerated", Fi + "test_a_resume_on_a_regenerated_data_file_is_refused"),
+    (17, "compare: reports of two held-out sets as equals",
+     Fi + "test_compare_refuses_reports_of_different_held_out_sets_unless_allowed"),
+    (17, "compare: a sweep point without a report dropped silently; no task named",
+     Fi + "test_compare_names_the_task_and_the_sweep_points_without_a_report"),
+    (17, "sweep rerun with --max-steps keeps the old reports", Fi + "test_a_sweep_rerun_with_other_budgets_evaluates_again"),
+    (17, "eval --variant eval.max_examples=4 evaluates every example", Fi + "test_eval_variant_honours_every_key_it_names"),
+    (17, "training and held-out sets of one seed and generator options", Fi + "test_a_held_out_set_drawn_like_the_training_set_is_refused"),
+    (18, "ARC test pairs without an output scored as solved", Sc + "test_held_out_rows_without_labels_are_left_out_and_counted"),
+    (18, "one ARC task in the held-out subset and a training subset",
+     Sc + "test_an_arc_task_in_the_held_out_subset_and_a_training_subset_is_refused"),
+    (18, "data prepare without a test split suggests an evaluation path that fails",
+     Sc + "test_data_prepare_without_a_test_split_says_how_to_evaluate"),
+    (18, "data prepare of ARC: pairs without an output as all-zero labels",
+     Sc + "test_data_prepare_of_arc_leaves_out_test_pairs_without_an_output"),
+    (19, "a branch killed before its first checkpoint restarts from step 0",
+     Br + "test_a_branch_killed_before_its_first_checkpoint_resumes_from_its_origin"),
+    (19, "resuming a hard-linked copy appends to the original's files",
+     Br + "test_resuming_a_hard_linked_copy_never_changes_the_originals_files"),
+    (19, "a malformed provenance.json dropped on resume; a branch's history starts empty",
+     Br + "test_provenance_history_is_kept_on_resume_and_a_branch_starts_with_its_origins"),
+    (20, "train --plan --gpu-memory 0", Lo + "test_plan_with_no_gpu_memory_is_refused"),
+    (20, "loopformer.load(use_ema='no') loads the EMA", Lo + "test_load_use_ema_must_be_a_boolean"),
+    (20, "solve with a float array beyond int64: a numpy warning", Lo + "test_solve_with_a_float_array_beyond_any_integer_is_one_clear_error"),
+    (20, "convert of a NaN checkpoint exits 0", Lo + "test_convert_of_a_nan_checkpoint_is_refused"),
+    (20, "push racing a checkpoint rotation", Lo + "test_push_never_mixes_two_checkpoints_of_a_rotation"),
+    (20, "consolidate racing a checkpoint rotation", Lo + "test_consolidate_never_mixes_two_checkpoints_of_a_rotation"),
+    (20, "'Spearman rho nan' printed as a result", Lo + "test_an_undefined_rank_correlation_is_never_printed_as_a_result"),
+]  # fmt: skip
 # (cases, commit before, files copied into its worktree): one table each
-GROUPS = [("issue 16", "CASES", "BEFORE", "COPIED"), ("issue 24", "CASES_24", "BEFORE_24", "COPIED_24")]
+GROUPS = [("issue 16", "CASES", "BEFORE", "COPIED"), ("issue 24", "CASES_24", "BEFORE_24", "COPIED_24"),
+          ("issue 35", "CASES_35", "BEFORE_35", "COPIED_35")]  # fmt: skip
 
 
 def git(*args: str, cwd: Path = REPO) -> str:
@@ -325,14 +425,16 @@ def markdown(
 
 
 BEGIN, END = "<!-- before-after:begin -->", "<!-- before-after:end -->"
-MARKERS = {"issue 16": (BEGIN, END), "issue 24": ("<!-- before-after-24:begin -->", "<!-- before-after-24:end -->")}
+MARKERS = {"issue 16": (BEGIN, END), "issue 24": ("<!-- before-after-24:begin -->", "<!-- before-after-24:end -->"),
+           "issue 35": ("<!-- before-after-35:begin -->", "<!-- before-after-35:end -->")}  # fmt: skip
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--before", default=None, help="the commit before the work (default: each group's own)")
     parser.add_argument("--group", choices=[g[0] for g in GROUPS], default=GROUPS[0][0],
-                        help="which cases: issue 16's (the default) or issue 24's (resume, convert, output swap)")
+                        help="which cases: issue 16's (the default), issue 24's (resume, convert, output swap) or "
+                             "issue 35's (trust boundaries)")
     parser.add_argument("--write", type=Path, help="replace the table between the markers in this file")
     parser.add_argument("--timeout", type=int, default=300, help="per-test timeout in seconds")
     args = parser.parse_args()

@@ -13,13 +13,10 @@ import errno
 import os
 import signal
 import threading
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Any
 
 import click
-
-if TYPE_CHECKING:
-    pass
-
 
 # exceptions whose message is already meant for the user
 _USER_ERRORS = ("ConfigError", "CheckpointError", "TaskDataError", "FileNotFoundError", "KeyError",
@@ -130,6 +127,25 @@ def interrupted_message(command: str | None, how: str = "Ctrl-C") -> str:
     return text + "; files are written atomically, so nothing half-written was left behind"
 
 
+class PathParam(click.ParamType):
+    """A path a user typed (``-o``, ``--out``, ``--config`` ...): a ``Path`` as given, never parsed as a
+    config value (``-o "exp #2"``, ``-o 0001``, ``-o 2024-01-01``, a name holding a newline stay what they
+    are); empty text, which names no folder, is refused."""
+
+    name = "path"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Path:
+        if isinstance(value, Path):
+            return value
+        text = os.fsdecode(value) if isinstance(value, bytes) else str(value)
+        if not text.strip():
+            self.fail("an empty path names no file or folder", param, ctx)
+        return Path(text)
+
+
+PATH = PathParam()
+
+
 def parse_pairs(pairs: tuple[str, ...] | list[str], what: str) -> dict[str, Any]:
     """``("a=1", "b=[2,3]")`` -> ``{"a": 1, "b": [2, 3]}`` (values parsed as YAML)."""
     import yaml
@@ -147,6 +163,33 @@ def parse_pairs(pairs: tuple[str, ...] | list[str], what: str) -> dict[str, Any]
     return out
 
 
+def parse_variants(variants: tuple[str, ...] | list[str]) -> list[tuple[str, list[str]]]:
+    """``("loop_eval.solver=anderson loop_eval.tol=0.01", ...)`` -> [(name, overrides)]: each variant's
+    overrides (loop_eval.* / eval.* keys only) and a name made of them, without the ``loop_eval.`` prefix."""
+    import shlex
+
+    parsed = []
+    for text in variants:
+        parts = shlex.split(text)
+        if not parts:
+            raise click.BadParameter("a variant needs at least one KEY=VALUE", param_hint="--variant")
+        for part in parts:
+            deletes = part.startswith("~") and "=" not in part  # ~loop_eval.tol: the model's default again
+            if not (deletes or "=" in part) or not part.lstrip("~").startswith(("loop_eval.", "eval.")):
+                raise click.BadParameter(
+                    f"{part!r}: a variant changes loop_eval.* or eval.* keys (KEY=VALUE)", param_hint="--variant"
+                )
+        name = ",".join(p[: p.startswith("~")] + p.lstrip("~").removeprefix("loop_eval.") for p in parts)
+        parsed.append((name, parts))
+    return parsed
+
+
+def safe_name(text: str) -> str:
+    """``text`` as a folder name: letters, digits and ``._=,+-`` kept, anything else ``-``."""
+    kept = "".join(c if c.isalnum() or c in "._=,+-" else "-" for c in text).strip("-.")
+    return kept[:120] or "point"
+
+
 def parse_int_list(text: str | None, what: str) -> list[int]:
     if not text:
         return []
@@ -161,4 +204,5 @@ def parse_int_list(text: str | None, what: str) -> list[int]:
     return values
 
 
-__all__ = ["CleanErrorGroup", "one_line", "parse_int_list", "parse_pairs"]
+__all__ = ["PATH", "CleanErrorGroup", "PathParam", "one_line", "parse_int_list", "parse_pairs", "parse_variants",
+           "safe_name"]

@@ -4,7 +4,9 @@ Each argument is a report folder (``loopformer eval`` / ``run`` output: it holds
 run folder (its newest ``eval-*`` report), an ``eval --variant`` report (its variants) or a sweep
 folder (its points); see ``loopformer.eval.compare``. The output folder follows the rules of
 ``loopformer.runs.outputs.staged_output``: refused when it holds something unless ``--overwrite``,
-built aside and swapped in whole.
+built aside and swapped in whole. Reports are compared only when they were evaluated on the same task,
+task options and held-out set (their ``heldout`` record; ``--allow-different-heldout`` lets them through
+and the title says so); the title names the task, and sweep points without a report are named.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import click
+
+from loopformer.commands.common import PATH
 
 
 def print_rows(rows: Sequence[dict[str, Any]], title: str) -> None:
@@ -35,30 +39,58 @@ def print_rows(rows: Sequence[dict[str, Any]], title: str) -> None:
 
 
 def compare_into(out: Path, folders: Sequence[Path], title: str, overwrite: bool,
-                 names: Sequence[str] | None = None) -> dict[str, Path]:  # fmt: skip
-    """Write the comparison of report ``folders`` into ``out`` (staged; see the module docstring)."""
-    from loopformer.eval.compare import load_entries, write_comparison
+                 names: Sequence[str] | None = None, root: Path | None = None, allow_heldout: bool = False,
+                 missing: Sequence[str] = ()) -> dict[str, Path]:  # fmt: skip
+    """Write the comparison of report ``folders`` into ``out`` (staged; see the module docstring). ``root``:
+    the folder that owns ``out`` (a sweep's). The title names what the reports were evaluated on; reports of
+    other tasks or held-out sets are refused unless ``allow_heldout`` (``heldout_line``). ``missing``: the
+    sweep points without a report, said on the console and below the table."""
+    from loopformer.eval.compare import heldout_line, load_entries, write_comparison
     from loopformer.runs.outputs import staged_output
 
     entries = load_entries(folders, names)
-    with staged_output(out, "compare", overwrite, "--out") as staging:
-        written = write_comparison(staging, entries, title)
+    title = f"{title} · {heldout_line(entries, allow_heldout)}"
+    notes = [f"No report (not in the table): {', '.join(missing)}."] if missing else []
+    with staged_output(out, "compare", overwrite, "--out", root=root) as staging:
+        written = write_comparison(staging, entries, title, notes)
     print_rows([e.row() for e in entries], title)
+    for note in notes:
+        click.echo(note, err=True)
     return {k: out / Path(v).relative_to(staging) for k, v in written.items()}
+
+
+def missing_points(sources: Sequence[str]) -> list[str]:
+    """The points of the sweep folders among ``sources`` that have no report (``sweep_reports``)."""
+    from loopformer.eval.compare import SWEEP_FILE, sweep_reports
+
+    missing: list[str] = []
+    for source in sources:
+        folder = Path(source)
+        if folder.is_dir() and (folder / SWEEP_FILE).is_file() and not (folder / "metrics.json").is_file():
+            missing += [f"{source}: {m}" for m in sweep_reports(folder)[1]]
+    return missing
 
 
 @click.command("compare")
 @click.argument("sources", nargs=-1, required=True, metavar="RUN_OR_REPORT...")
-@click.option("--out", "-o", "out_dir", default=None, help="folder to write (default: a new compare-<time>)")
+@click.option("--out", "-o", "out_dir", type=PATH, default=None, help="folder to write (default: a new compare-<time>)")
 @click.option(
     "--overwrite", is_flag=True, help="replace what --out holds (moved aside once the new one is done)"
 )
 @click.option("--title", default=None, help="title of the table and plots")
-def compare(sources: tuple[str, ...], out_dir: str | None, overwrite: bool, title: str | None) -> None:
+@click.option(
+    "--allow-different-heldout",
+    is_flag=True,
+    help="compare reports evaluated on different tasks, task options or held-out sets (the table says so)",
+)
+def compare(sources: tuple[str, ...], out_dir: Path | None, overwrite: bool, title: str | None,
+            allow_different_heldout: bool = False) -> None:  # fmt: skip
     """Compare evaluations: accuracy, loops, converged, time, parameters; overlay plots.
 
     RUN_OR_REPORT: a report folder (loopformer eval / run), a run folder (its newest eval-* report), an
     eval --variant report or a sweep folder. Writes comparison.md, comparison.json and plots/ into --out.
+    Reports evaluated on different tasks or held-out sets are refused unless --allow-different-heldout;
+    sweep points without a report are named.
     """
     from loopformer.eval.compare import report_folders
 
@@ -73,5 +105,6 @@ def compare(sources: tuple[str, ...], out_dir: str | None, overwrite: bool, titl
             )
         seen[key] = source
     out = Path(out_dir) if out_dir else Path(f"compare-{time.strftime('%Y%m%d-%H%M%S')}")
-    written = compare_into(out, folders, title or f"comparison of {len(folders)} evaluations", overwrite)
+    written = compare_into(out, folders, title or f"comparison of {len(folders)} evaluations", overwrite,
+                           allow_heldout=allow_different_heldout, missing=missing_points(sources))  # fmt: skip
     click.echo(f"table: {written['markdown']}  plots: {out / 'plots'}")

@@ -8,8 +8,12 @@ before the key mapping runs (an error that suggests one is fixed by passing it).
 
 from __future__ import annotations
 
+import shlex
+from pathlib import Path
+
 import click
 
+from loopformer.commands.common import PATH
 from loopformer.convert import CONVERTERS
 
 
@@ -19,7 +23,7 @@ from loopformer.convert import CONVERTERS
 @click.option(
     "--config",
     "config_file",
-    type=click.Path(dir_okay=False),
+    type=PATH,
     default=None,
     help="the reference's training configuration (e.g. TRM / HRM all_config.yaml)",
 )
@@ -28,7 +32,7 @@ from loopformer.convert import CONVERTERS
     "-o",
     "out_dir",
     required=True,
-    type=click.Path(file_okay=False),
+    type=PATH,
     help="run folder to write (config.yaml + checkpoints/step_00000000)",
 )
 @click.option(
@@ -51,8 +55,8 @@ from loopformer.convert import CONVERTERS
 def convert(
     system: str,
     checkpoint: str,
-    config_file: str | None,
-    out_dir: str,
+    config_file: Path | None,
+    out_dir: Path,
     overrides: tuple[str, ...],
     allow_defaults: bool = False,
     overwrite: bool = False,
@@ -65,8 +69,6 @@ def convert(
         raise NotImplementedError(
             f"no key mapping for {system!r} yet (available: {', '.join(sorted(CONVERTERS))})"
         )
-    from pathlib import Path
-
     from loopformer.runs.outputs import staged_output
 
     out = Path(out_dir)
@@ -80,32 +82,62 @@ def convert(
     folder = out / staged.relative_to(tmp)
     for note in converted.notes:
         click.echo(f"note: {note}")
-    click.echo(f"wrote {folder} ({len(converted.weights)} tensors); evaluate with: loopformer eval {out_dir}")
+    click.echo(f"wrote {folder} ({len(converted.weights)} tensors); evaluate with: loopformer eval {shlex.quote(str(out_dir))}")
 
 
 @click.command("consolidate")
 @click.argument("checkpoint", type=click.Path(exists=True))
-@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False),
+@click.option("--out", "out_dir", required=True, type=PATH,
               help="folder to write step_N/ (and its latest pointer) into")  # fmt: skip
-def consolidate_cmd(checkpoint: str, out_dir: str) -> None:
+@click.option("--overwrite", is_flag=True, help="replace an earlier consolidation of the same step in --out")
+def consolidate_cmd(checkpoint: str, out_dir: Path, overwrite: bool = False) -> None:
     """Turn a sharded (FSDP2) checkpoint into a full safetensors checkpoint.
 
     A sharded checkpoint is what train.checkpoint_format=sharded writes; the full one (model.safetensors,
     ema.safetensors, the optimiser in full) is what push, convert and a resume with train.strategy=fsdp or
-    one process read. eval / solve read sharded checkpoints directly."""
-    from pathlib import Path
-
+    one process read. eval / solve read sharded checkpoints directly. --out is a folder of checkpoints:
+    the checkpoint's own run's checkpoints/, or a folder holding no other run and no dataset; nothing is
+    written through a symbolic link, and an earlier step_N there is replaced only with --overwrite."""
+    from loopformer.files import check_inside, missing_parts, remove_empty
     from loopformer.runs.folder import RunFolderError, RunLock, inside_run, training_run
     from loopformer.runs.sharded import consolidate
 
     out = Path(out_dir)
     source = Path(checkpoint)
     source_run = inside_run(source) or ((source, False) if training_run(source) else None)
-    enclosing = inside_run(out)
-    if enclosing is not None and (source_run is None or Path(source_run[0]).resolve() != enclosing[0].resolve()):
-        raise RunFolderError(f"--out {out} is inside the training run {enclosing[0]}, not the run of {checkpoint}: "
+    enclosing = inside_run(out) or ((out, False) if training_run(out) else None)
+    own = source_run is not None and enclosing is not None and Path(source_run[0]).resolve() == enclosing[0].resolve()
+    if enclosing is not None and not own:
+        raise RunFolderError(f"--out {out} is or lies in the training run {enclosing[0]}, not the run of {checkpoint}: "
                              f"choose a folder outside it")  # fmt: skip
-    # the run's own lock when writing into its checkpoints (a training there would race), else --out's
-    with RunLock(enclosing[0] if enclosing is not None else out, "consolidate"):
-        folder = consolidate(checkpoint, out_dir)
+    check_consolidate_out(out, enclosing[0] if own else None)
+    created = missing_parts(out)
+    try:
+        # the run's own lock when writing into its checkpoints (a training there would race), else --out's
+        with RunLock(enclosing[0] if own else out, "consolidate"):
+            check_inside(out, enclosing[0] if own else out)
+            folder = consolidate(checkpoint, out, replace=overwrite)
+    except BaseException:
+        remove_empty(created)
+        raise
     click.echo(f"wrote {folder}")
+
+
+def check_consolidate_out(out: Path, run: Path | None) -> None:
+    """Refuse an ``--out`` of ``consolidate`` that is a symbolic link, a file, or (outside the checkpoint's own
+    ``run``) a folder holding another run or a dataset."""
+    from loopformer.files import UnsafePathError
+    from loopformer.runs.folder import RunFolderError, nested_run
+    from loopformer.runs.outputs import holds_dataset
+
+    if out.is_symlink():
+        raise UnsafePathError(f"--out {out} is a symbolic link (to {out.readlink()}); consolidate does not write "
+                              f"through links: name the folder itself")  # fmt: skip
+    if out.exists() and not out.is_dir():
+        raise RunFolderError(f"--out {out} is a file, not a folder: name a folder to write into")
+    if run is None and out.is_dir():
+        nested = nested_run(out)
+        if nested is not None or holds_dataset(out):
+            what = f"the training run {nested}" if nested is not None else "a dataset"
+            raise RunFolderError(f"--out {out} holds {what}; consolidate writes step_N/ and latest into a folder "
+                                 f"of checkpoints: choose another --out")  # fmt: skip

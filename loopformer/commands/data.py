@@ -23,6 +23,7 @@ import click
 import numpy as np
 import yaml
 
+from loopformer.commands.common import PATH
 from loopformer.tasks.base import Task, TaskDataError, TokenDataset
 
 
@@ -123,7 +124,7 @@ def data() -> None:
 )
 @click.option("--count", type=int, default=1000, show_default=True, help="Number of examples.")
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--out", "-o", "out", type=click.Path(path_type=Path), required=True, help="Output file (or folder).")
+@click.option("--out", "-o", "out", type=PATH, required=True, help="Output file (or folder).")
 @click.option(
     "--option", "--task-option", "-t", "extra", multiple=True, metavar="KEY=VALUE",
     help="Extra task keyword; repeatable.",

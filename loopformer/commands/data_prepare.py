@@ -24,7 +24,9 @@ Datasets (``DATASETS``), their sources and the papers' settings (the defaults of
   (``data.options.path=OUT``): the Attractor paper's one pass over its tokens in bounded memory.
 
 Output (the puzzle datasets): the HRM / TRM numpy folder (``loopformer.tasks.formats``): ``OUT/train``, ``OUT/test`` and
-``OUT/prepare.json`` (what was done, with the seed).  The arrays are ``.npy`` files, which numpy maps
+``OUT/prepare.json`` (what was done, with the seed). A source without a test set (``--from DIR`` holding
+only ``train.csv``, ConceptARC) writes no ``OUT/test`` and the command says how to evaluate instead; ARC
+test pairs without a known output are left out (nothing to train on or score) and counted.  The arrays are ``.npy`` files, which numpy maps
 into memory, so a run opens even a 1M-row training set in about a second (``python -m benchmarks --only
 data``).  Point a recipe at it: ``data.train_path=OUT data.eval_path=OUT``.
 """
@@ -260,10 +262,13 @@ def prepare_arc(name: str, out: Path, from_dir: Path | None, augment: int, seed:
     puzzles = training + evaluation
     versions = augment + 1
     rows: dict[str, list[tuple[int, int, Any, bool]]] = {"train": [], "test": []}
+    unlabelled = {"train": 0, "test": 0}  # test pairs without a known output: nothing to train on or score
     for t, puzzle in enumerate(puzzles):
         is_eval = t >= len(training)
         rows["train"] += [(t, i, pair, True) for i, pair in enumerate(puzzle.train)]
-        rows["test" if is_eval else "train"] += [(t, i, pair, False) for i, pair in enumerate(puzzle.test)]
+        split = "test" if is_eval else "train"
+        rows[split] += [(t, i, pair, False) for i, pair in enumerate(puzzle.test) if pair.output is not None]
+        unlabelled[split] += sum(pair.output is None for pair in puzzle.test)
     counts = {}
     for split, items in rows.items():
         if not items:
@@ -302,7 +307,8 @@ def prepare_arc(name: str, out: Path, from_dir: Path | None, augment: int, seed:
     names = ["<blank>"] + [p.id if v == 0 else f"{p.id}|||{v}" for p in puzzles for v in range(versions)]
     atomic_write_json(out / "identifiers.json", names, root=out)
     return {"task": "arc", "rows": counts, "tasks": {"training": len(training), "evaluation": len(evaluation)},
-            "num_puzzle_ids": 1 + len(puzzles) * versions}  # fmt: skip
+            "num_puzzle_ids": 1 + len(puzzles) * versions,
+            "pairs_without_output": {k: v for k, v in unlabelled.items() if v}}  # fmt: skip
 
 
 def reserved_memmap(path: Path, shape: tuple[int, int]) -> np.memmap:
@@ -379,15 +385,38 @@ def prepare(name: str, out: str | Path, from_dir: str | Path | None = None, subs
     return record
 
 
+def done_message(name: str, out: Path, record: dict[str, Any], seed: int) -> str:
+    """What ``data prepare`` wrote and how to use it: train and evaluate on it, or, without a test split
+    (none in the source), how to evaluate instead; pairs left out for want of an output are counted."""
+    import shlex
+
+    rows = ", ".join(f"{split} {n}" for split, n in record["rows"].items())
+    text = (f"wrote {name} to {out} ({rows} rows; subset {record['subset']}, augment {record['augment']}, "
+            f"seed {seed})")  # fmt: skip
+    left = record.get("pairs_without_output") or {}
+    if left:
+        text += "; left out, having no known output: " + ", ".join(f"{n} {k} pairs" for k, n in left.items())
+    where = shlex.quote(str(out))
+    if "test" in record["rows"]:
+        return text + f"; train with data.train_path={where} data.eval_path={where}"
+    return text + (
+        f"; it has NO test split (the source has no test set), so it cannot be an evaluation path: train with "
+        f"data.train_path={where} and evaluate on a test split of your own (data.eval_path=FOLDER_OR_FILE) or on "
+        f"generated puzzles (data.eval_size=N, without data.eval_path)"
+    )
+
+
 # ------------------------------------------------------------------------------------------- command
 
 
 def _command() -> Any:
     import click
 
+    from loopformer.commands.common import PATH
+
     @click.command("prepare")
     @click.argument("name", type=click.Choice(list(DATASETS)))
-    @click.option("--out", "-o", "out", type=click.Path(path_type=Path), required=True, help="Output folder.")
+    @click.option("--out", "-o", "out", type=PATH, required=True, help="Output folder.")
     @click.option("--from", "from_dir", type=click.Path(exists=True, path_type=Path), default=None,
                   help="Folder with the files already on disk (no download); text: the corpus, a file or a folder.")  # fmt: skip
     @click.option(
@@ -466,9 +495,7 @@ def _command() -> Any:
                           f"{record['bytes']:,} bytes, sha256 {record['sha256'][:12]}...) to {out}; train with "
                           f"data.task=text data.options.path={out}")  # fmt: skip
             return
-        rows = ", ".join(f"{split} {n}" for split, n in record["rows"].items())
-        console.print(f"wrote {name} to {out} ({rows} rows; subset {record['subset']}, augment {record['augment']}, "
-                      f"seed {seed}); train with data.train_path={out} data.eval_path={out}")  # fmt: skip
+        console.print(done_message(name, out, record, seed))
 
     return prepare_cmd
 

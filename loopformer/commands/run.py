@@ -38,13 +38,15 @@ from typing import Any
 
 import click
 
-from loopformer.commands.suite import ModelUnderTest, SuiteOptions, accuracy_table, run_suite
+from loopformer.commands.common import PATH
+from loopformer.commands.suite import ModelUnderTest, SuiteOptions, accuracy_table, run_suite, spearman_text
 from loopformer.devices import device_option, resolve_device
 from loopformer.eval.evaluate import model_device
 from loopformer.eval.lm import evaluate_lm
 from loopformer.eval.report import describe_loop
 from loopformer.nn import autocast
 from loopformer.runs import eval_dataset, load_run, training_depth
+from loopformer.runs.fingerprint import heldout_record
 
 DEFAULT_RECIPE = "default"
 # fields a plain transformer shares with the looped families (copied unless the baseline sets them)
@@ -193,14 +195,16 @@ def _train(cfg: Any, label: str, echo: Any) -> dict[str, Any]:
 
 
 def _finished_summary(run: Path, steps: int) -> dict[str, Any] | None:
-    """``run``'s ``summary.json`` when its training reached ``steps``, else None."""
-    try:
-        summary = json.loads((run / "summary.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    if not isinstance(summary, dict) or int(summary.get("steps") or 0) < steps or not summary.get("checkpoint"):
+    """``run``'s ``summary.json`` when its training reached ``steps`` (read through its schema; its
+    checkpoint confined to the run's own ``checkpoints/``: ``loopformer.runs.records.finished_summary``)."""
+    from loopformer.runs.records import finished_summary
+
+    summary = finished_summary(run, steps)
+    if summary is None:
         return None
     summary.setdefault("wall_time", 0.0)
+    if summary["wall_time"] is None:
+        summary["wall_time"] = 0.0
     return summary
 
 
@@ -219,11 +223,12 @@ def _run_lm(out: Path, label: str, main_run: Any, base_summary: dict[str, Any] |
                          seed=r.config.seed)
         results[name] = {"checkpoint": str(r.path), **lm.to_dict()}
         echo(f"[bold]{name}[/bold]: held-out loss {lm.loss:.4f} nats/token, bits per byte {lm.bits_per_byte:.4f}")
-    write_json(out / "summary.json", {"task": task_description(main_run.config), "model": label, "results": results})
+    write_json(out / "summary.json", {"task": task_description(main_run.config), "model": label, "results": results,
+                                      "heldout": heldout_record(main_run.config, dataset)})
     echo(f"summary: {out / 'summary.json'}")
 
 
-def run_folder_for(out_dir: str | None, overwrite: bool, resume: bool = False) -> Path:
+def run_folder_for(out_dir: str | Path | None, overwrite: bool, resume: bool = False) -> Path:
     """The folder of a ``loopformer run``: ``--out`` (refused when it holds a previous run, unless
     ``overwrite`` or ``resume``), else a new ``runs/<timestamp>`` (``-2``, ``-3``... when that name is taken)."""
     from loopformer.runs.folder import RunFolderError, holds_run
@@ -285,7 +290,7 @@ def _refuse_foreign_folder(out: Path) -> None:
 
 @click.command("run")
 @click.option("--recipe", "-r", default=DEFAULT_RECIPE, show_default=True, help="recipe name (in recipes/) or path")
-@click.option("--out", "-o", "out_dir", default=None, help="run folder (default: a new runs/<timestamp>)")
+@click.option("--out", "-o", "out_dir", type=PATH, default=None, help="run folder (default: a new runs/<timestamp>)")
 @click.option("--overwrite", is_flag=True, help="replace the previous run in --out (each model's folder swapped in whole once "
               "its first checkpoint is written)")
 @click.option("--resume", is_flag=True, help="continue the run in --out after an interruption (SIGTERM, "
@@ -293,7 +298,7 @@ def _refuse_foreign_folder(out: Path) -> None:
 @device_option()
 @click.option("--print-config", is_flag=True, help="print the resolved configurations (YAML) and exit")
 @click.argument("overrides", nargs=-1)
-def run(recipe: str, out_dir: str | None, overwrite: bool, resume: bool, overrides: tuple[str, ...], device: str,
+def run(recipe: str, out_dir: Path | None, overwrite: bool, resume: bool, overrides: tuple[str, ...], device: str,
         print_config: bool) -> None:
     """Train the recipe's looped model and an equal-size plain transformer, evaluate both, report.
 
@@ -321,7 +326,7 @@ def run(recipe: str, out_dir: str | None, overwrite: bool, resume: bool, overrid
         _run(recipe, out_dir, overwrite, overrides, dev, stack, resume)
 
 
-def _run(recipe: str, out_dir: str | None, overwrite: bool, overrides: tuple[str, ...], dev: Any,
+def _run(recipe: str, out_dir: Path | None, overwrite: bool, overrides: tuple[str, ...], dev: Any,
          stack: contextlib.ExitStack, resume: bool = False) -> None:  # fmt: skip
     from rich.console import Console
 
@@ -337,6 +342,10 @@ def _run(recipe: str, out_dir: str | None, overwrite: bool, overrides: tuple[str
     # every override checked (as `train` checks them) before a run folder is claimed or anything written
     build_run_configs(recipe, overrides, Path(out_dir or "runs/<timestamp>"))
     out = run_folder_for(out_dir, overwrite, resume)
+    from loopformer.files import check_inside
+
+    for part in ("model", "baseline", "plots"):  # the folders `run` owns in OUT: never through a link
+        check_inside(out / part / "x", out)
     main_cfg, base_cfg, section, base_desc = build_run_configs(recipe, overrides, out)
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
@@ -382,6 +391,7 @@ def _run(recipe: str, out_dir: str | None, overwrite: bool, overrides: tuple[str
         out, section.title or f"loopformer run: {main_label} ({describe_loop(main.loop)}) vs "
         f"{baselines[0].label if baselines else 'no baseline'} on {main_cfg.data.task}",
         main_run.task, dataset, main, baselines, options, notes=notes, log=lambda m: console.print(f"  {m}"),
+        extra={"heldout": heldout_record(main_run.config, dataset)},  # what compare checks reports agree on
     )
     results = suite["results"]
     r_main = results[main_label]
@@ -424,7 +434,6 @@ def _run(recipe: str, out_dir: str | None, overwrite: bool, overrides: tuple[str
                   f"{100 * r_main.valid_accuracy:.1f}%"
                   + (f", baseline {100 * r_base.valid_accuracy:.1f}% ({base_desc})" if r_base else ""))
     console.print(f"[bold]mean loop steps[/bold]: easy (difficulty <= {eh['split_difficulty']:g}) "
-                  f"{eh['easy_mean_steps']:.2f}, hard {eh['hard_mean_steps']:.2f}; Spearman rho "
-                  f"{stats.spearman_rho:.2f} (p={stats.spearman_p:.2g})")
+                  f"{eh['easy_mean_steps']:.2f}, hard {eh['hard_mean_steps']:.2f}; {spearman_text(stats)}")
     console.print(f"checkpoint: {main_run.path}")
     console.print(f"report: {suite['report']}   plots: {out / 'plots'}   summary: {out / 'summary.json'}")

@@ -37,6 +37,7 @@ from loopformer.eval.budget import (
 )
 from loopformer.eval.evaluate import EvalResult, evaluate
 from loopformer.eval.report import describe_loop, write_report
+from loopformer.files import check_inside
 from loopformer.loop import LoopConfig
 from loopformer.models.base import LoopedModel
 from loopformer.tasks.base import Task, TokenDataset
@@ -86,6 +87,7 @@ def run_suite(
     opts = options or SuiteOptions()
     out = Path(out_dir)
     plot_dir = out / "plots"
+    check_inside(plot_dir / "x.png", out)  # never through a link inside the report folder (a plots/ link)
     results: dict[str, EvalResult] = {}
     difficulty: dict[str, DifficultyStats] = {}
     models: dict[str, dict[str, Any]] = {}
@@ -171,6 +173,17 @@ def model_info(m: ModelUnderTest, seconds_per_example: float, baseline: bool) ->
         # no loop to speak of: a single pass (the plain transformer baseline)
         "baseline": bool(baseline or m.loop.max_steps <= 1),
     }
+
+
+def spearman_text(stats: Any) -> str:
+    """``Spearman rho 0.42 (p=0.01)``, or why there is none: a rank correlation with no spread in the
+    loop counts or the difficulties is undefined, never a result to print as ``nan``."""
+    import math
+
+    if math.isnan(stats.spearman_rho):
+        return ("Spearman rho undefined (every example took the same number of loops, or all share one "
+                "difficulty: there is nothing to rank)")  # fmt: skip
+    return f"Spearman rho {stats.spearman_rho:.2f} (p={stats.spearman_p:.2g})"
 
 
 def accuracy_table(results: Mapping[str, EvalResult]) -> Any:

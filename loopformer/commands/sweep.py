@@ -14,8 +14,11 @@ point. The cartesian product runs sequentially into one folder:
   (``loopformer compare``: table and overlay plots), replaced at every sweep.
 
 Resumable: a point whose run finished (``summary.json`` at ``train.steps``) is not trained again, one
-killed part-way resumes from its checkpoint, and a report already written is kept. A finished point
-whose recorded configuration differs from the new one is refused (use another folder).
+killed part-way resumes from its checkpoint, and a report already written with the same evaluation
+settings is kept; one written with others (another ``--max-steps`` or ``--analyses``) is evaluated again.
+A finished point whose recorded configuration differs from the new one is refused (use another folder).
+Nothing is written through a symbolic link inside the sweep folder (a linked ``compare/``, point or
+report folder is refused), and the paths ``sweep.json`` lists are read only inside the folder.
 
 Several GPUs: the points are independent, so one process per GPU is natural; ``point_command``
 gives the ``loopformer train`` / ``loopformer eval`` command lines of a point, for a launcher that
@@ -25,13 +28,14 @@ places one per device (``CUDA_VISIBLE_DEVICES``); this command itself runs them 
 from __future__ import annotations
 
 import itertools
-import json
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import click
+
+from loopformer.commands.common import PATH, safe_name
 
 EVAL_PREFIXES = ("loop_eval.", "eval.")
 
@@ -100,8 +104,6 @@ def short_keys(keys: list[str]) -> dict[str, str]:
 
 
 def _label(pairs: list[tuple[str, str]], short: dict[str, str]) -> str:
-    from loopformer.commands.train_eval import safe_name
-
     return safe_name(",".join(f"{short[k]}={v}" for k, v in pairs))
 
 
@@ -136,18 +138,19 @@ def point_command(recipe: str, folder: Path, point: Point, budgets: str | None =
 
 
 def _finished(run: Path, steps: int) -> bool:
-    try:
-        summary = json.loads((run / "summary.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
-    return int(summary.get("steps", 0)) >= steps and bool(summary.get("checkpoint"))
+    """Whether ``run``'s training reached ``steps`` (its ``summary.json``, read through its schema)."""
+    from loopformer.runs.records import finished_summary
+
+    return finished_summary(run, steps) is not None
 
 
 def _same_config(run: Path, cfg: Any) -> str | None:
     """None when ``run``'s recorded config matches ``cfg``; else the first differing key."""
     from loopformer.config import load_config_file, to_dict
+    from loopformer.plugins import reading_data
 
-    old = to_dict(load_config_file(run, check=False))
+    with reading_data(f"{run / 'config.json'}"):  # a run folder is data: nothing it names is imported
+        old = to_dict(load_config_file(run, check=False))
     new = to_dict(cfg)
     for section in ("data", "eval", "loop_train", "loop_eval", "loop_periodic", "seed"):
         if old.get(section) != new.get(section):
@@ -174,7 +177,7 @@ def check_points(recipe: str, folder: Path, points: list[Point], budgets: list[i
     raw.pop("run", None)
     dev = str(resolve_device(device))
     for point in points:
-        cfg = build_config(raw, [*point.train, f"out_dir={folder / point.run}"])
+        cfg = build_config(raw, point.train, out_dir=folder / point.run)
         evaluated = run_config_for(cfg, point.evaluate, device=dev)
         check_loop_counts(evaluated, {"--max-steps": budgets}, dev)
 
@@ -186,7 +189,7 @@ def _train_point(recipe: str, run: Path, point: Point, echo: Any) -> None:
 
     raw = read_recipe(find_run_recipe(recipe))
     raw.pop("run", None)
-    cfg = build_config(raw, [*point.train, f"out_dir={run}"])
+    cfg = build_config(raw, point.train, out_dir=run)
     if (run / "config.json").is_file():
         differs = _same_config(run, cfg)
         if differs is not None:
@@ -197,9 +200,40 @@ def _train_point(recipe: str, run: Path, point: Point, echo: Any) -> None:
         if _finished(run, cfg.train.steps):
             echo(f"{point.run}: finished earlier, not trained again")
             return
-        cfg = build_config(raw, [*point.train, f"out_dir={run}", "train.resume=true"])
+        cfg = build_config(raw, [*point.train, "train.resume=true"], out_dir=run)
     echo(f"{point.run}: training {cfg.model.name} for {cfg.train.steps} steps -> {run}")
     Trainer(cfg).fit()
+
+
+def _check_compare_folder(compare: Path) -> None:
+    """The sweep replaces its own ``compare/`` on every run, never through a link, and only when it holds
+    its earlier comparison (or nothing): anything else there is refused, not replaced."""
+    from loopformer.files import check_inside
+    from loopformer.runs.folder import RunFolderError
+
+    check_inside(compare, compare.parent)
+    if compare.is_dir() and not (compare / "comparison.json").is_file():
+        others = sorted(p.name for p in compare.iterdir() if not p.name.startswith("."))
+        if others:
+            raise RunFolderError(f"{compare} holds {', '.join(others[:3])}, not this sweep's comparison; the sweep "
+                                 f"replaces only its own: move it away")  # fmt: skip
+
+
+def _report_differs(report: Path, point: Point, budgets: list[int], analyses: bool) -> str | None:
+    """None when ``report`` holds a report made as this sweep makes it now (its ``metrics.json``
+    ``evaluation`` record: the point's overrides, ``--max-steps``, ``--analyses``); "" when there is none;
+    else how it was made otherwise (it is evaluated again: a rerun never keeps a report made under other
+    settings while ``sweep.json`` claims the new ones)."""
+    from loopformer.eval.compare import read_metrics
+
+    if not (report / "metrics.json").is_file():
+        return ""
+    made = read_metrics(report).get("evaluation")
+    if not isinstance(made, dict):
+        return "without a record of its evaluation settings"
+    now = {"overrides": list(point.evaluate), "budgets": list(budgets), "analyses": analyses}
+    differ = [f"{k} {made.get(k)!r} (now {v!r})" for k, v in now.items() if made.get(k) != v]
+    return f"with other evaluation settings: {'; '.join(differ)}" if differ else None
 
 
 def check_sweep_folder(folder: Path, recipe: str, axes: dict[str, Any], fixed: dict[str, Any]) -> None:
@@ -222,22 +256,21 @@ def check_sweep_folder(folder: Path, recipe: str, axes: dict[str, Any], fixed: d
             raise RunFolderError(f"--out {folder} is not empty ({', '.join(others[:3])}) and holds no "
                                  f"earlier sweep; choose a new or empty folder")  # fmt: skip
         return
-    try:
-        old = json.loads(record.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as err:
-        raise RunFolderError(f"{record} does not parse ({err}); choose a new folder") from None
-    if not isinstance(old, dict) or (old.get("recipe"), old.get("axes"), old.get("fixed")) != (recipe, axes, fixed):
+    from loopformer.eval.compare import read_sweep
+
+    old = read_sweep(folder)  # through its schema: a malformed file is one line naming the field
+    if (old.get("recipe"), old.get("axes"), old.get("fixed")) != (recipe, axes, fixed):
         raise RunFolderError(
-            f"--out {folder} holds another sweep ({record}: recipe {old.get('recipe') if isinstance(old, dict) else '?'}, "
-            f"axes {', '.join(old.get('axes') or []) if isinstance(old, dict) else '?'}); a sweep is resumed "
-            f"with the same recipe and grid: choose another --out"
+            f"--out {folder} holds another sweep ({record}: recipe {old.get('recipe', '?')}, "
+            f"axes {', '.join(old.get('axes') or [])}); a sweep is resumed with the same recipe and grid: "
+            f"choose another --out"
         )
 
 
 @click.command("sweep")
 @click.argument("recipe")
 @click.argument("grid", nargs=-1, required=True)
-@click.option("--out", "-o", "out_dir", required=True, help="the sweep folder (one run folder per point)")
+@click.option("--out", "-o", "out_dir", type=PATH, required=True, help="the sweep folder (one run folder per point)")
 @click.option("--max-steps", "max_steps", default=None, metavar="B1,B2,...",
               help="loop budgets of each point's accuracy-vs-budget curve, e.g. 1,2,4,8")  # fmt: skip
 @click.option("--analyses/--no-analyses", default=False, show_default=True,
@@ -248,7 +281,7 @@ def check_sweep_folder(folder: Path, recipe: str, axes: dict[str, Any], fixed: d
     show_default=True,
     help="where each point is evaluated: auto | cpu | cuda | cuda:N (training: the recipe's device key)",
 )
-def sweep(recipe: str, grid: tuple[str, ...], out_dir: str, max_steps: str | None, analyses: bool,
+def sweep(recipe: str, grid: tuple[str, ...], out_dir: Path, max_steps: str | None, analyses: bool,
           device: str) -> None:  # fmt: skip
     """Run RECIPE over a grid, e.g. loop_eval.solver=damped,anderson train.lr=1e-3,3e-4; compare the points.
 
@@ -256,12 +289,8 @@ def sweep(recipe: str, grid: tuple[str, ...], out_dir: str, max_steps: str | Non
     every point. Points that differ only in loop_eval.* / eval.* share one training run. Resumable:
     finished points are skipped. The comparison (table + plots) goes to OUT/compare/.
     """
-    from loopformer.commands.common import parse_int_list, resume_hint
-    from loopformer.commands.compare import compare_into
-    from loopformer.commands.train_eval import evaluate_checkpoint
-    from loopformer.files import atomic_write_json
-    from loopformer.runs.folder import RunLock
-    from loopformer.train.stop import TrainingInterrupted
+    from loopformer.commands.common import parse_int_list
+    from loopformer.files import missing_parts, remove_empty
 
     axes, fixed = parse_grid(grid)
     if not axes:
@@ -271,10 +300,32 @@ def sweep(recipe: str, grid: tuple[str, ...], out_dir: str, max_steps: str | Non
     folder = Path(out_dir)
     check_sweep_folder(folder, recipe, axes, fixed)  # before anything is written
     check_points(recipe, folder, points, budgets, device)
+    created = missing_parts(folder)  # removed again (while empty) when the sweep fails before writing
+    try:
+        _sweep(recipe, grid, folder, axes, fixed, points, budgets, max_steps, analyses, device)
+    except BaseException:
+        remove_empty(created)
+        raise
+
+
+def _sweep(recipe: str, grid: tuple[str, ...], folder: Path, axes: dict[str, Any], fixed: list[str],
+           points: list[Point], budgets: list[int], max_steps: str | None, analyses: bool, device: str) -> None:  # fmt: skip
+    """The sweep itself, in its locked folder (see the module docstring)."""
+    from loopformer.commands.common import resume_hint
+    from loopformer.commands.compare import compare_into
+    from loopformer.commands.train_eval import evaluate_checkpoint
+    from loopformer.files import atomic_write_json, check_inside
+    from loopformer.runs.folder import RunLock
+    from loopformer.train.stop import TrainingInterrupted
+
     with RunLock(folder, "sweep"):  # one sweep at a time in a folder; each run folder is locked by its run
         check_sweep_folder(folder, recipe, axes, fixed)  # again, now that no other sweep can write it
+        for point in points:  # the sweep's own folders: never through a link out of it
+            check_inside(folder / point.run / point.report, folder)
+        _check_compare_folder(folder / "compare")
         atomic_write_json(folder / "sweep.json", {
             "recipe": recipe, "axes": axes, "fixed": fixed, "max_steps": budgets,
+            "evaluation": {"max_steps": budgets, "analyses": analyses},
             "points": [{"name": p.name, "run": p.run, "report": f"{p.run}/{p.report}",
                         "commands": [shlex.join(c) for c in point_command(recipe, folder, p, max_steps)]}
                        for p in points],
@@ -286,17 +337,20 @@ def sweep(recipe: str, grid: tuple[str, ...], out_dir: str, max_steps: str | Non
             try:
                 _train_point(recipe, run, point, click.echo)
             except TrainingInterrupted as err:  # SIGTERM / SIGINT: the point is checkpointed; rerun resumes
-                again = ["loopformer", "sweep", recipe, *grid, "-o", out_dir,
+                again = ["loopformer", "sweep", recipe, *grid, "-o", str(folder),
                          *(["--max-steps", max_steps] if max_steps else []),
                          *(["--analyses"] if analyses else []), *(["--device", device] if device != "auto" else [])]  # fmt: skip
                 resume_hint(err, again)
             report = run / point.report
-            if (report / "metrics.json").is_file():
+            why = _report_differs(report, point, budgets, analyses)
+            if why is None:
                 click.echo(f"{point.name}: report {report} written earlier, kept")
                 continue
+            if why:
+                click.echo(f"{point.name}: report {report} was written {why}; evaluating again")
             evaluate_checkpoint(run, point.evaluate, budgets, analyses=analyses, out_dir=report, device=device,
                                 overwrite=True)  # fmt: skip
         reports = [folder / p.run / p.report for p in points]
         written = compare_into(folder / "compare", reports, f"sweep of {recipe}: {', '.join(axes)}", True,
-                               [p.name for p in points])  # fmt: skip
+                               [p.name for p in points], root=folder)  # fmt: skip
     click.echo(f"comparison: {written['markdown']}  plots: {folder / 'compare' / 'plots'}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -10,8 +11,9 @@ from typing import Any
 
 import click
 
-from loopformer.commands.common import parse_int_list, parse_pairs
-from loopformer.commands.suite import ModelUnderTest, SuiteOptions, accuracy_table, run_suite
+from loopformer.commands.common import PATH, parse_int_list, parse_pairs, parse_variants, safe_name
+from loopformer.commands.eval_extras import auto_note, auto_solver_search, segment_note
+from loopformer.commands.suite import ModelUnderTest, SuiteOptions, accuracy_table, run_suite, spearman_text
 from loopformer.devices import device_option, resolve_device
 from loopformer.eval.auto_solver import DEFAULT_FRACTION
 from loopformer.eval.lm import evaluate_lm
@@ -24,7 +26,7 @@ from loopformer.runs import eval_dataset, load_run, training_depth
 @click.argument("recipe")
 @click.argument("overrides", nargs=-1)
 @click.option("--resume", is_flag=True, help="continue from the run folder's latest checkpoint")
-@click.option("--out", "-o", "out_dir", default=None, help="run folder (overrides out_dir)")
+@click.option("--out", "-o", "out_dir", type=PATH, default=None, help="run folder (instead of the recipe's out_dir)")
 @click.option(
     "--overwrite",
     is_flag=True,
@@ -45,7 +47,7 @@ def train(
     recipe: str,
     overrides: tuple[str, ...],
     resume: bool,
-    out_dir: str | None,
+    out_dir: Path | None,
     overwrite: bool,
     allow_config_change: bool,
     print_config: bool,
@@ -65,15 +67,13 @@ def train(
     raw = read_recipe(find_run_recipe(recipe))
     raw.pop("run", None)  # the `loopformer run` table is not part of a training config
     extra = list(overrides)
-    if out_dir:
-        extra.append(f"out_dir={out_dir}")
     if resume:
         extra.append("train.resume=true")
     if overwrite:
         extra.append("train.overwrite=true")
     if allow_config_change:
         extra.append("train.allow_config_change=true")
-    cfg = build_config(raw, extra)
+    cfg = build_config(raw, extra, out_dir=out_dir)  # -o is a path, never an override
     if print_config:  # every model and loop field with its effective value (loopformer.config.recipes)
         from loopformer.config.recipes import print_config_yaml
 
@@ -101,6 +101,11 @@ def train(
 
         kept = [o for o in overrides if o.split("=", 1)[0] not in ("out_dir", "train.resume", "train.overwrite")]
         resume_hint(err, ["loopformer", "train", recipe, *kept, f"out_dir={cfg.out_dir}", "--resume"])
+    except Exception as err:  # named by the run folder given, never the hidden --overwrite staging folder
+        shown = trainer.folder.user_error(err)
+        if shown is err:
+            raise
+        raise shown from None
     ev = summary.get("eval") or {}
     if "bits_per_byte" in ev:
         console.print(
@@ -122,7 +127,7 @@ def train(
     console.print(f"checkpoint: {summary['checkpoint']}  ({summary['wall_time']:.0f} s)")
     if best:
         console.print(
-            f"the published protocol (loop_eval) on the best checkpoint: loopformer eval {cfg.out_dir} --best"
+            f"the published protocol (loop_eval) on the best checkpoint: loopformer eval {shlex.quote(cfg.out_dir)} --best"
         )
 
 
@@ -180,7 +185,7 @@ def train(
     is_flag=True,
     help="the run's best checkpoint (checkpoints/best, kept by train.keep_best) instead of its latest",
 )
-@click.option("--out", "-o", "out_dir", default=None, help="report folder (default <run>/eval-step<N>-<time>)")
+@click.option("--out", "-o", "out_dir", type=PATH, default=None, help="report folder (default <run>/eval-step<N>-<time>)")
 @click.option("--overwrite", is_flag=True, help="replace the report in --out (moved aside once the new one is done)")
 @click.option(
     "--auto-solver",
@@ -213,7 +218,7 @@ def train(
 @device_option()
 def evaluate_cmd(checkpoint: str, max_steps: str | None, budget_mode: str, task_options: tuple[str, ...],
                  sets: tuple[str, ...], examples: int, lens_loops: int | None, analyses: bool, ema: bool,
-                 best: bool, out_dir: str | None, device: str, overwrite: bool = False, auto_solver: bool = False,
+                 best: bool, out_dir: Path | None, device: str, overwrite: bool = False, auto_solver: bool = False,
                  auto_solver_slice: float = DEFAULT_FRACTION, auto_solver_tolerance: float = 0.0,
                  variants: tuple[str, ...] = ()) -> None:  # fmt: skip
     """Evaluate CHECKPOINT (a run folder or checkpoint folder) on its held-out set; write a report.
@@ -241,27 +246,6 @@ def evaluate_cmd(checkpoint: str, max_steps: str | None, budget_mode: str, task_
                         out_dir, device, overwrite, parse_variants(variants), auto)  # fmt: skip
 
 
-def parse_variants(variants: tuple[str, ...] | list[str]) -> list[tuple[str, list[str]]]:
-    """``("loop_eval.solver=anderson loop_eval.tol=0.01", ...)`` -> [(name, overrides)]: each variant's
-    overrides (loop_eval.* / eval.* keys only) and a name made of them, without the ``loop_eval.`` prefix."""
-    import shlex
-
-    parsed = []
-    for text in variants:
-        parts = shlex.split(text)
-        if not parts:
-            raise click.BadParameter("a variant needs at least one KEY=VALUE", param_hint="--variant")
-        for part in parts:
-            deletes = part.startswith("~") and "=" not in part  # ~loop_eval.tol: the model's default again
-            if not (deletes or "=" in part) or not part.lstrip("~").startswith(("loop_eval.", "eval.")):
-                raise click.BadParameter(
-                    f"{part!r}: a variant changes loop_eval.* or eval.* keys (KEY=VALUE)", param_hint="--variant"
-                )
-        name = ",".join(p[: p.startswith("~")] + p.lstrip("~").removeprefix("loop_eval.") for p in parts)
-        parsed.append((name, parts))
-    return parsed
-
-
 def evaluate_checkpoint(checkpoint: str | Path, overrides: list[str], budgets: list[int], budget_mode: str = "capped",
                         examples: int = 0, lens_loops: int | None = None, analyses: bool = True, ema: bool = True,
                         best: bool = False, out_dir: str | Path | None = None, device: str = "auto",
@@ -283,71 +267,37 @@ def evaluate_checkpoint(checkpoint: str | Path, overrides: list[str], budgets: l
     from loopformer.train.setup import set_cpu_threads
 
     set_cpu_threads(run.config.train, DistEnv(), dev, run.model)  # the run's train.threads rule, logged
+    # how this report was made (metrics.json "evaluation"): a sweep re-evaluates a report made otherwise
+    record = {"overrides": list(overrides), "budgets": list(budgets), "budget_mode": budget_mode,
+              "examples": examples, "analyses": analyses, "lens_loops": lens_loops, "ema": ema, "best": best}  # fmt: skip
     with autocast(dev, run.config.bf16):  # evaluate in the precision the run trained in
         _evaluate(run, examples, None if out_dir is None else str(out_dir), budgets, budget_mode, lens_loops,
-                  analyses, overwrite, variants or [], auto)  # fmt: skip
-
-
-def _auto_solver(run: Any, dataset: Any, auto: tuple[float, float]) -> tuple[Any, Any, dict[str, Any]]:
-    """The solver search on a slice of ``dataset``: (the run with the chosen loop_eval, the report rows,
-    the search's record for metrics.json); prints the comparison."""
-    import dataclasses
-
-    from rich.console import Console
-
-    from loopformer.eval.auto_solver import compare, format_report, search
-
-    if not run.task.has_validator:
-        raise click.UsageError("--auto-solver needs a task scored by accuracy (this one is scored by loss)")
-    console = Console(highlight=False)
-    kwargs = {"batch_size": run.config.eval.batch_size, "seed": run.config.seed, "segments": run.config.eval.segments}
-    console.print(f"auto-solver: searching from {run.loop_eval.solver} tol={run.loop_eval.tol:g}")
-    result, chosen, rows = search(run.model, run.task, dataset, run.loop_eval, fraction=auto[0],
-                                  accuracy_tolerance=auto[1], log=lambda m: console.print(f"  {m}"), **kwargs)  # fmt: skip
-    result.report = compare(run.model, run.task, rows, {"trained": run.loop_eval, "chosen": chosen}, **kwargs)
-    for line in format_report(result):
-        console.print(line)
-    return dataclasses.replace(run, loop_eval=chosen), rows, result.to_dict()
-
-
-def _segment_note(segments: int) -> list[str]:
-    if segments <= 1:
-        return []
-    return [
-        f"Accuracy and steps: {segments} chained segments carrying the state (eval.segments); the step "
-        "budgets and the per-loop analyses run one segment."
-    ]
-
-
-def _auto_note(record: dict[str, Any] | None) -> list[str]:
-    if record is None:
-        return []
-    c, r = record["chosen"], record["reference"]
-    return [
-        f"Solver: {c['label']} chosen by --auto-solver on {record['search_rows']} held-out examples not in this "
-        f"report ({c['map_evals']:.2f} map evaluations per sample at {100 * c['accuracy']:.1f}% vs the trained "
-        f"{r['label']}: {r['map_evals']:.2f} at {100 * r['accuracy']:.1f}%); metrics.json auto_solver has every candidate."
-    ]
+                  analyses, overwrite, variants or [], auto, record)  # fmt: skip
 
 
 @contextmanager
-def _report_folder(out: Path) -> Iterator[Path]:
-    """The default report folder (a new name inside the run folder), the run folder locked meanwhile."""
+def _report_folder(out: Path, run_dir: Path) -> Iterator[Path]:
+    """The default report folder (a new name inside the run folder ``run_dir``, never through a link there),
+    the run folder locked meanwhile."""
+    from loopformer.files import check_inside
     from loopformer.runs.folder import RunLock
 
+    check_inside(out, run_dir)
     with RunLock(out.parent, "eval"):
         yield out
 
 
+
 def _evaluate(run: Any, examples: int, out_dir: str | None, budgets: list[int], budget_mode: str,
               lens_loops: int | None, analyses: bool, overwrite: bool = False,
-              variants: list[tuple[str, list[str]]] | None = None, auto: tuple[float, float] | None = None) -> None:  # fmt: skip
+              variants: list[tuple[str, list[str]]] | None = None, auto: tuple[float, float] | None = None,
+              record: dict[str, Any] | None = None) -> None:  # fmt: skip
     from loopformer.runs.outputs import staged_output
 
     dataset = eval_dataset(run.task, run.config, examples)
     auto_record = None
     if auto is not None:  # search on a slice; the report covers the other rows with the chosen solver
-        run, dataset, auto_record = _auto_solver(run, dataset, auto)
+        run, dataset, auto_record = auto_solver_search(run, dataset, auto)
     # no second process writes into a run folder in use (a training, another eval): lock what we write into
     if out_dir:  # -o: the run-folder rules (refused when it holds a report, built aside, swapped in whole)
         out = Path(out_dir)
@@ -355,22 +305,27 @@ def _evaluate(run: Any, examples: int, out_dir: str | None, budgets: list[int], 
     else:  # next to the checkpoints, not inside one (old checkpoints are rotated away)
         run_dir = run.path.parent.parent if run.path.parent.name == "checkpoints" else run.path
         out = run_dir / f"eval-step{run.step}-{time.strftime('%Y%m%d-%H%M%S')}"
-        target = _report_folder(out)
+        target = _report_folder(out, run_dir)
     with target as write_dir:
         if variants:
-            _evaluate_variants(run, dataset, write_dir, out, budgets, budget_mode, lens_loops, analyses, variants)
+            _evaluate_variants(run, dataset, write_dir, out, budgets, budget_mode, lens_loops, analyses, variants,
+                               record)  # fmt: skip
         else:
-            _evaluate_into(run, dataset, write_dir, out, budgets, budget_mode, lens_loops, analyses, auto_record)
+            _evaluate_into(run, dataset, write_dir, out, budgets, budget_mode, lens_loops, analyses, auto_record,
+                           record)  # fmt: skip
 
 
 def _evaluate_variants(run: Any, dataset: Any, out: Path, final: Path, budgets: list[int], budget_mode: str,
-                       lens_loops: int | None, analyses: bool, variants: list[tuple[str, list[str]]]) -> None:  # fmt: skip
-    """The run's loop_eval and each variant into ``out/variants/<name>/``, then their comparison into ``out``."""
+                       lens_loops: int | None, analyses: bool, variants: list[tuple[str, list[str]]],
+                       record: dict[str, Any] | None = None) -> None:  # fmt: skip
+    """The run's loop_eval and each variant into ``out/variants/<name>/``, then their comparison into ``out``.
+    Every key a variant names is honoured: ``eval.max_examples`` evaluates that many held-out rows (the
+    keys that cannot vary are refused before the weights are read: ``config.checks.VARIANT_FIXED``)."""
     import dataclasses
 
     from loopformer.commands.compare import print_rows
     from loopformer.config.checks import check_variants
-    from loopformer.eval.compare import load_entries, write_comparison
+    from loopformer.eval.compare import heldout_line, load_entries, write_comparison
 
     if not run.task.has_validator:
         raise ValueError(f"--variant compares validator accuracy; task {run.task.name!r} has no validator")
@@ -378,30 +333,35 @@ def _evaluate_variants(run: Any, dataset: Any, out: Path, final: Path, budgets: 
     for i, (name, overrides) in enumerate([("loop_eval", []), *variants]):
         config = check_variants(run.config, [overrides])[0] if overrides else run.config
         variant = dataclasses.replace(run, config=config, loop_eval=config.loop_config(run.model.config.loop, "eval"))
+        rows = dataset
+        if any(o.lstrip("~").startswith("eval.max_examples") for o in overrides):  # the variant's own row count
+            rows = eval_dataset(run.task, config, 0)
         folder = Path("variants") / f"{i:02d}-{safe_name(name)}"
-        _evaluate_into(variant, dataset, out / folder, final / folder, budgets, budget_mode, lens_loops, analyses)
+        _evaluate_into(variant, rows, out / folder, final / folder, budgets, budget_mode, lens_loops, analyses,
+                       record={**(record or {}), "variant": list(overrides)})  # fmt: skip
         names.append(name)
         folders.append(out / folder)
     entries = load_entries(folders, names)
-    title = f"{run.family or run.config.model.name} ({run.path}): {len(entries)} evaluation loops compared"
+    title = (f"{run.family or run.config.model.name} ({run.path}): {len(entries)} evaluation loops compared · "
+             f"{heldout_line(entries, allow=True)}")  # fmt: skip
     written = write_comparison(out, entries, title)
     print_rows([e.row() for e in entries], title)
     click.echo(f"comparison: {final / Path(written['markdown']).relative_to(out)}")
 
 
-def safe_name(text: str) -> str:
-    """``text`` as a folder name: letters, digits and ``._=,+-`` kept, anything else ``-``."""
-    kept = "".join(c if c.isalnum() or c in "._=,+-" else "-" for c in text).strip("-.")
-    return kept[:120] or "point"
-
-
 def _evaluate_into(run: Any, dataset: Any, out: Path, final: Path, budgets: list[int], budget_mode: str,
-                   lens_loops: int | None, analyses: bool, auto_record: dict[str, Any] | None = None) -> None:  # fmt: skip
-    """Evaluate and write the report into ``out``, naming the files by where they end up (``final``)."""
+                   lens_loops: int | None, analyses: bool, auto_record: dict[str, Any] | None = None,
+                   record: dict[str, Any] | None = None) -> None:  # fmt: skip
+    """Evaluate and write the report into ``out``, naming the files by where they end up (``final``); the
+    report records what it was evaluated on (``heldout``: task, options, the held-out set's fingerprint)
+    and how (``evaluation``: ``record``)."""
     from rich.console import Console
 
     from loopformer.eval.report import write_json
+    from loopformer.runs.fingerprint import heldout_record
     from loopformer.tasks.arc import ArcTask
+
+    made = {"heldout": heldout_record(run.config, dataset), "evaluation": record}
 
     def shown(path: str | Path) -> Path:
         return final / Path(path).relative_to(out)
@@ -411,14 +371,14 @@ def _evaluate_into(run: Any, dataset: Any, out: Path, final: Path, budgets: list
         lm = evaluate_lm(run.model, run.task, dataset, loop=run.loop_eval, batch_size=batch_size, progress=True,
                          seed=run.config.seed, segments=run.config.eval.segments)
         write_json(out / "metrics.json", {"checkpoint": str(run.path), "step": run.step, "weights": run.weights,
-                                          "label": run.label, **lm.to_dict()})
+                                          "label": run.label, **lm.to_dict(), **made})
         console.print(f"held-out ({lm.n} windows, {lm.tokens} tokens): loss {lm.loss:.4f} nats/token, "
                       f"bits per byte {lm.bits_per_byte:.4f}, token accuracy {100 * lm.token_accuracy:.1f}%, "
                       f"mean steps {lm.mean_steps:.2f}")  # fmt: skip
         console.print(f"metrics: {final / 'metrics.json'}")
         return
     extra: dict[str, Any] = {"checkpoint": {"path": str(run.path), "step": run.step, "label": run.label,
-                                            "best": run.best}}  # fmt: skip
+                                            "best": run.best}, **made}  # fmt: skip
     if auto_record is not None:
         extra["auto_solver"] = auto_record
     if isinstance(run.task, ArcTask):  # pass@2 over every test pair x augmentation version
@@ -472,9 +432,11 @@ def _evaluate_into(run: Any, dataset: Any, out: Path, final: Path, budgets: list
         (),
         options,
         notes=[
-            f"Task: {run.config.data.task} {run.config.data.options}; {len(dataset)} held-out examples.",
-            *_segment_note(run.config.eval.segments),
-            *_auto_note(auto_record),
+            f"Task: {run.config.data.task} {run.config.data.options}; {len(dataset)} held-out examples"
+            + (f" ({made['heldout']['unscored_rows']} rows without labels left out: they cannot be scored)."
+               if made["heldout"]["unscored_rows"] else "."),
+            *segment_note(run.config.eval.segments),
+            *auto_note(auto_record),
             *provenance,
         ],
         log=lambda m: console.print(f"  {m}"),
@@ -486,6 +448,7 @@ def _evaluate_into(run: Any, dataset: Any, out: Path, final: Path, budgets: list
         console.print(
             f"ARC pass@2 (voting over {run.task.versions} augmentation versions): {100 * arc['score']:.1f}% "
             f"of {int(arc['tasks'])} tasks ({int(arc['outputs_solved'])}/{int(arc['outputs'])} test outputs)"
+            if arc["tasks"] else "ARC pass@2: not scored (no task has every test output known)"
         )
     if "authors_trm_deq" in extra:
         a = extra["authors_trm_deq"]
@@ -494,6 +457,5 @@ def _evaluate_into(run: Any, dataset: Any, out: Path, final: Path, budgets: list
             f"exploration, {run.config.eval.segments} calls): exact {100 * a['exact_acc']:.1f}% of the "
             f"{a['n']} examples halted at the last call ({a['evaluated']} evaluated)"
         )
-    stats = suite["difficulty"][label]
-    console.print(f"steps vs difficulty: Spearman rho {stats.spearman_rho:.2f} (p={stats.spearman_p:.2g})")
+    console.print(f"steps vs difficulty: {spearman_text(suite['difficulty'][label])}")
     console.print(f"report: {shown(suite['report'])}  metrics: {shown(suite['metrics'])}")

@@ -22,9 +22,18 @@ CHECKPOINT_META_KEYS = ("family", "step", "plugins")  # written next to the conf
 
 
 
-def build_config(data: Mapping[str, Any], overrides: Sequence[str] = (), check: bool = True) -> RunConfig:
-    """RunConfig from a raw table plus overrides; ``check`` also validates model / loop keys."""
-    cfg = from_dict(RunConfig, apply_overrides(dict(data), overrides))
+def build_config(
+    data: Mapping[str, Any], overrides: Sequence[str] = (), check: bool = True, out_dir: str | Path | None = None
+) -> RunConfig:
+    """RunConfig from a raw table plus overrides; ``check`` also validates model / loop keys. ``out_dir``:
+    the run folder a command's ``-o`` names, a path given as a path (never parsed as an override); refused
+    together with an ``out_dir=`` override (which of the two was meant is a guess)."""
+    table = apply_overrides(dict(data), overrides)
+    if out_dir is not None:
+        if any(o.partition("=")[0].strip() == "out_dir" for o in overrides):
+            raise ConfigError("the run folder is given twice, with -o / --out and with out_dir=; give one")
+        table["out_dir"] = str(out_dir)
+    cfg = from_dict(RunConfig, table)
     return validate(cfg) if check else cfg
 
 

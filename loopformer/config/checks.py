@@ -76,11 +76,22 @@ def check_variants(cfg: RunConfig, variants: Sequence[Sequence[str]], device: st
     (``run_config_for``); ConfigError naming the variant."""
     out = []
     for overrides in variants:
+        fixed = [o for o in overrides if o.lstrip("~").partition("=")[0].strip() in VARIANT_FIXED]
+        if fixed:  # the weights are loaded once, and every variant is scored the same way
+            raise ConfigError(
+                f"--variant {' '.join(overrides)!r}: {fixed[0].lstrip('~').partition('=')[0]} cannot vary between "
+                f"variants (the weights are loaded once and every variant is scored alike); run eval once per value "
+                f"with --set / --no-ema instead"
+            )
         try:
             out.append(run_config_for(cfg, overrides, device=device))
         except ConfigError as err:
             raise ConfigError(f"--variant {' '.join(overrides)!r}: {err}") from None
     return out
+
+
+# eval.* keys an ``eval --variant`` cannot change (every other loop_eval.* / eval.* key it names is honoured)
+VARIANT_FIXED = ("eval.use_ema", "eval.check")
 
 
 def check_counts(prefix: str, low: int, **values: Any) -> None:

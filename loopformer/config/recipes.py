@@ -6,7 +6,10 @@ the old model's keys, ``key=value`` overrides, and the fully resolved view ``--p
   ``ConfigError`` naming the file and line. ``read_text`` reads a file as UTF-8 or names the bad byte.
 - ``parse_override`` / ``apply_overrides``: dotted ``key=value`` overrides (``train.lr=3e-4``), each value
   parsed as YAML (numbers, bools, lists, null) and its path checked against the schema before it is
-  written into the raw table; ``~key`` deletes a key.
+  written into the raw table; ``~key`` deletes a key. A path is a path: the values of ``PATH_KEYS``
+  (``out_dir``, ``data.train_path``, ``data.eval_path``) are taken as the text given, never parsed as YAML
+  (``out_dir=0001`` stays ``"0001"``, ``out_dir=exp #2`` keeps its ``#``), and ``train.resume`` is a
+  boolean only for ``true`` / ``false``, else the checkpoint path as given.
 
 - ``find_recipe(name)``: a path as given, or ``<name>[.yaml]`` in ./recipes or the shipped recipes.
 - ``read_recipe(path)``: the recipe's table with its ``base:`` chain merged in (the child wins key by
@@ -49,6 +52,8 @@ DELETE = "~"  # a key starting with it deletes the (dotted) key after it
 
 TASK_FIELDS = ("vocab_size", "seq_len", "causal", "num_puzzle_ids", "puzzle_emb_len", "grid")
 
+# keys whose value is a file or folder path: taken as the text given, never parsed as YAML
+PATH_KEYS = frozenset({"out_dir", "data.train_path", "data.eval_path"})
 
 
 def read_text(path: Path, what: str) -> str:
@@ -71,6 +76,10 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     key = key.strip()
     if not key or any(not part for part in key.split(".")):
         raise ConfigError(f"override {text!r} has an empty key")
+    if key in PATH_KEYS:  # a path is a path: "0001", "2024-01-01", "yes", "exp #2" stay as typed
+        return key.split("."), raw
+    if key == "train.resume" and raw.strip().lower() not in ("true", "false", "yes", "no", "on", "off", ""):
+        return key.split("."), raw  # a checkpoint folder, as typed
     try:
         value = load_yaml(raw, f"override {key}") if raw.strip() else ""
     except ConfigError as err:
@@ -379,6 +388,7 @@ def _family_fields(cfg: RunConfig) -> set[str]:
 
 __all__ = [
     "DELETE",
+    "PATH_KEYS",
     "TASK_FIELDS",
     "delete_key",
     "drop_foreign_model_keys",

@@ -2,7 +2,8 @@
 
 ``validate(cfg)`` runs when a config is built (``loopformer.config.build_config``): model family
 fields and loop overrides are coerced and checked by their own classes, then every value here:
-ranges (sizes >= 1, rates in [0, 1), finite non-negative weights, a sane learning rate), the
+ranges (sizes >= 1, rates in [0, 1), finite non-negative weights, a sane learning rate), a held-out set
+generated apart from the training set (not the same seed with the same generator options), the
 model's shape (``d_model`` divisible by ``n_heads``), the device (``cuda`` needs a CUDA device),
 CPU thread counts, the task's name and options (checked against the task's constructor and
 ``generate`` signatures without building the task), the loop sampler's options, and sizes that
@@ -182,6 +183,21 @@ def _check_run(cfg: RunConfig, training: bool = True) -> None:
     _finite(c, "data.curriculum", 0.0, 1.0, "threshold")
     if not (math.isfinite(c.step) and c.step > 0):
         raise ConfigError(f"data.curriculum.step must be > 0, got {c.step}")
+    if training:
+        _check_heldout_apart(d)
+
+
+def _check_heldout_apart(d: Any) -> None:
+    """A generated training set and a generated held-out set drawn with the same seed and the same generator
+    options are the same puzzles (``task.generate(n, seed)`` rows are prefixes of each other): the model would
+    be scored on what it trained on."""
+    if d.train_path or d.eval_path or d.train_seed != d.eval_seed or d.train_generate != d.eval_generate:
+        return
+    raise ConfigError(
+        f"data.train_seed and data.eval_seed are both {d.train_seed} with the same generator options "
+        f"(data.train_generate = data.eval_generate): the held-out set would be the training set's first rows; "
+        f"give data.eval_seed another value (or other data.eval_generate options, or a data.eval_path)"
+    )
 
 
 def _check_model(cfg: RunConfig) -> None:

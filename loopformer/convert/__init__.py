@@ -35,6 +35,7 @@ import torch
 from torch import Tensor
 
 from loopformer.files import atomic_write_text
+from loopformer.numerics import NumericalFaultError, nonfinite_names
 from loopformer.runs.layout import CheckpointError
 
 # system name -> module under loopformer.convert defining ``convert(state, ref_config) -> Converted``
@@ -74,6 +75,12 @@ class KeyMap:
 
     def has(self, key: str) -> bool:
         return key in self.state
+
+    def peek(self, key: str) -> Tensor:
+        """The tensor ``key`` without using it up (to read a shape); CheckpointError naming it when missing."""
+        if key not in self.state:
+            raise CheckpointError(f"{self.source}: missing key {key!r} (keys present: {self.sample()})")
+        return self.state[key]
 
     def take(self, key: str) -> Tensor:
         if key not in self.state:
@@ -241,6 +248,13 @@ def convert_checkpoint(
     overrides = list(overrides)
     given_values = parse_given(overrides)  # before the mapping: its errors suggest --set KEY=VALUE
     state = load_state_dict(checkpoint)
+    bad = nonfinite_names(state)
+    if bad:  # a run folder of NaN weights would be refused by eval / solve anyway: never write one
+        more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
+        raise NumericalFaultError(
+            f"{checkpoint}: tensor {bad[0]!r}{more} holds NaN or infinite values (the training diverged?); "
+            f"refusing to convert it"
+        )
     find_config = getattr(importlib.import_module(CONVERTERS[system]), "find_config", None)
     if config_file is None and find_config is not None:
         config_file = find_config(checkpoint)
@@ -255,7 +269,10 @@ def convert_checkpoint(
         )
     token = _GIVEN.set(given_values)
     try:
-        converted = fn(state, read_reference_config(config_file))
+        try:
+            converted = fn(state, read_reference_config(config_file))
+        except CheckpointError as err:  # the mapping names the system ("TRM checkpoint"): name the file too
+            raise CheckpointError(f"{checkpoint}: {err}") from None
     except (CheckpointError, ValueError, NotImplementedError) as err:
         if config_file is not None:
             raise

@@ -126,14 +126,14 @@ def _count(km: KeyMap, part: str) -> int:
 
 
 def model_section(km: KeyMap, s: dict[str, Any]) -> dict[str, Any]:
-    vocab, d = km.state["transformer.wte.weight"].shape
+    vocab, d = km.peek("transformer.wte.weight").shape
     n_backbone, n_head = _count(km, "prelude"), _count(km, "core_block")
     for key, n in (("n_backbone_layers", n_backbone), ("n_fp_blocks", n_head)):
         if key in s and int(s[key]) != n:
             raise CheckpointError(f"{SOURCE}: {key}={s[key]} in the config, {n} blocks in the state dict")
-    hidden = km.state[
+    hidden = km.peek(
         "transformer.prelude.0.mlp.fc.weight" if n_backbone else "transformer.core_block.0.mlp.fc.weight"
-    ]
+    )
     embed_scale, logit_scale = _scales(str(s["init_strategy"]), int(d))
     return {
         "name": "attractor",

@@ -138,7 +138,7 @@ def _logit(t: Tensor) -> Tensor:
 
 
 def _model_fields(arch: dict[str, Any], km: KeyMap, n_layers: int) -> dict[str, Any]:
-    vocab, d = km.state["embed_tokens.embedding_weight"].shape
+    vocab, d = km.peek("embed_tokens.embedding_weight").shape
     conv = km.state.get("L_level.conv.weight")
     fields: dict[str, Any] = {
         "name": "fprm",

@@ -74,10 +74,10 @@ def model_section(km: KeyMap, ref: dict[str, Any]) -> dict[str, Any]:
     for key in ("token_embedding.weight", "blocks.0.mlp.c_fc.weight"):
         if not km.has(key):
             raise CheckpointError(f"ltg checkpoint: missing key {key!r} (keys present: {km.sample()})")
-    vocab, d = km.state["token_embedding.weight"].shape
-    hidden = km.state["blocks.0.mlp.c_fc.weight"].shape[1]
+    vocab, d = km.peek("token_embedding.weight").shape
+    hidden = km.peek("blocks.0.mlp.c_fc.weight").shape[1]
     inject = bool(ref.get("input_injection", False))
-    seq_len = int(km.state["position_embedding.weight"].shape[0]) if learned else int(ref.get("max_len", 50))
+    seq_len = int(km.peek("position_embedding.weight").shape[0]) if learned else int(ref.get("max_len", 50))
     return {
         "name": "recurrent",
         "block": "gpt2",

@@ -117,7 +117,7 @@ def map_block(km: KeyMap, src: str, dst: str, n_heads: int, rope: bool) -> None:
         km.put(f"{dst}.mix.mlp.gate_up.weight", f"{src}.mlp_t.gate_up_proj.weight")
         km.put(f"{dst}.mix.mlp.down.weight", f"{src}.mlp_t.down_proj.weight")
     else:
-        qkv = km.state[f"{src}.self_attn.qkv_proj.weight"]
+        qkv = km.peek(f"{src}.self_attn.qkv_proj.weight")
         if qkv.shape[0] % 3:
             raise CheckpointError(
                 f"{src}.self_attn.qkv_proj.weight: grouped-query attention is not supported"
@@ -159,9 +159,9 @@ def map_weights(
 
 def embedding_shapes(km: KeyMap) -> tuple[int, int, int, int]:
     """(vocab size, d_model, puzzle_emb_ndim, num_puzzle_identifiers) from the weights' shapes."""
-    vocab, d = km.state["embed_tokens.embedding_weight"].shape
-    ndim = km.state["puzzle_emb.weights"].shape[1] if km.has("puzzle_emb.weights") else 0
-    n_ids = km.state["puzzle_emb.weights"].shape[0] if ndim else 0
+    vocab, d = km.peek("embed_tokens.embedding_weight").shape
+    ndim = km.peek("puzzle_emb.weights").shape[1] if km.has("puzzle_emb.weights") else 0
+    n_ids = km.peek("puzzle_emb.weights").shape[0] if ndim else 0
     return int(vocab), int(d), int(ndim), int(n_ids)
 
 

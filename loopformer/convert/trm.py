@@ -25,7 +25,7 @@ def model_section(km: KeyMap, arch: dict[str, Any], ref: dict[str, Any]) -> dict
     mlp_t = km.has("L_level.layers.0.mlp_t.gate_up_proj.weight")
     seq_len = rec.reference_seq_len(arch, ref)
     if seq_len is None and mlp_t:
-        seq_len = km.state["L_level.layers.0.mlp_t.gate_up_proj.weight"].shape[1] - plen
+        seq_len = km.peek("L_level.layers.0.mlp_t.gate_up_proj.weight").shape[1] - plen
     if seq_len is None:
         raise rec.no_seq_len("TRM")
     pos = arch["pos_encodings"]

@@ -6,9 +6,15 @@ works on reports from ``loopformer eval``, ``loopformer run`` and ``loopformer s
 
 - ``report_folders(path)``: the report folders a command-line argument names: a report folder
   itself (it holds ``metrics.json``), an ``eval --variant`` report (its ``variants/*``), a sweep folder
-  (its points' reports) or a run folder (its newest ``eval-*`` report).
+  (its points' reports, ``sweep_reports``: each path ``sweep.json`` lists must lie inside the sweep
+  folder, and the points without a report are named) or a run folder (its newest ``eval-*`` report).
 - ``load_entries(folders)``: one ``Entry`` per model of each report (a ``loopformer run`` report
-  holds the looped model and its baseline).
+  holds the looped model and its baseline); each ``metrics.json`` (and ``sweep.json``) is read through
+  its schema (``METRICS_SCHEMA``, ``SWEEP``; ``loopformer.files.read_record``), so a malformed one is one line
+  naming the file and the field.
+- ``heldout_line(entries, allow)``: what the reports were evaluated on (their ``heldout`` record: task,
+  task options, the held-out set's fingerprint); reports that differ there are refused unless
+  ``allow``, and the comparison's title says what they were evaluated on, or that it differs.
 - ``write_comparison(out, entries, title)``: ``comparison.md`` and ``comparison.json`` (accuracy,
   mean loops, converged fraction, time per example, parameters, test-time compute = mean loops x
   blocks per loop step) and ``plots/accuracy_vs_budget.png`` (log2 x-axis; a run without a budget
@@ -18,7 +24,6 @@ works on reports from ``loopformer eval``, ``loopformer run`` and ``loopformer s
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -27,9 +32,31 @@ from typing import Any
 
 from loopformer.eval import plots
 from loopformer.eval.report import _num, _table, describe_loop, write_json
-from loopformer.files import atomic_write_text
+from loopformer.files import Each, atomic_write_text, check_inside, read_record
 
 METRICS = "metrics.json"
+SWEEP_FILE = "sweep.json"
+_NUM = (float, None)
+# what a report's metrics.json holds that compare reads (loopformer.commands.suite.run_suite writes it)
+METRICS_SCHEMA: dict[str, Any] = {
+    "results?": Each({"n?": (int, None), "valid_accuracy?": _NUM, "exact_accuracy?": _NUM,
+                      "mean_steps?": _NUM, "converged_fraction?": _NUM, "loop?": (dict, None)}),
+    "models?": Each({"loop?": (dict, None), "parameters?": (int, None), "blocks?": (int, None),
+                     "seconds_per_example?": _NUM, "baseline?": bool}),
+    "budget?": Each(({"mode?": str, "points?": [{"budget": float, "valid_accuracy?": _NUM}]}, None)),
+    "difficulty?": Each(({"buckets?": [{"low": float, "high": float, "mean_steps?": _NUM}]}, None)),
+    "heldout?": ({"task": str, "options?": dict, "rows?": int, "sha256?": str}, None),
+}  # fmt: skip
+# what loopformer sweep writes (loopformer.commands.sweep)
+SWEEP: dict[str, Any] = {
+    "recipe?": (str, None),
+    "axes?": (dict, None),  # compared whole with a rerun's grid: any value that differs is another sweep
+    "fixed?": (list, dict, None),
+    "max_steps?": [int],
+    "points?": [{"name": str, "run?": str, "report": str}],
+    "reports?": [str],
+    "evaluation?": (dict, None),
+}
 
 
 @dataclass
@@ -42,6 +69,7 @@ class Entry:
     model: dict[str, Any] = field(default_factory=dict)
     budget: dict[str, Any] | None = None
     difficulty: dict[str, Any] | None = None
+    heldout: dict[str, Any] | None = None  # what the report was evaluated on (task, options, fingerprint)
 
     @property
     def loop(self) -> dict[str, Any]:
@@ -96,10 +124,8 @@ def report_folders(path: str | Path) -> list[Path]:
     variants = sorted(p for p in (path / "variants").glob("*") if _is_report(p))
     if variants:
         return variants
-    sweep = path / "sweep.json"
-    if sweep.is_file():
-        listed = json.loads(sweep.read_text(encoding="utf-8")).get("reports", [])
-        found = [path / p for p in listed if _is_report(path / p)]
+    if (path / SWEEP_FILE).is_file():
+        found, _ = sweep_reports(path)
         if found:
             return found
     evals = sorted((p for p in path.glob("eval-*") if _is_report(p)), key=lambda p: p.stat().st_mtime)
@@ -110,18 +136,39 @@ def report_folders(path: str | Path) -> list[Path]:
     )
 
 
+def read_sweep(folder: Path) -> dict[str, Any]:
+    """``folder/sweep.json`` checked against ``SWEEP`` (ValueError naming the file and the field)."""
+    return read_record(Path(folder) / SWEEP_FILE, SWEEP)
+
+
+def sweep_reports(folder: Path) -> tuple[list[Path], list[str]]:
+    """(the report folders of a sweep's points that hold a report, "name (report)" of those that do not);
+    every path ``sweep.json`` lists must lie inside ``folder`` (``UnsafePathError`` otherwise: a path read
+    from a file is never followed out of the folder that holds it)."""
+    record = read_sweep(folder)
+    points = record.get("points") or [{"name": r, "report": r} for r in record.get("reports") or []]
+    found, missing = [], []
+    for point in points:
+        report = check_inside(Path(folder) / point["report"], folder)
+        if _is_report(report):
+            found.append(report)
+        else:
+            missing.append(f"{point['name']} ({point['report']})")
+    return found, missing
+
+
+def read_metrics(folder: Path) -> dict[str, Any]:
+    """A report's ``metrics.json`` checked against ``METRICS_SCHEMA`` (ValueError naming the file and field)."""
+    return read_record(Path(folder) / METRICS, METRICS_SCHEMA)
+
+
 def _source_name(folder: Path) -> str:
     """A report's row name: its sweep point's name, else its run's name, else the folder's."""
     if folder.name.startswith("eval-") and (folder.parent / "config.json").is_file():
-        sweep = folder.parent.parent / "sweep.json"
-        if sweep.is_file():
-            try:
-                points = json.loads(sweep.read_text(encoding="utf-8")).get("points", [])
-            except (OSError, ValueError):
-                points = []
-            for point in points:
-                if point.get("report") == f"{folder.parent.name}/{folder.name}":
-                    return str(point.get("name"))
+        if (folder.parent.parent / SWEEP_FILE).is_file():
+            for point in read_sweep(folder.parent.parent).get("points") or []:
+                if point["report"] == f"{folder.parent.name}/{folder.name}":
+                    return point["name"]
         return folder.parent.name  # a run's own report: name it by the run
     return folder.name
 
@@ -130,10 +177,7 @@ def load_entries(folders: Sequence[Path], names: Sequence[str] | None = None) ->
     """One ``Entry`` per model in each report folder; ``names`` (one per folder) replaces the folder names."""
     entries: list[Entry] = []
     for i, folder in enumerate(folders):
-        try:
-            metrics = json.loads((folder / METRICS).read_text(encoding="utf-8"))
-        except (OSError, ValueError) as err:
-            raise ValueError(f"cannot read the report {folder / METRICS}: {err}") from None
+        metrics = read_metrics(folder)
         results = metrics.get("results") or {}
         if not results:
             raise ValueError(f"the report {folder} holds no held-out results (a language-model report?)")
@@ -147,6 +191,7 @@ def load_entries(folders: Sequence[Path], names: Sequence[str] | None = None) ->
                     model=(metrics.get("models") or {}).get(label, {}),
                     budget=(metrics.get("budget") or {}).get(label),
                     difficulty=(metrics.get("difficulty") or {}).get(label),
+                    heldout=metrics.get("heldout"),
                 )
             )
     seen: dict[str, int] = {}
@@ -155,6 +200,40 @@ def load_entries(folders: Sequence[Path], names: Sequence[str] | None = None) ->
         if seen[e.name] > 1:
             e.name = f"{e.name} #{seen[e.name]}"
     return entries
+
+
+def _heldout_text(h: dict[str, Any] | None) -> str:
+    """``sudoku (size=4), 6 held-out rows sha256 1a2b3c4d5e6f``, or what is unknown."""
+    if not h:
+        return "an unrecorded held-out set (a report written before loopformer recorded it)"
+    options = ", ".join(f"{k}={v}" for k, v in (h.get("options") or {}).items())
+    task = h["task"] + (f" ({options})" if options else "")
+    digest = str(h.get("sha256") or "?")[:12]
+    return f"{task}, {h.get('rows', '?')} held-out rows sha256 {digest}"
+
+
+def _heldout_key(h: dict[str, Any] | None) -> tuple:
+    if not h:
+        return ("?",)
+    return (h["task"], repr(sorted((h.get("options") or {}).items())), h.get("rows"), h.get("sha256"))
+
+
+def heldout_line(entries: Sequence[Entry], allow: bool = False, option: str = "--allow-different-heldout") -> str:
+    """What every entry was evaluated on, for the comparison's title: ``task sudoku (size=4), 6 held-out rows
+    sha256 ...``. Reports evaluated on another task, other task options or another held-out set are refused
+    (ValueError naming the difference) unless ``allow``; then the line says that they differ, report by report."""
+    seen: dict[tuple, list[Entry]] = {}
+    for e in entries:
+        seen.setdefault(_heldout_key(e.heldout), []).append(e)
+    if len(seen) <= 1:
+        return f"evaluated on {_heldout_text(entries[0].heldout if entries else None)}"
+    groups = [f"{_heldout_text(group[0].heldout)}: {', '.join(e.name for e in group)}" for group in seen.values()]
+    if not allow:
+        raise ValueError(
+            f"these reports were evaluated on different tasks or held-out sets, so their numbers do not compare: "
+            f"{'; '.join(groups)}. Compare reports of one held-out set, or pass {option} (the table then says so)"
+        )
+    return "NOT ONE HELD-OUT SET (" + "; ".join(groups) + ")"
 
 
 def _legend_name(e: Entry, suffix: str = "") -> str:
@@ -229,7 +308,8 @@ def row_cells(r: dict[str, Any]) -> list[str]:
     ]
 
 
-def comparison_markdown(title: str, rows: list[dict[str, Any]], plot_paths: dict[str, str]) -> str:
+def comparison_markdown(title: str, rows: list[dict[str, Any]], plot_paths: dict[str, str],
+                        notes: Sequence[str] = ()) -> str:  # fmt: skip
     header = list(COLUMNS)
     table = [row_cells(r) for r in rows]
     lines = [f"# {title}", "", *_table(header, table)]
@@ -238,13 +318,17 @@ def comparison_markdown(title: str, rows: list[dict[str, Any]], plot_paths: dict
         "held-out example. `test-time compute`: mean loops x transformer blocks per loop step.",
         "",
     ]
+    for note in notes:  # e.g. the sweep points without a report
+        lines += [note, ""]
     for caption, rel in plot_paths.items():
         lines += [f"![{caption}]({rel})", ""]
     return "\n".join(lines)
 
 
-def write_comparison(out: str | Path, entries: Sequence[Entry], title: str = "comparison") -> dict[str, Path]:
-    """Write the comparison table (markdown + JSON) and overlay plots into ``out``; returns the paths."""
+def write_comparison(out: str | Path, entries: Sequence[Entry], title: str = "comparison",
+                     notes: Sequence[str] = ()) -> dict[str, Path]:  # fmt: skip
+    """Write the comparison table (markdown + JSON) and overlay plots into ``out``; returns the paths.
+    ``notes``: lines written below the table (and into comparison.json)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     rows = [e.row() for e in entries]
@@ -256,14 +340,20 @@ def write_comparison(out: str | Path, entries: Sequence[Entry], title: str = "co
     for caption, (name, fig) in figures.items():
         plots.save_figure(fig, out / "plots" / name)
         rel[caption] = f"plots/{name}"
-    markdown = atomic_write_text(out / "comparison.md", comparison_markdown(title, rows, rel), root=out)
-    data = write_json(out / "comparison.json", {"title": title, "rows": rows, "plots": rel})
+    markdown = atomic_write_text(out / "comparison.md", comparison_markdown(title, rows, rel, notes), root=out)
+    data = write_json(out / "comparison.json", {"title": title, "rows": rows, "plots": rel, "notes": list(notes)})
     return {"markdown": markdown, "json": data, **{k: out / v for k, v in rel.items()}}
 
 
 __all__ = [
     "Entry",
+    "METRICS_SCHEMA",
+    "SWEEP",
     "comparison_markdown",
+    "heldout_line",
+    "read_metrics",
+    "read_sweep",
+    "sweep_reports",
     "load_entries",
     "plot_accuracy_vs_budget",
     "plot_loops_vs_difficulty",

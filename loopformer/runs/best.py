@@ -19,7 +19,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from loopformer.files import atomic_write_text
+from loopformer.files import atomic_write_text, read_record
 from loopformer.runs.layout import _STEP_DIR, BEST, CheckpointError, step_name
 
 log = logging.getLogger("loopformer.train")
@@ -48,23 +48,15 @@ def write_best(
 def read_best(root: str | Path) -> dict[str, Any] | None:
     """The record ``root/best`` holds (None when there is none); a malformed record, or one naming
     a folder that is gone (e.g. quarantined after a divergence), is ignored with a warning."""
+    from loopformer.runs.records import BEST as SCHEMA
+
     pointer = Path(root) / BEST
     if not pointer.is_file():
         return None
     try:
-        record = json.loads(pointer.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError):
-        record = None
-    ok = (
-        isinstance(record, dict)
-        and isinstance(record.get("checkpoint"), str)
-        and _STEP_DIR.match(record["checkpoint"]) is not None
-        and isinstance(record.get("metric"), str)
-        and isinstance(record.get("value"), int | float)
-        and isinstance(record.get("step"), int)
-    )
-    if not ok:
-        log.warning("%s does not hold a best-checkpoint record; ignoring it", pointer)
+        record = read_record(pointer, SCHEMA, CheckpointError)
+    except CheckpointError as err:
+        log.warning("%s (not a best-checkpoint record); ignoring it", err)
         return None
     if not (Path(root) / record["checkpoint"]).is_dir():
         log.warning("%s names %s, which is gone; ignoring it", pointer, record["checkpoint"])

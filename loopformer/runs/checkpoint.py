@@ -377,9 +377,13 @@ def load_training_state(path: str | Path) -> dict[str, Any]:
     json_path, tensor_path = folder / "state.json", folder / "state.safetensors"
     if not json_path.is_file():
         raise CheckpointError(f"checkpoint {folder} has no state.json (not a training checkpoint?)")
-    skeleton = read_json(json_path, CheckpointError)
+    from loopformer.runs.records import check_state
+
+    skeleton = check_state(read_json(json_path, CheckpointError), json_path)
     tensors = load_weights(tensor_path) if tensor_path.is_file() else {}
     try:
         return unflatten_state(skeleton, tensors)
-    except (KeyError, TypeError) as err:
+    except KeyError as err:
+        raise CheckpointError(f"{json_path} names the tensor {err.args[0]!r}, which {tensor_path} does not hold") from None
+    except TypeError as err:
         raise CheckpointError(f"{json_path} does not match {tensor_path} ({type(err).__name__})") from None

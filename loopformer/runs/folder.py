@@ -43,7 +43,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from loopformer.files import UnsafePathError
+from loopformer.files import UnsafePathError, check_record, missing_parts, remove_empty
 
 try:
     import fcntl
@@ -76,25 +76,47 @@ def _start_time(pid: int) -> str | None:
     return fields[19] if len(fields) > 19 else None
 
 
+def _python_process(pid: int) -> bool:
+    """Whether ``pid`` runs Python (a loopformer lock holder does); True where ``/proc`` cannot tell."""
+    try:
+        command = Path(f"/proc/{pid}/cmdline").read_bytes().lower()
+    except OSError:
+        return True
+    return b"python" in command or b"loopformer" in command
+
+
 def _alive(pid: int, started: str | None) -> bool:
-    if pid <= 0:
+    """Whether ``pid`` is the very process a lock record names: alive, started when the record says, and a
+    Python process (pid 1, the init process, or a recycled pid running something else never holds a folder
+    for ever)."""
+    if pid <= 1:
         return False
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError, ValueError):
         return False
     except PermissionError:
         return True  # exists, owned by someone else
     now = _start_time(pid)
-    return started is None or now is None or now == started
+    if started is not None and now is not None and now != started:
+        return False
+    return _python_process(pid)
 
 
-def _parse_lock(text: str) -> dict[str, Any] | None:
+def _parse_lock(text: str, path: Path | None = None) -> dict[str, Any] | None:
+    """The lock file's record (``loopformer.runs.records.LOCK``), None when it holds none that is valid (a
+    record with a field of the wrong type, a pid that is no process id: logged, then treated as no holder)."""
+    from loopformer.runs.records import LOCK
+
     try:
         info = json.loads(text)
     except ValueError:
         return None
-    return info if isinstance(info, dict) and isinstance(info.get("pid"), int) else None
+    try:
+        return check_record(info, LOCK, str(path or LOCK_NAME), RunFolderError)
+    except RunFolderError as err:
+        log.warning("%s; the lock file names no holder", err)
+        return None
 
 
 def _describe(info: dict[str, Any] | None) -> str:
@@ -170,6 +192,9 @@ class RunLock:
             now = None
         if now is None or (now.st_dev, now.st_ino) != key:  # the holder removed it as we locked it
             return False
+        if os.fstat(fd).st_nlink > 1:  # a hard link shared with another folder (cp -al): a lock file of our own
+            self.path.unlink()
+            return False
         self._refuse_foreign(os.pread(fd, 1 << 16, 0).decode("utf-8", "replace"))
         pid = os.getpid()
         record = {
@@ -194,7 +219,8 @@ class RunLock:
     def _holder(self, fd: int) -> dict[str, Any] | None:
         """The holder's record; it writes it just after locking, so wait a moment for it."""
         for _ in range(20):
-            info = _parse_lock(os.pread(fd, 1 << 16, 0).decode("utf-8", "replace"))
+            text = os.pread(fd, 1 << 16, 0).decode("utf-8", "replace")
+            info = _parse_lock(text, self.path) if text.strip() else None
             if info is not None:
                 return info
             time.sleep(0.01)
@@ -203,7 +229,7 @@ class RunLock:
     def _refuse_foreign(self, text: str) -> None:
         """We hold the flock, but the file names a holder flock does not see: a live process on this
         host (an older loopformer's lock) or another host."""
-        info = _parse_lock(text)
+        info = _parse_lock(text, self.path) if text.strip() else None
         if info is None or info.get("token") == self.token:
             return
         host = socket.gethostname()
@@ -342,11 +368,12 @@ class RunFolder:
 
     def __init__(self, folder: str | Path, resume: bool, overwrite: bool, is_main: bool = True) -> None:
         self.folder = Path(folder)
-        self.resume = resume
+        self.resume, self.overwrite = resume, overwrite
         self.is_main = is_main
         self.lock = RunLock(self.folder, "resume" if resume else "train")
         self.staging: Path | None = None
         self.staging_lock: RunLock | None = None
+        self.created = missing_parts(self.folder) if is_main else []  # removed by close() while still empty
         enclosing = inside_run(self.folder)
         if enclosing is not None:  # e.g. another run's checkpoints/step_N: its files would mix with ours
             raise RunFolderError(
@@ -442,6 +469,12 @@ class RunFolder:
         log.warning("--overwrite: the previous run in %s was replaced", self.folder)
         return staging
 
+    def user_error(self, err: Exception) -> Exception:
+        """``err`` naming the run folder the user gave where it names the hidden overwrite staging folder."""
+        from loopformer.runs.outputs import renamed_error
+
+        return renamed_error(err, overwrite_staging(self.folder), self.folder) if self.overwrite else err
+
     def close(self) -> None:
         """Release the lock; an overwrite that never reached its first checkpoint is discarded."""
         if self.is_main and self.staging is not None:
@@ -451,3 +484,4 @@ class RunFolder:
             shutil.rmtree(self.staging, ignore_errors=True)
             self.staging = None
         self.lock.release()
+        remove_empty(self.created)  # a run that failed before writing anything leaves no empty folder

@@ -124,7 +124,7 @@ def model_card(config: dict[str, Any], summary: dict[str, Any] | None, family: s
     by_difficulty = summary.get("mean_steps_by_difficulty")
     if by_difficulty:
         lines += ["## Steps vs difficulty", "", "| difficulty | mean loop steps |", "|---|---|"]
-        lines += [f"| {k} | {v:.2f} |" for k, v in dict(by_difficulty).items()]
+        lines += [f"| {k} | {'-' if v is None else f'{v:.2f}'} |" for k, v in dict(by_difficulty).items()]
         lines.append("")
     params = summary.get("parameters")
     lines += ["## Recipe", "", f"- model: `{name}` ({family}), {params if params is not None else '?'} parameters",
@@ -165,21 +165,35 @@ def check_push(run: str | Path, repo_id: str) -> Path:
 
 
 def _read_summary(path: Path) -> dict[str, Any]:
-    """A run's ``summary.json`` as a table; ValueError naming the file (never quoting it) otherwise."""
-    from loopformer.files import read_json
+    """A run's ``summary.json`` checked against its schema (``loopformer.runs.records.SUMMARY``);
+    ValueError naming the file and the field (never quoting it) otherwise."""
+    from loopformer.files import read_record
+    from loopformer.runs.records import SUMMARY
 
-    summary = read_json(path, ValueError)
-    if not isinstance(summary, dict):
-        raise ValueError(f"{path}: expected a JSON object, got {type(summary).__name__}")
-    return summary
+    return read_record(path, SUMMARY)
 
 
 def stage_run(run: str | Path, folder: Path, repo_id: str | None = None) -> dict[str, Any]:
     """Copy what a pushed model holds into ``folder`` (the model card names ``repo_id``); returns
-    {"checkpoint", "step", "family", "files"}."""
-    from loopformer.runs.checkpoint import read_checkpoint_config, resolve_checkpoint
+    {"checkpoint", "step", "family", "files"}. The checkpoint must still be the one it was when copying
+    began (a training rotating its checkpoints meanwhile is a CheckpointError, never a mix of two steps)."""
+    from loopformer.runs.checkpoint import resolve_checkpoint
+    from loopformer.runs.sharded import _manifest_bytes, _still_there
 
     ckpt = resolve_checkpoint(run)
+    manifest = _manifest_bytes(ckpt)
+    try:
+        staged = _stage(ckpt, run, folder, repo_id)
+    except (OSError, ValueError) as err:
+        _still_there(ckpt, manifest)
+        raise err from None
+    _still_there(ckpt, manifest)
+    return staged
+
+
+def _stage(ckpt: Path, run: str | Path, folder: Path, repo_id: str | None) -> dict[str, Any]:
+    from loopformer.runs.checkpoint import read_checkpoint_config
+
     read_checkpoint_config(ckpt)  # config.json parses (CheckpointError naming it otherwise)
     raw = json.loads((ckpt / "config.json").read_text(encoding="utf-8"))
     files = []
@@ -222,11 +236,11 @@ def push(run: str | Path, repo_id: str, private: bool = False, revision: str | N
 
     ``api``: an ``HfApi``-like object (``create_repo``, ``upload_folder``); default ``HfApi(token=token)``.
     """
-    check_push(run, repo_id)
+    ckpt = check_push(run, repo_id)
     if api is None:
         api = _hub().HfApi(token=token)
     with tempfile.TemporaryDirectory() as tmp:
-        staged = stage_run(run, Path(tmp), repo_id)
+        staged = stage_run(ckpt, Path(tmp), repo_id)
         api.create_repo(repo_id, repo_type="model", private=private, exist_ok=True)
         commit = api.upload_folder(folder_path=tmp, repo_id=repo_id, repo_type="model", revision=revision,
                                    commit_message=message or f"loopformer push: step {staged['step']}")  # fmt: skip
@@ -249,7 +263,7 @@ def _command() -> Any:
     def push_cmd(run: str, repo_id: str, private: bool, revision: str | None, message: str | None,
                  to_folder: Path | None, overwrite: bool = False) -> None:  # fmt: skip
         """Share RUN's latest checkpoint as hub model REPO_ID (owner/name) with a generated model card."""
-        check_push(run, repo_id)  # before a folder is claimed or anything sent
+        ckpt = check_push(run, repo_id)  # before a folder is claimed or anything sent; the checkpoint read once
         if revision is not None and (not revision.strip() or revision != revision.strip()):
             raise click.BadParameter(f"{revision!r} is not a branch name", param_hint="--revision")
         if message is not None and not message.strip():
@@ -259,7 +273,7 @@ def _command() -> Any:
             from loopformer.runs.outputs import staged_output
 
             with staged_output(to_folder, "push", overwrite, "--to-folder") as tmp:  # swapped in whole
-                staged = stage_run(run, tmp, repo_id if parse_hub_id(repo_id) else None)
+                staged = stage_run(ckpt, tmp, repo_id if parse_hub_id(repo_id) else None)
             click.echo(f"wrote {', '.join(staged['files'])} to {to_folder} (step {staged['step']})")
             return
         sent = push(run, repo_id, private=private, revision=revision, message=message)

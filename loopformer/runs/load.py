@@ -15,10 +15,13 @@ The trainer builds its train / eval sets with ``task_dataset``; ``loopformer eva
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from loopformer.config import DataConfig, RunConfig
 from loopformer.config.checks import check_task_fits_model, run_config_for
@@ -36,8 +39,10 @@ from loopformer.runs.checkpoint import (
 )
 from loopformer.runs.hub import resolve_source
 from loopformer.runs.layout import CheckpointError
-from loopformer.tasks.base import Task, TokenDataset
+from loopformer.tasks.base import IGNORE_INDEX, Task, TokenDataset
 from loopformer.tasks.registry import get_task
+
+log = logging.getLogger("loopformer")
 
 HRM_SPLITS = {"train": "train", "eval": "test"}  # our split name -> HRM's folder name
 
@@ -81,7 +86,8 @@ def run_task(data: DataConfig) -> Task:
 
 
 def task_dataset(task: Task | None, data: DataConfig, split: str) -> TokenDataset | None:
-    """The ``split`` ("train" / "eval") of ``task``; None for an eval split the task does not have."""
+    """The ``split`` ("train" / "eval") of ``task``; None for an eval split the task does not have. An eval
+    split keeps only the rows it can score (``scorable``)."""
     if task is None:
         if split == "train":
             raise ValueError("no training data: pass train_data or a task")
@@ -92,19 +98,43 @@ def task_dataset(task: Task | None, data: DataConfig, split: str) -> TokenDatase
             f"the training set is empty: data.train_size=0 asks for all rows, but task "
             f"{task.name!r} generates rows on demand; set data.train_size > 0"
         )
-    return dataset
+    return dataset if dataset is None or split == "train" else scorable(dataset, task, data)
+
+
+def scorable(dataset: TokenDataset, task: Task, data: DataConfig) -> TokenDataset:
+    """``dataset`` without the rows that cannot be scored: rows whose labels are all ``IGNORE_INDEX`` (ARC
+    test pairs whose output is unknown) would count as solved (nothing to get wrong). The rows left out are
+    counted in ``meta["unscored_rows"]`` (reports state it); ValueError when no row is left."""
+    if not task.has_validator or len(dataset) == 0:
+        return dataset
+    labelled = (np.asarray(dataset.labels) != IGNORE_INDEX).any(axis=1)
+    dropped = int(len(dataset) - labelled.sum())
+    if dropped == 0:
+        return dataset
+    where = data.eval_path or f"task {task.name!r} generated with data.eval_generate={data.eval_generate}"
+    if dropped == len(dataset):
+        raise ValueError(
+            f"none of the {dropped} held-out rows of {where} has labels (e.g. ARC test pairs whose output is "
+            f"not known: give the solutions file), so nothing can be scored"
+        )
+    log.warning("%d of the %d held-out rows of %s have no labels (unknown outputs): left out of the score",
+                dropped, len(dataset), where)  # fmt: skip
+    kept = dataset.subset(np.flatnonzero(labelled))
+    kept.meta["unscored_rows"] = dropped
+    return kept
 
 
 def eval_dataset(task: Task, config: RunConfig, max_examples: int = 0) -> TokenDataset:
     """The run's held-out set: ``data.eval_path`` or ``task.generate(eval_size, eval_seed, **eval_generate)``
-    (``load_split``: a folder is HRM's format, ``eval_size`` 0 = all rows), cut to ``max_examples``
-    (default ``eval.max_examples``; 0 = all)."""
+    (``load_split``: a folder is HRM's format, ``eval_size`` 0 = all rows), without the rows that cannot be
+    scored (``scorable``), cut to ``max_examples`` (default ``eval.max_examples``; 0 = all)."""
     data = load_split(task, config.data, "eval")
     if data is None or len(data) == 0:
         raise ValueError(
             f"the run has no held-out set (data.eval_size = {config.data.eval_size} gave no rows of task "
             f"{task.name!r} and there is no data.eval_path)"
         )
+    data = scorable(data, task, config.data)
     limit = max_examples or config.eval.max_examples
     if limit and limit < len(data):
         data = data.subset(slice(0, limit))

@@ -3,7 +3,11 @@
 
 ``staged_output(folder, purpose, overwrite)`` is a context manager that:
 
-- refuses a ``folder`` inside a run's ``checkpoints/`` (``inside_run``), or a file;
+- refuses a ``folder`` inside a run's ``checkpoints/`` (``inside_run``), a file, a ``folder`` that is a
+  symbolic link (its target would be emptied and refilled), and with ``root`` (the folder that owns it: a
+  sweep's ``compare/``) a ``folder`` with a symbolic link anywhere below ``root``;
+- refuses a folder holding a dataset (``holds_dataset``) unless the command is ``data prepare`` /
+  ``data generate``;
 - locks ``folder`` (``loopformer.runs.folder.RunLock``) for the whole command, released on
   every exit path;
 - refuses a ``folder`` that already holds something (a run, a dataset, a report) unless
@@ -19,7 +23,9 @@
   between the two ``folder`` does not exist, and a crash there leaves the old content in the
   ``.replaced-`` folder and the new in the ``.staging-`` one beside it (a failed second rename puts
   the old content back). On an error or a kill before the swap the staging folder is dropped (now,
-  or by the next command that locks the folder) and the old contents are untouched.
+  or by the next command that locks the folder) and the old contents are untouched. An error names the
+  path the user gave, never the hidden staging folder, and the folders this command created for the
+  output are removed again.
 
 ``inside_run(path)`` (``loopformer.runs.folder``) is also what keeps ``train -o`` out of another run's folder.
 """
@@ -38,7 +44,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from loopformer.files import WriteError, check_inside, fsync_dir
+from loopformer.files import UnsafePathError, WriteError, check_inside, fsync_dir, missing_parts, remove_empty
 from loopformer.runs.folder import (
     LOCK_NAME,
     STAGING,
@@ -53,6 +59,24 @@ log = logging.getLogger("loopformer")
 
 STAGING_PREFIX = ".staging-"
 REPLACED_PREFIX = ".replaced-"
+DATASET_WRITERS = ("prepare", "generate")  # the purposes that may replace a dataset folder
+
+
+DATASET_MARKERS = ("dataset.json", "prepare.json")  # an HRM / TRM split, a `data prepare` folder
+
+
+def holds_dataset(folder: str | Path) -> bool:
+    """Whether ``folder`` holds a dataset: an HRM / TRM split or ``data prepare`` output (``dataset.json``
+    or ``prepare.json`` in it or in one of its sub-folders). Only ``data prepare`` / ``data generate``
+    replace one."""
+    folder = Path(folder)
+    if any((folder / name).is_file() for name in DATASET_MARKERS):
+        return True
+    try:
+        children = [p for p in folder.iterdir() if p.is_dir() and not p.name.startswith(".")]
+    except OSError:
+        return False
+    return any((child / "dataset.json").is_file() for child in children)
 
 
 def refuse_inside_checkpoints(path: str | Path, option: str) -> None:
@@ -82,17 +106,32 @@ def staged_output(
     overwrite: bool,
     option: str = "--out",
     protect_runs: bool = True,
+    root: str | Path | None = None,
 ) -> Iterator[Path]:
     """Lock ``folder``, refuse it when it holds something (unless ``overwrite``), yield a staging
-    folder and swap its contents in whole when the block succeeds (see the module docstring)."""
+    folder and swap its contents in whole when the block succeeds (see the module docstring).
+    ``root``: the folder that owns ``folder`` (a sweep's folder for its ``compare/``): no part of
+    ``folder`` below it may be a symbolic link, and ``folder`` must lie inside it."""
     folder = Path(folder)
+    if root is not None:
+        check_inside(folder, root)
+    if folder.is_symlink():  # replaced whole: never through a link (its target would be emptied and refilled)
+        raise UnsafePathError(
+            f"{option} {folder} is a symbolic link (to {os.readlink(folder)}); `{purpose}` replaces its output "
+            f"folder whole and never through a link: name the folder itself ({os.path.realpath(folder)})"
+        )
     if folder.exists() and not folder.is_dir():
         raise RunFolderError(f"{option} {folder} is a file, not a folder: name a folder to write into")
     refuse_inside_checkpoints(folder, option)
     enclosing = inside_run(folder)
     if enclosing is not None:  # a report inside a run: not through a link there (nor out of the run)
         check_inside(folder, enclosing[0])
-    created = not folder.exists()
+    if protect_runs and purpose not in DATASET_WRITERS and holds_dataset(folder):
+        raise RunFolderError(
+            f"{option} {folder} holds a dataset; `{purpose}` never replaces one (only `data prepare` and "
+            f"`data generate` do): choose another folder"
+        )
+    created = missing_parts(folder)  # the folders this command creates, removed again on a failure
     try:
         with RunLock(folder, purpose):
             target = Path(os.path.realpath(folder))  # a folder may be a link (a scratch disk): build beside its target
@@ -125,32 +164,39 @@ def staged_output(
             try:
                 yield staging
                 aside = swap_in(folder, staging, old)
-            except OSError as err:  # named by the folder the user gave, not the hidden staging one
+            except Exception as err:  # named by the folder the user gave, not the hidden staging one
                 shutil.rmtree(staging, ignore_errors=True)
-                raise _renamed(err, staging, folder) from None
+                renamed = renamed_error(err, staging, folder)
+                if renamed is err:
+                    raise
+                raise renamed from None
             except BaseException:
                 shutil.rmtree(staging, ignore_errors=True)  # after a swap it holds the old content: gone too
                 raise
     except BaseException:
-        if created:  # a folder this command made and left empty goes again
-            try:
-                folder.rmdir()
-            except OSError:
-                pass
+        remove_empty(created)  # folders this command made and left empty go again
         raise
     if aside is not None:
         log.warning("--overwrite: the previous contents of %s were replaced", folder)
 
 
-def _renamed(err: OSError, staging: Path, folder: Path) -> OSError:
-    """``err`` with a path inside ``staging`` given as the same path inside ``folder``."""
-    name = str(err.filename or "")
-    if not name.startswith(str(staging)):
-        return err
-    shown = str(folder) + name[len(str(staging)):]
-    if isinstance(err, WriteError):
-        return WriteError(err.errno, err.strerror, shown)
-    return OSError(err.errno, err.strerror, shown)
+def renamed_error(err: Exception, staging: Path, folder: Path) -> Exception:
+    """``err`` with a path inside ``staging`` given as the same path inside ``folder`` (an OSError's file
+    name, or the text of an error whose one argument is its message); ``err`` itself when it names none."""
+    if isinstance(err, OSError):
+        name = str(err.filename or "")
+        if not name.startswith(str(staging)):
+            return err
+        shown = str(folder) + name[len(str(staging)) :]
+        if isinstance(err, WriteError):
+            return WriteError(err.errno, err.strerror, shown)
+        return OSError(err.errno, err.strerror, shown)
+    if len(err.args) == 1 and isinstance(err.args[0], str) and str(staging) in err.args[0]:
+        try:
+            return type(err)(err.args[0].replace(str(staging), str(folder)))
+        except TypeError:  # an exception type built from other arguments: keep it as it is
+            return err
+    return err
 
 
 def exchange_folders(a: Path, b: Path) -> bool:
@@ -215,4 +261,4 @@ def swap_in(folder: Path, staging: Path, old: list[Path]) -> Path | None:
     return aside if old else None
 
 
-__all__ = ["refuse_inside_checkpoints", "exchange_folders", "staged_output", "swap_in"]
+__all__ = ["holds_dataset", "exchange_folders", "refuse_inside_checkpoints", "renamed_error", "staged_output", "swap_in"]

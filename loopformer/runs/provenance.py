@@ -13,7 +13,6 @@ report and stores the evaluation's own record in ``metrics.json``.
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import shlex
@@ -23,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from loopformer.files import atomic_write_json
+from loopformer.files import atomic_write_json, read_record
 
 FILE = "provenance.json"
 _SOURCE = Path(__file__).resolve().parent.parent  # the clone's root when loopformer runs from one
@@ -92,14 +91,15 @@ def _command_line() -> str:
 
 
 def read_records(folder: str | Path) -> list[dict[str, Any]]:
-    """The records of ``folder/provenance.json`` (oldest first); [] when there is none or it is unreadable."""
+    """The records of ``folder/provenance.json`` (oldest first); [] when there is none. A file that is no
+    provenance record (``loopformer.runs.records.PROVENANCE``) is a ValueError naming it and the field:
+    appending to it would silently drop the run's history."""
+    from loopformer.runs.records import PROVENANCE
+
     path = Path(folder) / FILE
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    if not path.is_file():
         return []
-    records = data.get("records") if isinstance(data, dict) else None
-    return [r for r in records if isinstance(r, dict)] if isinstance(records, list) else []
+    return list(read_record(path, PROVENANCE)["records"])
 
 
 def append_record(folder: str | Path, record: dict[str, Any]) -> Path:

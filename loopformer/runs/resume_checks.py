@@ -8,7 +8,12 @@ and that the configuration still describes the same training stream.
   from in ``<run>/origin.json`` (the checkpoint, its run folder, its step, when).
 - ``no_good_checkpoint``: ``train.resume=true`` where every checkpoint is corrupt (or holds
   non-finite weights) stops with an error naming each file and reason, never a silent restart.
-  A folder with no checkpoint at all still starts from step 0 (a run killed before its first one).
+  A folder with no checkpoint at all still starts from step 0 (a run killed before its first one),
+  unless it is a branch (``origin.json``): then it continues from the checkpoint it branched from
+  (``branch_origin``), or is refused naming ``origin.json`` when that checkpoint is gone.
+- ``check_data``: the training and held-out sets must hold the rows the checkpoint recorded
+  (``loopformer.runs.fingerprint``: a data file regenerated since, another file at the same path), else
+  the resume is refused as a config change is (``--allow-config-change`` records it).
 - ``config_changes(saved, current)``: the dotted keys whose value differs between the checkpoint's
   ``config.json`` and this run's config, leaving out the keys that cannot change what is trained
   (``STREAM_FREE``, plus a few that are free only in some runs, see ``_free``). Anything else (the
@@ -22,16 +27,19 @@ and that the configuration still describes the same training stream.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from pathlib import Path
 from typing import Any
 
 from loopformer.config import RunConfig, config_to_json, to_dict
-from loopformer.files import append_line, atomic_write_json, read_json
+from loopformer.files import append_line, atomic_write_json, read_json, read_record
 from loopformer.loop import LoopConfig
 from loopformer.runs.folder import holds_run
 from loopformer.runs.layout import CheckpointError, step_dirs
+
+log = logging.getLogger("loopformer.train")
 
 CHANGES = "config_changes.jsonl"
 ORIGIN = "origin.json"
@@ -133,6 +141,27 @@ def check_config(config: RunConfig, folder: Path, run_dir: Path) -> dict[str, di
     return changes
 
 
+def check_data(config: RunConfig, folder: Path, run_dir: Path, current: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The data sets whose rows differ between the checkpoint ``folder``'s record (``state.json`` ``data``,
+    ``loopformer.runs.fingerprint``) and this run's (``current``): a data file regenerated or replaced since.
+    Refused (CheckpointError naming them) unless ``train.allow_config_change``; a checkpoint written before
+    data was recorded has nothing to compare."""
+    from loopformer.runs.fingerprint import data_changes
+    from loopformer.runs.records import check_state
+
+    path = folder / "state.json"
+    saved = check_state(read_json(path, CheckpointError), path).get("data") if path.is_file() else None
+    changes = data_changes(saved, current)
+    if changes and not config.train.allow_config_change:
+        listed = "; ".join(f"{k}: {v['old']} -> {v['new']}" for k, v in changes.items())
+        raise CheckpointError(
+            f"resume: checkpoint {folder} was trained on other data than this run reads ({listed}); a resume "
+            f"continues the same training on the same rows. Restore the data, or pass --allow-config-change "
+            f"(train.allow_config_change=true) to continue on the new rows (recorded in {run_dir / CHANGES})"
+        )
+    return changes
+
+
 def record_changes(run_dir: Path, folder: Path, step: int, changes: dict[str, dict[str, Any]]) -> None:
     """Append the allowed change to ``run_dir/config_changes.jsonl`` (time, step, checkpoint, each key's
     old and new value)."""
@@ -168,18 +197,55 @@ def record_origin(run_dir: Path, folder: Path, source: Path, step: int) -> None:
     record = {"checkpoint": str(_real(folder)), "run": str(_real(source)), "step": step, "time": _now()}
     run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_json(run_dir / ORIGIN, record, root=run_dir, indent=1)
+    from loopformer.runs.provenance import FILE, read_records
+
+    if not (run_dir / FILE).is_file():  # the branch's history starts with the trainings that led to its weights
+        try:
+            earlier = [{**r, "run": str(_real(source))} for r in read_records(source) if r.get("step", 0) < step]
+        except ValueError as err:  # the other run's file is malformed: the branch starts its own history
+            log.warning("%s; the branch's provenance starts here", err)
+            earlier = []
+        if earlier:
+            atomic_write_json(run_dir / FILE, {"records": earlier}, root=run_dir, indent=2, newline=True)
 
 
-def _origin(run_dir: Path) -> str | None:
-    """The checkpoint ``run_dir/origin.json`` names (None without a readable one)."""
+def read_origin(run_dir: Path) -> dict[str, Any] | None:
+    """``run_dir/origin.json`` (``loopformer.runs.records.ORIGIN``), None when there is none;
+    CheckpointError naming the file and field when it is malformed."""
+    from loopformer.runs.records import ORIGIN as SCHEMA
+
     path = run_dir / ORIGIN
     if not path.is_file():
         return None
-    try:
-        record = read_json(path, CheckpointError)
-    except CheckpointError:
+    return read_record(path, SCHEMA, CheckpointError)
+
+
+def _origin(run_dir: Path) -> str | None:
+    """The checkpoint ``run_dir/origin.json`` names (None without one)."""
+    record = read_origin(run_dir)
+    return None if record is None else record["checkpoint"]
+
+
+def branch_origin(run_dir: Path) -> Path | None:
+    """For ``train.resume=true`` in a run folder without a checkpoint: the checkpoint its ``origin.json``
+    names (a branch killed before its first checkpoint continues from where it branched, never from step 0),
+    None without an ``origin.json``; CheckpointError naming ``origin.json`` when that checkpoint is gone or
+    does not verify."""
+    from loopformer.runs.manifest import verify_checkpoint
+
+    record = read_origin(run_dir)
+    if record is None:
         return None
-    return record.get("checkpoint") if isinstance(record, dict) else None
+    folder = Path(record["checkpoint"])
+    why = verify_checkpoint(folder)
+    if why is None:
+        log.info("resume: %s is a branch of %s (%s) with no checkpoint of its own: continuing from there",
+                 run_dir, folder, ORIGIN)  # fmt: skip
+        return folder
+    raise CheckpointError(
+        f"resume: {run_dir} is a branch of {folder} ({run_dir / ORIGIN}) with no checkpoint of its own, and that "
+        f"checkpoint cannot be used ({why}); restore it, or start afresh with --overwrite"
+    )
 
 
 def no_good_checkpoint(ckpt_dir: Path, skipped: list[str]) -> CheckpointError:

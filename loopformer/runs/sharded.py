@@ -262,8 +262,13 @@ def read_full(folder: str | Path) -> dict[str, dict[str, Tensor]]:
         dcp_load(table, storage_reader=_reader(folder), no_dist=True)
     except (RuntimeError, ValueError, KeyError, OSError, AssertionError) as err:
         raise CheckpointError(f"sharded checkpoint {folder} is unreadable: {err}") from None
-    aliases = load_training_state(folder).get("sharded", {}).get("aliases", {})
+    aliases = (load_training_state(folder).get("sharded") or {}).get("aliases", {})
     for alias, target in aliases.items():
+        if target not in table:
+            raise CheckpointError(
+                f"{folder / 'state.json'}: 'sharded.aliases.{alias}' names the tensor {target!r}, which the "
+                f"shards of {folder} do not hold"
+            )
         table[alias] = table[target]
     out: dict[str, dict[str, Tensor]] = {"model": {}, "ema": {}, "optim": {}}
     for key, t in table.items():
@@ -286,9 +291,12 @@ def full_optimizer_state(full: dict[str, Tensor], saved: dict[str, Any]) -> dict
     return {"state": state, "param_groups": saved["param_groups"]}
 
 
-def consolidate(src: str | Path, out: str | Path) -> Path:
+def consolidate(src: str | Path, out: str | Path, replace: bool = False) -> Path:
     """Write the sharded checkpoint ``src`` as a full (safetensors) checkpoint ``out/step_N`` (the
-    ``latest`` pointer beside it); what ``convert`` / ``push`` / a resume with any strategy read."""
+    ``latest`` pointer beside it); what ``convert`` / ``push`` / a resume with any strategy read. An
+    ``out/step_N`` already there is replaced (in one exchange) only when ``replace``. Everything is read
+    before anything is written, and the source must still be the checkpoint it was when reading began (a
+    training rotating its checkpoints meanwhile gives a CheckpointError, not a mix of two steps)."""
     from loopformer.runs.checkpoint import (
         load_training_state,
         read_checkpoint_config,
@@ -300,9 +308,19 @@ def consolidate(src: str | Path, out: str | Path) -> Path:
     folder = verified(resolve_checkpoint(src))
     if not is_sharded(folder):
         raise CheckpointError(f"{folder} is not a sharded checkpoint (it already holds model.safetensors)")
-    config, family, step = read_checkpoint_config(folder)
-    state = load_training_state(folder)
-    full = read_full(folder)
+    manifest = _manifest_bytes(folder)
+    try:
+        config, family, step = read_checkpoint_config(folder)
+        state = load_training_state(folder)
+        full = read_full(folder)
+    except (CheckpointError, OSError) as err:
+        _still_there(folder, manifest)
+        raise err from None
+    _still_there(folder, manifest)
+    if (Path(out) / step_name(step)).exists() and not replace:
+        raise CheckpointError(
+            f"{Path(out) / step_name(step)} exists (an earlier consolidation?); pass --overwrite to replace it"
+        )
     state.pop("step", None)
     state.pop("sharded", None)
     state["optimizer"] = full_optimizer_state(full["optim"], state["optimizer"])
@@ -311,3 +329,20 @@ def consolidate(src: str | Path, out: str | Path) -> Path:
         Path(out), step, None, config, ema_state=full["ema"] or None, training_state=state,
         weights=full["model"], family=family,
     )  # fmt: skip
+
+
+def _manifest_bytes(folder: Path) -> bytes | None:
+    try:
+        return (folder / "manifest.json").read_bytes()
+    except OSError:
+        return None
+
+
+def _still_there(folder: Path, manifest: bytes | None) -> None:
+    """CheckpointError when ``folder`` was removed or replaced since its manifest read ``manifest``."""
+    if not folder.is_dir() or _manifest_bytes(folder) != manifest:
+        raise CheckpointError(
+            f"checkpoint {folder} was removed or replaced while it was being read (a training in that run "
+            f"rotates its checkpoints: train.keep_checkpoints); run the command again, or name a checkpoint "
+            f"that is kept (checkpoints/best)"
+        )

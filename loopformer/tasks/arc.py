@@ -138,7 +138,7 @@ class ArcTask(Task):
         if self.subsets:  # TRM / HRM protocol (loopformer.tasks.arc_paper)
             if test_subset not in self.subsets:
                 raise TaskDataError(f"test_subset {test_subset!r} is not one of subsets {list(self.subsets)}")
-            rows = load_subsets(self.source, self.subsets)
+            rows = load_subsets(self.source, self.subsets, test_subset)
             self.puzzles = [parse_puzzle(tid, task, sols) for _, tid, task, sols in rows]
             self.held_out = {i for i, (sub, *_) in enumerate(rows) if sub == test_subset}
         else:

@@ -6,8 +6,8 @@
   ConceptARC); HRM's reads folders (``ARC-AGI/data/{training,evaluation}``, ``ConceptARC/corpus``).
   A subset here is, in this order: a Kaggle file pair ``{source}_{subset}_challenges.json``, a
   folder ``{source}/{subset}``, or a folder path itself; folders are read recursively (ConceptARC
-  keeps one sub-folder per concept). Task ids are made unique by the subset name when two subsets
-  share one. Both reference builders send the *demonstration* pairs of every task to training, the
+  keeps one sub-folder per concept). Task ids are made unique by the subset name when two training
+  subsets share one; a task of the held-out subset that another subset holds too is refused. Both reference builders send the *demonstration* pairs of every task to training, the
   *test* pairs of the held-out subset (``evaluation``) to the test set and the test pairs of every
   other subset to training; ``ArcTask(subsets=..., test_subset=...)`` does the same.
 - ``crop_grid(tokens)``: the evaluators' ``_crop`` (TRM ``evaluators/arc.py``, HRM ``arc_eval.ipynb``):
@@ -91,15 +91,27 @@ def _subset_files(source: str, subset: str) -> tuple[str, list[tuple[str, dict, 
     )
 
 
-def load_subsets(source: str, subsets: Sequence[str]) -> list[tuple[str, str, dict, list | None]]:
-    """(subset, task id, task JSON, solutions or None) for every task of every subset, ids made unique."""
+def load_subsets(
+    source: str, subsets: Sequence[str], test_subset: str | None = None
+) -> list[tuple[str, str, dict, list | None]]:
+    """(subset, task id, task JSON, solutions or None) for every task of every subset, ids made unique.
+    A task of ``test_subset`` (the held-out one) whose id another subset holds too is refused: its test
+    pairs would be trained on through the other copy and scored as held out."""
     rows: list[tuple[str, str, dict, list | None]] = []
     seen: set[str] = set()
+    first: dict[str, str] = {}  # task id -> the subset that gave it first
     for subset in subsets:
         where, tasks = _subset_files(source, subset)
         if not tasks:
             raise TaskDataError(f"{where}: no tasks")
         for tid, task, sols in tasks:
+            other = first.setdefault(tid, subset)
+            if other != subset and test_subset in (subset, other):
+                raise TaskDataError(
+                    f"ARC task {tid} is in subset {other!r} and in subset {subset!r}; the held-out subset "
+                    f"({test_subset!r}) must not share a task with a training subset (its test outputs would be "
+                    f"trained on): remove one copy"
+                )
             uid = tid if tid not in seen else f"{subset}/{tid}"
             seen.add(uid)
             rows.append((subset, uid, task, sols))

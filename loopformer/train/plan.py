@@ -61,7 +61,10 @@ def parse_memory(text: str) -> int:
     if not m:
         raise ConfigError(f"--gpu-memory {text!r}: expected a size such as 80GB, 141GB or 80GiB")
     unit = {"gb": 1e9, "g": 1e9, None: 1e9, "gib": GiB, "mb": 1e6, "mib": 2**20, "tb": 1e12, "tib": 2**40}
-    return int(float(m.group(1)) * unit[m.group(2)])
+    size = int(float(m.group(1)) * unit[m.group(2)])
+    if size < 2**20:  # 0 (or a few bytes) plans nothing: every micro-batch "fits" nowhere
+        raise ConfigError(f"--gpu-memory {text!r}: a GPU's memory must be at least 1 MiB (e.g. 80GB)")
+    return size
 
 
 def _key(t: Tensor) -> int:

@@ -31,7 +31,9 @@ from loopformer.runs.checkpoint import (
 from loopformer.runs.layout import CheckpointError, load_weights
 from loopformer.runs.manifest import verify_checkpoint
 from loopformer.runs.resume_checks import (
+    branch_origin,
     check_config,
+    check_data,
     check_origin,
     no_good_checkpoint,
     record_changes,
@@ -59,6 +61,7 @@ def training_state(tr: Trainer, optimizer: bool = True) -> dict[str, Any]:
         "rng": rng_state(),
         "elapsed": tr.elapsed(),
         "best": tr.best.state_dict(),  # train.keep_best's record (BestTracker)
+        "data": tr.data_record,  # the fingerprints of the training and held-out sets (runs/fingerprint.py)
     }
 
 
@@ -122,6 +125,8 @@ def resume_folder(resume: bool | str, ckpt_dir: Path) -> Path | None:
             raise no_good_checkpoint(ckpt_dir, skipped)
         for reason in skipped:
             log.warning("resume: skipped %s", reason)
+        if folder is None:  # a branch killed before its first checkpoint goes on from where it branched
+            folder = branch_origin(ckpt_dir.parent)
         if folder is None:
             log.info("resume: no usable checkpoint in %s, starting from scratch", ckpt_dir)
         return folder
@@ -129,10 +134,12 @@ def resume_folder(resume: bool | str, ckpt_dir: Path) -> Path | None:
 
 
 def check(tr: Trainer, folder: Path) -> None:
-    """Before ``restore``: ``folder`` is this run's (or this run is a new branch of it) and the config
-    trains the same stream (or the change is allowed): ``loopformer.runs.resume_checks``."""
+    """Before ``restore``: ``folder`` is this run's (or this run is a new branch of it), the config
+    trains the same stream and the data holds the same rows (or the change is allowed):
+    ``loopformer.runs.resume_checks``."""
     tr.resumed_origin = check_origin(folder, tr.ckpt_dir, tr.run_dir)
     tr.config_changes = check_config(tr.config, folder, tr.run_dir)
+    tr.config_changes.update(check_data(tr.config, folder, tr.run_dir, tr.data_record))
 
 
 def record(tr: Trainer, folder: Path) -> None:

@@ -42,6 +42,7 @@ from loopformer.loop.samplers import training_sampler
 from loopformer.models.base import LoopedModel, ModelOutput
 from loopformer.nn import autocast
 from loopformer.runs.best import BestTracker
+from loopformer.runs.fingerprint import training_data
 from loopformer.runs.folder import RunFolder
 from loopformer.tasks.base import Task, TokenDataset
 from loopformer.train import accumulate, dist, resume
@@ -106,9 +107,8 @@ class Trainer(TrainerEvaluation):
         self.device = self.strategy.device
         configure_process(tc, self.strategy.env, self.device)
         seed_everything(config.seed)  # before the model is built: its initial weights follow the seed
-        self.task, self.train_data, self.eval_data = build_data(
-            config, task, train_data, eval_data, model is not None
-        )
+        self.task, self.train_data, self.eval_data = build_data(config, task, train_data, eval_data, model is not None)
+        self.data_record = training_data(config, self.train_data, self.eval_data)  # what checkpoints record
         self.model = prepare_model(config, model, self.task, self.train_data, self.device)
         self.threads = set_cpu_threads(tc, self.strategy.env, self.device, self.model)
         self.loop_train: LoopConfig = config.loop_config(self.model.config.loop, "train")
