@@ -21,6 +21,7 @@ multi-gigabyte token file costs a bounded read at start-up.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from typing import Any
 
@@ -49,7 +50,13 @@ def _update(h: Any, array: np.ndarray, sampled: bool) -> None:
 
 
 def dataset_digest(dataset: Any) -> dict[str, Any]:
-    """``{"rows", "sha256"[, "sampled"]}`` of a data set's token ids, labels and puzzle ids."""
+    """``{"rows", "sha256"[, "sampled"]}`` of a data set's token ids, labels and puzzle ids; a streamed set
+    (``tasks.text.StreamedWindows``, read from its token file a batch at a time) by what draws its windows:
+    the token file's own fingerprint (size, SHA-256), the split, window length, order and seed."""
+    if getattr(dataset, "streamed", False):
+        keys = ("fingerprint", "split", "seq_len", "order", "seed")
+        what = json.dumps({k: dataset.meta.get(k) for k in keys}, sort_keys=True, default=str)
+        return {"rows": len(dataset), "sha256": hashlib.sha256(what.encode()).hexdigest(), "streamed": True}
     arrays = [dataset.inputs, dataset.labels]
     if getattr(dataset, "puzzle_ids", None) is not None:
         arrays.append(dataset.puzzle_ids)
