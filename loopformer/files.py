@@ -42,9 +42,11 @@ on one inode, so that file must never be replaced.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import secrets
+import shutil
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -391,3 +393,24 @@ __all__ = [
     "remove_empty",
     "save_npy",
 ]
+
+
+def reserved_memmap(path: Path, shape: tuple[int, int]) -> Any:
+    """A uint8 ``.npy`` memory map whose disk blocks are allocated up front: on a full disk a write into a
+    sparse map's page kills the process with SIGBUS, so the space is claimed first (``posix_fallocate``)
+    and a shortage is an ``OSError`` naming the file and the bytes it needs."""
+    import numpy as np  # only the dataset writers need it
+
+    array = np.lib.format.open_memmap(path, "w+", np.uint8, shape)
+    size = path.stat().st_size
+    try:
+        if hasattr(os, "posix_fallocate"):
+            with open(path, "r+b") as fh:
+                os.posix_fallocate(fh.fileno(), 0, size)
+        elif shutil.disk_usage(path.parent).free < size:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    except OSError as err:
+        del array
+        path.unlink(missing_ok=True)
+        raise OSError(err.errno, f"{path}: cannot reserve {size:,} bytes ({err.strerror or err})") from None
+    return array

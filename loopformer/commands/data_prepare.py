@@ -33,9 +33,6 @@ data``).  Point a recipe at it: ``data.train_path=OUT data.eval_path=OUT``.
 
 from __future__ import annotations
 
-import errno
-import os
-import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from loopformer.files import atomic_write_json
+from loopformer.files import atomic_write_json, reserved_memmap
 from loopformer.tasks.base import TaskDataError, TokenDataset
 
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
@@ -309,25 +306,6 @@ def prepare_arc(name: str, out: Path, from_dir: Path | None, augment: int, seed:
     return {"task": "arc", "rows": counts, "tasks": {"training": len(training), "evaluation": len(evaluation)},
             "num_puzzle_ids": 1 + len(puzzles) * versions,
             "pairs_without_output": {k: v for k, v in unlabelled.items() if v}}  # fmt: skip
-
-
-def reserved_memmap(path: Path, shape: tuple[int, int]) -> np.memmap:
-    """A uint8 ``.npy`` memory map whose disk blocks are allocated up front: on a full disk a write into a
-    sparse map's page kills the process with SIGBUS, so the space is claimed first (``posix_fallocate``)
-    and a shortage is an ``OSError`` naming the file and the bytes it needs."""
-    array = np.lib.format.open_memmap(path, "w+", np.uint8, shape)
-    size = path.stat().st_size
-    try:
-        if hasattr(os, "posix_fallocate"):
-            with open(path, "r+b") as fh:
-                os.posix_fallocate(fh.fileno(), 0, size)
-        elif shutil.disk_usage(path.parent).free < size:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-    except OSError as err:
-        del array
-        path.unlink(missing_ok=True)
-        raise OSError(err.errno, f"{path}: cannot reserve {size:,} bytes ({err.strerror or err})") from None
-    return array
 
 
 def _prepare_text(out: str | Path, source: str | Path | None, subset: int | None, augment: int | None, seed: int,
