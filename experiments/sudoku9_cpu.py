@@ -30,6 +30,8 @@ depend on the machine's load; each run records its wall and CPU time.
    ``contraction_vs_budget.png``; rows are saved per checkpoint (``eval-h2h-<M>min.json``, skipped when
    present), ``--assemble`` only gathers them. Without ``--seeds``: the first rerun's ``results.json``,
    ``table.md``, ``accuracy_vs_blanks.png``. Both are the "9x9 Sudoku on a CPU" section of docs/results.md.
+4. ``--phase overlap --train-seeds 1,100,101,102``: how many held-out puzzles a training set from each seed
+   holds (0 for the head-to-head's seeds; all 1,000 for seed 1, the earlier second FPRM run's).
 
 Usage (about 75 CPU-minutes per 60-minute run on an idle core; nine runs): ``python experiments/sudoku9_cpu.py
 --phase train --only fprm_authors --seeds 0,1,2`` (and ``trm_authors``, ``fprm_authors_jac``, one process
@@ -409,6 +411,24 @@ def train_overlap(args: argparse.Namespace, seed: int, eval_set: Any) -> int:
     return int(sum(row.tobytes() in seen for row in eval_set.inputs))
 
 
+def overlap(args: argparse.Namespace) -> None:
+    """``--phase overlap --train-seeds 1,100``: how many held-out puzzles (and their solutions) lie in a training
+    set generated from each seed as the trainer generates it. The head-to-head's seeds use 100 + N; 1 is the
+    earlier second FPRM run's ``data.train_seed``, equal to ``data.eval_seed`` (config validation now refuses
+    that run: ``loopformer.config.validate``)."""
+    cfg, eval_set, _ = held_out(args)
+    for train_seed in args.train_seeds:
+        train = SudokuTask(9).generate(cfg.data.train_size, seed=train_seed, **cfg.data.train_generate)
+        inputs = {row.tobytes() for row in train.inputs}
+        labels = {row.tobytes() for row in train.labels}
+        print(json.dumps({
+            "train_seed": train_seed, "eval_seed": cfg.data.eval_seed,
+            "held_out": len(eval_set), "train_size": len(train),
+            "held_out_puzzles_in_training": int(sum(r.tobytes() in inputs for r in eval_set.inputs)),
+            "held_out_solutions_in_training": int(sum(r.tobytes() in labels for r in eval_set.labels)),
+        }), flush=True)  # fmt: skip
+
+
 def evaluate_h2h(args: argparse.Namespace) -> None:
     """Every checkpoint of the head-to-head's seeds (``--seeds``, ``--only`` among AUTHORS, ``--minutes``) through
     ``sudoku9_h2h.evaluate_checkpoint`` into ``<runs>/seed<N>/<model>/eval-h2h-<M>min.json`` (skipped when it
@@ -629,7 +649,7 @@ def plot(payload: dict[str, Any], path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--phase", choices=("probe", "train", "eval", "ship", "all"), default="all")
+    parser.add_argument("--phase", choices=("probe", "train", "eval", "ship", "overlap", "all"), default="all")
     parser.add_argument("--only", default="", help="comma-separated models for --phase train / eval")
     parser.add_argument("--quick", action="store_true", help="a few steps at tiny size (dry run)")
     parser.add_argument("--threads", type=int, default=1, help="threads of the probe (the budgets' clock)")
@@ -665,6 +685,12 @@ def main() -> None:
         metavar="KEY=VALUE",
         help="an override for every model's config (repeatable), e.g. --set seed=1 --set data.train_seed=1",
     )
+    parser.add_argument(
+        "--train-seeds",
+        type=lambda t: [int(m) for m in t.split(",")],
+        default=[100, 101, 102],
+        help="--phase overlap: the training-data seeds to check against the held-out set",
+    )
     parser.add_argument("--runs", type=Path, default=REPO / "runs" / "sudoku9")
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "figures" / "sudoku9")
     args = parser.parse_args()
@@ -682,6 +708,8 @@ def main() -> None:
         evaluate_h2h(args) if args.seeds else evaluate(args)
     if args.phase == "ship":
         ship(args)
+    if args.phase == "overlap":
+        overlap(args)
 
 
 if __name__ == "__main__":
