@@ -160,10 +160,14 @@ def sudoku9_checkpoint(seed: int):
 
     repo = Path(__file__).resolve().parents[1]
     run = repo / SUDOKU9_RUN.format(seed=seed)
-    if (run / "checkpoints").is_dir():
-        steps = sorted((run / "checkpoints").glob("step_*"))
-        if len(steps) >= 4:  # the 15 / 30 / 45 / 60-minute checkpoints: the last is the 60-minute one
-            return steps[-1], f"{SUDOKU9_RUN.format(seed=seed)} (60-minute checkpoint, EMA weights)"
+    probe = run.parent.parent / "probe.json"  # the experiment's budgets: the 60-minute step is the last
+    if probe.is_file():
+        import json
+
+        step = json.loads(probe.read_text())["budget_steps"]["fprm_authors"][-1]
+        checkpoint = run / "checkpoints" / f"step_{step:08d}"  # never `latest`: a stopped run has others
+        if checkpoint.is_dir():
+            return checkpoint, f"{SUDOKU9_RUN.format(seed=seed)} (60-minute checkpoint, EMA weights)"
     shipped = repo / SUDOKU9_SHIPPED.format(seed=seed)
     if shipped.is_dir():
         return (
