@@ -104,8 +104,8 @@ METHODS = {
         "solver, batch-wide halting at residual 0.1, rel. sup norm; loopformer's `batch_residual` emulation, not "
         "their code) vs loopformer's per-sample halting with the solver and tolerance `--auto-solver`'s search "
         "picks on other puzzles (fewest map evaluations at >= the authors' accuracy there). "
-        "`inference.fprm_vs_reference`: the 9x9 FPRM of the FPRM vs TRM head-to-head (runs/sudoku9_seed1, "
-        "60 CPU-minutes, made by experiments/sudoku9_cpu.py) under that run's authors' protocol (gamma 0.997, "
+        "`inference.fprm_vs_reference.seed<N>`: the 9x9 FPRMs of the FPRM vs TRM head-to-head (runs/sudoku9/"
+        "seed<N>, 60 CPU-minutes, made by experiments/sudoku9_cpu.py) under their authors' protocol (gamma 0.997, "
         "patience 10, cap 1000, 250 a batch), 250 timed puzzles, 100 for the search; "
         "`inference.fprm_vs_reference_sudoku4`: the halting benchmark's 4x4 FPRM, 256 timed, 128 for the "
         "search. Ratio = wall time loopformer / authors, median "
@@ -296,7 +296,7 @@ def render(results: list[dict[str, Any]], info: dict[str, Any]) -> str:
         "",
         *_runs_lines(info, quick),
         f"- rendered: {time.strftime('%Y-%m-%d %H:%M:%S')}",
-        f"- CPU: {info['cpu']} ({info['logical_cpus']} logical CPUs)",
+        f"- CPU when rendered (rows may come from earlier runs): {info['cpu']} ({info['logical_cpus']} logical CPUs)",
         f"- torch {info['torch']}, Python {info['python']}, CUDA available: {info['cuda']}",
         f"- load average when rendered: {', '.join(map(str, info['load_average']))}",
         "",
