@@ -26,7 +26,7 @@ depend on the machine's load; each run records its wall and CPU time.
 3. ``--phase eval``: with ``--seeds``, every head-to-head checkpoint on the held-out set (1,000 generated
    puzzles, 20-60 blanks, 104 needing search) through ``sudoku9_h2h.py``: each model's own protocol, accuracy
    at matched test-time compute (8 to 2,048 blocks per puzzle), the paired bootstrap of FPRM - TRM, seed
-   means and ranges -> ``results_h2h.json``, ``table_h2h.md``, ``accuracy_vs_budget.png``,
+   means and ranges -> ``results_h2h.json``, ``table_h2h.md``, ``accuracy_vs_budget_h2h.png``,
    ``contraction_vs_budget.png``; rows are saved per checkpoint (``eval-h2h-<M>min.json``, skipped when
    present), ``--assemble`` only gathers them. Without ``--seeds``: the first rerun's ``results.json``,
    ``table.md``, ``accuracy_vs_blanks.png``. Both are the "9x9 Sudoku on a CPU" section of docs/results.md.
@@ -432,7 +432,7 @@ def overlap(args: argparse.Namespace) -> None:
 def evaluate_h2h(args: argparse.Namespace) -> None:
     """Every checkpoint of the head-to-head's seeds (``--seeds``, ``--only`` among AUTHORS, ``--minutes``) through
     ``sudoku9_h2h.evaluate_checkpoint`` into ``<runs>/seed<N>/<model>/eval-h2h-<M>min.json`` (skipped when it
-    exists), then ``results_h2h.json``, ``table_h2h.md`` and ``accuracy_vs_budget.png`` from every saved row."""
+    exists), then ``results_h2h.json``, ``table_h2h.md`` and ``accuracy_vs_budget_h2h.png`` from every saved row."""
     seeds = [s for s in seeds_of(args) if s is not None]
     names = [n for n in (_only(args) or AUTHORS) if n in AUTHORS]
     plan = probe(args, names)
@@ -477,7 +477,7 @@ def evaluate_h2h(args: argparse.Namespace) -> None:
     text += h2h.markdown(jac, labels)
     (args.out / "table_h2h.md").write_text(text)
     if summary:
-        h2h.plot(summary, labels, args.out / "accuracy_vs_budget.png", pyplot, save_figure)
+        h2h.plot(summary, labels, args.out / "accuracy_vs_budget_h2h.png", pyplot, save_figure)
     if jac:
         h2h.plot(jac, labels, args.out / "contraction_vs_budget.png", pyplot, save_figure)
     print(text)
