@@ -18,29 +18,30 @@ import click
 
 
 def print_rows(rows: Sequence[dict[str, Any]], title: str) -> None:
-    """The comparison as a rich table on the console (the markdown table's columns but exact accuracy)."""
+    """The comparison as a rich table on the console (the markdown table's columns but exact accuracy and
+    loss)."""
     from rich.console import Console
     from rich.table import Table
 
-    from loopformer.eval.compare import COLUMNS, row_cells
+    from loopformer.eval.compare import columns_for, row_cells
 
-    shown = [i for i, col in enumerate(COLUMNS) if col != "exact"]
+    shown = [col for col in columns_for(rows) if col not in ("exact", "loss")]
     table = Table(title=title)
-    for i in shown:
-        table.add_column(COLUMNS[i], justify="left" if COLUMNS[i] in ("run", "loop") else "right")
+    for col in shown:
+        table.add_column(col, justify="left" if col in ("run", "loop") else "right")
     for r in rows:
-        cells = row_cells(r)
-        table.add_row(*(cells[i] for i in shown))
+        table.add_row(*row_cells(r, shown))
     Console(highlight=False, width=160).print(table)
 
 
 def compare_into(out: Path, folders: Sequence[Path], title: str, overwrite: bool,
                  names: Sequence[str] | None = None) -> dict[str, Path]:  # fmt: skip
     """Write the comparison of report ``folders`` into ``out`` (staged; see the module docstring)."""
-    from loopformer.eval.compare import load_entries, write_comparison
+    from loopformer.eval.compare import comparison_title, load_entries, write_comparison
     from loopformer.runs.outputs import staged_output
 
     entries = load_entries(folders, names)
+    title = title or comparison_title(entries, len(folders))  # counts the table's rows
     with staged_output(out, "compare", overwrite, "--out") as staging:
         written = write_comparison(staging, entries, title)
     print_rows([e.row() for e in entries], title)
@@ -73,5 +74,5 @@ def compare(sources: tuple[str, ...], out_dir: str | None, overwrite: bool, titl
             )
         seen[key] = source
     out = Path(out_dir) if out_dir else Path(f"compare-{time.strftime('%Y%m%d-%H%M%S')}")
-    written = compare_into(out, folders, title or f"comparison of {len(folders)} evaluations", overwrite)
+    written = compare_into(out, folders, title or "", overwrite)
     click.echo(f"table: {written['markdown']}  plots: {out / 'plots'}")

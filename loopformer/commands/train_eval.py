@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -14,7 +15,6 @@ from loopformer.commands.common import parse_int_list, parse_pairs
 from loopformer.commands.suite import ModelUnderTest, SuiteOptions, accuracy_table, run_suite
 from loopformer.devices import device_option, resolve_device
 from loopformer.eval.auto_solver import DEFAULT_FRACTION
-from loopformer.eval.lm import evaluate_lm
 from loopformer.eval.predict import arc_pass_at_k
 from loopformer.nn import autocast
 from loopformer.runs import eval_dataset, load_run, training_depth
@@ -283,9 +283,13 @@ def evaluate_checkpoint(checkpoint: str | Path, overrides: list[str], budgets: l
     from loopformer.train.setup import set_cpu_threads
 
     set_cpu_threads(run.config.train, DistEnv(), dev, run.model)  # the run's train.threads rule, logged
+    from loopformer.commands.suite import run_job_references
+
+    # the baseline of the `loopformer run` job this model belongs to, when evaluated on the same held-out set
+    references = run_job_references(run.path, same_heldout=not overrides and not examples)
     with autocast(dev, run.config.bf16):  # evaluate in the precision the run trained in
         _evaluate(run, examples, None if out_dir is None else str(out_dir), budgets, budget_mode, lens_loops,
-                  analyses, overwrite, variants or [], auto)  # fmt: skip
+                  analyses, overwrite, variants or [], auto, references)  # fmt: skip
 
 
 def _auto_solver(run: Any, dataset: Any, auto: tuple[float, float]) -> tuple[Any, Any, dict[str, Any]]:
@@ -341,7 +345,8 @@ def _report_folder(out: Path) -> Iterator[Path]:
 
 def _evaluate(run: Any, examples: int, out_dir: str | None, budgets: list[int], budget_mode: str,
               lens_loops: int | None, analyses: bool, overwrite: bool = False,
-              variants: list[tuple[str, list[str]]] | None = None, auto: tuple[float, float] | None = None) -> None:  # fmt: skip
+              variants: list[tuple[str, list[str]]] | None = None, auto: tuple[float, float] | None = None,
+              references: dict[str, float] | None = None) -> None:  # fmt: skip
     from loopformer.runs.outputs import staged_output
 
     dataset = eval_dataset(run.task, run.config, examples)
@@ -358,13 +363,16 @@ def _evaluate(run: Any, examples: int, out_dir: str | None, budgets: list[int], 
         target = _report_folder(out)
     with target as write_dir:
         if variants:
-            _evaluate_variants(run, dataset, write_dir, out, budgets, budget_mode, lens_loops, analyses, variants)
+            _evaluate_variants(run, dataset, write_dir, out, budgets, budget_mode, lens_loops, analyses, variants,
+                               references)  # fmt: skip
         else:
-            _evaluate_into(run, dataset, write_dir, out, budgets, budget_mode, lens_loops, analyses, auto_record)
+            _evaluate_into(run, dataset, write_dir, out, budgets, budget_mode, lens_loops, analyses, auto_record,
+                           references)  # fmt: skip
 
 
 def _evaluate_variants(run: Any, dataset: Any, out: Path, final: Path, budgets: list[int], budget_mode: str,
-                       lens_loops: int | None, analyses: bool, variants: list[tuple[str, list[str]]]) -> None:  # fmt: skip
+                       lens_loops: int | None, analyses: bool, variants: list[tuple[str, list[str]]],
+                       references: dict[str, float] | None = None) -> None:  # fmt: skip
     """The run's loop_eval and each variant into ``out/variants/<name>/``, then their comparison into ``out``."""
     import dataclasses
 
@@ -372,14 +380,13 @@ def _evaluate_variants(run: Any, dataset: Any, out: Path, final: Path, budgets: 
     from loopformer.config.checks import check_variants
     from loopformer.eval.compare import load_entries, write_comparison
 
-    if not run.task.has_validator:
-        raise ValueError(f"--variant compares validator accuracy; task {run.task.name!r} has no validator")
     names, folders = [], []
     for i, (name, overrides) in enumerate([("loop_eval", []), *variants]):
         config = check_variants(run.config, [overrides])[0] if overrides else run.config
         variant = dataclasses.replace(run, config=config, loop_eval=config.loop_config(run.model.config.loop, "eval"))
         folder = Path("variants") / f"{i:02d}-{safe_name(name)}"
-        _evaluate_into(variant, dataset, out / folder, final / folder, budgets, budget_mode, lens_loops, analyses)
+        _evaluate_into(variant, dataset, out / folder, final / folder, budgets, budget_mode, lens_loops, analyses,
+                       references=references)  # fmt: skip
         names.append(name)
         folders.append(out / folder)
     entries = load_entries(folders, names)
@@ -396,26 +403,34 @@ def safe_name(text: str) -> str:
 
 
 def _evaluate_into(run: Any, dataset: Any, out: Path, final: Path, budgets: list[int], budget_mode: str,
-                   lens_loops: int | None, analyses: bool, auto_record: dict[str, Any] | None = None) -> None:  # fmt: skip
+                   lens_loops: int | None, analyses: bool, auto_record: dict[str, Any] | None = None,
+                   references: dict[str, float] | None = None) -> None:  # fmt: skip
     """Evaluate and write the report into ``out``, naming the files by where they end up (``final``)."""
     from rich.console import Console
 
-    from loopformer.eval.report import write_json
     from loopformer.tasks.arc import ArcTask
 
     def shown(path: str | Path) -> Path:
         return final / Path(path).relative_to(out)
     console = Console(highlight=False)
     batch_size = run.config.eval.batch_size
-    if not run.task.has_validator:  # language modelling: loss and bits per byte
-        lm = evaluate_lm(run.model, run.task, dataset, loop=run.loop_eval, batch_size=batch_size, progress=True,
-                         seed=run.config.seed, segments=run.config.eval.segments)
-        write_json(out / "metrics.json", {"checkpoint": str(run.path), "step": run.step, "weights": run.weights,
-                                          "label": run.label, **lm.to_dict()})
-        console.print(f"held-out ({lm.n} windows, {lm.tokens} tokens): loss {lm.loss:.4f} nats/token, "
-                      f"bits per byte {lm.bits_per_byte:.4f}, token accuracy {100 * lm.token_accuracy:.1f}%, "
-                      f"mean steps {lm.mean_steps:.2f}")  # fmt: skip
-        console.print(f"metrics: {final / 'metrics.json'}")
+    depth = training_depth(run)
+    lens = (2 * depth if lens_loops is None else lens_loops) if analyses else 0
+    options = SuiteOptions(budgets=budgets, budget_mode=budget_mode, lens_loops=lens, signal_loops=lens,
+                           spectral=analyses, batch_size=batch_size, progress=True, references=dict(references or {}))  # fmt: skip
+    from loopformer.runs.provenance import collect, describe, record_for_step
+
+    run_dir = run.path.parent.parent if run.path.parent.name == "checkpoints" else run.path
+    trained_by = record_for_step(run_dir, run.step)
+    provenance = {"training": trained_by, "evaluation": collect(next(run.model.parameters()).device)}
+    unit = "examples" if run.task.has_validator else "windows"
+    notes = [f"Task: {run.config.data.task} {run.config.data.options}; {len(dataset)} held-out {unit}.",
+             *_segment_note(run.config.eval.segments), *_auto_note(auto_record),
+             *([f"Trained with {describe(trained_by)}."] if trained_by else [])]  # fmt: skip
+    if not run.task.has_validator:  # language modelling: loss and bits per byte (loopformer.commands.lm_suite)
+        from loopformer.commands.lm_suite import evaluate_text_run
+
+        evaluate_text_run(run, dataset, out, final, options, depth, notes, {"provenance": provenance})
         return
     extra: dict[str, Any] = {"checkpoint": {"path": str(run.path), "step": run.step, "label": run.label,
                                             "best": run.best}}  # fmt: skip
@@ -441,26 +456,11 @@ def _evaluate_into(run: Any, dataset: Any, out: Path, final: Path, budgets: list
                                            exploration=run.config.train.halt_exploration, seed=run.config.seed,
                                            check=ec.check).summary()
         extra["authors_trm_deq"] = authors
-    depth = training_depth(run)
-    lens = (2 * depth if lens_loops is None else lens_loops) if analyses else 0
-    options = SuiteOptions(
-        budgets=budgets,
-        budget_mode=budget_mode,
-        lens_loops=lens,
-        signal_loops=lens,
-        spectral=analyses,
-        batch_size=run.config.eval.batch_size,
-        progress=True,
-    )
     label = run.family or run.config.model.name
     console.print(f"{run.label}: {run.path} ({run.weights} weights)")
     from loopformer.eval.report import describe_loop
-    from loopformer.runs.provenance import collect, describe, record_for_step
 
-    run_dir = run.path.parent.parent if run.path.parent.name == "checkpoints" else run.path
-    trained_by = record_for_step(run_dir, run.step)
-    extra["provenance"] = {"training": trained_by, "evaluation": collect(next(run.model.parameters()).device)}
-    provenance = [f"Trained with {describe(trained_by)}."] if trained_by else []
+    extra["provenance"] = provenance
     suite = run_suite(
         out,
         f"{label} · {describe_loop(run.loop_eval)}: evaluation of {run.path} ({run.label}, {run.weights} weights)",
@@ -471,12 +471,7 @@ def _evaluate_into(run: Any, dataset: Any, out: Path, final: Path, budgets: list
         ),
         (),
         options,
-        notes=[
-            f"Task: {run.config.data.task} {run.config.data.options}; {len(dataset)} held-out examples.",
-            *_segment_note(run.config.eval.segments),
-            *_auto_note(auto_record),
-            *provenance,
-        ],
+        notes=notes,
         log=lambda m: console.print(f"  {m}"),
         extra=extra,
     )
@@ -495,5 +490,6 @@ def _evaluate_into(run: Any, dataset: Any, out: Path, final: Path, budgets: list
             f"{a['n']} examples halted at the last call ({a['evaluated']} evaluated)"
         )
     stats = suite["difficulty"][label]
-    console.print(f"steps vs difficulty: Spearman rho {stats.spearman_rho:.2f} (p={stats.spearman_p:.2g})")
+    if math.isfinite(stats.spearman_rho):  # undefined over one difficulty value or constant steps
+        console.print(f"steps vs difficulty: Spearman rho {stats.spearman_rho:.2f} (p={stats.spearman_p:.2g})")
     console.print(f"report: {shown(suite['report'])}  metrics: {shown(suite['metrics'])}")
