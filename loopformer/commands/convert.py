@@ -58,7 +58,7 @@ def convert(
     overwrite: bool = False,
 ) -> None:
     """Turn an authors' checkpoint (a PyTorch state dict, loaded with weights_only=True) into a run
-    folder that `loopformer eval`, `solve` and the analyses accept."""
+    folder that loopformer eval, solve and the analyses accept."""
     from loopformer.convert import convert_checkpoint
 
     if system not in CONVERTERS:

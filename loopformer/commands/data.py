@@ -23,10 +23,11 @@ import click
 import numpy as np
 import yaml
 
+from loopformer.commands.common import WholeHelpGroup
 from loopformer.tasks.base import Task, TaskDataError, TokenDataset
 
 
-class _DataGroup(click.Group):
+class _DataGroup(WholeHelpGroup):
     """A group whose unknown first word is a task name: ``data sudoku ...`` == ``data generate sudoku ...``."""
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
@@ -113,7 +114,7 @@ def _load(task: Task, file: Path) -> TokenDataset:
 
 @click.group("data", cls=_DataGroup, context_settings={"help_option_names": ["-h", "--help"]})
 def data() -> None:
-    """Generate, show and summarise task datasets (``loopformer data TASK ...`` generates)."""
+    """Generate, show and summarise task datasets; loopformer data TASK ... generates examples of TASK."""
 
 
 @data.command("generate")

@@ -67,7 +67,7 @@ def _fmt(n: int | None) -> str:
 @click.command("models")
 @click.option("--json", "as_json", is_flag=True, help="print JSON instead of a table")
 def models(as_json: bool) -> None:
-    """Every registered model family with its parameter count at paper size and at the default CPU size."""
+    """List every registered model family with its parameter count at paper size and at the default CPU size."""
     rows = model_rows()
     if as_json:
         import json

@@ -133,7 +133,7 @@ def train(
     "max_steps",
     default=None,
     metavar="B1,B2,...",
-    help="inference step budgets for the accuracy-vs-compute curve, e.g. 1,2,4,8,16",
+    help="inference step budgets for the accuracy-vs-compute curve (bits per byte for a text run), e.g. 1,2,4,8,16",
 )
 @click.option(
     "--budget-mode",
@@ -218,11 +218,12 @@ def evaluate_cmd(checkpoint: str, max_steps: str | None, budget_mode: str, task_
                  variants: tuple[str, ...] = ()) -> None:  # fmt: skip
     """Evaluate CHECKPOINT (a run folder or checkpoint folder) on its held-out set; write a report.
 
-    Text (no validator): loss and bits per byte. ARC: also pass@2, voting over augmentations.
-    ``--set eval.protocol=authors_trm_deq`` (or ``both``): also the Attractor puzzle authors' evaluation.
-    ``--auto-solver``: the report is on the held-out rows outside the search slice, with the chosen solver.
-    ``--variant``: the report holds one sub-report per loop (variants/<name>/) and their comparison table
-    and overlay plots (loopformer compare).
+    A text run (no validator) is scored by loss and bits per byte: --max-steps gives bits per byte at each
+    loop budget, and the logit lens scores every loop's readout. ARC also gets pass@2, voting over
+    augmentations. With --set eval.protocol=authors_trm_deq (or both) the Attractor puzzle authors'
+    evaluation is added. With --auto-solver the report covers the held-out rows outside the search slice,
+    with the chosen solver. With --variant the report holds one sub-report per loop (variants/NAME/) and
+    their comparison table and overlay plots, as loopformer compare writes them.
     """
     from loopformer.config.checks import check_count, check_fraction
 

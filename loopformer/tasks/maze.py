@@ -288,8 +288,9 @@ class MazeTask(Task):
 
     # ---------------------------------------------------------------- render
     def render(self, inputs: np.ndarray, prediction: np.ndarray | None = None, markup: bool = False) -> str:
-        """The character grid (prediction if given); with rich markup walls are dim, the path cyan,
-        S / G bold, and path cells placed on a wall or given cell red."""
+        """The character grid (prediction if given) in a frame (``+--+`` above and below, ``|`` at the
+        sides: a maze's open border cells are spaces, so its extent shows only with one); with rich markup
+        walls are dim, the path cyan, S / G bold, and path cells placed on a wall or given cell red."""
         x = np.asarray(inputs).reshape(self.size, self.size)
         shown = x if prediction is None else np.asarray(prediction).reshape(self.size, self.size)
         lines = []
@@ -308,8 +309,9 @@ class MazeTask(Task):
                     elif t in (START, GOAL):
                         ch = f"[bold green]{ch}[/bold green]"
                 row.append(ch)
-            lines.append("".join(row))
-        return "\n".join(lines)
+            lines.append("|" + "".join(row) + "|")
+        edge = "+" + "-" * self.size + "+"
+        return "\n".join([edge, *lines, edge])
 
     # ---------------------------------------------------------------- files
     @staticmethod
