@@ -1,5 +1,5 @@
 """The ``loopformer`` command: run | train | eval | compare | sweep | solve | models | data | convert |
-consolidate | push | recipes.
+export | translate | consolidate | push | recipes.
 
 Built on click: subcommands live in ``loopformer.commands`` and are imported only when they run (or
 print their own ``--help``), so ``loopformer --help`` and ``loopformer recipes`` never import torch,
@@ -48,6 +48,10 @@ LAZY_COMMANDS: dict[str, tuple[str, str]] = {
         "loopformer.cli:_data_group",
         "Generate, show and summarise task datasets; loopformer data TASK ... generates examples of TASK.",
     ),
+    "export": (
+        "loopformer.commands.convert:export_cmd",
+        "Write RUN as a checkpoint of the authors' code for SYSTEM (the inverse of loopformer convert).",
+    ),
     "eval": (
         "loopformer.commands.train_eval:evaluate_cmd",
         "Evaluate CHECKPOINT (a run folder or checkpoint folder) on its held-out set; write a report.",
@@ -71,6 +75,10 @@ LAZY_COMMANDS: dict[str, tuple[str, str]] = {
     "solve": (
         "loopformer.commands.solve:solve",
         "Solve PUZZLE with a trained model, printing the answer as the loop refines it.",
+    ),
+    "translate": (
+        "loopformer.commands.convert:translate_cmd",
+        "Translate the authors' config keys or command line for SYSTEM into loopformer overrides.",
     ),
     "train": (
         "loopformer.commands.train_eval:train",

@@ -36,7 +36,7 @@ def check_unique(overrides: Sequence[str]) -> None:
     (``run_config_for``) on what the user typed."""
     seen: dict[str, str] = {}
     for text in overrides:
-        key = str(text).split("=", 1)[0].strip().removeprefix("~")
+        key = str(text).split("=", 1)[0].strip().removeprefix("~").lstrip("+")  # Hydra's +key / ++key
         if key in seen:
             raise ConfigError(f"override {text!r}: {key} is already given ({seen[key]!r}); give each key once")
         seen[key] = str(text)
@@ -107,7 +107,7 @@ def run_config_for(
     """
     check_unique(overrides)
     for text in overrides:
-        key = str(text).split("=", 1)[0].strip().removeprefix("~")  # ~loop_eval.tol: the model's default again
+        key = str(text).split("=", 1)[0].strip().removeprefix("~").lstrip("+")  # ~loop_eval.tol: the default; +key / ++key: Hydra
         if not key.startswith(prefixes):
             allowed = ", ".join(f"{p}*" for p in prefixes)
             raise ConfigError(f"override {text!r}: evaluation can only change {allowed} keys")

@@ -63,6 +63,13 @@ def read_text(path: Path, what: str) -> str:
         raise ConfigError(f"cannot read {what} {path}: {err.strerror or type(err).__name__}") from None
 
 
+def _lookup(data: dict[str, Any], key: str) -> Any:
+    node: Any = data
+    for part in key.split("."):
+        node = node[part]
+    return node
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
     """``'train.lr=3e-4'`` -> (['train', 'lr'], '3e-4' parsed by yaml.safe_load)."""
     if "=" not in text:
@@ -99,12 +106,37 @@ def _check_path(parts: list[str]) -> None:
             raise ConfigError(f"config key {walked!r} is a value, not a table")
 
 
+def hydra_prefix(text: str) -> tuple[str, str]:
+    """(``"++"`` | ``"+"`` | ``""``, the override without it): Hydra's ``+key=v`` adds a key the recipe
+    does not set, ``++key=v`` adds or overrides one, as the authors' command lines write them."""
+    for prefix in ("++", "+"):
+        if text.startswith(prefix):
+            return prefix, text[len(prefix) :]
+    return "", text
+
+
+def _is_set(data: dict[str, Any], parts: list[str]) -> bool:
+    node: Any = data
+    for part in parts:
+        if not isinstance(node, dict) or part not in node:
+            return False
+        node = node[part]
+    return True
+
+
 def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
     """Raw recipe table with dotted ``key=value`` overrides written in (validated paths); a later
     override of a key wins (code layers its lists so; a command line is checked by
-    ``loopformer.config.checks.check_unique``)."""
+    ``loopformer.config.checks.check_unique``). As Hydra: ``++key=value`` is ``key=value``, and
+    ``+key=value`` sets a key the recipe does not set (ConfigError when it does)."""
     data = json.loads(json.dumps(data, default=list))  # deep copy of plain data
-    for text in overrides:
+    for given in overrides:
+        prefix, text = hydra_prefix(given)
+        if prefix == "+" and "=" in text:
+            key = text.split("=", 1)[0].strip()
+            if _is_set(data, key.split(".")):
+                raise ConfigError(f"override {given!r}: + adds a key (as in Hydra), but {key} is already set "
+                                  f"(to {_lookup(data, key)!r}); write {text} or ++{text} to change it")  # fmt: skip
         if text.startswith(DELETE):  # ~model.conv: the key goes, its default applies
             if "=" in text:
                 raise ConfigError(f"override {text!r}: {DELETE}key deletes a key and takes no value")
