@@ -195,7 +195,7 @@ def plot_accuracy_vs_budget(entries: Sequence[Entry], title: str = "") -> Any:
                 ls="",
                 label=_legend_name(e, " (at its mean loops)"),
             )
-    plots.log2_axis(ax, _budget_xs(entries), "loop budget (max loops, log2)")
+    plots.log2_axis(ax, _budget_xs(entries), "loops: the budget (max loops), or a run's mean loops (log2)")
     ax.set_ylabel("valid accuracy (%)")
     ax.set_ylim(-2, 102)
     ax.set_title("accuracy vs loop budget")
@@ -229,7 +229,7 @@ def plot_bpb_vs_budget(entries: Sequence[Entry], title: str = "") -> Any:
                     label=_legend_name(e, f" ({e.budget.get('mode', '')})"))  # fmt: skip
         elif e.result.get("mean_steps") and bpb is not None:
             ax.plot([e.result["mean_steps"]], [float(bpb)], marker="s", ls="", label=_legend_name(e, " (at its mean loops)"))
-    plots.log2_axis(ax, _budget_xs(entries), "loop budget (max loops, log2)")
+    plots.log2_axis(ax, _budget_xs(entries), "loops: the budget (max loops), or a run's mean loops (log2)")
     ax.set_ylabel("held-out bits per byte (lower is better)")
     ax.set_title("bits per byte vs loop budget")
     ax.grid(alpha=0.3)
