@@ -48,7 +48,10 @@ def test_eval_of_a_text_run_writes_bits_per_byte_vs_budget(looped_text_run: Path
     assert (out / "plots" / "bpb_vs_budget.png").read_bytes()[:4] == b"\x89PNG"
     assert (out / "plots" / "logit_lens.png").is_file() and (out / "plots" / "state_norms.png").is_file()
     metrics = json.loads((out / "metrics.json").read_text())
-    assert metrics["kind"] == "lm" and metrics["bits_per_byte"] == metrics["results"]["recurrent"]["bits_per_byte"]
+    assert (
+        metrics["kind"] == "lm"
+        and metrics["bits_per_byte"] == metrics["results"]["recurrent"]["bits_per_byte"]
+    )
     points = metrics["budget"]["recurrent"]["points"]
     assert [p["budget"] for p in points] == [1, 2, 4, 8]
     run = load_run(looped_text_run, use_ema=False)  # oracle: evaluate_lm at each budget, on its own
@@ -65,9 +68,13 @@ def test_lm_logit_lens_equals_evaluate_lm_at_each_fixed_loop_count(looped_text_r
     run = load_run(looped_text_run, use_ema=False)
     data = eval_dataset(run.task, run.config)
     lens = lm_logit_lens(run.model, run.task, data, 5, loop=run.loop_eval, batch_size=5)
-    curve = lm_budget_curve(run.model, run.task, data, [1, 3, 5], mode="fixed", loop=run.loop_eval, batch_size=7)
+    curve = lm_budget_curve(
+        run.model, run.task, data, [1, 3, 5], mode="fixed", loop=run.loop_eval, batch_size=7
+    )
     for point in curve.points:
-        direct = evaluate_lm(run.model, run.task, data, loop=with_budget(run.loop_eval, point.budget, "fixed"))
+        direct = evaluate_lm(
+            run.model, run.task, data, loop=with_budget(run.loop_eval, point.budget, "fixed")
+        )
         assert lens.bits_per_byte[point.budget - 1] == pytest.approx(direct.bits_per_byte, rel=1e-6)
         assert lens.token_accuracy[point.budget - 1] == pytest.approx(direct.token_accuracy)
         assert point.bits_per_byte == pytest.approx(direct.bits_per_byte, rel=1e-6)
@@ -95,7 +102,9 @@ def test_eval_variants_and_compare_read_lm_reports(looped_text_run: Path, tmp_pa
 
 def test_compare_refuses_to_mix_lm_and_validator_reports(looped_text_run: Path, tmp_path: Path) -> None:
     lm = tmp_path / "lm"
-    assert CliRunner().invoke(cli, ["eval", str(looped_text_run), "--no-analyses", "-o", str(lm)]).exit_code == 0
+    assert (
+        CliRunner().invoke(cli, ["eval", str(looped_text_run), "--no-analyses", "-o", str(lm)]).exit_code == 0
+    )
     other = tmp_path / "acc"
     other.mkdir()
     metrics = {"results": {"fprm": {"n": 4, "valid_accuracy": 0.5, "exact_accuracy": 0.5, "mean_steps": 3.0}}}
@@ -103,7 +112,9 @@ def test_compare_refuses_to_mix_lm_and_validator_reports(looped_text_run: Path, 
     result = CliRunner().invoke(cli, ["compare", str(lm), str(other), "-o", str(tmp_path / "cmp")])
     assert result.exit_code != 0
     assert "cannot compare language-model reports (bits per byte" in result.output
-    refused = CliRunner().invoke(cli, ["eval", str(looped_text_run), "--auto-solver", "-o", str(tmp_path / "a")])
+    refused = CliRunner().invoke(
+        cli, ["eval", str(looped_text_run), "--auto-solver", "-o", str(tmp_path / "a")]
+    )
     assert refused.exit_code != 0 and "--auto-solver needs a task scored by accuracy" in refused.output
 
 
@@ -124,11 +135,15 @@ def test_comparison_title_counts_rows_and_a_loop_free_model_is_one_pass() -> Non
 
 
 def _result(difficulty: list[float], steps: list[int], converged: float = 0.997) -> EvalResult:
-    records = [ExampleRecord(i, d, s, True, True, True, 1.0) for i, (d, s) in enumerate(zip(difficulty, steps))]
+    records = [
+        ExampleRecord(i, d, s, True, True, True, 1.0) for i, (d, s) in enumerate(zip(difficulty, steps))
+    ]
     hist: dict[int, int] = {}
     for s in steps:
         hist[s] = hist.get(s, 0) + 1
-    return EvalResult("sudoku", len(steps), 1.0, 1.0, 1.0, float(np.mean(steps)), hist, converged, {}, records)
+    return EvalResult(
+        "sudoku", len(steps), 1.0, 1.0, 1.0, float(np.mean(steps)), hist, converged, {}, records
+    )
 
 
 def test_no_plot_over_a_single_value_and_the_report_says_why(tmp_path: Path) -> None:
@@ -147,7 +162,9 @@ def test_no_plot_over_a_single_value_and_the_report_says_why(tmp_path: Path) -> 
     report, _ = write_report(tmp_path, "t", {"m": one_difficulty}, difficulty={"m": stats},
                              skipped=[no_difficulty_plot_reason(one_difficulty)])  # fmt: skip
     text = report.read_text()
-    assert "nan" not in text.lower() and "No rank correlation: the examples have one difficulty value." in text
+    assert (
+        "nan" not in text.lower() and "No rank correlation: the examples have one difficulty value." in text
+    )
     assert "No steps-vs-difficulty plot" in text.split("## Plots")[1]
     from rich.console import Console
 

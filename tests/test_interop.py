@@ -32,7 +32,9 @@ def test_export_gives_back_the_authors_checkpoint(name: str, system: str, tmp_pa
     convert_checkpoint(system, FIXTURE_DIR / name / "step_1", tmp_path / "run")
     run = load_run(tmp_path / "run", use_ema=False)
     exported = export_weights(system, run.config, run.model.state_dict())
-    authors = strip_prefixes(load_state_dict(FIXTURE_DIR / name / "step_1"), ("_orig_mod.", "model.", "inner."))
+    authors = strip_prefixes(
+        load_state_dict(FIXTURE_DIR / name / "step_1"), ("_orig_mod.", "model.", "inner.")
+    )
     assert set(exported.state) == set(authors)
     for key, value in authors.items():
         got = exported.state[key]

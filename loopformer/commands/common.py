@@ -22,14 +22,45 @@ if TYPE_CHECKING:
 
 
 # exceptions whose message is already meant for the user
-_USER_ERRORS = ("ConfigError", "CheckpointError", "TaskDataError", "FileNotFoundError", "KeyError",
-                "ValueError", "TrainingDivergedError", "PermissionError", "NotADirectoryError",
-                "IsADirectoryError", "NotImplementedError", "RunFolderError", "NumericalFaultError",
-                "DataFormatError", "WriteError", "UnsafePathError", "TrainingInterrupted", "PluginError")
+_USER_ERRORS = (
+    "ConfigError",
+    "CheckpointError",
+    "TaskDataError",
+    "FileNotFoundError",
+    "KeyError",
+    "ValueError",
+    "TrainingDivergedError",
+    "PermissionError",
+    "NotADirectoryError",
+    "IsADirectoryError",
+    "NotImplementedError",
+    "RunFolderError",
+    "NumericalFaultError",
+    "DataFormatError",
+    "WriteError",
+    "UnsafePathError",
+    "TrainingInterrupted",
+    "PluginError",
+)
 # OSErrors that say something about the user's files or machine, not about loopformer's code
-_ENVIRONMENT_ERRNOS = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM,
-                       errno.ENOTDIR, errno.EISDIR, errno.ENOENT, errno.EEXIST, errno.ENAMETOOLONG, errno.EIO,
-                       errno.EMFILE, errno.ENOTEMPTY, errno.EXDEV, errno.EPIPE)
+_ENVIRONMENT_ERRNOS = (
+    errno.ENOSPC,
+    errno.EFBIG,
+    errno.EDQUOT,
+    errno.EROFS,
+    errno.EACCES,
+    errno.EPERM,
+    errno.ENOTDIR,
+    errno.EISDIR,
+    errno.ENOENT,
+    errno.EEXIST,
+    errno.ENAMETOOLONG,
+    errno.EIO,
+    errno.EMFILE,
+    errno.ENOTEMPTY,
+    errno.EXDEV,
+    errno.EPIPE,
+)
 
 
 def one_line(err: BaseException) -> str:
@@ -39,9 +70,13 @@ def one_line(err: BaseException) -> str:
     else:
         text = str(err) or type(err).__name__
     text = " ".join(part.strip() for part in text.splitlines() if part.strip())
-    if isinstance(err, OSError) and err.errno in _ENVIRONMENT_ERRNOS and (
-        type(err).__name__ not in _USER_ERRORS
-        or (type(err).__module__ == "builtins" and err.filename and err.strerror)
+    if (
+        isinstance(err, OSError)
+        and err.errno in _ENVIRONMENT_ERRNOS
+        and (
+            type(err).__name__ not in _USER_ERRORS
+            or (type(err).__module__ == "builtins" and err.filename and err.strerror)
+        )
     ):  # the OS's own error as "path: reason" (our own, e.g. WriteError, keep their message)
         where = f"{err.filename}: " if err.filename else ""
         return f"{where}{err.strerror or text}"
@@ -172,7 +207,9 @@ def parse_int_list(text: str | None, what: str) -> list[int]:
     try:
         values = [int(x) for x in text.replace(" ", "").split(",") if x]
     except ValueError:
-        raise click.BadParameter(f"expected comma-separated integers, got {text!r}", param_hint=what) from None
+        raise click.BadParameter(
+            f"expected comma-separated integers, got {text!r}", param_hint=what
+        ) from None
     if not values:
         raise click.BadParameter(f"no step count in {text!r}", param_hint=what)
     if any(v < 1 for v in values):

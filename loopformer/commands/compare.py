@@ -70,7 +70,8 @@ def compare(sources: tuple[str, ...], out_dir: str | None, overwrite: bool, titl
         key = Path(folder).resolve()
         if key in seen:  # one evaluation twice would be a comparison with itself
             raise click.BadParameter(
-                f"{source!r} names the report {folder} that {seen[key]!r} already gave", param_hint="RUN_OR_REPORT"
+                f"{source!r} names the report {folder} that {seen[key]!r} already gave",
+                param_hint="RUN_OR_REPORT",
             )
         seen[key] = source
     out = Path(out_dir) if out_dir else Path(f"compare-{time.strftime('%Y%m%d-%H%M%S')}")

@@ -102,7 +102,9 @@ def consolidate_cmd(checkpoint: str, out_dir: str) -> None:
     source = Path(checkpoint)
     source_run = inside_run(source) or ((source, False) if training_run(source) else None)
     enclosing = inside_run(out)
-    if enclosing is not None and (source_run is None or Path(source_run[0]).resolve() != enclosing[0].resolve()):
+    if enclosing is not None and (
+        source_run is None or Path(source_run[0]).resolve() != enclosing[0].resolve()
+    ):
         raise RunFolderError(f"--out {out} is inside the training run {enclosing[0]}, not the run of {checkpoint}: "
                              f"choose a folder outside it")  # fmt: skip
     # the run's own lock when writing into its checkpoints (a training there would race), else --out's
@@ -116,8 +118,12 @@ def consolidate_cmd(checkpoint: str, out_dir: str) -> None:
 @click.argument("run")
 @click.option("--out", "-o", "out_path", required=True, type=click.Path(dir_okay=False),
               help="checkpoint file to write (all_config.yaml is written beside it)")  # fmt: skip
-@click.option("--ema/--no-ema", default=True, show_default=True, help="export the EMA weights when the run has them")
-@click.option("--best", is_flag=True, help="the run's best checkpoint (train.keep_best) instead of its latest")
+@click.option(
+    "--ema/--no-ema", default=True, show_default=True, help="export the EMA weights when the run has them"
+)
+@click.option(
+    "--best", is_flag=True, help="the run's best checkpoint (train.keep_best) instead of its latest"
+)
 @click.option("--compiled-keys/--plain-keys", default=True, show_default=True,
               help="key prefix _orig_mod.model.inner. (the authors' torch.compile'd model, their default) or "
               "model.inner. (a DISABLE_COMPILE=1 load)")  # fmt: skip

@@ -124,9 +124,16 @@ def data() -> None:
 )
 @click.option("--count", type=int, default=1000, show_default=True, help="Number of examples.")
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--out", "-o", "out", type=click.Path(path_type=Path), required=True, help="Output file (or folder).")
 @click.option(
-    "--option", "--task-option", "-t", "extra", multiple=True, metavar="KEY=VALUE",
+    "--out", "-o", "out", type=click.Path(path_type=Path), required=True, help="Output file (or folder)."
+)
+@click.option(
+    "--option",
+    "--task-option",
+    "-t",
+    "extra",
+    multiple=True,
+    metavar="KEY=VALUE",
     help="Extra task keyword; repeatable.",
 )
 @click.option(
@@ -138,7 +145,9 @@ def data() -> None:
     help="native: the task's own file format (task.save); hrm: an HRM/TRM folder.",
 )
 @click.option("--split", default="train", show_default=True, help="Split folder for --format hrm.")
-@click.option("--overwrite", is_flag=True, help="replace an existing OUT file (--format hrm: the split folder)")
+@click.option(
+    "--overwrite", is_flag=True, help="replace an existing OUT file (--format hrm: the split folder)"
+)
 def generate_cmd(
     task_name: str,
     size: int | None,
@@ -236,7 +245,15 @@ def write_generated(task: Task, ds: TokenDataset, out: Path, fmt: str, split: st
 @click.argument("task_name", metavar="TASK")
 @click.argument("file", type=click.Path(exists=True, path_type=Path))
 @click.option("--index", "-i", type=int, default=0, show_default=True, help="Example to show.")
-@click.option("--option", "--task-option", "-t", "extra", multiple=True, metavar="KEY=VALUE", help="Task constructor keyword.")
+@click.option(
+    "--option",
+    "--task-option",
+    "-t",
+    "extra",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Task constructor keyword.",
+)
 @click.option("--plain", is_flag=True, help="No colour markup.")
 def show_cmd(task_name: str, file: Path, index: int, extra: tuple[str, ...], plain: bool) -> None:
     """Render example INDEX of FILE: the input, then the label."""
@@ -265,7 +282,15 @@ def show_cmd(task_name: str, file: Path, index: int, extra: tuple[str, ...], pla
 @data.command("stats")
 @click.argument("task_name", metavar="TASK")
 @click.argument("file", type=click.Path(exists=True, path_type=Path))
-@click.option("--option", "--task-option", "-t", "extra", multiple=True, metavar="KEY=VALUE", help="Task constructor keyword.")
+@click.option(
+    "--option",
+    "--task-option",
+    "-t",
+    "extra",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Task constructor keyword.",
+)
 @click.option("--bins", type=int, default=10, show_default=True, help="Histogram bins (fewer if few values).")
 def stats_cmd(task_name: str, file: Path, extra: tuple[str, ...], bins: int) -> None:
     """Print the example count and a difficulty histogram of FILE."""

@@ -62,7 +62,9 @@ def run_lm_suite(
             refs = {**opts.references, f"{main.label} at its evaluation loop (cap {main.loop.max_steps})":
                     result.bits_per_byte}  # fmt: skip
             figure = plots.plot_lm_budget_curve(budget, title=tt, references=refs)
-            plot_paths["bits per byte vs loop budget"] = plots.save_figure(figure, out / "plots" / "bpb_vs_budget.png")
+            plot_paths["bits per byte vs loop budget"] = plots.save_figure(
+                figure, out / "plots" / "bpb_vs_budget.png"
+            )
         else:
             skipped.append(f"No bits-per-byte-vs-budget plot: one loop budget ({opts.budgets[0]}) was asked for; "
                            "the table above has it (give several, e.g. --max-steps 1,2,4,8).")  # fmt: skip
@@ -120,4 +122,6 @@ def evaluate_text_run(run: Any, dataset: TokenDataset, out: Path, final: Path, o
     for curve in suite["budget"].values():
         points = ", ".join(f"{p.budget}: {p.bits_per_byte:.4f}" for p in curve.points)
         console.print(f"bits per byte vs loop budget ({curve.mode}): {points}")
-    console.print(f"report: {final / Path(suite['report']).relative_to(out)}  metrics: {final / 'metrics.json'}")
+    console.print(
+        f"report: {final / Path(suite['report']).relative_to(out)}  metrics: {final / 'metrics.json'}"
+    )

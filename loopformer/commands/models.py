@@ -44,7 +44,13 @@ def model_rows() -> list[dict[str, Any]]:
 
     rows = []
     for name, spec in MODELS.items():
-        row: dict[str, Any] = {"name": name, "class": spec.split(":")[1], "paper": None, "cpu": None, "note": ""}
+        row: dict[str, Any] = {
+            "name": name,
+            "class": spec.split(":")[1],
+            "paper": None,
+            "cpu": None,
+            "note": "",
+        }
         try:
             model_cls, config_cls = model_classes(name)
             module = importlib.import_module(spec.split(":")[0])

@@ -82,8 +82,6 @@ def solve_record(**values: Any) -> dict[str, Any]:
     return record
 
 
-
-
 @click.command("solve")
 @click.argument("task_name", metavar="TASK")
 @click.argument("puzzle")
@@ -96,8 +94,12 @@ def solve_record(**values: Any) -> dict[str, Any]:
     "--ema/--no-ema", default=True, show_default=True, help="use the EMA weights when the checkpoint has them"
 )
 @click.option("--all-loops", is_flag=True, help="print every loop, not only those where the answer changed")
-@click.option("--puzzle-id", type=int, default=None,
-              help="row of the model's per-puzzle embedding (TRM / HRM on ARC: the task's id in the run's data)")
+@click.option(
+    "--puzzle-id",
+    type=int,
+    default=None,
+    help="row of the model's per-puzzle embedding (TRM / HRM on ARC: the task's id in the run's data)",
+)
 @device_option()
 def solve(
     task_name: str,
@@ -168,11 +170,7 @@ def solve(
     valid = bool(task.check(tokens, final))
     steps = len(frames)
     if as_json:
-        click.echo(
-            json.dumps(
-                solve_record(**{**solution.to_dict(), **common, "valid": valid})
-            )
-        )
+        click.echo(json.dumps(solve_record(**{**solution.to_dict(), **common, "valid": valid})))
         return
     from rich.console import Console
 

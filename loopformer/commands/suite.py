@@ -96,23 +96,36 @@ def run_suite(
     for m in (main, *baselines):
         log(f"evaluating {m.label} on {len(dataset)} held-out examples")
         t0 = time.perf_counter()
-        results[m.label] = evaluate(m.model, task, dataset, loop=m.loop, batch_size=opts.batch_size,
-                                    progress=opts.progress, seed=m.seed, segments=m.segments)
+        results[m.label] = evaluate(
+            m.model,
+            task,
+            dataset,
+            loop=m.loop,
+            batch_size=opts.batch_size,
+            progress=opts.progress,
+            seed=m.seed,
+            segments=m.segments,
+        )
         models[m.label] = model_info(m, (time.perf_counter() - t0) / max(len(dataset), 1), m is not main)
-        difficulty[m.label] = steps_vs_difficulty(results[m.label].difficulty, results[m.label].steps,
-                                                  results[m.label].valid)
+        difficulty[m.label] = steps_vs_difficulty(
+            results[m.label].difficulty, results[m.label].steps, results[m.label].valid
+        )
     plot_paths: dict[str, Path] = {}
     skipped: list[str] = []  # plots not drawn, each with the reason (a plot over one value says nothing)
     r_main = results[main.label]
     tt = f"{main.label} · {describe_loop(main.loop)}"  # every plot names the model and its loop
     why = no_histogram_reason(r_main)
     if why is None:
-        plot_paths["steps histogram"] = plots.save_figure(plots.plot_steps_histogram(r_main, title=tt), plot_dir / "steps_histogram.png")
+        plot_paths["steps histogram"] = plots.save_figure(
+            plots.plot_steps_histogram(r_main, title=tt), plot_dir / "steps_histogram.png"
+        )
     else:
         skipped.append(why)
     why = no_difficulty_plot_reason(r_main)
     if why is None:
-        plot_paths["steps vs difficulty"] = plots.save_figure(plots.plot_steps_vs_difficulty(r_main, title=tt), plot_dir / "steps_vs_difficulty.png")
+        plot_paths["steps vs difficulty"] = plots.save_figure(
+            plots.plot_steps_vs_difficulty(r_main, title=tt), plot_dir / "steps_vs_difficulty.png"
+        )
     else:
         skipped.append(why)
 
@@ -120,45 +133,89 @@ def run_suite(
     small = dataset.subset(slice(0, min(len(dataset), max(opts.analysis_examples, 1))))
     if opts.budgets:
         log(f"accuracy vs step budget {opts.budgets} ({opts.budget_mode})")
-        budget[main.label] = accuracy_vs_budget(main.model, task, dataset, opts.budgets, mode=opts.budget_mode,
-                                                loop=main.loop, batch_size=opts.batch_size)
+        budget[main.label] = accuracy_vs_budget(
+            main.model,
+            task,
+            dataset,
+            opts.budgets,
+            mode=opts.budget_mode,
+            loop=main.loop,
+            batch_size=opts.batch_size,
+        )
         if len(budget[main.label].points) > 1:
             refs = budget_references(main, r_main, baselines, results, opts.references)
             plot_paths["accuracy vs step budget"] = plots.save_figure(
-                plots.plot_budget_curve(budget, title=tt, references=refs), plot_dir / "accuracy_vs_budget.png")
+                plots.plot_budget_curve(budget, title=tt, references=refs),
+                plot_dir / "accuracy_vs_budget.png",
+            )
         else:
-            skipped.append(f"No accuracy-vs-budget plot: one step budget ({opts.budgets[0]}) was asked for; the "
-                           "table above has its accuracy (give several, e.g. --max-steps 1,2,4,8).")
+            skipped.append(
+                f"No accuracy-vs-budget plot: one step budget ({opts.budgets[0]}) was asked for; the "
+                "table above has its accuracy (give several, e.g. --max-steps 1,2,4,8)."
+            )
     lens: LoopCurve | None = None
     if opts.lens_loops:
         log(f"logit lens / overthinking over {opts.lens_loops} loops on {len(small)} examples")
-        lens = logit_lens(main.model, task, small, opts.lens_loops, loop=main.loop, batch_size=opts.batch_size,
-                          train_depth=main.train_depth)
-        plot_paths["logit lens accuracy per loop"] = plots.save_figure(plots.plot_loop_accuracy(lens, title=tt), plot_dir / "logit_lens.png")
-        plot_paths["overthinking margin"] = plots.save_figure(plots.plot_overthinking(lens, title=tt), plot_dir / "overthinking.png")
+        lens = logit_lens(
+            main.model,
+            task,
+            small,
+            opts.lens_loops,
+            loop=main.loop,
+            batch_size=opts.batch_size,
+            train_depth=main.train_depth,
+        )
+        plot_paths["logit lens accuracy per loop"] = plots.save_figure(
+            plots.plot_loop_accuracy(lens, title=tt), plot_dir / "logit_lens.png"
+        )
+        plot_paths["overthinking margin"] = plots.save_figure(
+            plots.plot_overthinking(lens, title=tt), plot_dir / "overthinking.png"
+        )
         if lens.bridge_rank:
-            plot_paths["bridge rank"] = plots.save_figure(plots.plot_bridge_rank(lens, title=tt), plot_dir / "bridge_rank.png")
+            plot_paths["bridge rank"] = plots.save_figure(
+                plots.plot_bridge_rank(lens, title=tt), plot_dir / "bridge_rank.png"
+            )
     signal: SignalCurve | None = None
     if opts.signal_loops:
         log(f"signal propagation over {opts.signal_loops} loops")
-        signal = signal_propagation(main.model, small, opts.signal_loops, loop=main.loop,
-                                    batch_size=min(opts.batch_size, 64), max_batches=1)
-        plot_paths["state norms"] = plots.save_figure(plots.plot_state_norms(signal, title=tt), plot_dir / "state_norms.png")
+        signal = signal_propagation(
+            main.model,
+            small,
+            opts.signal_loops,
+            loop=main.loop,
+            batch_size=min(opts.batch_size, 64),
+            max_batches=1,
+        )
+        plot_paths["state norms"] = plots.save_figure(
+            plots.plot_state_norms(signal, title=tt), plot_dir / "state_norms.png"
+        )
     spectral: dict[str, float] | None = None
     if opts.spectral:
         log("Jacobian spectral radius at the final state")
         n = min(len(small), 16)
         radii = spectral_radius_at_fixed_point(
-            main.model, torch.as_tensor(small.inputs[:n]), loop=main.loop,
+            main.model,
+            torch.as_tensor(small.inputs[:n]),
+            loop=main.loop,
             puzzle_ids=None if small.puzzle_ids is None else torch.as_tensor(small.puzzle_ids[:n]),
-            iters=60, tol=1e-3,
+            iters=60,
+            tol=1e-3,
         )
         spectral = _radius_summary(radii)
 
     easy_hard = easy_hard_steps(r_main.difficulty, r_main.steps)
     report, metrics_path = write_report(
-        out, title, results, budget=budget, difficulty=difficulty, lens=lens, signal=signal,
-        spectral=spectral, plots=plot_paths, notes=notes, skipped=skipped,
+        out,
+        title,
+        results,
+        budget=budget,
+        difficulty=difficulty,
+        lens=lens,
+        signal=signal,
+        spectral=spectral,
+        plots=plot_paths,
+        notes=notes,
+        skipped=skipped,
         extra={"easy_hard_steps": easy_hard, "models": models, **(extra or {})},
     )
     return {
@@ -181,8 +238,10 @@ def no_histogram_reason(result: EvalResult) -> str | None:
     if len(counts) > 1:
         return None
     steps = counts[0] if counts else 0
-    return (f"No steps histogram: every held-out example took {steps} loop step{'s' if steps != 1 else ''} "
-            "(the loop never stopped at another count).")
+    return (
+        f"No steps histogram: every held-out example took {steps} loop step{'s' if steps != 1 else ''} "
+        "(the loop never stopped at another count)."
+    )
 
 
 def no_difficulty_plot_reason(result: EvalResult) -> str | None:
@@ -191,17 +250,26 @@ def no_difficulty_plot_reason(result: EvalResult) -> str | None:
     values = np.unique(np.asarray(result.difficulty, dtype=np.float64))
     if len(values) <= 1:
         shown = f"{values[0]:g}" if len(values) else "-"
-        return (f"No steps-vs-difficulty plot: every held-out example has difficulty {shown}, so steps cannot "
-                "be compared across difficulties (a held-out set with a range of difficulties shows it).")
+        return (
+            f"No steps-vs-difficulty plot: every held-out example has difficulty {shown}, so steps cannot "
+            "be compared across difficulties (a held-out set with a range of difficulties shows it)."
+        )
     steps = np.unique(np.asarray(result.steps))
     if len(steps) <= 1:
-        return (f"No steps-vs-difficulty plot: every example took {int(steps[0]) if len(steps) else 0} loop "
-                "steps whatever its difficulty (the table above has the accuracy per difficulty).")
+        return (
+            f"No steps-vs-difficulty plot: every example took {int(steps[0]) if len(steps) else 0} loop "
+            "steps whatever its difficulty (the table above has the accuracy per difficulty)."
+        )
     return None
 
 
-def budget_references(main: ModelUnderTest, r_main: EvalResult, baselines: Sequence[ModelUnderTest],
-                      results: Mapping[str, EvalResult], extra: Mapping[str, float]) -> dict[str, float]:
+def budget_references(
+    main: ModelUnderTest,
+    r_main: EvalResult,
+    baselines: Sequence[ModelUnderTest],
+    results: Mapping[str, EvalResult],
+    extra: Mapping[str, float],
+) -> dict[str, float]:
     """The horizontal lines of the budget plot: each baseline (one pass), the main model under its own
     halting rule and cap, and ``extra`` (SuiteOptions.references)."""
     refs = {f"{b.label}, {describe_loop(b.loop)}": results[b.label].valid_accuracy for b in baselines}

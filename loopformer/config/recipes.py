@@ -50,7 +50,6 @@ DELETE = "~"  # a key starting with it deletes the (dotted) key after it
 TASK_FIELDS = ("vocab_size", "seq_len", "causal", "num_puzzle_ids", "puzzle_emb_len", "grid")
 
 
-
 def read_text(path: Path, what: str) -> str:
     """A UTF-8 text file; ConfigError naming the file (and the first bad byte) otherwise."""
     try:
@@ -384,7 +383,11 @@ def resolved_yaml(cfg: RunConfig, task_defaults: dict[str, Any] | None = None, t
     head = (
         "# resolved configuration: model and loop_train / loop_eval / loop_periodic list every field\n"
         "# with its effective value"
-        + (f"; filled from the training data when training: model.{', model.'.join(filled)}\n" if filled else "\n")
+        + (
+            f"; filled from the training data when training: model.{', model.'.join(filled)}\n"
+            if filled
+            else "\n"
+        )
         + (f"# {task_note}\n" if task_note else "")
     )
     return head + yaml.safe_dump(data, sort_keys=False)
@@ -401,7 +404,9 @@ def print_config_yaml(cfg: RunConfig) -> str:
         task = get_task(cfg.data.task, **cfg.data.options)
     except (KeyError, ValueError, OSError, TypeError) as err:
         reason = str(err.args[0]) if isinstance(err, KeyError) and err.args else str(err)
-        return resolved_yaml(cfg, task_note=f"task {cfg.data.task!r} not built here ({reason}): its fields are left out")
+        return resolved_yaml(
+            cfg, task_note=f"task {cfg.data.task!r} not built here ({reason}): its fields are left out"
+        )
     return resolved_yaml(cfg, task_model_fields(task))
 
 

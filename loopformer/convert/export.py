@@ -35,7 +35,14 @@ from loopformer.runs.layout import CheckpointError
 COMPILED_PREFIX = "_orig_mod.model.inner."  # a torch.compile'd ACTLossHead, as pretrain.py saves it
 PLAIN_PREFIX = "model.inner."
 Q_CONTINUE_BIAS = -5.0  # the authors' q_head init: weight 0, bias -5 (TRM / HRM / FPRM)
-CASTED_LINEARS = ("lm_head", "q_head", "qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # FPRM's masked linears
+CASTED_LINEARS = (
+    "lm_head",
+    "q_head",
+    "qkv_proj",
+    "o_proj",
+    "gate_up_proj",
+    "down_proj",
+)  # FPRM's masked linears
 
 
 @dataclass
@@ -61,7 +68,9 @@ class _Weights:
 
     def take(self, key: str) -> Tensor:
         if key not in self.weights:
-            raise CheckpointError(f"export {self.system}: the run has no weight {key!r} the authors' model needs")
+            raise CheckpointError(
+                f"export {self.system}: the run has no weight {key!r} the authors' model needs"
+            )
         self.used.add(key)
         return self.weights[key]
 
@@ -98,7 +107,9 @@ def _q_head(w: _Weights, weight: str, bias: str, rows: int) -> dict[str, Tensor]
 # ------------------------------------------------------------------------------------------- TRM / HRM
 
 
-def _recursive_blocks(w: _Weights, level: str, ours: str, n: int, n_heads: int, rope: bool) -> dict[str, Tensor]:
+def _recursive_blocks(
+    w: _Weights, level: str, ours: str, n: int, n_heads: int, rope: bool
+) -> dict[str, Tensor]:
     from loopformer.convert import recursive as rec
 
     out: dict[str, Tensor] = {}
@@ -181,7 +192,10 @@ def export_recursive(system: str, cfg: Any, weights: dict[str, Tensor]) -> Expor
         levels = (("L_level", "net", int(f["n_layers"])),)
         inits = ("y_init", "z_init")
     else:
-        levels = (("H_level", "H", int(f["n_layers"])), ("L_level", "L", int(f.get("l_layers") or f["n_layers"])))
+        levels = (
+            ("H_level", "H", int(f["n_layers"])),
+            ("L_level", "L", int(f.get("l_layers") or f["n_layers"])),
+        )
         inits = ("h_init", "l_init")
     for level, ours, n in levels:
         state.update(_recursive_blocks(w, level, ours, n, int(f["n_heads"]), rope))

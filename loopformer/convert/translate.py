@@ -93,8 +93,18 @@ def _reference_state(system: str, ref: dict[str, Any]) -> dict[str, Tensor]:
                 out.update({p + "mlp_t.gate_up_proj.weight": meta(2 * inner, length),
                             p + "mlp_t.down_proj.weight": meta(length, inner)})  # fmt: skip
             else:
-                out.update({p + "self_attn.qkv_proj.weight": meta(3 * d, d), p + "self_attn.o_proj.weight": meta(d, d)})
-            out.update({p + "mlp.gate_up_proj.weight": meta(2 * inter, d), p + "mlp.down_proj.weight": meta(d, inter)})
+                out.update(
+                    {
+                        p + "self_attn.qkv_proj.weight": meta(3 * d, d),
+                        p + "self_attn.o_proj.weight": meta(d, d),
+                    }
+                )
+            out.update(
+                {
+                    p + "mlp.gate_up_proj.weight": meta(2 * inter, d),
+                    p + "mlp.down_proj.weight": meta(d, inter),
+                }
+            )
         return out
 
     state = {"embed_tokens.embedding_weight": meta(vocab, d), "lm_head.weight": meta(vocab, d),
@@ -105,7 +115,9 @@ def _reference_state(system: str, ref: dict[str, Any]) -> dict[str, Tensor]:
         state.update(blocks("L_level", int(a["L_layers"])))
         k = int(a["conv_kernel_size"])
         conv = meta(d, 1, k, k) if a["conv_type"] == "conv2d" else meta(d, 1, k)
-        state.update({"L_level.conv.weight": conv, "L_level.alpha_1_param": meta(d), "L_level.alpha_2_param": meta(d)})
+        state.update(
+            {"L_level.conv.weight": conv, "L_level.alpha_1_param": meta(d), "L_level.alpha_2_param": meta(d)}
+        )
         return state
     state.update({"H_init": meta(d), "L_init": meta(d)})
     if system == "hrm":
@@ -185,7 +197,9 @@ def parse_authors(words: list[str]) -> tuple[list[tuple[str, str, Any]], list[st
     parsed, skipped = [], []
     for word in words:
         if "=" not in word or word.split("=", 1)[0].strip() in ("arch", "data", "evaluators"):
-            skipped.append(word)  # a program word or a Hydra config-group choice (arch=trm): SYSTEM decides it
+            skipped.append(
+                word
+            )  # a program word or a Hydra config-group choice (arch=trm): SYSTEM decides it
             continue
         mode = "++" if word.startswith("++") else "+" if word.startswith("+") else ""
         parts, value = parse_override(word[len(mode) :])

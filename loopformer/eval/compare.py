@@ -228,7 +228,13 @@ def plot_bpb_vs_budget(entries: Sequence[Entry], title: str = "") -> Any:
             ax.plot([p["budget"] for p in pts], [p["bits_per_byte"] for p in pts], marker="o",
                     label=_legend_name(e, f" ({e.budget.get('mode', '')})"))  # fmt: skip
         elif e.result.get("mean_steps") and bpb is not None:
-            ax.plot([e.result["mean_steps"]], [float(bpb)], marker="s", ls="", label=_legend_name(e, " (at its mean loops)"))
+            ax.plot(
+                [e.result["mean_steps"]],
+                [float(bpb)],
+                marker="s",
+                ls="",
+                label=_legend_name(e, " (at its mean loops)"),
+            )
     plots.log2_axis(ax, _budget_xs(entries), "loops: the budget (max loops), or a run's mean loops (log2)")
     ax.set_ylabel("held-out bits per byte (lower is better)")
     ax.set_title("bits per byte vs loop budget")

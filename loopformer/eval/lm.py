@@ -155,7 +155,9 @@ def lm_budget_curve(
     base = loop if loop is not None else model.config.loop
     points = []
     for b in sorted({int(b) for b in budgets}):
-        r = evaluate_lm(model, task, dataset, loop=with_budget(base, b, mode), batch_size=batch_size, seed=seed)
+        r = evaluate_lm(
+            model, task, dataset, loop=with_budget(base, b, mode), batch_size=batch_size, seed=seed
+        )
         points.append(LMBudgetPoint(b, r.bits_per_byte, r.loss, r.token_accuracy, r.mean_steps))
     return LMBudgetCurve(mode, points)
 

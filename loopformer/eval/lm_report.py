@@ -30,7 +30,15 @@ def _results_section(results: Mapping[str, LMEvalResult]) -> list[str]:
          _num(r.token_accuracy, True), _num(r.mean_steps)]
         for label, r in results.items()
     ]  # fmt: skip
-    header = ["model", "windows", "tokens", "loss (nats/token)", "bits per byte", "token accuracy", "mean loops"]
+    header = [
+        "model",
+        "windows",
+        "tokens",
+        "loss (nats/token)",
+        "bits per byte",
+        "token accuracy",
+        "mean loops",
+    ]
     return ["## Held-out bits per byte", "", *_table(header, rows),
             "Lower is better; bits per byte = loss x tokens per byte / ln 2.", ""]  # fmt: skip
 

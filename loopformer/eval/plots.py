@@ -76,7 +76,9 @@ def log2_axis(ax: Any, values: Any, label: str = "inference step budget (max loo
     ax.set_xlabel(label)
 
 
-def reference_lines(ax: Any, lines: Mapping[str, float] | None, scale: float = 100.0, unit: str = "%") -> None:
+def reference_lines(
+    ax: Any, lines: Mapping[str, float] | None, scale: float = 100.0, unit: str = "%"
+) -> None:
     """Horizontal dashed lines at ``{label: value}``: the models without a loop budget (a plain
     transformer baseline, the model under its own halting rule), labelled with their value."""
     styles = ("--", ":", "-.")
@@ -88,7 +90,9 @@ def reference_lines(ax: Any, lines: Mapping[str, float] | None, scale: float = 1
 
 
 def plot_budget_curve(
-    curves: BudgetCurve | Mapping[str, BudgetCurve], path: str | Path | None = None, title: str = "",
+    curves: BudgetCurve | Mapping[str, BudgetCurve],
+    path: str | Path | None = None,
+    title: str = "",
     references: Mapping[str, float] | None = None,
 ) -> Figure:
     """Validator accuracy vs inference step budget (the test-time compute curve), on a log2 axis;
@@ -183,12 +187,16 @@ def plot_steps_vs_difficulty(result: EvalResult, path: str | Path | None = None,
     ax.set_xlabel("difficulty")
     ax.set_ylabel("loop steps")
     rho = stats.spearman_rho
-    ax.set_title(f"steps vs difficulty (Spearman rho {rho:.2f})" if np.isfinite(rho) else "steps vs difficulty")
+    ax.set_title(
+        f"steps vs difficulty (Spearman rho {rho:.2f})" if np.isfinite(rho) else "steps vs difficulty"
+    )
     ax.legend(frameon=False, fontsize=8)
     return _finish(fig, path, title)
 
 
-def plot_loop_accuracy(curves: LoopCurve | Mapping[str, LoopCurve], path: str | Path | None = None, title: str = "") -> Figure:
+def plot_loop_accuracy(
+    curves: LoopCurve | Mapping[str, LoopCurve], path: str | Path | None = None, title: str = ""
+) -> Figure:
     """Logit lens: accuracy of the readout of each loop's state."""
     curves = _series(curves)
     fig, ax = _figure((5, 3.5))
@@ -237,8 +245,8 @@ def plot_bridge_rank(curve: LoopCurve, path: str | Path | None = None, title: st
 
 
 def plot_state_norms(
-    curves: SignalCurve | Mapping[str, SignalCurve], path: str | Path | None = None
-, title: str = "") -> Figure:
+    curves: SignalCurve | Mapping[str, SignalCurve], path: str | Path | None = None, title: str = ""
+) -> Figure:
     """Signal propagation: state RMS and update norm per loop (log scale)."""
     curves = _series(curves)
     fig, (a1, a2) = _figure((8, 3.5), 2)

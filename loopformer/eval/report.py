@@ -245,8 +245,17 @@ def write_report(
     atomic_write_text(report, "\n".join(lines), root=out)
     return report, write_json(
         out / "metrics.json",
-        _metrics(title, results, budget, difficulty, lens, signal, spectral, plots,
-                 {**({"plots_skipped": list(skipped)} if skipped else {}), **(extra or {})}),
+        _metrics(
+            title,
+            results,
+            budget,
+            difficulty,
+            lens,
+            signal,
+            spectral,
+            plots,
+            {**({"plots_skipped": list(skipped)} if skipped else {}), **(extra or {})},
+        ),
     )
 
 

@@ -245,7 +245,11 @@ class KGDepthTask(_KGQueryTask):
         return None if pool is None else len(pool[0])
 
     def _sample_paths(
-        self, n: int, k: int, split: str, rng: np.random.Generator,
+        self,
+        n: int,
+        k: int,
+        split: str,
+        rng: np.random.Generator,
         pool: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
         """n distinct k-hop paths from one split, uniformly at random (``pool``: the split's paths, enumerated)."""
@@ -327,7 +331,9 @@ class KGDepthTask(_KGQueryTask):
         pools = {k: self._pool(k, split) for k in range(lo, hi + 1)} if n > 0 else {}
         if pools:  # a hop with fewer distinct paths than its share gives them all; the others take the rest
             room = [None if pool is None else len(pool[0]) for pool in pools.values()]
-            counts = self.fit_counts(counts, room, f"{lo}-{hi}-hop {split}" if lo < hi else f"{lo}-hop {split}")
+            counts = self.fit_counts(
+                counts, room, f"{lo}-{hi}-hop {split}" if lo < hi else f"{lo}-hop {split}"
+            )
         inputs, labels, difficulty = [], [], []
         for k, count in zip(range(lo, hi + 1), counts):
             if count == 0:
@@ -396,4 +402,3 @@ class KGDepthTask(_KGQueryTask):
         x, y, d = np.concatenate(inputs), np.concatenate(labels), np.concatenate(difficulty)
         order = rng.permutation(len(x))
         return TokenDataset(x[order], y[order], d[order], meta=self._meta(extra))
-

@@ -330,14 +330,18 @@ class MazeTask(Task):
         """Read a Maze-Hard CSV (``source,question,answer,rating``); every row is validated (length,
         characters, one S and one G, the answer a valid shortest path of the question); difficulty =
         rating (the BFS length when the rating is empty).  Errors name the file and line."""
-        return read_puzzle_csv(path, self._parse_csv_row, self.seq_len, {"task": self.name, "size": self.size})
+        return read_puzzle_csv(
+            path, self._parse_csv_row, self.seq_len, {"task": self.name, "size": self.size}
+        )
 
     def _parse_csv_row(self, where: str, question: str, answer: str) -> tuple[np.ndarray, np.ndarray, float]:
         q = self.parse_grid(question, f"{where}: question", allow_path=False)
         a = self.parse_grid(answer, f"{where}: answer")
         counts = ((q == START).sum(), (q == GOAL).sum())
         if counts != (1, 1):
-            raise TaskDataError(f"{where}: question has {counts[0]} 'S' and {counts[1]} 'G', expected one each")
+            raise TaskDataError(
+                f"{where}: question has {counts[0]} 'S' and {counts[1]} 'G', expected one each"
+            )
         length = self.shortest_path_length(q)
         if length < 0:
             raise TaskDataError(f"{where}: G is unreachable from S")
