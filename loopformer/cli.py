@@ -66,7 +66,7 @@ LAZY_COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "recipes": (
         "loopformer.commands.recipes:recipes",
-        "List the shipped recipes (use one by name: loopformer train NAME).",
+        "List the shipped recipes, each with what it reaches (use one by name: loopformer train NAME).",
     ),
     "run": (
         "loopformer.commands.run:run",
