@@ -171,3 +171,24 @@ def test_no_plot_over_a_single_value_and_the_report_says_why(tmp_path: Path) -> 
     console = Console(record=True, width=120)
     console.print(accuracy_table({"m": one_difficulty}))  # converged 99.7%, as report.md rounds it
     assert "99.7%" in console.export_text() and "100%" not in console.export_text()
+
+
+def test_an_eval_of_a_run_jobs_model_draws_that_jobs_baseline(tmp_path: Path) -> None:
+    from loopformer.commands.suite import run_job_references
+
+    job = tmp_path / "job"
+    (job / "model" / "checkpoints" / "step_00000010").mkdir(parents=True)
+    (job / "summary.json").write_text(
+        json.dumps({"baseline_model": "transformer", "baseline_accuracy": 0.07})
+    )
+    ckpt = job / "model" / "checkpoints" / "step_00000010"
+    assert run_job_references(ckpt, same_heldout=True) == {
+        "baseline (transformer) of this run job, one pass": 0.07
+    }
+    assert run_job_references(ckpt, same_heldout=False) == {}  # another held-out set: not comparable
+    assert run_job_references(tmp_path / "elsewhere", same_heldout=True) == {}
+    (job / "summary.json").write_text(json.dumps({"results": {"recurrent": {"bits_per_byte": 2.0},
+                                                              "baseline (transformer)": {"bits_per_byte": 2.5}}}))  # fmt: skip
+    assert run_job_references(job / "model", same_heldout=True) == {
+        "baseline (transformer) of this run job": 2.5
+    }

@@ -287,7 +287,8 @@ def evaluate_checkpoint(checkpoint: str | Path, overrides: list[str], budgets: l
     from loopformer.commands.suite import run_job_references
 
     # the baseline of the `loopformer run` job this model belongs to, when evaluated on the same held-out set
-    references = run_job_references(run.path, same_heldout=not overrides and not examples)
+    same = not examples and not any(o.lstrip("~+").startswith("data.") for o in overrides)
+    references = run_job_references(run.path, same_heldout=same)
     with autocast(dev, run.config.bf16):  # evaluate in the precision the run trained in
         _evaluate(run, examples, None if out_dir is None else str(out_dir), budgets, budget_mode, lens_loops,
                   analyses, overwrite, variants or [], auto, references)  # fmt: skip
