@@ -1,5 +1,5 @@
 """The ``loopformer`` command: run | train | eval | compare | sweep | solve | models | data | convert |
-consolidate | push | recipes.
+export | translate | consolidate | push | recipes.
 
 Built on click: subcommands live in ``loopformer.commands`` and are imported only when they run (or
 print their own ``--help``), so ``loopformer --help`` and ``loopformer recipes`` never import torch,
@@ -23,7 +23,8 @@ import click
 from loopformer.commands.common import CleanErrorGroup
 
 # name -> (where the command object lives, its one-line summary for ``loopformer --help``); the summary
-# is the first sentence of the command's own help (tests/test_startup.py checks they agree)
+# is the first sentence of the command's own help (tests/test_startup.py checks they agree), printed
+# whole (wrapped, never cut: commands.common.WholeHelpGroup)
 LAZY_COMMANDS: dict[str, tuple[str, str]] = {
     "compare": (
         "loopformer.commands.compare:compare",
@@ -40,12 +41,16 @@ LAZY_COMMANDS: dict[str, tuple[str, str]] = {
     "convert": (
         "loopformer.commands.convert:convert",
         "Turn an authors' checkpoint (a PyTorch state dict, "
-        "loaded with weights_only=True) into a run folder that `loopformer eval`, `solve` and the "
+        "loaded with weights_only=True) into a run folder that loopformer eval, solve and the "
         "analyses accept.",
     ),
     "data": (
         "loopformer.cli:_data_group",
-        "Generate, show and summarise task datasets (``loopformer data TASK ...`` generates).",
+        "Generate, show and summarise task datasets; loopformer data TASK ... generates examples of TASK.",
+    ),
+    "export": (
+        "loopformer.commands.convert:export_cmd",
+        "Write RUN as a checkpoint of the authors' code for SYSTEM (the inverse of loopformer convert).",
     ),
     "eval": (
         "loopformer.commands.train_eval:evaluate_cmd",
@@ -53,7 +58,7 @@ LAZY_COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "models": (
         "loopformer.commands.models:models",
-        "Every registered model family with its parameter count at paper size and at the default CPU size.",
+        "List every registered model family with its parameter count at paper size and at the default CPU size.",
     ),
     "push": (
         "loopformer.runs.hub:push_cmd",
@@ -61,7 +66,7 @@ LAZY_COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "recipes": (
         "loopformer.commands.recipes:recipes",
-        "List the shipped recipes (use one by name: loopformer train NAME).",
+        "List the shipped recipes, each with what it reaches (use one by name: loopformer train NAME).",
     ),
     "run": (
         "loopformer.commands.run:run",
@@ -70,6 +75,10 @@ LAZY_COMMANDS: dict[str, tuple[str, str]] = {
     "solve": (
         "loopformer.commands.solve:solve",
         "Solve PUZZLE with a trained model, printing the answer as the loop refines it.",
+    ),
+    "translate": (
+        "loopformer.commands.convert:translate_cmd",
+        "Translate the authors' config keys or command line for SYSTEM into loopformer overrides.",
     ),
     "train": (
         "loopformer.commands.train_eval:train",
@@ -107,27 +116,11 @@ class LazyGroup(CleanErrorGroup):
             self.add_command(load_command(cmd_name), cmd_name)
         return super().get_command(ctx, cmd_name)
 
-    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
-        rows = []
-        limit = formatter.width - 6 - max((len(n) for n in self.list_commands(ctx)), default=0)
-        for name in self.list_commands(ctx):
-            cmd = self.commands.get(name)
-            if cmd is not None:
-                if not cmd.hidden:
-                    rows.append((name, cmd.get_short_help_str(limit)))
-            else:
-                rows.append((name, _shorten(LAZY_COMMANDS[name][1], limit)))
-        if rows:
-            with formatter.section("Commands"):
-                formatter.write_dl(rows)
-
-
-def _shorten(text: str, limit: int) -> str:
-    """``text`` cut at a word boundary to ``limit`` characters, with '...' when cut (as click does)."""
-    if len(text) <= limit:
-        return text
-    cut = text[: max(limit - 3, 1)].rsplit(" ", 1)[0]
-    return cut.rstrip(" ,;") + "..."
+    def command_summary(self, ctx: click.Context, name: str) -> str | None:
+        """A command's whole first sentence: from ``LAZY_COMMANDS`` (nothing imported), else its own."""
+        if name in LAZY_COMMANDS:
+            return LAZY_COMMANDS[name][1]
+        return super().command_summary(ctx, name)
 
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})

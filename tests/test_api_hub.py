@@ -57,7 +57,9 @@ def test_load_and_solve_match_the_cli(tiny_run: Path) -> None:
     # one type per field in Python and JSON (issue 25): text as text, tokens as tokens; to_dict() is the record
     assert mine == sol.to_dict() and {k: cli_json[k] for k in mine} == mine
     assert isinstance(sol.answer, str | None) and cli_json["solution"] == sol.answer
-    assert cli_json["trajectory"] == sol.trajectory_text and all(isinstance(t, str | None) for t in sol.trajectory_text)
+    assert cli_json["trajectory"] == sol.trajectory_text and all(
+        isinstance(t, str | None) for t in sol.trajectory_text
+    )
     assert cli_json["trajectory_tokens"] == [f.tolist() for f in sol.trajectory]
     assert cli_json["puzzle"] == sol.puzzle_text == task.format_grid(task.parse_grid(PUZZLE))
     capped = loopformer.solve(str(tiny_run), PUZZLE, max_steps=1)  # a path works too
@@ -182,3 +184,56 @@ def test_missing_run_and_missing_hub_library(tmp_path: Path, monkeypatch) -> Non
     (tmp_path / "runs").mkdir()
     with pytest.raises(Exception, match="does not exist"):  # a local-looking path is never sent to the hub
         loopformer.load("runs/nothing")
+
+
+def test_model_card_fits_the_hub(tmp_path: Path, monkeypatch) -> None:
+    """Hub metadata (licence, the Hub dataset the run read, model-index with the held-out results), the
+    family's own paper only, and a plug-in model's module shipped with the exact command to use it."""
+    import importlib
+    import sys
+
+    import yaml
+
+    from loopformer.runs.hub import model_card, ship_plugins
+
+    config = {"data": {"task": "sudoku", "train_path": "data/sx", "options": {"size": 9}}, "model": {"name": "fprm"},
+              "train": {"steps": 10, "batch_size": 4, "lr": 1e-3}}  # fmt: skip
+    summary = {
+        "eval": {"valid_acc": 0.625, "exact_acc": 0.5, "loop_steps": 3.0},
+        "eval_label": "final (step 10)",
+    }
+    card = model_card(config, summary, "fprm", 10, "me/m", license="apache-2.0")
+    meta = yaml.safe_load(card.split("---")[1])
+    assert meta["license"] == "apache-2.0" and meta["datasets"] == ["sapientinc/sudoku-extreme"]
+    assert meta["tags"][0] == "looped-transformer"
+    result = meta["model-index"][0]["results"][0]
+    assert result["dataset"]["type"] == "sapientinc/sudoku-extreme"
+    assert {"type": "accuracy", "name": "held-out accuracy (independent validator)", "value": 62.5} in result[
+        "metrics"
+    ]
+    assert card.count("arXiv:") == 1 and "arXiv:2606.18206" in card  # FPRM's paper, not all five
+    trm = model_card({**config, "model": {"name": "trm"}}, summary, "trm", 10, "me/t")
+    assert trm.count("arXiv:") == 1 and "2510.04871" in trm
+    plain = model_card(
+        {"data": {"task": "sudoku"}, "model": {"name": "transformer"}}, summary, "transformer", 1, "me/p"
+    )
+    meta = yaml.safe_load(plain.split("---")[1])
+    assert "arXiv" not in plain and "looped-transformer" not in meta["tags"] and "datasets" not in meta
+
+    (tmp_path / "my_card_plugin.py").write_text("VALUE = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.import_module("my_card_plugin")
+    try:
+        shipped = ship_plugins(["my_card_plugin", "numpy"], tmp_path / "out")
+    finally:
+        sys.modules.pop("my_card_plugin", None)
+    assert (
+        shipped == ["my_card_plugin.py"]
+        and (tmp_path / "out" / "my_card_plugin.py").read_text() == "VALUE = 1\n"
+    )
+    card = model_card({**config, "plugins": ["my_card_plugin", "numpy"]}, summary, "my_card_plugin", 10, "me/m",
+                      shipped=shipped)  # fmt: skip
+    assert "huggingface-cli download me/m --local-dir m" in card
+    assert "PYTHONPATH=m loopformer --import my_card_plugin --import numpy eval me/m" in card
+    assert "Module `numpy`: install `pip install numpy`" in card
+    assert "loopformer --import my_card_plugin --import numpy eval me/m --device auto" in card

@@ -170,3 +170,23 @@ def test_systematic_ratio_too_large_and_registry():
     task = get_task("kg_systematic", num_entities=100, num_relations=10, facts_per_entity=10)
     assert task.vocab_size == 111 and task.seq_len == 3
     assert get_task("kg_depth", max_hops=3).seq_len == 4
+
+
+def test_a_hop_with_too_few_paths_gives_them_all_and_the_others_take_the_rest() -> None:
+    """The ltg_kg_* recipes' held-out set: 360 test paths over 2-4 hops of a 40 x 4 graph, whose 2-hop test
+    split holds only 122 paths (a third would be 120, a multinomial draw asked 130): all 122 are taken,
+    every row is a distinct test path, and the total is what the recipe asks."""
+    task = KGDepthTask(num_entities=40, num_relations=4, max_hops=8, seed=0, test_fraction=0.2)
+    assert task.path_count(2, "test") == 122 and task.path_count(1, "train") == 160
+    data = task.generate(360, 1, min_hops=2, max_hops=4, split="test", pad_to=9)
+    hops, counts = np.unique(data.difficulty, return_counts=True)
+    assert len(data) == 360 and dict(zip(hops.tolist(), counts.tolist()))[2.0] == 122
+    assert len({row.tobytes() for row in data.inputs}) == 360
+    for row, label in zip(data.inputs, data.labels):
+        head, rels = task.parse(row)
+        assert task.is_test_path(np.array([head]), np.array([rels]))[0]  # the held-out split only
+        assert task.check(row, np.where(label >= 0, label, 0))  # the labels follow the graph
+    assert KGDepthTask.fit_counts(np.array([3, 4]), [10, None], "x").tolist() == [3, 4]  # fits: unchanged
+    assert KGDepthTask.fit_counts(np.array([7, 1, 0]), [2, 3, None], "x").tolist() == [2, 3, 3]
+    with pytest.raises(TaskDataError, match="only 8 distinct x paths exist, 9 requested"):
+        KGDepthTask.fit_counts(np.array([7, 1, 1]), [2, 3, 3], "x")

@@ -163,7 +163,8 @@ def test_render_shows_grid_and_path() -> None:
     task = MazeTask(5)
     x = tokens(task, OPEN_FIELD)
     y = tokens(task, ["SoooG", "     ", "     ", "     ", "     "])
-    assert task.render(x, y).splitlines()[0] == "SoooG"
+    framed = task.render(x, y).splitlines()
+    assert framed[1] == "|SoooG|" and framed[0] == framed[-1] == "+" + "-" * task.size + "+"
     assert "[cyan]o[/cyan]" in task.render(x, y, markup=True)
 
 

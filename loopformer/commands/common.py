@@ -57,7 +57,26 @@ def debug_enabled(ctx: click.Context | None) -> bool:
     return False
 
 
-class CleanErrorGroup(click.Group):
+class WholeHelpGroup(click.Group):
+    """A click group whose ``--help`` lists each subcommand's whole first sentence, wrapped to the
+    terminal instead of cut with '...' (click's default)."""
+
+    def command_summary(self, ctx: click.Context, name: str) -> str | None:
+        """The first sentence of subcommand ``name``'s help; None for a hidden or unknown one."""
+        cmd = self.get_command(ctx, name)
+        if cmd is None or cmd.hidden:
+            return None
+        return cmd.get_short_help_str(limit=10_000)
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        rows = [(name, text) for name in self.list_commands(ctx)
+                if (text := self.command_summary(ctx, name)) is not None]  # fmt: skip
+        if rows:
+            with formatter.section("Commands"):
+                formatter.write_dl(rows)
+
+
+class CleanErrorGroup(WholeHelpGroup):
     """A click group that reports errors in one line (no traceback unless --debug)."""
 
     def invoke(self, ctx: click.Context) -> Any:
@@ -204,5 +223,5 @@ def parse_int_list(text: str | None, what: str) -> list[int]:
     return values
 
 
-__all__ = ["PATH", "CleanErrorGroup", "PathParam", "one_line", "parse_int_list", "parse_pairs", "parse_variants",
-           "safe_name"]
+__all__ = ["PATH", "CleanErrorGroup", "PathParam", "WholeHelpGroup", "one_line", "parse_int_list", "parse_pairs",
+           "parse_variants", "safe_name"]

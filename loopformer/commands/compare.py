@@ -22,19 +22,19 @@ from loopformer.commands.common import PATH
 
 
 def print_rows(rows: Sequence[dict[str, Any]], title: str) -> None:
-    """The comparison as a rich table on the console (the markdown table's columns but exact accuracy)."""
+    """The comparison as a rich table on the console (the markdown table's columns but exact accuracy and
+    loss)."""
     from rich.console import Console
     from rich.table import Table
 
-    from loopformer.eval.compare import COLUMNS, row_cells
+    from loopformer.eval.compare import columns_for, row_cells
 
-    shown = [i for i, col in enumerate(COLUMNS) if col != "exact"]
+    shown = [col for col in columns_for(rows) if col not in ("exact", "loss")]
     table = Table(title=title)
-    for i in shown:
-        table.add_column(COLUMNS[i], justify="left" if COLUMNS[i] in ("run", "loop") else "right")
+    for col in shown:
+        table.add_column(col, justify="left" if col in ("run", "loop") else "right")
     for r in rows:
-        cells = row_cells(r)
-        table.add_row(*(cells[i] for i in shown))
+        table.add_row(*row_cells(r, shown))
     Console(highlight=False, width=160).print(table)
 
 
@@ -42,14 +42,22 @@ def compare_into(out: Path, folders: Sequence[Path], title: str, overwrite: bool
                  names: Sequence[str] | None = None, root: Path | None = None, allow_heldout: bool = False,
                  missing: Sequence[str] = ()) -> dict[str, Path]:  # fmt: skip
     """Write the comparison of report ``folders`` into ``out`` (staged; see the module docstring). ``root``:
-    the folder that owns ``out`` (a sweep's). The title names what the reports were evaluated on; reports of
+    the folder that owns ``out`` (a sweep's). The title (``title``, or by default ``comparison_title``: the
+    table's rows and, when they differ, the reports) names what the reports were evaluated on; reports of
     other tasks or held-out sets are refused unless ``allow_heldout`` (``heldout_line``). ``missing``: the
     sweep points without a report, said on the console and below the table."""
-    from loopformer.eval.compare import heldout_line, load_entries, write_comparison
+    from loopformer.eval.compare import (
+        check_kinds,
+        comparison_title,
+        heldout_line,
+        load_entries,
+        write_comparison,
+    )
     from loopformer.runs.outputs import staged_output
 
     entries = load_entries(folders, names)
-    title = f"{title} · {heldout_line(entries, allow_heldout)}"
+    check_kinds(entries)  # bits per byte beside accuracy first: no held-out set makes those compare
+    title = f"{title or comparison_title(entries, len(folders))} · {heldout_line(entries, allow_heldout)}"
     notes = [f"No report (not in the table): {', '.join(missing)}."] if missing else []
     with staged_output(out, "compare", overwrite, "--out", root=root) as staging:
         written = write_comparison(staging, entries, title, notes)
@@ -101,10 +109,11 @@ def compare(sources: tuple[str, ...], out_dir: Path | None, overwrite: bool, tit
         key = Path(folder).resolve()
         if key in seen:  # one evaluation twice would be a comparison with itself
             raise click.BadParameter(
-                f"{source!r} names the report {folder} that {seen[key]!r} already gave", param_hint="RUN_OR_REPORT"
+                f"{source!r} names the report {folder} that {seen[key]!r} already gave",
+                param_hint="RUN_OR_REPORT",
             )
         seen[key] = source
     out = Path(out_dir) if out_dir else Path(f"compare-{time.strftime('%Y%m%d-%H%M%S')}")
-    written = compare_into(out, folders, title or f"comparison of {len(folders)} evaluations", overwrite,
-                           allow_heldout=allow_different_heldout, missing=missing_points(sources))  # fmt: skip
+    written = compare_into(out, folders, title or "", overwrite, allow_heldout=allow_different_heldout,
+                           missing=missing_points(sources))  # fmt: skip
     click.echo(f"table: {written['markdown']}  plots: {out / 'plots'}")

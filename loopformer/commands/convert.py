@@ -62,7 +62,7 @@ def convert(
     overwrite: bool = False,
 ) -> None:
     """Turn an authors' checkpoint (a PyTorch state dict, loaded with weights_only=True) into a run
-    folder that `loopformer eval`, `solve` and the analyses accept."""
+    folder that loopformer eval, solve and the analyses accept."""
     from loopformer.convert import convert_checkpoint
 
     if system not in CONVERTERS:
@@ -141,3 +141,92 @@ def check_consolidate_out(out: Path, run: Path | None) -> None:
             what = f"the training run {nested}" if nested is not None else "a dataset"
             raise RunFolderError(f"--out {out} holds {what}; consolidate writes step_N/ and latest into a folder "
                                  f"of checkpoints: choose another --out")  # fmt: skip
+
+
+@click.command("export")
+@click.argument("system", type=click.Choice(["trm", "hrm", "fprm"]))
+@click.argument("run")
+@click.option("--out", "-o", "out_path", required=True, type=PATH,
+              help="checkpoint file to write (all_config.yaml is written beside it)")  # fmt: skip
+@click.option(
+    "--ema/--no-ema", default=True, show_default=True, help="export the EMA weights when the run has them"
+)
+@click.option(
+    "--best", is_flag=True, help="the run's best checkpoint (train.keep_best) instead of its latest"
+)
+@click.option("--compiled-keys/--plain-keys", default=True, show_default=True,
+              help="key prefix _orig_mod.model.inner. (the authors' torch.compile'd model, their default) or "
+              "model.inner. (a DISABLE_COMPILE=1 load)")  # fmt: skip
+@click.option("--overwrite", is_flag=True, help="replace an existing checkpoint file and all_config.yaml")
+def export_cmd(system: str, run: str, out_path: Path, ema: bool, best: bool, compiled_keys: bool,
+               overwrite: bool) -> None:  # fmt: skip
+    """Write RUN as a checkpoint of the authors' code for SYSTEM (the inverse of loopformer convert).
+
+    The weights go to --out as their pretrain.py saves them (torch.save of the state dict) and the model and
+    training settings to all_config.yaml beside it, so their evaluation scripts load it with
+    load_checkpoint=PATH. Before anything is written, loopformer convert reads the export back and must give
+    the run's weights bit for bit and its model settings; a model the authors' code cannot express is
+    refused, naming the setting. Nothing is written through a symbolic link, nor inside a training run.
+    """
+    from loopformer.convert.export import export_weights, write_export
+    from loopformer.runs import load_run
+
+    out = Path(out_path)
+    check_export_out(out, overwrite)
+    loaded = load_run(run, use_ema=ema, device="cpu", best=best)
+    exported = export_weights(system, loaded.config, loaded.model.state_dict())
+    path, config = write_export(exported, out, compiled=compiled_keys)
+    click.echo(f"wrote {path} ({len(exported.state)} tensors, {loaded.weights} weights of {loaded.path}) and {config}; "
+               f"read back by: loopformer convert {system} {path} -o DIR")  # fmt: skip
+
+
+def check_export_out(out: Path, overwrite: bool) -> None:
+    """Refuse an ``--out`` of ``export`` (a checkpoint file, ``all_config.yaml`` beside it) that is a symbolic link
+    or a folder, that lies inside a training run, or that exists unless ``overwrite`` (as ``consolidate``)."""
+    from loopformer.files import UnsafePathError
+    from loopformer.runs.folder import RunFolderError, inside_run
+
+    config_file = out.parent / "all_config.yaml"
+    for path in (out, config_file):
+        if path.is_symlink():
+            raise UnsafePathError(f"{path} is a symbolic link (to {path.readlink()}); export does not write "
+                                  f"through links: name a file itself")  # fmt: skip
+        if path.is_dir():
+            raise RunFolderError(f"{path} is a folder; --out names the checkpoint file to write")
+        if path.exists() and not overwrite:
+            raise RunFolderError(f"{path} exists; choose another --out or pass --overwrite to replace it")
+    if inside_run(out) is not None:
+        raise RunFolderError(f"--out {out} lies in a training run's folder; write the export outside it")
+
+
+@click.command("translate", context_settings={"ignore_unknown_options": True})
+@click.argument("system", type=click.Choice(["trm", "hrm", "fprm"]))
+@click.argument("words", nargs=-1, type=click.UNPROCESSED, metavar="KEY=VALUE...")
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object instead of the table")
+def translate_cmd(system: str, words: tuple[str, ...], as_json: bool) -> None:
+    """Translate the authors' config keys or command line for SYSTEM into loopformer overrides.
+
+    KEY=VALUE are the authors' overrides as their pretrain.py takes them (Hydra: arch.L_cycles=4,
+    global_batch_size=384, +key=value, ++key=value), or a whole command line (python pretrain.py arch=trm
+    ...). Each key is translated by loopformer convert's own mapping: the authors' default configuration is
+    converted with and without the key changed, and the loopformer keys that move are its translation. Keys
+    the conversion does not read (epochs, eval_interval, ...) are listed as not translated.
+    """
+    import json
+
+    from loopformer.convert.translate import translate
+
+    result = translate(system, list(words))
+    if as_json:
+        click.echo(json.dumps({"system": system, "overrides": result.overrides, "sources": result.sources,
+                               "not_translated": result.unread, "skipped": result.skipped,
+                               "recipe": result.recipe, "command": result.command()}, indent=1))  # fmt: skip
+        return
+    width = max((len(k) for k in result.sources), default=0)
+    for key, targets in result.sources.items():
+        click.echo(f"{key.ljust(width)}  ->  " + "  ".join(f"{t}={result.overrides[t]}" for t in targets))
+    if result.unread:
+        click.echo(f"not translated (loopformer convert does not read them): {', '.join(result.unread)}")
+    if result.skipped:
+        click.echo(f"skipped: {' '.join(result.skipped)}")
+    click.echo(result.command())

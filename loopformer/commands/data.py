@@ -23,11 +23,11 @@ import click
 import numpy as np
 import yaml
 
-from loopformer.commands.common import PATH
+from loopformer.commands.common import PATH, WholeHelpGroup
 from loopformer.tasks.base import Task, TaskDataError, TokenDataset
 
 
-class _DataGroup(click.Group):
+class _DataGroup(WholeHelpGroup):
     """A group whose unknown first word is a task name: ``data sudoku ...`` == ``data generate sudoku ...``."""
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
@@ -114,7 +114,7 @@ def _load(task: Task, file: Path) -> TokenDataset:
 
 @click.group("data", cls=_DataGroup, context_settings={"help_option_names": ["-h", "--help"]})
 def data() -> None:
-    """Generate, show and summarise task datasets (``loopformer data TASK ...`` generates)."""
+    """Generate, show and summarise task datasets; loopformer data TASK ... generates examples of TASK."""
 
 
 @data.command("generate")
@@ -126,7 +126,12 @@ def data() -> None:
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--out", "-o", "out", type=PATH, required=True, help="Output file (or folder).")
 @click.option(
-    "--option", "--task-option", "-t", "extra", multiple=True, metavar="KEY=VALUE",
+    "--option",
+    "--task-option",
+    "-t",
+    "extra",
+    multiple=True,
+    metavar="KEY=VALUE",
     help="Extra task keyword; repeatable.",
 )
 @click.option(
@@ -138,7 +143,9 @@ def data() -> None:
     help="native: the task's own file format (task.save); hrm: an HRM/TRM folder.",
 )
 @click.option("--split", default="train", show_default=True, help="Split folder for --format hrm.")
-@click.option("--overwrite", is_flag=True, help="replace an existing OUT file (--format hrm: the split folder)")
+@click.option(
+    "--overwrite", is_flag=True, help="replace an existing OUT file (--format hrm: the split folder)"
+)
 def generate_cmd(
     task_name: str,
     size: int | None,
@@ -236,7 +243,15 @@ def write_generated(task: Task, ds: TokenDataset, out: Path, fmt: str, split: st
 @click.argument("task_name", metavar="TASK")
 @click.argument("file", type=click.Path(exists=True, path_type=Path))
 @click.option("--index", "-i", type=int, default=0, show_default=True, help="Example to show.")
-@click.option("--option", "--task-option", "-t", "extra", multiple=True, metavar="KEY=VALUE", help="Task constructor keyword.")
+@click.option(
+    "--option",
+    "--task-option",
+    "-t",
+    "extra",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Task constructor keyword.",
+)
 @click.option("--plain", is_flag=True, help="No colour markup.")
 def show_cmd(task_name: str, file: Path, index: int, extra: tuple[str, ...], plain: bool) -> None:
     """Render example INDEX of FILE: the input, then the label."""
@@ -265,7 +280,15 @@ def show_cmd(task_name: str, file: Path, index: int, extra: tuple[str, ...], pla
 @data.command("stats")
 @click.argument("task_name", metavar="TASK")
 @click.argument("file", type=click.Path(exists=True, path_type=Path))
-@click.option("--option", "--task-option", "-t", "extra", multiple=True, metavar="KEY=VALUE", help="Task constructor keyword.")
+@click.option(
+    "--option",
+    "--task-option",
+    "-t",
+    "extra",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Task constructor keyword.",
+)
 @click.option("--bins", type=int, default=10, show_default=True, help="Histogram bins (fewer if few values).")
 def stats_cmd(task_name: str, file: Path, extra: tuple[str, ...], bins: int) -> None:
     """Print the example count and a difficulty histogram of FILE."""

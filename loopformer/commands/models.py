@@ -44,7 +44,13 @@ def model_rows() -> list[dict[str, Any]]:
 
     rows = []
     for name, spec in MODELS.items():
-        row: dict[str, Any] = {"name": name, "class": spec.split(":")[1], "paper": None, "cpu": None, "note": ""}
+        row: dict[str, Any] = {
+            "name": name,
+            "class": spec.split(":")[1],
+            "paper": None,
+            "cpu": None,
+            "note": "",
+        }
         try:
             model_cls, config_cls = model_classes(name)
             module = importlib.import_module(spec.split(":")[0])
@@ -67,7 +73,7 @@ def _fmt(n: int | None) -> str:
 @click.command("models")
 @click.option("--json", "as_json", is_flag=True, help="print JSON instead of a table")
 def models(as_json: bool) -> None:
-    """Every registered model family with its parameter count at paper size and at the default CPU size."""
+    """List every registered model family with its parameter count at paper size and at the default CPU size."""
     rows = model_rows()
     if as_json:
         import json

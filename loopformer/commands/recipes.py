@@ -24,7 +24,11 @@ def recipe_summary(path: Path) -> str:
 @click.command("recipes")
 @click.option("--path", "show_path", is_flag=True, help="print the recipe folder's path and each file's")
 def recipes(show_path: bool) -> None:
-    """List the shipped recipes (use one by name: loopformer train NAME)."""
+    """List the shipped recipes, each with what it reaches (use one by name: loopformer train NAME).
+
+    Each line is the recipe's first comment line, whole: what it trains and what it reaches, measured or
+    taken from docs/results.md.
+    """
     from loopformer.config import RECIPE_DIR
 
     files = sorted(RECIPE_DIR.glob("*.yaml"))

@@ -86,8 +86,9 @@ def find_run_recipe(name: str | Path) -> Path:
 def split_overrides(overrides: tuple[str, ...]) -> tuple[list[str], list[str], list[str]]:
     """(main config overrides, ``run.*`` overrides, ``baseline.*`` overrides without the prefix)."""
     main, run, base = [], [], []
-    for text in overrides:
-        key = text.split("=", 1)[0].strip()
+    for given in overrides:
+        key = given.split("=", 1)[0].strip().lstrip("+")  # Hydra's +key / ++key: the main config checks +
+        text = given if not key.startswith(("run.", "baseline.")) else given.lstrip("+")
         if key.startswith("run."):
             run.append(text[len("run."):])
         elif key.startswith("baseline."):

@@ -82,8 +82,6 @@ def solve_record(**values: Any) -> dict[str, Any]:
     return record
 
 
-
-
 @click.command("solve")
 @click.argument("task_name", metavar="TASK")
 @click.argument("puzzle")
@@ -96,8 +94,12 @@ def solve_record(**values: Any) -> dict[str, Any]:
     "--ema/--no-ema", default=True, show_default=True, help="use the EMA weights when the checkpoint has them"
 )
 @click.option("--all-loops", is_flag=True, help="print every loop, not only those where the answer changed")
-@click.option("--puzzle-id", type=int, default=None,
-              help="row of the model's per-puzzle embedding (TRM / HRM on ARC: the task's id in the run's data)")
+@click.option(
+    "--puzzle-id",
+    type=int,
+    default=None,
+    help="row of the model's per-puzzle embedding (TRM / HRM on ARC: the task's id in the run's data)",
+)
 @device_option()
 def solve(
     task_name: str,
@@ -112,7 +114,25 @@ def solve(
 ) -> None:
     """Solve PUZZLE with a trained model, printing the answer as the loop refines it.
 
-    Example: loopformer solve sudoku "5...27..9..41......1..5.3...92.6.8...5......66..7..29.8...7...2.......8...9..36.." -c runs/x
+    PUZZLE is one input in TASK's notation, quoted for the shell:
+
+    \b
+    sudoku  The grid row by row, size x size characters: digits 1-9 (then A-G
+            beyond 9), '.' or '0' for a blank; spaces and newlines are ignored.
+            A 4x4 puzzle the default job's model solves: "2..3......3..42."
+    maze    The grid row by row, size x size characters: '#' wall, ' ' open,
+            'S' start, 'G' goal; newlines are dropped, spaces are cells.
+    arc     The test input grid as the ARC task files write it, JSON rows of
+            colours 0-9 (at most 30x30): "[[0,7,7],[7,7,7],[0,7,7]]". It is
+            placed at the top left of the 30x30 canvas; the answer is printed
+            the same way. The 900 canvas token ids are read too. A TRM / HRM
+            run also needs --puzzle-id (the task's id in the run's data).
+    other   The token ids of one input row, separated by spaces or commas
+            (groups, kg_depth, kg_systematic, text, plug-in tasks).
+
+    \b
+    Example, on the model loopformer run trained (its run folder):
+    loopformer solve sudoku "2..3......3..42." -c runs/<timestamp>
     """
     from loopformer.config.checks import check_count
 
@@ -150,11 +170,7 @@ def solve(
     valid = bool(task.check(tokens, final))
     steps = len(frames)
     if as_json:
-        click.echo(
-            json.dumps(
-                solve_record(**{**solution.to_dict(), **common, "valid": valid})
-            )
-        )
+        click.echo(json.dumps(solve_record(**{**solution.to_dict(), **common, "valid": valid})))
         return
     from rich.console import Console
 

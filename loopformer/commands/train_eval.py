@@ -16,7 +16,6 @@ from loopformer.commands.eval_extras import auto_note, auto_solver_search, segme
 from loopformer.commands.suite import ModelUnderTest, SuiteOptions, accuracy_table, run_suite, spearman_text
 from loopformer.devices import device_option, resolve_device
 from loopformer.eval.auto_solver import DEFAULT_FRACTION
-from loopformer.eval.lm import evaluate_lm
 from loopformer.eval.predict import arc_pass_at_k
 from loopformer.nn import autocast
 from loopformer.runs import eval_dataset, load_run, training_depth
@@ -138,7 +137,7 @@ def train(
     "max_steps",
     default=None,
     metavar="B1,B2,...",
-    help="inference step budgets for the accuracy-vs-compute curve, e.g. 1,2,4,8,16",
+    help="inference step budgets for the accuracy-vs-compute curve (bits per byte for a text run), e.g. 1,2,4,8,16",
 )
 @click.option(
     "--budget-mode",
@@ -223,11 +222,12 @@ def evaluate_cmd(checkpoint: str, max_steps: str | None, budget_mode: str, task_
                  variants: tuple[str, ...] = ()) -> None:  # fmt: skip
     """Evaluate CHECKPOINT (a run folder or checkpoint folder) on its held-out set; write a report.
 
-    Text (no validator): loss and bits per byte. ARC: also pass@2, voting over augmentations.
-    ``--set eval.protocol=authors_trm_deq`` (or ``both``): also the Attractor puzzle authors' evaluation.
-    ``--auto-solver``: the report is on the held-out rows outside the search slice, with the chosen solver.
-    ``--variant``: the report holds one sub-report per loop (variants/<name>/) and their comparison table
-    and overlay plots (loopformer compare).
+    A text run (no validator) is scored by loss and bits per byte: --max-steps gives bits per byte at each
+    loop budget, and the logit lens scores every loop's readout. ARC also gets pass@2, voting over
+    augmentations. With --set eval.protocol=authors_trm_deq (or both) the Attractor puzzle authors'
+    evaluation is added. With --auto-solver the report covers the held-out rows outside the search slice,
+    with the chosen solver. With --variant the report holds one sub-report per loop (variants/NAME/) and
+    their comparison table and overlay plots, as loopformer compare writes them.
     """
     from loopformer.config.checks import check_count, check_fraction
 
@@ -270,9 +270,14 @@ def evaluate_checkpoint(checkpoint: str | Path, overrides: list[str], budgets: l
     # how this report was made (metrics.json "evaluation"): a sweep re-evaluates a report made otherwise
     record = {"overrides": list(overrides), "budgets": list(budgets), "budget_mode": budget_mode,
               "examples": examples, "analyses": analyses, "lens_loops": lens_loops, "ema": ema, "best": best}  # fmt: skip
+    from loopformer.commands.suite import run_job_references
+
+    # the baseline of the `loopformer run` job this model belongs to, when evaluated on the same held-out set
+    same = not examples and not any(o.lstrip("~+").startswith("data.") for o in overrides)
+    references = run_job_references(run.path, same_heldout=same)
     with autocast(dev, run.config.bf16):  # evaluate in the precision the run trained in
         _evaluate(run, examples, None if out_dir is None else str(out_dir), budgets, budget_mode, lens_loops,
-                  analyses, overwrite, variants or [], auto, record)  # fmt: skip
+                  analyses, overwrite, variants or [], auto, record, references)  # fmt: skip
 
 
 @contextmanager
@@ -291,7 +296,7 @@ def _report_folder(out: Path, run_dir: Path) -> Iterator[Path]:
 def _evaluate(run: Any, examples: int, out_dir: str | None, budgets: list[int], budget_mode: str,
               lens_loops: int | None, analyses: bool, overwrite: bool = False,
               variants: list[tuple[str, list[str]]] | None = None, auto: tuple[float, float] | None = None,
-              record: dict[str, Any] | None = None) -> None:  # fmt: skip
+              record: dict[str, Any] | None = None, references: dict[str, float] | None = None) -> None:  # fmt: skip
     from loopformer.runs.outputs import staged_output
 
     dataset = eval_dataset(run.task, run.config, examples)
@@ -309,15 +314,15 @@ def _evaluate(run: Any, examples: int, out_dir: str | None, budgets: list[int], 
     with target as write_dir:
         if variants:
             _evaluate_variants(run, dataset, write_dir, out, budgets, budget_mode, lens_loops, analyses, variants,
-                               record)  # fmt: skip
+                               record, references)  # fmt: skip
         else:
             _evaluate_into(run, dataset, write_dir, out, budgets, budget_mode, lens_loops, analyses, auto_record,
-                           record)  # fmt: skip
+                           record, references)  # fmt: skip
 
 
 def _evaluate_variants(run: Any, dataset: Any, out: Path, final: Path, budgets: list[int], budget_mode: str,
                        lens_loops: int | None, analyses: bool, variants: list[tuple[str, list[str]]],
-                       record: dict[str, Any] | None = None) -> None:  # fmt: skip
+                       record: dict[str, Any] | None = None, references: dict[str, float] | None = None) -> None:  # fmt: skip
     """The run's loop_eval and each variant into ``out/variants/<name>/``, then their comparison into ``out``.
     Every key a variant names is honoured: ``eval.max_examples`` evaluates that many held-out rows (the
     keys that cannot vary are refused before the weights are read: ``config.checks.VARIANT_FIXED``)."""
@@ -327,8 +332,6 @@ def _evaluate_variants(run: Any, dataset: Any, out: Path, final: Path, budgets: 
     from loopformer.config.checks import check_variants
     from loopformer.eval.compare import heldout_line, load_entries, write_comparison
 
-    if not run.task.has_validator:
-        raise ValueError(f"--variant compares validator accuracy; task {run.task.name!r} has no validator")
     names, folders = [], []
     for i, (name, overrides) in enumerate([("loop_eval", []), *variants]):
         config = check_variants(run.config, [overrides])[0] if overrides else run.config
@@ -338,7 +341,7 @@ def _evaluate_variants(run: Any, dataset: Any, out: Path, final: Path, budgets: 
             rows = eval_dataset(run.task, config, 0)
         folder = Path("variants") / f"{i:02d}-{safe_name(name)}"
         _evaluate_into(variant, rows, out / folder, final / folder, budgets, budget_mode, lens_loops, analyses,
-                       record={**(record or {}), "variant": list(overrides)})  # fmt: skip
+                       record={**(record or {}), "variant": list(overrides)}, references=references)  # fmt: skip
         names.append(name)
         folders.append(out / folder)
     entries = load_entries(folders, names)
@@ -351,14 +354,14 @@ def _evaluate_variants(run: Any, dataset: Any, out: Path, final: Path, budgets: 
 
 def _evaluate_into(run: Any, dataset: Any, out: Path, final: Path, budgets: list[int], budget_mode: str,
                    lens_loops: int | None, analyses: bool, auto_record: dict[str, Any] | None = None,
-                   record: dict[str, Any] | None = None) -> None:  # fmt: skip
+                   record: dict[str, Any] | None = None, references: dict[str, float] | None = None) -> None:  # fmt: skip
     """Evaluate and write the report into ``out``, naming the files by where they end up (``final``); the
     report records what it was evaluated on (``heldout``: task, options, the held-out set's fingerprint)
     and how (``evaluation``: ``record``)."""
     from rich.console import Console
 
-    from loopformer.eval.report import write_json
     from loopformer.runs.fingerprint import heldout_record
+    from loopformer.runs.provenance import collect, describe, record_for_step
     from loopformer.tasks.arc import ArcTask
 
     made = {"heldout": heldout_record(run.config, dataset), "evaluation": record}
@@ -367,15 +370,23 @@ def _evaluate_into(run: Any, dataset: Any, out: Path, final: Path, budgets: list
         return final / Path(path).relative_to(out)
     console = Console(highlight=False)
     batch_size = run.config.eval.batch_size
-    if not run.task.has_validator:  # language modelling: loss and bits per byte
-        lm = evaluate_lm(run.model, run.task, dataset, loop=run.loop_eval, batch_size=batch_size, progress=True,
-                         seed=run.config.seed, segments=run.config.eval.segments)
-        write_json(out / "metrics.json", {"checkpoint": str(run.path), "step": run.step, "weights": run.weights,
-                                          "label": run.label, **lm.to_dict(), **made})
-        console.print(f"held-out ({lm.n} windows, {lm.tokens} tokens): loss {lm.loss:.4f} nats/token, "
-                      f"bits per byte {lm.bits_per_byte:.4f}, token accuracy {100 * lm.token_accuracy:.1f}%, "
-                      f"mean steps {lm.mean_steps:.2f}")  # fmt: skip
-        console.print(f"metrics: {final / 'metrics.json'}")
+    depth = training_depth(run)
+    lens = (2 * depth if lens_loops is None else lens_loops) if analyses else 0
+    options = SuiteOptions(budgets=budgets, budget_mode=budget_mode, lens_loops=lens, signal_loops=lens,
+                           spectral=analyses, batch_size=batch_size, progress=True, references=dict(references or {}))  # fmt: skip
+    run_dir = run.path.parent.parent if run.path.parent.name == "checkpoints" else run.path
+    trained_by = record_for_step(run_dir, run.step)
+    provenance = {"training": trained_by, "evaluation": collect(next(run.model.parameters()).device)}
+    unit = "examples" if run.task.has_validator else "windows"
+    unscored = made["heldout"].get("unscored_rows")
+    notes = [f"Task: {run.config.data.task} {run.config.data.options}; {len(dataset)} held-out {unit}"
+             + (f" ({unscored} rows without labels left out: they cannot be scored)." if unscored else "."),
+             *segment_note(run.config.eval.segments), *auto_note(auto_record),
+             *([f"Trained with {describe(trained_by)}."] if trained_by else [])]  # fmt: skip
+    if not run.task.has_validator:  # language modelling: loss and bits per byte (loopformer.commands.lm_suite)
+        from loopformer.commands.lm_suite import evaluate_text_run
+
+        evaluate_text_run(run, dataset, out, final, options, depth, notes, {"provenance": provenance, **made})
         return
     extra: dict[str, Any] = {"checkpoint": {"path": str(run.path), "step": run.step, "label": run.label,
                                             "best": run.best}, **made}  # fmt: skip
@@ -401,26 +412,11 @@ def _evaluate_into(run: Any, dataset: Any, out: Path, final: Path, budgets: list
                                            exploration=run.config.train.halt_exploration, seed=run.config.seed,
                                            check=ec.check).summary()
         extra["authors_trm_deq"] = authors
-    depth = training_depth(run)
-    lens = (2 * depth if lens_loops is None else lens_loops) if analyses else 0
-    options = SuiteOptions(
-        budgets=budgets,
-        budget_mode=budget_mode,
-        lens_loops=lens,
-        signal_loops=lens,
-        spectral=analyses,
-        batch_size=run.config.eval.batch_size,
-        progress=True,
-    )
     label = run.family or run.config.model.name
     console.print(f"{run.label}: {run.path} ({run.weights} weights)")
     from loopformer.eval.report import describe_loop
-    from loopformer.runs.provenance import collect, describe, record_for_step
 
-    run_dir = run.path.parent.parent if run.path.parent.name == "checkpoints" else run.path
-    trained_by = record_for_step(run_dir, run.step)
-    extra["provenance"] = {"training": trained_by, "evaluation": collect(next(run.model.parameters()).device)}
-    provenance = [f"Trained with {describe(trained_by)}."] if trained_by else []
+    extra["provenance"] = provenance
     suite = run_suite(
         out,
         f"{label} · {describe_loop(run.loop_eval)}: evaluation of {run.path} ({run.label}, {run.weights} weights)",
@@ -431,14 +427,7 @@ def _evaluate_into(run: Any, dataset: Any, out: Path, final: Path, budgets: list
         ),
         (),
         options,
-        notes=[
-            f"Task: {run.config.data.task} {run.config.data.options}; {len(dataset)} held-out examples"
-            + (f" ({made['heldout']['unscored_rows']} rows without labels left out: they cannot be scored)."
-               if made["heldout"]["unscored_rows"] else "."),
-            *segment_note(run.config.eval.segments),
-            *auto_note(auto_record),
-            *provenance,
-        ],
+        notes=notes,
         log=lambda m: console.print(f"  {m}"),
         extra=extra,
     )

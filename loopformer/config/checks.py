@@ -36,9 +36,11 @@ def check_unique(overrides: Sequence[str]) -> None:
     (``run_config_for``) on what the user typed."""
     seen: dict[str, str] = {}
     for text in overrides:
-        key = str(text).split("=", 1)[0].strip().removeprefix("~")
+        key = str(text).split("=", 1)[0].strip().removeprefix("~").lstrip("+")  # Hydra's +key / ++key
         if key in seen:
-            raise ConfigError(f"override {text!r}: {key} is already given ({seen[key]!r}); give each key once")
+            raise ConfigError(
+                f"override {text!r}: {key} is already given ({seen[key]!r}); give each key once"
+            )
         seen[key] = str(text)
 
 
@@ -71,7 +73,9 @@ def check_loop_counts(cfg: RunConfig, counts: dict[str, Any], device: str | None
                 check_loops(cfg, option, int(item), device)
 
 
-def check_variants(cfg: RunConfig, variants: Sequence[Sequence[str]], device: str | None = None) -> list[RunConfig]:
+def check_variants(
+    cfg: RunConfig, variants: Sequence[Sequence[str]], device: str | None = None
+) -> list[RunConfig]:
     """Each variant's overrides applied to ``cfg`` (a validated run config) and validated as ``--set`` is
     (``run_config_for``); ConfigError naming the variant."""
     out = []
@@ -118,7 +122,9 @@ def run_config_for(
     """
     check_unique(overrides)
     for text in overrides:
-        key = str(text).split("=", 1)[0].strip().removeprefix("~")  # ~loop_eval.tol: the model's default again
+        key = (
+            str(text).split("=", 1)[0].strip().removeprefix("~").lstrip("+")
+        )  # ~loop_eval.tol: the default; +key / ++key: Hydra
         if not key.startswith(prefixes):
             allowed = ", ".join(f"{p}*" for p in prefixes)
             raise ConfigError(f"override {text!r}: evaluation can only change {allowed} keys")

@@ -68,6 +68,13 @@ def read_text(path: Path, what: str) -> str:
         raise ConfigError(f"cannot read {what} {path}: {err.strerror or type(err).__name__}") from None
 
 
+def _lookup(data: dict[str, Any], key: str) -> Any:
+    node: Any = data
+    for part in key.split("."):
+        node = node[part]
+    return node
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
     """``'train.lr=3e-4'`` -> (['train', 'lr'], '3e-4' parsed by yaml.safe_load)."""
     if "=" not in text:
@@ -108,12 +115,37 @@ def _check_path(parts: list[str]) -> None:
             raise ConfigError(f"config key {walked!r} is a value, not a table")
 
 
+def hydra_prefix(text: str) -> tuple[str, str]:
+    """(``"++"`` | ``"+"`` | ``""``, the override without it): Hydra's ``+key=v`` adds a key the recipe
+    does not set, ``++key=v`` adds or overrides one, as the authors' command lines write them."""
+    for prefix in ("++", "+"):
+        if text.startswith(prefix):
+            return prefix, text[len(prefix) :]
+    return "", text
+
+
+def _is_set(data: dict[str, Any], parts: list[str]) -> bool:
+    node: Any = data
+    for part in parts:
+        if not isinstance(node, dict) or part not in node:
+            return False
+        node = node[part]
+    return True
+
+
 def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
     """Raw recipe table with dotted ``key=value`` overrides written in (validated paths); a later
     override of a key wins (code layers its lists so; a command line is checked by
-    ``loopformer.config.checks.check_unique``)."""
+    ``loopformer.config.checks.check_unique``). As Hydra: ``++key=value`` is ``key=value``, and
+    ``+key=value`` sets a key the recipe does not set (ConfigError when it does)."""
     data = json.loads(json.dumps(data, default=list))  # deep copy of plain data
-    for text in overrides:
+    for given in overrides:
+        prefix, text = hydra_prefix(given)
+        if prefix == "+" and "=" in text:
+            key = text.split("=", 1)[0].strip()
+            if _is_set(data, key.split(".")):
+                raise ConfigError(f"override {given!r}: + adds a key (as in Hydra), but {key} is already set "
+                                  f"(to {_lookup(data, key)!r}); write {text} or ++{text} to change it")  # fmt: skip
         if text.startswith(DELETE):  # ~model.conv: the key goes, its default applies
             if "=" in text:
                 raise ConfigError(f"override {text!r}: {DELETE}key deletes a key and takes no value")
@@ -361,7 +393,11 @@ def resolved_yaml(cfg: RunConfig, task_defaults: dict[str, Any] | None = None, t
     head = (
         "# resolved configuration: model and loop_train / loop_eval / loop_periodic list every field\n"
         "# with its effective value"
-        + (f"; filled from the training data when training: model.{', model.'.join(filled)}\n" if filled else "\n")
+        + (
+            f"; filled from the training data when training: model.{', model.'.join(filled)}\n"
+            if filled
+            else "\n"
+        )
         + (f"# {task_note}\n" if task_note else "")
     )
     return head + yaml.safe_dump(data, sort_keys=False)
@@ -378,7 +414,9 @@ def print_config_yaml(cfg: RunConfig) -> str:
         task = get_task(cfg.data.task, **cfg.data.options)
     except (KeyError, ValueError, OSError, TypeError) as err:
         reason = str(err.args[0]) if isinstance(err, KeyError) and err.args else str(err)
-        return resolved_yaml(cfg, task_note=f"task {cfg.data.task!r} not built here ({reason}): its fields are left out")
+        return resolved_yaml(
+            cfg, task_note=f"task {cfg.data.task!r} not built here ({reason}): its fields are left out"
+        )
     return resolved_yaml(cfg, task_model_fields(task))
 
 

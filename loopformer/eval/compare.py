@@ -17,9 +17,13 @@ works on reports from ``loopformer eval``, ``loopformer run`` and ``loopformer s
   ``allow``, and the comparison's title says what they were evaluated on, or that it differs.
 - ``write_comparison(out, entries, title)``: ``comparison.md`` and ``comparison.json`` (accuracy,
   mean loops, converged fraction, time per example, parameters, test-time compute = mean loops x
-  blocks per loop step) and ``plots/accuracy_vs_budget.png`` (log2 x-axis; a run without a budget
-  curve is one point at its mean loops; a baseline, a model without a loop, is a horizontal line)
-  and ``plots/loops_vs_difficulty.png``; every file through ``loopformer.files``.
+  blocks per loop step) and ``plots/accuracy_vs_budget.png`` (log2 x-axis with a tick at every power
+  of two; a run without a budget curve is one point at its mean loops; a baseline, a model without a
+  loop ("one pass"), is a horizontal line) and ``plots/loops_vs_difficulty.png`` (when some model has
+  more than one difficulty value); every file through ``loopformer.files``. Language-model reports
+  (``loopformer eval`` on a text run) are compared by bits per byte (``LM_COLUMNS``,
+  ``plots/bpb_vs_budget.png``); mixing them with validator reports is an error (``check_kinds``).
+- ``comparison_title(entries, reports)``: the default title, counting the table's rows.
 """
 
 from __future__ import annotations
@@ -40,7 +44,8 @@ _NUM = (float, None)
 # what a report's metrics.json holds that compare reads (loopformer.commands.suite.run_suite writes it)
 METRICS_SCHEMA: dict[str, Any] = {
     "results?": Each({"n?": (int, None), "valid_accuracy?": _NUM, "exact_accuracy?": _NUM,
-                      "mean_steps?": _NUM, "converged_fraction?": _NUM, "loop?": (dict, None)}),
+                      "mean_steps?": _NUM, "converged_fraction?": _NUM, "loop?": (dict, None),
+                      "bits_per_byte?": _NUM, "loss?": _NUM, "token_accuracy?": _NUM}),  # the last 3: LM reports
     "models?": Each({"loop?": (dict, None), "parameters?": (int, None), "blocks?": (int, None),
                      "seconds_per_example?": _NUM, "baseline?": bool}),
     "budget?": Each(({"mode?": str, "points?": [{"budget": float, "valid_accuracy?": _NUM}]}, None)),
@@ -82,6 +87,11 @@ class Entry:
         return int(self.loop.get("max_steps", 2)) <= 1
 
     @property
+    def is_lm(self) -> bool:
+        """A language model's report (scored by bits per byte, no validator)."""
+        return "bits_per_byte" in self.result
+
+    @property
     def accuracy(self) -> float:
         valid = self.result.get("valid_accuracy")
         return float(valid if valid is not None else self.result.get("exact_accuracy") or math.nan)
@@ -98,6 +108,9 @@ class Entry:
             "examples": self.result.get("n"),
             "valid_accuracy": self.result.get("valid_accuracy"),
             "exact_accuracy": self.result.get("exact_accuracy"),
+            "bits_per_byte": self.result.get("bits_per_byte"),  # language models (no validator)
+            "loss": self.result.get("loss"),
+            "token_accuracy": self.result.get("token_accuracy"),
             "mean_loops": mean_steps,
             "converged_fraction": self.result.get("converged_fraction"),
             "ms_per_example": None if seconds is None else 1000 * seconds,
@@ -239,7 +252,7 @@ def heldout_line(entries: Sequence[Entry], allow: bool = False, option: str = "-
 def _legend_name(e: Entry, suffix: str = "") -> str:
     """The entry's name and its loop (solver, halting rule, tolerance, cap) for a legend."""
     if e.baseline:
-        return f"{e.name} (baseline, no loop)"
+        return f"{e.name} (baseline, one pass)"
     loop = f": {describe_loop(e.loop)}" if e.loop else ""
     return f"{e.name}{suffix}{loop}"
 
@@ -262,14 +275,72 @@ def plot_accuracy_vs_budget(entries: Sequence[Entry], title: str = "") -> Any:
                 ls="",
                 label=_legend_name(e, " (at its mean loops)"),
             )
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("loop budget (max loops, log2)")
+    plots.log2_axis(ax, _budget_xs(entries), "loops: the budget (max loops), or a run's mean loops (log2)")
     ax.set_ylabel("valid accuracy (%)")
     ax.set_ylim(-2, 102)
     ax.set_title("accuracy vs loop budget")
     ax.grid(alpha=0.3)
     ax.legend(frameon=False, fontsize=7)
     return plots._finish(fig, None, title)
+
+
+def _budget_xs(entries: Sequence[Entry]) -> list[float]:
+    """Every x value a budget plot draws (budgets, or a run's mean loops), for its log2 ticks."""
+    xs: list[float] = []
+    for e in entries:
+        if e.budget and e.budget.get("points"):
+            xs += [float(p["budget"]) for p in e.budget["points"]]
+        elif e.result.get("mean_steps") and not e.baseline:
+            xs.append(float(e.result["mean_steps"]))
+    return xs
+
+
+def plot_bpb_vs_budget(entries: Sequence[Entry], title: str = "") -> Any:
+    """Language models: held-out bits per byte vs loop budget (log2 x-axis, lower is better); a run
+    without a budget curve is one point at its mean loops; a baseline (one pass) a horizontal line."""
+    fig, ax = plots._figure((7, 4.5))
+    for e in entries:
+        bpb = e.result.get("bits_per_byte")
+        if e.baseline and bpb is not None:
+            ax.axhline(float(bpb), ls="--", color="gray", lw=1.2, label=_legend_name(e))
+        elif e.budget and e.budget.get("points"):
+            pts = e.budget["points"]
+            ax.plot([p["budget"] for p in pts], [p["bits_per_byte"] for p in pts], marker="o",
+                    label=_legend_name(e, f" ({e.budget.get('mode', '')})"))  # fmt: skip
+        elif e.result.get("mean_steps") and bpb is not None:
+            ax.plot(
+                [e.result["mean_steps"]],
+                [float(bpb)],
+                marker="s",
+                ls="",
+                label=_legend_name(e, " (at its mean loops)"),
+            )
+    plots.log2_axis(ax, _budget_xs(entries), "loops: the budget (max loops), or a run's mean loops (log2)")
+    ax.set_ylabel("held-out bits per byte (lower is better)")
+    ax.set_title("bits per byte vs loop budget")
+    ax.grid(alpha=0.3)
+    ax.legend(frameon=False, fontsize=7)
+    return plots._finish(fig, None, title)
+
+
+def comparison_title(entries: Sequence[Entry], reports: int) -> str:
+    """The default title: how many rows the table has and, when it differs, from how many reports
+    (a `loopformer run` report holds the looped model and its baseline: two rows)."""
+    rows = len(entries)
+    what = "language models" if entries and all(e.is_lm for e in entries) else "evaluations"
+    if rows == reports:
+        return f"comparison of {rows} {what}"
+    return f"comparison of {rows} {what} from {reports} reports"
+
+
+def check_kinds(entries: Sequence[Entry]) -> None:
+    """ValueError when language-model reports (bits per byte) and validator reports (accuracy) are mixed:
+    their numbers share no scale."""
+    lm = sorted({str(e.source) for e in entries if e.is_lm})
+    other = sorted({str(e.source) for e in entries if not e.is_lm})
+    if lm and other:
+        raise ValueError(f"cannot compare language-model reports (bits per byte: {lm[0]}) with validator reports "
+                         f"(accuracy: {other[0]}); compare each kind on its own")  # fmt: skip
 
 
 def plot_loops_vs_difficulty(entries: Sequence[Entry], title: str = "") -> Any:
@@ -293,28 +364,44 @@ COLUMNS = ("run", "loop", "valid", "exact", "mean loops", "converged", "ms / exa
            "test-time compute")  # fmt: skip
 
 
-def row_cells(r: dict[str, Any]) -> list[str]:
-    """One comparison row as text, in ``COLUMNS`` order (the markdown table and the console table)."""
-    return [
-        r["name"] + (" (baseline)" if r["baseline"] else ""),
-        r["loop"],
-        _num(r["valid_accuracy"], True),
-        _num(r["exact_accuracy"], True),
-        _num(r["mean_loops"]),
-        _num(r["converged_fraction"], True),
-        _num(r["ms_per_example"], digits=3),
-        "-" if r["parameters"] is None else f"{r['parameters']:,}",
-        _num(r["test_time_compute"], digits=1),
-    ]
+# the columns of a comparison of language models (bits per byte instead of validator accuracy)
+LM_COLUMNS = ("run", "loop", "bits per byte", "loss", "token", "mean loops", "ms / example", "parameters",
+              "test-time compute")  # fmt: skip
+
+
+def columns_for(rows: Sequence[dict[str, Any]]) -> tuple[str, ...]:
+    """``LM_COLUMNS`` when every row is a language model's, else ``COLUMNS``."""
+    return LM_COLUMNS if rows and all(r.get("bits_per_byte") is not None for r in rows) else COLUMNS
+
+
+def row_cells(r: dict[str, Any], columns: Sequence[str] = COLUMNS) -> list[str]:
+    """One comparison row as text, in ``columns`` order (the markdown table and the console table)."""
+    cells = {
+        "run": r["name"] + (" (baseline)" if r["baseline"] else ""),
+        "loop": r["loop"],
+        "valid": _num(r["valid_accuracy"], True),
+        "exact": _num(r["exact_accuracy"], True),
+        "bits per byte": _num(r.get("bits_per_byte"), digits=4),
+        "loss": _num(r.get("loss"), digits=4),
+        "token": _num(r.get("token_accuracy"), True),
+        "mean loops": _num(r["mean_loops"]),
+        "converged": _num(r["converged_fraction"], True),
+        "ms / example": _num(r["ms_per_example"], digits=3),
+        "parameters": "-" if r["parameters"] is None else f"{r['parameters']:,}",
+        "test-time compute": _num(r["test_time_compute"], digits=1),
+    }
+    return [cells[c] for c in columns]
 
 
 def comparison_markdown(title: str, rows: list[dict[str, Any]], plot_paths: dict[str, str],
                         notes: Sequence[str] = ()) -> str:  # fmt: skip
-    header = list(COLUMNS)
-    table = [row_cells(r) for r in rows]
+    header = list(columns_for(rows))
+    table = [row_cells(r, header) for r in rows]
     lines = [f"# {title}", "", *_table(header, table)]
+    scored = ("`bits per byte`: held-out cross-entropy in bits per byte (lower is better)."
+              if header == list(LM_COLUMNS) else "`valid`: the task's independent validator.")  # fmt: skip
     lines += [
-        "`valid`: the task's independent validator. `ms / example`: wall time of the evaluation pass per "
+        f"{scored} `ms / example`: wall time of the evaluation pass per "
         "held-out example. `test-time compute`: mean loops x transformer blocks per loop step.",
         "",
     ]
@@ -331,11 +418,9 @@ def write_comparison(out: str | Path, entries: Sequence[Entry], title: str = "co
     ``notes``: lines written below the table (and into comparison.json)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    check_kinds(entries)
     rows = [e.row() for e in entries]
-    figures = {
-        "accuracy vs loop budget": ("accuracy_vs_budget.png", plot_accuracy_vs_budget(entries, title)),
-        "loops vs difficulty": ("loops_vs_difficulty.png", plot_loops_vs_difficulty(entries, title)),
-    }
+    figures = comparison_figures(entries, title)
     rel = {}
     for caption, (name, fig) in figures.items():
         plots.save_figure(fig, out / "plots" / name)
@@ -345,10 +430,26 @@ def write_comparison(out: str | Path, entries: Sequence[Entry], title: str = "co
     return {"markdown": markdown, "json": data, **{k: out / v for k, v in rel.items()}}
 
 
+def comparison_figures(entries: Sequence[Entry], title: str) -> dict[str, tuple[str, Any]]:
+    """{caption: (file name, figure)}: bits per byte vs budget for language models; accuracy vs budget
+    and, when some looped model has more than one difficulty value, loops vs difficulty otherwise."""
+    if entries and all(e.is_lm for e in entries):
+        return {"bits per byte vs loop budget": ("bpb_vs_budget.png", plot_bpb_vs_budget(entries, title))}
+    figures = {"accuracy vs loop budget": ("accuracy_vs_budget.png", plot_accuracy_vs_budget(entries, title))}
+    if any(len((e.difficulty or {}).get("buckets") or []) > 1 for e in entries if not e.baseline):
+        figures["loops vs difficulty"] = ("loops_vs_difficulty.png", plot_loops_vs_difficulty(entries, title))
+    return figures
+
+
 __all__ = [
     "Entry",
     "METRICS_SCHEMA",
     "SWEEP",
+    "check_kinds",
+    "columns_for",
+    "comparison_figures",
+    "comparison_title",
+    "plot_bpb_vs_budget",
     "comparison_markdown",
     "heldout_line",
     "read_metrics",

@@ -22,6 +22,7 @@ from matplotlib.figure import Figure
 from loopformer.eval.analysis import LoopCurve, SignalCurve
 from loopformer.eval.budget import BudgetCurve, steps_vs_difficulty
 from loopformer.eval.evaluate import EvalResult
+from loopformer.eval.lm import LMBudgetCurve, LMLoopCurve
 
 
 def _series(x: Any) -> Mapping[str, Any]:
@@ -58,22 +59,105 @@ def _legend(ax: Any, labels: Mapping[str, Any]) -> None:
         ax.legend(frameon=False)
 
 
+def log2_axis(ax: Any, values: Any, label: str = "inference step budget (max loops, log2)") -> None:
+    """A log2 x-axis with a labelled tick at every power of two spanning ``values`` (at least 1, 2, 4),
+    written as integers (1, 2, 4, ... not 2^0, 2^1, ...), so one point or a short range still reads."""
+    from matplotlib.ticker import FixedLocator, NullLocator, ScalarFormatter
+
+    finite = [float(v) for v in values if v is not None and np.isfinite(v) and v > 0]
+    low = 2 ** int(np.floor(np.log2(min(finite)))) if finite else 1
+    high = 2 ** int(np.ceil(np.log2(max(finite)))) if finite else 4
+    ticks = [2**k for k in range(int(np.log2(low)), int(np.log2(max(high, 4 * low))) + 1)]
+    ax.set_xscale("log", base=2)
+    ax.set_xlim(ticks[0] / 1.25, ticks[-1] * 1.25)
+    ax.xaxis.set_major_locator(FixedLocator(ticks))
+    ax.xaxis.set_major_formatter(ScalarFormatter())
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.set_xlabel(label)
+
+
+def reference_lines(
+    ax: Any, lines: Mapping[str, float] | None, scale: float = 100.0, unit: str = "%"
+) -> None:
+    """Horizontal dashed lines at ``{label: value}``: the models without a loop budget (a plain
+    transformer baseline, the model under its own halting rule), labelled with their value."""
+    styles = ("--", ":", "-.")
+    for i, (label, value) in enumerate((lines or {}).items()):
+        if value is None or not np.isfinite(value):
+            continue
+        shown = f"{scale * value:.1f}{unit}" if unit == "%" else f"{value:.3f}{unit}"
+        ax.axhline(scale * value, color="gray", ls=styles[i % len(styles)], lw=1.2, label=f"{label}: {shown}")
+
+
 def plot_budget_curve(
-    curves: BudgetCurve | Mapping[str, BudgetCurve], path: str | Path | None = None
-, title: str = "") -> Figure:
-    """Validator accuracy vs inference step budget (the test-time compute curve)."""
+    curves: BudgetCurve | Mapping[str, BudgetCurve],
+    path: str | Path | None = None,
+    title: str = "",
+    references: Mapping[str, float] | None = None,
+) -> Figure:
+    """Validator accuracy vs inference step budget (the test-time compute curve), on a log2 axis;
+    ``references`` ({label: accuracy in [0, 1]}: the baseline, the model under its own halting rule)
+    are drawn as horizontal lines."""
     curves = _series(curves)
-    fig, ax = _figure((5, 3.5))
+    fig, ax = _figure((5.5, 3.8))
+    budgets: list[int] = []
     for label, c in curves.items():
         b = [p.budget for p in c.points]
+        budgets += b
         ax.plot(b, [100 * p.valid_accuracy for p in c.points], marker="o", label=label or None)
-    ax.set_xlabel("inference step budget (max loops)")
+    reference_lines(ax, references)
+    log2_axis(ax, budgets)
     ax.set_ylabel("valid accuracy (%)")
     ax.set_ylim(-2, 102)
     mode = next(iter(curves.values())).mode if curves else ""
     ax.set_title(f"accuracy vs step budget ({mode})")
     ax.grid(alpha=0.3)
-    _legend(ax, curves)
+    if any(curves) or references:
+        ax.legend(frameon=False, fontsize=7)
+    return _finish(fig, path, title)
+
+
+def plot_lm_budget_curve(
+    curves: LMBudgetCurve | Mapping[str, LMBudgetCurve],
+    path: str | Path | None = None,
+    title: str = "",
+    references: Mapping[str, float] | None = None,
+) -> Figure:
+    """Held-out bits per byte vs inference loop budget on a log2 axis (lower is better): the test-time
+    compute curve of a looped language model; ``references`` ({label: bits per byte}) as horizontal lines."""
+    curves = _series(curves)
+    fig, ax = _figure((5.5, 3.8))
+    budgets: list[int] = []
+    for label, c in curves.items():
+        b = [p.budget for p in c.points]
+        budgets += b
+        ax.plot(b, [p.bits_per_byte for p in c.points], marker="o", label=label or None)
+    reference_lines(ax, references, scale=1.0, unit=" bits/byte")
+    log2_axis(ax, budgets, "inference loop budget (max loops, log2)")
+    ax.set_ylabel("held-out bits per byte (lower is better)")
+    mode = next(iter(curves.values())).mode if curves else ""
+    ax.set_title(f"bits per byte vs loop budget ({mode})")
+    ax.grid(alpha=0.3)
+    if any(curves) or references:
+        ax.legend(frameon=False, fontsize=7)
+    return _finish(fig, path, title)
+
+
+def plot_lm_lens(curve: LMLoopCurve, path: str | Path | None = None, title: str = "") -> Figure:
+    """Logit lens of a language model: bits per byte (left axis) and token accuracy (right axis) of every
+    loop's readout; the training depth marked."""
+    fig, ax = _figure((5.5, 3.8))
+    ax.plot(curve.loops, curve.bits_per_byte, color="tab:blue", marker=".", label="bits per byte")
+    ax.set_xlabel("loop")
+    ax.set_ylabel("bits per byte (lower is better)", color="tab:blue")
+    ax2 = ax.twinx()
+    ax2.plot(curve.loops, [100 * a for a in curve.token_accuracy], color="tab:green", ls="--")
+    ax2.set_ylabel("token accuracy (%)", color="tab:green")
+    if curve.train_depth:
+        ax.axvline(curve.train_depth, color="gray", ls=":", lw=1)
+        ax.text(curve.train_depth, ax.get_ylim()[1], " train depth", va="top", fontsize=8, color="gray")
+    ax.set_title("logit lens: every loop's readout")
+    ax.grid(alpha=0.3)
     return _finish(fig, path, title)
 
 
@@ -102,12 +186,17 @@ def plot_steps_vs_difficulty(result: EvalResult, path: str | Path | None = None,
     ax.plot(centers, [b.mean_steps for b in stats.buckets], color="black", marker="o", label="mean")
     ax.set_xlabel("difficulty")
     ax.set_ylabel("loop steps")
-    ax.set_title(f"steps vs difficulty (Spearman rho {stats.spearman_rho:.2f})")
+    rho = stats.spearman_rho
+    ax.set_title(
+        f"steps vs difficulty (Spearman rho {rho:.2f})" if np.isfinite(rho) else "steps vs difficulty"
+    )
     ax.legend(frameon=False, fontsize=8)
     return _finish(fig, path, title)
 
 
-def plot_loop_accuracy(curves: LoopCurve | Mapping[str, LoopCurve], path: str | Path | None = None, title: str = "") -> Figure:
+def plot_loop_accuracy(
+    curves: LoopCurve | Mapping[str, LoopCurve], path: str | Path | None = None, title: str = ""
+) -> Figure:
     """Logit lens: accuracy of the readout of each loop's state."""
     curves = _series(curves)
     fig, ax = _figure((5, 3.5))
@@ -156,8 +245,8 @@ def plot_bridge_rank(curve: LoopCurve, path: str | Path | None = None, title: st
 
 
 def plot_state_norms(
-    curves: SignalCurve | Mapping[str, SignalCurve], path: str | Path | None = None
-, title: str = "") -> Figure:
+    curves: SignalCurve | Mapping[str, SignalCurve], path: str | Path | None = None, title: str = ""
+) -> Figure:
     """Signal propagation: state RMS and update norm per loop (log scale)."""
     curves = _series(curves)
     fig, (a1, a2) = _figure((8, 3.5), 2)

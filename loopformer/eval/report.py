@@ -28,8 +28,12 @@ TOL_HALTINGS = ("residual", "kl_entropy", "act")
 
 def describe_loop(loop: Any) -> str:
     """``"damped solver · residual halting tol 0.001 · cap 64"``: the solver, halting rule, tolerance and
-    cap of a ``LoopConfig`` (or its ``to_dict()`` form), as every report and plot title names them."""
+    cap of a ``LoopConfig`` (or its ``to_dict()`` form), as every report and plot title names them;
+    ``"one pass"`` for a loop capped at one step (a plain transformer: no solver or halting rule acts)."""
     get = loop.get if isinstance(loop, Mapping) else lambda key, default=None: getattr(loop, key, default)
+    cap = get("max_steps")
+    if isinstance(cap, int | float) and cap <= 1:  # no loop to speak of: solver and halting never act
+        return "one pass"
     halting = str(get("halting", "?"))
     tol = get("tol")
     if halting in TOL_HALTINGS and tol is not None:
@@ -121,9 +125,19 @@ def _difficulty_section(label: str, stats: DifficultyStats) -> list[str]:
         f"## Steps vs difficulty: {label}",
         "",
         *_table(["difficulty", "examples", "mean steps", "valid"], rows),
-        f"Spearman rho = {_num(stats.spearman_rho, digits=3)} (p = {stats.spearman_p:.2g})",
+        _spearman_line(stats),
         "",
     ]
+
+
+def _spearman_line(stats: DifficultyStats) -> str:
+    """The rank correlation between difficulty and steps, or why there is none (one difficulty value, or
+    the same steps for every example: Spearman's rho is undefined, never printed as nan)."""
+    if math.isfinite(stats.spearman_rho):
+        return f"Spearman rho = {_num(stats.spearman_rho, digits=3)} (p = {stats.spearman_p:.2g})"
+    if len(stats.buckets) <= 1:
+        return "No rank correlation: the examples have one difficulty value."
+    return "No rank correlation: every example took the same number of steps."
 
 
 def _budget_section(label: str, curve: BudgetCurve) -> list[str]:
@@ -175,8 +189,10 @@ def _signal_section(signal: SignalCurve) -> list[str]:
     ]
 
 
-def _plots_section(out: Path, plots: Mapping[str, str | Path]) -> list[str]:
+def _plots_section(out: Path, plots: Mapping[str, str | Path], skipped: list[str] | None = None) -> list[str]:
     lines = ["## Plots", ""]
+    for why in skipped or []:
+        lines += [why, ""]
     for caption, p in plots.items():
         path = Path(p)
         inside = path.resolve().is_relative_to(out.resolve())
@@ -197,11 +213,13 @@ def write_report(
     plots: Mapping[str, str | Path] | None = None,
     notes: list[str] | None = None,
     extra: Mapping[str, Any] | None = None,
+    skipped: list[str] | None = None,
 ) -> tuple[Path, Path]:
     """Write ``out_dir/report.md`` and ``out_dir/metrics.json``; returns both paths.
 
     ``results`` maps a model label (e.g. ``"fprm"``, ``"baseline transformer"``) to its evaluation.
-    ``plots`` maps a caption to a PNG path (linked relative to ``out_dir``).
+    ``plots`` maps a caption to a PNG path (linked relative to ``out_dir``); ``skipped`` says, one
+    sentence each, which plots were not drawn and why (a plot over a single value).
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -221,13 +239,23 @@ def write_report(
     if spectral:
         lines += ["## Jacobian spectral radius at the final state", ""]
         lines += _table(list(spectral), [[_num(v, digits=3) for v in spectral.values()]])
-    if plots:
-        lines += _plots_section(out, plots)
+    if plots or skipped:
+        lines += _plots_section(out, plots or {}, skipped)
     report = out / "report.md"
     atomic_write_text(report, "\n".join(lines), root=out)
     return report, write_json(
         out / "metrics.json",
-        _metrics(title, results, budget, difficulty, lens, signal, spectral, plots, extra),
+        _metrics(
+            title,
+            results,
+            budget,
+            difficulty,
+            lens,
+            signal,
+            spectral,
+            plots,
+            {**({"plots_skipped": list(skipped)} if skipped else {}), **(extra or {})},
+        ),
     )
 
 

@@ -2,8 +2,12 @@
 
 ``loopformer push RUN REPO_ID`` uploads what evaluation needs from the run's latest checkpoint:
 ``model.safetensors``, ``ema.safetensors`` (when the run keeps an EMA) and ``config.json`` (the resolved
-run configuration), plus the run's ``summary.json`` and a model card ``README.md`` generated from it (task,
-accuracy, steps vs difficulty, the recipe, the papers to cite).  The optimiser / data-stream state is not
+run configuration), plus the run's ``summary.json`` and a model card ``README.md`` generated from it: Hub
+metadata (``license``, ``datasets`` when the run read a Hub dataset's files, ``model-index`` with the
+held-out results), the task, accuracy, steps vs difficulty, the recipe and the model family's own paper.
+A plug-in model's module, when it is one file of the user's, is pushed beside the weights and the card
+says how to use it (on ``PYTHONPATH``, with ``--import``); a module from a package names what to install.
+loopformer never imports a module because a downloaded model names it (docs/extending.md).  The optimiser / data-stream state is not
 uploaded: a pushed model is for evaluation and sharing, resuming uses the run folder.
 
 The uploaded repository is a checkpoint folder, so ``loopformer eval``, ``loopformer solve`` and
@@ -25,7 +29,7 @@ from loopformer.files import atomic_copy, atomic_write_text
 HUB_ID = re.compile(r"^(?:hf://)?(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:@(?P<rev>[\w./-]+))?$")
 PUSHED_FILES = ("model.safetensors", "ema.safetensors", "config.json")
 
-# arXiv ids of the systems implemented here, cited on every model card and in CITATION.cff
+# arXiv ids of the systems implemented here; a model card cites its own family's paper only
 PAPERS = {
     "fprm": ("Fixed-Point Reasoners: Stable and Adaptive Deep Looped Transformers", "2606.18206"),
     "attractor": ("Solve the Loop: Attractor Models for Language and Reasoning", "2605.12466"),
@@ -35,7 +39,11 @@ PAPERS = {
     ),
     "trm": ("Less is More: Recursive Reasoning with Tiny Networks", "2510.04871"),
     "hrm": ("Hierarchical Reasoning Model", "2506.21734"),
+    "ut_act": ("Universal Transformers", "1807.03819"),
 }
+# the Hugging Face datasets a run's task files come from (`loopformer data prepare`), for the card's metadata
+HUB_DATASETS = {"sudoku": "sapientinc/sudoku-extreme", "maze": "sapientinc/maze-30x30-hard-1k"}
+DEFAULT_LICENSE = "mit"  # loopformer's own licence; `push --license` sets the model's
 
 
 def _hub() -> Any:
@@ -71,8 +79,9 @@ def resolve_source(path_or_id: str | Path, cache_dir: str | Path | None = None) 
             f"{path_or_id}: no such run folder (to read it as a hub id, pip install 'loopformer[hub]')"
         ) from None
     try:
+        # a shipped plug-in module (*.py) comes along but is never imported: the user --imports it
         local = hub.snapshot_download(repo_id, revision=revision, cache_dir=cache_dir, allow_patterns=[
-            *PUSHED_FILES, "summary.json", "README.md"])  # fmt: skip
+            *PUSHED_FILES, "summary.json", "README.md", "*.py"])  # fmt: skip
     except Exception as err:  # the hub's own errors (offline, not found, gated): one clear line
         raise FileNotFoundError(
             f"{path_or_id!r} is neither a local run folder nor a downloadable hub model: {type(err).__name__}: {err}"
@@ -84,39 +93,125 @@ def resolve_source(path_or_id: str | Path, cache_dir: str | Path | None = None) 
 
 
 def _family_papers(family: str, name: str) -> list[tuple[str, str]]:
+    """The paper of the model's own family (``attractor_puzzle``: the Attractor paper); none for a plain
+    transformer or a plug-in family."""
     key = family or name
-    out = [PAPERS[k] for k in PAPERS if k in key]
-    return out or list(PAPERS.values())
+    return [PAPERS[k] for k in PAPERS if k == key or key.startswith(f"{k}_")]
+
+
+def _metrics(summary: dict[str, Any]) -> list[tuple[str, str, float]]:
+    """(label, Hub metric type, value) of the run's held-out evaluation: what the card's table and its
+    ``model-index`` report."""
+    rows: list[tuple[str, str, float]] = []
+    ev = summary.get("eval") or {}
+    for key, label, kind in (("valid_acc", "held-out accuracy (independent validator)", "accuracy"),
+                             ("exact_acc", "exact match", "exact_match"), ("token_acc", "token accuracy", "accuracy"),
+                             ("bits_per_byte", "held-out bits per byte", "bits_per_byte"),
+                             ("loop_steps", "mean loop steps", "mean_loop_steps")):  # fmt: skip
+        if isinstance(ev.get(key), int | float):
+            rows.append((label, kind, float(ev[key])))
+    for key, label, kind in (("heldout_accuracy", "held-out accuracy (independent validator)", "accuracy"),
+                             ("baseline_accuracy", "baseline accuracy", "accuracy"),
+                             ("mean_steps", "mean loop steps", "mean_loop_steps")):  # fmt: skip
+        if isinstance(summary.get(key), int | float):
+            rows.append((label, kind, float(summary[key])))
+    return rows
+
+
+def _dataset(data: dict[str, Any]) -> tuple[str | None, str]:
+    """(the Hub dataset id of the run's training files, or None for generated data; a description)."""
+    task = str(data.get("task", "?"))
+    options = ", ".join(f"{k}={v}" for k, v in (data.get("options") or {}).items())
+    if data.get("train_path") and task in HUB_DATASETS:
+        return HUB_DATASETS[task], f"{task} ({HUB_DATASETS[task]}, {options})"
+    return None, f"{task} generated by loopformer ({options or 'default options'})"
+
+
+def _front_matter(
+    config: dict[str, Any], summary: dict[str, Any], name: str, hub_id: str, license: str
+) -> str:
+    """The card's YAML metadata: licence, library, tags, the training dataset, the evaluation as
+    ``model-index`` (what the Hub shows as results)."""
+    import yaml
+
+    data = config.get("data", {})
+    dataset_id, description = _dataset(data)
+    looped = name != "transformer"
+    meta: dict[str, Any] = {
+        "license": license,
+        "library_name": "loopformer",
+        "tags": [*(["looped-transformer"] if looped else []), name, str(data.get("task", "?"))],
+    }
+    if dataset_id:
+        meta["datasets"] = [dataset_id]
+    metrics = [{"type": kind, "name": label, "value": round(100 * v, 2) if kind in ("accuracy", "exact_match") else
+                round(v, 4)} for label, kind, v in _metrics(summary) if label != "baseline accuracy"]  # fmt: skip
+    if metrics:
+        meta["model-index"] = [{"name": hub_id.split("/")[-1], "results": [{
+            "task": {"type": "text-generation" if data.get("task") == "text" else "other",
+                     "name": str(data.get("task", "?"))},
+            "dataset": {"type": dataset_id or f"loopformer/{data.get('task', '?')}", "name": description},
+            "metrics": metrics}]}]  # fmt: skip
+    return "---\n" + yaml.safe_dump(meta, sort_keys=False) + "---"
+
+
+def _plugin_lines(plugins: list[str], hub_id: str, shipped: list[str]) -> list[str]:
+    """What a downloader does to evaluate a plug-in model: loopformer never imports a module because a
+    checkpoint names it (docs/extending.md), so the card says which to install or put on PYTHONPATH and
+    to pass it with ``--import``."""
+    if not plugins:
+        return []
+    imports = " ".join(f"--import {m}" for m in plugins)
+    folder = hub_id.split("/")[-1]
+    lines = ["## Plug-in code", "", f"This model's code is not part of loopformer: module(s) {', '.join(plugins)}. "
+             "loopformer never imports a module because a checkpoint names it; you import it yourself."]  # fmt: skip
+    if shipped:
+        lines += [f"{', '.join(f'`{f}`' for f in shipped)} ship in this repository: download it and put it on "
+                  "your `PYTHONPATH` (read the code first: importing it runs it).", "", "```bash",
+                  f"huggingface-cli download {hub_id} --local-dir {folder}",
+                  f"PYTHONPATH={folder} loopformer {imports} eval {hub_id}", "```", ""]  # fmt: skip
+    missing = [m for m in plugins if f"{m.split('.')[0]}.py" not in shipped]
+    for module in missing:
+        dist = _distribution(module)
+        how = (
+            f"`pip install {dist}`"
+            if dist
+            else "the package that provides it (it is not a single file to ship)"
+        )
+        lines += [f"Module `{module}`: install {how}, then run `loopformer {imports} eval {hub_id}`.", ""]
+    return lines
+
+
+def _distribution(module: str) -> str | None:
+    """The installed distribution that provides ``module`` (None: a local file or unknown)."""
+    from importlib.metadata import packages_distributions
+
+    dists = packages_distributions().get(module.split(".")[0]) or []
+    return dists[0] if dists else None
 
 
 def model_card(config: dict[str, Any], summary: dict[str, Any] | None, family: str, step: int,
-               repo_id: str | None = None) -> str:  # fmt: skip
-    """The README.md of a pushed model, from its config.json and summary.json; ``repo_id`` (owner/name, the
-    ``push`` target) fills the usage lines, else they name ``<owner>/<name>`` and say to replace it."""
+               repo_id: str | None = None, license: str = DEFAULT_LICENSE, shipped: list[str] | None = None) -> str:  # fmt: skip
+    """The README.md of a pushed model, from its config.json and summary.json: Hub metadata (licence,
+    datasets, ``model-index`` with the evaluation's results), the results, the recipe, how to use it (a
+    plug-in model: what to install or put on PYTHONPATH, and ``--import``), the family's paper. ``repo_id``
+    (owner/name, the ``push`` target) fills the usage lines, else they name ``<owner>/<name>`` and say to
+    replace it; ``shipped``: the plug-in files pushed beside the weights."""
     summary = summary or {}
     hub_id = repo_id or "<owner>/<name>"
     data, model = config.get("data", {}), config.get("model", {})
     task = data.get("task", "?")
     name = model.get("name", family)
-    lines = ["---", "library_name: loopformer", "tags:", "- looped-transformer", f"- {name}", f"- {task}", "---", "",
-             f"# {name} on {task}", "",
-             f"A looped transformer trained with loopformer ({step} steps).", ""]  # fmt: skip
-    rows = []
-    ev = summary.get("eval") or {}
-    for key, label in (("valid_acc", "held-out accuracy (independent validator)"), ("exact_acc", "exact match"),
-                       ("token_acc", "token accuracy"), ("loop_steps", "mean loop steps")):  # fmt: skip
-        if key in ev:
-            rows.append((label, ev[key]))
-    for key, label in (("heldout_accuracy", "held-out accuracy (independent validator)"),
-                       ("baseline_accuracy", "baseline accuracy"), ("mean_steps", "mean loop steps")):  # fmt: skip
-        if summary.get(key) is not None:
-            rows.append((label, summary[key]))
+    kind = "A transformer (no loop)" if name == "transformer" else f"A looped model ({name})"
+    lines = [_front_matter(config, summary, name, hub_id, license), "", f"# {name} on {task}", "",
+             f"{kind} trained with loopformer ({step} steps).", ""]  # fmt: skip
+    rows = [(label, value) for label, _, value in _metrics(summary)]
     if rows:
         lines += ["## Results", ""]
         if summary.get("eval_label"):  # which checkpoint the numbers are of: "final (step N)"
             lines += [f"Evaluated: {summary['eval_label']}.", ""]
         lines += ["| metric | value |", "|---|---|"]
-        lines += [f"| {k} | {v:.4f} |" if isinstance(v, float) else f"| {k} | {v} |" for k, v in rows]
+        lines += [f"| {k} | {v:.4f} |" for k, v in rows]
         lines.append("")
     best = summary.get("best")
     if isinstance(best, dict) and "label" in best:  # train.keep_best
@@ -127,19 +222,22 @@ def model_card(config: dict[str, Any], summary: dict[str, Any] | None, family: s
         lines += [f"| {k} | {'-' if v is None else f'{v:.2f}'} |" for k, v in dict(by_difficulty).items()]
         lines.append("")
     params = summary.get("parameters")
+    plugins = [str(m) for m in config.get("plugins") or []]
+    imports = "".join(f" --import {m}" for m in plugins)
     lines += ["## Recipe", "", f"- model: `{name}` ({family}), {params if params is not None else '?'} parameters",
-              f"- task: `{task}` {data.get('options', {})}",
+              f"- task: {_dataset(data)[1]}",
               f"- training: {config.get('train', {}).get('steps', '?')} steps, batch "
               f"{config.get('train', {}).get('batch_size', '?')}, lr {config.get('train', {}).get('lr', '?')}",
               f"- recipe / overrides: {summary.get('recipe', 'see config.json')} {summary.get('overrides', '')}".rstrip(),
-              "", *([] if repo_id else ["Replace `<owner>/<name>` below with this model's hub id.", ""]),
-              "```bash", "pip install 'loopformer[hub]'", f"loopformer eval {hub_id} --device auto",
+              "", *_plugin_lines(plugins, hub_id, shipped or []),
+              *([] if repo_id else ["Replace `<owner>/<name>` below with this model's hub id.", ""]),
+              "```bash", "pip install 'loopformer[hub]'", f"loopformer{imports} eval {hub_id} --device auto",
               "```", "", "```python", "import loopformer", f"run = loopformer.load('{hub_id}')",
-              "loopformer.solve(run, '<puzzle>')", "```", "", "## Cite", ""]  # fmt: skip
-    lines += [
-        f"- {title}, arXiv:{arxiv} (https://arxiv.org/abs/{arxiv})"
-        for title, arxiv in _family_papers(family, name)
-    ]
+              "loopformer.solve(run, '<puzzle>')", "```", ""]  # fmt: skip
+    papers = _family_papers(family, name)
+    if papers:
+        lines += ["## Cite", ""]
+        lines += [f"- {title}, arXiv:{arxiv} (https://arxiv.org/abs/{arxiv})" for title, arxiv in papers]
     return "\n".join(lines) + "\n"
 
 
@@ -173,17 +271,37 @@ def _read_summary(path: Path) -> dict[str, Any]:
     return read_record(path, SUMMARY)
 
 
-def stage_run(run: str | Path, folder: Path, repo_id: str | None = None) -> dict[str, Any]:
-    """Copy what a pushed model holds into ``folder`` (the model card names ``repo_id``); returns
-    {"checkpoint", "step", "family", "files"}. The checkpoint must still be the one it was when copying
-    began (a training rotating its checkpoints meanwhile is a CheckpointError, never a mix of two steps)."""
+def ship_plugins(plugins: list[str], folder: Path) -> list[str]:
+    """Copy each plug-in module that is one file of the user's (imported, not from an installed
+    distribution) into ``folder`` as ``<module>.py``; returns the file names. Never imports anything: the
+    modules are already imported (a checkpoint that names them does not load otherwise)."""
+    import sys
+
+    shipped = []
+    for module in plugins:
+        loaded = sys.modules.get(module)
+        source = Path(getattr(loaded, "__file__", None) or "")
+        if "." in module or source.suffix != ".py" or source.name == "__init__.py" or _distribution(module):
+            continue  # a package or an installed distribution: the card names what to install
+        folder.mkdir(parents=True, exist_ok=True)
+        atomic_copy(source, folder / f"{module}.py", root=folder)
+        shipped.append(f"{module}.py")
+    return shipped
+
+
+def stage_run(run: str | Path, folder: Path, repo_id: str | None = None,
+              license: str = DEFAULT_LICENSE) -> dict[str, Any]:  # fmt: skip
+    """Copy what a pushed model holds into ``folder`` (the model card names ``repo_id`` and ``license``; a
+    plug-in module that is one file of the user's is copied beside the weights); returns {"checkpoint",
+    "step", "family", "files"}. The checkpoint must still be the one it was when copying began (a training
+    rotating its checkpoints meanwhile is a CheckpointError, never a mix of two steps)."""
     from loopformer.runs.checkpoint import resolve_checkpoint
     from loopformer.runs.sharded import _manifest_bytes, _still_there
 
     ckpt = resolve_checkpoint(run)
     manifest = _manifest_bytes(ckpt)
     try:
-        staged = _stage(ckpt, run, folder, repo_id)
+        staged = _stage(ckpt, run, folder, repo_id, license)
     except (OSError, ValueError) as err:
         _still_there(ckpt, manifest)
         raise err from None
@@ -191,7 +309,8 @@ def stage_run(run: str | Path, folder: Path, repo_id: str | None = None) -> dict
     return staged
 
 
-def _stage(ckpt: Path, run: str | Path, folder: Path, repo_id: str | None) -> dict[str, Any]:
+def _stage(ckpt: Path, run: str | Path, folder: Path, repo_id: str | None,
+           license: str = DEFAULT_LICENSE) -> dict[str, Any]:  # fmt: skip
     from loopformer.runs.checkpoint import read_checkpoint_config
 
     read_checkpoint_config(ckpt)  # config.json parses (CheckpointError naming it otherwise)
@@ -219,7 +338,11 @@ def _stage(ckpt: Path, run: str | Path, folder: Path, repo_id: str | None) -> di
             atomic_copy(candidate, folder / "summary.json", root=folder)
             files.append("summary.json")
             break
-    card = model_card(raw, summary, str(raw.get("family", "")), int(raw.get("step", 0)), repo_id)
+    shipped = ship_plugins([str(m) for m in raw.get("plugins") or []], folder)
+    files += shipped
+    card = model_card(
+        raw, summary, str(raw.get("family", "")), int(raw.get("step", 0)), repo_id, license, shipped
+    )
     atomic_write_text(folder / "README.md", card, root=folder)
     files.append("README.md")
     return {
@@ -231,7 +354,8 @@ def _stage(ckpt: Path, run: str | Path, folder: Path, repo_id: str | None) -> di
 
 
 def push(run: str | Path, repo_id: str, private: bool = False, revision: str | None = None,
-         message: str | None = None, token: str | None = None, api: Any = None) -> dict[str, Any]:  # fmt: skip
+         message: str | None = None, token: str | None = None, api: Any = None,
+         license: str = DEFAULT_LICENSE) -> dict[str, Any]:  # fmt: skip
     """Upload RUN's latest checkpoint + model card to ``repo_id`` (created when missing); returns what was sent.
 
     ``api``: an ``HfApi``-like object (``create_repo``, ``upload_folder``); default ``HfApi(token=token)``.
@@ -240,7 +364,7 @@ def push(run: str | Path, repo_id: str, private: bool = False, revision: str | N
     if api is None:
         api = _hub().HfApi(token=token)
     with tempfile.TemporaryDirectory() as tmp:
-        staged = stage_run(ckpt, Path(tmp), repo_id)
+        staged = stage_run(ckpt, Path(tmp), repo_id, license)
         api.create_repo(repo_id, repo_type="model", private=private, exist_ok=True)
         commit = api.upload_folder(folder_path=tmp, repo_id=repo_id, repo_type="model", revision=revision,
                                    commit_message=message or f"loopformer push: step {staged['step']}")  # fmt: skip
@@ -260,8 +384,10 @@ def _command() -> Any:
                   help="write the files (model card included) to this folder instead of uploading")  # fmt: skip
     @click.option("--overwrite", is_flag=True,
                   help="replace what --to-folder holds (moved aside once the new files are complete)")  # fmt: skip
+    @click.option("--license", "license_", default=DEFAULT_LICENSE, show_default=True,
+                  help="the model's licence in the card's metadata (a Hub licence id: mit, apache-2.0, cc-by-4.0, ...)")  # fmt: skip
     def push_cmd(run: str, repo_id: str, private: bool, revision: str | None, message: str | None,
-                 to_folder: Path | None, overwrite: bool = False) -> None:  # fmt: skip
+                 to_folder: Path | None, overwrite: bool = False, license_: str = DEFAULT_LICENSE) -> None:  # fmt: skip
         """Share RUN's latest checkpoint as hub model REPO_ID (owner/name) with a generated model card."""
         ckpt = check_push(run, repo_id)  # before a folder is claimed or anything sent; the checkpoint read once
         if revision is not None and (not revision.strip() or revision != revision.strip()):
@@ -273,10 +399,10 @@ def _command() -> Any:
             from loopformer.runs.outputs import staged_output
 
             with staged_output(to_folder, "push", overwrite, "--to-folder") as tmp:  # swapped in whole
-                staged = stage_run(ckpt, tmp, repo_id if parse_hub_id(repo_id) else None)
+                staged = stage_run(ckpt, tmp, repo_id if parse_hub_id(repo_id) else None, license_)
             click.echo(f"wrote {', '.join(staged['files'])} to {to_folder} (step {staged['step']})")
             return
-        sent = push(run, repo_id, private=private, revision=revision, message=message)
+        sent = push(run, repo_id, private=private, revision=revision, message=message, license=license_)
         click.echo(f"pushed {', '.join(sent['files'])} (step {sent['step']}) to {repo_id}; "
                    f"load it with: loopformer eval {repo_id}")  # fmt: skip
 

@@ -52,6 +52,7 @@ augmentation, voting and scoring in :mod:`loopformer.tasks.arc_scoring`, the TRM
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -232,6 +233,26 @@ class ArcTask(Task):
             grid = crop_grid(tokens)
             return grid if grid.size else None
         return decode_grid(tokens)
+
+    def parse_grid(self, text: str, what: str = "puzzle") -> np.ndarray:
+        """An input grid as the ARC task files write it, JSON rows of colours 0-9 (``[[0,7,7],[7,0,7]]``,
+        at most 30 x 30), -> the 900-token canvas (``encode_grid``: colour + 2 at the top left, an EOS row
+        and column framing it, PAD elsewhere); text that does not start with '[' is read as the 900 canvas
+        token ids themselves (the base class)."""
+        if not text.lstrip().startswith("["):
+            return super().parse_grid(text, what)
+        try:
+            grid = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise TaskDataError(f"the {what} is not a JSON grid ({err.msg} at character {err.pos})") from None
+        return encode_grid(validate_grid(grid, f"the {what}"))
+
+    def format_grid(self, tokens: np.ndarray) -> str:
+        """A predicted canvas as a JSON grid (``decode_prediction``); TaskDataError when it holds none."""
+        grid = self.decode_prediction(tokens)
+        if grid is None:
+            raise TaskDataError("the canvas holds no well-formed ARC grid")
+        return json.dumps(np.asarray(grid).tolist(), separators=(",", ":"))
 
     # --- checking against the reference outputs
 

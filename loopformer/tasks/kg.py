@@ -153,7 +153,10 @@ class KGDepthTask(_KGQueryTask):
     """Depth extrapolation over random bijective relations (Loop, Think, & Generalize).
 
     ``generate(n, seed, hops=k)`` or ``(min_hops=a, max_hops=b)`` (k uniform per example), ``split``
-    "train" | "test"; the row width is 1 + the largest k of the call unless ``pad_to`` is given.
+    "train" | "test"; the row width is 1 + the largest k of the call unless ``pad_to`` is given. A hop
+    count whose share exceeds the distinct paths it has (a small graph: 160 atomic facts at 40 x 4)
+    gives all of them and the other hop counts take the rest (``fit_counts``), so a recipe's size holds
+    on any graph with enough paths in all; a call that asks for more than every hop has is an error.
     """
 
     name = "kg_depth"
@@ -218,24 +221,42 @@ class KGDepthTask(_KGQueryTask):
         unit = (h >> np.uint64(11)).astype(np.float64) / float(1 << 53)
         return unit < self.test_fraction
 
-    def _sample_paths(
-        self, n: int, k: int, split: str, rng: np.random.Generator
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """n distinct k-hop paths from one split, uniformly at random."""
+    def _pool(self, k: int, split: str) -> tuple[np.ndarray, np.ndarray] | None:
+        """Every k-hop path of ``split`` (heads [P], relations [P, k]) when the path space is small enough
+        to enumerate (at most 2**21 paths), else None (a space that large holds more paths than a call asks)."""
         if k == 1 and split == "test":
             raise TaskDataError(
                 "atomic facts (1 hop) are all training facts: the test split starts at 2 hops"
             )
         space = self.num_entities * self.num_relations**k
-        if space <= 1 << 21:  # enumerate the whole path space
-            index = np.arange(space, dtype=np.int64)
-            relations = np.empty((space, k), dtype=np.int64)
-            for i in range(k - 1, -1, -1):
-                relations[:, i] = index % self.num_relations
-                index //= self.num_relations
-            heads = index
-            keep = self.is_test_path(heads, relations) == (split == "test")
-            heads, relations = heads[keep], relations[keep]
+        if space > 1 << 21:
+            return None
+        index = np.arange(space, dtype=np.int64)
+        relations = np.empty((space, k), dtype=np.int64)
+        for i in range(k - 1, -1, -1):
+            relations[:, i] = index % self.num_relations
+            index //= self.num_relations
+        keep = self.is_test_path(index, relations) == (split == "test")
+        return index[keep], relations[keep]
+
+    def path_count(self, k: int, split: str) -> int | None:
+        """How many distinct k-hop paths ``split`` holds (None: too many to enumerate, over 2**21 in all)."""
+        pool = self._pool(k, split)
+        return None if pool is None else len(pool[0])
+
+    def _sample_paths(
+        self,
+        n: int,
+        k: int,
+        split: str,
+        rng: np.random.Generator,
+        pool: tuple[np.ndarray, np.ndarray] | None = None,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """n distinct k-hop paths from one split, uniformly at random (``pool``: the split's paths, enumerated)."""
+        if pool is None:
+            pool = self._pool(k, split)  # None again for a space too large to enumerate
+        if pool is not None:
+            heads, relations = pool
             if n > len(heads):
                 raise TaskDataError(f"only {len(heads)} distinct {k}-hop {split} paths exist, {n} requested")
             pick = rng.choice(len(heads), size=n, replace=False)
@@ -259,6 +280,27 @@ class KGDepthTask(_KGQueryTask):
                 if have == n:
                     break
         return np.asarray(heads_parts, dtype=np.int64), np.asarray(rel_parts, dtype=np.int64).reshape(n, k)
+
+    @staticmethod
+    def fit_counts(counts: np.ndarray, room: list[int | None], what: str) -> np.ndarray:
+        """Per-hop counts with each hop capped at the paths it has (``room``; None: unlimited) and the rows
+        that did not fit moved to the hops with room left, in hop order, evenly; unchanged when all fit."""
+        cap = np.array([np.iinfo(np.int64).max if r is None else r for r in room], dtype=np.int64)
+        counts = np.asarray(counts, dtype=np.int64)
+        if (counts <= cap).all():
+            return counts
+        total = int(counts.sum())
+        if all(r is not None for r in room) and int(cap.sum()) < total:
+            raise TaskDataError(f"only {int(cap.sum())} distinct {what} paths exist, {total} requested")
+        counts = np.minimum(counts, cap)
+        missing = total - int(counts.sum())
+        while missing > 0:
+            open_hops = np.flatnonzero(counts < cap)
+            give = np.minimum(cap[open_hops] - counts[open_hops], max(1, missing // len(open_hops)))
+            give = np.minimum(give, np.maximum(missing - (np.cumsum(give) - give), 0))
+            counts[open_hops] += give
+            missing -= int(give.sum())
+        return counts
 
     def generate(
         self,
@@ -286,11 +328,17 @@ class KGDepthTask(_KGQueryTask):
             else np.zeros(hi - lo + 1, int)
         )
         width = hi + 1 if pad_to is None else int(pad_to)
+        pools = {k: self._pool(k, split) for k in range(lo, hi + 1)} if n > 0 else {}
+        if pools:  # a hop with fewer distinct paths than its share gives them all; the others take the rest
+            room = [None if pool is None else len(pool[0]) for pool in pools.values()]
+            counts = self.fit_counts(
+                counts, room, f"{lo}-{hi}-hop {split}" if lo < hi else f"{lo}-hop {split}"
+            )
         inputs, labels, difficulty = [], [], []
         for k, count in zip(range(lo, hi + 1), counts):
             if count == 0:
                 continue
-            heads, rels = self._sample_paths(int(count), k, split, rng)
+            heads, rels = self._sample_paths(int(count), k, split, rng, pools.get(k))
             x, y = self.encode(heads, rels, self.tails(heads, rels), width)
             inputs.append(x)
             labels.append(y)
@@ -354,4 +402,3 @@ class KGDepthTask(_KGQueryTask):
         x, y, d = np.concatenate(inputs), np.concatenate(labels), np.concatenate(difficulty)
         order = rng.permutation(len(x))
         return TokenDataset(x[order], y[order], d[order], meta=self._meta(extra))
-

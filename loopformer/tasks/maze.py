@@ -288,8 +288,9 @@ class MazeTask(Task):
 
     # ---------------------------------------------------------------- render
     def render(self, inputs: np.ndarray, prediction: np.ndarray | None = None, markup: bool = False) -> str:
-        """The character grid (prediction if given); with rich markup walls are dim, the path cyan,
-        S / G bold, and path cells placed on a wall or given cell red."""
+        """The character grid (prediction if given) in a frame (``+--+`` above and below, ``|`` at the
+        sides: a maze's open border cells are spaces, so its extent shows only with one); with rich markup
+        walls are dim, the path cyan, S / G bold, and path cells placed on a wall or given cell red."""
         x = np.asarray(inputs).reshape(self.size, self.size)
         shown = x if prediction is None else np.asarray(prediction).reshape(self.size, self.size)
         lines = []
@@ -308,8 +309,9 @@ class MazeTask(Task):
                     elif t in (START, GOAL):
                         ch = f"[bold green]{ch}[/bold green]"
                 row.append(ch)
-            lines.append("".join(row))
-        return "\n".join(lines)
+            lines.append("|" + "".join(row) + "|")
+        edge = "+" + "-" * self.size + "+"
+        return "\n".join([edge, *lines, edge])
 
     # ---------------------------------------------------------------- files
     @staticmethod
@@ -328,14 +330,18 @@ class MazeTask(Task):
         """Read a Maze-Hard CSV (``source,question,answer,rating``); every row is validated (length,
         characters, one S and one G, the answer a valid shortest path of the question); difficulty =
         rating (the BFS length when the rating is empty).  Errors name the file and line."""
-        return read_puzzle_csv(path, self._parse_csv_row, self.seq_len, {"task": self.name, "size": self.size})
+        return read_puzzle_csv(
+            path, self._parse_csv_row, self.seq_len, {"task": self.name, "size": self.size}
+        )
 
     def _parse_csv_row(self, where: str, question: str, answer: str) -> tuple[np.ndarray, np.ndarray, float]:
         q = self.parse_grid(question, f"{where}: question", allow_path=False)
         a = self.parse_grid(answer, f"{where}: answer")
         counts = ((q == START).sum(), (q == GOAL).sum())
         if counts != (1, 1):
-            raise TaskDataError(f"{where}: question has {counts[0]} 'S' and {counts[1]} 'G', expected one each")
+            raise TaskDataError(
+                f"{where}: question has {counts[0]} 'S' and {counts[1]} 'G', expected one each"
+            )
         length = self.shortest_path_length(q)
         if length < 0:
             raise TaskDataError(f"{where}: G is unreachable from S")
