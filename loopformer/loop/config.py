@@ -41,6 +41,8 @@ from loopformer.loop.norms import RESIDUAL_NORMS
 from loopformer.loop.registry import NoOptions
 
 STATE_DTYPES: dict[str, Any] = {"auto": None, "float32": "float32", "bfloat16": "bfloat16"}
+# LoopConfig.sync_every's default (evaluation loops); chosen by measurement, see docs/performance.md (sync rows)
+SYNC_EVERY = 1
 
 
 @dataclass
@@ -58,6 +60,12 @@ class LoopConfig:
     compaction: bool = True  # drop halted samples from the active batch (else torch.where masking)
     diverge_threshold: float = 1e4  # residual above this (or non-finite) stops a sample, not converged
     trace: bool = True  # record residuals / state norms every step (fixed halting may skip them)
+    # how often the host asks whether every sample halted: 1 = after every iteration (exact early exit and
+    # compaction at once); k > 1 = halting is decided on the device, finished rows are frozen with torch.where
+    # and the host reads once every k iterations (then drops the finished rows with compaction); 0 = never:
+    # the loop runs to max_steps without a host read (training loops: RunConfig.loop_config sets 0 for
+    # loop_train unless a recipe says otherwise). Results are identical for every k (tests/test_loop_sync.py).
+    sync_every: int = SYNC_EVERY
     # the loop state's precision (STATE_DTYPES): auto = as the model gives it (float32 under bf16 autocast);
     # bfloat16 = the FPRM reference's (nilskiKonjIzDunava/fprm FixedPointOptimizer): the iterate, the
     # injected context and every step's output are cast to bf16, the residual and the damped solver's step
@@ -131,6 +139,7 @@ class LoopConfig:
         _integer("max_steps", self.max_steps, 1)
         _integer("min_steps", self.min_steps, 0)
         _integer("grad_steps", self.grad_steps, 0)
+        _integer("sync_every", self.sync_every, 0)
         if self.min_steps > self.max_steps:
             raise ValueError(f"LoopConfig.min_steps={self.min_steps} exceeds max_steps={self.max_steps}")
         for name in ("tol", "diverge_threshold"):

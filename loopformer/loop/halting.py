@@ -147,8 +147,9 @@ class BatchResidualHalting(Halting):
 
     def check(self, t, z, z_next, res, state, ctx):
         conv = res < self.cfg.tol
-        ready = t + 1 >= self.cfg.min_steps and bool(conv.all())
-        return z_next, conv if ready else torch.zeros_like(conv), conv, state
+        if t + 1 < self.cfg.min_steps:
+            return z_next, torch.zeros_like(conv), conv, state
+        return z_next, conv & conv.all(), conv, state  # decided on the device: no host read
 
 
 def _reduce(x: Tensor, how: str) -> Tensor:
