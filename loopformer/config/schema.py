@@ -289,4 +289,7 @@ class RunConfig:
         if phase == "periodic":
             base = self.loop_config(base, "eval")
         overrides = {"train": self.loop_train, "eval": self.loop_eval, "periodic": self.loop_periodic}[phase]
-        return _merge_fields(base, _loop_fields(overrides, f"loop_{phase}"), f"loop_{phase}")
+        fields_ = _loop_fields(overrides, f"loop_{phase}")
+        if phase == "train":  # a training loop never reads the host unless the recipe asks (LoopConfig.sync_every)
+            fields_.setdefault("sync_every", 0)
+        return _merge_fields(base, fields_, f"loop_{phase}")

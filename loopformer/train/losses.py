@@ -90,6 +90,14 @@ class Accuracy:
     def exact_acc(self) -> float:
         return int(self.exact.sum()) / self.exact.numel() if self.exact.numel() else 0.0
 
+    def rates(self) -> tuple[Tensor, Tensor]:
+        """(token accuracy, exact accuracy) as 0-dim device tensors (no host read)."""
+        tokens = self.token_correct.sum() / self.token_count.sum().clamp(min=1)
+        exact = (
+            self.exact.float().mean() if self.exact.numel() else self.exact.new_zeros((), dtype=torch.float32)
+        )
+        return tokens.float(), exact
+
 
 def accuracy(logits: Tensor, labels: Tensor) -> Accuracy:
     """Argmax accuracy against the labels (IGNORE_INDEX positions skipped)."""
@@ -103,7 +111,9 @@ def accuracy(logits: Tensor, labels: Tensor) -> Accuracy:
 
 def q_halt_loss(q_logits: Tensor, exact: Tensor) -> Tensor:
     """BCE-with-logits of the Q / halting head against ``exact`` (answer fully right), batch mean."""
-    return F.binary_cross_entropy_with_logits(wide(q_logits).reshape(-1), exact.to(wide(q_logits).dtype).reshape(-1))
+    return F.binary_cross_entropy_with_logits(
+        wide(q_logits).reshape(-1), exact.to(wide(q_logits).dtype).reshape(-1)
+    )
 
 
 def q_learning_losses(q: Tensor, q_next: Tensor, exact: Tensor, is_last: Tensor) -> tuple[Tensor, Tensor]:

@@ -223,7 +223,8 @@ class DeepSupervisionMode(TrainingMode):
         advance_carry(self.carry, out, tr.config.train, tr.config.seed, step, tr.strategy.env.world_size)
         if self.solver is not None:
             carry_solver_state(self.carry, out, self.solver, tr.config.train.halt_on_converged)
-        return {"segments": float(self.carry.segments.float().mean()), "halted": int(self.carry.halted.sum())}
+        # device tensors, read when the trainer logs (``halted``: slots halted at this step)
+        return {"segments": self.carry.segments.float().mean(), "halted": self.carry.halted.sum()}
 
     def probe_batch(self, rows: Batch) -> SegmentBatch:
         state = self.trainer.fresh_states(rows.inputs, rows.puzzle_ids, 0)

@@ -170,7 +170,9 @@ def plan_loop(cfg: RunConfig, model: nn.Module) -> Any:
 
     loop = cfg.loop_config(model.config.loop, "train")
     steps = loop.max_steps
-    sampler = training_sampler(cfg.train.loop_sampler, cfg.train.loop_sampler_options, loop.max_steps, cfg.seed)
+    sampler = training_sampler(
+        cfg.train.loop_sampler, cfg.train.loop_sampler_options, loop.max_steps, cfg.seed
+    )
     if sampler is not None:
         steps = max(int(sampler.sample(s)) for s in range(256))
     halting = loop.halting if HALTINGS.get(loop.halting).learned else "fixed"

@@ -218,5 +218,3 @@ def build_run_model(config: RunConfig, task: Task | None, train_data: TokenDatas
         f.name: to_dict(getattr(model_config, f.name)) for f in dataclasses.fields(model_config)
     }
     return build_model(config.model.name, config=model_config)
-
-
