@@ -437,12 +437,17 @@ def trunc_normal_state(
     ``nn.init.trunc_normal_(std=std, a=-2 std, b=2 std)``), FPRM's initial iterate (std 6.0). Drawn by the
     inverse CDF (``u ~ U(erf(-sqrt 2), erf(sqrt 2))``, ``sqrt 2 std erfinv(u)``): a fixed number of kernels and no
     host read, where torch's rejection sampler asks the host whether it must draw again."""
-    z = torch.empty(shape, device=device, dtype=dtype)
+    return trunc_normal_fill_(torch.empty(shape, device=device, dtype=dtype), std, generator)
+
+
+def trunc_normal_fill_(z: Tensor, std: float, generator: torch.Generator | None = None) -> Tensor:
+    """Fill ``z`` in place with ``trunc_normal_state``'s law (a normal of ``std`` cut at +-2 std)."""
     if std == 0:
-        return z.zero_()
+        return z.detach().zero_()
     bound = math.erf(2.0 / math.sqrt(2.0))
-    z.uniform_(-bound, bound, generator=generator).erfinv_().mul_(math.sqrt(2.0) * std)
-    return z.clamp_(-2 * std, 2 * std)
+    with torch.no_grad():
+        z.uniform_(-bound, bound, generator=generator).erfinv_().mul_(math.sqrt(2.0) * std)
+        return z.clamp_(-2 * std, 2 * std)
 
 
 def autocast(device: torch.device | str, bf16: bool | str) -> contextlib.AbstractContextManager:

@@ -112,9 +112,12 @@ class PuzzleTokenEmbedding(nn.Module):
                 puzzle_ids = torch.zeros(B, dtype=torch.long, device=inputs.device)
             if puzzle_ids.shape != (B,):
                 raise ValueError(f"puzzle_ids must have shape [{B}], got {tuple(puzzle_ids.shape)}")
-            if puzzle_ids.numel():  # checked on the device (a GPU asserts without the host waiting)
+            if puzzle_ids.numel():  # checked on the device: a GPU asserts without the host waiting for it
                 inside = (puzzle_ids >= 0).all() & (puzzle_ids < self.num_puzzle_ids).all()
-                torch._assert_async(inside, f"puzzle_ids must lie in [0, {self.num_puzzle_ids})")
+                try:
+                    torch._assert_async(inside, f"puzzle_ids must lie in [0, {self.num_puzzle_ids})")
+                except RuntimeError as err:  # the CPU checks at once
+                    raise ValueError(str(err)) from None
             prefix = self.puzzle_emb(puzzle_ids).to(h.dtype)
             pad = self.prefix_len * self.d - self.puzzle_dim
             prefix = (F.pad(prefix, (0, pad)) if pad else prefix).view(B, self.prefix_len, self.d)
