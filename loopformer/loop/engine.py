@@ -324,7 +324,7 @@ def run_loop(
     lp = LoopState(step, z0, cfg, ctx, readout, halt_fn, callback, solver_state)
     if not lp.track:
         run = _run_plain
-    elif cfg.sync_every != 1 and callback is None and not lp.grad.records:
+    elif lp.deferred:
         run = _run_deferred
     else:
         run = _run_compacting if cfg.compaction else _run_masked

@@ -422,9 +422,17 @@ class EMA:
         if skip is None:
             torch._foreach_lerp_(shadows, params, weight)
             return
-        # s + (w * keep) (p - s): exactly s when the step is skipped (the weights it was skipped for are finite)
+        self.update_weighted(model, torch.full((), weight, dtype=torch.float64, device=skip.device), skip)
+
+    @torch.no_grad()
+    def update_weighted(self, model: nn.Module, weight: Tensor, skip: Tensor) -> None:
+        """``s <- s + (w keep) (p - s)`` with the weight ``w = 1 - decay`` a 0-dim tensor (a compiled step:
+        no recompilation when the warm-up changes it): exactly ``s`` when the step is skipped (the weights it
+        was skipped for are finite)."""
+        pairs = [(self.shadow[n], p.detach()) for n, p in model.named_parameters() if n in self.shadow]
+        shadows, params = [s for s, _ in pairs], [p for _, p in pairs]
         diffs = torch._foreach_sub(params, shadows)
-        torch._foreach_mul_(diffs, (~skip).to(torch.float64) * weight)
+        torch._foreach_mul_(diffs, (~skip).to(weight.dtype) * weight)
         torch._foreach_add_(shadows, diffs)
 
     def state_dict(self) -> dict[str, Tensor]:

@@ -26,6 +26,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from loopformer.models.base import ModelOutput
+from loopformer.train.metrics import last_finite
+
 QUANTITIES = ("loss", "state norm", "gradient norm")
 
 
@@ -65,11 +68,15 @@ class DivergenceCheck:
 
     def check(self, step: int, loss: Tensor, state_norm: Tensor, grad_norm: Tensor) -> Tensor:
         """Whether step ``step`` (0-based) may update (a 0-dim bool tensor): no step so far has failed."""
+        return self.check_tensor(torch.full_like(self.first[0], step), loss, state_norm, grad_norm)
+
+    def check_tensor(self, step: Tensor, loss: Tensor, state_norm: Tensor, grad_norm: Tensor) -> Tensor:
+        """``check`` with the step as a 0-dim tensor (a compiled step: a new step does not recompile)."""
         values = torch.stack([loss.double(), state_norm.double(), grad_norm.double().to(loss.device)])
         bad = ~torch.isfinite(values) | (values > self.limits)
         which = torch.argmax(bad.to(torch.int32))  # the first failed quantity, in QUANTITIES' order
         worst = values.gather(0, which.reshape(1)).reshape(())  # a tensor index: no host read
-        record = torch.stack([torch.full_like(values[0], step), which.double(), worst])
+        record = torch.stack([step.double().to(values.device), which.double(), worst])
         self.first = torch.where(bad.any() & (self.first[0] < 0), record, self.first)
         return self.first[0] < 0
 
@@ -130,3 +137,19 @@ class StepMeter:
             self.carried = {k: float(v) for k, v in state["sums"].items()}
             self.counts = {k: int(v) for k, v in state["counts"].items()}
             self.host = dict(state["host"])
+
+
+def loop_metrics(out: ModelOutput) -> dict[str, Tensor]:
+    """Mean loop steps, last finite residual and converged fraction of a forward's loop, and with the
+    implicit gradient (``ift``) the backward solve's mean iterations and largest final residual (device
+    tensors; the backward ran inside this step)."""
+    if out.loop is None:
+        return {}
+    metrics = {"loop_steps": out.loop.steps.float().mean()}
+    if out.loop.residuals is not None and out.loop.residuals.numel():
+        metrics["residual"] = torch.nanmean(last_finite(out.loop.residuals.detach().float()))
+    metrics["converged"] = out.loop.converged.float().mean()
+    if "ift_steps" in out.loop.stats:
+        metrics["ift_steps"] = out.loop.stats["ift_steps"].float().mean()
+        metrics["ift_residual"] = out.loop.stats["ift_residual"].float().nan_to_num(nan=0.0).amax()
+    return metrics

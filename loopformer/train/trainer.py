@@ -55,23 +55,26 @@ from loopformer.train.losses import (
     sequence_loss,
     wide,
 )
-from loopformer.train.metrics import RunLog, last_finite
+from loopformer.train.metrics import RunLog
 from loopformer.train.modes import SegmentBatch, TrainingMode, make_training_mode
-from loopformer.train.optim import EMA, set_lr, skip_step
+from loopformer.train.optim import EMA, set_lr
 from loopformer.train.progress import TrainProgress
 from loopformer.train.seeding import SALT_INIT, SALT_JAC, seed_everything, step_generator
 from loopformer.train.setup import (
     build_data,
+    compile_on,
     configure_process,
+    fast_cuda_settings,
     lr_for,
     make_curriculum,
     make_optimizer,
     prepare_model,
     set_cpu_threads,
 )
-from loopformer.train.step_metrics import DivergenceCheck, StepMeter, StepMetrics
+from loopformer.train.step_metrics import DivergenceCheck, StepMeter, StepMetrics, loop_metrics
 from loopformer.train.stop import StopSignals, TrainingInterrupted
 from loopformer.train.strategy import Strategy, make_strategy
+from loopformer.train.update import TrainerUpdate
 
 log = logging.getLogger("loopformer.train")
 
@@ -85,7 +88,7 @@ class TrainingDivergedError(RuntimeError):
         self.step, self.quantity, self.value, self.checkpoint = step, quantity, value, checkpoint
 
 
-class Trainer(TrainerEvaluation):
+class Trainer(TrainerEvaluation, TrainerUpdate):
     """Train ``config``'s model on its task; ``fit()`` returns a summary dict.
 
     ``model``, ``task``, ``train_data`` and ``eval_data`` override what the config would build
@@ -132,6 +135,8 @@ class Trainer(TrainerEvaluation):
         # built after wrapping: FSDP2 turns the parameters into shards
         self.optimizer = make_optimizer(self.model, tc)
         self.params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        fast_cuda_settings(config, self.device)
+        self.compiled = self._compile() if compile_on(config, self.device) else None
         self.ema = EMA(self.model, tc.ema, tc.ema_warmup, tc.ema_puzzle_embeddings) if tc.ema > 0 else None
         # lock the folder; a fresh run never destroys a previous one (loopformer.runs.folder)
         self.progress = TrainProgress(False, 0, 0, 1)  # fit() replaces it with the run's console output
@@ -310,37 +315,19 @@ class Trainer(TrainerEvaluation):
         lr = lr_for(self.curriculum.schedule_step(self.step) if self.curriculum else self.step, tc)
         set_lr(self.optimizer, lr)
         batch = self.mode.batch(self.step)
-        self.optimizer.zero_grad(set_to_none=True)
-        # forward + backward, as train.grad_accum_steps micro-batches (loopformer.train.accumulate)
-        res = accumulate.run_micro_steps(self, batch, self.accum_steps)
-        state_rms = res.out.state.detach().float().pow(2).flatten(1).mean(1).sqrt().mean()
-        # every rank takes the same decision: the loss and state norm averaged over ranks (on the device),
-        # with the ranks' stop flags (SIGTERM / SIGINT under torchrun) in the same all-reduce
-        voted = self.strategy.mean_tensor(
-            torch.stack([res.loss.detach().double(), state_rms.double(), self.stop.flag(self.device)])
-        )
-        self.stop.vote(voted[2])
-        grad_norm = self.strategy.clip_grad_norm(self.params, tc.grad_clip)
-        skip = ~self.guard.check(self.step, voted[0], voted[1], grad_norm)
-        skip_step(
-            self.optimizer, skip
-        )  # decided on the device: a failed step leaves the weights as they were
-        self.optimizer.step()
-        if self.ema is not None:
-            self.ema.update(self.model, self.step, skip)
-        token_acc, exact_acc = res.acc.rates()
+        res, out = self._compiled_update(batch, lr) if self.compiled is not None else self._update(batch)
         metrics: dict[str, Any] = {
             "step": self.step + 1,
-            "loss": voted[0],  # the mean over ranks (under torchrun)
-            **{k: v.detach() for k, v in res.parts.items()},
-            "token_acc": token_acc,
-            "exact_acc": exact_acc,
+            "loss": res["loss"],
+            **res["parts"],
+            "token_acc": res["token_acc"],
+            "exact_acc": res["exact_acc"],
             "lr": lr,
-            "grad_norm": grad_norm,
-            "state_norm": state_rms,
-            **_loop_metrics(res.out),
+            "grad_norm": res["grad_norm"],
+            "state_norm": res["state_norm"],
+            **loop_metrics(out),
             **batch.metrics,
-            **self.mode.after_step(batch, res.out, self.step),
+            **self.mode.after_step(batch, out, self.step),
         }
         if self.curriculum is not None:
             metrics["level"] = self.curriculum.level
@@ -499,19 +486,3 @@ class Trainer(TrainerEvaluation):
         }
         self.log.write_summary(summary)
         return summary
-
-
-def _loop_metrics(out: ModelOutput) -> dict[str, Tensor]:
-    """Mean loop steps, last finite residual and converged fraction of a forward's loop, and with the
-    implicit gradient (``ift``) the backward solve's mean iterations and largest final residual (device
-    tensors; the backward ran inside this step)."""
-    if out.loop is None:
-        return {}
-    metrics = {"loop_steps": out.loop.steps.float().mean()}
-    if out.loop.residuals is not None and out.loop.residuals.numel():
-        metrics["residual"] = torch.nanmean(last_finite(out.loop.residuals.detach().float()))
-    metrics["converged"] = out.loop.converged.float().mean()
-    if "ift_steps" in out.loop.stats:
-        metrics["ift_steps"] = out.loop.stats["ift_steps"].float().mean()
-        metrics["ift_residual"] = out.loop.stats["ift_residual"].float().nan_to_num(nan=0.0).amax()
-    return metrics
