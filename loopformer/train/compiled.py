@@ -41,6 +41,8 @@ MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagrap
 def why_not_whole(trainer: Trainer) -> str | None:
     """Why ``trainer``'s step cannot be compiled as one region (None: it can)."""
     tc = trainer.config.train
+    if not hasattr(torch._dynamo.config, "trace_autograd_ops"):
+        return f"torch {torch.__version__} (tracing torch.autograd.grad into the graph needs torch >= 2.11)"
     if trainer.strategy.env.enabled:
         return "a multi-process strategy (DDP / FSDP wrap the model with their own hooks)"
     if trainer.accum_steps > 1:

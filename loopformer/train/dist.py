@@ -5,8 +5,9 @@ gets ``DistEnv(rank=0, world_size=1)`` and every helper is then a no-op or the i
 
 - ``env_from_environ`` / ``setup`` / ``shutdown``: rank, world size and local rank from the
   torchrun environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
-  ``MASTER_ADDR`` / ``MASTER_PORT``); backend ``nccl`` on CUDA (device ``cuda:LOCAL_RANK``),
-  ``gloo`` on CPU; ``shutdown`` destroys the process group the trainer created.
+  ``MASTER_ADDR`` / ``MASTER_PORT``); backend ``nccl`` on CUDA (device ``cuda:LOCAL_RANK``, passed as
+  ``init_process_group(device_id=)``), ``gloo`` on CPU; ``shutdown`` destroys the process group the trainer
+  created.
 - ``all_reduce_mean`` (metrics), ``all_reduce_max``, ``all_gather_rows`` (the deep-supervision
   carry, gathered to one global carry for the checkpoint), ``barrier``.
 - ``shard``: rank ``r`` of ``w`` takes rows ``[r * B / w, (r + 1) * B / w)`` of each global
@@ -136,6 +137,8 @@ def setup(device: str = "auto", timeout_s: float = 600.0) -> tuple[DistEnv, torc
             rank=env.rank,
             world_size=env.world_size,
             timeout=datetime.timedelta(seconds=timeout_s),
+            # bound to this rank's GPU: NCCL connects eagerly and barriers know their device
+            device_id=dev if use_cuda else None,
         )
         created = True
     return env, dev, created

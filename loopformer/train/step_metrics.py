@@ -152,4 +152,6 @@ def loop_metrics(out: ModelOutput) -> dict[str, Tensor]:
     if "ift_steps" in out.loop.stats:
         metrics["ift_steps"] = out.loop.stats["ift_steps"].float().mean()
         metrics["ift_residual"] = out.loop.stats["ift_residual"].float().nan_to_num(nan=0.0).amax()
+        if "ift_capped" in out.loop.stats:
+            metrics["ift_capped"] = out.loop.stats["ift_capped"].float().mean()
     return metrics
