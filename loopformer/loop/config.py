@@ -41,8 +41,12 @@ from loopformer.loop.norms import RESIDUAL_NORMS
 from loopformer.loop.registry import NoOptions
 
 STATE_DTYPES: dict[str, Any] = {"auto": None, "float32": "float32", "bfloat16": "bfloat16"}
-# LoopConfig.sync_every's default (evaluation loops); chosen by measurement, see docs/performance.md (sync rows)
-SYNC_EVERY = 1
+# LoopConfig.sync_every = -1 (auto, the default): on the CPU a host read costs nothing, so 1 (the per-step
+# path); on a GPU every SYNC_EVERY_CUDA iterations: the largest k whose extra map evaluations (finished rows
+# carried until the next read) stay within 10% on the benchmarked evaluation loops (benchmarks/bench_sync.py,
+# the sync rows of docs/performance.md)
+SYNC_AUTO = -1
+SYNC_EVERY_CUDA = 4
 
 
 @dataclass
@@ -64,8 +68,9 @@ class LoopConfig:
     # compaction at once); k > 1 = halting is decided on the device, finished rows are frozen with torch.where
     # and the host reads once every k iterations (then drops the finished rows with compaction); 0 = never:
     # the loop runs to max_steps without a host read (training loops: RunConfig.loop_config sets 0 for
-    # loop_train unless a recipe says otherwise). Results are identical for every k (tests/test_loop_sync.py).
-    sync_every: int = SYNC_EVERY
+    # loop_train unless a recipe says otherwise); -1 = auto: 1 on the CPU, SYNC_EVERY_CUDA on a GPU.
+    # Results are identical for every k (tests/test_loop_sync.py).
+    sync_every: int = SYNC_AUTO
     # the loop state's precision (STATE_DTYPES): auto = as the model gives it (float32 under bf16 autocast);
     # bfloat16 = the FPRM reference's (nilskiKonjIzDunava/fprm FixedPointOptimizer): the iterate, the
     # injected context and every step's output are cast to bf16, the residual and the damped solver's step
@@ -139,7 +144,7 @@ class LoopConfig:
         _integer("max_steps", self.max_steps, 1)
         _integer("min_steps", self.min_steps, 0)
         _integer("grad_steps", self.grad_steps, 0)
-        _integer("sync_every", self.sync_every, 0)
+        _integer("sync_every", self.sync_every, SYNC_AUTO)
         if self.min_steps > self.max_steps:
             raise ValueError(f"LoopConfig.min_steps={self.min_steps} exceeds max_steps={self.max_steps}")
         for name in ("tol", "diverge_threshold"):

@@ -234,7 +234,7 @@ def _run_deferred(lp: LoopState) -> int:
     """Halting decided on the device (``loopformer.loop.deferred``): finished rows are frozen and their
     results recorded; the host reads once every ``sync_every`` iterations (0: never) whether any row still
     runs, and with compaction drops the finished ones then."""
-    cfg, every, t = lp.cfg, lp.cfg.sync_every, 0
+    cfg, every, t = lp.cfg, lp.sync_every, 0
     rec = Finished(lp)
     longest = cfg.max_steps  # iterations the per-step path would have run (the traces' length)
     for t in range(cfg.max_steps):

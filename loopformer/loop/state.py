@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from loopformer.loop.config import LoopConfig
+from loopformer.loop.config import SYNC_AUTO, SYNC_EVERY_CUDA, LoopConfig
 from loopformer.loop.grad import GRADS, select_rows
 from loopformer.loop.halting import HALTINGS
 from loopformer.loop.norms import residual_into, residual_lowp_into
@@ -118,8 +118,12 @@ class LoopState:
         self.grad.start(self.step, z0, ctx, self.grad_on)
         # halting decided on the device (loopformer.loop.deferred); with sync_every 0 no row ever leaves the
         # batch, so the history is written in place (no segment buffers: static shapes)
-        self.deferred = cfg.sync_every != 1 and callback is None and not self.grad.records
-        segmented = cfg.compaction and not (self.deferred and cfg.sync_every == 0)
+        every = cfg.sync_every
+        if every == SYNC_AUTO:  # a host read costs nothing on the CPU; on a GPU it stalls the queue
+            every = SYNC_EVERY_CUDA if z0.is_cuda else 1
+        self.sync_every = every
+        self.deferred = every != 1 and callback is None and not self.grad.records
+        segmented = cfg.compaction and not (self.deferred and every == 0)
         self.history = History(cfg.max_steps if self.track else 0, b, self.rdtype, device, segmented)
 
     def set_grad(self, t: int) -> None:
