@@ -72,7 +72,7 @@ def accuracy_rows(tmp: Path, quick: bool) -> tuple[list[Result], dict]:
 
     from benchmarks.bench_halting import trained_model
 
-    tr = _trainer(tmp, "ift")
+    tr = _trainer(tmp, "ift", *(["model.d_model=32"] if quick else []))  # the width of bench_halting's model
     tr.folder.close()
     trained, _cfg, _now, seconds = trained_model(quick)  # the halting benchmark's FPRM (cached)
     tr.model.load_state_dict(trained.state_dict())

@@ -146,9 +146,7 @@ class Trainer(TrainerEvaluation, TrainerUpdate):
         self.last_checkpoint: Path | None = None
         self.resumed_from: Path | None = None
         self.resumed_origin: Path | None = None  # the other run a resume branched from (origin.json)
-        self.config_changes: dict[
-            str, Any
-        ] = {}  # what --allow-config-change let differ (config_changes.jsonl)
+        self.config_changes: dict[str, Any] = {}  # what --allow-config-change let differ (config_changes.jsonl)
         self.last_metrics: dict[str, Any] = {}
         self.last_eval: dict[str, Any] = {}
         self.best = BestTracker(tc.keep_best, tc.keep_best_mode)
@@ -158,6 +156,10 @@ class Trainer(TrainerEvaluation, TrainerUpdate):
         # SIGTERM / SIGINT: finish the step, checkpoint, unlock, say how to resume (loopformer.train.stop);
         # under torchrun every rank installs them and the ranks agree through the step's all-reduce
         self.stop = StopSignals(distributed=self.strategy.env.enabled)
+        self._resume_if_asked(tc)
+
+    def _resume_if_asked(self, tc: Any) -> None:
+        """Continue from ``train.resume``'s checkpoint when one is asked for; on any failure unlock the folder."""
         try:
             folder = resume.resume_folder(tc.resume, self.ckpt_dir)
             if folder is not None:
