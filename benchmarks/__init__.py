@@ -7,4 +7,4 @@ Each module ``bench_*.py`` exposes ``run(quick: bool) -> list[Result]`` (``bench
 """
 
 BENCHMARKS = ("engine", "flops", "memory", "halting", "solvers", "compile", "generation", "data", "reference",
-              "startup", "threads", "inference")
+              "startup", "threads", "inference", "host_reads", "step_compile", "sync", "ift")

@@ -365,10 +365,56 @@ def attractor_result(quick: bool, have_tdq: bool) -> Result:
     return result
 
 
+def broyden_results(quick: bool, have_tdq: bool) -> list[Result]:
+    """Issue 33: loopformer's Broyden (bounded memory, m 16) against TorchDEQ's (memory = the iteration cap)
+    in map evaluations per sample, one row per case of the linear problems above (symmetric, spectrum spanning
+    [-rho, rho]: rho 0.9 / 0.99, tol 1e-3 / 1e-6, seed 0); seeds 1..7 of the same family in the details."""
+    out = []
+    cases = [(0.9, 1e-3)] if quick else [(rho, tol) for rho in (0.9, 0.99) for tol in (1e-3, 1e-6)]
+    d, b = (16, 2) if quick else (128, 8)
+    for rho, tol in cases:
+        ratios = {}
+        for seed in range(1 if quick else 8):
+            w, x, *_ = linear_problem(d, b, rho, seed=seed)
+
+            def step(z, x_, w=w):
+                return z @ w.T + x_
+
+            z0 = torch.zeros(b, d, dtype=DT)
+            lf = _once(lambda f, z, xx, t=tol: lf_solve(f, z, xx, "broyden", t, 5000), step, z0, x, None)
+            if not have_tdq:
+                break
+            tdq = _once(lambda f, z, xx, t=tol: tdq_solve(f, z, xx, "broyden", t, 5000), step, z0, x, None)
+            ratios[seed] = (lf["map_evals_per_sample"], tdq["map_evals_per_sample"])
+        name = f"solvers.broyden_vs_torchdeq.rho{rho}_tol{tol:g}"
+        if not have_tdq:
+            out.append(
+                Result("solvers", name, None, "x", "<= 1", None, "skipped: torchdeq is not importable")
+            )
+            continue
+        lf0, tdq0 = ratios[0]
+        others = {k: round(a / c, 3) for k, (a, c) in ratios.items() if k}
+        worst = f"; seeds 1-7: worst {max(others.values()):.3f}" if others else ""
+        out.append(
+            Result(
+                "solvers",
+                name,
+                lf0 / tdq0,
+                "x",
+                "<= 1",
+                lf0 <= tdq0,
+                f"map evaluations per sample: loopformer broyden {lf0:g}, TorchDEQ broyden {tdq0:g}{worst}",
+                {"map_evals": {str(k): v for k, v in ratios.items()}, "other_seeds_ratio": others},
+            )  # fmt: skip
+        )
+    return out
+
+
 def run(quick: bool = False) -> list[Result]:
     have_tdq = torchdeq_version() is not None
     results = linear_results(quick, have_tdq)
     results.append(ift_result(results))
+    results += broyden_results(quick, have_tdq)
     results.append(model_result(quick, have_tdq))
     results.append(attractor_result(quick, have_tdq))
     for r in results:

@@ -1,49 +1,47 @@
-"""GPU benchmark: paper-size FPRM training throughput and model FLOP utilisation (CUDA only).
+"""GPU benchmark: the real ``loopformer train`` step of the paper recipes, throughput and MFU (CUDA only).
 
-    python benchmarks/gpu.py [--batch 768] [--steps 20] [--loops 6] [--no-compile] [--peak-tflops 989]
+    python benchmarks/gpu.py [--recipes paper_sudoku_extreme_fprm,...] [--steps 200] [--warmup 20]
+                             [--peak-tflops 989] [--out benchmarks/gpu.json]
 
-FPRM as in the paper (arXiv 2606.18206; ``loopformer.models.fprm.paper_config``): d 512, 8 heads,
-2 pre-norm blocks, SwiGLU x4, RoPE, 2-D depthwise conv on the 9x9 grid, Sudoku length 81, about 6.4M
-parameters, global batch 768. One training step = one deep-supervision segment: K = 6 damped
-iterations all with gradient (truncated BPTT), stablemax-free plain CE on the readout, backward,
-AdamW step. Run with bf16 autocast, SDPA restricted to the flash kernel, and ``torch.compile`` of
-the looped body (``model.step``, as the trainer compiles it).
-Reports tokens/s (batch x 81 / step time), FLOPs per step (``FlopCounterMode`` on one eager step)
-and MFU = achieved FLOP/s / peak (H200 bf16 dense: 989 TFLOP/s). Writes one JSON object to stdout
-and to ``--out`` (default benchmarks/gpu.json). Exits with status 2 and a one-line message when
-CUDA is not available. Self-contained (imports only loopformer), so it runs as a script.
+For each recipe (default: ``paper_sudoku_extreme_fprm``, ``paper_sudoku_extreme_trm``, ``paper_maze_hard_fprm``)
+a ``loopformer.train.Trainer`` is built from the recipe as it stands (paper size, batch 768, bf16, ``compile:
+auto`` = the whole step compiled, EMA, the deep-supervision carry, the divergence check, device metrics read
+every ``train.log_every`` steps), on random tokens of the task's shape (the recipes' data files are not needed:
+what a step costs does not depend on the token values). It times ``--steps`` calls of ``Trainer.train_step`` +
+the step metrics' accumulation, as ``Trainer.fit`` runs them, after ``--warmup`` steps (compilation happens
+there), synchronising only at the ends (host reads as in a real run: one per logged record). FLOPs per step
+are measured with ``torch.utils.flop_counter.FlopCounterMode`` on one eager step of the same trainer; MFU =
+FLOPs per step / step time / the device's bf16 dense peak (looked up by name, or ``--peak-tflops``). Also
+reported: tokens/s, the compile and warm-up time, the peak memory beside ``--plan``'s estimate. One JSON
+object to stdout and ``--out``. Exits with status 2 and one line when CUDA is not available.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
-H200_BF16_DENSE_TFLOPS = 989.0
+RECIPES = ("paper_sudoku_extreme_fprm", "paper_sudoku_extreme_trm", "paper_maze_hard_fprm")
+# bf16 dense peak TFLOP/s by device name (vendor data sheets; dense, no sparsity)
+PEAKS = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "A100": 312.0, "A800": 312.0, "L40S": 362.0,
+         "L40": 181.0, "A10": 125.0, "4090": 165.0, "B200": 2250.0}  # fmt: skip
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--batch", type=int, default=768)
-    p.add_argument("--steps", type=int, default=20, help="timed training steps")
-    p.add_argument("--warmup", type=int, default=5, help="untimed steps first (compilation happens here)")
-    p.add_argument("--loops", type=int, default=6, help="iterations per segment (K)")
-    p.add_argument("--grad-steps", type=int, default=6, help="differentiable final iterations")
-    p.add_argument("--no-compile", action="store_true", help="eager mode")
+    p.add_argument("--recipes", default=",".join(RECIPES), help="comma-separated recipe names")
+    p.add_argument("--steps", type=int, default=200, help="timed training steps per recipe")
+    p.add_argument("--warmup", type=int, default=20, help="untimed steps first (compilation happens here)")
     p.add_argument(
-        "--sdpa", choices=("flash", "auto"), default="flash", help="restrict SDPA to the flash kernel"
+        "--peak-tflops", type=float, default=None, help="bf16 dense peak (default: by device name)"
     )
-    p.add_argument(
-        "--peak-tflops", type=float, default=H200_BF16_DENSE_TFLOPS, help="bf16 dense peak of the GPU"
-    )
+    p.add_argument("--set", action="append", default=[], help="extra KEY=VALUE overrides for every recipe")
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().with_name("gpu.json"))
     return p.parse_args(argv)
 
@@ -58,103 +56,96 @@ def require_cuda() -> None:
         raise SystemExit(2)
 
 
+def device_peak(name: str, given: float | None) -> float | None:
+    if given is not None:
+        return given
+    return next((v for k, v in PEAKS.items() if k in name), None)
+
+
+def random_rows(task, rows: int, seed: int = 0):
+    """``rows`` examples of ``task``'s shape with random tokens (labels: random non-pad tokens)."""
+    import numpy as np
+
+    from loopformer.tasks.base import TokenDataset
+
+    rng = np.random.default_rng(seed)
+    T, V = int(task.seq_len), int(task.vocab_size)
+    inputs = rng.integers(0, V, size=(rows, T))
+    labels = rng.integers(1, V, size=(rows, T))
+    pids = np.zeros(rows, dtype=np.int64) if getattr(task, "num_puzzle_ids", 0) else None
+    return TokenDataset(inputs, labels, np.zeros(rows), puzzle_ids=pids)
+
+
+def bench_recipe(name: str, args: argparse.Namespace, tmp: Path) -> dict:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from loopformer.config import load_config
+    from loopformer.runs import run_task
+    from loopformer.train import Trainer
+    from loopformer.train.plan import make_plan
+
+    over = ["device=cuda", "train.progress=false", "train.eval_every=0", "train.checkpoint_every=0",
+            "~data.train_path", "~data.eval_path", f"out_dir={tmp / name}", *args.set]  # fmt: skip
+    cfg = load_config(name, over)
+    task = run_task(cfg.data)
+    batch = cfg.train.batch_size
+    tr = Trainer(
+        cfg, task=task, train_data=random_rows(task, 4 * batch), eval_data=random_rows(task, 8, seed=1)
+    )
+    compiled = tr.compiled
+    tr.compiled = None  # one eager step under the FLOP counter (it sees every matmul, attention, conv)
+    with FlopCounterMode(display=False) as counter:
+        tr.meter.add(tr.train_step())
+    tr.step += 1
+    flops = int(counter.get_total_flops())
+    tr.compiled = compiled
+
+    def steps(n: int) -> float:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(n):
+            tr.meter.add(tr.train_step())
+            tr.step += 1
+            if tr.step % cfg.train.log_every == 0:
+                tr.read_metrics()  # the one host read per logged record, as fit() makes it
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    warmup_s = steps(args.warmup)
+    torch.cuda.reset_peak_memory_stats()
+    seconds = steps(args.steps)
+    record = tr.read_metrics()
+    tr.folder.close()
+    step_s = seconds / args.steps
+    peak = device_peak(torch.cuda.get_device_name(0), args.peak_tflops)
+    plan, _ = make_plan(load_config(name, ["~data.train_path", "~data.eval_path"]), 1,
+                        torch.cuda.get_device_properties(0).total_memory)  # fmt: skip
+    return {
+        "recipe": name, "batch": batch, "seq_len": int(task.seq_len), "parameters": tr.model.num_parameters(),
+        "compiled_whole_step": compiled is not None, "compile_mode": cfg.compile_mode,
+        "warmup_steps": args.warmup, "warmup_s": round(warmup_s, 1), "timed_steps": args.steps,
+        "step_ms": round(1000 * step_s, 3), "tokens_per_s": round(batch * int(task.seq_len) / step_s, 1),
+        "flops_per_step": flops, "achieved_tflops": round(flops / step_s / 1e12, 2), "peak_tflops": peak,
+        "mfu": None if peak is None else round(flops / step_s / (peak * 1e12), 4),
+        "max_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+        "plan_peak_gib": round(plan.peak(plan.rows_per_gpu) / 2**30, 2), "loss": record.get("loss"),
+    }  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     require_cuda()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    from torch.utils.flop_counter import FlopCounterMode
-
-    from loopformer.loop import LoopConfig
-    from loopformer.models.fprm import FPRM, paper_config
-    from loopformer.nn import trunc_normal_state
-
-    torch.backends.cuda.matmul.allow_tf32 = True
-    torch.backends.cudnn.allow_tf32 = True
-    device = torch.device("cuda")
-    torch.manual_seed(0)
-    model = FPRM(paper_config()).to(device)
-    params = model.num_parameters()
-    loop = LoopConfig(
-        solver="damped",
-        damp_gamma=0.9,
-        damp_patience=5,
-        halting="fixed",
-        max_steps=args.loops,
-        residual_norm="rel_sup",
-        grad="truncated",
-        grad_steps=args.grad_steps,
-        trace=False,
-    )
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=1e-3, fused=True)
-    g = torch.Generator(device=device).manual_seed(0)
-    seq = model.config.seq_len
-    inputs = torch.randint(0, 11, (args.batch, seq), device=device, generator=g)
-    labels = torch.randint(1, 11, (args.batch, seq), device=device, generator=g)
-    z0 = trunc_normal_state((args.batch, seq, model.config.d_model), 6.0, device=device, generator=g)
-
-    def kernel_ctx():
-        if args.sdpa == "flash":
-            return sdpa_kernel(SDPBackend.FLASH_ATTENTION)
-        return contextlib.nullcontext()
-
-    def train_step() -> torch.Tensor:
-        with kernel_ctx(), torch.autocast("cuda", dtype=torch.bfloat16):
-            out = model(inputs, loop=loop, state=z0)
-            loss = F.cross_entropy(out.logits.float().flatten(0, 1), labels.flatten())
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.detach()
-
-    with FlopCounterMode(display=False) as counter:  # eager: the counter sees every matmul / attention
-        train_step()
-    flops = int(counter.get_total_flops())
-
-    compile_error = None
-    if not args.no_compile:
-        try:
-            model.step = torch.compile(model.step)  # type: ignore[method-assign]
-        except Exception as err:
-            compile_error = f"{type(err).__name__}: {err}"
-    start = time.perf_counter()
-    for _ in range(args.warmup):
-        train_step()
-    torch.cuda.synchronize()
-    warmup_s = time.perf_counter() - start
-    torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(args.steps):
-        t0 = time.perf_counter()
-        loss = train_step()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    step_s = statistics.median(times)
-    achieved = flops / step_s
-    result = {
-        "gpu": torch.cuda.get_device_name(0),
-        "torch": torch.__version__,
-        "parameters": params,
-        "batch": args.batch,
-        "seq_len": seq,
-        "loops": args.loops,
-        "grad_steps": args.grad_steps,
-        "compiled": not args.no_compile and compile_error is None,
-        "compile_error": compile_error,
-        "sdpa": args.sdpa,
-        "warmup_s": round(warmup_s, 2),
-        "step_ms_median": round(1000 * step_s, 3),
-        "step_ms_min": round(1000 * min(times), 3),
-        "tokens_per_s": round(args.batch * seq / step_s, 1),
-        "flops_per_step": flops,
-        "achieved_tflops": round(achieved / 1e12, 2),
-        "peak_tflops": args.peak_tflops,
-        "mfu": round(achieved / (args.peak_tflops * 1e12), 4),
-        "max_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
-        "final_loss": float(loss),
-    }
-    text = json.dumps(result, indent=2)
-    print(text)
-    args.out.write_text(text + "\n")
+    result = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "cuda": torch.version.cuda,
+              "recipes": []}  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in [r for r in args.recipes.split(",") if r]:
+            try:
+                row = bench_recipe(name, args, Path(tmp))
+            except Exception as err:  # a recipe that fails is reported, the others still run
+                row = {"recipe": name, "error": f"{type(err).__name__}: {str(err).strip()[:500]}"}
+            result["recipes"].append(row)
+            print(json.dumps(row), flush=True)
+            args.out.write_text(json.dumps(result, indent=2) + "\n")  # written as it goes
     return result
 
 

@@ -1,5 +1,6 @@
 """Where evaluation runs: ``--device auto|cpu|cuda|cuda:N`` of ``loopformer eval``, ``solve`` and ``run``,
-and the ``device=`` argument of ``loopformer.load``.
+and the ``device=`` argument of ``loopformer.load``; and ``HostReads``, which counts the places where the
+host waits for the device's values.
 
 ``auto`` is CUDA when torch sees a GPU, else the CPU (what training does).  ``cuda:N`` must name a GPU
 torch can see.  Precision follows the run: a run trained with ``bf16`` (``auto``: on CUDA; ``true``: on
@@ -8,9 +9,12 @@ every device, the CPU included) is evaluated under the same bf16 autocast (``loo
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 DEVICE_HELP = "auto (CUDA when present, else CPU), cpu, cuda or cuda:N"
 
@@ -47,3 +51,66 @@ def device_option() -> Any:
     return click.option(
         "--device", default="auto", show_default=True, help=f"where to evaluate: {DEVICE_HELP}"
     )
+
+
+# aten ops whose result the host needs before it can go on (a GPU would be synchronised): a scalar read, and
+# the ops whose output shape depends on the values (the host must learn the shape)
+HOST_READ_OPS = frozenset(
+    {
+        "_local_scalar_dense", "item", "is_nonzero", "equal", "allclose", "nonzero", "masked_select",
+        "unique", "_unique", "_unique2", "unique_dim", "unique_consecutive", "repeat_interleave",
+        "bincount", "histc", "_assert_scalar",
+    }
+)  # fmt: skip
+# Tensor methods that copy values to the host outside aten (on a CPU tensor they dispatch nothing)
+HOST_READ_METHODS = frozenset({"tolist", "numpy", "cpu"})
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self, counts: Counter) -> None:
+        super().__init__()
+        self.counts = counts
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        name = func.overloadpacket.__name__
+        if name in HOST_READ_OPS and not (name == "repeat_interleave" and (kwargs or {}).get("output_size")):
+            self.counts[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+class _Methods(TorchFunctionMode):
+    def __init__(self, counts: Counter) -> None:
+        super().__init__()
+        self.counts = counts
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        name = getattr(func, "__name__", "")
+        if name in HOST_READ_METHODS:
+            self.counts[f"Tensor.{name}"] += 1
+        return func(*args, **(kwargs or {}))
+
+
+class HostReads:
+    """Count host reads inside a ``with`` block: the aten ops of ``HOST_READ_OPS`` (``float(t)``, ``int(t)``,
+    ``bool(t)`` and ``.item()`` are ``_local_scalar_dense``; ``nonzero`` and boolean indexing need the count on
+    the host) and the Tensor methods ``tolist`` / ``numpy`` / ``cpu``. On a GPU each of them stalls the CPU
+    until the device has caught up, so the CPU cannot queue the next kernels. Counted on any device (on the
+    CPU nothing stalls, but the same code on a GPU would): ``counts`` by name, ``total``. A ``.cpu()`` of a
+    tensor that is already on the host counts too (the counter cannot know where it would live on a GPU)."""
+
+    def __init__(self) -> None:
+        self.counts: Counter = Counter()
+        self._modes = (_Ops(self.counts), _Methods(self.counts))
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    def __enter__(self) -> HostReads:
+        for mode in self._modes:
+            mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for mode in reversed(self._modes):
+            mode.__exit__(*exc)

@@ -8,6 +8,9 @@ so a new plug-in is covered as soon as it is registered; a combination that ``Lo
 (e.g. ACT halting with a non-Picard solver) is left out at collection. Solvers and halting rules
 are crossed on the fixed-point families (FPRM, Attractor); the others run their own loop.
 
+The first case of each family with its own loop carries the id prefix ``smoke-``: tools/gpu_check.sh runs those
+(``-k smoke``) in its default check and the whole grid with ``--full``.
+
 Tolerances (the CPU float32 run is the oracle): CUDA float32 (TF32 off) logits and final state to
 atol 1e-4 / rtol 1e-3, gradients rtol 1e-3 in norm; bf16 autocast logits within 5e-2 relative
 (Frobenius) of the float32 ones and finite gradients; compiled within 1e-4 of eager CUDA float32.
@@ -47,8 +50,15 @@ def _cases() -> list:
                 combos = [(s, h) for s in SOLVERS.names() for h in HALTINGS.names()]
             for solver, halting in combos:
                 if _valid(name, solver=solver, halting=halting, grad=grad):
+                    # the family's own loop is its smoke case (tools/gpu_check.sh runs -k smoke by default)
+                    own = (solver, halting, grad) == (default.solver, default.halting, default.grad)
+                    prefix = (
+                        "smoke-" if own and not any(name in c.id for c in cases if "smoke" in c.id) else ""
+                    )
                     cases.append(
-                        pytest.param(name, solver, halting, grad, id=f"{name}-{solver}-{halting}-{grad}")
+                        pytest.param(
+                            name, solver, halting, grad, id=f"{prefix}{name}-{solver}-{halting}-{grad}"
+                        )
                     )
     return cases
 

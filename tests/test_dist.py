@@ -64,7 +64,10 @@ def _entry(rank: int, world: int, port: int, fn, args: tuple) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     tdist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
         timeout=datetime.timedelta(seconds=120),
     )
     try:
@@ -75,8 +78,9 @@ def _entry(rank: int, world: int, port: int, fn, args: tuple) -> None:
 
 def run_ranks(fn, *args, world: int = 2, timeout: float = 120.0) -> None:
     """Run ``fn(rank, world, *args)`` in ``world`` spawned gloo processes; re-raise a rank's failure."""
-    ctx = mp.start_processes(_entry, args=(world, _free_port(), fn, args), nprocs=world, join=False,
-                             start_method="spawn")
+    ctx = mp.start_processes(
+        _entry, args=(world, _free_port(), fn, args), nprocs=world, join=False, start_method="spawn"
+    )
     deadline = time.monotonic() + timeout
     while not ctx.join(timeout=5):
         if time.monotonic() > deadline:
@@ -101,9 +105,23 @@ def _flat_params(model: torch.nn.Module) -> Tensor:
 # --------------------------------------------------------------------------------------------
 def test_env_from_environ_reads_torchrun_and_rejects_bad_values() -> None:
     assert dist.env_from_environ({}) == dist.DistEnv()
-    env = dist.env_from_environ({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
-                                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"})
-    assert (env.rank, env.world_size, env.local_rank, env.local_world_size, env.is_main) == (3, 4, 1, 2, False)
+    env = dist.env_from_environ(
+        {
+            "RANK": "3",
+            "WORLD_SIZE": "4",
+            "LOCAL_RANK": "1",
+            "LOCAL_WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": "29500",
+        }
+    )
+    assert (env.rank, env.world_size, env.local_rank, env.local_world_size, env.is_main) == (
+        3,
+        4,
+        1,
+        2,
+        False,
+    )
     with pytest.raises(ValueError, match="MASTER_ADDR"):
         dist.env_from_environ({"RANK": "0", "WORLD_SIZE": "2"})
     with pytest.raises(ValueError, match="RANK=2"):
@@ -145,10 +163,17 @@ DEEP = ("train.mode=deep_supervision", "train.max_segments=2")
 # family, training setup (the family's recipe defaults at tiny size), parameters without gradient
 UNUSED_TABLE = [
     ("transformer", (), set()),
-    ("recurrent", ("train.loop_sampler=poisson", "train.loop_sampler_options={mean: 3, low: 1, high: 4}"), set()),
+    (
+        "recurrent",
+        ("train.loop_sampler=poisson", "train.loop_sampler_options={mean: 3, low: 1, high: 4}"),
+        set(),
+    ),
     ("fprm", (*DEEP, "train.loss=stablemax", "loop_train.max_steps=3", "loop_train.grad_steps=3"), set()),
-    ("fprm", (*DEEP, "loop_train.max_steps=3", "loop_train.grad_steps=3", "train.q_loss_weight=0"),
-     {"q_linear.weight", "q_linear.bias"}),
+    (
+        "fprm",
+        (*DEEP, "loop_train.max_steps=3", "loop_train.grad_steps=3", "train.q_loss_weight=0"),
+        {"q_linear.weight", "q_linear.bias"},
+    ),
     ("attractor", ("loop_train.max_steps=5",), set()),
     ("ut_act", ("loop_train.max_steps=4",), set()),
     ("trm", (*DEEP, "train.halt_on_q=true", "model.n_inner=2"), set()),
@@ -160,8 +185,11 @@ UNUSED_TABLE = [
 ]
 
 
-@pytest.mark.parametrize(("family", "overrides", "unused"), UNUSED_TABLE,
-                         ids=[f"{f}-{i}" for i, (f, _, _) in enumerate(UNUSED_TABLE)])
+@pytest.mark.parametrize(
+    ("family", "overrides", "unused"),
+    UNUSED_TABLE,
+    ids=[f"{f}-{i}" for i, (f, _, _) in enumerate(UNUSED_TABLE)],
+)
 def test_unused_parameters_per_family(tmp_path, family: str, overrides: tuple, unused: set) -> None:
     cfg = tiny_config(tmp_path, f"model.name={family}", *SMALL, *overrides)
     tr = Trainer(cfg, train_data=tiny_dataset(8), eval_data=None)
@@ -175,15 +203,24 @@ def test_unused_parameters_per_family(tmp_path, family: str, overrides: tuple, u
 # --------------------------------------------------------------------------------------------
 # 2 ranks against 1 process: simple mode (DDP and FSDP2), lockstep loop counts and halting
 # --------------------------------------------------------------------------------------------
-SIMPLE = ("train.loop_sampler=poisson", "train.loop_sampler_options={mean: 3, low: 1, high: 5}",
-          "train.grad_clip=0", "train.steps=3", "train.batch_size=8", "data.eval_size=0", "seed=3")
+SIMPLE = (
+    "train.loop_sampler=poisson",
+    "train.loop_sampler_options={mean: 3, low: 1, high: 5}",
+    "train.grad_clip=0",
+    "train.steps=3",
+    "train.batch_size=8",
+    "data.eval_size=0",
+    "seed=3",
+)
 
 
 def _simple_trainer(out: Path, *extra: str, strategy: str | None = None) -> Trainer:
     cfg = tiny_config(out, *SIMPLE, *extra)
     if strategy is not None:
         cfg.train.strategy = strategy  # read with getattr until TrainConfig has the field
-    return Trainer(cfg, model=TinyDet(seed=1), train_data=tiny_dataset(64), eval_data=tiny_dataset(10, seed=1))
+    return Trainer(
+        cfg, model=TinyDet(seed=1), train_data=tiny_dataset(64), eval_data=tiny_dataset(10, seed=1)
+    )
 
 
 def _three_steps(tr: Trainer) -> tuple[dict, dict[str, Tensor], list[int]]:
@@ -206,7 +243,9 @@ def _simple_ranks(rank: int, world: int, tmp: str, ref: str) -> None:
     assert isinstance(tr.forward_model, torch.nn.parallel.DistributedDataParallel)
     assert tr.strategy.find_unused_parameters is False and tr.strategy.unused_parameters == []
     first, grads, loops = _three_steps(tr)
-    torch.testing.assert_close(torch.tensor(first["loss"], dtype=torch.float64), expected["loss"], rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(
+        torch.tensor(first["loss"], dtype=torch.float64), expected["loss"], rtol=1e-6, atol=1e-7
+    )
     for name, g in grads.items():
         torch.testing.assert_close(g, expected[f"grad.{name}"], **GRAD_TOL, msg=lambda m, n=name: f"{n}: {m}")
     # loop counts: every rank drew the step-seeded sampler's count, without communication
@@ -231,7 +270,10 @@ def _simple_ranks(rank: int, world: int, tmp: str, ref: str) -> None:
 
     # a loss that leaves the Q head without gradient switches find_unused_parameters on
     tr_q = _simple_trainer(tmp_path / "noq", "train.q_loss_weight=0")
-    assert tr_q.strategy.find_unused_parameters is True and tr_q.strategy.unused_parameters == ["q.weight", "q.bias"]
+    assert tr_q.strategy.find_unused_parameters is True and tr_q.strategy.unused_parameters == [
+        "q.weight",
+        "q.bias",
+    ]
     for _ in range(2):  # DDP would raise on the second step without find_unused_parameters
         tr_q.train_step()
         tr_q.step += 1
@@ -240,14 +282,20 @@ def _simple_ranks(rank: int, world: int, tmp: str, ref: str) -> None:
     tr_f = _simple_trainer(tmp_path / "fsdp", strategy="fsdp")
     assert dist.is_fsdp(tr_f.model)
     first_f, _, _ = _three_steps(tr_f)
-    torch.testing.assert_close(torch.tensor(first_f["loss"], dtype=torch.float64), expected["loss"], rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(
+        torch.tensor(first_f["loss"], dtype=torch.float64), expected["loss"], rtol=1e-6, atol=1e-7
+    )
     full = torch.cat([dist.full_tensor(p.detach()).reshape(-1) for p in tr_f.model.parameters()])
     torch.testing.assert_close(full, expected["params"], rtol=0, atol=WEIGHT_ATOL)
     tr_f.save()  # every rank writes its shards (train.checkpoint_format=auto: sharded under FSDP)
     if rank == 0:
         saved = stored_weights(tr_f.last_checkpoint)[0]
-        torch.testing.assert_close(torch.cat([saved[n].reshape(-1) for n, _ in tr.model.named_parameters()]),
-                                   expected["params"], rtol=0, atol=WEIGHT_ATOL)
+        torch.testing.assert_close(
+            torch.cat([saved[n].reshape(-1) for n, _ in tr.model.named_parameters()]),
+            expected["params"],
+            rtol=0,
+            atol=WEIGHT_ATOL,
+        )
     tdist.barrier()
 
 
@@ -256,9 +304,12 @@ def _simple_ranks(rank: int, world: int, tmp: str, ref: str) -> None:
 def test_two_ranks_match_one_process_ddp_and_fsdp(tmp_path) -> None:
     one = _simple_trainer(tmp_path / "one")
     first, grads, _ = _three_steps(one)
-    ref = {"loss": torch.tensor(first["loss"], dtype=torch.float64), "params": _flat_params(one.model),
-           "eval_token_acc": torch.tensor(one.score(one.eval_data)["token_acc"], dtype=torch.float64),
-           **{f"grad.{n}": g for n, g in grads.items()}}
+    ref = {
+        "loss": torch.tensor(first["loss"], dtype=torch.float64),
+        "params": _flat_params(one.model),
+        "eval_token_acc": torch.tensor(one.score(one.eval_data)["token_acc"], dtype=torch.float64),
+        **{f"grad.{n}": g for n, g in grads.items()},
+    }
     save_file(ref, str(tmp_path / "ref.safetensors"))
     run_ranks(_simple_ranks, str(tmp_path), str(tmp_path / "ref.safetensors"))
 
@@ -266,14 +317,27 @@ def test_two_ranks_match_one_process_ddp_and_fsdp(tmp_path) -> None:
 # --------------------------------------------------------------------------------------------
 # deep supervision: checkpoint written once, resumable under 2 ranks and under another world size
 # --------------------------------------------------------------------------------------------
-DEEP_RUN = ("train.mode=deep_supervision", "train.max_segments=2", "train.halt_on_q=true",
-            "train.halt_exploration=0.5", "train.ema=0.9", "train.grad_clip=0", "train.batch_size=8",
-            "train.checkpoint_every=2", "data.eval_size=0", "seed=4")
+DEEP_RUN = (
+    "train.mode=deep_supervision",
+    "train.max_segments=2",
+    "train.halt_on_q=true",
+    "train.halt_exploration=0.5",
+    "train.ema=0.9",
+    "train.grad_clip=0",
+    "train.batch_size=8",
+    "train.checkpoint_every=2",
+    "data.eval_size=0",
+    "seed=4",
+)
 
 
 def _deep_trainer(out: Path, *extra: str) -> Trainer:
-    return Trainer(tiny_config(out, *DEEP_RUN, *extra), model=TinyDet(seed=2), train_data=tiny_dataset(48),
-                   eval_data=None)
+    return Trainer(
+        tiny_config(out, *DEEP_RUN, *extra),
+        model=TinyDet(seed=2),
+        train_data=tiny_dataset(48),
+        eval_data=None,
+    )
 
 
 def _deep_ranks(rank: int, world: int, tmp: str, ref: str) -> None:
@@ -332,9 +396,19 @@ def test_deep_supervision_checkpoint_once_and_resume_across_world_sizes(tmp_path
 def test_torchrun_trains_the_tiny_recipe(tmp_path) -> None:
     out = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "-m", "loopformer", "train", str(REPO / "recipes" / "tiny_dist.yaml"), f"out_dir={out}",
-           "train.threads=1"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "-m",
+        "loopformer",
+        "train",
+        str(REPO / "recipes" / "tiny_dist.yaml"),
+        f"out_dir={out}",
+        "train.threads=1",
+    ]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=220)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
@@ -345,3 +419,47 @@ def test_torchrun_trains_the_tiny_recipe(tmp_path) -> None:
     weights = load_file(str(out / "checkpoints" / "step_00000004" / "model.safetensors"))
     assert all(torch.isfinite(t).all() for t in weights.values())
     assert any("eval_exact_acc" in m for m in lines)  # the sharded evaluation reached rank 0's log
+
+
+# --------------------------------------------------------------------------------------------
+# SIGTERM under torchrun (issue 33)
+# --------------------------------------------------------------------------------------------
+def _signal_ranks(rank: int, world: int, tmp: str) -> None:
+    """Rank 1 alone receives SIGTERM before step 3 (a scheduler's signal reaches the ranks at different
+    times); the flag travels in the step's all-reduce, so both ranks stop after the same step, write its
+    checkpoint together and raise TrainingInterrupted; the run resumes from it."""
+    import signal
+
+    from loopformer.train.stop import TrainingInterrupted
+
+    run = Path(tmp) / "sig"
+    tr = _deep_trainer(run, "train.steps=50", "train.checkpoint_every=0", "train.log_every=4")
+    original = tr.train_step
+
+    def train_step():
+        if rank == 1 and tr.step == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return original()
+
+    tr.train_step = train_step
+    with pytest.raises(TrainingInterrupted) as stopped:
+        tr.fit()
+    assert stopped.value.step == 5  # the flag of step 4's all-reduce, read one step later by every rank
+    assert (
+        stopped.value.signum == signal.SIGTERM
+        and stopped.value.checkpoint == run / "checkpoints" / "step_00000005"
+    )
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    tdist.barrier()
+    assert [p.name for p in step_dirs(run / "checkpoints")] == ["step_00000005"]
+    resumed = _deep_trainer(run, "train.steps=6", "train.resume=true")
+    assert resumed.step == 5
+    resumed.fit()
+    assert resumed.step == 6
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_sigterm_under_torchrun_checkpoints_every_rank_at_the_same_step(tmp_path) -> None:
+    run_ranks(_signal_ranks, str(tmp_path))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 
 import numpy as np
@@ -17,7 +18,9 @@ from loopformer.train import Trainer, TrainingDivergedError
 
 
 def _trainer(cfg, seed: int = 0) -> Trainer:
-    return Trainer(cfg, model=TinyLooped(seed=seed), train_data=tiny_dataset(64), eval_data=tiny_dataset(32, seed=1))
+    return Trainer(
+        cfg, model=TinyLooped(seed=seed), train_data=tiny_dataset(64), eval_data=tiny_dataset(32, seed=1)
+    )
 
 
 def _metrics(run_dir) -> list[dict]:
@@ -39,8 +42,13 @@ def test_simple_mode_learns_and_writes_the_run_folder(tmp_path) -> None:
 
 
 def test_simple_mode_loop_counts_follow_the_step_seeded_sampler(tmp_path) -> None:
-    cfg = tiny_config(tmp_path, "train.loop_sampler=poisson", "train.loop_sampler_options={mean: 4, low: 2, high: 8}",
-                      "seed=5", "train.steps=8")
+    cfg = tiny_config(
+        tmp_path,
+        "train.loop_sampler=poisson",
+        "train.loop_sampler_options={mean: 4, low: 2, high: 8}",
+        "seed=5",
+        "train.steps=8",
+    )
     _trainer(cfg).fit()
     sampler = make_sampler("poisson", mean=4, low=2, high=8, seed=5)
     lines = [m for m in _metrics(tmp_path) if "loss" in m]
@@ -55,7 +63,11 @@ def test_deep_supervision_carries_states_and_replaces_halted_slots(tmp_path) -> 
     tr = _trainer(cfg)
     seen_index, carried = [], []
     for step in range(7):
-        before = None if tr.carry is None else (tr.carry.index.clone(), tr.carry.state.clone(), tr.carry.halted.clone())
+        before = (
+            None
+            if tr.carry is None
+            else (tr.carry.index.clone(), tr.carry.state.clone(), tr.carry.halted.clone())
+        )
         metrics = tr.train_step()
         tr.step += 1
         seen_index.append(tr.carry.index.clone())
@@ -72,24 +84,36 @@ def test_deep_supervision_carries_states_and_replaces_halted_slots(tmp_path) -> 
 
 
 def test_deep_supervision_fresh_rows_get_init_state_and_others_keep_theirs(tmp_path) -> None:
+    """As the references (TRM: ``torch.where(halted, new_batch, carry)``): every step reads the next batch
+    of the stream, and a halted slot takes that batch's row at its own position with that row's fresh state."""
     cfg = tiny_config(tmp_path, "train.mode=deep_supervision", "train.max_segments=4", "train.steps=3")
     tr = _trainer(cfg)
     tr.train_step()
     tr.step += 1
     c = tr.carry
     c.halted = torch.tensor([True, False] * 4)
-    old_state = c.state.clone()
+    old_state, old_index = c.state.clone(), c.index.clone()
+    stream = copy.deepcopy(tr.stream)
     tr.mode.batch(tr.step)  # refills the halted slots
+    new_rows = torch.from_numpy(stream.take(8))
     keep = ~torch.tensor([True, False] * 4)
-    assert torch.equal(c.state[keep], old_state[keep])
+    assert torch.equal(c.state[keep], old_state[keep]) and torch.equal(c.index[keep], old_index[keep])
+    assert torch.equal(c.index[~keep], new_rows[~keep])
     assert (c.segments[~keep] == 0).all() and (c.segments[keep] == 1).all()
-    fresh = tr.fresh_states(c.inputs[~keep], None, tr.step)
-    assert torch.equal(c.state[~keep], fresh)
+    inputs = torch.from_numpy(tr.train_data.inputs[new_rows.numpy()])
+    fresh = tr.fresh_states(inputs, None, tr.step)
+    assert torch.equal(c.state[~keep], fresh[~keep])
 
 
 def test_q_head_halting_stops_slots_whose_q_logit_is_positive(tmp_path) -> None:
-    cfg = tiny_config(tmp_path, "train.mode=deep_supervision", "train.max_segments=16", "train.halt_on_q=true",
-                      "train.halt_exploration=0.0", "train.lr=1e-9")
+    cfg = tiny_config(
+        tmp_path,
+        "train.mode=deep_supervision",
+        "train.max_segments=16",
+        "train.halt_on_q=true",
+        "train.halt_exploration=0.0",
+        "train.lr=1e-9",
+    )
     model = TinyLooped()
     with torch.no_grad():
         model.q.weight.zero_()
@@ -145,14 +169,28 @@ def _run_with_kill(cfg, kill_at: int) -> None:
     "mode_overrides",
     [
         ("train.mode=simple", "train.loop_sampler=poisson", "train.schedule=cosine"),
-        ("train.mode=deep_supervision", "train.max_segments=3", "train.halt_on_q=true", "train.halt_exploration=0.5",
-         "train.loss=stablemax", "data.curriculum.enabled=true", "data.curriculum.start=2",
-         "data.curriculum.check_every=2", "data.curriculum.threshold=0.0"),
+        (
+            "train.mode=deep_supervision",
+            "train.max_segments=3",
+            "train.halt_on_q=true",
+            "train.halt_exploration=0.5",
+            "train.loss=stablemax",
+            "data.curriculum.enabled=true",
+            "data.curriculum.start=2",
+            "data.curriculum.check_every=2",
+            "data.curriculum.threshold=0.0",
+        ),
     ],
     ids=["simple", "deep_supervision"],
 )
 def test_resume_reproduces_the_uninterrupted_run_bit_exactly(tmp_path, mode_overrides) -> None:
-    common = ("train.steps=8", "train.ema=0.9", "train.checkpoint_every=4", "train.eval_every=3", *mode_overrides)
+    common = (
+        "train.steps=8",
+        "train.ema=0.9",
+        "train.checkpoint_every=4",
+        "train.eval_every=3",
+        *mode_overrides,
+    )
     full_dir, killed_dir = tmp_path / "full", tmp_path / "killed"
     full = _trainer(tiny_config(full_dir, *common))
     full.fit()
@@ -204,8 +242,14 @@ def test_ema_weights_are_evaluated_and_saved(tmp_path) -> None:
 
 
 def test_curriculum_restricts_training_examples_until_it_advances(tmp_path) -> None:
-    cfg = tiny_config(tmp_path, "data.curriculum.enabled=true", "data.curriculum.start=1",
-                      "data.curriculum.threshold=1.01", "train.steps=4", "data.curriculum.check_every=1")
+    cfg = tiny_config(
+        tmp_path,
+        "data.curriculum.enabled=true",
+        "data.curriculum.start=1",
+        "data.curriculum.threshold=1.01",
+        "train.steps=4",
+        "data.curriculum.check_every=1",
+    )
     tr = _trainer(cfg)
     taken = []
     original = tr.stream.take
@@ -217,8 +261,14 @@ def test_curriculum_restricts_training_examples_until_it_advances(tmp_path) -> N
 
 
 def test_curriculum_advances_when_threshold_met(tmp_path) -> None:
-    cfg = tiny_config(tmp_path, "data.curriculum.enabled=true", "data.curriculum.start=1",
-                      "data.curriculum.threshold=0.0", "train.steps=2", "data.curriculum.check_every=1")
+    cfg = tiny_config(
+        tmp_path,
+        "data.curriculum.enabled=true",
+        "data.curriculum.start=1",
+        "data.curriculum.threshold=0.0",
+        "train.steps=2",
+        "data.curriculum.check_every=1",
+    )
     tr = _trainer(cfg)
     tr.fit()
     assert tr.curriculum.level == 3.0
@@ -231,10 +281,27 @@ def test_overwrite_run_starts_over_and_resume_checks_batch_size(tmp_path) -> Non
     assert [p.name for p in step_dirs(tmp_path / "checkpoints")] == ["step_00000002", "step_00000004"]
     _trainer(tiny_config(tmp_path, "train.steps=1", "train.overwrite=true")).fit()  # the folder starts over
     assert [p.name for p in step_dirs(tmp_path / "checkpoints")] == ["step_00000001"]
-    _trainer(tiny_config(tmp_path, "train.mode=deep_supervision", "train.steps=2", "train.overwrite=true")).fit()
+    _trainer(
+        tiny_config(tmp_path, "train.mode=deep_supervision", "train.steps=2", "train.overwrite=true")
+    ).fit()
     with pytest.raises(Exception, match=r"differs .* in train.batch_size \(train.batch_size: 8 -> 4\)"):
-        _trainer(tiny_config(tmp_path, "train.mode=deep_supervision", "train.steps=4", "train.batch_size=4",
-                             "train.resume=true"))
+        _trainer(
+            tiny_config(
+                tmp_path,
+                "train.mode=deep_supervision",
+                "train.steps=4",
+                "train.batch_size=4",
+                "train.resume=true",
+            )
+        )
     with pytest.raises(Exception, match="carries 8 deep-supervision slots but train.batch_size is 4"):
-        _trainer(tiny_config(tmp_path, "train.mode=deep_supervision", "train.steps=4", "train.batch_size=4",
-                             "train.resume=true", "train.allow_config_change=true"))
+        _trainer(
+            tiny_config(
+                tmp_path,
+                "train.mode=deep_supervision",
+                "train.steps=4",
+                "train.batch_size=4",
+                "train.resume=true",
+                "train.allow_config_change=true",
+            )
+        )

@@ -115,7 +115,9 @@ class TrainConfig:
     """Optimisation, the training loop mode and logging / checkpoint cadence."""
 
     # a registered training mode (loopformer.train.modes.TRAINING_MODES): simple | deep_supervision | ...
-    mode: Annotated[str, Registered("loopformer.train.modes:TRAINING_MODES", "loopformer.train.modes:TrainingMode")] = "simple"
+    mode: Annotated[
+        str, Registered("loopformer.train.modes:TRAINING_MODES", "loopformer.train.modes:TrainingMode")
+    ] = "simple"
     steps: int = 1000
     batch_size: int = 64
     # optimiser (AdamW) and schedule
@@ -268,7 +270,13 @@ class RunConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     # bf16 autocast: auto = on CUDA (CPU runs float32); true = on every device, the CPU included; false = never
     bf16: bool | Literal["auto"] = "auto"
-    compile: bool = False  # torch.compile the model's step (the looped body)
+    # torch.compile the whole training step (loop, loss, optimiser: loopformer.train.compiled), or the looped
+    # body where the whole step cannot be; auto = on CUDA, off on the CPU
+    compile: bool | Literal["auto"] = False
+    # torch.compile's mode for the whole step: reduce-overhead = CUDA graphs (every shape of a step is static)
+    compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = (
+        "default"
+    )
 
     # -- derived objects ------------------------------------------------------------------------
     def model_config(self, **defaults: Any) -> Any:
@@ -290,4 +298,9 @@ class RunConfig:
         if phase == "periodic":
             base = self.loop_config(base, "eval")
         overrides = {"train": self.loop_train, "eval": self.loop_eval, "periodic": self.loop_periodic}[phase]
-        return _merge_fields(base, _loop_fields(overrides, f"loop_{phase}"), f"loop_{phase}")
+        fields_ = _loop_fields(overrides, f"loop_{phase}")
+        if (
+            phase == "train"
+        ):  # a training loop never reads the host unless the recipe asks (LoopConfig.sync_every)
+            fields_.setdefault("sync_every", 0)
+        return _merge_fields(base, fields_, f"loop_{phase}")

@@ -125,6 +125,8 @@ class ACTHalting(Halting):
 
     @staticmethod
     def ponder(state: State) -> Tensor:
-        """Graves ponder cost N + R per sample (mean over units)."""
+        """Graves ponder cost N + R per sample (mean over units); 0 before the first step."""
+        if state["n"] is None:
+            return torch.zeros(state["acc"].shape[0], dtype=state["acc"].dtype, device=state["acc"].device)
         cost = state["n"].to(state["rem"].dtype) + state["rem"]
         return cost.reshape(cost.shape[0], -1).mean(dim=1)

@@ -41,6 +41,12 @@ from loopformer.loop.norms import RESIDUAL_NORMS
 from loopformer.loop.registry import NoOptions
 
 STATE_DTYPES: dict[str, Any] = {"auto": None, "float32": "float32", "bfloat16": "bfloat16"}
+# LoopConfig.sync_every = -1 (auto, the default): on the CPU a host read costs nothing, so 1 (the per-step
+# path); on a GPU every SYNC_EVERY_CUDA iterations: the largest k whose extra map evaluations (finished rows
+# carried until the next read) stay within 10% on the benchmarked evaluation loops (benchmarks/bench_sync.py,
+# the sync rows of docs/performance.md)
+SYNC_AUTO = -1
+SYNC_EVERY_CUDA = 4
 
 
 @dataclass
@@ -62,6 +68,13 @@ class LoopConfig:
     # and TRM-DEQ's inner solve run their steps with no such test
     stop_diverged: bool = True
     trace: bool = True  # record residuals / state norms every step (fixed halting may skip them)
+    # how often the host asks whether every sample halted: 1 = after every iteration (exact early exit and
+    # compaction at once); k > 1 = halting is decided on the device, finished rows are frozen with torch.where
+    # and the host reads once every k iterations (then drops the finished rows with compaction); 0 = never:
+    # the loop runs to max_steps without a host read (training loops: RunConfig.loop_config sets 0 for
+    # loop_train unless a recipe says otherwise); -1 = auto: 1 on the CPU, SYNC_EVERY_CUDA on a GPU.
+    # Results are identical for every k (tests/test_loop_sync.py).
+    sync_every: int = SYNC_AUTO
     # the loop state's precision (STATE_DTYPES): auto = as the model gives it (float32 under bf16 autocast);
     # bfloat16 = the FPRM reference's (nilskiKonjIzDunava/fprm FixedPointOptimizer): the iterate, the
     # injected context and every step's output are cast to bf16, the residual and the damped solver's step
@@ -141,6 +154,7 @@ class LoopConfig:
         _integer("min_steps", self.min_steps, 0)
         _integer("grad_steps", self.grad_steps, 0)
         _integer("halt_group", self.halt_group, 0)
+        _integer("sync_every", self.sync_every, SYNC_AUTO)
         if not isinstance(self.stop_diverged, bool):
             raise ValueError(f"LoopConfig.stop_diverged must be true or false, got {self.stop_diverged!r}")
         if self.min_steps > self.max_steps:

@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 from loopformer.loop.config import LoopConfig
+from loopformer.loop.deferred import Finished, split_rows
 from loopformer.loop.state import LoopState
 
 StepFn = Callable[..., Tensor]
@@ -97,8 +98,10 @@ def _check_step_output(fz: Any, z: Tensor) -> None:
         raise ValueError(f"step(z, *ctx) must return a tensor shaped like z {tuple(z.shape)}, got {got}")
 
 
-def _iterate(lp: LoopState, t: int) -> _Iteration:
-    """One step on the active samples: f(z), residual and norm rows, solver, every-step halting."""
+def _iterate(lp: LoopState, t: int, running: Tensor | None = None) -> _Iteration:
+    """One step on the active samples: f(z), residual and norm rows, solver, every-step halting.
+    ``running`` (deferred path): the rows still running; the solver and the halting rule see a residual
+    of 0 for the frozen ones, so a batch-wide decision counts the running rows only."""
     lp.set_grad(t)
     z = lp.z
     if lp.grad.records:
@@ -108,10 +111,11 @@ def _iterate(lp: LoopState, t: int) -> _Iteration:
         _check_step_output(fz, z)
     res, nrm = lp.history.row(t)
     lp.residual(lp.rflat(z), lp.rflat(fz), lp.kind, lp.channels, res, nrm if lp.norm_is_step else None)
-    z_next, lp.sstate, info = lp.solver.update(z, fz, res, lp.sstate)
+    seen = res if running is None else torch.where(running, res, torch.zeros_like(res))
+    z_next, lp.sstate, info = lp.solver.update(z, fz, seen, lp.sstate)
     h_prev, done, conv = lp.hstate, None, None
     if lp.every_step:
-        z_next, done, conv, lp.hstate = lp.halting.check(t, z, z_next, res, lp.hstate, lp.ctx_a)
+        z_next, done, conv, lp.hstate = lp.halting.check(t, z, z_next, seen, lp.hstate, lp.ctx_a)
     if not lp.norm_is_step:
         torch.linalg.vector_norm(lp.flat(z_next), dim=1, out=nrm)
     return _Iteration(z_next, res, nrm, info, done, conv, h_prev)
@@ -132,10 +136,14 @@ def _could_stop(lp: LoopState, t: int, it: _Iteration) -> bool:
 
 
 @torch.no_grad()
-def _stop_masks(lp: LoopState, t: int, it: _Iteration, last: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """(finished, bad, converged) per active sample; bad: diverged (keeps its previous iterate)."""
+def _stop_masks(
+    lp: LoopState, t: int, it: _Iteration, last: bool, running: Tensor | None = None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(finished, bad, converged) per active sample; bad: diverged (keeps its previous iterate).
+    ``running``: the deferred path's rows still running (the frozen ones do not hold a batch-wide rule back)."""
     if not lp.every_step:
-        _, it.done, it.conv, _ = lp.halting.check(t, lp.z, it.z_next, it.res, lp.hstate, lp.ctx_a)
+        res = it.res if running is None else torch.where(running, it.res, torch.zeros_like(it.res))
+        _, it.done, it.conv, _ = lp.halting.check(t, lp.z, it.z_next, res, lp.hstate, lp.ctx_a)
     # non-finite residual or state, or residual above the threshold (NaN compares False); none without stop_diverged
     if lp.cfg.stop_diverged:
         bad = ~((it.res <= lp.cfg.diverge_threshold) & (it.nrm < INF))
@@ -143,16 +151,17 @@ def _stop_masks(lp: LoopState, t: int, it: _Iteration, last: bool) -> tuple[Tens
         bad = torch.zeros_like(it.done)
     finished = torch.ones_like(it.done) if last else it.done | bad
     if lp.watch_stalls:
-        finished = finished | _stalled(lp, it)
+        finished = finished | _stalled(lp, it, running)
     return finished, bad, it.conv & ~bad
 
 
-def _stalled(lp: LoopState, it: _Iteration) -> Tensor:
+def _stalled(lp: LoopState, it: _Iteration, running: Tensor | None = None) -> Tensor:
     """The active samples a solver stall stops: the stalled ones, or with ``batch_stalls`` all of
-    them once every one (of their halting group) has stalled, and none before."""
+    them once every running one (of their halting group) has stalled, and none before."""
     stalled = it.info["stalled"]
     if lp.batch_stalls:
-        return lp.halting.batch_all(stalled, lp.hstate)
+        every = stalled if running is None else stalled | ~running
+        return lp.halting.batch_all(every, lp.hstate)
     return stalled
 
 
@@ -225,6 +234,38 @@ def _run_compacting(lp: LoopState) -> int:
     return t + 1
 
 
+def _run_deferred(lp: LoopState) -> int:
+    """Halting decided on the device (``loopformer.loop.deferred``): finished rows are frozen and their
+    results recorded; the host reads once every ``sync_every`` iterations (0: never) whether any row still
+    runs, and with compaction drops the finished ones then."""
+    cfg, every, t = lp.cfg, lp.sync_every, 0
+    rec = Finished(lp)
+    longest = cfg.max_steps  # iterations the per-step path would have run (the traces' length)
+    for t in range(cfg.max_steps):
+        running = rec.active
+        it = _iterate(lp, t, running)
+        last = t + 1 == cfg.max_steps
+        finished, bad, conv = _stop_masks(lp, t, it, last, running)
+        lp.z = rec.record(t, it.z_next, it.h_prev, finished, bad, conv)
+        if not every or (t + 1) % every and not last:
+            continue
+        # the one host read of these `every` iterations (and one after the last)
+        n_running, longest = torch.stack([rec.active.sum(), rec.ran.max()]).tolist()
+        if n_running == 0:
+            break
+        if cfg.compaction and n_running < rec.active.shape[0]:
+            done, keep = split_rows(rec.active, n_running)
+            rec.retire(done)
+            lp.history.flush(lp.idx, t + 1)
+            lp.compact(keep, lp.z)
+            rec.keep(keep)
+            lp.history.restart(t + 1, n_running)
+    rec.retire_all()
+    lp.history.flush(lp.idx, t + 1)
+    lp.history.mask_after(rec.ran_all, t + 1)
+    return int(longest)
+
+
 def _masked_notify(lp: LoopState, t: int, z_next: Tensor, active: Tensor, all_active: bool) -> None:
     if lp.callback is not None:
         live = lp.idx if all_active else active.nonzero().squeeze(1)
@@ -285,7 +326,12 @@ def run_loop(
     _check_inputs(z0, cfg, ctx)
     z0, ctx = _in_state_dtype(z0, ctx, cfg)
     lp = LoopState(step, z0, cfg, ctx, readout, halt_fn, callback, solver_state)
-    run = _run_plain if not lp.track else (_run_compacting if cfg.compaction else _run_masked)
+    if not lp.track:
+        run = _run_plain
+    elif lp.deferred:
+        run = _run_deferred
+    else:
+        run = _run_compacting if cfg.compaction else _run_masked
     try:
         t_run = run(lp)
     finally:

@@ -136,7 +136,8 @@ class IFT(ImplicitGradMode):
 
     Reports per sample, once the backward ran: ``LoopResult.stats["ift_steps"]`` (vector-Jacobian
     products until the sample's relative change fell below ``ift.tol``; ``ift.max_steps`` when it
-    did not) and ``stats["ift_residual"]`` (its last relative change).
+    did not), ``stats["ift_residual"]`` (its last relative change) and ``stats["ift_capped"]`` (the cap
+    stopped it). The trainer logs the first two with the step's metrics and warns about the third.
     """
 
     name = "ift"
@@ -146,9 +147,11 @@ class IFT(ImplicitGradMode):
         b, device = state.shape[0], state.device
         self.steps = torch.zeros(b, dtype=torch.long, device=device)
         self.residual = torch.full((b,), float("nan"), dtype=torch.float64, device=device)
+        self.capped = torch.zeros(b, dtype=torch.bool, device=device)
         return implicit_attach(step, state, ctx, self), {
             "ift_steps": self.steps,
             "ift_residual": self.residual,
+            "ift_capped": self.capped,
         }
 
     def adjoint(self, v: Tensor, vjp: Vjp) -> Tensor:
@@ -177,6 +180,8 @@ class IFT(ImplicitGradMode):
             if bool(done.any()):
                 keep = (~done).nonzero().squeeze(1)
                 active, state = active.index_select(0, keep), select_rows(state, keep)
+        else:  # the cap stopped the samples still running (the trainer warns: loopformer.train.step_metrics)
+            self.capped.index_fill_(0, active, True)
         return u
 
 

@@ -181,7 +181,8 @@ class Anderson(Solver):
         if f_flat.dtype != dtype:
             f_flat, z_flat = f_flat.to(dtype), z_flat.to(dtype)
         state["f"][:, k] = f_flat
-        g_flat = torch.sub(f_flat, z_flat, out=state["g"][:, k])  # written into its slot
+        state["g"][:, k] = f_flat - z_flat  # written into its slot (an out= view is not contiguous)
+        g_flat = state["g"][:, k]
         n = min(state["n"] + 1, self.opts.m)
         # the ring fills slots 0, 1, ... in order before it wraps: the first n slots are the ones in
         # use (the rest are zeros, whose Gram entries stay 0)

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from loopformer.loop.config import LoopConfig
+from loopformer.loop.config import SYNC_AUTO, SYNC_EVERY_CUDA, LoopConfig
 from loopformer.loop.grad import GRADS, select_rows
 from loopformer.loop.halting import HALTINGS
 from loopformer.loop.norms import residual_into, residual_lowp_into
@@ -47,22 +47,22 @@ class History:
     def row(self, t: int) -> tuple[Tensor, Tensor]:
         return self.seg_res[t - self.t0], self.seg_norm[t - self.t0]
 
-    @torch.no_grad()
     def flush(self, idx: Tensor, t_end: int) -> None:
         if self.segmented:
-            self.res[self.t0 : t_end].index_copy_(1, idx, self.seg_res[: t_end - self.t0])
-            self.norm[self.t0 : t_end].index_copy_(1, idx, self.seg_norm[: t_end - self.t0])
+            with torch.no_grad():
+                self.res[self.t0 : t_end].index_copy_(1, idx, self.seg_res[: t_end - self.t0])
+                self.norm[self.t0 : t_end].index_copy_(1, idx, self.seg_norm[: t_end - self.t0])
 
-    @torch.no_grad()
     def mask_after(self, ran: Tensor, t_end: int) -> None:
         """Masking mode: rows after a sample halted are NaN."""
-        after = torch.arange(t_end, device=ran.device).unsqueeze(1) >= ran.unsqueeze(0)
-        self.res[:t_end].masked_fill_(after, float("nan"))
-        self.norm[:t_end].masked_fill_(after, float("nan"))
+        with torch.no_grad():
+            after = torch.arange(t_end, device=ran.device).unsqueeze(1) >= ran.unsqueeze(0)
+            self.res[:t_end].masked_fill_(after, float("nan"))
+            self.norm[:t_end].masked_fill_(after, float("nan"))
 
-    @torch.no_grad()
     def finish(self, t_end: int, width: int) -> None:
-        self.norm[:t_end].div_(math.sqrt(max(1, width)))  # ||state|| -> RMS, once for the history
+        with torch.no_grad():
+            self.norm[:t_end].div_(math.sqrt(max(1, width)))  # ||state|| -> RMS, once for the history
 
 
 class LoopState:
@@ -117,8 +117,16 @@ class LoopState:
         self.steps = torch.zeros(b, dtype=torch.long, device=device)
         self.converged = torch.zeros(b, dtype=torch.bool, device=device)
         self._pieces: list[tuple[Tensor, Tensor, dict[str, Tensor]]] = []
-        self.history = History(cfg.max_steps if self.track else 0, b, self.rdtype, device, cfg.compaction)
         self.grad.start(self.step, z0, ctx, self.grad_on)
+        # halting decided on the device (loopformer.loop.deferred); with sync_every 0 no row ever leaves the
+        # batch, so the history is written in place (no segment buffers: static shapes)
+        every = cfg.sync_every
+        if every == SYNC_AUTO:  # a host read costs nothing on the CPU; on a GPU it stalls the queue
+            every = SYNC_EVERY_CUDA if z0.is_cuda else 1
+        self.sync_every = every
+        self.deferred = every != 1 and callback is None and not self.grad.records
+        segmented = cfg.compaction and not (self.deferred and every == 0)
+        self.history = History(cfg.max_steps if self.track else 0, b, self.rdtype, device, segmented)
 
     def set_grad(self, t: int) -> None:
         """Record a graph in iteration t or not (the gradient mode's ``graph_from``)."""

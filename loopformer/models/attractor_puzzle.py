@@ -44,6 +44,7 @@ evaluation).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -130,6 +131,10 @@ class AttractorPuzzle(TRM):
         if config.jacobian_samples < 0:
             raise ValueError(f"jacobian_samples must be >= 0, got {config.jacobian_samples}")
         self.solve_loop = config.inner_loop()
+        # in training the inner solve never asks the host whether it converged: its few iterations (at most
+        # deq_max_iter - 1) run on the device with the converged rows frozen (LoopConfig.sync_every; the same
+        # results), so a training step needs no host read
+        self.solve_loop_train = dataclasses.replace(self.solve_loop, sync_every=0)
         self.phantom_loop = LoopConfig(
             solver="picard", halting="fixed", max_steps=config.bptt_through, grad="bptt", trace=False
         )
@@ -141,8 +146,9 @@ class AttractorPuzzle(TRM):
     # -- the inner solve ------------------------------------------------------------------------
     def solve_latent(self, latent: Tensor, injection: Tensor) -> Tensor:
         """``net^K(z*)`` with ``z* = solve z = net(z, injection)`` from ``latent``."""
+        loop = self.solve_loop_train if self.training else self.solve_loop
         with torch.no_grad():
-            res = run_loop(self.net, latent.detach(), self.solve_loop, ctx=(injection,))
+            res = run_loop(self.net, latent.detach(), loop, ctx=(injection,))
         self.last_inner = res
         out = run_loop(self.net, res.state.detach(), self.phantom_loop, ctx=(injection,))
         z = out.state

@@ -84,18 +84,20 @@ class TRMDEQAnderson(Solver):
         with torch.no_grad(), exact(Y):  # outside autocast: the buffers' own dtype (no bf16 LU)
             g = F[:, :n_act] - Y[:, :n_act]
             alpha, singular = bordered_weights(torch.bmm(g, g.transpose(1, 2)), opts.reg)
-            if bool(singular.any()):  # the reference: ``except RuntimeError: break`` (the whole batch)
-                stalled = torch.ones(b, dtype=torch.bool, device=z.device)
-                # it returns its last slot: the current iterate, or 0 before the first roll
-                last = Y[:, -1].reshape(z.shape).to(z.dtype)
-                return last, {"Y": Y, "F": F, "k": k}, ({"stalled": stalled} if self.report_stalls else {})
             mix = (alpha.unsqueeze(-1) * F[:, :n_act]).sum(1)
             if opts.beta != 1.0:
                 mix = opts.beta * mix + (1 - opts.beta) * (alpha.unsqueeze(-1) * Y[:, :n_act]).sum(1)
-        Y, F = torch.roll(Y, -1, dims=1), torch.roll(F, -1, dims=1)
-        Y[:, -1] = mix
-        z_next = mix.reshape(z.shape).to(z.dtype)
-        return z_next, {"Y": Y, "F": F, "k": k + 1}, self._no_stall(b, z)
+            # a singular system ends the solve for the whole batch (the reference: ``except RuntimeError:
+            # break``), decided on the device: the batch then returns its last slot (the current iterate,
+            # or 0 before the first roll) and keeps its buffers
+            broken = singular.any()
+            last = Y[:, -1].clone()
+            Y_next, F_next = torch.roll(Y, -1, dims=1), torch.roll(F, -1, dims=1)
+            Y_next[:, -1] = mix
+            Y, F = torch.where(broken, Y, Y_next), torch.where(broken, F, F_next)
+            z_next = torch.where(broken, last, mix).reshape(z.shape).to(z.dtype)
+        info = {"stalled": broken.expand(b).clone()} if self.report_stalls else {}
+        return z_next, {"Y": Y, "F": F, "k": k + 1}, info
 
     def _no_stall(self, b: int, z: Tensor) -> Info:
         return {"stalled": torch.zeros(b, dtype=torch.bool, device=z.device)} if self.report_stalls else {}

@@ -61,6 +61,6 @@ class AttractorAnderson(Anderson):
         mixed, state, info = super().update(z, fz, res, state)
         state = {**state, "t": t + 1}
         stop = self._stops(res, t, z.shape[0], z.device, state.get("group"))
-        if bool(stop.any()):
-            mixed = torch.where(stop.view(-1, *([1] * (z.dim() - 1))), fz.to(mixed.dtype), mixed)
+        # unconditional (no host read to ask whether any sample stops): rows not stopping keep the mix
+        mixed = torch.where(stop.view(-1, *([1] * (z.dim() - 1))), fz.to(mixed.dtype), mixed)
         return mixed, state, info

@@ -60,7 +60,7 @@ from torch import Tensor, nn
 from loopformer.loop import LoopConfig
 from loopformer.models.base import LoopedModel, ModelConfig
 from loopformer.models.transformer import InputEmbedding, OutputHead, make_blocks
-from loopformer.nn import DepthwiseConv1d, DepthwiseConv2d, RMSNorm, trunc_normal_state
+from loopformer.nn import DepthwiseConv1d, DepthwiseConv2d, RMSNorm, trunc_normal_fill_, trunc_normal_state
 
 SCALAR_MODES = ("learned", "fixed", "input", "state")
 CONVS = ("none", "grid2d", "causal1d")
@@ -315,9 +315,9 @@ class FPRM(LoopedModel):
 
     def init_state(self, ctx: tuple[Tensor, ...], generator: torch.Generator | None = None) -> Tensor:
         x = ctx[0]
-        if self.config.init == "lecun":
+        if self.config.init == "lecun":  # std the truncated law's own (drawn by inverse CDF: no host read)
             z = torch.empty(x.shape, device=x.device, dtype=x.dtype)
-            return lecun_trunc_normal_(z, self.config.init_std, generator=generator)
+            return trunc_normal_fill_(z, self.config.init_std / _TRUNC2_STD, generator=generator)
         return trunc_normal_state(
             tuple(x.shape), self.config.init_std, device=x.device, dtype=x.dtype, generator=generator
         )

@@ -94,7 +94,9 @@ class PuzzleTokenEmbedding(nn.Module):
         if self.prefix_len > 0:
             self.puzzle_emb = nn.Embedding(self.num_puzzle_ids, self.puzzle_dim)
             nn.init.zeros_(self.puzzle_emb.weight)
-        self.positions = LearnedPositions(config.seq_len, d, scaled=False) if config.learned_positions else None
+        self.positions = (
+            LearnedPositions(config.seq_len, d, scaled=False) if config.learned_positions else None
+        )
 
     def forward(self, inputs: Tensor, puzzle_ids: Tensor | None = None) -> Tensor:
         if inputs.dim() != 2 or inputs.dtype not in (torch.int64, torch.int32):
@@ -110,12 +112,12 @@ class PuzzleTokenEmbedding(nn.Module):
                 puzzle_ids = torch.zeros(B, dtype=torch.long, device=inputs.device)
             if puzzle_ids.shape != (B,):
                 raise ValueError(f"puzzle_ids must have shape [{B}], got {tuple(puzzle_ids.shape)}")
-            if puzzle_ids.numel() and (
-                int(puzzle_ids.min()) < 0 or int(puzzle_ids.max()) >= self.num_puzzle_ids
-            ):
-                raise ValueError(
-                    f"puzzle_ids must lie in [0, {self.num_puzzle_ids}), got {puzzle_ids.tolist()}"
-                )
+            if puzzle_ids.numel():  # checked on the device: a GPU asserts without the host waiting for it
+                inside = (puzzle_ids >= 0).all() & (puzzle_ids < self.num_puzzle_ids).all()
+                try:
+                    torch._assert_async(inside, f"puzzle_ids must lie in [0, {self.num_puzzle_ids})")
+                except RuntimeError as err:  # the CPU checks at once
+                    raise ValueError(str(err)) from None
             prefix = self.puzzle_emb(puzzle_ids).to(h.dtype)
             pad = self.prefix_len * self.d - self.puzzle_dim
             prefix = (F.pad(prefix, (0, pad)) if pad else prefix).view(B, self.prefix_len, self.d)

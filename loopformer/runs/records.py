@@ -71,6 +71,8 @@ STATE: dict[str, Any] = {
     "elapsed?": NUMBER,
     "best?": (dict, None),
     "data?": (dict, None),
+    # the metrics summed since the last logged record (loopformer.train.step_metrics.StepMeter.state_dict)
+    "meter?": ({"sums": Each(float), "counts": Each(NONNEG), "host": dict}, None),
     "sharded?": {"world_size?": NONNEG, "aliases?": Each(str), "ema?": bool},
 }
 

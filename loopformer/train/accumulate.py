@@ -128,13 +128,20 @@ def initial_states(trainer: Trainer, batch: SegmentBatch) -> Tensor | None:
     """The whole batch's initial states when the model draws them from the step's generator (None
     when it draws nothing: its ``init_state`` rows are then the same for any split of the batch).
 
-    AccumulationError when the draw also depends on the parameters (it could not be detached)."""
+    AccumulationError when the draw also depends on the parameters (it could not be detached). Whether
+    the model draws is found once per trainer (a generator-state comparison) and remembered."""
     model, device = trainer.model, trainer.device
+    draws = getattr(trainer, "_init_state_draws", None)
+    if draws is False:
+        return None
     g = trainer.generator(trainer.step, SALT_INIT)
     before = g.get_state()
     with torch.no_grad(), autocast(device, trainer.config.bf16), trainer.strategy.gathered(model):
         z0 = model.init_state(model.embed(batch.inputs, batch.puzzle_ids), g)
-    if torch.equal(g.get_state(), before):
+    if draws:
+        return z0.detach()
+    trainer._init_state_draws = not torch.equal(g.get_state(), before)
+    if not trainer._init_state_draws:
         return None
     pid = None if batch.puzzle_ids is None else batch.puzzle_ids[:1]
     with autocast(device, trainer.config.bf16), trainer.strategy.gathered(model):

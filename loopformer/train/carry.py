@@ -7,7 +7,11 @@ Each optimiser step runs ONE segment on the carry; afterwards ``advance_carry`` 
 ``max_segments``, or (options) when their Q logit is > 0 (TRM, with exploration: with
 probability ``halt_exploration`` a slot must first run a random 2..max_segments segments) or
 when their loop converged (FPRM). Before the next segment ``refill_carry`` gives halted slots
-new examples from the (global) index stream and fresh ``init_state`` rows.
+new examples and fresh ``init_state`` rows as the references do (TinyRecursiveModels
+``models/recursive_reasoning/trm.py``, ``TinyRecursiveReasoningModel_ACTV1.forward``: every step reads a
+whole new batch and ``torch.where(halted, new, carried)`` keeps the running slots): the next ``batch_size``
+rows of the index stream are drawn every step and a halted slot takes the row at its own position. Every
+decision stays on the device and every shape is static: no host read per step, and CUDA graphs apply.
 
 Under torchrun each rank holds its contiguous share of the slots; the checkpoint stores one
 global carry (``global_carry_state``) and ``carry_from_checkpoint`` takes this rank's share
@@ -42,15 +46,15 @@ if TYPE_CHECKING:
 
 @dataclass
 class Carry:
-    """Deep-supervision slots: each row an example being refined over segments."""
+    """Deep-supervision slots: each row an example being refined over segments (all on the device)."""
 
-    index: Tensor  # [B] dataset rows (CPU int64)
+    index: Tensor  # [B] dataset rows (int64)
     inputs: Tensor  # [B, T]
     labels: Tensor  # [B, T]
     puzzle_ids: Tensor | None  # [B]
     state: Tensor  # [B, ...] detached carried state
-    segments: Tensor  # [B] segments run so far (CPU int64)
-    halted: Tensor  # [B] bool (CPU): replace before the next segment
+    segments: Tensor  # [B] segments run so far (int64)
+    halted: Tensor  # [B] bool: replace before the next segment
     # [B] per-sample solver state (train.carry_solver_state; damped: eta, best, patience); empty: none
     solver: dict[str, Tensor] = field(default_factory=dict)
 
@@ -67,13 +71,13 @@ class Carry:
             return None if t is None else t.to(device)
 
         return cls(
-            index=state["index"].long(),
+            index=state["index"].long().to(device),
             inputs=dev(state["inputs"]),
             labels=dev(state["labels"]),
             puzzle_ids=dev(state["puzzle_ids"]),
             state=dev(state["state"]),
-            segments=state["segments"].long(),
-            halted=state["halted"].bool(),
+            segments=state["segments"].long().to(device),
+            halted=state["halted"].bool().to(device),
             solver={k[len("solver.") :]: v.to(device) for k, v in state.items() if k.startswith("solver.")},
         )
 
@@ -93,48 +97,43 @@ class CarryFeed:
     fresh_solver: Callable[[int], dict[str, Tensor]] | None = None  # n slots' fresh solver state
 
 
+def _rows(mask: Tensor, like: Tensor) -> Tensor:
+    return mask.view(-1, *([1] * (like.dim() - 1)))
+
+
 def refill_carry(carry: Carry | None, feed: CarryFeed) -> Carry:
     """Give halted (or all, when ``carry`` is None) slots new examples and fresh states.
 
-    An existing carry is updated in place and returned. Every rank must call it (the halted counts
-    are gathered so that the stream stays global).
+    Every call draws this rank's share of the next global batch from the stream, as the references read a
+    new batch every step; a halted slot takes the new row at its position (``torch.where``: no host read,
+    static shapes). An existing carry is updated in place and returned.
     """
+    batch = make_batch(feed.dataset, dist.shard(feed.take(feed.global_batch)), feed.device)
+    fresh = feed.fresh_states(batch.inputs, batch.puzzle_ids)
+    index = batch.index.to(feed.device, non_blocking=True)
     if carry is None:
-        batch = make_batch(feed.dataset, dist.shard(feed.take(feed.global_batch)), feed.device)
-        B = feed.global_batch // feed.env.world_size  # this rank's slots
+        B = batch.inputs.shape[0]  # this rank's slots
         return Carry(
-            index=batch.index,
+            index=index,
             inputs=batch.inputs,
             labels=batch.labels,
             puzzle_ids=batch.puzzle_ids,
-            state=feed.fresh_states(batch.inputs, batch.puzzle_ids),
-            segments=torch.zeros(B, dtype=torch.long, device="cpu"),  # bookkeeping stays on the CPU
-            halted=torch.zeros(B, dtype=torch.bool, device="cpu"),
+            state=fresh,
+            segments=torch.zeros(B, dtype=torch.long, device=feed.device),
+            halted=torch.zeros(B, dtype=torch.bool, device=feed.device),
         )
-    c = carry
-    rows = torch.nonzero(c.halted).reshape(-1)
-    # the stream is global: draw every rank's halted slots, in rank order, and keep this rank's
-    counts = dist.all_gather_counts(int(rows.numel()))
-    drawn = feed.take(sum(counts))
-    first = sum(counts[: feed.env.rank])
-    if rows.numel() == 0:
-        return c
-    new = make_batch(feed.dataset, drawn[first : first + int(rows.numel())], feed.device)
-    dev_rows = rows.to(feed.device)
-    c.index = c.index.clone()
-    c.index[rows] = new.index
-    c.inputs = c.inputs.index_copy(0, dev_rows, new.inputs)
-    c.labels = c.labels.index_copy(0, dev_rows, new.labels)
-    if c.puzzle_ids is not None and new.puzzle_ids is not None:
-        c.puzzle_ids = c.puzzle_ids.index_copy(0, dev_rows, new.puzzle_ids)
-    fresh = feed.fresh_states(new.inputs, new.puzzle_ids)
-    c.state = c.state.index_copy(0, dev_rows, fresh.to(c.state.dtype))
+    c, h = carry, carry.halted
+    c.index = torch.where(h, index, c.index)
+    c.inputs = torch.where(_rows(h, c.inputs), batch.inputs, c.inputs)
+    c.labels = torch.where(_rows(h, c.labels), batch.labels, c.labels)
+    if c.puzzle_ids is not None and batch.puzzle_ids is not None:
+        c.puzzle_ids = torch.where(h, batch.puzzle_ids, c.puzzle_ids)
+    c.state = torch.where(_rows(h, c.state), fresh.to(c.state.dtype), c.state)
     if c.solver and feed.fresh_solver is not None:  # a new example starts the solver afresh
-        fresh_solver = feed.fresh_solver(int(rows.numel()))
-        c.solver = {k: v.index_copy(0, dev_rows, fresh_solver[k].to(v)) for k, v in c.solver.items()}
-    c.segments = c.segments.clone()
-    c.segments[rows] = 0
-    c.halted = torch.zeros_like(c.halted)
+        new = feed.fresh_solver(h.shape[0])
+        c.solver = {k: torch.where(_rows(h, v), new[k].to(v), v) for k, v in c.solver.items()}
+    c.segments = torch.where(h, 0, c.segments)
+    c.halted = torch.zeros_like(h)
     return c
 
 
@@ -145,19 +144,20 @@ def advance_carry(c: Carry, out: ModelOutput, tc: TrainConfig, seed: int, step: 
     c.segments = c.segments + 1
     halted = c.segments >= tc.max_segments
     if tc.halt_on_q and out.q_logits is not None:
-        q_halt = (out.q_logits.detach().float().reshape(-1) > 0).cpu()
+        q_halt = out.q_logits.detach().float().reshape(-1) > 0
         if tc.halt_exploration > 0:
-            # drawn for the global batch and sharded: the same draws as one process would make
+            # drawn on the CPU for the global batch and sharded: the same draws as one process would make
             g = torch.Generator().manual_seed(seed_for(seed, step, SALT_EXPLORE))
             n_global = len(c.segments) * world_size
             explore = dist.shard(torch.rand(n_global, generator=g, device="cpu") < tc.halt_exploration)
-            min_segments = dist.shard(torch.randint(2, tc.max_segments + 1, (n_global,), generator=g, device="cpu"))
-            q_halt = q_halt & (
-                c.segments >= torch.where(explore, min_segments, torch.zeros_like(min_segments))
+            min_segments = dist.shard(
+                torch.randint(2, tc.max_segments + 1, (n_global,), generator=g, device="cpu")
             )
+            floor = torch.where(explore, min_segments, torch.zeros_like(min_segments))
+            q_halt = q_halt & (c.segments >= floor.to(c.segments.device, non_blocking=True))
         halted = halted | q_halt
     if tc.halt_on_converged and out.loop is not None:
-        halted = halted | out.loop.converged.detach().cpu().reshape(-1)
+        halted = halted | out.loop.converged.detach().reshape(-1)
     c.halted = halted
 
 
@@ -176,7 +176,7 @@ def carry_solver_state(c: Carry, out: ModelOutput, solver: Solver, halt_on_stall
     c.solver = {k: out.loop.stats[k].detach() for k in solver.stats}
     min_step = getattr(solver.opts, "min_step", None)
     if halt_on_stall and min_step is not None and "eta" in c.solver:
-        c.halted = c.halted | (c.solver["eta"] < min_step).cpu()
+        c.halted = c.halted | (c.solver["eta"] < min_step)
 
 
 def global_carry_state(carry: Carry | None, distributed: bool) -> dict[str, Any] | None:

@@ -5,8 +5,9 @@ gets ``DistEnv(rank=0, world_size=1)`` and every helper is then a no-op or the i
 
 - ``env_from_environ`` / ``setup`` / ``shutdown``: rank, world size and local rank from the
   torchrun environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
-  ``MASTER_ADDR`` / ``MASTER_PORT``); backend ``nccl`` on CUDA (device ``cuda:LOCAL_RANK``),
-  ``gloo`` on CPU; ``shutdown`` destroys the process group the trainer created.
+  ``MASTER_ADDR`` / ``MASTER_PORT``); backend ``nccl`` on CUDA (device ``cuda:LOCAL_RANK``, passed as
+  ``init_process_group(device_id=)``), ``gloo`` on CPU; ``shutdown`` destroys the process group the trainer
+  created.
 - ``all_reduce_mean`` (metrics), ``all_reduce_max``, ``all_gather_rows`` (the deep-supervision
   carry, gathered to one global carry for the checkpoint), ``barrier``.
 - ``shard``: rank ``r`` of ``w`` takes rows ``[r * B / w, (r + 1) * B / w)`` of each global
@@ -136,6 +137,8 @@ def setup(device: str = "auto", timeout_s: float = 600.0) -> tuple[DistEnv, torc
             rank=env.rank,
             world_size=env.world_size,
             timeout=datetime.timedelta(seconds=timeout_s),
+            # bound to this rank's GPU: NCCL connects eagerly and barriers know their device
+            device_id=dev if use_cuda else None,
         )
         created = True
     return env, dev, created
@@ -192,6 +195,15 @@ def all_reduce_mean(values: Mapping[str, float]) -> dict[str, float]:
     dist.all_reduce(t, op=dist.ReduceOp.SUM)
     t /= dist.get_world_size()
     return dict(zip(keys, t.tolist(), strict=True))
+
+
+def all_reduce_mean_tensor(values: Tensor) -> Tensor:
+    """Mean over ranks of a device tensor, on the device (no host read; a new tensor)."""
+    if not is_distributed():
+        return values
+    out = values.clone()
+    dist.all_reduce(out, op=dist.ReduceOp.SUM)
+    return out / dist.get_world_size()
 
 
 def all_reduce_sum(values: list[float]) -> list[float]:
@@ -292,7 +304,11 @@ class UsedOutputs(nn.Module):
             value = getattr(out, name, None)
             if isinstance(value, Tensor):
                 setattr(out, name, value.detach())
-        if "aux_loss" in self.unused and getattr(out, "loop", None) is not None and out.loop.ponder_cost is not None:
+        if (
+            "aux_loss" in self.unused
+            and getattr(out, "loop", None) is not None
+            and out.loop.ponder_cost is not None
+        ):
             out.loop.ponder_cost = out.loop.ponder_cost.detach()
         return out
 
@@ -420,20 +436,24 @@ def fsdp_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> 
     return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
 
 
-def load_fsdp_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+def load_fsdp_optimizer_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
     set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
 
 
-def clip_grad_norm(parameters: list[Tensor], max_norm: float) -> float:
-    """Global gradient norm of (possibly sharded) gradients before clipping; clips when ``max_norm > 0``."""
+def clip_grad_norm(parameters: list[Tensor], max_norm: float) -> Tensor:
+    """Global gradient norm of (possibly sharded) gradients before clipping, as a device tensor; clips
+    when ``max_norm > 0`` (the scale applied on the device)."""
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
-        return 0.0
+        return torch.zeros(())
     total = full_tensor(torch.nn.utils.get_total_norm(grads))
     if max_norm > 0:
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for g in grads:
-            g.mul_(coef.to(g.device) if not hasattr(g, "device_mesh") else float(coef))
-    return float(total)
+        for g in grads:  # a DTensor shard is scaled in place through its local tensor
+            local = g.to_local() if hasattr(g, "to_local") else g
+            local.mul_(coef.to(local.device))
+    return total

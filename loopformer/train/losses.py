@@ -93,6 +93,14 @@ class Accuracy:
     def exact_acc(self) -> float:
         return int(self.exact.sum()) / self.exact.numel() if self.exact.numel() else 0.0
 
+    def rates(self) -> tuple[Tensor, Tensor]:
+        """(token accuracy, exact accuracy) as 0-dim device tensors (no host read)."""
+        tokens = self.token_correct.sum() / self.token_count.sum().clamp(min=1)
+        exact = (
+            self.exact.float().mean() if self.exact.numel() else self.exact.new_zeros((), dtype=torch.float32)
+        )
+        return tokens.float(), exact
+
 
 def accuracy(logits: Tensor, labels: Tensor) -> Accuracy:
     """Argmax accuracy against the labels (IGNORE_INDEX positions skipped)."""

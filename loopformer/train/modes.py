@@ -150,6 +150,7 @@ class SimpleMode(TrainingMode):
                 "train.carry_solver_state: only train.mode=deep_supervision carries the solver's state "
                 "across segments (train.mode is 'simple')"
             )
+        self._loops: dict[int, LoopConfig] = {}
 
     def loop_for(self, step: int) -> tuple[LoopConfig, int | None]:
         """The training loop with ``R`` steps drawn for ``step`` (the same on every rank);
@@ -160,9 +161,11 @@ class SimpleMode(TrainingMode):
         R = int(self.trainer.sampler.sample(step))
         rule = HALTINGS.get(loop_train.halting)  # a learned rule (ACT) stays, capped at R
         halting = rule.name if rule.learned else FixedHalting.name
-        return dataclasses.replace(
-            loop_train, max_steps=R, min_steps=min(loop_train.min_steps, R), halting=halting
-        ), R
+        if R not in self._loops:  # one object per count (a compiled step is traced once per loop count)
+            self._loops[R] = dataclasses.replace(
+                loop_train, max_steps=R, min_steps=min(loop_train.min_steps, R), halting=halting
+            )
+        return self._loops[R], R
 
     def batch(self, step: int) -> SegmentBatch:
         b = self.trainer.next_batch()
@@ -223,7 +226,8 @@ class DeepSupervisionMode(TrainingMode):
         advance_carry(self.carry, out, tr.config.train, tr.config.seed, step, tr.strategy.env.world_size)
         if self.solver is not None:
             carry_solver_state(self.carry, out, self.solver, tr.config.train.halt_on_converged)
-        return {"segments": float(self.carry.segments.float().mean()), "halted": int(self.carry.halted.sum())}
+        # device tensors, read when the trainer logs (``halted``: slots halted at this step)
+        return {"segments": self.carry.segments.float().mean(), "halted": self.carry.halted.sum()}
 
     def probe_batch(self, rows: Batch) -> SegmentBatch:
         state = self.trainer.fresh_states(rows.inputs, rows.puzzle_ids, 0)

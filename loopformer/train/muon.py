@@ -91,15 +91,17 @@ def muon_update_(p: Tensor, grad: Tensor, m: Tensor, v: Tensor, group: dict, chu
     p.sub_(lr * x + lr * wd * p * mask)
 
 
-def adamw_update_(p: Tensor, state: dict, group: dict) -> None:
-    """``torch.optim.AdamW``'s update of ``p`` (state ``step``, ``exp_avg``, ``exp_avg_sq``)."""
+def adamw_update_(p: Tensor, state: dict, group: dict, t: float | None = None) -> None:
+    """``torch.optim.AdamW``'s update of ``p`` (state ``step``, ``exp_avg``, ``exp_avg_sq``); ``t``: the step
+    count after this step when the caller keeps it on the host (else it is read from the state)."""
     if not state:
         state["step"] = torch.zeros((), dtype=torch.float32)
         state["exp_avg"] = torch.zeros_like(p)
         state["exp_avg_sq"] = torch.zeros_like(p)
     (b1, b2), lr = group["betas"], group["lr"]
-    state["step"] += 1
-    t = float(state["step"])
+    if t is None:
+        state["step"] += 1
+        t = float(state["step"])
     m, v, g = state["exp_avg"], state["exp_avg_sq"], p.grad
     p.mul_(1 - lr * group["weight_decay"])
     m.lerp_(g, 1 - b1)
@@ -122,6 +124,12 @@ class MuonAdamW(torch.optim.Optimizer):
             if g.get("kind") not in ("muon", "adamw"):
                 raise ValueError(f"MuonAdamW group kind must be 'muon' or 'adamw', got {g.get('kind')!r}")
         super().__init__(groups, {})
+        self.found_inf: Tensor | None = None  # the trainer's divergence check: non-zero skips the step
+        self._steps = HostSteps()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        self._steps = HostSteps()
 
     @staticmethod
     def schedule_(group: dict) -> None:
@@ -139,25 +147,55 @@ class MuonAdamW(torch.optim.Optimizer):
     def step(self, closure: object = None) -> None:  # type: ignore[override]
         if closure is not None:
             raise ValueError("MuonAdamW.step takes no closure")
+        skip = None if self.found_inf is None else self.found_inf.bool()
+        self._init_states()
+        saved = self._snapshot() if skip is not None else []
         for group in self.param_groups:
             if group["kind"] == "adamw":
-                for p in group["params"]:
-                    if p.grad is not None:
-                        adamw_update_(p, self.state[p], group)
+                params = [p for p in group["params"] if p.grad is not None]
+                states = [self.state[p] for p in params]
+                for t, idx in self._steps.advance(params, states).items():
+                    for i in idx:
+                        adamw_update_(params[i], states[i], group, t)
                 continue
             self.schedule_(group)
             for p, chunks in zip(group["params"], group["chunks"]):
                 self._muon(p, group, chunks)
             group["t"] += 1
+        for old, new in saved:  # a skipped step: every weight and moment keeps its value (on the device)
+            torch.where(skip, old, new, out=new)
+
+    def _init_states(self) -> None:
+        """The state of every parameter this step updates for the first time (before any snapshot)."""
+        for group in self.param_groups:
+            for p, chunks in zip(group["params"], group.get("chunks", [1] * len(group["params"]))):
+                state = self.state[p]
+                if state:
+                    continue
+                if group["kind"] == "adamw":
+                    if p.grad is not None:
+                        state["step"] = torch.zeros((), dtype=torch.float32)
+                        state["exp_avg"], state["exp_avg_sq"] = torch.zeros_like(p), torch.zeros_like(p)
+                    continue
+                rows, cols = p.shape[-2] // chunks, p.shape[-1]
+                state["momentum_buffer"] = torch.zeros_like(p)
+                lead = (chunks, *p.shape[:-2])
+                shape = (*lead, rows, 1) if rows >= cols else (*lead, 1, cols)
+                state["row_var"] = torch.zeros(shape, dtype=p.dtype, device=p.device)
+
+    def _snapshot(self) -> list[tuple[Tensor, Tensor]]:
+        """(copy, tensor) of every weight and state tensor this step may change (the step counts excepted)."""
+        out = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                if group["kind"] == "adamw" and p.grad is None:
+                    continue
+                tensors = [p, *(v for k, v in self.state[p].items() if k != "step" and isinstance(v, Tensor))]
+                out += [(t.clone(), t) for t in tensors]
+        return out
 
     def _muon(self, p: Tensor, group: dict, chunks: int) -> None:
-        state = self.state[p]
-        rows, cols = p.shape[-2] // chunks, p.shape[-1]
-        if not state:
-            state["momentum_buffer"] = torch.zeros_like(p)
-            lead = (chunks, *p.shape[:-2])
-            shape = (*lead, rows, 1) if rows >= cols else (*lead, 1, cols)
-            state["row_var"] = torch.zeros(shape, dtype=p.dtype, device=p.device)
+        state = self.state[p]  # made by _init_states
         grad = p.grad if p.grad is not None else torch.zeros_like(p)  # the reference: None as zeros
         muon_update_(p, grad, state["momentum_buffer"], state["row_var"], group, chunks)
 
@@ -226,3 +264,25 @@ def muon_adamw(
             "ns_dtype": muon["ns_dtype"], "t": 0,
         })  # fmt: skip
     return MuonAdamW(out)
+
+
+class HostSteps:
+    """An optimiser's per-parameter step counts, kept on the host beside the ``step`` tensors of its state
+    (read once, when a parameter is first seen after construction or ``load_state_dict``), so that the bias
+    corrections never read a value back from the device."""
+
+    def __init__(self) -> None:
+        self.count: dict[int, float] = {}
+
+    def advance(self, params: list[Tensor], states: list[dict]) -> dict[float, list[int]]:
+        """Count one more step for every parameter; ``{step count: indices into params}``."""
+        groups: dict[float, list[int]] = {}
+        for i, (p, state) in enumerate(zip(params, states)):
+            t = self.count.get(id(p))
+            if t is None:
+                t = float(state["step"])  # once per parameter (a tensor on the CPU: no device read)
+            t += 1.0
+            self.count[id(p)] = t
+            state["step"] += 1
+            groups.setdefault(t, []).append(i)
+        return groups

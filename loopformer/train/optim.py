@@ -24,7 +24,9 @@
   ``lr_schedule: trapezoid``, github jacobfa/Attractor ``recpre/schedulers/base.py: LRScheduler.get_lr``).
   A pure function of the step, so the schedule's only state is
   the step counter the checkpoint already holds.
-- ``clip_grad_norm``: global-norm clipping returning the pre-clip norm (for divergence checks).
+- ``clip_grad_norm``: global-norm clipping returning the pre-clip norm as a device tensor (for divergence
+  checks decided on the device); ``skip_step``: the ``found_inf`` with which an optimiser step leaves every
+  weight as it was (the trainer's divergence check, no host read).
 - ``EMA``: exponential moving average of the weights (TRM / FPRM use 0.999), with a
   ``state_dict`` of plain tensors (saved to ``ema.safetensors``) and ``applied(model)`` to
   evaluate with the averaged weights; ``puzzle_embeddings=False`` keeps the puzzle-embedding
@@ -41,7 +43,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor, nn
 
-from loopformer.train.muon import muon_adamw
+from loopformer.train.muon import HostSteps, muon_adamw
 
 _NORM_TYPES: tuple[type[nn.Module], ...] = (nn.LayerNorm, nn.GroupNorm, nn.BatchNorm1d, nn.RMSNorm)
 
@@ -86,8 +88,12 @@ class AdamATan2(torch.optim.Optimizer):
     """AdamATan2 (TRM / HRM's optimiser) with optional sign-SGD groups; see the module docstring.
 
     Groups may set ``sign_sgd=True`` (sparse-embedding rows) and ``lr_scale`` (their rate relative
-    to the scheduled one). State per parameter: ``step`` (a float tensor, as the package keeps it),
-    ``exp_avg``, ``exp_avg_sq``; sign-SGD groups keep none.
+    to the scheduled one). State per parameter: ``step`` (a float tensor on the CPU, as the package keeps
+    it), ``exp_avg``, ``exp_avg_sq``; sign-SGD groups keep none. The update runs over each group's
+    parameters at once (``torch._foreach_*``: a few kernels per group plus ``atan2`` per tensor, where a
+    per-parameter loop ran ~8 kernels per tensor), the bias corrections from a host copy of each step
+    count (so no value is read from the device). ``found_inf`` (a 0-dim device tensor, set by the trainer's
+    divergence check, ``skip_step``): where it is non-zero the step leaves every weight and moment as it was.
     """
 
     def __init__(
@@ -111,49 +117,72 @@ class AdamATan2(torch.optim.Optimizer):
                 "lr_scale": 1.0,
             },
         )
+        self.found_inf: Tensor | None = None
+        self._steps = HostSteps()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        self._steps = HostSteps()
 
     @torch.no_grad()
     def step(self, closure: object = None) -> None:  # type: ignore[override]
         if closure is not None:
             raise ValueError("AdamATan2.step takes no closure")
+        skip = None if self.found_inf is None else self.found_inf.bool()
         for group in self.param_groups:
             lr, wd = group["lr"] * group["lr_scale"], group["weight_decay"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise ValueError("AdamATan2 needs dense gradients")
-                if group["sign_sgd"]:
-                    sign_sgd_rows_(p, p.grad, lr, wd)
-                else:
-                    self._adam_atan2(p, lr, wd, group["betas"])
+            params = [p for p in group["params"] if p.grad is not None]
+            if any(p.grad.is_sparse for p in params):
+                raise ValueError("AdamATan2 needs dense gradients")
+            if group["sign_sgd"]:
+                for p in params:
+                    sign_sgd_rows_(p, p.grad, lr, wd, skip)
+            elif params:
+                self._adam_atan2(params, lr, wd, group["betas"], skip)
 
-    def _adam_atan2(self, p: Tensor, lr: float, wd: float, betas: tuple[float, float]) -> None:
-        state = self.state[p]
-        if not state:
-            state["step"] = torch.zeros((), dtype=torch.float32)
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    def _adam_atan2(
+        self, params: list[Tensor], lr: float, wd: float, betas: tuple[float, float], skip: Tensor | None
+    ) -> None:
         b1, b2 = betas
-        state["step"] += 1
-        t = float(state["step"])
-        m, v, g = state["exp_avg"], state["exp_avg_sq"], p.grad
-        p.mul_(1 - lr * wd)
-        m.lerp_(g, 1 - b1)
-        v.mul_(b2).addcmul_(g, g, value=1 - b2)
-        denom = v.sqrt() / math.sqrt(1 - b2**t)
-        p.add_(torch.atan2(m, denom), alpha=-lr / (1 - b1**t))
+        states = [self.state[p] for p in params]
+        for p, state in zip(params, states):
+            if not state:
+                state["step"] = torch.zeros((), dtype=torch.float32)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        # group the parameters by their step count (one in practice): each subgroup shares its scalars
+        for t, idx in self._steps.advance(params, states).items():
+            ps = [params[i] for i in idx]
+            ms, vs = [states[i]["exp_avg"] for i in idx], [states[i]["exp_avg_sq"] for i in idx]
+            gs = [p.grad for p in ps]
+            olds = (ps, ms, vs)
+            if skip is not None:  # the update works on copies; a skipped step keeps the originals
+                ps, ms, vs = (torch._foreach_mul(x, 1.0) for x in olds)
+            torch._foreach_mul_(ps, 1 - lr * wd)
+            torch._foreach_lerp_(ms, gs, 1 - b1)
+            torch._foreach_mul_(vs, b2)
+            torch._foreach_addcmul_(vs, gs, gs, value=1 - b2)
+            denom = torch._foreach_sqrt(vs)
+            torch._foreach_div_(denom, math.sqrt(1 - b2**t))
+            updates = [torch.atan2(m, d) for m, d in zip(ms, denom)]
+            torch._foreach_add_(ps, updates, alpha=-lr / (1 - b1**t))
+            if skip is not None:
+                for old_list, new_list in zip(olds, (ps, ms, vs)):
+                    for old, new in zip(old_list, new_list):
+                        torch.where(skip, old, new, out=old)
 
 
-def sign_sgd_rows_(p: Tensor, grad: Tensor, lr: float, weight_decay: float) -> None:
-    """TRM / HRM's sparse-embedding step on the rows with a gradient: decay them, step by ``-lr sign(g)``."""
+def sign_sgd_rows_(
+    p: Tensor, grad: Tensor, lr: float, weight_decay: float, skip: Tensor | None = None
+) -> None:
+    """TRM / HRM's sparse-embedding step on the rows with a gradient: decay them, step by ``-lr sign(g)``.
+    The rows are chosen with ``torch.where`` over the whole table (no host read to find them); ``skip``
+    (a 0-dim bool tensor) leaves every row as it is."""
     rows = grad.reshape(grad.shape[0], -1).ne(0).any(-1) if grad.dim() > 1 else grad.ne(0)
-    idx = torch.nonzero(rows).reshape(-1)
-    if idx.numel() == 0:
-        return
-    sel = p.index_select(0, idx)
-    sel.mul_(1 - lr * weight_decay).add_(grad.index_select(0, idx).sign(), alpha=-lr)
-    p.index_copy_(0, idx, sel)
+    if skip is not None:
+        rows = rows & ~skip
+    stepped = p.mul(1 - lr * weight_decay).add_(grad.sign(), alpha=-lr)
+    p.copy_(torch.where(rows.view(-1, *([1] * (p.dim() - 1))), stepped, p))
 
 
 class AdamWSignSGD(torch.optim.AdamW):
@@ -167,13 +196,15 @@ class AdamWSignSGD(torch.optim.AdamW):
         if closure is not None:
             raise ValueError("AdamWSignSGD.step takes no closure")
         hidden: list[tuple[Tensor, Tensor]] = []
+        found = getattr(self, "found_inf", None)
+        skip = None if found is None else found.bool()
         for group in self.param_groups:
             if not group.get("sign_sgd"):
                 continue
             lr = group["lr"] * group.get("lr_scale", 1.0)
             for p in group["params"]:
                 if p.grad is not None:
-                    sign_sgd_rows_(p, p.grad, lr, group["weight_decay"])
+                    sign_sgd_rows_(p, p.grad, lr, group["weight_decay"], skip)
                     hidden.append((p, p.grad))
                     p.grad = None
         try:
@@ -181,6 +212,13 @@ class AdamWSignSGD(torch.optim.AdamW):
         finally:
             for p, grad in hidden:
                 p.grad = grad
+
+
+def skip_step(optimizer: torch.optim.Optimizer, skip: Tensor | None) -> None:
+    """Make the next ``optimizer.step()`` leave every weight and its state unchanged where ``skip`` (a 0-dim
+    device tensor) is true, decided on the device as mixed-precision scalers do: ``found_inf`` of the fused
+    AdamW kernel and of this module's optimisers. None: always step."""
+    optimizer.found_inf = None if skip is None else skip.to(torch.float32)  # type: ignore[attr-defined]
 
 
 def build_optimizer(
@@ -196,7 +234,7 @@ def build_optimizer(
     head: tuple[float, float | None] | None = None,
     muon: dict | None = None,
 ) -> torch.optim.Optimizer:
-    """AdamW (``kind="adamw"``, foreach, deterministic) or ``AdamATan2`` over ``parameter_groups``.
+    """AdamW (``kind="adamw"``, PyTorch's fused kernel, deterministic) or ``AdamATan2`` over ``parameter_groups``.
 
     ``decay_all``: one decayed group of every parameter (TRM / HRM pass ``model.parameters()`` to
     one optimiser). ``puzzle_emb=(lr, weight_decay)``: parameters named ``*puzzle_emb*`` get their own
@@ -224,7 +262,8 @@ def build_optimizer(
         return muon_adamw(model, groups, lr, betas, eps, muon)
     if kind == "adamw":
         cls = AdamWSignSGD if puzzle_emb is not None else torch.optim.AdamW
-        return cls(groups, lr=lr, betas=betas, eps=eps)
+        # the fused kernel (CPU and CUDA): one pass over every tensor, and found_inf skips a step on the device
+        return cls(groups, lr=lr, betas=betas, eps=eps, fused=True)
     if kind == "adam_atan2":
         return AdamATan2(groups, lr=lr, betas=betas, weight_decay=weight_decay)
     raise ValueError(f"unknown optimizer {kind!r}; expected 'adamw', 'adam_atan2' or 'muon_adamw'")
@@ -322,14 +361,15 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
         group["lr"] = lr * group.get("lr_mult", 1.0)
 
 
-def clip_grad_norm(parameters: list[Tensor], max_norm: float) -> float:
-    """Global gradient norm before clipping; clips in place when ``max_norm > 0``."""
-    grads = [p for p in parameters if p.grad is not None]
-    if not grads:
-        return 0.0
+def clip_grad_norm(parameters: list[Tensor], max_norm: float) -> Tensor:
+    """Global gradient norm before clipping (a 0-dim tensor on the gradients' device: no host read); clips in
+    place when ``max_norm > 0`` (the scale ``min(1, max_norm / (norm + 1e-6))`` applied on the device)."""
+    params = [p for p in parameters if p.grad is not None]
+    if not params:
+        return torch.zeros(())
     if max_norm > 0:
-        return float(torch.nn.utils.clip_grad_norm_(grads, max_norm))
-    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in grads])))
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+    return torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
 
 
 PUZZLE_EMBEDDING = "puzzle_emb"  # the name part of the puzzle-embedding tables (sign-SGD group, counts)
@@ -370,12 +410,30 @@ class EMA:
         return min(self.decay, (1.0 + step) / (10.0 + step))
 
     @torch.no_grad()
-    def update(self, model: nn.Module, step: int | None = None) -> None:
-        """One EMA update after optimiser step ``step`` (0-based; used by the warm-up)."""
+    def update(self, model: nn.Module, step: int | None = None, skip: Tensor | None = None) -> None:
+        """One EMA update after optimiser step ``step`` (0-based; used by the warm-up), over every tensor at
+        once (``torch._foreach_*``). ``skip`` (a 0-dim bool device tensor, the step's divergence check): where
+        true, the average stays as it was, decided on the device."""
         weight = 1.0 - self.decay_at(step)
-        for name, p in model.named_parameters():
-            if name in self.shadow:
-                self.shadow[name].lerp_(p.detach(), weight)
+        pairs = [(self.shadow[n], p.detach()) for n, p in model.named_parameters() if n in self.shadow]
+        if not pairs:
+            return
+        shadows, params = [s for s, _ in pairs], [p for _, p in pairs]
+        if skip is None:
+            torch._foreach_lerp_(shadows, params, weight)
+            return
+        self.update_weighted(model, torch.full((), weight, dtype=torch.float64, device=skip.device), skip)
+
+    @torch.no_grad()
+    def update_weighted(self, model: nn.Module, weight: Tensor, skip: Tensor) -> None:
+        """``s <- s + (w keep) (p - s)`` with the weight ``w = 1 - decay`` a 0-dim tensor (a compiled step:
+        no recompilation when the warm-up changes it): exactly ``s`` when the step is skipped (the weights it
+        was skipped for are finite)."""
+        pairs = [(self.shadow[n], p.detach()) for n, p in model.named_parameters() if n in self.shadow]
+        shadows, params = [s for s, _ in pairs], [p for _, p in pairs]
+        diffs = torch._foreach_sub(params, shadows)
+        torch._foreach_mul_(diffs, (~skip).to(weight.dtype) * weight)
+        torch._foreach_add_(shadows, diffs)
 
     def state_dict(self) -> dict[str, Tensor]:
         return dict(self.shadow)

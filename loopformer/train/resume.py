@@ -3,7 +3,8 @@
 ``save(trainer)`` writes ``checkpoints/step_N/`` through ``loopformer.runs.checkpoint.save_checkpoint``:
 the weights (FSDP: gathered to full tensors by the strategy), the EMA, and ``training_state``:
 the optimiser (in the strategy's layout, tagged ``optimizer_layout``), the data stream, the
-curriculum, the training mode's carried state (``carry``), the RNG states and the elapsed time.
+curriculum, the training mode's carried state (``carry``), the RNG states, the elapsed time and the
+metrics summed since the last logged record (so a resumed run logs the same averages).
 ``resume_folder`` finds the folder ``train.resume`` names (``true``: the run's newest good one, by
 its manifest; none -> a fresh start; only corrupt ones -> an error naming them), ``check(trainer,
 folder)`` refuses another run's checkpoint or a config that changes the training stream
@@ -52,7 +53,10 @@ log = logging.getLogger("loopformer.train")
 def training_state(tr: Trainer, optimizer: bool = True) -> dict[str, Any]:
     """Everything but the weights that a bit-exact resume needs (collective under FSDP / with a carry);
     ``optimizer`` False: without the optimiser (a sharded checkpoint stores it in the shards)."""
-    opt = {"optimizer": tr.strategy.optimizer_state(tr.model, tr.optimizer), "optimizer_layout": tr.strategy.layout}
+    opt = {
+        "optimizer": tr.strategy.optimizer_state(tr.model, tr.optimizer),
+        "optimizer_layout": tr.strategy.layout,
+    }
     return {
         **(opt if optimizer else {}),
         "stream": tr.stream.state_dict(),
@@ -62,6 +66,7 @@ def training_state(tr: Trainer, optimizer: bool = True) -> dict[str, Any]:
         "elapsed": tr.elapsed(),
         "best": tr.best.state_dict(),  # train.keep_best's record (BestTracker)
         "data": tr.data_record,  # the fingerprints of the training and held-out sets (runs/fingerprint.py)
+        "meter": tr.meter.state_dict(),  # the metrics since the last logged record (step_metrics.StepMeter)
     }
 
 
@@ -97,7 +102,9 @@ def _save_sharded(tr: Trainer) -> Path:
     local = {k: v.to_local() if hasattr(v, "to_local") else v for k, v in tr.model.state_dict().items()}
     bad = nonfinite_names(local)
     if dist.all_reduce_max(float(bool(bad))) > 0:  # every rank stops, whichever holds the bad shard
-        tr.diverged("weights", float("nan"), f"non-finite parameter {bad[0]!r}" if bad else "non-finite shard")
+        tr.diverged(
+            "weights", float("nan"), f"non-finite parameter {bad[0]!r}" if bad else "non-finite shard"
+        )
     return save_sharded(
         tr.ckpt_dir, tr.step, model_family(tr.model), tr.model, tr.optimizer, tr.config,
         tr.ema.state_dict() if tr.ema else None, training_state(tr, optimizer=False),
@@ -170,6 +177,7 @@ def restore(tr: Trainer, folder: Path) -> None:
     tr.step = int(state["step"])
     tr.elapsed_before = float(state.get("elapsed", 0.0))
     tr.best.restore(state.get("best"), tr.ckpt_dir, tr.step)
+    tr.meter.load_state_dict(state.get("meter"))
     tr.resumed_from = folder
     tr.last_checkpoint = folder
     log.info("resumed from %s at step %d", folder, tr.step)

@@ -5,7 +5,8 @@
 - ``set_cpu_threads``: the CPU thread count (``train.threads``; 0 = auto: 1 for small models, else one per
   physical core), logged at start-up.
 - ``build_data``: the task and its train / eval splits (``loopformer.runs.task_dataset``), unless given.
-- ``prepare_model``: the given or the recipe's model on the device, its step compiled when asked.
+- ``prepare_model``: the given or the recipe's model on the device; ``compile_on``: whether the run compiles
+  (``compile: auto``: on CUDA); ``fast_cuda_settings``: TF32 and cuDNN autotuning on CUDA.
 - ``make_optimizer``: the optimiser ``train`` names (``loopformer.train.optim.build_optimizer``).
 - ``lr_for``: the step's learning rate from the schedule ``train`` names.
 - ``make_curriculum``: the difficulty curriculum of ``data.curriculum`` (None when off).
@@ -128,14 +129,29 @@ def prepare_model(
     train_data: TokenDataset,
     device: torch.device,
 ) -> LoopedModel:
-    """``model`` (or the recipe's, ``build_run_model``) on ``device``; ``compile``: the looped body
-    is ``torch.compile``d (the hot path; the engine's loop stays eager)."""
+    """``model`` (or the recipe's, ``build_run_model``) on ``device`` (``compile``: the trainer compiles the
+    whole step, or the looped body, once the optimiser exists: ``Trainer.__init__``)."""
     if model is None:
         model = build_run_model(config, task, train_data)
-    model = model.to(device)
-    if config.compile:
-        model.step = torch.compile(model.step)  # type: ignore[method-assign]
-    return model
+    return model.to(device)
+
+
+def compile_on(config: RunConfig, device: torch.device) -> bool:
+    """Whether the run compiles: ``compile: true``, or ``auto`` on CUDA (on the CPU a compile costs minutes
+    of a short run and gains little: docs/performance.md, ``step_compile`` rows)."""
+    return config.compile is True or (config.compile == "auto" and device.type == "cuda")
+
+
+def fast_cuda_settings(config: RunConfig, device: torch.device) -> None:
+    """On CUDA: TF32 matmuls for float32 runs (bf16 autocast runs its matmuls in bf16 anyway) and cuDNN's
+    autotuner (every shape of a training step is fixed: the carry is refilled in place, the loops are
+    static), set once per process."""
+    if device.type != "cuda":
+        return
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+    torch.set_float32_matmul_precision("high")
+    torch.backends.cudnn.benchmark = True
 
 
 def make_optimizer(model: LoopedModel, tc: TrainConfig) -> torch.optim.Optimizer:
@@ -223,5 +239,3 @@ def build_run_model(config: RunConfig, task: Task | None, train_data: TokenDatas
         f.name: to_dict(getattr(model_config, f.name)) for f in dataclasses.fields(model_config)
     }
     return build_model(config.model.name, config=model_config)
-
-

@@ -8,8 +8,11 @@ not), releases the run folder's lock and raises ``TrainingInterrupted``, whose m
 (``KeyboardInterrupt`` for SIGINT, ``SystemExit(143)`` for SIGTERM; the lock is still released on
 the way out, and every file is written atomically, so nothing half-written is left behind).
 
-Handlers are installed only from the main thread of a single-process run: under ``torchrun``
-the ranks would see the signal at different steps, and a checkpoint needs all of them.
+Handlers are installed from the main thread. Under ``torchrun`` the ranks may see a signal at different
+steps while a checkpoint needs all of them: each step's all-reduce (the one that averages the loss for the
+divergence check) carries every rank's flag (``flag``, ``vote``), and every rank reads the reduced flag of the
+step before (``agreed``: one step late, while the current step's work is still queued, so the read does not
+wait), so all ranks stop after the same step and write the checkpoint together.
 """
 
 from __future__ import annotations
@@ -43,10 +46,32 @@ class TrainingInterrupted(RuntimeError):
 class StopSignals:
     """The first SIGTERM / SIGINT sets ``requested`` (the signal number); a second one exits at once."""
 
-    def __init__(self, enabled: bool = True) -> None:
+    def __init__(self, enabled: bool = True, distributed: bool = False) -> None:
         self.enabled = enabled and threading.current_thread() is threading.main_thread()
+        self.distributed = distributed
         self.requested: int | None = None
         self._previous: dict[int, Any] = {}
+        self._votes: list[Any] = []  # the all-reduced flags of the last two steps (device tensors)
+
+    def flag(self, device: Any) -> Any:
+        """This process's request as a 0-dim float64 tensor on ``device`` (1: a signal arrived)."""
+        import torch
+
+        return torch.full((), float(self.requested is not None), dtype=torch.float64, device=device)
+
+    def vote(self, reduced: Any) -> None:
+        """Keep the step's all-reduced flag (read by ``agreed`` one step later)."""
+        self._votes = [*self._votes[-1:], reduced]
+
+    def agreed(self) -> int | None:
+        """The signal to stop on after this step: this process's (one process), or under torchrun whether
+        any rank had one at the step before (every rank reads the same all-reduced value; SIGTERM when this
+        rank saw none itself)."""
+        if not self.distributed:
+            return self.requested
+        if len(self._votes) < 2 or not self._votes[0].item() > 0:
+            return None
+        return self.requested if self.requested is not None else int(signal.SIGTERM)
 
     def _handler(self, signum: int, frame: FrameType | None) -> None:
         if self.requested is None:

@@ -8,8 +8,9 @@ The trainer holds one ``Strategy`` and never asks which one it is. A strategy an
 - checkpoints: ``optimizer_state`` / ``load_optimizer_state`` (with the ``optimizer_layout``
   tag written beside them), ``full_weights`` / ``full_ema`` (the tensors rank 0 writes; None:
   the model's own), ``load_weights`` / ``like`` (full tensors laid out as the live ones);
-- a step: ``clip_grad_norm``, ``gathered(model)`` (full parameters for calls that bypass
-  ``forward``), ``mean`` / ``reduce_metrics`` over ranks, ``barrier``, ``is_main``;
+- a step: ``clip_grad_norm`` (a device tensor), ``gathered(model)`` (full parameters for calls that bypass
+  ``forward``), ``mean_tensor`` (on the device, every step) / ``mean`` / ``reduce_metrics`` (host values,
+  when the trainer reads its metrics) over ranks, ``barrier``, ``is_main``;
 - evaluation, as a ``loopformer.eval.evaluate.EvalComm``: ``local_rows`` (DDP shards the rows;
   FSDP evaluates all rows on every rank because each forward gathers the weights), ``sum``,
   ``max``, ``lockstep`` (``train.sync_halting``).
@@ -81,11 +82,15 @@ class Strategy(EvalComm):
         return contextlib.nullcontext()
 
     # -- a step -------------------------------------------------------------------------------
-    def clip_grad_norm(self, params: list[Tensor], max_norm: float) -> float:
+    def clip_grad_norm(self, params: list[Tensor], max_norm: float) -> Tensor:
         return clip_grad_norm(params, max_norm)
 
     def mean(self, values: dict[str, float]) -> dict[str, float]:
         return dict(values)
+
+    def mean_tensor(self, values: Tensor) -> Tensor:
+        """``values`` averaged over ranks on the device (no host read); one process: as they are."""
+        return values
 
     def reduce_metrics(self, metrics: dict[str, Any]) -> dict[str, Any]:
         return metrics
@@ -105,7 +110,9 @@ class Strategy(EvalComm):
 
     def load_optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: Any) -> None:
         groups = state.get("param_groups") or [{}]
-        if groups[0].get("params") and isinstance(groups[0]["params"][0], str):  # keyed by name: FSDP's layout
+        if groups[0].get("params") and isinstance(
+            groups[0]["params"][0], str
+        ):  # keyed by name: FSDP's layout
             dist.load_fsdp_optimizer_state(model, optimizer, state)
         else:
             optimizer.load_state_dict(state)
@@ -127,7 +134,9 @@ class Strategy(EvalComm):
         return tc.checkpoint_format == "sharded"
 
     def check_layout(self, layout: str, folder: Path) -> None:
-        if layout != self.layout and not (layout == "fsdp_full" and not self.env.enabled):  # one process reads both
+        if layout != self.layout and not (
+            layout == "fsdp_full" and not self.env.enabled
+        ):  # one process reads both
             raise CheckpointError(
                 f"{folder} holds {'an FSDP' if layout == 'fsdp_full' else 'a DDP / single-process'} optimizer "
                 f"state; resume it with train.strategy={'fsdp' if layout == 'fsdp_full' else 'ddp'}"
@@ -152,6 +161,9 @@ class _Distributed(Strategy):
 
     def mean(self, values: dict[str, float]) -> dict[str, float]:
         return dist.all_reduce_mean(values)
+
+    def mean_tensor(self, values: Tensor) -> Tensor:
+        return dist.all_reduce_mean_tensor(values)
 
     def reduce_metrics(self, metrics: dict[str, Any]) -> dict[str, Any]:
         """Per-rank metrics -> their mean over ranks ("halted": the total); shared values kept."""
@@ -225,7 +237,7 @@ class FSDPStrategy(_Distributed):
         finally:
             forward_model.set_requires_gradient_sync(True)
 
-    def clip_grad_norm(self, params: list[Tensor], max_norm: float) -> float:
+    def clip_grad_norm(self, params: list[Tensor], max_norm: float) -> Tensor:
         return dist.clip_grad_norm(params, max_norm)
 
     def optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:

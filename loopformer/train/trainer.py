@@ -56,22 +56,26 @@ from loopformer.train.losses import (
     sequence_loss,
     wide,
 )
-from loopformer.train.metrics import RunLog, last_finite
+from loopformer.train.metrics import RunLog
 from loopformer.train.modes import SegmentBatch, TrainingMode, make_training_mode
 from loopformer.train.optim import EMA, set_lr
 from loopformer.train.progress import TrainProgress
 from loopformer.train.seeding import SALT_INIT, SALT_JAC, seed_everything, step_generator
 from loopformer.train.setup import (
     build_data,
+    compile_on,
     configure_process,
+    fast_cuda_settings,
     lr_for,
     make_curriculum,
     make_optimizer,
     prepare_model,
     set_cpu_threads,
 )
+from loopformer.train.step_metrics import DivergenceCheck, StepMeter, StepMetrics, loop_metrics
 from loopformer.train.stop import StopSignals, TrainingInterrupted
 from loopformer.train.strategy import Strategy, make_strategy
+from loopformer.train.update import TrainerUpdate
 
 log = logging.getLogger("loopformer.train")
 
@@ -85,7 +89,7 @@ class TrainingDivergedError(RuntimeError):
         self.step, self.quantity, self.value, self.checkpoint = step, quantity, value, checkpoint
 
 
-class Trainer(TrainerEvaluation):
+class Trainer(TrainerEvaluation, TrainerUpdate):
     """Train ``config``'s model on its task; ``fit()`` returns a summary dict.
 
     ``model``, ``task``, ``train_data`` and ``eval_data`` override what the config would build
@@ -115,7 +119,9 @@ class Trainer(TrainerEvaluation):
         self.loop_eval: LoopConfig = config.loop_config(self.model.config.loop, "eval")
         # the trainer's own evaluations (periodic, final; they choose train.keep_best): loop_periodic over loop_eval
         self.loop_periodic: LoopConfig = config.loop_config(self.model.config.loop, "periodic")
-        self.sampler = training_sampler(tc.loop_sampler, tc.loop_sampler_options, self.loop_train.max_steps, config.seed)
+        self.sampler = training_sampler(
+            tc.loop_sampler, tc.loop_sampler_options, self.loop_train.max_steps, config.seed
+        )
         self.curriculum = make_curriculum(config.data.curriculum, self.train_data)
         self.stream = make_stream(self.train_data, config.seed, self.curriculum)
         self.step = 0
@@ -128,6 +134,8 @@ class Trainer(TrainerEvaluation):
         # built after wrapping: FSDP2 turns the parameters into shards
         self.optimizer = make_optimizer(self.model, tc)
         self.params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        fast_cuda_settings(config, self.device)
+        self.compiled = self._compile() if compile_on(config, self.device) else None
         self.ema = EMA(self.model, tc.ema, tc.ema_warmup, tc.ema_puzzle_embeddings) if tc.ema > 0 else None
         # lock the folder; a fresh run never destroys a previous one (loopformer.runs.folder)
         self.progress = TrainProgress(False, 0, 0, 1)  # fit() replaces it with the run's console output
@@ -142,6 +150,16 @@ class Trainer(TrainerEvaluation):
         self.last_metrics: dict[str, Any] = {}
         self.last_eval: dict[str, Any] = {}
         self.best = BestTracker(tc.keep_best, tc.keep_best_mode)
+        # the steps' metrics and divergence check stay on the device between reads (step_metrics.py)
+        self.meter = StepMeter()
+        self.guard = DivergenceCheck(self.device, tc.max_loss, tc.max_state_norm)
+        # SIGTERM / SIGINT: finish the step, checkpoint, unlock, say how to resume (loopformer.train.stop);
+        # under torchrun every rank installs them and the ranks agree through the step's all-reduce
+        self.stop = StopSignals(distributed=self.strategy.env.enabled)
+        self._resume_if_asked(tc)
+
+    def _resume_if_asked(self, tc: Any) -> None:
+        """Continue from ``train.resume``'s checkpoint when one is asked for; on any failure unlock the folder."""
         try:
             folder = resume.resume_folder(tc.resume, self.ckpt_dir)
             if folder is not None:
@@ -208,7 +226,10 @@ class Trainer(TrainerEvaluation):
             with autocast(self.device, self.config.bf16):
                 ctx = self.model.embed(batch.inputs, batch.puzzle_ids)
                 parts["jacobian"] = jacobian_frobenius(
-                    self.model.step, out.state, ctx, self.generator(self.step, SALT_JAC),
+                    self.model.step,
+                    out.state,
+                    ctx,
+                    self.generator(self.step, SALT_JAC),
                     probes=None if jacobian_probe is None else [jacobian_probe],
                 )
             total = total + tc.jacobian_weight * parts["jacobian"]
@@ -224,7 +245,12 @@ class Trainer(TrainerEvaluation):
         return self.step - (cur.stage_start if cur is not None else 0) < math.ceil(rows / tc.batch_size)
 
     def _q_learning(
-        self, out: ModelOutput, batch: SegmentBatch, exact: Tensor, parts: dict, segments: Tensor | None = None
+        self,
+        out: ModelOutput,
+        batch: SegmentBatch,
+        exact: Tensor,
+        parts: dict,
+        segments: Tensor | None = None,
     ) -> Tensor:
         """HRM's Q-learning loss (``losses.q_learning_losses``) for a mode with a carry; the target runs
         one more segment without gradient from this segment's state, as HRM's ACT wrapper does.
@@ -246,20 +272,32 @@ class Trainer(TrainerEvaluation):
         parts["q_loss"], parts["q_continue_loss"] = q_learning_losses(q, q_next, exact, is_last)
         return tc.q_loss_weight * (parts["q_loss"] + parts["q_continue_loss"])
 
-    def _check(self, quantity: str, value: float, limit: float | None = None) -> None:
-        if not math.isfinite(value) or (limit is not None and value > limit):
-            self.diverged(quantity, value)
-
-    def diverged(self, quantity: str, value: float, detail: str = "") -> None:
-        """Record the failed step (``step`` = the step that was attempted: one record per step) and
-        raise, naming the newest checkpoint from before it whose weights are finite."""
+    def diverged(self, quantity: str, value: float, detail: str = "", step: int | None = None) -> None:
+        """Record the failed step (``step``, default the current one; the log's ``step`` is the step that
+        was attempted: one record per step) and raise, naming the newest checkpoint from before it whose
+        weights are finite."""
+        step = self.step if step is None else step
         self.optimizer.zero_grad(set_to_none=True)
-        self.log.write({"step": self.step + 1, "diverged": quantity, "value": value,
-                        **({"detail": detail} if detail else {})}, self.step)  # fmt: skip
-        good = resume.quarantine_after(self.ckpt_dir, self.step) if self.strategy.is_main else None
-        raise TrainingDivergedError(
-            self.step, quantity if not detail else f"{quantity} ({detail})", value, good
-        )
+        self.log.write({"step": step + 1, "diverged": quantity, "value": value,
+                        **({"detail": detail} if detail else {})}, step)  # fmt: skip
+        good = resume.quarantine_after(self.ckpt_dir, step) if self.strategy.is_main else None
+        raise TrainingDivergedError(step, quantity if not detail else f"{quantity} ({detail})", value, good)
+
+    def read_metrics(self, reset: bool = True) -> dict[str, Any]:
+        """The device metrics since the last logged record (reduced over ranks) and the divergence check,
+        in one host read; raises ``TrainingDivergedError`` naming the first failed step, if one failed."""
+        record, first = self.meter.read(self.guard.first, reset)
+        failed = DivergenceCheck.failure(first)
+        if failed is not None:
+            step, quantity, value = failed
+            self.diverged(quantity, value, step=step)
+        if record.get("ift_capped", 0.0) > 0:  # the implicit gradient's backward solve hit its cap
+            ift = self.loop_train.ift
+            log.warning("the implicit gradient's backward solve stopped at its cap (ift.max_steps=%d) for %.1f%% "
+                        "of the samples before reaching ift.tol=%g (last residual up to %.2g); raise "
+                        "loop_train.ift.max_steps or loosen loop_train.ift.tol", ift.max_steps,
+                        100 * record["ift_capped"], ift.tol, record.get("ift_residual", float("nan")))  # fmt: skip
+        return self.strategy.reduce_metrics(record)
 
     def _forward(self, batch: SegmentBatch) -> ModelOutput:
         lockstep = dist.LockstepHalting(self.strategy.sync_halting)
@@ -276,43 +314,31 @@ class Trainer(TrainerEvaluation):
         lockstep.drain()
         return out
 
-    def train_step(self) -> dict[str, Any]:
-        """One optimiser step (one segment in deep supervision); returns its metrics."""
+    def train_step(self) -> StepMetrics:
+        """One optimiser step (one segment in deep supervision); returns its metrics: device tensors, read
+        by ``read_metrics`` when the trainer logs (no host read here), and host values."""
         tc = self.config.train
         self.model.train(self.dropout_on())
         lr = lr_for(self.curriculum.schedule_step(self.step) if self.curriculum else self.step, tc)
         set_lr(self.optimizer, lr)
         batch = self.mode.batch(self.step)
-        self.optimizer.zero_grad(set_to_none=True)
-        # forward + backward, as train.grad_accum_steps micro-batches (loopformer.train.accumulate)
-        res = accumulate.run_micro_steps(self, batch, self.accum_steps)
-        loss, parts, acc, out = res.loss, res.parts, res.acc, res.out
-        state_rms = float(out.state.detach().float().pow(2).flatten(1).mean(1).sqrt().mean())
-        # every rank takes the same divergence decision (a NaN on one rank reaches all)
-        checked = self.strategy.mean({"loss": float(loss.detach()), "state_norm": state_rms})
-        self._check("loss", checked["loss"], tc.max_loss)
-        self._check("state norm", checked["state_norm"], tc.max_state_norm)
-        grad_norm = self.strategy.clip_grad_norm(self.params, tc.grad_clip)
-        self._check("gradient norm", grad_norm)
-        self.optimizer.step()
-        if self.ema is not None:
-            self.ema.update(self.model, self.step)
+        res, out = self._compiled_update(batch, lr) if self.compiled is not None else self._update(batch)
         metrics: dict[str, Any] = {
             "step": self.step + 1,
-            "loss": float(loss.detach()),
-            **{k: float(v.detach()) for k, v in parts.items()},
-            "token_acc": acc.token_acc,
-            "exact_acc": acc.exact_acc,
+            "loss": res["loss"],
+            **res["parts"],
+            "token_acc": res["token_acc"],
+            "exact_acc": res["exact_acc"],
             "lr": lr,
-            "grad_norm": grad_norm,
-            "state_norm": state_rms,
-            **_loop_metrics(out),
+            "grad_norm": res["grad_norm"],
+            "state_norm": res["state_norm"],
+            **loop_metrics(out),
             **batch.metrics,
             **self.mode.after_step(batch, out, self.step),
         }
         if self.curriculum is not None:
             metrics["level"] = self.curriculum.level
-        return self.strategy.reduce_metrics(metrics)
+        return StepMetrics(metrics)
 
     def probe_unused_parameters(self, rows: int = 2) -> list[str]:
         """Parameters that one training forward / backward of the real loss leaves without gradient.
@@ -341,17 +367,28 @@ class Trainer(TrainerEvaluation):
 
     # -- evaluation ----------------------------------------------------------------------------
     # -- the loop ------------------------------------------------------------------------------
-    def _after_step(self, metrics: dict[str, Any]) -> None:
+    def _after_step(self, metrics: StepMetrics) -> None:
         """Curriculum, logging, periodic evaluation and checkpoints after step ``self.step`` (one
-        metrics record per step: a periodic evaluation joins the step's training record)."""
+        metrics record per step: a periodic evaluation joins the step's training record). The step's device
+        metrics are read only at the steps that need them (``read_metrics``: one host read)."""
         tc, cc = self.config.train, self.config.data.curriculum
-        metrics["time"] = round(self.elapsed(), 3)
-        self.last_metrics = metrics
-        if self.curriculum is not None and not self.curriculum.done and self.step % cc.check_every == 0:
+        self.meter.add(metrics)
+        log_due = self.step % tc.log_every == 0 or self.step == tc.steps
+        eval_due = bool(tc.eval_every) and self.step % tc.eval_every == 0 and self.step < tc.steps
+        save_due = bool(tc.checkpoint_every) and self.step % tc.checkpoint_every == 0 and self.step < tc.steps
+        curriculum_due = (
+            self.curriculum is not None and not self.curriculum.done and self.step % cc.check_every == 0
+        )
+        if not (log_due or eval_due or save_due or curriculum_due):
+            return
+        read = self.read_metrics(reset=log_due)  # raises TrainingDivergedError before any save or evaluation
+        read["time"] = round(self.elapsed(), 3)
+        self.last_metrics = read
+        if curriculum_due:
             self._curriculum_check()
-        record = metrics if self.step % tc.log_every == 0 or self.step == tc.steps else {}
+        record = read if log_due else {}
         improved = False
-        if tc.eval_every and self.step % tc.eval_every == 0 and self.step < tc.steps:
+        if eval_due:
             self.last_eval = self.evaluate()
             self.progress.evaluation(self.step, self.last_eval)
             improved = self.best.consider(self.last_eval, self.step)
@@ -359,8 +396,7 @@ class Trainer(TrainerEvaluation):
                       **self.best.fields()}  # fmt: skip
         if record and self.step < tc.steps:
             self.log.write(record, self.step)
-        due = tc.checkpoint_every and self.step % tc.checkpoint_every == 0 and self.step < tc.steps
-        if due or improved:  # a new best is checkpointed at its step
+        if save_due or improved:  # a new best is checkpointed at its step
             self.save()
         if improved:
             self._mark_best()
@@ -386,13 +422,16 @@ class Trainer(TrainerEvaluation):
             record.update({f"eval_{k}": v for k, v in self.last_eval.items()})
             if self.last_eval:
                 record.update(self.best.fields())
-            if record and self.last_metrics.get("step") != self.step:  # no step trained here: a resume at the end
+            if (
+                record and self.last_metrics.get("step") != self.step
+            ):  # no step trained here: a resume at the end
                 self.log.join_last({"step": self.step, **record}, self.step)
             elif record:
                 self.log.write({"step": self.step, **record}, self.step)
 
     def _stop_on_signal(self, signum: int) -> None:
         """Checkpoint the step just finished (unless it already is) and raise TrainingInterrupted."""
+        self.read_metrics(reset=False)  # a step that diverged is never checkpointed
         why_not = None
         if self.last_checkpoint is None or self.last_checkpoint.name != f"step_{self.step:08d}":
             try:
@@ -407,20 +446,24 @@ class Trainer(TrainerEvaluation):
         try:
             # a resume that found no checkpoint still drops the metrics its killed predecessor wrote
             resumed = self.resumed_from is not None or bool(tc.resume)
-            self.log.open(self.config, self.ckpt_dir, resumed, self.step, self.device)  # inside: a failed write unlocks
+            self.log.open(
+                self.config, self.ckpt_dir, resumed, self.step, self.device
+            )  # inside: a failed write unlocks
             self.strategy.barrier()  # rank 0 has written the run folder's config before anyone goes on
             self.t0 = time.perf_counter()
-            # SIGTERM / SIGINT: finish the step, checkpoint, unlock, say how to resume (loopformer.train.stop)
-            stop = StopSignals(enabled=self.strategy.env.world_size == 1)
-            self.progress = TrainProgress(tc.progress and self.strategy.is_main, tc.steps, self.step, tc.log_every)
+            stop = self.stop
+            self.progress = TrainProgress(
+                tc.progress and self.strategy.is_main, tc.steps, self.step, tc.log_every
+            )
             with stop, self.progress:
                 while self.step < tc.steps:
                     metrics = self.train_step()
                     self.step += 1
                     self._after_step(metrics)
-                    self.progress.update(self.step, metrics)
-                    if stop.requested is not None and self.step < tc.steps:
-                        self._stop_on_signal(stop.requested)
+                    self.progress.update(self.step, self.last_metrics)
+                    signum = stop.agreed()
+                    if signum is not None and self.step < tc.steps:
+                        self._stop_on_signal(signum)
                 self._finish()
         finally:
             self.folder.close()
@@ -450,14 +493,3 @@ class Trainer(TrainerEvaluation):
         }
         self.log.write_summary(summary)
         return summary
-
-
-def _loop_metrics(out: ModelOutput) -> dict[str, float]:
-    """Mean loop steps, last finite residual and converged fraction of a forward's loop."""
-    if out.loop is None:
-        return {}
-    metrics = {"loop_steps": float(out.loop.steps.float().mean())}
-    if out.loop.residuals is not None and out.loop.residuals.numel():
-        metrics["residual"] = float(torch.nanmean(last_finite(out.loop.residuals.detach().float())))
-    metrics["converged"] = float(out.loop.converged.float().mean())
-    return metrics
