@@ -296,7 +296,8 @@ def render(results: list[dict[str, Any]], info: dict[str, Any]) -> str:
         "",
         *_runs_lines(info, quick),
         f"- rendered: {time.strftime('%Y-%m-%d %H:%M:%S')}",
-        f"- CPU when rendered (rows may come from earlier runs): {info['cpu']} ({info['logical_cpus']} logical CPUs)",
+        f"- CPU: {info['cpu']} ({info['logical_cpus']} logical CPUs; the machine that rendered this page, rows may "
+        "come from earlier runs)",
         f"- torch {info['torch']}, Python {info['python']}, CUDA available: {info['cuda']}",
         f"- load average when rendered: {', '.join(map(str, info['load_average']))}",
         "",
