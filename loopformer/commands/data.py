@@ -36,6 +36,11 @@ class _DataGroup(WholeHelpGroup):
         return super().parse_args(ctx, args)
 
 
+# the task's constructor keywords (``data show`` / ``data stats``): ``-t size=9``, repeatable
+TASK_OPTION = click.option(
+    "--option", "--task-option", "-t", "extra", multiple=True, metavar="KEY=VALUE", help="Task constructor keyword."
+)
+
 def _parse_options(pairs: tuple[str, ...]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for pair in pairs:
@@ -243,15 +248,7 @@ def write_generated(task: Task, ds: TokenDataset, out: Path, fmt: str, split: st
 @click.argument("task_name", metavar="TASK")
 @click.argument("file", type=click.Path(exists=True, path_type=Path))
 @click.option("--index", "-i", type=int, default=0, show_default=True, help="Example to show.")
-@click.option(
-    "--option",
-    "--task-option",
-    "-t",
-    "extra",
-    multiple=True,
-    metavar="KEY=VALUE",
-    help="Task constructor keyword.",
-)
+@TASK_OPTION
 @click.option("--plain", is_flag=True, help="No colour markup.")
 def show_cmd(task_name: str, file: Path, index: int, extra: tuple[str, ...], plain: bool) -> None:
     """Render example INDEX of FILE: the input, then the label."""
@@ -280,15 +277,7 @@ def show_cmd(task_name: str, file: Path, index: int, extra: tuple[str, ...], pla
 @data.command("stats")
 @click.argument("task_name", metavar="TASK")
 @click.argument("file", type=click.Path(exists=True, path_type=Path))
-@click.option(
-    "--option",
-    "--task-option",
-    "-t",
-    "extra",
-    multiple=True,
-    metavar="KEY=VALUE",
-    help="Task constructor keyword.",
-)
+@TASK_OPTION
 @click.option("--bins", type=int, default=10, show_default=True, help="Histogram bins (fewer if few values).")
 def stats_cmd(task_name: str, file: Path, extra: tuple[str, ...], bins: int) -> None:
     """Print the example count and a difficulty histogram of FILE."""
