@@ -378,7 +378,7 @@ def plot(summary: dict[str, Any], labels: dict[str, str], path: Path, pyplot: An
     with the seeds' range as a band, each model's own protocol as a star (at its mean blocks per puzzle)."""
     plt = pyplot()
     panels = list(summary.items())
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), sharey=True, squeeze=False)
+    fig, axes = plt.subplots(1, len(panels), figsize=(max(6.4, 4.2 * len(panels)), 3.8), sharey=True, squeeze=False)
     for ax, (m, entry) in zip(axes[0], panels):
         for i, (name, r) in enumerate(entry["models"].items()):
             xs = sorted(r["curve"])
@@ -401,6 +401,6 @@ def plot(summary: dict[str, Any], labels: dict[str, str], path: Path, pyplot: An
     axes[0][0].set_ylabel("held-out valid accuracy (1,000 puzzles)")
     axes[0][0].set_ylim(-0.02, 1.02)
     axes[0][0].legend(fontsize=6, loc="lower right")
-    fig.suptitle("9x9 Sudoku, one CPU core: FPRM vs TRM at matched test-time compute (stars: own protocols)",
+    fig.suptitle("9x9 Sudoku, one CPU core: FPRM vs TRM at matched test-time compute\n(stars: each model's own protocol)",
                  fontsize=9)  # fmt: skip
     save(fig, path)
