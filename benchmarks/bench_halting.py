@@ -92,6 +92,8 @@ def trained_model(
     trained_now, seconds = False, 0.0
     with _exclusive(folder):  # two benchmark processes (pytest -n 2) wanting one model: the second waits
         if not (folder / "summary.json").is_file():
+            # a benchmark killed while training leaves its unfinished run here: the cache is ours, train it anew
+            cfg.train.overwrite = folder.is_dir()
             summary_ = Trainer(cfg).fit()
             torch.set_num_threads(threads)  # the trainer sets its own thread count
             trained_now, seconds = True, float(summary_["wall_time"])
