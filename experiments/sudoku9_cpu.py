@@ -403,12 +403,22 @@ def held_out(args: argparse.Namespace) -> tuple[Any, Any, np.ndarray]:
     return cfg, eval_set, np.asarray(eval_set.meta["backtracks"])
 
 
+def held_out_in_training(data: Any, train_seed: int, eval_set: Any) -> tuple[int, int]:
+    """(held-out puzzles, held-out solutions) found in the training set that ``data`` (a config's ``data``
+    section) generates from ``train_seed``, regenerated as the trainer does."""
+    train = SudokuTask(9).generate(data.train_size, seed=train_seed, **data.train_generate)
+    inputs = {row.tobytes() for row in train.inputs}
+    labels = {row.tobytes() for row in train.labels}
+    return (
+        int(sum(row.tobytes() in inputs for row in eval_set.inputs)),
+        int(sum(row.tobytes() in labels for row in eval_set.labels)),
+    )
+
+
 def train_overlap(args: argparse.Namespace, seed: int, eval_set: Any) -> int:
-    """How many held-out puzzles (inputs) are in seed ``seed``'s training set (regenerated as the trainer does)."""
+    """How many held-out puzzles (inputs) are in seed ``seed``'s training set."""
     cfg = configs(args.runs, args.quick, args.set, seed)["fprm_authors"]
-    train = SudokuTask(9).generate(cfg.data.train_size, seed=cfg.data.train_seed, **cfg.data.train_generate)
-    seen = {row.tobytes() for row in train.inputs}
-    return int(sum(row.tobytes() in seen for row in eval_set.inputs))
+    return held_out_in_training(cfg.data, cfg.data.train_seed, eval_set)[0]
 
 
 def overlap(args: argparse.Namespace) -> None:
@@ -418,14 +428,11 @@ def overlap(args: argparse.Namespace) -> None:
     that run: ``loopformer.config.validate``)."""
     cfg, eval_set, _ = held_out(args)
     for train_seed in args.train_seeds:
-        train = SudokuTask(9).generate(cfg.data.train_size, seed=train_seed, **cfg.data.train_generate)
-        inputs = {row.tobytes() for row in train.inputs}
-        labels = {row.tobytes() for row in train.labels}
+        puzzles, solutions = held_out_in_training(cfg.data, train_seed, eval_set)
         print(json.dumps({
             "train_seed": train_seed, "eval_seed": cfg.data.eval_seed,
-            "held_out": len(eval_set), "train_size": len(train),
-            "held_out_puzzles_in_training": int(sum(r.tobytes() in inputs for r in eval_set.inputs)),
-            "held_out_solutions_in_training": int(sum(r.tobytes() in labels for r in eval_set.labels)),
+            "held_out": len(eval_set), "train_size": cfg.data.train_size,
+            "held_out_puzzles_in_training": puzzles, "held_out_solutions_in_training": solutions,
         }), flush=True)  # fmt: skip
 
 
