@@ -116,20 +116,16 @@ def run_suite(
     skipped: list[str] = []  # plots not drawn, each with the reason (a plot over one value says nothing)
     r_main = results[main.label]
     tt = f"{main.label} · {describe_loop(main.loop)}"  # every plot names the model and its loop
-    why = no_histogram_reason(r_main)
-    if why is None:
-        plot_paths["steps histogram"] = plots.save_figure(
-            plots.plot_steps_histogram(r_main, title=tt), plot_dir / "steps_histogram.png"
-        )
-    else:
-        skipped.append(why)
-    why = no_difficulty_plot_reason(r_main)
-    if why is None:
-        plot_paths["steps vs difficulty"] = plots.save_figure(
-            plots.plot_steps_vs_difficulty(r_main, title=tt), plot_dir / "steps_vs_difficulty.png"
-        )
-    else:
-        skipped.append(why)
+    for name, reason, draw in (
+        ("steps histogram", no_histogram_reason, plots.plot_steps_histogram),
+        ("steps vs difficulty", no_difficulty_plot_reason, plots.plot_steps_vs_difficulty),
+    ):
+        why = reason(r_main)
+        if why is None:
+            file = plot_dir / f"{name.replace(' ', '_')}.png"
+            plot_paths[name] = plots.save_figure(draw(r_main, title=tt), file)
+        else:
+            skipped.append(why)
 
     budget: dict[str, BudgetCurve] = {}
     small = dataset.subset(slice(0, min(len(dataset), max(opts.analysis_examples, 1))))
