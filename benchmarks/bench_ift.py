@@ -8,9 +8,11 @@ needs more iterations): the backward solve of
 For each: the relative error of the parameter gradient against a float64 reference (the same weights and batch
 in float64, the backward solved to 1e-12 with a cap of 2000), the backward iterations (mean / max over the
 batch) and the time of a forward + backward (one thread, process CPU time, interleaved with the truncated
-gradient's, median of the per-round ratios). The default (``IFTOptions``: tol, max_steps) is the cheapest
-setting whose error stays below ``TARGET_ERROR`` (1e-3: a bf16 step rounds at 2^-8 = 4e-3, so further digits
-are not used). The truncated row (the recipe's gradient: 6 differentiated iterations) is there for its time and
+gradient's, median of the per-round ratios); and, because a trained FPRM contracts well and a slowly contracting
+map amplifies a loose tolerance (error ~ tol / (1 - rho)), the float32 gradient error of the same backward on the
+solver benchmark's linear map with spectral radius 0.99 against its closed form (I - W)^-T v. The float32 default
+(``IFTOptions.tol: auto`` = ``AUTO_TOL[float32]``, cap ``max_steps``) is the cheapest setting whose error stays
+below ``TARGET_ERROR`` on both (1e-3: a bf16 step rounds at 2^-8 = 4e-3, so further digits are not used). The truncated row (the recipe's gradient: 6 differentiated iterations) is there for its time and
 for how far its gradient is from the implicit one.
 
 Then the command itself: ``Trainer.train_step`` (forward, backward, AdamW, EMA) of the two runs, interleaved;
@@ -31,7 +33,7 @@ from benchmarks.common import Result, paired_ratio, side_by_side, summary
 
 TARGET_ERROR = 1e-3
 TARGET_RATIO = 2.0
-GRID = ((1e-9, 200), (1e-6, 40), (1e-4, 40), (1e-4, 20), (1e-3, 20), (1e-3, 10))
+GRID = ((1e-9, 200), (1e-6, 40), (1e-5, 200), (1e-5, 40), (1e-4, 40), (1e-4, 20), (1e-3, 20))
 BASE = ["model.d_model=64", "train.batch_size=32", "train.progress=false", "train.threads=1", "device=cpu",
         "train.eval_every=0", "train.checkpoint_every=0", "train.log_every=1000", "data.eval_size=0"]  # fmt: skip
 
@@ -67,6 +69,22 @@ def _rel(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     return (num / den) ** 0.5
 
 
+def linear_error(tol: float, cap: int, rho: float = 0.99) -> dict[str, float]:
+    """The float32 IFT gradient's relative error on the solver benchmark's symmetric linear map (d 128, batch 8,
+    spectrum in [-rho, rho]) against the float64 closed form, and the backward's largest iteration count."""
+    from benchmarks.bench_solvers import linear_problem
+    from loopformer.loop import LoopConfig, run_loop
+
+    w, x, v, _, grad_x = linear_problem(128, 8, rho)
+    w, v, xg = w.float(), v.float(), x.float().requires_grad_(True)
+    cfg = LoopConfig(solver="safe_anderson", halting="residual", tol=1e-6, max_steps=5000, grad="ift",
+                     ift={"tol": tol, "max_steps": cap})  # fmt: skip
+    res = run_loop(lambda z, x_: z @ w.T + x_, torch.zeros_like(xg), cfg, ctx=(xg,))
+    (g,) = torch.autograd.grad((res.state * v).sum(), [xg])
+    err = float((g.double() - grad_x).norm() / grad_x.norm())
+    return {"linear_rho_grad_rel_error": err, "linear_rho": rho, "linear_ift_steps_max": int(res.stats["ift_steps"].max())}
+
+
 def accuracy_rows(tmp: Path, quick: bool) -> tuple[list[Result], dict]:
     import copy
 
@@ -97,11 +115,17 @@ def accuracy_rows(tmp: Path, quick: bool) -> tuple[list[Result], dict]:
         err = _rel(grads, reference)
         ratio = paired_ratio(times, key, "truncated")
         table[key] = {"grad_rel_error": err, "time_vs_truncated": ratio, **stats}
+        if key != "truncated":
+            lin = linear_error(loops[key].ift.tol, loops[key].ift.max_steps)
+            table[key].update(lin, worst_grad_rel_error=max(err, lin["linear_rho_grad_rel_error"]))
         rows.append(Result("ift", f"ift.grad_error.{key}", err, "relative error", None, None,
                            f"backward to {key.replace('_', ', ')}: forward + backward {ratio:.2f}x the truncated "
-                           f"gradient's time; backward iterations {stats or 'n/a'}; machine loaded",
+                           f"gradient's time; backward iterations {stats or 'n/a'}; "
+                           + (f"float32 linear map rho 0.99: error {table[key]['linear_rho_grad_rel_error']:.1e}; "
+                              if "linear_rho_grad_rel_error" in table[key] else "")
+                           + "machine loaded",
                            {**table[key], "times": summary({key: times[key], "truncated": times["truncated"]})}))  # fmt: skip
-    chosen = min((k for k in loops if table[k]["grad_rel_error"] <= TARGET_ERROR),
+    chosen = min((k for k in loops if table[k]["worst_grad_rel_error"] <= TARGET_ERROR),
                  key=lambda k: table[k]["time_vs_truncated"], default=None)  # fmt: skip
     return rows, {"table": table, "chosen": chosen, "reference_backward": ref_stats, "model_train_seconds": seconds}
 
@@ -129,7 +153,8 @@ def command_row(tmp: Path, quick: bool) -> Result:
     ratio = paired_ratio(times, "ift", "truncated")
     loop = ift.loop_train
     return Result("ift", "ift.step_time_vs_truncated", ratio, "x", f"<= {TARGET_RATIO}", ratio <= TARGET_RATIO,
-                  f"seconds per training step, IFT backward at its defaults (tol {loop.ift.tol:g}, cap "
+                  f"seconds per training step, IFT backward at its defaults (tol {loop.ift.tol} = "
+                  f"{loop.ift.tolerance(torch.float32):g} in float32, cap "
                   f"{loop.ift.max_steps}; {record.get('ift_steps', float('nan')):.1f} backward iterations on average) "
                   f"/ truncated (6 steps), {loop.max_steps} loops, batch 32; machine loaded",
                   {"times": summary(times), "ift_steps_mean": record.get("ift_steps"),
@@ -143,13 +168,20 @@ def run(quick: bool = False) -> list[Result]:
         cmd = command_row(Path(tmp), quick)
     from loopformer.loop.implicit import IFTOptions
 
-    default = f"tol{IFTOptions.tol:g}_cap{IFTOptions.max_steps}"
+    opts = IFTOptions()
+    default = f"tol{opts.tolerance(torch.float32):g}_cap{opts.max_steps}"
     for r in rows:
         r.details["default"] = r.name.endswith(default)
         r.details["cheapest_within_target"] = info["chosen"]
-    choice = Result("ift", "ift.default_choice", info["table"].get(default, {}).get("grad_rel_error"),
-                    "relative error", f"<= {TARGET_ERROR:g}, the cheapest such setting",
-                    info["chosen"] == default,
-                    f"default {default}; cheapest setting within {TARGET_ERROR:g} in this run: {info['chosen']}",
+    table = info["table"]
+    mine, best = table.get(default, {}), table.get(info["chosen"] or "", {})
+    # met: the default is within the error target on both problems and costs no more than 10% over the cheapest
+    # such setting in this run (settings that differ only in an unreached cap time alike, up to noise)
+    met = bool(mine and best and mine["worst_grad_rel_error"] <= TARGET_ERROR
+               and mine["time_vs_truncated"] <= 1.1 * best["time_vs_truncated"])  # fmt: skip
+    choice = Result("ift", "ift.default_choice", mine.get("worst_grad_rel_error"),
+                    "relative error", f"<= {TARGET_ERROR:g} and within 10% of the cheapest such setting's time", met,
+                    f"float32 default {default} (ift.tol auto); cheapest setting within {TARGET_ERROR:g} on the trained "
+                    f"FPRM and the rho 0.99 linear map in this run: {info['chosen']}",
                     info)  # fmt: skip
     return [*rows, choice, cmd]

@@ -53,7 +53,7 @@ METHODS = {
         "step recomputed for the implicit gradient. IFT gradient error against the closed form, with "
         "loopformer's backward iterations (max over samples). Ratio = loopformer's fastest solver / "
         "TorchDEQ's fastest (process CPU time with one thread); loopformer's IFT at its defaults "
-        "(safe_anderson backward, tol 1e-9, cap 200).",
+        "(safe_anderson backward, tol auto: 1e-9 on the float64 maps, cap 200).",
     ),
     "compile": (
         "6. torch.compile and threads",

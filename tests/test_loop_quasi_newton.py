@@ -131,8 +131,8 @@ def test_every_solver_converges_per_sample_with_compaction(solver: str) -> None:
 
 @pytest.mark.parametrize("rho", [0.9, 0.99])
 def test_ift_at_default_settings_meets_1e6_relative_gradient_error(rho: float) -> None:
-    """The benchmark's float64 linear problems: the default IFT backward (safe_anderson, tol 1e-9,
-    at most 200 steps) gives d<v, z*>/dx = (I - W)^-T v to a relative error <= 1e-6."""
+    """The benchmark's float64 linear problems: the default IFT backward (safe_anderson, tol auto = 1e-9
+    in float64, at most 200 steps) gives d<v, z*>/dx = (I - W)^-T v to a relative error <= 1e-6."""
     w, x, v, _, grad_x = linear(128, 8, rho)
     x = x.clone().requires_grad_()
     cfg = LoopConfig(solver="safe_anderson", halting="residual", tol=1e-6, max_steps=5000, grad="ift")
@@ -143,7 +143,8 @@ def test_ift_at_default_settings_meets_1e6_relative_gradient_error(rho: float) -
     assert err <= 1e-6, err
     steps = res.stats["ift_steps"]
     assert (steps >= 1).all() and (steps < cfg.ift.max_steps).all()  # every sample converged on its own
-    assert (res.stats["ift_residual"] < cfg.ift.tol).all()
+    assert cfg.ift.tol == "auto" and cfg.ift.tolerance(torch.float64) == 1e-9
+    assert (res.stats["ift_residual"] < 1e-9).all()
 
 
 def test_ift_backward_options_cap_and_solver() -> None:
@@ -162,3 +163,31 @@ def test_ift_backward_options_cap_and_solver() -> None:
         if label == "capped":
             assert res.stats["ift_steps"].tolist() == [3, 3, 3]
     assert errs["capped"] > 1e-2 and errs["picard"] < 1e-6 and errs["anderson"] < 1e-6, errs
+
+
+@pytest.mark.parametrize("rho", [0.9, 0.99])
+def test_ift_auto_tolerance_in_float32_stops_early_within_1e3_of_the_closed_form(rho: float) -> None:
+    """``ift.tol: auto`` in float32 is 1e-5: every sample stops on its own, well inside the cap of 200 (a fixed
+    1e-9, below float32's resolution, ran every float32 backward to the cap), and the gradient stays within
+    1e-3 of the float64 closed form (I - W)^-T v."""
+    w, x, v, _, grad_x = linear(128, 8, rho)
+    w, v, x = w.float(), v.float(), x.float().clone().requires_grad_()
+    cfg = LoopConfig(solver="safe_anderson", halting="residual", tol=1e-6, max_steps=5000, grad="ift")
+    assert cfg.ift.tol == "auto" and cfg.ift.tolerance(torch.float32) == 1e-5
+    res = run_loop(lambda z, x: z @ w.T + x, torch.zeros_like(x), cfg, ctx=(x,))
+    (g,) = torch.autograd.grad((res.state * v).sum(), [x])
+    err = float((g.double() - grad_x).norm() / grad_x.norm())
+    assert err <= 1e-3, err
+    steps = res.stats["ift_steps"]
+    assert (res.stats["ift_residual"] < 1e-5).all() and not res.stats["ift_capped"].any()
+    assert int(steps.max()) < cfg.ift.max_steps // 2, steps.tolist()
+
+
+def test_ift_tolerance_option_is_a_number_or_auto() -> None:
+    from loopformer.loop.implicit import IFTOptions
+
+    assert IFTOptions(tol=1e-7).tolerance(torch.float32) == 1e-7  # a number is used as given, in any dtype
+    assert IFTOptions().tolerance(torch.bfloat16) == 1e-2
+    for bad in (0, -1e-3, "1e-3x", True):
+        with pytest.raises(ValueError, match=r"ift\.tol .*must be a number > 0 or 'auto'"):
+            IFTOptions(tol=bad)

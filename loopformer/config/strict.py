@@ -52,6 +52,19 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 
+_PLAIN = {float: "a number", int: "an integer", bool: "true or false", str: "a string"}
+
+
+def _describe(tp: Any) -> str:
+    """``tp`` in words for an error: ``float | Literal["auto"]`` -> "a number or 'auto'"."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(a) for a in typing.get_args(tp) if a is not type(None))
+    if origin is Literal:
+        return " or ".join(repr(a) for a in typing.get_args(tp))
+    return _PLAIN.get(tp) or _type_name(tp)
+
+
 def coerce(value: Any, tp: Any, path: str) -> Any:
     """``value`` converted to the annotation ``tp``; ConfigError naming ``path`` when it cannot be."""
     if tp is Any or tp is object:
@@ -70,7 +83,7 @@ def coerce(value: Any, tp: Any, path: str) -> Any:
                 return coerce(value, member, path)
             except ConfigError as err:
                 errors.append(str(err))
-        raise ConfigError(f"{path}: {value!r} is not a {_type_name(tp)}")
+        raise ConfigError(f"{path}: expected {_describe(tp)}, got {value!r}")
     if origin is Literal:
         if value in args:
             return value

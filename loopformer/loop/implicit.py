@@ -9,7 +9,7 @@ through that one step into f's parameters and context:
 - ``neumann``: ``u = sum_{j=0..k} (J^T)^j v`` by vector-Jacobian products on the recomputed step;
   with ``neumann.clip`` each term is clipped to ``clip * ||v||`` per sample (Attractor's
   "onestep" is k = 1 with clipping).
-- ``ift``: solve ``u = v + J^T u`` to ``ift.tol`` (relative change, max over the batch) with one
+- ``ift``: solve ``u = v + J^T u`` to ``ift.tol`` (relative change, per sample) with one
   of the forward solvers (``ift.solver``, any solver with ``adjoint_ok``; its options are the
   forward's, e.g. ``cfg.anderson``), the implicit function theorem gradient ``(I - J^T)^{-1} v``.
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import torch
 from torch import Tensor
@@ -98,14 +98,26 @@ class Neumann(ImplicitGradMode):
         return u
 
 
+# ``ift.tol: auto``: the backward's tolerance by the dtype it runs in. float32 cannot resolve a relative change
+# of 1e-9 (its epsilon is 1.2e-7), so a fixed 1e-9 ran every float32 backward to its cap (200 vector-Jacobian
+# products, 17.5x the truncated gradient's training step on sudoku4 FPRM). ``python -m benchmarks --only ift``
+# (benchmarks/bench_ift.py) measures each tolerance's float32 gradient error on a trained sudoku4 FPRM and on a
+# linear map with spectral radius 0.99 (error ~ tol / (1 - rho)); 1e-5 is the loosest within 1e-3 on both (a
+# bf16 step rounds at 2^-8 = 3.9e-3; 1e-4 gives 6e-3 on the linear map). float64 keeps 1e-9 (a 1e-6 gradient
+# error on tests/test_loop_quasi_newton.py's linear problems). 16-bit adjoints (a bf16 state) are not measured:
+# 1e-2, about their rounding.
+AUTO_TOL = {torch.float64: 1e-9, torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
+
+
 @dataclass(frozen=True)
 class IFTOptions:
     """The backward solve of u = v + J^T u: solver (a registered ``adjoint_ok`` solver; its options
     are the forward's group, e.g. ``cfg.safe_anderson``), per-sample tolerance on the relative
-    change ||g(u) - u|| / ||g(u)|| and iteration cap."""
+    change ||g(u) - u|| / ||g(u)|| (a number, or ``auto``: ``AUTO_TOL`` by the gradient's dtype) and
+    iteration cap."""
 
     solver: str = "safe_anderson"
-    tol: float = 1e-9
+    tol: float | Literal["auto"] = "auto"
     max_steps: int = 200
     legacy_names: ClassVar[dict[str, str]] = {
         "solver": "ift_solver",
@@ -122,12 +134,20 @@ class IFTOptions:
                 self.legacy_names,
                 f"={self.solver!r} is not one of {', '.join(map(repr, allowed))}",
             )
-        if not self.tol > 0:
-            raise option_error("ift", "tol", self.legacy_names, f"must be > 0, got {self.tol!r}")
+        if self.tol != "auto" and (
+            isinstance(self.tol, (bool, str)) or not isinstance(self.tol, (int, float)) or not self.tol > 0
+        ):
+            raise option_error("ift", "tol", self.legacy_names, f"must be a number > 0 or 'auto', got {self.tol!r}")
         if not isinstance(self.max_steps, int) or isinstance(self.max_steps, bool) or self.max_steps < 1:
             raise option_error(
                 "ift", "max_steps", self.legacy_names, f"must be an integer >= 1, got {self.max_steps!r}"
             )
+
+    def tolerance(self, dtype: torch.dtype) -> float:
+        """The tolerance the backward uses for gradients of ``dtype``: ``tol``, or ``AUTO_TOL[dtype]``."""
+        if self.tol != "auto":
+            return float(self.tol)
+        return AUTO_TOL.get(dtype, AUTO_TOL[torch.float32])
 
 
 @GRADS.register
@@ -135,7 +155,7 @@ class IFT(ImplicitGradMode):
     """The implicit function theorem gradient, solved per sample by a forward solver class.
 
     Reports per sample, once the backward ran: ``LoopResult.stats["ift_steps"]`` (vector-Jacobian
-    products until the sample's relative change fell below ``ift.tol``; ``ift.max_steps`` when it
+    products until the sample's relative change fell below ``ift.tolerance(dtype)``; ``ift.max_steps`` when it
     did not), ``stats["ift_residual"]`` (its last relative change) and ``stats["ift_capped"]`` (the cap
     stopped it). The trainer logs the first two with the step's metrics and warns about the third.
     """
@@ -159,6 +179,7 @@ class IFT(ImplicitGradMode):
         opts = self.opts
         solver = SOLVERS.get(opts.solver)(self.cfg)
         solver.report_stalls = False
+        tol = opts.tolerance(v.dtype)
         u, active = v, torch.arange(v.shape[0], device=v.device)
         state = solver.init(v)
         for it in range(opts.max_steps):
@@ -167,7 +188,7 @@ class IFT(ImplicitGradMode):
             change = _per_sample_norm(gu_a - u_a) / (_per_sample_norm(gu_a) + 1e-30)
             self.residual.index_copy_(0, active, change.to(self.residual.dtype))
             finite = torch.isfinite(change)
-            done = (change < opts.tol) | ~finite
+            done = (change < tol) | ~finite
             u_next, state, _ = solver.update(u_a, gu_a, change, state)
             # a converged sample takes one more application of the map (gu); a broken one keeps u
             u_next = torch.where(

@@ -294,7 +294,7 @@ class Trainer(TrainerEvaluation, TrainerUpdate):
         if record.get("ift_capped", 0.0) > 0:  # the implicit gradient's backward solve hit its cap
             ift = self.loop_train.ift
             log.warning("the implicit gradient's backward solve stopped at its cap (ift.max_steps=%d) for %.1f%% "
-                        "of the samples before reaching ift.tol=%g (last residual up to %.2g); raise "
+                        "of the samples before reaching ift.tol=%s (last residual up to %.2g); raise "
                         "loop_train.ift.max_steps or loosen loop_train.ift.tol", ift.max_steps,
                         100 * record["ift_capped"], ift.tol, record.get("ift_residual", float("nan")))  # fmt: skip
         return self.strategy.reduce_metrics(record)
