@@ -76,13 +76,12 @@ def coerce(value: Any, tp: Any, path: str) -> Any:
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
-        errors = []
         # bool before str, numbers before str: try the non-str members first
         for member in sorted((a for a in args if a is not type(None)), key=lambda a: a is str):
             try:
                 return coerce(value, member, path)
-            except ConfigError as err:
-                errors.append(str(err))
+            except ConfigError:
+                continue  # the next member; the error below names them all
         raise ConfigError(f"{path}: expected {_describe(tp)}, got {value!r}")
     if origin is Literal:
         if value in args:

@@ -135,7 +135,7 @@ class IFTOptions:
                 f"={self.solver!r} is not one of {', '.join(map(repr, allowed))}",
             )
         if self.tol != "auto" and (
-            isinstance(self.tol, (bool, str)) or not isinstance(self.tol, (int, float)) or not self.tol > 0
+            isinstance(self.tol, bool) or not isinstance(self.tol, (int, float)) or not self.tol > 0
         ):
             raise option_error("ift", "tol", self.legacy_names, f"must be a number > 0 or 'auto', got {self.tol!r}")
         if not isinstance(self.max_steps, int) or isinstance(self.max_steps, bool) or self.max_steps < 1:
