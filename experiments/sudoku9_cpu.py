@@ -444,22 +444,47 @@ def evaluate_h2h(args: argparse.Namespace) -> None:
     names = [n for n in (_only(args) or AUTHORS) if n in AUTHORS]
     plan = probe(args, names)
     cfg, eval_set, backtracks = held_out(args)
-    for seed in [] if args.assemble else seeds:
-        for name in names:
-            folder = run_dir(args.runs, name, seed)
-            for minutes, step in zip(MINUTES, plan["budget_steps"][name]):
-                saved = folder / f"eval-h2h-{minutes}min.json"
-                ckpt = folder / "checkpoints" / f"step_{step:08d}"
-                if minutes not in args.minutes or saved.is_file() or not ckpt.is_dir():
-                    continue
-                family = "trm" if name.startswith("trm") else "fprm"
-                row = h2h.evaluate_checkpoint(name, family, ckpt, eval_set, backtracks, list(EXTREME_ROWS))
-                row.update(seed=seed, minutes=minutes, train_time_s=_train_times(folder).get(step))
-                write_json(saved, row)
-                print(
-                    name, seed, minutes, {k: row["protocol"][k] for k in ("valid", "mean_blocks")}, flush=True
-                )
+    deadline = time.monotonic() + args.watch
+    while True:
+        pending = 0
+        for seed in [] if args.assemble else seeds:
+            for name in names:
+                folder = run_dir(args.runs, name, seed)
+                for minutes, step in zip(MINUTES, plan["budget_steps"][name]):
+                    saved = folder / f"eval-h2h-{minutes}min.json"
+                    ckpt = folder / "checkpoints" / f"step_{step:08d}"  # written atomically: there = complete
+                    if minutes not in args.minutes or saved.is_file():
+                        continue
+                    if not ckpt.is_dir():
+                        pending += 1
+                        continue
+                    family = "trm" if name.startswith("trm") else "fprm"
+                    row = h2h.evaluate_checkpoint(
+                        name, family, ckpt, eval_set, backtracks, list(EXTREME_ROWS), args.device
+                    )
+                    row.update(seed=seed, minutes=minutes, train_time_s=_train_times(folder).get(step))
+                    write_json(saved, row)
+                    print(
+                        name, seed, minutes, {k: row["protocol"][k] for k in ("valid", "mean_blocks")}, flush=True
+                    )
+        if not pending or time.monotonic() >= deadline:
+            if pending:
+                print(f"--watch: {pending} checkpoint(s) still missing after {args.watch:.0f} s", flush=True)
+            break
+        time.sleep(5.0)  # --watch: score each checkpoint as its training writes it
     rows = h2h.load_rows(args.runs, seeds, list(AUTHORS), list(MINUTES))
+    earlier: dict[str, Any] = {}
+    if args.earlier_summary:  # seeds whose run folders are gone: their seed-level numbers (no per-puzzle bits)
+        earlier = json.loads(args.earlier_summary.read_text())
+        for name, by_minutes in h2h.rows_from_summary(earlier["summary"]).items():
+            for m, by_seed in by_minutes.items():
+                for seed, row in by_seed.items():
+                    if seed in seeds:
+                        rows.setdefault(name, {}).setdefault(m, {}).setdefault(seed, row)
+    rebuilt = sorted(
+        {f"{n} seed {s} {m} min" for n, bm in rows.items() for m, bs in bm.items() for s, r in bs.items()
+         if r.get("from_summary")}
+    )  # fmt: skip
     summary = h2h.summarise(
         {n: r for n, r in rows.items() if n != "fprm_authors_jac"}, "fprm_authors", "trm_authors"
     )
@@ -478,7 +503,14 @@ def evaluate_h2h(args: argparse.Namespace) -> None:
         "train_overlap": {str(s): train_overlap(args, s, eval_set) for s in seeds},
         "summary": summary,
         "contraction": jac,
-        "train": {n: {str(s): _experiment(run_dir(args.runs, n, s)) for s in seeds} for n in AUTHORS},
+        "rows_from_earlier_summary": {"file": str(args.earlier_summary or ""), "rows": rebuilt},
+        "train": {
+            n: {
+                str(s): _experiment(run_dir(args.runs, n, s), earlier.get("train", {}).get(n, {}).get(str(s)))
+                for s in seeds
+            }
+            for n in AUTHORS
+        },
     }  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
     write_json(args.out / "results_h2h.json", payload)
@@ -514,9 +546,13 @@ def ship(args: argparse.Namespace) -> None:
         print(f"seed {seed}: {ckpt} (EMA) -> {folder}", flush=True)
 
 
-def _experiment(folder: Path) -> dict[str, Any]:
+def _experiment(folder: Path, earlier: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The run's ``experiment.json`` (wall / CPU time); else ``earlier`` (the same record in an earlier
+    ``results_h2h.json``, ``--earlier-summary``); else ``{"unfinished": True}``."""
     record = folder / "experiment.json"
-    return json.loads(record.read_text()) if record.is_file() else {"unfinished": True}
+    if record.is_file():
+        return json.loads(record.read_text())
+    return earlier if earlier else {"unfinished": True}
 
 
 def evaluate(args: argparse.Namespace) -> None:
@@ -700,6 +736,28 @@ def main() -> None:
         type=lambda t: [int(m) for m in t.split(",")],
         default=[100, 101, 102],
         help="--phase overlap: the training-data seeds to check against the held-out set",
+    )
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="--phase eval: where the head-to-head's checkpoints are scored (cpu, or cuda in float32, TF32 off)",
+    )
+    parser.add_argument(
+        "--watch",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="--phase eval with --seeds: keep scoring checkpoints as training writes them, until every one of "
+        "--minutes is scored or SECONDS have passed",
+    )
+    parser.add_argument(
+        "--earlier-summary",
+        type=Path,
+        default=None,
+        metavar="JSON",
+        help="--phase eval with --seeds: an earlier results_h2h.json whose per-seed numbers stand in for seeds "
+        "with no saved rows under --runs (docs/figures/sudoku9/results_h2h_seeds01.json: seeds 0-1, whose run "
+        "folders were lost); they count in means, ranges and the sign test, not in the per-puzzle bootstrap",
     )
     parser.add_argument("--runs", type=Path, default=REPO / "runs" / "sudoku9")
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "figures" / "sudoku9")

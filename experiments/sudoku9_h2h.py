@@ -18,18 +18,21 @@ gives everything, so no checkpoint is run twice:
   6 latent updates and 1 answer update of its 2-block net; it has no point at 8 blocks).
 
 Every row keeps each puzzle's validity (the task's independent validator) so that :func:`paired_bootstrap`
-can compare the models puzzle by puzzle.
+can compare the models puzzle by puzzle. ``device`` (``--device`` of the driver) runs the pass on a GPU in float32
+with TF32 off (:func:`strict_float32`); FPRM's random initial iterate then comes from a generator on that device.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import scipy.stats
 import torch
 
 from loopformer.eval.budget import steps_vs_difficulty
@@ -84,7 +87,7 @@ def _trace_batch(run: Any, inputs: torch.Tensor, puzzle_ids: Any, loop: Any, kee
             else tuple(c[idx] if torch.is_tensor(c) and c.dim() and c.shape[0] == batch else c for c in ctx)
         )
         pred = seen[t - 1].copy() if t - 1 in seen else np.zeros(tuple(inputs.shape), dtype=np.uint8)
-        pred[idx.numpy()] = model.readout(z, *sub).argmax(-1).numpy()
+        pred[idx.cpu().numpy()] = model.readout(z, *sub).argmax(-1).cpu().numpy()
         seen[t] = pred
 
     out = model(inputs, loop=loop, puzzle_ids=puzzle_ids, callback=callback, generator=gen)
@@ -99,14 +102,14 @@ def _first_converged(residuals: np.ndarray, tol: float) -> np.ndarray:
 
 
 @torch.no_grad()
-def trace_fprm(run: Any, data: TokenDataset) -> dict[str, Any]:
+def trace_fprm(run: Any, data: TokenDataset, device: str = "cpu") -> dict[str, Any]:
     """The single FPRM pass (module docstring): the protocol's predictions, the per-sample capped predictions at
     every block budget, per-puzzle steps of both, and which puzzles converged."""
     cap = int(run.loop_eval.max_steps)  # the authors' protocol's cap: 1000
     loop = dataclasses.replace(run.loop_eval, max_steps=max(FPRM_TRACE, cap))
     tol = float(loop.tol)
     budgets = [budget_steps("fprm", b) for b in BLOCK_BUDGETS]
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator(device=device).manual_seed(0)
     n = len(data)
     protocol = np.zeros(data.inputs.shape, dtype=np.uint8)
     capped = {b: np.zeros(data.inputs.shape, dtype=np.uint8) for b in budgets}
@@ -114,11 +117,11 @@ def trace_fprm(run: Any, data: TokenDataset) -> dict[str, Any]:
     capped_steps = {b: np.zeros(n, dtype=np.int64) for b in budgets}
     converged = np.zeros(n, dtype=bool)
     for index in iter_batches(data, BATCH):
-        inputs, _, puzzle_ids = batch_tensors(data, index, "cpu")
+        inputs, _, puzzle_ids = batch_tensors(data, index, device)
         keep = set(range(1, FPRM_TRACE + 1))
         seen, out = _trace_batch(run, inputs, puzzle_ids, loop, keep, gen)
         ran = int(out.loop.residuals.shape[0])
-        res = out.loop.residuals.float().numpy()
+        res = out.loop.residuals.float().cpu().numpy()
         first = _first_converged(res, tol)
         stop = min(ran, cap)  # the batch stopped (all converged / all step sizes tiny) or the cap
         protocol[index] = seen[stop]
@@ -139,7 +142,7 @@ def trace_fprm(run: Any, data: TokenDataset) -> dict[str, Any]:
 
 
 @torch.no_grad()
-def trace_trm(run: Any, data: TokenDataset) -> dict[str, Any]:
+def trace_trm(run: Any, data: TokenDataset, device: str = "cpu") -> dict[str, Any]:
     """The single TRM pass: predictions after every budget's whole cycles and after the protocol's 48."""
     protocol = int(run.loop_eval.max_steps)  # 48: 16 segments x 3 cycles as one loop
     budgets = sorted({budget_steps("trm", b) for b in BLOCK_BUDGETS} - {0} | {protocol})
@@ -148,10 +151,10 @@ def trace_trm(run: Any, data: TokenDataset) -> dict[str, Any]:
         raise ValueError(
             "the TRM head-to-head evaluates its 16 segments as one loop of 48 cycles (eval.segments 1)"
         )
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator(device=device).manual_seed(0)
     preds = {b: np.zeros(data.inputs.shape, dtype=np.uint8) for b in budgets}
     for index in iter_batches(data, BATCH):
-        inputs, _, puzzle_ids = batch_tensors(data, index, "cpu")
+        inputs, _, puzzle_ids = batch_tensors(data, index, device)
         seen, _ = _trace_batch(run, inputs, puzzle_ids, loop, set(budgets), gen)
         for b in budgets:
             preds[b][index] = seen[b]
@@ -176,15 +179,30 @@ def _row(task: Any, data: TokenDataset, backtracks: np.ndarray, pred: np.ndarray
     }
 
 
+def strict_float32() -> None:
+    """Full float32 matrix products and convolutions on CUDA (PyTorch lets cuDNN use TF32 by default): the
+    CPU-trained seeds ran in float32, and a GPU seed should differ from them by its random draws only."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+
+
 def evaluate_checkpoint(
-    name: str, family: str, path: Path, data: TokenDataset, backtracks: np.ndarray, extreme: list[str]
+    name: str,
+    family: str,
+    path: Path,
+    data: TokenDataset,
+    backtracks: np.ndarray,
+    extreme: list[str],
+    device: str = "cpu",
 ) -> dict[str, Any]:
-    """Every number of one checkpoint (module docstring), with the wall time of the pass."""
-    run = load_run(path, use_ema=True)
+    """Every number of one checkpoint (module docstring), with the wall time of the pass, on ``device``."""
+    if device != "cpu":
+        strict_float32()
+    run = load_run(path, use_ema=True, device=device)
     t0, c0 = time.perf_counter(), time.process_time()
     per = blocks_per_step(family)
     if family == "fprm":
-        tr = trace_fprm(run, data)
+        tr = trace_fprm(run, data, device)
         protocol = _row(run.task, data, backtracks, tr["protocol"], tr["protocol_steps"], per)
         protocol["converged"] = float(tr["converged"].mean())
         conv = tr["converged"]
@@ -199,7 +217,7 @@ def evaluate_checkpoint(
             point = _row(run.task, data, backtracks, tr["capped"][b], tr["capped_steps"][b], per)
             curve.append({"budget_blocks": blocks, "steps": b, "mode": "per-sample halting, capped", **point})
     else:
-        tr = trace_trm(run, data)
+        tr = trace_trm(run, data, device)
         cycles = np.full(len(data), tr["protocol_cycles"])
         protocol = _row(run.task, data, backtracks, tr["cycles"][tr["protocol_cycles"]], cycles, per)
         protocol["converged"] = None
@@ -215,7 +233,7 @@ def evaluate_checkpoint(
     for text in extreme:
         grid = run.task.parse_grid(text)[None].astype(np.int64)
         one = TokenDataset(grid, grid.copy(), np.zeros(1))
-        tr1 = trace_fprm(run, one) if family == "fprm" else trace_trm(run, one)
+        tr1 = trace_fprm(run, one, device) if family == "fprm" else trace_trm(run, one, device)
         pred = tr1["protocol"] if family == "fprm" else tr1["cycles"][tr1["protocol_cycles"]]
         rows.append({
             "valid": bool(run.task.check(grid[0], pred[0])),
@@ -231,6 +249,7 @@ def evaluate_checkpoint(
         "protocol": protocol,
         "curve": curve,
         "extreme": rows,
+        "device": torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu",
         "eval_wall_s": round(time.perf_counter() - t0, 1),
         "eval_cpu_s": round(time.process_time() - c0, 1),
     }
@@ -272,6 +291,49 @@ def _mean_range(values: list[float]) -> str:
         return "-"
     lo, hi = min(values), max(values)
     return f"{100 * np.mean(values):.1f}% ({100 * lo:.1f}-{100 * hi:.1f})"
+
+
+def rows_from_summary(summary: dict[str, Any]) -> dict[str, Any]:
+    """``{name: {minutes: {seed: row}}}`` rebuilt from an earlier ``results_h2h.json``'s ``summary``: each seed's
+    own-protocol numbers, matched-compute curve and Sudoku-Extreme count, without the per-puzzle validity (the
+    summary does not keep it), marked ``from_summary``. For seeds whose run folders (and saved rows) are gone:
+    they count in the means, ranges and the sign test, not in the paired bootstrap."""
+    out: dict[str, Any] = {}
+    for m, entry in summary.items():
+        for name, r in entry["models"].items():
+            for i, seed in enumerate(r["seeds"]):
+                keys = ("valid", "valid_30plus", "needs_search", "converged", "mean_blocks")
+                out.setdefault(name, {}).setdefault(int(m), {})[int(seed)] = {
+                    "model": name,
+                    "seed": int(seed),
+                    "minutes": int(m),
+                    "step": r["step"],
+                    "parameters": r["parameters"],
+                    "from_summary": True,
+                    "protocol": {k: r[k][i] for k in keys},
+                    "curve": [{"budget_blocks": int(b), "valid": v[i]} for b, v in r["curve"].items()],
+                    "extreme": [{"valid": k < r["extreme_valid"][i]} for k in range(2)],
+                }
+    return out
+
+
+def has_bits(row: dict[str, Any]) -> bool:
+    """Whether a row keeps its per-puzzle validity (a scored row does; one rebuilt from a summary does not)."""
+    return "valid_bits" in row["protocol"]
+
+
+def sign_test(ahead: int, pairs: int) -> float:
+    """One-sided sign test across seed pairs: P(at least ``ahead`` of ``pairs`` ahead | no difference)."""
+    return float(sum(math.comb(pairs, k) for k in range(ahead, pairs + 1)) / 2**pairs) if pairs else 1.0
+
+
+def seed_t_test(differences: list[float]) -> float | None:
+    """Two-sided one-sample t-test of the per-seed-pair differences against 0 (None below two pairs, or when
+    every difference is the same)."""
+    d = np.asarray(differences, dtype=float)
+    if len(d) < 2 or np.ptp(d) == 0:
+        return None
+    return float(scipy.stats.ttest_1samp(d, 0.0).pvalue)
 
 
 def per_puzzle(rows: dict[int, Any], key: Any = None) -> np.ndarray:
@@ -320,14 +382,24 @@ def summarise(rows: dict[str, Any], fprm: str, trm: str) -> dict[str, Any]:
             }
         a, b = rows.get(fprm, {}).get(m, {}), rows.get(trm, {}).get(m, {})
         if a and b:
-            tests = {"own protocols": paired_bootstrap(per_puzzle(a), per_puzzle(b))}
-            for blocks in BLOCK_BUDGETS:
-                pa, pb = per_puzzle(a, blocks), per_puzzle(b, blocks)
-                if len(pa) and len(pb):
-                    tests[f"{blocks} blocks"] = paired_bootstrap(pa, pb)
+            # the bootstrap needs per-puzzle validity: the seeds scored in both models with it
+            both = sorted(s for s in set(a) & set(b) if has_bits(a[s]) and has_bits(b[s]))
+            tests = {}
+            if both:
+                ab, bb = {s: a[s] for s in both}, {s: b[s] for s in both}
+                tests["own protocols"] = paired_bootstrap(per_puzzle(ab), per_puzzle(bb))
+                for blocks in BLOCK_BUDGETS:
+                    pa, pb = per_puzzle(ab, blocks), per_puzzle(bb, blocks)
+                    if len(pa) and len(pb):
+                        tests[f"{blocks} blocks"] = paired_bootstrap(pa, pb)
             pairs = [(a[s]["protocol"]["valid"], b[s]["protocol"]["valid"]) for s in sorted(set(a) & set(b))]
+            ahead = sum(x > y for x, y in pairs)
             entry["fprm_minus_trm"] = tests
-            entry["seed_pairs_fprm_ahead"] = f"{sum(x > y for x, y in pairs)} of {len(pairs)}"
+            entry["bootstrap_seeds"] = both
+            entry["seed_pairs_fprm_ahead"] = f"{ahead} of {len(pairs)}"
+            entry["sign_test_p"] = sign_test(ahead, len(pairs))
+            entry["seed_differences"] = {str(s): x - y for s, (x, y) in zip(sorted(set(a) & set(b)), pairs)}
+            entry["seed_t_test_p"] = seed_t_test([x - y for x, y in pairs])
         out[str(m)] = entry
     return out
 
@@ -353,15 +425,27 @@ def markdown(summary: dict[str, Any], labels: dict[str, str]) -> str:
             )
     text = "".join(lines)
     text += (
-        "\nFPRM - TRM, puzzle by puzzle (the fraction of seeds solving each puzzle; 10,000 paired bootstrap "
+        "\nFPRM - TRM across seed pairs (own protocols; one-sided sign test), and puzzle by puzzle (the fraction "
+        "of the bootstrap's seeds solving each puzzle; 10,000 paired bootstrap resamples of the 1,000 puzzles, "
+        "95% interval; only seeds whose rows keep per-puzzle validity):\n\n| budget (min) | seed pairs with FPRM "
+        "ahead | FPRM - TRM per seed pair (points) | sign test p | t-test p (pairs) |\n|---|---|---|---|---|\n"
     )
-    text += "resamples of the 1,000 puzzles, 95% interval):\n\n| budget (min) | comparison | FPRM - TRM | 95% interval | "
-    text += "resamples <= 0 | seed pairs with FPRM ahead (own protocols) |\n|---|---|---|---|---|---|\n"
     for m, entry in summary.items():
+        if "seed_pairs_fprm_ahead" in entry:
+            diffs = ", ".join(f"seed {s} {100 * d:+.1f}" for s, d in entry["seed_differences"].items())
+            t = entry.get("seed_t_test_p")
+            text += (
+                f"| {m} | {entry['seed_pairs_fprm_ahead']} | {diffs} | {entry['sign_test_p']:.3f} | "
+                f"{'-' if t is None else f'{t:.2g}'} |\n"
+            )
+    text += "\n| budget (min) | bootstrap seeds | comparison | FPRM - TRM | 95% interval | resamples <= 0 |\n"
+    text += "|---|---|---|---|---|---|\n"
+    for m, entry in summary.items():
+        seeds = ", ".join(str(s) for s in entry.get("bootstrap_seeds", []))
         for what, t in entry.get("fprm_minus_trm", {}).items():
             text += (
-                f"| {m} | {what} | {100 * t['mean']:+.1f} pts | {100 * t['low']:+.1f} .. {100 * t['high']:+.1f} | "
-                f"{100 * t['p_le_0']:.1f}% | {entry['seed_pairs_fprm_ahead'] if what == 'own protocols' else ''} |\n"
+                f"| {m} | {seeds} | {what} | {100 * t['mean']:+.1f} pts | {100 * t['low']:+.1f} .. "
+                f"{100 * t['high']:+.1f} | {100 * t['p_le_0']:.1f}% |\n"
             )
     text += "\nValid accuracy at matched test-time compute (blocks per puzzle; mean over seeds, range):\n\n"
     text += "| budget (min) | model | " + " | ".join(str(b) for b in BLOCK_BUDGETS) + " |\n"

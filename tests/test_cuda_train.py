@@ -78,7 +78,7 @@ def test_eval_solve_and_run_on_cuda(cuda_run: Path, tmp_path) -> None:
     recipe = tmp_path / "tiny.yaml"
     recipe.write_text(yaml.safe_dump({**TINY, "run": {"budgets": [1, 2], "lens_loops": 3, "signal_loops": 3,
                                                        "analysis_examples": 6}}))  # fmt: skip
-    done = runner.invoke(cli, ["run", str(recipe), "--device", "cuda", "--out", str(tmp_path / "run")])
+    done = runner.invoke(cli, ["run", "-r", str(recipe), "--device", "cuda", "--out", str(tmp_path / "run")])
     assert done.exit_code == 0, done.output
 
 

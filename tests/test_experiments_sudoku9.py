@@ -104,6 +104,41 @@ def test_paired_bootstrap_on_a_known_difference() -> None:
     assert t["p_le_0"] < 0.01
 
 
+def test_sign_test_and_seed_t_test_closed_forms() -> None:
+    assert h2h.sign_test(4, 4) == 1 / 16 and h2h.sign_test(3, 4) == 5 / 16 and h2h.sign_test(0, 3) == 1.0
+    assert h2h.seed_t_test([0.2]) is None and h2h.seed_t_test([0.1, 0.1]) is None
+    # d = (1, 2, 3): mean 2, sd 1, t = 2 / (1 / sqrt 3) = 3.464 on 2 degrees of freedom: p = 0.0742
+    assert h2h.seed_t_test([1.0, 2.0, 3.0]) == pytest.approx(0.0742, abs=1e-4)
+
+
+def _row(seed: int, valid: float, bits: str, curve_valid: float) -> dict:
+    protocol = {"valid": valid, "valid_30plus": valid / 2, "needs_search": 0.0, "converged": None,
+                "mean_blocks": 672.0, "valid_bits": bits}  # fmt: skip
+    return {"model": "m", "seed": seed, "step": 402, "parameters": 10, "protocol": protocol,
+            "curve": [{"budget_blocks": 16, "valid": curve_valid, "valid_bits": bits}],
+            "extreme": [{"valid": True}, {"valid": False}]}  # fmt: skip
+
+
+def test_rows_rebuilt_from_a_summary_give_the_same_summary_but_no_bootstrap() -> None:
+    rows = {
+        "fprm": {15: {0: _row(0, 0.75, "1110", 0.5), 1: _row(1, 0.5, "1100", 0.25)}},
+        "trm": {15: {0: _row(0, 0.25, "1000", 0.25), 1: _row(1, 0.5, "0110", 0.5)}},
+    }
+    full = h2h.summarise(rows, "fprm", "trm")
+    assert full["15"]["bootstrap_seeds"] == [0, 1] and full["15"]["seed_pairs_fprm_ahead"] == "1 of 2"
+    assert full["15"]["seed_differences"] == {"0": 0.5, "1": 0.0}
+    rebuilt = h2h.rows_from_summary(full)
+    assert all(r["from_summary"] and not h2h.has_bits(r) for m in rebuilt.values() for r in m[15].values())
+    again = h2h.summarise(rebuilt, "fprm", "trm")
+    for name in ("fprm", "trm"):  # every seed-level number survives the round trip
+        for key in ("seeds", "valid", "valid_30plus", "mean_blocks", "extreme_valid", "curve", "step"):
+            assert again["15"]["models"][name][key] == full["15"]["models"][name][key], (name, key)
+    assert again["15"]["seed_differences"] == full["15"]["seed_differences"]
+    assert again["15"]["bootstrap_seeds"] == [] and again["15"]["fprm_minus_trm"] == {}  # no bits, no bootstrap
+    mixed = {n: {15: {0: rebuilt[n][15][0], 1: rows[n][15][1]}} for n in rows}
+    assert h2h.summarise(mixed, "fprm", "trm")["15"]["bootstrap_seeds"] == [1]
+
+
 def test_seeds_never_train_on_the_held_out_puzzles(tmp_path: Path) -> None:
     assert [o for s in (0, 1, 2) for o in sudoku9_cpu.seed_overrides(s)] == [
         "seed=0", "data.train_seed=100", "seed=1", "data.train_seed=101", "seed=2", "data.train_seed=102",
