@@ -357,7 +357,7 @@ def summarise(rows: dict[str, Any], fprm: str, trm: str) -> dict[str, Any]:
     for m in sorted({m for name in rows for m in rows[name]}):
         entry: dict[str, Any] = {"models": {}}
         for name, by_minutes in rows.items():
-            seeds = by_minutes.get(m, {})
+            seeds = dict(sorted(by_minutes.get(m, {}).items()))  # the lists below follow "seeds"
             if not seeds:
                 continue
             proto = [r["protocol"] for r in seeds.values()]
@@ -400,6 +400,15 @@ def summarise(rows: dict[str, Any], fprm: str, trm: str) -> dict[str, Any]:
             entry["sign_test_p"] = sign_test(ahead, len(pairs))
             entry["seed_differences"] = {str(s): x - y for s, (x, y) in zip(sorted(set(a) & set(b)), pairs)}
             entry["seed_t_test_p"] = seed_t_test([x - y for x, y in pairs])
+            points = []  # (seed, blocks, FPRM - TRM) at every matched budget both models have, every seed pair
+            for s in sorted(set(a) & set(b)):
+                cb = {p["budget_blocks"]: p["valid"] for p in b[s]["curve"]}
+                points += [(s, p["budget_blocks"], p["valid"] - cb[p["budget_blocks"]])
+                           for p in a[s]["curve"] if p["budget_blocks"] in cb]  # fmt: skip
+            if points:
+                low = min(points, key=lambda t: t[2])
+                entry["matched_points_fprm_ahead"] = f"{sum(d > 0 for _, _, d in points)} of {len(points)}"
+                entry["matched_smallest_lead"] = {"seed": low[0], "blocks": low[1], "lead": low[2]}
         out[str(m)] = entry
     return out
 
@@ -428,7 +437,8 @@ def markdown(summary: dict[str, Any], labels: dict[str, str]) -> str:
         "\nFPRM - TRM across seed pairs (own protocols; one-sided sign test), and puzzle by puzzle (the fraction "
         "of the bootstrap's seeds solving each puzzle; 10,000 paired bootstrap resamples of the 1,000 puzzles, "
         "95% interval; only seeds whose rows keep per-puzzle validity):\n\n| budget (min) | seed pairs with FPRM "
-        "ahead | FPRM - TRM per seed pair (points) | sign test p | t-test p (pairs) |\n|---|---|---|---|---|\n"
+        "ahead | FPRM - TRM per seed pair (points) | sign test p | t-test p (pairs) | matched-compute points "
+        "(seed x budget) with FPRM ahead | smallest lead |\n|---|---|---|---|---|---|---|\n"
     )
     for m, entry in summary.items():
         if "seed_pairs_fprm_ahead" in entry:
@@ -436,7 +446,12 @@ def markdown(summary: dict[str, Any], labels: dict[str, str]) -> str:
             t = entry.get("seed_t_test_p")
             text += (
                 f"| {m} | {entry['seed_pairs_fprm_ahead']} | {diffs} | {entry['sign_test_p']:.3f} | "
-                f"{'-' if t is None else f'{t:.2g}'} |\n"
+                f"{'-' if t is None else f'{t:.2g}'} | {entry.get('matched_points_fprm_ahead', '-')} | "
+                + (
+                    f"{100 * low['lead']:+.1f} (seed {low['seed']}, {low['blocks']} blocks) |\n"
+                    if (low := entry.get("matched_smallest_lead"))
+                    else "- |\n"
+                )
             )
     text += "\n| budget (min) | bootstrap seeds | comparison | FPRM - TRM | 95% interval | resamples <= 0 |\n"
     text += "|---|---|---|---|---|---|\n"
@@ -485,6 +500,6 @@ def plot(summary: dict[str, Any], labels: dict[str, str], path: Path, pyplot: An
     axes[0][0].set_ylabel("held-out valid accuracy (1,000 puzzles)")
     axes[0][0].set_ylim(-0.02, 1.02)
     axes[0][0].legend(fontsize=6, loc="lower right")
-    fig.suptitle("9x9 Sudoku, one CPU core: FPRM vs TRM at matched test-time compute\n(stars: each model's own protocol)",
+    fig.suptitle("9x9 Sudoku at CPU scale: FPRM vs TRM at equal training FLOPs, by test-time compute\n(bands: the seeds' range; stars: each model's own protocol)",
                  fontsize=9)  # fmt: skip
     save(fig, path)

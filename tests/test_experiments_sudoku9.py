@@ -135,8 +135,10 @@ def test_rows_rebuilt_from_a_summary_give_the_same_summary_but_no_bootstrap() ->
             assert again["15"]["models"][name][key] == full["15"]["models"][name][key], (name, key)
     assert again["15"]["seed_differences"] == full["15"]["seed_differences"]
     assert again["15"]["bootstrap_seeds"] == [] and again["15"]["fprm_minus_trm"] == {}  # no bits, no bootstrap
-    mixed = {n: {15: {0: rebuilt[n][15][0], 1: rows[n][15][1]}} for n in rows}
-    assert h2h.summarise(mixed, "fprm", "trm")["15"]["bootstrap_seeds"] == [1]
+    mixed = {n: {15: {1: rows[n][15][1], 0: rebuilt[n][15][0]}} for n in rows}  # loaded out of seed order
+    again = h2h.summarise(mixed, "fprm", "trm")
+    assert again["15"]["bootstrap_seeds"] == [1]
+    assert again["15"]["models"]["fprm"]["valid"] == full["15"]["models"]["fprm"]["valid"]  # in "seeds" order
 
 
 def test_seeds_never_train_on_the_held_out_puzzles(tmp_path: Path) -> None:
