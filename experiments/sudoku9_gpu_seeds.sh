@@ -35,20 +35,16 @@ fi
 mkdir -p "$runs"
 runs="$(cd "$runs" && pwd)"
 repo="$(pwd)"
-# the pinned experiment script run as __main__ after switching TF32 off (it never touches these flags)
-# the pinned experiment script run as __main__ after switching TF32 off (it never touches these flags) and with
-# its config builder placing runs on $device (its fprm_common.make_config forces device=cpu after the overrides)
+# the pinned experiment script run as __main__ after switching TF32 off (it never touches these flags), with the
+# config builder its fprm_common.make_config calls given device=$device last (make_config forces device=cpu after
+# the overrides; the last value of a key wins)
 strict='import os, runpy, sys, torch
 torch.backends.cuda.matmul.allow_tf32 = False
 torch.backends.cudnn.allow_tf32 = False
 sys.path.insert(0, "experiments")
 import fprm_common
-def make_config(recipe, overrides=()):
-    raw = fprm_common.read_recipe(recipe)
-    raw.pop("run", None)
-    forced = ["train.threads=1", "train.progress=false", "device=" + os.environ["H2H_DEVICE"]]
-    return fprm_common.build_config(raw, [*overrides, *forced])
-fprm_common.make_config = make_config
+build = fprm_common.build_config
+fprm_common.build_config = lambda raw, overrides: build(raw, [*overrides, "device=" + os.environ["H2H_DEVICE"]])
 sys.argv = ["experiments/sudoku9_cpu.py", *sys.argv[1:]]
 runpy.run_path("experiments/sudoku9_cpu.py", run_name="__main__")'
 limit=()

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import time
 from pathlib import Path
 from typing import Any
@@ -324,7 +323,7 @@ def has_bits(row: dict[str, Any]) -> bool:
 
 def sign_test(ahead: int, pairs: int) -> float:
     """One-sided sign test across seed pairs: P(at least ``ahead`` of ``pairs`` ahead | no difference)."""
-    return float(sum(math.comb(pairs, k) for k in range(ahead, pairs + 1)) / 2**pairs) if pairs else 1.0
+    return float(scipy.stats.binomtest(ahead, pairs, 0.5, alternative="greater").pvalue) if pairs else 1.0
 
 
 def seed_t_test(differences: list[float]) -> float | None:
@@ -383,7 +382,8 @@ def summarise(rows: dict[str, Any], fprm: str, trm: str) -> dict[str, Any]:
         a, b = rows.get(fprm, {}).get(m, {}), rows.get(trm, {}).get(m, {})
         if a and b:
             # the bootstrap needs per-puzzle validity: the seeds scored in both models with it
-            both = sorted(s for s in set(a) & set(b) if has_bits(a[s]) and has_bits(b[s]))
+            common = sorted(set(a) & set(b))
+            both = [s for s in common if has_bits(a[s]) and has_bits(b[s])]
             tests = {}
             if both:
                 ab, bb = {s: a[s] for s in both}, {s: b[s] for s in both}
@@ -392,16 +392,16 @@ def summarise(rows: dict[str, Any], fprm: str, trm: str) -> dict[str, Any]:
                     pa, pb = per_puzzle(ab, blocks), per_puzzle(bb, blocks)
                     if len(pa) and len(pb):
                         tests[f"{blocks} blocks"] = paired_bootstrap(pa, pb)
-            pairs = [(a[s]["protocol"]["valid"], b[s]["protocol"]["valid"]) for s in sorted(set(a) & set(b))]
+            pairs = [(a[s]["protocol"]["valid"], b[s]["protocol"]["valid"]) for s in common]
             ahead = sum(x > y for x, y in pairs)
             entry["fprm_minus_trm"] = tests
             entry["bootstrap_seeds"] = both
             entry["seed_pairs_fprm_ahead"] = f"{ahead} of {len(pairs)}"
             entry["sign_test_p"] = sign_test(ahead, len(pairs))
-            entry["seed_differences"] = {str(s): x - y for s, (x, y) in zip(sorted(set(a) & set(b)), pairs)}
+            entry["seed_differences"] = {str(s): x - y for s, (x, y) in zip(common, pairs)}
             entry["seed_t_test_p"] = seed_t_test([x - y for x, y in pairs])
             points = []  # (seed, blocks, FPRM - TRM) at every matched budget both models have, every seed pair
-            for s in sorted(set(a) & set(b)):
+            for s in common:
                 cb = {p["budget_blocks"]: p["valid"] for p in b[s]["curve"]}
                 points += [(s, p["budget_blocks"], p["valid"] - cb[p["budget_blocks"]])
                            for p in a[s]["curve"] if p["budget_blocks"] in cb]  # fmt: skip

@@ -57,8 +57,7 @@ def held_out():
 
 def _shipped(seed: int):
     torch.set_num_threads(1)
-    path = REPO / "benchmarks" / "checkpoints" / f"sudoku9_fprm_seed{seed}"
-    return load_run(path, use_ema=True)  # verifies the manifest's hashes before reading anything
+    return load_run(SHIPPED.parent / f"sudoku9_fprm_seed{seed}", use_ema=True)  # verifies the manifest's hashes before reading anything
 
 
 def test_the_benchmark_covers_every_shipped_seed() -> None:
