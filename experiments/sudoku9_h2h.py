@@ -316,6 +316,21 @@ def rows_from_summary(summary: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def with_partner_seeds(rows: dict[str, Any], name: str, partner: str) -> dict[str, Any]:
+    """``rows`` of ``name`` and of ``partner`` at the (budget, seed) pairs ``name`` has: a comparison of a variant run
+    on some seeds (the contraction term) against the model's rows on those seeds only, not on every seed the model
+    has (which would move its means without a partner)."""
+    own = rows.get(name, {})
+    return {
+        name: own,
+        partner: {
+            m: {s: r for s, r in by_seed.items() if s in own.get(m, {})}
+            for m, by_seed in rows.get(partner, {}).items()
+            if own.get(m)
+        },
+    }
+
+
 def has_bits(row: dict[str, Any]) -> bool:
     """Whether a row keeps its per-puzzle validity (a scored row does; one rebuilt from a summary does not)."""
     return "valid_bits" in row["protocol"]
@@ -413,9 +428,11 @@ def summarise(rows: dict[str, Any], fprm: str, trm: str) -> dict[str, Any]:
     return out
 
 
-def markdown(summary: dict[str, Any], labels: dict[str, str]) -> str:
+def markdown(summary: dict[str, Any], labels: dict[str, str], pair: tuple[str, str] = ("FPRM", "TRM")) -> str:
     """The head-to-head's tables: own protocols per budget (mean and range over seeds), the paired bootstrap, and
-    accuracy at matched test-time compute."""
+    accuracy at matched test-time compute. ``pair``: the names of the two compared models in the headers (the
+    summary's first minus its second)."""
+    a, b = pair
     head = (
         "| budget (min) | model | parameters | training steps | seeds | valid, own protocol: mean (range) | "
         ">= 30 blanks | needs search | converged | test-time blocks per puzzle | Sudoku-Extreme rows valid |\n"
@@ -434,11 +451,11 @@ def markdown(summary: dict[str, Any], labels: dict[str, str]) -> str:
             )
     text = "".join(lines)
     text += (
-        "\nFPRM - TRM across seed pairs (own protocols; one-sided sign test), and puzzle by puzzle (the fraction "
+        f"\n{a} - {b} across seed pairs (own protocols; one-sided sign test), and puzzle by puzzle (the fraction "
         "of the bootstrap's seeds solving each puzzle; 10,000 paired bootstrap resamples of the 1,000 puzzles, "
-        "95% interval; only seeds whose rows keep per-puzzle validity):\n\n| budget (min) | seed pairs with FPRM "
-        "ahead | FPRM - TRM per seed pair (points) | sign test p | t-test p (pairs) | matched-compute points "
-        "(seed x budget) with FPRM ahead | smallest lead |\n|---|---|---|---|---|---|---|\n"
+        f"95% interval; only seeds whose rows keep per-puzzle validity):\n\n| budget (min) | seed pairs with {a} "
+        f"ahead | {a} - {b} per seed pair (points) | sign test p | t-test p (pairs) | matched-compute points "
+        f"(seed x budget) with {a} ahead | smallest lead |\n|---|---|---|---|---|---|---|\n"
     )
     for m, entry in summary.items():
         if "seed_pairs_fprm_ahead" in entry:
@@ -453,7 +470,7 @@ def markdown(summary: dict[str, Any], labels: dict[str, str]) -> str:
                     else "- |\n"
                 )
             )
-    text += "\n| budget (min) | bootstrap seeds | comparison | FPRM - TRM | 95% interval | resamples <= 0 |\n"
+    text += f"\n| budget (min) | bootstrap seeds | comparison | {a} - {b} | 95% interval | resamples <= 0 |\n"
     text += "|---|---|---|---|---|---|\n"
     for m, entry in summary.items():
         seeds = ", ".join(str(s) for s in entry.get("bootstrap_seeds", []))

@@ -154,3 +154,21 @@ def test_seeds_never_train_on_the_held_out_puzzles(tmp_path: Path) -> None:
     assert (same_seed.inputs[:12] == held.inputs).all()
     train = task.generate(30, seed=cfg.data.train_seed, min_blanks=20, max_blanks=60)
     assert not ({r.tobytes() for r in train.inputs} & {r.tobytes() for r in held.inputs})
+
+
+def test_a_variant_is_compared_on_its_own_seeds_only() -> None:
+    """The contraction term ran on seed 0 only: FPRM's seed 1 must not enter that comparison (its means or its
+    pairs), and the tables name the pair compared."""
+    rows = {
+        "jac": {15: {0: _row(0, 0.25, "1000", 0.25)}},
+        "fprm": {15: {0: _row(0, 0.75, "1110", 0.5), 1: _row(1, 0.5, "1100", 0.25)}, 30: {1: _row(1, 1.0, "1111", 1)}},
+    }
+    both = h2h.with_partner_seeds(rows, "jac", "fprm")
+    assert both["fprm"] == {15: {0: rows["fprm"][15][0]}}  # no 30-minute budget: the variant has none
+    out = h2h.summarise(both, "jac", "fprm")
+    assert list(out) == ["15"]
+    assert out["15"]["models"]["fprm"]["seeds"] == [0] and out["15"]["models"]["fprm"]["valid"] == [0.75]
+    assert out["15"]["seed_pairs_fprm_ahead"] == "0 of 1" and out["15"]["seed_differences"] == {"0": -0.5}
+    text = h2h.markdown(out, {"jac": "FPRM + contraction term", "fprm": "FPRM"}, ("FPRM + contraction", "FPRM"))
+    assert "| FPRM + contraction - FPRM |" in text and "with FPRM + contraction ahead" in text
+    assert "TRM" not in text
