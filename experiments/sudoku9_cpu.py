@@ -525,7 +525,10 @@ def evaluate_h2h(args: argparse.Namespace) -> None:
     if summary:
         h2h.plot(summary, labels, args.out / "accuracy_vs_budget_h2h.png", pyplot, save_figure)
     if jac:
-        h2h.plot(jac, labels, args.out / "contraction_vs_budget.png", pyplot, save_figure)
+        h2h.plot(
+            jac, labels, args.out / "contraction_vs_budget.png", pyplot, save_figure,
+            "FPRM with and without loopformer's contraction term, same steps",
+        )
     print(text)
 
 

@@ -489,7 +489,14 @@ def markdown(summary: dict[str, Any], labels: dict[str, str], pair: tuple[str, s
     return text
 
 
-def plot(summary: dict[str, Any], labels: dict[str, str], path: Path, pyplot: Any, save: Any) -> None:
+def plot(
+    summary: dict[str, Any],
+    labels: dict[str, str],
+    path: Path,
+    pyplot: Any,
+    save: Any,
+    title: str = "FPRM vs TRM at equal training FLOPs",
+) -> None:
     """One panel per budget: held-out valid accuracy vs test-time blocks per puzzle (log2), the mean over seeds
     with the seeds' range as a band, each model's own protocol as a star (at its mean blocks per puzzle)."""
     plt = pyplot()
@@ -517,6 +524,6 @@ def plot(summary: dict[str, Any], labels: dict[str, str], path: Path, pyplot: An
     axes[0][0].set_ylabel("held-out valid accuracy (1,000 puzzles)")
     axes[0][0].set_ylim(-0.02, 1.02)
     axes[0][0].legend(fontsize=6, loc="lower right")
-    fig.suptitle("9x9 Sudoku at CPU scale: FPRM vs TRM at equal training FLOPs, by test-time compute\n(bands: the seeds' range; stars: each model's own protocol)",
+    fig.suptitle(f"9x9 Sudoku at CPU scale: {title}, by test-time compute\n(bands: the seeds' range; stars: each model's own protocol)",
                  fontsize=9)  # fmt: skip
     save(fig, path)
