@@ -44,6 +44,8 @@ import argparse
 import dataclasses
 import json
 import os
+import shlex
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -497,7 +499,7 @@ def evaluate_h2h(args: argparse.Namespace) -> None:
     )
     labels = {"fprm_authors": "FPRM", "trm_authors": "TRM", "fprm_authors_jac": "FPRM + contraction term"}
     payload = {
-        "command": "python experiments/sudoku9_cpu.py --phase eval --seeds 0,1,2 (then --assemble)",
+        "command": shlex.join(["python", "experiments/sudoku9_cpu.py", *sys.argv[1:]]),  # as this file was written
         "probe": plan,
         "protocols": {n: PROTOCOL[n] for n in AUTHORS},
         "eval_set": {"n": len(eval_set), "blanks": [20, 60], "seed": cfg.data.eval_seed,
