@@ -72,7 +72,7 @@ def _rel(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
 def linear_error(tol: float, cap: int, rho: float = 0.99) -> dict[str, float]:
     """The float32 IFT gradient's relative error on the solver benchmark's symmetric linear map (d 128, batch 8,
     spectrum in [-rho, rho]) against the float64 closed form, and the backward's largest iteration count."""
-    from benchmarks.bench_solvers import _linear_grad_check, linear_problem
+    from benchmarks.bench_solvers import linear_grad_check, linear_problem
     from loopformer.loop import LoopConfig, run_loop
 
     w, x, v, z_star, grad_x = linear_problem(128, 8, rho)
@@ -80,7 +80,7 @@ def linear_error(tol: float, cap: int, rho: float = 0.99) -> dict[str, float]:
     cfg = LoopConfig(solver="safe_anderson", halting="residual", tol=1e-6, max_steps=5000, grad="ift",
                      ift={"tol": tol, "max_steps": cap})  # fmt: skip
     res = run_loop(lambda z, x_: z @ w.T + x_, torch.zeros_like(xg), cfg, ctx=(xg,))
-    err = _linear_grad_check(v, z_star, grad_x, xg)(res.state)["grad_rel_err"]  # float32 against float64
+    err = linear_grad_check(v, z_star, grad_x, xg)(res.state)["grad_rel_err"]  # float32 against float64
     steps = int(res.stats["ift_steps"].max())
     return {"linear_rho_grad_rel_error": err, "linear_rho": rho, "linear_ift_steps_max": steps}
 

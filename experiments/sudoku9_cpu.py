@@ -3,9 +3,10 @@
 What one core of a 2-core CPU learns on the papers' own task shape (81 tokens; FPRM arXiv 2606.18206, TRM
 arXiv 2510.04871, HRM arXiv 2506.21734 report Sudoku-Extreme). Two sets of runs:
 
-- **The head-to-head** (``--seeds 0,1,2``; runs in ``<runs>/seed<N>/<model>``): ``fprm_authors`` and
+- **The head-to-head** (``--seeds 0,1,2,3``; runs in ``<runs>/seed<N>/<model>``): ``fprm_authors`` and
   ``trm_authors``, each built with its authors' architecture options scaled to the CPU width (FPRM 398,529
-  parameters, TRM 397,825: ``FPRM_BUILD`` / ``TRM_BUILD`` below say which options) and trained / evaluated
+  parameters, TRM 397,825, each counting its one puzzle-embedding row; 398,465 and 397,761 without it, as the
+  tables count: ``FPRM_BUILD`` / ``TRM_BUILD`` below say which options) and trained / evaluated
   under its authors' protocol, plus ``fprm_authors_jac``: FPRM with loopformer's contraction term
   (``train.jacobian_weight``), at FPRM's step counts. Seed N: model seed N, training puzzles from seed
   100 + N (never the held-out set's seed).
@@ -33,9 +34,11 @@ depend on the machine's load; each run records its wall and CPU time.
 4. ``--phase overlap --train-seeds 1,100,101,102``: how many held-out puzzles a training set from each seed
    holds (0 for the head-to-head's seeds; all 1,000 for seed 1, the earlier second FPRM run's).
 
-Usage (about 75 CPU-minutes per 60-minute run on an idle core; nine runs): ``python experiments/sudoku9_cpu.py
---phase train --only fprm_authors --seeds 0,1,2`` (and ``trm_authors``, ``fprm_authors_jac``, one process
-each), then ``--phase eval --seeds 0,1,2``. ``--quick`` is a dry run at tiny size.
+Usage: ``python experiments/sudoku9_cpu.py --phase train --only fprm_authors --seeds 0,1,2,3`` (and
+``trm_authors``, ``fprm_authors_jac``; one process per model, each pinned to its own core), then ``--phase eval
+--seeds 0,1,2,3``. On one core of this 2-core CPU a seed's ``fprm_authors`` run to 60 minutes of budget took
+72-78 minutes of wall time, ``fprm_authors_jac`` (1.32x the FLOPs a step) about 2 hours, and scoring one FPRM
+checkpoint 22-29 minutes. ``--quick`` is a dry run at tiny size.
 """
 
 from __future__ import annotations

@@ -163,3 +163,42 @@ def test_sigterm_outside_a_training_unwinds_and_unlocks(recipe, tmp_path, monkey
     assert sorted(p.name for p in tmp_path.iterdir()) == ["recipe.yaml", "run"] or not any(report.iterdir())
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_a_signal_in_the_final_evaluation_stops_it_and_the_resume_evaluates_again(
+    recipe, tmp_path, monkeypatch
+) -> None:
+    """The final checkpoint is written before the final evaluation: a SIGTERM during that evaluation (a
+    scheduler's warning, which used to wait the whole evaluation out) stops the run at once with exit 143 and
+    the resume command; the resume only evaluates, and its metrics equal an uninterrupted run's."""
+    run, ref = tmp_path / "run", tmp_path / "ref"
+    args = ["train", str(recipe), "seed=5", "train.steps=6"]
+    assert CliRunner().invoke(cli, [*args, "-o", str(ref)]).exit_code == 0
+    original = Trainer.evaluate
+    calls: list[int] = []
+
+    def evaluate(self):
+        calls.append(self.step)
+        os.kill(os.getpid(), signal.SIGTERM)  # the handler runs here, inside the evaluation
+        return original(self)
+
+    monkeypatch.setattr(Trainer, "evaluate", evaluate)
+    result = CliRunner().invoke(cli, [*args, "-o", str(run)])
+    text = " ".join(cli_text(result).split())
+    assert result.exit_code == 143 and "Traceback" not in text and "internal error" not in text, text[-800:]
+    assert calls == [6] and "training stopped by SIGTERM after step 6" in text, text[-800:]
+    assert f"checkpoint {run / 'checkpoints' / 'step_00000006'} written" in text, text[-800:]
+    assert "--resume" in text.split("resume with: ", 1)[1]
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert _whole(run) == [1, 2, 3, 4, 5, 6] and not any(k.startswith("eval_") for k in records[-1])
+    assert verify_checkpoint(run / "checkpoints" / "step_00000006") is None
+    monkeypatch.undo()
+    again = CliRunner().invoke(cli, [*args, "-o", str(run), "--resume"])
+    assert again.exit_code == 0, cli_text(again)[-800:]
+    assert _whole(run) == [1, 2, 3, 4, 5, 6]
+    last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    want = json.loads((ref / "metrics.jsonl").read_text().splitlines()[-1])
+    evals = {k: v for k, v in want.items() if k.startswith("eval_")}
+    assert evals and {k: last.get(k) for k in evals} == evals
+    assert _same_weights(run / "checkpoints" / "step_00000006", ref / "checkpoints" / "step_00000006")

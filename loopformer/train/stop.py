@@ -8,6 +8,12 @@ not), releases the run folder's lock and raises ``TrainingInterrupted``, whose m
 (``KeyboardInterrupt`` for SIGINT, ``SystemExit(143)`` for SIGTERM; the lock is still released on
 the way out, and every file is written atomically, so nothing half-written is left behind).
 
+The final evaluation comes after the final checkpoint is written, so it is ``interruptible``: a signal during it
+stops it at once (``TrainingInterrupted`` naming that checkpoint; a resume runs the evaluation again and
+appends it to the last metrics record, as an uninterrupted run would have). Periodic evaluations and the
+curriculum check are not interrupted: their step is not checkpointed yet, and the curriculum check changes
+what the training does next.
+
 Handlers are installed from the main thread. Under ``torchrun`` the ranks may see a signal at different
 steps while a checkpoint needs all of them: each step's all-reduce (the one that averages the loss for the
 divergence check) carries every rank's flag (``flag``, ``vote``), and every rank reads the reduced flag of the
@@ -20,6 +26,8 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -43,6 +51,14 @@ class TrainingInterrupted(RuntimeError):
         super().__init__(f"training stopped by {name} after step {step}; {what}")
 
 
+class EvaluationInterrupted(Exception):
+    """A signal arrived inside ``StopSignals.interruptible`` (``signum``: which)."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        super().__init__(f"interrupted by {signal.Signals(signum).name}")
+
+
 class StopSignals:
     """The first SIGTERM / SIGINT sets ``requested`` (the signal number); a second one exits at once."""
 
@@ -52,6 +68,7 @@ class StopSignals:
         self.requested: int | None = None
         self._previous: dict[int, Any] = {}
         self._votes: list[Any] = []  # the all-reduced flags of the last two steps (device tensors)
+        self._interrupt = False  # inside ``interruptible``: the first signal raises EvaluationInterrupted
 
     def flag(self, device: Any) -> Any:
         """This process's request as a 0-dim float64 tensor on ``device`` (1: a signal arrived)."""
@@ -73,9 +90,29 @@ class StopSignals:
             return None
         return self.requested if self.requested is not None else int(signal.SIGTERM)
 
+    @contextmanager
+    def interruptible(self) -> Iterator[None]:
+        """Work that a signal may stop at once (``EvaluationInterrupted``, also on entry when a signal came
+        before): one process only, since under torchrun a rank leaving early would strand the others in
+        their collectives (there the signal waits for the work to end, as elsewhere)."""
+        if not self.enabled or self.distributed or not self._previous:
+            yield
+            return
+        if self.requested is not None:
+            raise EvaluationInterrupted(self.requested)
+        self._interrupt = True
+        try:
+            yield
+        finally:
+            self._interrupt = False
+
     def _handler(self, signum: int, frame: FrameType | None) -> None:
         if self.requested is None:
             self.requested = signum
+            if self._interrupt:
+                self._interrupt = False
+                log.warning("%s: the final evaluation stops; the checkpoint is written", signal.Signals(signum).name)
+                raise EvaluationInterrupted(signum)
             log.warning(
                 "%s: the training stops after this step and writes a checkpoint; send it again to stop at once",
                 signal.Signals(signum).name,
@@ -101,4 +138,4 @@ class StopSignals:
         self._restore()
 
 
-__all__ = ["SIGNALS", "StopSignals", "TrainingInterrupted"]
+__all__ = ["SIGNALS", "EvaluationInterrupted", "StopSignals", "TrainingInterrupted"]

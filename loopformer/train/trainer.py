@@ -73,7 +73,7 @@ from loopformer.train.setup import (
     set_cpu_threads,
 )
 from loopformer.train.step_metrics import DivergenceCheck, StepMeter, StepMetrics, loop_metrics
-from loopformer.train.stop import StopSignals, TrainingInterrupted
+from loopformer.train.stop import EvaluationInterrupted, StopSignals, TrainingInterrupted
 from loopformer.train.strategy import Strategy, make_strategy
 from loopformer.train.update import TrainerUpdate
 
@@ -414,7 +414,11 @@ class Trainer(TrainerEvaluation, TrainerUpdate):
         self.save()
         self.last_eval = {}
         try:
-            self.last_eval = self.evaluate()
+            try:
+                with self.stop.interruptible():  # a signal here: the checkpoint above is what a resume evaluates
+                    self.last_eval = self.evaluate()
+            except EvaluationInterrupted as stopped:
+                raise TrainingInterrupted(stopped.signum, self.step, self.last_checkpoint) from None
             self.progress.evaluation(self.step, self.last_eval, final=True)
             if self.best.consider(self.last_eval, self.step):
                 self._mark_best()  # the final checkpoint, written just above
