@@ -111,6 +111,14 @@ METHODS = {
         "search. Ratio = wall time loopformer / authors, median "
         "of interleaved pairs; runs repeat until two agree within 10%.",
     ),
+    "contraction": (
+        "17. The contraction term's cost (loopformer's addition)",
+        "A training step of the 9x9 head-to-head's FPRM (`experiments/sudoku9_cpu.py`: `fprm_authors`) with "
+        "`train.jacobian_weight` (`fprm_authors_jac`) / without: same weights (seed 0's shipped 60-minute EMA "
+        "weights), seed and batches, curriculum off, one thread, process CPU time of interleaved steps. Beside it "
+        "the FLOPs ratio of one step each and each side's mean loop iterations a step (equal: the time ratio is "
+        "the term's alone).",
+    ),
 }
 
 
@@ -127,6 +135,13 @@ def _details(r: dict[str, Any]) -> list[str]:
     name = r["name"]
     lines: list[str] = []
     times = d.get("times")
+    if r["benchmark"] == "contraction" and times:
+        parts = ", ".join(f"{k} {_ms(v['median_s'])} ms" for k, v in times.items())
+        lines.append(f"- `{name}`: median step times {parts} (batch {d.get('batch_size')}, {d.get('weights')})")
+        lines.append(
+            f"  GFLOP a step {d.get('gflop_per_step')} (ratio {d.get('flops_ratio')}); mean loop iterations a "
+            f"step {d.get('loop_steps_mean')}"
+        )
     if r["benchmark"] in ("engine", "compile", "flops") and times:
         parts = ", ".join(f"{k} {_ms(v['median_s'])} ms" for k, v in times.items())
         lines.append(f"- `{name}`: median times {parts}")
