@@ -124,3 +124,26 @@ def test_fake_cuda_limits_on_a_cpu_build() -> None:
         assert a.device.type == "cuda"
         with pytest.raises(FakeTensorDeviceMismatchError):
             a + torch.zeros(3)
+
+
+@pytest.mark.parametrize("tf32", [True, False])
+def test_the_tf32_setting_sets_pytorchs_flags_on_cuda(tmp_path, tf32: bool) -> None:
+    """``tf32`` (top level) decides PyTorch's TF32 flags for a CUDA run, so ``tf32=false`` gives full float32
+    whatever the flags were; a CPU run leaves them alone. The flags are process-wide: restored afterwards."""
+    from loopformer.train.setup import fast_cuda_settings
+
+    cfg = tiny_config(tmp_path, f"tf32={str(tf32).lower()}")
+    assert cfg.tf32 is tf32
+    saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
+             torch.get_float32_matmul_precision(), torch.backends.cudnn.benchmark)  # fmt: skip
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = not tf32
+        fast_cuda_settings(cfg, torch.device("cpu"))
+        assert torch.backends.cuda.matmul.allow_tf32 is (not tf32)  # the CPU: untouched
+        fast_cuda_settings(cfg, torch.device("cuda"))
+        assert torch.backends.cuda.matmul.allow_tf32 is tf32 and torch.backends.cudnn.allow_tf32 is tf32
+        assert torch.get_float32_matmul_precision() == ("high" if tf32 else "highest")
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved[0], saved[1]
+        torch.set_float32_matmul_precision(saved[2])
+        torch.backends.cudnn.benchmark = saved[3]

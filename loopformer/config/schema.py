@@ -270,6 +270,9 @@ class RunConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     # bf16 autocast: auto = on CUDA (CPU runs float32); true = on every device, the CPU included; false = never
     bf16: bool | Literal["auto"] = "auto"
+    # on CUDA, float32 matrix products and cuDNN convolutions in TF32 (about 1e-3 relative error, much faster);
+    # false = full float32, e.g. to compare against a CPU run or a float32 reference (the CPU ignores it)
+    tf32: bool = True
     # torch.compile the whole training step (loop, loss, optimiser: loopformer.train.compiled), or the looped
     # body where the whole step cannot be; auto = on CUDA, off on the CPU
     compile: bool | Literal["auto"] = False

@@ -50,6 +50,7 @@ STREAM_FREE = frozenset(
         "out_dir",
         "device",
         "compile",
+        "tf32",  # the hardware's float32 arithmetic on CUDA, as device and compile
         "train.resume",
         "train.overwrite",
         "train.allow_config_change",

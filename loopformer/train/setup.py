@@ -143,14 +143,15 @@ def compile_on(config: RunConfig, device: torch.device) -> bool:
 
 
 def fast_cuda_settings(config: RunConfig, device: torch.device) -> None:
-    """On CUDA: TF32 matmuls for float32 runs (bf16 autocast runs its matmuls in bf16 anyway) and cuDNN's
-    autotuner (every shape of a training step is fixed: the carry is refilled in place, the loops are
-    static), set once per process."""
+    """On CUDA: TF32 matmuls and convolutions for float32 work unless ``tf32: false`` (bf16 autocast runs its
+    matmuls in bf16 anyway; ``false`` switches TF32 off, also where PyTorch's cuDNN default has it on) and
+    cuDNN's autotuner (every shape of a training step is fixed: the carry is refilled in place, the loops are
+    static). These are PyTorch's process-wide flags: the last trainer built in a process sets them."""
     if device.type != "cuda":
         return
-    torch.backends.cuda.matmul.allow_tf32 = True
-    torch.backends.cudnn.allow_tf32 = True
-    torch.set_float32_matmul_precision("high")
+    torch.backends.cuda.matmul.allow_tf32 = config.tf32
+    torch.backends.cudnn.allow_tf32 = config.tf32
+    torch.set_float32_matmul_precision("high" if config.tf32 else "highest")
     torch.backends.cudnn.benchmark = True
 
 
