@@ -51,8 +51,9 @@ class TrainingInterrupted(RuntimeError):
         super().__init__(f"training stopped by {name} after step {step}; {what}")
 
 
-class EvaluationInterrupted(Exception):
-    """A signal arrived inside ``StopSignals.interruptible`` (``signum``: which)."""
+class EvaluationInterrupted(BaseException):
+    """A signal arrived inside ``StopSignals.interruptible`` (``signum``: which). A ``BaseException``, as
+    ``KeyboardInterrupt`` is, so that no ``except Exception`` in the interrupted work takes it for an error."""
 
     def __init__(self, signum: int) -> None:
         self.signum = signum
