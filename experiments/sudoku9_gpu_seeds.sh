@@ -15,7 +15,9 @@
 # (PINNED=DIR points elsewhere). Scoring uses this checkout (experiments/sudoku9_h2h.py), as for the CPU seeds.
 # DEADLINE_S > 0: each training gets SIGTERM at DEADLINE_S seconds (the trainer checkpoints and exits; a rerun
 # continues it bit-identically, `--resume`) and scoring stops watching 60 s later. Logs: RUNS/seed<N>/<model>.log.
-# DEVICE=cpu runs the same on the CPU (with QUICK=1: a dry run at tiny size; give RUNS a probe.json made with
+# MODELS=a,b picks the models (default fprm_authors,trm_authors); MODELS=fprm_authors_jac trains and scores FPRM
+# with loopformer's contraction term (issue 32, item 5) on the given seeds, e.g. `MODELS=fprm_authors_jac bash
+# experiments/sudoku9_gpu_seeds.sh 1,3`. DEVICE=cpu runs the same on the CPU (with QUICK=1: a dry run at tiny size; give RUNS a probe.json made with
 # --phase probe --quick first). Measured (2026-12-04, one H200, four runs sharing it, float32): 0.088 s per TRM
 # step and 0.106 s per FPRM step; scoring one checkpoint took 48 s (FPRM) and 12-19 s (TRM).
 set -uo pipefail
@@ -25,6 +27,7 @@ runs="${2:-runs/sudoku9}"
 deadline="${3:-0}"
 device="${DEVICE:-cuda}"
 pinned="${PINNED:-.h2h/pinned}"
+models="${MODELS:-fprm_authors,trm_authors}"
 PY="${PYTHON:-python3}"
 quick=()
 [ "${QUICK:-0}" = 1 ] && quick=(--quick)
@@ -51,7 +54,7 @@ limit=()
 [ "$deadline" -gt 0 ] && limit=(timeout -s TERM -k 60 "$deadline")
 trainers=()
 for s in ${seeds//,/ }; do
-    for m in fprm_authors trm_authors; do
+    for m in ${models//,/ }; do
         mkdir -p "$runs/seed$s"
         (
             cd "$pinned" && H2H_DEVICE="$device" PYTHONPATH="$PWD" OMP_NUM_THREADS=1 "${limit[@]}" "$PY" -c "$strict" --phase train \
@@ -65,7 +68,7 @@ watch=$(( deadline > 0 ? deadline + 60 : 86400 ))
 scorers=()
 for s in ${seeds//,/ }; do
     PYTHONPATH="$repo" OMP_NUM_THREADS=1 "$PY" experiments/sudoku9_cpu.py --phase eval --seeds "$s" \
-        --only fprm_authors,trm_authors \
+        --only "$models" \
         --device "$device" --watch "$watch" --runs "$runs" --out "$runs/assembled-seed$s" "${quick[@]}" \
         >"$runs/seed$s/eval.log" 2>&1 &
     scorers+=($!)

@@ -172,3 +172,22 @@ def test_a_variant_is_compared_on_its_own_seeds_only() -> None:
     text = h2h.markdown(out, {"jac": "FPRM + contraction term", "fprm": "FPRM"}, ("FPRM + contraction", "FPRM"))
     assert "| FPRM + contraction - FPRM |" in text and "with FPRM + contraction ahead" in text
     assert "TRM" not in text
+
+
+def test_the_gpu_seeds_script_trains_and_scores_the_models_it_is_given(tmp_path: Path) -> None:
+    """experiments/sudoku9_gpu_seeds.sh as a CPU dry run (DEVICE=cpu QUICK=1, this checkout as the pinned code):
+    MODELS=fprm_authors_jac trains that model alone for the seed and scores its three checkpoints."""
+    import os
+    import subprocess
+
+    runs = tmp_path / "runs"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    probe = [sys.executable, "experiments/sudoku9_cpu.py", "--phase", "probe", "--quick", "--runs", str(runs)]
+    subprocess.run(probe, cwd=REPO, env=env, check=True, capture_output=True, timeout=300)
+    env.update(DEVICE="cpu", QUICK="1", MODELS="fprm_authors_jac", PINNED=str(REPO), PYTHON=sys.executable)
+    done = subprocess.run(["bash", "experiments/sudoku9_gpu_seeds.sh", "5", str(runs)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert sorted(p.name for p in (runs / "seed5").iterdir() if p.is_dir()) == ["fprm_authors_jac"]
+    rows = sorted(p.name for p in (runs / "seed5" / "fprm_authors_jac").glob("eval-h2h-*min.json"))
+    assert rows == ["eval-h2h-15min.json", "eval-h2h-30min.json", "eval-h2h-60min.json"]
