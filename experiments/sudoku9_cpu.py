@@ -628,9 +628,13 @@ def evaluate(args: argparse.Namespace) -> None:
 
 
 def _train_times(run_dir: Path) -> dict[int, float]:
-    """Training-loop seconds at each logged step (metrics.jsonl ``time``)."""
-    out = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+    """Training-loop seconds at each logged step (metrics.jsonl ``time``); {} before the run has logged one (a
+    checkpoint scored with ``--watch`` can be written before the first record, e.g. with ``--quick``)."""
+    out: dict[int, float] = {}
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return out
+    for line in path.read_text().splitlines():
         rec = json.loads(line)
         if "time" in rec and "step" in rec:
             out[int(rec["step"])] = float(rec["time"])
