@@ -18,6 +18,7 @@ import dataclasses
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -83,7 +84,7 @@ def run(quick: bool = False) -> list[Result]:
                 flops[name] = counter.get_total_flops()
             loops: dict[str, list[float]] = {name: [] for name in PAIR}
             times = side_by_side({name: _stepper(tr, loops[name]) for name, tr in trainers.items()},
-                                 repeats=2 if quick else 12, warmup=0, clock=__import__("time").process_time)  # fmt: skip
+                                 repeats=2 if quick else 12, warmup=0, clock=time.process_time)  # fmt: skip
         finally:
             for tr in trainers.values():
                 tr.folder.close()

@@ -135,15 +135,14 @@ def _details(r: dict[str, Any]) -> list[str]:
     name = r["name"]
     lines: list[str] = []
     times = d.get("times")
+    parts = ", ".join(f"{k} {_ms(v['median_s'])} ms" for k, v in (times or {}).items())
     if r["benchmark"] == "contraction" and times:
-        parts = ", ".join(f"{k} {_ms(v['median_s'])} ms" for k, v in times.items())
         lines.append(f"- `{name}`: median step times {parts} (batch {d.get('batch_size')}, {d.get('weights')})")
         lines.append(
             f"  GFLOP a step {d.get('gflop_per_step')} (ratio {d.get('flops_ratio')}); mean loop iterations a "
             f"step {d.get('loop_steps_mean')}"
         )
     if r["benchmark"] in ("engine", "compile", "flops") and times:
-        parts = ", ".join(f"{k} {_ms(v['median_s'])} ms" for k, v in times.items())
         lines.append(f"- `{name}`: median times {parts}")
         if "loss_abs_diff" in d:
             lines.append(

@@ -157,8 +157,8 @@ def test_seeds_never_train_on_the_held_out_puzzles(tmp_path: Path) -> None:
 
 
 def test_a_variant_is_compared_on_its_own_seeds_only() -> None:
-    """The contraction term ran on seed 0 only: FPRM's seed 1 must not enter that comparison (its means or its
-    pairs), and the tables name the pair compared."""
+    """A variant run on seed 0 only (as the contraction term first was): FPRM's seed 1 must not enter that comparison
+    (its means or its pairs), and the tables name the pair compared."""
     rows = {
         "jac": {15: {0: _row(0, 0.25, "1000", 0.25)}},
         "fprm": {15: {0: _row(0, 0.75, "1110", 0.5), 1: _row(1, 0.5, "1100", 0.25)}, 30: {1: _row(1, 1.0, "1111", 1)}},

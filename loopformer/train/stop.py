@@ -96,7 +96,7 @@ class StopSignals:
         """Work that a signal may stop at once (``EvaluationInterrupted``, also on entry when a signal came
         before): one process only, since under torchrun a rank leaving early would strand the others in
         their collectives (there the signal waits for the work to end, as elsewhere)."""
-        if not self.enabled or self.distributed or not self._previous:
+        if self.distributed or not self._previous:  # no handlers installed (disabled, or outside the context)
             yield
             return
         if self.requested is not None:

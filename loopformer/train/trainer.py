@@ -414,14 +414,13 @@ class Trainer(TrainerEvaluation, TrainerUpdate):
         self.save()
         self.last_eval = {}
         try:
-            try:
-                with self.stop.interruptible():  # a signal here: the checkpoint above is what a resume evaluates
-                    self.last_eval = self.evaluate()
-            except EvaluationInterrupted as stopped:
-                raise TrainingInterrupted(stopped.signum, self.step, self.last_checkpoint) from None
+            with self.stop.interruptible():  # a signal here: the checkpoint above is what a resume evaluates
+                self.last_eval = self.evaluate()
             self.progress.evaluation(self.step, self.last_eval, final=True)
             if self.best.consider(self.last_eval, self.step):
                 self._mark_best()  # the final checkpoint, written just above
+        except EvaluationInterrupted as stopped:
+            raise TrainingInterrupted(stopped.signum, self.step, self.last_checkpoint) from None
         finally:
             record.update({f"eval_{k}": v for k, v in self.last_eval.items()})
             if self.last_eval:
