@@ -14,7 +14,6 @@ for the time ratio to be the term's alone. Informational (no target).
 
 from __future__ import annotations
 
-import dataclasses
 import statistics
 import sys
 import tempfile
@@ -33,6 +32,7 @@ def _trainers(tmp: Path, quick: bool) -> dict[str, Any]:
     sys.path.insert(0, str(REPO / "experiments"))
     try:
         import sudoku9_cpu  # the head-to-head's configurations (experiments/sudoku9_cpu.py)
+        from fprm_common import probe_config
     finally:
         sys.path.remove(str(REPO / "experiments"))
     from loopformer.train.trainer import Trainer
@@ -40,10 +40,7 @@ def _trainers(tmp: Path, quick: bool) -> dict[str, Any]:
     cfgs = sudoku9_cpu.configs(tmp, quick, ["train.progress=false", "train.threads=1"], seed=0)
     out = {}
     for name in PAIR:
-        cfg = dataclasses.replace(cfgs[name], out_dir=str(tmp / name))
-        cfg.data = dataclasses.replace(cfg.data, train_size=4 * cfg.train.batch_size, eval_size=0)
-        cfg.data.curriculum = dataclasses.replace(cfg.data.curriculum, enabled=False)
-        out[name] = Trainer(cfg)
+        out[name] = Trainer(probe_config(cfgs[name], tmp / name, curriculum=False))
     return out
 
 

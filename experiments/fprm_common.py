@@ -6,6 +6,7 @@ the task's independent validator (``loopformer.eval.evaluate.score_predictions``
 
 - ``make_config``: a recipe plus ``key=value`` overrides, forced to one CPU thread, no progress bar;
 - ``train``: a Trainer run that returns the trainer (weights in memory) and its summary;
+- ``probe_config``: a config cut down to probe its training steps;
 - ``flops_per_step``: forward + backward FLOPs of one training step, counted by
   ``torch.utils.flop_counter.FlopCounterMode`` (matmuls, attention, convolutions), averaged over a few
   steps (adaptive models such as UT + ACT change their loop count from step to step);
@@ -79,12 +80,22 @@ def train(cfg: RunConfig) -> tuple[Trainer, dict[str, Any]]:
     return trainer, summary
 
 
-def flops_per_step(cfg: RunConfig, steps: int = 3, out_dir: str | Path = "runs/fprm_probe") -> float:
-    """Mean forward + backward FLOPs of one training step of ``cfg`` (after one warm-up step)."""
+def probe_config(cfg: RunConfig, out_dir: str | Path, *, curriculum: bool = True) -> RunConfig:
+    """``cfg`` cut down to probe its training steps (FLOPs, time): written under ``out_dir``, a training
+    set of four batches, no evaluation; ``curriculum=False`` also switches the curriculum off (its checks
+    would evaluate). The FLOPs counts, the head-to-head clock and the contraction benchmark share it."""
     probe = dataclasses.replace(cfg, out_dir=str(out_dir))
     probe.data = dataclasses.replace(
         cfg.data, train_size=min(cfg.data.train_size, 4 * cfg.train.batch_size), eval_size=0
     )
+    if not curriculum:
+        probe.data.curriculum = dataclasses.replace(probe.data.curriculum, enabled=False)
+    return probe
+
+
+def flops_per_step(cfg: RunConfig, steps: int = 3, out_dir: str | Path = "runs/fprm_probe") -> float:
+    """Mean forward + backward FLOPs of one training step of ``cfg`` (after one warm-up step)."""
+    probe = probe_config(cfg, out_dir)
     torch.set_num_threads(1)
     trainer = Trainer(probe)
     trainer.train_step()

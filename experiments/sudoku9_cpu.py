@@ -56,7 +56,7 @@ from typing import Any
 import numpy as np
 import sudoku9_h2h as h2h
 import torch
-from fprm_common import REPO, flops_per_step, make_config, pyplot, save_figure, write_json
+from fprm_common import REPO, flops_per_step, make_config, probe_config, pyplot, save_figure, write_json
 
 from loopformer.eval.budget import steps_vs_difficulty
 from loopformer.runs import load_run
@@ -236,9 +236,7 @@ def measure_clock(args: argparse.Namespace) -> dict[str, Any]:
     """FPRM's (the first rerun's ``fprm``) s/step at ``args.threads`` threads (median of timed steps after a
     warm-up) and FLOPs per step: a new :data:`CLOCK` (printed; paste it into the script to adopt it)."""
     cfg = configs(args.runs, args.quick, args.set)["fprm"]
-    cfg = dataclasses.replace(cfg, out_dir=str(args.runs / "probe"))
-    cfg.data = dataclasses.replace(cfg.data, train_size=4 * cfg.train.batch_size, eval_size=0)
-    cfg.data.curriculum = dataclasses.replace(cfg.data.curriculum, enabled=False)
+    cfg = probe_config(cfg, args.runs / "probe", curriculum=False)
     cfg.train.threads = args.threads
     torch.set_num_threads(args.threads)
     trainer = Trainer(cfg)
