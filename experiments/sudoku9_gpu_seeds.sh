@@ -17,7 +17,7 @@
 # continues it bit-identically, `--resume`) and scoring stops watching 60 s later. Logs: RUNS/seed<N>/<model>.log.
 # MODELS=a,b picks the models (default fprm_authors,trm_authors); MODELS=fprm_authors_jac trains and scores FPRM
 # with loopformer's contraction term (issue 32, item 5) on the given seeds, e.g. `MODELS=fprm_authors_jac bash
-# experiments/sudoku9_gpu_seeds.sh 1,3`. DEVICE=cpu runs the same on the CPU (with QUICK=1: a dry run at tiny
+# experiments/sudoku9_gpu_seeds.sh 1`. DEVICE=cpu runs the same on the CPU (with QUICK=1: a dry run at tiny
 # size; give RUNS a probe.json made with --phase probe --quick first). Measured (2026-12-04, one H200, four runs
 # sharing it, float32): 0.088 s per TRM step and 0.106 s per FPRM step; scoring one checkpoint took 48 s (FPRM)
 # and 12-19 s (TRM).
