@@ -160,6 +160,51 @@ AUTHORS: dict[str, list[str]] = {
     ],
 }
 AUTHORS["fprm_authors_jac"] = [*AUTHORS["fprm_authors"], f"train.jacobian_weight={JACOBIAN_WEIGHT}"]
+# The head-to-head's controls (issue 46): each arm changes one thing of fprm_authors / trm_authors.
+HRM_BUILD = (  # HRM (sapientinc/HRM's Sudoku options) at the CPU width with the MLP mixer the other two use:
+    # two H and two L blocks (the authors' equal H and L depths, 4 + 4 at d 512; 452k parameters against FPRM's
+    # 398k: one block each would have 226k), 2 L updates per H update, H_cycles 2 per segment, one
+    # puzzle-embedding token of d values
+    "model={name: hrm, d_model: 64, n_heads: 4, n_layers: 2, l_layers: 2, expansion: 4.0, mixer: mlp, "
+    "l_cycles: 2, one_step_grad: true, rope: false, num_puzzle_ids: 1, puzzle_emb_len: 1, puzzle_emb_dim: -1, "
+    "norm_eps: 1.0e-5, norm_gain: false, mlp_multiple: 256, init: lecun, loop: {max_steps: 2}}"
+)
+NO_CURRICULUM = "data.curriculum.enabled=false"  # the full 20-60-blank mix from the first step
+AUTHORS.update(
+    {
+        "fprm_nocur": [*AUTHORS["fprm_authors"], NO_CURRICULUM],
+        "trm_nocur": [*AUTHORS["trm_authors"], NO_CURRICULUM],
+        # TRM built for this compute: 3 latent updates a cycle and no puzzle-prefix tokens (the build that
+        # reached 89.4% at 60 minutes before the authors' options were adopted)
+        "trm_c3": [*(o for o in AUTHORS["trm_authors"] if o not in PUZZLE_EMB), "model.n_inner=3",
+                   "model.num_puzzle_ids=0", "model.puzzle_emb_len=0", "model.puzzle_emb_dim=0"],
+        "fprm_noconv": [*AUTHORS["fprm_authors"], "model.conv=none"],
+        "trm_conv": [*AUTHORS["trm_authors"], "model.conv=grid2d"],
+        "hrm_authors": [
+            HRM_BUILD,
+            *PUZZLE_EMB,
+            "train.decay_all=true",
+            "train.halt_on_q=true",
+            "train.halt_exploration=0.1",
+            "train.q_learning=true",
+            "train.max_segments=16",
+            "loop_train={}",
+            "loop_eval={halting: fixed, max_steps: 32}",  # 16 segments x H_cycles 2
+            "eval.segments=1",
+            "data.curriculum.max_steps=21",  # 126 blocks: 21 steps x (2 L + 1 H) x 2 blocks
+            "train.eval_every=0",
+        ],
+        # the learning-rate check (15 minutes, one seed): the shared AdamW at 1e-3 and 4e-3, and TRM's own
+        # optimiser (AdamATan2 1e-4, weight decay 1.0, betas 0.9 / 0.95, no clipping; the shared warm-up)
+        "fprm_lr1e-3": [*AUTHORS["fprm_authors"], "train.lr=1.0e-3", "train.puzzle_emb_lr=1.0e-3"],
+        "fprm_lr4e-3": [*AUTHORS["fprm_authors"], "train.lr=4.0e-3", "train.puzzle_emb_lr=4.0e-3"],
+        "trm_lr1e-3": [*AUTHORS["trm_authors"], "train.lr=1.0e-3", "train.puzzle_emb_lr=1.0e-3"],
+        "trm_lr4e-3": [*AUTHORS["trm_authors"], "train.lr=4.0e-3", "train.puzzle_emb_lr=4.0e-3"],
+        "trm_atan2": [*AUTHORS["trm_authors"], "train.optimizer=adam_atan2", "train.lr=1.0e-4",
+                      "train.weight_decay=1.0", "train.betas=[0.9, 0.95]", "train.grad_clip=0.0",
+                      "train.puzzle_emb_lr=1.0e-4", "train.puzzle_emb_weight_decay=1.0"],
+    }
+)
 # models whose budgets are another model's step counts rather than equal training FLOPs (the contraction term's
 # cost is reported in time, at the same steps)
 SAME_STEPS = {"fprm_authors_jac": "fprm_authors"}
@@ -174,6 +219,18 @@ PROTOCOL = {
     "trm_authors": "authors': 16 segments, Q-halting; eval 16 segments chained (48 cycles)",
     "fprm_authors_jac": "fprm_authors + loopformer's contraction term (train.jacobian_weight "
     f"{JACOBIAN_WEIGHT}), same steps",
+    "fprm_nocur": "fprm_authors without the curriculum (20-60 blanks from the first step)",
+    "trm_nocur": "trm_authors without the curriculum (20-60 blanks from the first step)",
+    "trm_c3": "trm_authors with 3 latent updates a cycle and no puzzle-prefix tokens",
+    "fprm_noconv": "fprm_authors without its grid convolution",
+    "trm_conv": "trm_authors with FPRM's grid convolution before each net call",
+    "hrm_authors": "authors': 2 H + 2 L blocks, 2 L updates per H, H_cycles 2; 16 segments, Q-learning halting; "
+    "eval 16 segments chained (32 H-cycles)",
+    "fprm_lr1e-3": "fprm_authors at learning rate 1e-3",
+    "fprm_lr4e-3": "fprm_authors at learning rate 4e-3",
+    "trm_lr1e-3": "trm_authors at learning rate 1e-3",
+    "trm_lr4e-3": "trm_authors at learning rate 4e-3",
+    "trm_atan2": "trm_authors with TRM's optimiser: AdamATan2 1e-4, weight decay 1.0, betas 0.9 / 0.95, no clipping",
 }
 # The clock of the equal-FLOPs budgets, measured once (experiments/sudoku9_cpu.py --phase probe --measure-clock,
 # 2026-11 on one core of the development CPU at load 8.6): the first rerun's FPRM took 0.553 CPU-seconds per
@@ -461,7 +518,7 @@ def evaluate_h2h(args: argparse.Namespace) -> None:
                     if not ckpt.is_dir():
                         pending += 1
                         continue
-                    family = "trm" if name.startswith("trm") else "fprm"
+                    family = "fprm" if name.startswith("fprm") else "trm"  # TRM and HRM: chained cycles
                     row = h2h.evaluate_checkpoint(
                         name, family, ckpt, eval_set, backtracks, list(EXTREME_ROWS), args.device
                     )
@@ -489,7 +546,7 @@ def evaluate_h2h(args: argparse.Namespace) -> None:
          if r.get("from_summary")}
     )  # fmt: skip
     summary = h2h.summarise(
-        {n: r for n, r in rows.items() if n != "fprm_authors_jac"}, "fprm_authors", "trm_authors"
+        {n: r for n, r in rows.items() if n in ("fprm_authors", "trm_authors")}, "fprm_authors", "trm_authors"
     )
     # the contraction term against FPRM on the seeds that have contraction-term rows
     jac = (

@@ -45,14 +45,11 @@ BLOCK_BUDGETS = [2**k for k in range(3, 12)]  # 8 .. 2,048 blocks per puzzle
 BLANK_BINS = ((20, 29), (30, 39), (40, 49), (50, 60))
 
 
-def blocks_per_step(family: str) -> int:
-    """Transformer blocks applied per loop step: FPRM's 2 blocks; TRM's (6 latent + 1 answer) x 2 blocks."""
-    return 2 if family == "fprm" else (6 + 1) * 2
-
-
-def budget_steps(family: str, blocks: int) -> int:
-    """The loop steps that fit in ``blocks`` blocks per puzzle (0: not even one)."""
-    return blocks // blocks_per_step(family)
+def budget_steps(per_step: int, blocks: int) -> int:
+    """The loop steps that fit in ``blocks`` blocks per puzzle (0: not even one), for a model applying
+    ``per_step`` blocks a step (``LoopedModel.blocks_per_step``: FPRM's 2 blocks; TRM's (6 latent + 1 answer) x
+    2 blocks a cycle; HRM's 2 L + 1 H blocks)."""
+    return blocks // per_step
 
 
 def _bits(valid: np.ndarray) -> str:
@@ -107,7 +104,7 @@ def trace_fprm(run: Any, data: TokenDataset, device: str = "cpu") -> dict[str, A
     cap = int(run.loop_eval.max_steps)  # the authors' protocol's cap: 1000
     loop = dataclasses.replace(run.loop_eval, max_steps=max(FPRM_TRACE, cap))
     tol = float(loop.tol)
-    budgets = [budget_steps("fprm", b) for b in BLOCK_BUDGETS]
+    budgets = [budget_steps(run.model.blocks_per_step(), b) for b in BLOCK_BUDGETS]
     gen = torch.Generator(device=device).manual_seed(0)
     n = len(data)
     protocol = np.zeros(data.inputs.shape, dtype=np.uint8)
@@ -144,7 +141,7 @@ def trace_fprm(run: Any, data: TokenDataset, device: str = "cpu") -> dict[str, A
 def trace_trm(run: Any, data: TokenDataset, device: str = "cpu") -> dict[str, Any]:
     """The single TRM pass: predictions after every budget's whole cycles and after the protocol's 48."""
     protocol = int(run.loop_eval.max_steps)  # 48: 16 segments x 3 cycles as one loop
-    budgets = sorted({budget_steps("trm", b) for b in BLOCK_BUDGETS} - {0} | {protocol})
+    budgets = sorted({budget_steps(run.model.blocks_per_step(), b) for b in BLOCK_BUDGETS} - {0} | {protocol})
     loop = dataclasses.replace(run.loop_eval, halting="fixed", max_steps=max(budgets), min_steps=0)
     if run.config.eval.segments != 1:
         raise ValueError(
@@ -199,7 +196,7 @@ def evaluate_checkpoint(
         strict_float32()
     run = load_run(path, use_ema=True, device=device)
     t0, c0 = time.perf_counter(), time.process_time()
-    per = blocks_per_step(family)
+    per = run.model.blocks_per_step()
     if family == "fprm":
         tr = trace_fprm(run, data, device)
         protocol = _row(run.task, data, backtracks, tr["protocol"], tr["protocol_steps"], per)
@@ -212,7 +209,7 @@ def evaluate_checkpoint(
         protocol["rho_steps_blanks_per_sample"] = stats.spearman_rho
         curve = []
         for blocks in BLOCK_BUDGETS:
-            b = budget_steps(family, blocks)
+            b = budget_steps(per, blocks)
             point = _row(run.task, data, backtracks, tr["capped"][b], tr["capped_steps"][b], per)
             curve.append({"budget_blocks": blocks, "steps": b, "mode": "per-sample halting, capped", **point})
     else:
@@ -222,7 +219,7 @@ def evaluate_checkpoint(
         protocol["converged"] = None
         curve = []
         for blocks in BLOCK_BUDGETS:
-            b = budget_steps(family, blocks)
+            b = budget_steps(per, blocks)
             if b == 0:
                 continue
             steps = np.full(len(data), b)

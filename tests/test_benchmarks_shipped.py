@@ -93,6 +93,6 @@ def test_the_shipped_weights_reproduce_the_committed_8_and_16_block_points(seed:
     committed = _committed("60", "fprm_authors")
     at = committed["seeds"].index(seed)
     for blocks in (8, 16):
-        steps = h2h.budget_steps("fprm", blocks)
+        steps = h2h.budget_steps(shipped.model.blocks_per_step(), blocks)
         valid = np.asarray([shipped.task.check(x, y) for x, y in zip(held_out.inputs, trace["capped"][steps])])
         assert float(valid.mean()) == pytest.approx(committed["curve"][str(blocks)][at], abs=0.02), blocks

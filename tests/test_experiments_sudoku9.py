@@ -64,7 +64,7 @@ def test_fprm_single_pass_equals_separate_evaluations(checkpoints, monkeypatch) 
     pred, steps = _direct(run, data, run.loop_eval)
     assert (tr["protocol"] == pred).all() and (tr["protocol_steps"] == steps).all()
     for blocks in (8, 16, 32):  # per-sample halting capped at blocks / 2 steps (within the trace)
-        cap = h2h.budget_steps("fprm", blocks)
+        cap = h2h.budget_steps(run.model.blocks_per_step(), blocks)
         # the residual that halts a sample, the damped solver's per-sample state: as the protocol's loop
         per_sample = dataclasses.replace(run.loop_eval, halting="residual", max_steps=cap)
         ref, ref_steps = _direct(run, data, per_sample)
@@ -89,8 +89,14 @@ def test_trm_single_pass_equals_a_direct_call_of_its_protocol(checkpoints) -> No
 
 
 def test_budget_steps_and_blocks() -> None:
-    assert [h2h.budget_steps("fprm", b) for b in (8, 2048)] == [4, 1024]
-    assert [h2h.budget_steps("trm", b) for b in (8, 16, 2048)] == [0, 1, 146]  # a TRM cycle is 14 blocks
+    from loopformer.models import build_model
+
+    fprm = build_model("fprm", vocab_size=11, seq_len=81, n_layers=2)
+    trm = build_model("trm", vocab_size=11, seq_len=81, n_layers=2, n_inner=6)
+    hrm = build_model("hrm", vocab_size=11, seq_len=81, n_layers=1, l_layers=1, l_cycles=2)
+    assert (fprm.blocks_per_step(), trm.blocks_per_step(), hrm.blocks_per_step()) == (2, 14, 3)
+    assert [h2h.budget_steps(2, b) for b in (8, 2048)] == [4, 1024]
+    assert [h2h.budget_steps(14, b) for b in (8, 16, 2048)] == [0, 1, 146]  # a TRM cycle is 14 blocks
 
 
 def test_paired_bootstrap_on_a_known_difference() -> None:

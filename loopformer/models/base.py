@@ -134,6 +134,12 @@ class LoopedModel(nn.Module):
             aux_loss=self.aux_loss(res),
         )
 
+    def blocks_per_step(self) -> int:
+        """Transformer blocks one loop step applies to a sample: the unit of test-time compute that ``compare``,
+        ``eval`` reports and the head-to-head count (a step of a looped stack of ``n_layers`` blocks by
+        default; a model whose step applies its net more than once says so)."""
+        return int(self.config.n_layers)
+
     def num_parameters(self, exclude_puzzle_embedding: bool = True) -> int:
         """Parameter count; the per-puzzle embedding table is excluded by default (as the papers count)."""
         skip = {id(p) for n, p in self.named_parameters() if exclude_puzzle_embedding and "puzzle_emb" in n}

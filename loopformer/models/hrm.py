@@ -64,6 +64,7 @@ class HRMConfig(ModelConfig):
     n_layers: int = 4  # layers in H (and in L unless l_layers is set)
     l_layers: int = 0  # layers in L; 0 = n_layers (HRM's H_layers / L_layers, both 4 in its configs)
     l_cycles: int = 2  # L updates per H update
+    mixer: str = "attention"  # "attention" or "mlp" (TRM's MLP across positions; the head-to-head's HRM, issue 46)
     one_step_grad: bool = True  # HRM's 1-step gradient: record only the last L call of a step
     learned_init: bool = False  # learn the zH / zL initial vectors instead of HRM's fixed buffers
     q_head: bool = True
@@ -88,8 +89,8 @@ class HRM(LoopedModel):
             raise ValueError(f"l_cycles must be >= 1, got {config.l_cycles}")
         check_family_config(config)
         self.embedding = PuzzleTokenEmbedding(config)
-        self.H = ReasoningModule(config, config.n_layers)
-        self.L = ReasoningModule(config, config.l_layers or config.n_layers)
+        self.H = ReasoningModule(config, config.n_layers, config.mixer)
+        self.L = ReasoningModule(config, config.l_layers or config.n_layers, config.mixer)
         d, flax = config.d_model, config.init == "lecun"
         if config.learned_init:
             self.h_init = init_vector(d, learned=True, flax=flax)
@@ -107,7 +108,7 @@ class HRM(LoopedModel):
             nn.init.constant_(self.q_proj.bias, Q_BIAS_INIT)
 
     def embed(self, inputs: Tensor, puzzle_ids: Tensor | None = None) -> tuple[Tensor, ...]:
-        check_token_count(self.config, "attention", inputs)
+        check_token_count(self.config, self.config.mixer, inputs)
         return (self.embedding(inputs, puzzle_ids),)
 
     def init_state(self, ctx: tuple[Tensor, ...], generator: torch.Generator | None = None) -> Tensor:
@@ -127,6 +128,10 @@ class HRM(LoopedModel):
                 zl = self.L(zl, zh + x)
         zh = self.H(zh, zl)
         return torch.stack((zh, zl), dim=1)
+
+    def blocks_per_step(self) -> int:
+        """An H-cycle: ``l_cycles`` passes of the L module and one of the H module."""
+        return self.config.l_cycles * (self.config.l_layers or self.config.n_layers) + self.config.n_layers
 
     def readout(self, z: Tensor, *ctx: Tensor) -> Tensor:
         zh = z[:, 0, self.config.puzzle_emb_len :]

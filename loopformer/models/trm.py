@@ -55,7 +55,7 @@ from torch import Tensor, nn
 
 from loopformer.loop import LoopConfig
 from loopformer.models.base import LoopedModel, ModelConfig
-from loopformer.nn import Block, LearnedPositions, trunc_normal_state
+from loopformer.nn import Block, DepthwiseConv2d, LearnedPositions, trunc_normal_state
 
 Q_BIAS_INIT = -5.0  # TRM / HRM code: the halting head starts at "do not halt"
 
@@ -153,9 +153,22 @@ class ReasoningModule(nn.Module):
         )
         if getattr(config, "init", "torch") == "lecun":
             lecun_init_(self)
+        # the head-to-head's convolution control (issue 46): FPRM's depthwise grid convolution on the sum
+        # h + injection before the blocks, replacing it as the FPRM authors' code does (PyTorch's Conv init)
+        self.conv: DepthwiseConv2d | None = None
+        if getattr(config, "conv", "none") == "grid2d":
+            if config.grid is None:
+                raise ValueError("conv='grid2d' needs config.grid, e.g. (9, 9) for Sudoku")
+            self.conv = DepthwiseConv2d(config.d_model, tuple(config.grid), kernel=3)
+            self.conv.conv.reset_parameters()
+        elif getattr(config, "conv", "none") != "none":
+            raise ValueError(f"conv must be 'none' or 'grid2d', got {config.conv!r}")
 
     def forward(self, h: Tensor, injection: Tensor) -> Tensor:
         h = h + injection
+        if self.conv is not None:
+            P = h.shape[1] - self.conv.grid[0] * self.conv.grid[1]
+            h = torch.cat([h[:, :P], self.conv(h[:, P:])], dim=1) if P else self.conv(h)
         for layer in self.layers:
             h = layer(h)
         return h
@@ -214,6 +227,7 @@ class TRMConfig(ModelConfig):
     n_inner: int = 6  # latent updates z = net(z + y + x) per step (TRM's n)
     mixer: str = "attention"  # "attention" or "mlp" (MLP-mixer across positions, fixed-size grids)
     learned_init: bool = False  # learn the y / z initial vectors instead of TRM's fixed buffers
+    conv: str = "none"  # none | grid2d: FPRM's depthwise 3x3 grid convolution before each net call (issue 46)
     q_head: bool = True
     puzzle_emb_dim: int = (
         0  # values per puzzle-embedding row; 0 = puzzle_emb_len * d_model, -1 = d_model (TRM)
@@ -280,6 +294,10 @@ class TRM(LoopedModel):
             latent = self.net(latent, y + x)
         y = self.net(y, latent)
         return torch.stack((y, latent), dim=1)
+
+    def blocks_per_step(self) -> int:
+        """A cycle: ``n_inner`` latent updates and one answer update, each through the ``n_layers``-block net."""
+        return (self.config.n_inner + 1) * self.config.n_layers
 
     def readout(self, z: Tensor, *ctx: Tensor) -> Tensor:
         y = z[:, 0, self.config.puzzle_emb_len :]
