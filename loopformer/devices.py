@@ -1,6 +1,7 @@
 """Where evaluation runs: ``--device auto|cpu|cuda|cuda:N`` of ``loopformer eval``, ``solve`` and ``run``,
-and the ``device=`` argument of ``loopformer.load``; and ``HostReads``, which counts the places where the
-host waits for the device's values.
+and the ``device=`` argument of ``loopformer.load``; the CPU thread count of a training or an evaluation
+(``set_cpu_threads``: ``train.threads``, 0 = auto: one thread for a model below 2M parameters, else one per
+physical core); and ``HostReads``, which counts the places where the host waits for the device's values.
 
 ``auto`` is CUDA when torch sees a GPU, else the CPU (what training does).  ``cuda:N`` must name a GPU
 torch can see.  Precision follows the run: a run trained with ``bf16`` (``auto``: on CUDA; ``true``: on
@@ -9,6 +10,8 @@ every device, the CPU included) is evaluated under the same bf16 autocast (``loo
 
 from __future__ import annotations
 
+import logging
+import os
 from collections import Counter
 from typing import Any
 
@@ -17,6 +20,50 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 DEVICE_HELP = "auto (CUDA when present, else CPU), cpu, cuda or cuda:N"
+SMALL_MODEL_PARAMETERS = 2_000_000  # below this, one CPU thread (a second one only adds overhead)
+
+
+def physical_cores() -> int:
+    """Physical CPU cores available to this process (from /proc/cpuinfo; else os.cpu_count())."""
+    try:
+        pairs, phys = set(), None
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("physical id"):
+                    phys = line.split(":")[1].strip()
+                elif line.startswith("core id"):
+                    pairs.add((phys, line.split(":")[1].strip()))
+        if pairs:
+            return max(1, min(len(pairs), len(os.sched_getaffinity(0))))
+    except (OSError, AttributeError):
+        pass
+    return max(1, os.cpu_count() or 1)
+
+
+def cpu_threads(threads: int, local_world_size: int, parameters: int) -> tuple[int, str]:
+    """(CPU threads, why): ``threads`` (``train.threads``) when set, else 1 for a model below
+    ``SMALL_MODEL_PARAMETERS``, else one per physical core (shared among ``local_world_size`` local ranks)."""
+    if threads:
+        return threads, "train.threads"
+    if parameters < SMALL_MODEL_PARAMETERS:
+        return 1, f"auto: a model below {SMALL_MODEL_PARAMETERS / 1e6:g}M parameters"
+    return max(1, physical_cores() // local_world_size), "auto: one per physical core"
+
+
+def set_cpu_threads(
+    threads: int, device: torch.device, model: torch.nn.Module, local_world_size: int = 1, log: bool = True
+) -> int:
+    """Set (on the CPU) and log (``log``: on the main rank) the thread count ``cpu_threads`` chooses for
+    ``model``; returns it."""
+    if device.type != "cpu":
+        return torch.get_num_threads()
+    parameters = sum(p.numel() for p in model.parameters())
+    count, why = cpu_threads(threads, local_world_size, parameters)
+    torch.set_num_threads(count)
+    if log:
+        logging.getLogger("loopformer.train").info("CPU threads: %d (%s; change with train.threads=N)", count, why)
+    return count
+
 
 
 def resolve_device(spec: str | torch.device | None) -> torch.device:

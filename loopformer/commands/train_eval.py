@@ -263,10 +263,9 @@ def evaluate_checkpoint(checkpoint: str | Path, overrides: list[str], budgets: l
 
     run = load_run(checkpoint, use_ema=ema, config_overrides=tuple(overrides), device=str(dev), best=best,
                    check=checks)  # fmt: skip
-    from loopformer.train.dist import DistEnv
-    from loopformer.train.setup import set_cpu_threads
+    from loopformer.devices import set_cpu_threads
 
-    set_cpu_threads(run.config.train, DistEnv(), dev, run.model)  # the run's train.threads rule, logged
+    set_cpu_threads(run.config.train.threads, dev, run.model)  # the run's train.threads rule, logged
     # how this report was made (metrics.json "evaluation"): a sweep re-evaluates a report made otherwise
     record = {"overrides": list(overrides), "budgets": list(budgets), "budget_mode": budget_mode,
               "examples": examples, "analyses": analyses, "lens_loops": lens_loops, "ema": ema, "best": best}  # fmt: skip

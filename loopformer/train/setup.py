@@ -1,9 +1,7 @@
 """What the trainer builds before its first step: device, data splits, model and loop sampler.
 
-- ``physical_cores`` / ``resolve_device``: the physical cores; ``device: auto`` picks CUDA when there is one.
+- ``resolve_device``: ``device: auto`` picks CUDA when there is one.
 - ``configure_process``: logging on ranks > 0, the global batch against the world size.
-- ``set_cpu_threads``: the CPU thread count (``train.threads``; 0 = auto: 1 for small models, else one per
-  physical core), logged at start-up.
 - ``build_data``: the task and its train / eval splits (``loopformer.runs.task_dataset``), unless given.
 - ``prepare_model``: the given or the recipe's model on the device; ``compile_on``: whether the run compiles
   (``compile: auto``: on CUDA); ``fast_cuda_settings``: TF32 and cuDNN autotuning on CUDA.
@@ -19,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from typing import Any
 
 import torch
@@ -31,23 +28,6 @@ from loopformer.tasks.base import Task, TokenDataset, task_model_fields
 from loopformer.train.data import Curriculum
 from loopformer.train.dist import DistEnv
 from loopformer.train.optim import build_optimizer, lr_at
-
-
-def physical_cores() -> int:
-    """Physical CPU cores available to this process (from /proc/cpuinfo; else os.cpu_count())."""
-    try:
-        pairs, phys = set(), None
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("physical id"):
-                    phys = line.split(":")[1].strip()
-                elif line.startswith("core id"):
-                    pairs.add((phys, line.split(":")[1].strip()))
-        if pairs:
-            return max(1, min(len(pairs), len(os.sched_getaffinity(0))))
-    except (OSError, AttributeError):
-        pass
-    return max(1, os.cpu_count() or 1)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -77,33 +57,6 @@ def configure_process(tc: TrainConfig, env: DistEnv, device: torch.device) -> No
 # (the default job: 0.11M parameters) a second thread made a training step 54x slower on the loaded 2-core
 # development machine (1.3 s vs 69 s per step, load average ~14; benchmarks/bench_threads.py,
 # docs/performance.md); with tensors this small there is little for a second thread to gain even when idle
-SMALL_MODEL_PARAMETERS = 2_000_000
-
-
-def cpu_threads(tc: TrainConfig, env: DistEnv, parameters: int) -> tuple[int, str]:
-    """(CPU threads, why): ``train.threads`` when set, else 1 for a model below ``SMALL_MODEL_PARAMETERS``,
-    else one per physical core (shared among the local ranks)."""
-    if tc.threads:
-        return tc.threads, "train.threads"
-    if parameters < SMALL_MODEL_PARAMETERS:
-        return 1, f"auto: a model below {SMALL_MODEL_PARAMETERS / 1e6:g}M parameters"
-    return max(1, physical_cores() // env.local_world_size), "auto: one per physical core"
-
-
-def set_cpu_threads(tc: TrainConfig, env: DistEnv, device: torch.device, model: torch.nn.Module) -> int:
-    """Set (on the CPU) and log the thread count ``cpu_threads`` chooses for ``model``; returns it."""
-    if device.type != "cpu":
-        return torch.get_num_threads()
-    parameters = sum(p.numel() for p in model.parameters())
-    threads, why = cpu_threads(tc, env, parameters)
-    torch.set_num_threads(threads)
-    if env.is_main:
-        logging.getLogger("loopformer.train").info(
-            "CPU threads: %d (%s; change with train.threads=N)", threads, why
-        )
-    return threads
-
-
 def build_data(
     config: RunConfig,
     task: Task | None,

@@ -37,6 +37,7 @@ import torch
 from torch import Tensor
 
 from loopformer.config import RunConfig
+from loopformer.devices import set_cpu_threads
 from loopformer.loop import LoopConfig
 from loopformer.loop.samplers import training_sampler
 from loopformer.models.base import LoopedModel, ModelOutput
@@ -70,7 +71,6 @@ from loopformer.train.setup import (
     make_curriculum,
     make_optimizer,
     prepare_model,
-    set_cpu_threads,
 )
 from loopformer.train.step_metrics import DivergenceCheck, StepMeter, StepMetrics, loop_metrics
 from loopformer.train.stop import EvaluationInterrupted, StopSignals, TrainingInterrupted
@@ -114,7 +114,8 @@ class Trainer(TrainerEvaluation, TrainerUpdate):
         self.task, self.train_data, self.eval_data = build_data(config, task, train_data, eval_data, model is not None)
         self.data_record = training_data(config, self.train_data, self.eval_data)  # what checkpoints record
         self.model = prepare_model(config, model, self.task, self.train_data, self.device)
-        self.threads = set_cpu_threads(tc, self.strategy.env, self.device, self.model)
+        env = self.strategy.env
+        self.threads = set_cpu_threads(tc.threads, self.device, self.model, env.local_world_size, env.is_main)
         self.loop_train: LoopConfig = config.loop_config(self.model.config.loop, "train")
         self.loop_eval: LoopConfig = config.loop_config(self.model.config.loop, "eval")
         # the trainer's own evaluations (periodic, final; they choose train.keep_best): loop_periodic over loop_eval
