@@ -50,17 +50,16 @@ def cpu_threads(threads: int, local_world_size: int, parameters: int) -> tuple[i
     return max(1, physical_cores() // local_world_size), "auto: one per physical core"
 
 
-def set_cpu_threads(
-    threads: int, device: torch.device, model: torch.nn.Module, local_world_size: int = 1, log: bool = True
-) -> int:
-    """Set (on the CPU) and log (``log``: on the main rank) the thread count ``cpu_threads`` chooses for
-    ``model``; returns it."""
+def set_cpu_threads(threads: int, device: torch.device, model: torch.nn.Module, dist: Any = None) -> int:
+    """Set (on the CPU) and log the thread count ``cpu_threads`` chooses for ``model``; returns it. ``dist``:
+    the process's place in a distributed job (``local_world_size``, ``is_main``: only the main rank logs);
+    None for one process."""
     if device.type != "cpu":
         return torch.get_num_threads()
     parameters = sum(p.numel() for p in model.parameters())
-    count, why = cpu_threads(threads, local_world_size, parameters)
+    count, why = cpu_threads(threads, getattr(dist, "local_world_size", 1), parameters)
     torch.set_num_threads(count)
-    if log:
+    if getattr(dist, "is_main", True):
         logging.getLogger("loopformer.train").info("CPU threads: %d (%s; change with train.threads=N)", count, why)
     return count
 

@@ -114,8 +114,7 @@ class Trainer(TrainerEvaluation, TrainerUpdate):
         self.task, self.train_data, self.eval_data = build_data(config, task, train_data, eval_data, model is not None)
         self.data_record = training_data(config, self.train_data, self.eval_data)  # what checkpoints record
         self.model = prepare_model(config, model, self.task, self.train_data, self.device)
-        env = self.strategy.env
-        self.threads = set_cpu_threads(tc.threads, self.device, self.model, env.local_world_size, env.is_main)
+        self.threads = set_cpu_threads(tc.threads, self.device, self.model, self.strategy.env)
         self.loop_train: LoopConfig = config.loop_config(self.model.config.loop, "train")
         self.loop_eval: LoopConfig = config.loop_config(self.model.config.loop, "eval")
         # the trainer's own evaluations (periodic, final; they choose train.keep_best): loop_periodic over loop_eval
