@@ -205,6 +205,26 @@ AUTHORS.update(
                       "train.puzzle_emb_lr=1.0e-4", "train.puzzle_emb_weight_decay=1.0"],
     }
 )
+# what each control isolates: (a, b, the question), a - b reported (experiments/sudoku9_h2h.py, controls)
+CONTROLS = [
+    ("fprm_nocur", "trm_nocur", "FPRM vs TRM, no curriculum"),
+    ("fprm_authors", "trm_c3", "FPRM vs TRM built for this compute (3 cycles, no prefix)"),
+    ("fprm_authors", "hrm_authors", "FPRM vs HRM"),
+    ("fprm_noconv", "trm_conv", "convolution swapped: FPRM without it vs TRM with it"),
+    ("fprm_authors", "fprm_noconv", "FPRM with vs without its convolution"),
+    ("trm_conv", "trm_authors", "TRM with vs without the convolution"),
+    ("fprm_nocur", "fprm_authors", "FPRM without vs with the curriculum"),
+    ("trm_nocur", "trm_authors", "TRM without vs with the curriculum"),
+]
+# the head-to-head's own arms; every other arm is a control, whose TRM / HRM checkpoints are traced to 512 blocks
+# per puzzle (and their own protocol) instead of 2,048: a third (TRM) to a tenth (HRM) of the scoring cost
+HEAD_TO_HEAD = ("fprm_authors", "trm_authors", "fprm_authors_jac")
+CONTROLS_TRACE_BLOCKS = 512
+# the learning-rate check: each model's arms at other rates (15 minutes, seed 2) against its shared-rate arm
+LEARNING_RATES = {
+    "fprm_authors": ("fprm_lr1e-3", "fprm_lr4e-3"),
+    "trm_authors": ("trm_lr1e-3", "trm_lr4e-3", "trm_atan2"),
+}
 # models whose budgets are another model's step counts rather than equal training FLOPs (the contraction term's
 # cost is reported in time, at the same steps)
 SAME_STEPS = {"fprm_authors_jac": "fprm_authors"}
@@ -520,7 +540,8 @@ def evaluate_h2h(args: argparse.Namespace) -> None:
                         continue
                     family = "fprm" if name.startswith("fprm") else "trm"  # TRM and HRM: chained cycles
                     row = h2h.evaluate_checkpoint(
-                        name, family, ckpt, eval_set, backtracks, list(EXTREME_ROWS), args.device
+                        name, family, ckpt, eval_set, backtracks, list(EXTREME_ROWS), args.device,
+                        h2h.BLOCK_BUDGETS[-1] if name in HEAD_TO_HEAD else CONTROLS_TRACE_BLOCKS,
                     )
                     row.update(seed=seed, minutes=minutes, train_time_s=_train_times(folder).get(step))
                     write_json(saved, row)
@@ -575,13 +596,18 @@ def evaluate_h2h(args: argparse.Namespace) -> None:
         },
     }  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
-    write_json(args.out / "results_h2h.json", payload)
     text = h2h.markdown(summary, labels)
     if jac:
         text += "\nloopformer's contraction term (same steps as FPRM):\n\n" + h2h.markdown(
             jac, labels, ("FPRM + contraction", "FPRM")
         )
+    controls = assemble_controls(rows, args.runs, eval_set)
+    payload["controls"] = controls
+    write_json(args.out / "results_h2h.json", payload)
     (args.out / "table_h2h.md").write_text(text)
+    if controls["arms"]:
+        (args.out / "table_h2h_controls.md").write_text(controls_markdown(controls))
+        plot_arms(controls["arms"], args.out / "controls_vs_budget.png")
     if summary:
         h2h.plot(summary, labels, args.out / "accuracy_vs_budget_h2h.png", pyplot, save_figure)
     if jac:
@@ -590,6 +616,119 @@ def evaluate_h2h(args: argparse.Namespace) -> None:
             "FPRM with and without loopformer's contraction term, same steps",
         )
     print(text)
+
+
+LABELS = {
+    "fprm_authors": "FPRM (authors' build, curriculum)",
+    "trm_authors": "TRM (authors' build, curriculum)",
+    "fprm_authors_jac": "FPRM + contraction term",
+    "fprm_nocur": "FPRM, no curriculum",
+    "trm_nocur": "TRM, no curriculum",
+    "trm_c3": "TRM, 3 cycles, no prefix",
+    "hrm_authors": "HRM (authors' protocol)",
+    "fprm_noconv": "FPRM without its convolution",
+    "trm_conv": "TRM with FPRM's convolution",
+}
+
+
+def assemble_controls(rows: dict[str, Any], runs: Path, eval_set: Any) -> dict[str, Any]:
+    """The controls of issue 46 from the scored rows that keep per-puzzle validity: every arm by budget
+    (``sudoku9_h2h.arms_summary``), each pair of ``CONTROLS`` on the seeds both arms have (seed-pair differences,
+    paired bootstrap, matched test-time compute: ``sudoku9_h2h.summarise``) and where its gap lies by blanks, and
+    the learning-rate check (``LEARNING_RATES``)."""
+    scored = {
+        n: {m: {s: r for s, r in bs.items() if h2h.has_bits(r)} for m, bs in bm.items()} for n, bm in rows.items()
+    }
+    scored = {n: {m: bs for m, bs in bm.items() if bs} for n, bm in scored.items()}
+    scored = {n: bm for n, bm in scored.items() if bm}
+    arms = h2h.arms_summary(scored, runs)
+    pairs = []
+    for a, b, question in CONTROLS:
+        if not (scored.get(a) and scored.get(b)):
+            continue
+        both = h2h.with_partner_seeds(scored, a, b)
+        both[a] = {m: {s: r for s, r in bs.items() if s in both[b].get(m, {})} for m, bs in both[a].items()}
+        summary = h2h.summarise(both, a, b)
+        gaps = {
+            str(m): h2h.by_blanks_gap(both[a][m], both[b][m], eval_set.difficulty)
+            for m in both[a] if both[a][m] and both[b].get(m)
+        }  # fmt: skip
+        pairs.append({"a": a, "b": b, "question": question, "summary": summary, "by_blanks": gaps})
+    lr = []
+    for base, others in LEARNING_RATES.items():
+        for arm in others:
+            for s, r in scored.get(arm, {}).get(15, {}).items():
+                ref = scored.get(base, {}).get(15, {}).get(s)
+                lr.append({
+                    "arm": arm, "base": base, "seed": s, "protocol": PROTOCOL[arm], "valid": r["protocol"]["valid"],
+                    "base_valid": None if ref is None else ref["protocol"]["valid"],
+                    "level": h2h.curriculum_level(run_dir(runs, arm, s) / "metrics.jsonl", r["step"]),
+                })  # fmt: skip
+    return {"arms": arms, "pairs": pairs, "learning_rates": lr}
+
+
+def controls_markdown(controls: dict[str, Any]) -> str:
+    """``table_h2h_controls.md``: the arms table, the comparisons, the learning-rate check."""
+    minutes = sorted({int(m) for by_m in controls["arms"].values() for m in by_m})
+    text = "Arms by training budget (own protocols; held-out valid accuracy, mean (range) over seeds):\n\n"
+    text += h2h.arms_markdown(controls["arms"], LABELS, minutes)
+    text += (
+        "\nEach control's comparison, a - b on the seeds both arms have (own protocols; paired bootstrap over the "
+        "1,000 puzzles, 95% interval; matched test-time compute: the block budgets 8-2,048 where a is ahead; "
+        "share of the gap on puzzles with >= 40 blanks):\n\n| question | a - b | budget (min) | seeds | a - b per "
+        "seed (points) | bootstrap, own protocols | matched budgets with a ahead | gap share at >= 40 blanks |\n"
+        "|---|---|---|---|---|---|---|---|\n"
+    )
+    for pair in controls["pairs"]:
+        for m, entry in pair["summary"].items():
+            if "seed_differences" not in entry:
+                continue
+            diffs = ", ".join(f"{s}: {100 * d:+.1f}" for s, d in entry["seed_differences"].items())
+            boot = entry.get("fprm_minus_trm", {}).get("own protocols")
+            boot_text = "-" if boot is None else (
+                f"{100 * boot['mean']:+.1f} ({100 * boot['low']:+.1f} .. {100 * boot['high']:+.1f})"
+            )
+            gap = pair["by_blanks"].get(m, {})
+            shares = [gap["bins"][k]["share_of_gap"] for k in ("40-49", "50-60")] if gap else []
+            share = "-" if not shares or None in shares else f"{100 * sum(shares):.0f}%"
+            text += (
+                f"| {pair['question']} | {LABELS.get(pair['a'], pair['a'])} - {LABELS.get(pair['b'], pair['b'])} | "
+                f"{m} | {', '.join(str(s) for s in entry['bootstrap_seeds']) or '-'} | {diffs} | {boot_text} | "
+                f"{entry.get('matched_points_fprm_ahead', '-')} | {share} |\n"
+            )
+    if controls["learning_rates"]:
+        text += (
+            "\nLearning-rate check (15 minutes; the arms' shared optimiser is AdamW 2e-3):\n\n| arm | setting | "
+            "seed | valid | same seed at the shared rate | curriculum level |\n|---|---|---|---|---|---|\n"
+        )
+        for r in controls["learning_rates"]:
+            base = "-" if r["base_valid"] is None else f"{100 * r['base_valid']:.1f}%"
+            level = "-" if r["level"] is None else f"{r['level']:.0f}"
+            text += (
+                f"| {r['arm']} | {r['protocol']} | {r['seed']} | {100 * r['valid']:.1f}% | {base} | {level} |\n"
+            )
+    return text
+
+
+def plot_arms(arms: dict[str, Any], path: Path) -> None:
+    """Each arm's own-protocol accuracy against training budget (mean over seeds; bars: the seeds' range)."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7.2, 4.2))
+    for i, (name, by_m) in enumerate(arms.items()):
+        ms = sorted(int(m) for m in by_m)
+        ys = [by_m[str(m)]["valid"] for m in ms]
+        mean = np.asarray([np.mean(y) for y in ys])
+        err = np.asarray([[mu - min(y), max(y) - mu] for mu, y in zip(mean, ys)]).T
+        style = "-o" if name.startswith("fprm") else "--s"
+        ax.errorbar(ms, mean, yerr=err, fmt=style, ms=4, capsize=3, color=f"C{i % 10}",
+                    label=f"{LABELS.get(name, name)} (n={len(by_m[str(ms[0])]['seeds'])})")  # fmt: skip
+    ax.set_xlabel("training budget (minutes of the head-to-head's clock = equal training FLOPs)")
+    ax.set_ylabel("held-out valid accuracy, own protocol")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=6, loc="upper left")
+    ax.set_title("9x9 Sudoku head-to-head and its controls (1,000 held-out puzzles)", fontsize=9)
+    save_figure(fig, path)
 
 
 def ship(args: argparse.Namespace) -> None:

@@ -138,10 +138,14 @@ def trace_fprm(run: Any, data: TokenDataset, device: str = "cpu") -> dict[str, A
 
 
 @torch.no_grad()
-def trace_trm(run: Any, data: TokenDataset, device: str = "cpu") -> dict[str, Any]:
-    """The single TRM pass: predictions after every budget's whole cycles and after the protocol's 48."""
+def trace_trm(
+    run: Any, data: TokenDataset, device: str = "cpu", max_blocks: int = BLOCK_BUDGETS[-1]
+) -> dict[str, Any]:
+    """The single TRM (or HRM) pass: predictions after every budget's whole cycles up to ``max_blocks`` blocks per
+    puzzle, and after the protocol's cycles (TRM's 48)."""
     protocol = int(run.loop_eval.max_steps)  # 48: 16 segments x 3 cycles as one loop
-    budgets = sorted({budget_steps(run.model.blocks_per_step(), b) for b in BLOCK_BUDGETS} - {0} | {protocol})
+    per = run.model.blocks_per_step()
+    budgets = sorted({budget_steps(per, b) for b in BLOCK_BUDGETS if b <= max_blocks} - {0} | {protocol})
     loop = dataclasses.replace(run.loop_eval, halting="fixed", max_steps=max(budgets), min_steps=0)
     if run.config.eval.segments != 1:
         raise ValueError(
@@ -190,8 +194,11 @@ def evaluate_checkpoint(
     backtracks: np.ndarray,
     extreme: list[str],
     device: str = "cpu",
+    max_blocks: int = BLOCK_BUDGETS[-1],
 ) -> dict[str, Any]:
-    """Every number of one checkpoint (module docstring), with the wall time of the pass, on ``device``."""
+    """Every number of one checkpoint (module docstring), with the wall time of the pass, on ``device``. A model
+    without halting (TRM, HRM) is traced to ``max_blocks`` blocks per puzzle (and its own protocol): the
+    controls of issue 46 trace their TRM / HRM arms to 512 blocks, a third to a tenth of the cost."""
     if device != "cpu":
         strict_float32()
     run = load_run(path, use_ema=True, device=device)
@@ -213,14 +220,14 @@ def evaluate_checkpoint(
             point = _row(run.task, data, backtracks, tr["capped"][b], tr["capped_steps"][b], per)
             curve.append({"budget_blocks": blocks, "steps": b, "mode": "per-sample halting, capped", **point})
     else:
-        tr = trace_trm(run, data, device)
+        tr = trace_trm(run, data, device, max_blocks)
         cycles = np.full(len(data), tr["protocol_cycles"])
         protocol = _row(run.task, data, backtracks, tr["cycles"][tr["protocol_cycles"]], cycles, per)
         protocol["converged"] = None
         curve = []
         for blocks in BLOCK_BUDGETS:
             b = budget_steps(per, blocks)
-            if b == 0:
+            if b == 0 or blocks > max_blocks:
                 continue
             steps = np.full(len(data), b)
             point = _row(run.task, data, backtracks, tr["cycles"][b], steps, per)
@@ -229,7 +236,7 @@ def evaluate_checkpoint(
     for text in extreme:
         grid = run.task.parse_grid(text)[None].astype(np.int64)
         one = TokenDataset(grid, grid.copy(), np.zeros(1))
-        tr1 = trace_fprm(run, one, device) if family == "fprm" else trace_trm(run, one, device)
+        tr1 = trace_fprm(run, one, device) if family == "fprm" else trace_trm(run, one, device, max_blocks)
         pred = tr1["protocol"] if family == "fprm" else tr1["cycles"][tr1["protocol_cycles"]]
         rows.append({
             "valid": bool(run.task.check(grid[0], pred[0])),
@@ -242,6 +249,7 @@ def evaluate_checkpoint(
         "weights": run.weights,
         "parameters": run.model.num_parameters(),
         "blocks_per_step": per,
+        "trace_blocks": max_blocks if family != "fprm" else BLOCK_BUDGETS[-1],
         "protocol": protocol,
         "curve": curve,
         "extreme": rows,
@@ -524,3 +532,85 @@ def plot(
     fig.suptitle(f"9x9 Sudoku at CPU scale: {title}, by test-time compute\n(bands: the seeds' range; stars: each model's own protocol)",
                  fontsize=9)  # fmt: skip
     save(fig, path)
+
+
+# -- the controls (issue 46): arms by budget, and the comparisons each control isolates ---------------------------
+
+
+def curriculum_level(metrics: Path, step: int) -> float | None:
+    """The training curriculum's level (blanks) at ``step``: the last ``level`` logged at or before it in the
+    run's ``metrics.jsonl``; None when the run logs no level (no curriculum: the full 20-60-blank mix)."""
+    if not metrics.is_file():
+        return None
+    level = None
+    for line in metrics.read_text().splitlines():
+        record = json.loads(line)
+        if record.get("step", 0) > step:
+            break
+        level = record.get("level", level)
+    return level
+
+
+def arms_summary(rows: dict[str, Any], runs: Path) -> dict[str, Any]:
+    """``{arm: {minutes: {...}}}``: each arm's seeds, own-protocol accuracy per seed, test-time blocks per puzzle
+    and curriculum level at the checkpoint (from each seed's ``metrics.jsonl``)."""
+    out: dict[str, Any] = {}
+    for name, by_minutes in rows.items():
+        for m, by_seed in sorted(by_minutes.items()):
+            seeds = sorted(by_seed)
+            out.setdefault(name, {})[str(m)] = {
+                "seeds": seeds,
+                "step": by_seed[seeds[0]]["step"],
+                "parameters": by_seed[seeds[0]]["parameters"],
+                "valid": [by_seed[s]["protocol"]["valid"] for s in seeds],
+                "mean_blocks": [by_seed[s]["protocol"]["mean_blocks"] for s in seeds],
+                "level": [
+                    curriculum_level(runs / f"seed{s}" / name / "metrics.jsonl", by_seed[s]["step"]) for s in seeds
+                ],
+            }
+    return out
+
+
+def _levels(levels: list[float | None]) -> str:
+    known = sorted({int(v) for v in levels if v is not None})
+    if not known:
+        return "none (20-60)"
+    return "/".join(str(v) for v in known) + (" + none" if None in levels else "")
+
+
+def arms_markdown(arms: dict[str, Any], labels: dict[str, str], minutes: list[int]) -> str:
+    """Arms (rows) by training budget (columns): own-protocol valid accuracy, mean (range) over seeds, the seeds,
+    the curriculum's level at the checkpoint, and test-time blocks per puzzle."""
+    head = "| arm | " + " | ".join(f"{m} min: valid (range) [seeds] level, blocks" for m in minutes) + " |\n"
+    text = head + "|---|" + "---|" * len(minutes) + "\n"
+    for name, by_m in arms.items():
+        cells = []
+        for m in minutes:
+            r = by_m.get(str(m))
+            if r is None:
+                cells.append("-")
+                continue
+            seeds = ",".join(str(s) for s in r["seeds"])
+            cells.append(
+                f"{_mean_range(r['valid'])} [{seeds}] {_levels(r['level'])}, {np.mean(r['mean_blocks']):,.0f}"
+            )
+        text += f"| {labels.get(name, name)} | " + " | ".join(cells) + " |\n"
+    return text
+
+
+def by_blanks_gap(a: dict[int, Any], b: dict[int, Any], blanks: np.ndarray) -> dict[str, Any]:
+    """Where the gap between two arms' own-protocol accuracy lies, by blanks (the seeds both have; ``blanks``: the
+    held-out puzzles' blank counts): per bin, each arm's mean accuracy and the bin's share of the whole gap (its
+    accuracy difference weighted by its share of the puzzles)."""
+    common = sorted(set(a) & set(b))
+    if not common:
+        return {}
+    gap = float(np.mean([a[s]["protocol"]["valid"] - b[s]["protocol"]["valid"] for s in common]))
+    bins: dict[str, Any] = {}
+    for lo, hi in BLANK_BINS:
+        key = f"{lo}-{hi}"
+        va = float(np.mean([a[s]["protocol"]["by_blanks"][key] for s in common]))
+        vb = float(np.mean([b[s]["protocol"]["by_blanks"][key] for s in common]))
+        weight = float(((blanks >= lo) & (blanks <= hi)).mean())
+        bins[key] = {"a": va, "b": vb, "share_of_gap": weight * (va - vb) / gap if gap else None}
+    return {"seeds": common, "gap": gap, "bins": bins}
