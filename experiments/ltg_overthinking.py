@@ -47,7 +47,7 @@ def summarize(loops: list[int], acc: list[float], margin: list[float]) -> dict[s
 
 
 def run(quick: bool = False, retrain: bool = False) -> dict[str, Any]:
-    from loopformer.eval import overthinking
+    from loopformer.eval.analysis import overthinking
 
     c = ltg_common
     task, models = c.train_kg_models(("fixed", "poisson"), quick=quick, retrain=retrain)

@@ -21,9 +21,9 @@ from typing import Any
 
 import click
 import numpy as np
-import yaml
 
-from loopformer.commands.common import PATH, WholeHelpGroup
+from loopformer.commands.common import WholeHelpGroup, out_option, overwrite_option, parse_pairs, task_option
+from loopformer.commands.data_prepare import prepare_cmd
 from loopformer.tasks.base import Task, TaskDataError, TokenDataset
 
 
@@ -34,25 +34,6 @@ class _DataGroup(WholeHelpGroup):
         if args and not args[0].startswith("-") and args[0] not in self.commands:
             args = ["generate", *args]
         return super().parse_args(ctx, args)
-
-
-# the task's constructor keywords (``data show`` / ``data stats``): ``-t size=9``, repeatable
-TASK_OPTION = click.option(
-    "--option", "--task-option", "-t", "extra", multiple=True, metavar="KEY=VALUE", help="Task constructor keyword."
-)
-
-def _parse_options(pairs: tuple[str, ...]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        key = key.strip().replace("-", "_")
-        if not sep or not key.isidentifier():
-            raise click.BadParameter(f"expected key=value, got {pair!r}", param_hint="--option")
-        try:
-            out[key] = yaml.safe_load(value) if value.strip() else ""
-        except yaml.YAMLError as exc:
-            raise click.BadParameter(f"cannot parse value of {key!r}: {exc}", param_hint="--option") from None
-    return out
 
 
 def _keywords(fn: Callable[..., Any], skip: tuple[str, ...]) -> tuple[set[str], bool]:
@@ -122,6 +103,9 @@ def data() -> None:
     """Generate, show and summarise task datasets; loopformer data TASK ... generates examples of TASK."""
 
 
+data.add_command(prepare_cmd)  # loopformer data prepare NAME: the standard datasets (commands.data_prepare)
+
+
 @data.command("generate")
 @click.argument("task_name", metavar="TASK")
 @click.option(
@@ -129,16 +113,8 @@ def data() -> None:
 )
 @click.option("--count", type=int, default=1000, show_default=True, help="Number of examples.")
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--out", "-o", "out", type=PATH, required=True, help="Output file (or folder).")
-@click.option(
-    "--option",
-    "--task-option",
-    "-t",
-    "extra",
-    multiple=True,
-    metavar="KEY=VALUE",
-    help="Extra task keyword; repeatable.",
-)
+@out_option("Output file (or folder).", required=True)
+@task_option("Extra task keyword; repeatable.")
 @click.option(
     "--format",
     "fmt",
@@ -148,25 +124,15 @@ def data() -> None:
     help="native: the task's own file format (task.save); hrm: an HRM/TRM folder.",
 )
 @click.option("--split", default="train", show_default=True, help="Split folder for --format hrm.")
-@click.option(
-    "--overwrite", is_flag=True, help="replace an existing OUT file (--format hrm: the split folder)"
-)
-def generate_cmd(
-    task_name: str,
-    size: int | None,
-    count: int,
-    seed: int,
-    out: Path,
-    extra: tuple[str, ...],
-    fmt: str,
-    split: str,
-    overwrite: bool,
-) -> None:
+@overwrite_option("replace an existing OUT file (--format hrm: the split folder)")
+def generate_cmd(task_name: str, size: int | None, count: int, seed: int, out_dir: Path, task_options: tuple[str, ...],
+                 fmt: str, split: str, overwrite: bool) -> None:  # fmt: skip
     """Generate COUNT examples of TASK with SEED and write them to OUT."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    options = _parse_options(extra)
+    out = out_dir
+    options = parse_pairs(task_options, "--option")
     if size is not None:
         if "size" in options:
             raise click.UsageError("--size given twice (also as --option size=...)")
@@ -248,13 +214,13 @@ def write_generated(task: Task, ds: TokenDataset, out: Path, fmt: str, split: st
 @click.argument("task_name", metavar="TASK")
 @click.argument("file", type=click.Path(exists=True, path_type=Path))
 @click.option("--index", "-i", type=int, default=0, show_default=True, help="Example to show.")
-@TASK_OPTION
+@task_option("Task constructor keyword.")
 @click.option("--plain", is_flag=True, help="No colour markup.")
-def show_cmd(task_name: str, file: Path, index: int, extra: tuple[str, ...], plain: bool) -> None:
+def show_cmd(task_name: str, file: Path, index: int, task_options: tuple[str, ...], plain: bool) -> None:
     """Render example INDEX of FILE: the input, then the label."""
     from rich.console import Console
 
-    task, _ = _make_task(task_name, _parse_options(extra), file)
+    task, _ = _make_task(task_name, parse_pairs(task_options, "--option"), file)
     ds = _load(task, file)
     if not -len(ds) <= index < len(ds):
         raise click.BadParameter(f"{index} is out of range for {len(ds)} examples", param_hint="--index")
@@ -277,14 +243,14 @@ def show_cmd(task_name: str, file: Path, index: int, extra: tuple[str, ...], pla
 @data.command("stats")
 @click.argument("task_name", metavar="TASK")
 @click.argument("file", type=click.Path(exists=True, path_type=Path))
-@TASK_OPTION
+@task_option("Task constructor keyword.")
 @click.option("--bins", type=int, default=10, show_default=True, help="Histogram bins (fewer if few values).")
-def stats_cmd(task_name: str, file: Path, extra: tuple[str, ...], bins: int) -> None:
+def stats_cmd(task_name: str, file: Path, task_options: tuple[str, ...], bins: int) -> None:
     """Print the example count and a difficulty histogram of FILE."""
     from rich.console import Console
     from rich.table import Table
 
-    task, _ = _make_task(task_name, _parse_options(extra), file)
+    task, _ = _make_task(task_name, parse_pairs(task_options, "--option"), file)
     ds = _load(task, file)
     console = Console(highlight=False, soft_wrap=True)  # long paths must not break lines
     d = ds.difficulty

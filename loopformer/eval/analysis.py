@@ -11,7 +11,8 @@
 - Spectral radius of ``J = d step / dz`` at the (approximate) fixed point by power iteration with
   Jacobian-vector products (``torch.func.jvp``) or vector-Jacobian products (``J^T`` has the same
   spectrum). arXiv 2606.18206 (Theorem 3): damping matters when eigenvalues leave the unit circle.
-  It lives in :mod:`loopformer.eval.spectral` and is re-exported here.
+- The logit lens of a language model (``lm_logit_lens``, a task without a validator): every loop's
+  readout scored as a language model (bits per byte, token accuracy, logit margin per loop).
 
 All per-loop readouts force the ``fixed`` halting rule by default, so every sample is read at every
 loop; a sample that halts earlier under another rule keeps its last readout. ``segments`` (default 1)
@@ -23,17 +24,18 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Iterator, Sequence
+import math
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from loopformer.eval.budget import with_budget
 from loopformer.eval.evaluate import batch_tensors, iter_batches, model_device, score_predictions
-from loopformer.eval.spectral import spectral_radius, spectral_radius_at_fixed_point, spectral_radius_summary
 from loopformer.loop import LoopConfig
 from loopformer.models.base import LoopedModel
 from loopformer.tasks.base import IGNORE_INDEX, Task, TokenDataset
@@ -416,16 +418,186 @@ def signal_propagation(
     )
 
 
-__all__: Sequence[str] = (
-    "LoopCurve",
-    "SignalCurve",
-    "logit_lens",
-    "logit_margin",
-    "overthinking",
-    "signal_propagation",
-    "spectral_radius",
-    "spectral_radius_at_fixed_point",
-    "spectral_radius_summary",
-    "token_rank",
-    "trace_loops",
-)
+# ------------------------------------------------------------------------------------------------
+# the logit lens of a language model
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class LMLoopCurve:
+    """Per-loop language-modelling metrics of the logit lens (index 0 is loop 1)."""
+
+    loops: list[int]
+    bits_per_byte: list[float]
+    loss: list[float]  # nats per labelled token
+    token_accuracy: list[float]
+    margin: list[float]  # mean (correct logit - best other logit) at the labelled positions
+    train_depth: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@torch.no_grad()
+def lm_logit_lens(
+    model: LoopedModel,
+    task: Task,
+    dataset: TokenDataset,
+    loops: int,
+    loop: LoopConfig | None = None,
+    batch_size: int = 64,
+    max_batches: int | None = None,
+    device: torch.device | str | None = None,
+    train_depth: int | None = None,
+    seed: int = 0,
+) -> LMLoopCurve:
+    """Every loop state t = 1..``loops`` (exactly ``loops`` fixed loops) read through the model's head:
+    cross-entropy (float64 sums) as bits per byte, token accuracy and the logit margin per loop."""
+    from loopformer.tasks.text import bits_per_byte
+
+    if loops < 1:
+        raise ValueError(f"loops must be >= 1, got {loops}")
+    sums = {k: np.zeros(loops) for k in ("nll", "right", "count", "margin", "margin_n")}
+    with _eval_mode(model, device) as device:
+        cfg = _fixed(model, loop, loops, "fixed")
+        generator = torch.Generator(device=device).manual_seed(seed)
+        for index in iter_batches(dataset, batch_size, max_batches):
+            inputs, labels, puzzle_ids = batch_tensors(dataset, index, device)
+
+            def observe(t: int, z: Tensor, logits: Tensor, labels: Tensor = labels) -> None:
+                if t > loops:
+                    return
+                k, logits = t - 1, logits.double()
+                mask = labels != IGNORE_INDEX
+                sums["nll"][k] += float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                                                        ignore_index=IGNORE_INDEX, reduction="sum"))  # fmt: skip
+                sums["right"][k] += float(((logits.argmax(-1) == labels) & mask).sum())
+                sums["count"][k] += float(mask.sum())
+                m = logit_margin(logits, labels)
+                sums["margin"][k] += float(m[mask].sum())
+                sums["margin_n"][k] += float(mask.sum())
+
+            trace_loops(model, inputs, cfg, observe, puzzle_ids, generator)
+    loss = _ratio(sums["nll"], sums["count"])
+    per_byte = float(task.tokens_per_byte)
+    return LMLoopCurve(
+        loops=list(range(1, loops + 1)),
+        bits_per_byte=[bits_per_byte(x, per_byte) if math.isfinite(x) else float("nan") for x in loss],
+        loss=loss,
+        token_accuracy=_ratio(sums["right"], sums["count"]),
+        margin=_ratio(sums["margin"], sums["margin_n"]),
+        train_depth=train_depth,
+    )
+
+
+# ------------------------------------------------------------------------------------------------
+# the spectral radius of the step's Jacobian
+# ------------------------------------------------------------------------------------------------
+
+
+def spectral_radius(
+    f: Callable[[Tensor], Tensor],
+    z: Tensor,
+    iters: int = 200,
+    tol: float = 1e-6,
+    method: str = "jvp",
+    generator: torch.Generator | None = None,
+    per_sample: bool = True,
+) -> Tensor:
+    """Spectral radius of ``J = df/dz`` at ``z`` by power iteration; [B] (per sample) or a scalar.
+
+    ``f`` must act on each sample independently (true of a transformer step), so ``J`` is block
+    diagonal and every sample is its own power iteration. ``method``: ``jvp`` iterates ``v <- J v``
+    (``torch.func.jvp``), ``vjp`` iterates ``v <- J^T v`` (autograd; same spectrum). The estimate is
+    the geometric mean of the growth ``||J v|| / ||v||`` over the second half of the iterations, which
+    also converges when the dominant eigenvalues are a complex pair. Stops early once two successive
+    windowed estimates agree to ``tol`` (relative).
+    """
+    if method not in ("jvp", "vjp"):
+        raise ValueError(f"unknown method {method!r} (jvp | vjp)")
+    z = z.detach()
+    batch = z.shape[0] if per_sample else 1
+    v = torch.randn(z.shape, generator=generator, dtype=z.dtype, device=z.device)
+
+    def norms(x: Tensor) -> Tensor:
+        flat = x.reshape(batch, -1)
+        return flat.norm(dim=1).clamp_min(torch.finfo(x.dtype).tiny)
+
+    def shape_b(n: Tensor) -> Tensor:
+        return n.reshape(batch, *([1] * (z.dim() - (1 if per_sample else 0))))
+
+    v = v / shape_b(norms(v))
+    if method == "vjp":
+        with torch.enable_grad():
+            z_req = z.clone().requires_grad_(True)
+            fz = f(z_req)
+
+        def apply(u: Tensor) -> Tensor:
+            (g,) = torch.autograd.grad(fz, z_req, u, retain_graph=True)
+            return g
+    else:
+
+        def apply(u: Tensor) -> Tensor:
+            return torch.func.jvp(f, (z,), (u,))[1]
+
+    logs: list[Tensor] = []
+    estimate = None
+    for k in range(iters):
+        w = apply(v).detach()
+        g = norms(w)
+        logs.append(g.log())
+        v = w / shape_b(g)
+        if k >= 9 and (k + 1) % 5 == 0:
+            window = torch.stack(logs[len(logs) // 2 :])
+            new = window.mean(0).exp()
+            if estimate is not None and bool(
+                ((new - estimate).abs() <= tol * estimate.abs().clamp_min(1e-12)).all()
+            ):
+                estimate = new
+                break
+            estimate = new
+    if estimate is None:
+        estimate = torch.stack(logs[len(logs) // 2 :]).mean(0).exp()
+    return estimate if per_sample else estimate.reshape(())
+
+
+@torch.no_grad()
+def spectral_radius_at_fixed_point(
+    model: LoopedModel,
+    inputs: Tensor,
+    loop: LoopConfig | None = None,
+    puzzle_ids: Tensor | None = None,
+    iters: int = 100,
+    tol: float = 1e-4,
+    method: str = "vjp",
+    seed: int = 0,
+) -> Tensor:
+    """Run the model's loop to its final (approximately fixed) state, then the spectral radius of the
+    step's Jacobian there, per sample [B]."""
+    was_training = model.training
+    model.eval()
+    try:
+        device = model_device(model)
+        inputs = inputs.to(device)
+        generator = torch.Generator(device=device).manual_seed(seed)
+        ctx = tuple(c.detach() if isinstance(c, Tensor) else c for c in model.embed(inputs, puzzle_ids))
+        z0 = model.init_state(ctx, generator)
+        out = model(inputs, loop=loop, state=z0, puzzle_ids=puzzle_ids)
+        z_star = out.state.detach()
+
+        def f(z: Tensor) -> Tensor:
+            return model.step(z, *ctx)
+
+        return spectral_radius(f, z_star, iters=iters, tol=tol, method=method, generator=generator)
+    finally:
+        model.train(was_training)
+
+
+def spectral_radius_summary(radii: Tensor) -> dict[str, float]:
+    r = radii.detach().double().cpu().numpy()
+    return {
+        "mean": float(r.mean()),
+        "median": float(np.median(r)),
+        "max": float(r.max()),
+        "fraction_below_1": float((r < 1).mean()),
+    }

@@ -12,11 +12,10 @@ else; they share one batch loop (``_EvalPass.batches``).
   records difficulty, loop steps, convergence, exact and valid. ``segments > 1`` chains that many
   forward calls carrying the state, as TRM / HRM evaluate; ``check=False`` (or no task) skips the
   validator (``valid_accuracy`` is then NaN).
-- ``evaluate_lm`` (``loopformer.eval.lm``): tasks without a validator (``Task.has_validator`` False:
-  language modelling) are scored by the held-out cross-entropy (nats per token) and bits per byte,
-  over the same batch loop.
-- ``predict`` and ``arc_pass_at_k`` (``loopformer.eval.predict``): arg-max predictions, and ARC's
-  pass@k voted over augmentations.
+- ``evaluate_lm``: tasks without a validator (``Task.has_validator`` False: language modelling) are
+  scored by the held-out cross-entropy (nats per token, summed in float64) and bits per byte, over
+  the same batch loop.
+- ``predict`` and ``arc_pass_at_k``: arg-max predictions, and ARC's pass@k voted over augmentations.
 - ``EvalComm``: how a multi-process job shares an evaluation (rows per rank, sums over ranks,
   lock-step halting). The default is one process; the trainer passes its distributed strategy's
   (``loopformer.train.strategy``), so this module never imports the trainer.
@@ -37,6 +36,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from loopformer.loop import LoopConfig
@@ -444,3 +444,149 @@ def _result(
         loop=loop,
         records=records,
     )
+
+
+@dataclass
+class LMEvalResult:
+    """Held-out language-modelling metrics: mean cross-entropy per labelled token and bits per byte."""
+
+    task: str
+    n: int  # examples (windows)
+    tokens: int  # labelled tokens scored
+    loss: float  # nats per token
+    bits_per_byte: float
+    token_accuracy: float
+    exact_accuracy: float
+    mean_steps: float
+    loop: dict[str, Any]
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def summary(self) -> dict[str, Any]:
+        """The short metric names the trainer logs."""
+        return {
+            "n": self.n,
+            "loss": self.loss,
+            "bits_per_byte": self.bits_per_byte,
+            "token_acc": self.token_accuracy,
+            "exact_acc": self.exact_accuracy,
+            "loop_steps": self.mean_steps,
+        }
+
+
+@torch.no_grad()
+def evaluate_lm(
+    model: LoopedModel,
+    task: Task,
+    dataset: TokenDataset,
+    loop: LoopConfig | None = None,
+    batch_size: int = 64,
+    max_batches: int | None = None,
+    device: torch.device | str | None = None,
+    progress: bool = False,
+    seed: int = 0,
+    *,
+    segments: int = 1,
+    bf16: bool = False,
+    comm: EvalComm | None = None,
+) -> LMEvalResult:
+    """Mean cross-entropy (nats per labelled token, summed in float64) and bits per byte of ``model`` on
+    ``dataset`` (``loopformer.tasks.text.bits_per_byte`` with the task's ``tokens_per_byte``, 1 for bytes)."""
+    from loopformer.tasks.text import bits_per_byte
+
+    if len(dataset) == 0:
+        raise ValueError("cannot evaluate on an empty dataset")
+    nll = right = count = exact = steps = n = 0.0
+    with _EvalPass(model, dataset, loop, device, seed, comm) as run:
+        with _Progress(progress, math.ceil(len(dataset) / max(batch_size, 1)), f"eval {task.name}") as bar:
+            for b in run.batches(batch_size, max_batches, segments, bf16):
+                logits, labels = b.out.logits.float(), b.labels
+                mask = labels != IGNORE_INDEX
+                token_nll = F.cross_entropy(
+                    logits.reshape(-1, logits.shape[-1]),
+                    labels.reshape(-1),
+                    ignore_index=IGNORE_INDEX,
+                    reduction="none",
+                )
+                nll += float(token_nll.double().sum())
+                hit = (logits.argmax(-1) == labels) & mask
+                right += float(hit.sum())
+                count += float(mask.sum())
+                exact += float((hit.sum(1) == mask.sum(1)).sum())
+                steps += float(b.steps.sum())
+                n += len(b.rows)
+                bar.advance()
+    nll, right, count, exact, steps, n = run.comm.sum([nll, right, count, exact, steps, n])
+    loss = nll / count if count else float("nan")
+    return LMEvalResult(
+        task=task.name,
+        n=int(n),
+        tokens=int(count),
+        loss=loss,
+        bits_per_byte=bits_per_byte(loss, float(task.tokens_per_byte)),
+        token_accuracy=right / count if count else float("nan"),
+        exact_accuracy=exact / max(n, 1),
+        mean_steps=steps / max(n, 1),
+        loop=loop_summary(run.cfg),
+    )
+
+
+@torch.no_grad()
+def predict(
+    model: LoopedModel,
+    dataset: TokenDataset,
+    loop: LoopConfig | None = None,
+    batch_size: int = 64,
+    device: torch.device | str | None = None,
+    seed: int = 0,
+    *,
+    segments: int = 1,
+) -> np.ndarray:
+    """Arg-max predictions [N, T] of ``model`` on every row of ``dataset`` (after ``segments`` chained
+    calls carrying the state, as ``evaluate``)."""
+    rows = []
+    with _EvalPass(model, dataset, loop, device, seed) as run:
+        for b in run.batches(batch_size, segments=segments):
+            rows.append(b.out.logits.argmax(-1).cpu().numpy())
+    return np.concatenate(rows) if rows else np.zeros((0, dataset.inputs.shape[1]), dtype=np.int64)
+
+
+@torch.no_grad()
+def arc_pass_at_k(
+    model: LoopedModel,
+    task: Task,
+    dataset: TokenDataset | None = None,
+    loop: LoopConfig | None = None,
+    k: int = 2,
+    batch_size: int = 64,
+    device: torch.device | str | None = None,
+    seed: int = 0,
+    *,
+    segments: int = 1,
+) -> dict[str, float]:
+    """ARC pass@k with voting over augmentations: ``task.evaluate`` of the model's predictions on
+    ``dataset`` (default: every test pair under every augmentation version,
+    ``task.generate(0, seed, part="test")``). Returns ``ArcTask.evaluate``'s dictionary
+    (``score``, ``all_solved``, ``outputs_solved``, ``outputs``, ``tasks``) plus ``k`` and ``rows``.
+    ``segments``: chained calls carrying the state per batch (TRM / HRM: 16), as ``evaluate``.
+    """
+    from loopformer.tasks.arc import ArcTask
+
+    if not isinstance(task, ArcTask):
+        raise TypeError(f"arc_pass_at_k needs an ARC task, got {task.name!r}")
+    if dataset is None:
+        dataset = task.generate(0, seed, part="test")
+    if dataset.puzzle_ids is None:
+        raise ValueError(
+            "ARC pass@k needs puzzle ids on the dataset (task, augmentation version of every row)"
+        )
+    predictions, q_logits = [], []  # the halting head's logits break vote ties (TRM evaluators/arc.py)
+    with _EvalPass(model, dataset, loop, device, seed) as run:
+        for b in run.batches(batch_size, segments=segments):
+            predictions.append(b.out.logits.argmax(-1).cpu().numpy())
+            q_logits.append(None if b.out.q_logits is None else b.out.q_logits.float().cpu().numpy())
+    preds = np.concatenate(predictions) if predictions else np.zeros((0, dataset.inputs.shape[1]), dtype=np.int64)
+    q = None if not q_logits or any(x is None for x in q_logits) else np.concatenate(q_logits)
+    result = task.evaluate(dataset.inputs, dataset.puzzle_ids, preds, k, q_logits=q)
+    return {**result, "k": float(k), "rows": float(len(dataset))}
