@@ -14,7 +14,6 @@ from torch import Tensor, nn
 from loopformer.eval.analysis import (
     logit_lens,
     logit_margin,
-    overthinking,
     signal_propagation,
     spectral_radius,
     spectral_radius_at_fixed_point,
@@ -250,8 +249,6 @@ def test_logit_lens_equals_unrolled_readouts() -> None:
         pred = logits.argmax(-1)
         assert curve.token_accuracy[k] == pytest.approx((pred == labels).double().mean().item())
         assert curve.margin[k] == pytest.approx(logit_margin(logits.detach(), labels).mean().item())
-    over = overthinking(model, task, ds, max_loops=5, train_depth=2)
-    assert over.margin == pytest.approx(curve.margin) and over.train_depth == 2
 
 
 def test_logit_lens_bridge_rank_and_margin_helpers() -> None:

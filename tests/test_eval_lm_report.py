@@ -20,7 +20,7 @@ from test_train_gaps import TEXT_RUN
 
 from loopformer.cli import cli
 from loopformer.config import build_config
-from loopformer.eval.analysis import lm_logit_lens
+from loopformer.eval.analysis import logit_lens
 from loopformer.eval.budget import budget_curve, with_budget
 from loopformer.eval.compare import Entry, comparison_title
 from loopformer.eval.evaluate import EvalResult, ExampleRecord, evaluate_lm
@@ -67,7 +67,7 @@ def test_eval_of_a_text_run_writes_bits_per_byte_vs_budget(looped_text_run: Path
 def test_lm_logit_lens_equals_evaluate_lm_at_each_fixed_loop_count(looped_text_run: Path) -> None:
     run = load_run(looped_text_run, use_ema=False)
     data = eval_dataset(run.task, run.config)
-    lens = lm_logit_lens(run.model, run.task, data, 5, loop=run.loop_eval, batch_size=5)
+    lens = logit_lens(run.model, run.task, data, 5, loop=run.loop_eval, batch_size=5)
     curve = budget_curve(
         run.model, run.task, data, [1, 3, 5], mode="fixed", loop=run.loop_eval, batch_size=7
     )

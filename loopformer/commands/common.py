@@ -221,7 +221,7 @@ def parse_int_list(text: str | None, what: str) -> list[int]:
 
 def check_job_folder(out: Path, job: str, earlier: bool, own: tuple[str, ...] = ()) -> None:
     """Refuse, before anything is created, the ``--out`` of a job that writes a folder of its own (``job``:
-    "`loopformer run`", "a sweep"): a file, a folder that is or lies in a training run's folder, one holding
+    "`loopformer run`", "sweep"): a file, a folder that is or lies in a training run's folder, one holding
     a training run in a sub-folder not in ``own`` (``()``: not checked, a sweep's points are runs), or one that
     is not empty and holds no ``earlier`` run of the job."""
     from loopformer.runs.folder import LOCK_NAME, RunFolderError, nested_run, run_at_or_above, training_run
@@ -230,7 +230,7 @@ def check_job_folder(out: Path, job: str, earlier: bool, own: tuple[str, ...] = 
         raise RunFolderError(f"--out {out} is a file, not a folder: name a folder to write into")
     found = run_at_or_above(out)
     if found is not None:
-        raise RunFolderError(f"--out {out} is or lies in the training run {found}; {job} writes a folder of its "
+        raise RunFolderError(f"--out {out} is or lies in the training run {found}; a {job} writes a folder of its "
                              f"own: choose another --out")  # fmt: skip
     if not out.is_dir():
         return

@@ -4,15 +4,16 @@
   through the model's own readout (final norm + head), through the engine's
   ``callback(t, z_active, active_idx)``; per loop: token / exact / validator accuracy and, for
   knowledge-graph queries, the rank of the bridge entity's logit (0 = top) at a chosen position.
-- Overthinking (arXiv 2604.07822): the logit margin (correct logit minus the best other logit) at the
-  answer positions and the accuracy vs inference loops, run past the training depth.
+- Overthinking (arXiv 2604.07822): the logit lens's logit margin (correct logit minus the best other
+  logit) at the answer positions and its accuracy vs inference loops, run past the training depth
+  (``logit_lens(..., train_depth=)`` marks it).
 - Signal propagation (arXiv 2606.18206, FPRM's motivation): the state's RMS norm ``sqrt(mean z^2)`` and
   the update norm ``||z_{t+1} - z_t||`` (absolute and relative to ``||z_t||``) per loop.
 - Spectral radius of ``J = d step / dz`` at the (approximate) fixed point by power iteration with
   Jacobian-vector products (``torch.func.jvp``) or vector-Jacobian products (``J^T`` has the same
   spectrum). arXiv 2606.18206 (Theorem 3): damping matters when eigenvalues leave the unit circle.
-- The logit lens of a language model (``lm_logit_lens``, a task without a validator): every loop's
-  readout scored as a language model (bits per byte, token accuracy, logit margin per loop).
+- The logit lens of a language model (a task without a validator): every loop's readout scored as a
+  language model (bits per byte, token accuracy, logit margin per loop: ``LMLoopCurve``).
 
 All per-loop readouts force the ``fixed`` halting rule by default, so every sample is read at every
 loop; a sample that halts earlier under another rule keeps its last readout. ``segments`` (default 1)
@@ -132,6 +133,21 @@ class LoopCurve:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+@dataclass
+class LMLoopCurve:
+    """Per-loop language-modelling metrics of the logit lens (index 0 is loop 1)."""
+
+    loops: list[int]
+    bits_per_byte: list[float]
+    loss: list[float]  # nats per labelled token
+    token_accuracy: list[float]
+    margin: list[float]  # mean (correct logit - best other logit) at the labelled positions
+    train_depth: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
 def logit_margin(logits: Tensor, labels: Tensor) -> Tensor:
     """Correct logit minus the best other logit at every labelled position; [B, T], nan elsewhere."""
     mask = labels != IGNORE_INDEX
@@ -202,12 +218,14 @@ def _bridge_targets(
 
 
 class _LensTally:
-    """The logit lens's per-loop sums over batches (index k is loop k + 1)."""
+    """The logit lens's per-loop sums over batches (index k is loop k + 1); for a language model (a task
+    without a validator) the cross-entropy, summed in float64, instead of the validator's verdicts."""
 
-    KEYS = ("right", "count", "exact", "valid", "margin", "margin_n", "rank", "top1", "bridge_n")
+    KEYS = ("right", "count", "exact", "valid", "margin", "margin_n", "rank", "top1", "bridge_n", "nll")
 
     def __init__(self, task: Task, loops: int) -> None:
         self.task, self.loops = task, loops
+        self.lm = task is not None and not task.has_validator
         self.sums = {k: np.zeros(loops) for k in self.KEYS}
         self.n = 0
 
@@ -233,12 +251,20 @@ class _LensTally:
         bridge: tuple[Tensor, Tensor] | None,
     ) -> None:
         sums = self.sums
-        pred = logits.argmax(-1).cpu().numpy()
-        exact, valid, right, count = score_predictions(self.task, x_np, y_np, pred)
-        sums["right"][k] += right.sum()
-        sums["count"][k] += count.sum()
-        sums["exact"][k] += exact.sum()
-        sums["valid"][k] += valid.sum()
+        if self.lm:
+            logits = logits.double()
+            mask = labels != IGNORE_INDEX
+            sums["nll"][k] += float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                                                    ignore_index=IGNORE_INDEX, reduction="sum"))  # fmt: skip
+            sums["right"][k] += float(((logits.argmax(-1) == labels) & mask).sum())
+            sums["count"][k] += float(mask.sum())
+        else:
+            pred = logits.argmax(-1).cpu().numpy()
+            exact, valid, right, count = score_predictions(self.task, x_np, y_np, pred)
+            sums["right"][k] += right.sum()
+            sums["count"][k] += count.sum()
+            sums["exact"][k] += exact.sum()
+            sums["valid"][k] += valid.sum()
         m = logit_margin(logits.double(), labels)
         finite = ~torch.isnan(m)
         sums["margin"][k] += float(m[finite].sum())
@@ -253,8 +279,16 @@ class _LensTally:
             sums["top1"][k] += float((ranks == 0).sum())
             sums["bridge_n"][k] += int(has_bridge.sum())
 
-    def curve(self, train_depth: int | None, bridges: bool) -> LoopCurve:
+    def curve(self, train_depth: int | None, bridges: bool) -> LoopCurve | LMLoopCurve:
         sums = self.sums
+        if self.lm:
+            from loopformer.tasks.text import bits_per_byte
+
+            loss, per_byte = _ratio(sums["nll"], sums["count"]), float(self.task.tokens_per_byte)
+            return LMLoopCurve(loops=list(range(1, self.loops + 1)),
+                               bits_per_byte=[bits_per_byte(x, per_byte) if math.isfinite(x) else float("nan") for x in loss],
+                               loss=loss, token_accuracy=_ratio(sums["right"], sums["count"]),
+                               margin=_ratio(sums["margin"], sums["margin_n"]), train_depth=train_depth)  # fmt: skip
         curve = LoopCurve(
             loops=list(range(1, self.loops + 1)),
             token_accuracy=_ratio(sums["right"], sums["count"]),
@@ -284,8 +318,10 @@ def logit_lens(
     train_depth: int | None = None,
     seed: int = 0,
     segments: int = 1,
-) -> LoopCurve:
-    """Read out every loop state through the model's head: per-loop accuracies and logit margins.
+) -> LoopCurve | LMLoopCurve:
+    """Read out every loop state through the model's head: per-loop accuracies and logit margins; for a
+    task without a validator (a language model) an ``LMLoopCurve``: every loop's readout scored as a
+    language model (cross-entropy summed in float64, as bits per byte), token accuracy and margin.
 
     ``bridge_tokens`` ([N], -1 = skip that row) adds the bridge token's rank per loop, read at
     ``bridge_positions`` (default: the last labelled position). When no tokens are given, the task's
@@ -296,7 +332,7 @@ def logit_lens(
     tally = _LensTally(task, loops * segments)
     with _eval_mode(model, device) as device:
         cfg = _fixed(model, loop, loops, halting)
-        bridges = _bridge_targets(task, dataset, bridge_tokens, bridge_positions)
+        bridges = None if tally.lm else _bridge_targets(task, dataset, bridge_tokens, bridge_positions)
         generator = torch.Generator(device=device).manual_seed(seed)
         for index in iter_batches(dataset, batch_size, max_batches):
             inputs, labels, puzzle_ids = batch_tensors(dataset, index, device)
@@ -306,40 +342,6 @@ def logit_lens(
             observe = tally.observer(dataset.inputs[index], dataset.labels[index], labels, bridge)
             trace_loops(model, inputs, cfg, observe, puzzle_ids, generator, segments=segments)
     return tally.curve(train_depth, bridges is not None)
-
-
-def overthinking(
-    model: LoopedModel,
-    task: Task,
-    dataset: TokenDataset,
-    max_loops: int,
-    train_depth: int | None = None,
-    loop: LoopConfig | None = None,
-    batch_size: int = 64,
-    max_batches: int | None = None,
-    device: torch.device | str | None = None,
-    seed: int = 0,
-    segments: int = 1,
-) -> LoopCurve:
-    """Logit margin and accuracy vs inference loops 1..max_loops (run past ``train_depth``).
-
-    The same per-loop readout as the logit lens, always with exactly ``max_loops`` fixed loops;
-    ``curve.train_depth`` marks the training depth for the plot."""
-    return logit_lens(
-        model,
-        task,
-        dataset,
-        max_loops,
-        loop=loop,
-        halting="fixed",
-        batch_size=batch_size,
-        max_batches=max_batches,
-        device=device,
-        train_depth=train_depth,
-        seed=seed,
-        bridge_tokens=np.full(len(dataset), -1),
-        segments=segments,
-    )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -415,78 +417,6 @@ def signal_propagation(
         update_norm=[float(x / n_total) for x in sums["upd"]],
         relative_update=[float(x / n_total) for x in sums["rel"]],
         state_rms0=rms0 / n_total,
-    )
-
-
-# ------------------------------------------------------------------------------------------------
-# the logit lens of a language model
-# ------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class LMLoopCurve:
-    """Per-loop language-modelling metrics of the logit lens (index 0 is loop 1)."""
-
-    loops: list[int]
-    bits_per_byte: list[float]
-    loss: list[float]  # nats per labelled token
-    token_accuracy: list[float]
-    margin: list[float]  # mean (correct logit - best other logit) at the labelled positions
-    train_depth: int | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-
-@torch.no_grad()
-def lm_logit_lens(
-    model: LoopedModel,
-    task: Task,
-    dataset: TokenDataset,
-    loops: int,
-    loop: LoopConfig | None = None,
-    batch_size: int = 64,
-    max_batches: int | None = None,
-    device: torch.device | str | None = None,
-    train_depth: int | None = None,
-    seed: int = 0,
-) -> LMLoopCurve:
-    """Every loop state t = 1..``loops`` (exactly ``loops`` fixed loops) read through the model's head:
-    cross-entropy (float64 sums) as bits per byte, token accuracy and the logit margin per loop."""
-    from loopformer.tasks.text import bits_per_byte
-
-    if loops < 1:
-        raise ValueError(f"loops must be >= 1, got {loops}")
-    sums = {k: np.zeros(loops) for k in ("nll", "right", "count", "margin", "margin_n")}
-    with _eval_mode(model, device) as device:
-        cfg = _fixed(model, loop, loops, "fixed")
-        generator = torch.Generator(device=device).manual_seed(seed)
-        for index in iter_batches(dataset, batch_size, max_batches):
-            inputs, labels, puzzle_ids = batch_tensors(dataset, index, device)
-
-            def observe(t: int, z: Tensor, logits: Tensor, labels: Tensor = labels) -> None:
-                if t > loops:
-                    return
-                k, logits = t - 1, logits.double()
-                mask = labels != IGNORE_INDEX
-                sums["nll"][k] += float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
-                                                        ignore_index=IGNORE_INDEX, reduction="sum"))  # fmt: skip
-                sums["right"][k] += float(((logits.argmax(-1) == labels) & mask).sum())
-                sums["count"][k] += float(mask.sum())
-                m = logit_margin(logits, labels)
-                sums["margin"][k] += float(m[mask].sum())
-                sums["margin_n"][k] += float(mask.sum())
-
-            trace_loops(model, inputs, cfg, observe, puzzle_ids, generator)
-    loss = _ratio(sums["nll"], sums["count"])
-    per_byte = float(task.tokens_per_byte)
-    return LMLoopCurve(
-        loops=list(range(1, loops + 1)),
-        bits_per_byte=[bits_per_byte(x, per_byte) if math.isfinite(x) else float("nan") for x in loss],
-        loss=loss,
-        token_accuracy=_ratio(sums["right"], sums["count"]),
-        margin=_ratio(sums["margin"], sums["margin_n"]),
-        train_depth=train_depth,
     )
 
 
@@ -574,10 +504,7 @@ def spectral_radius_at_fixed_point(
 ) -> Tensor:
     """Run the model's loop to its final (approximately fixed) state, then the spectral radius of the
     step's Jacobian there, per sample [B]."""
-    was_training = model.training
-    model.eval()
-    try:
-        device = model_device(model)
+    with _eval_mode(model, None) as device:
         inputs = inputs.to(device)
         generator = torch.Generator(device=device).manual_seed(seed)
         ctx = tuple(c.detach() if isinstance(c, Tensor) else c for c in model.embed(inputs, puzzle_ids))
@@ -589,8 +516,6 @@ def spectral_radius_at_fixed_point(
             return model.step(z, *ctx)
 
         return spectral_radius(f, z_star, iters=iters, tol=tol, method=method, generator=generator)
-    finally:
-        model.train(was_training)
 
 
 def spectral_radius_summary(radii: Tensor) -> dict[str, float]:

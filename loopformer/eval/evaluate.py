@@ -545,11 +545,19 @@ def predict(
 ) -> np.ndarray:
     """Arg-max predictions [N, T] of ``model`` on every row of ``dataset`` (after ``segments`` chained
     calls carrying the state, as ``evaluate``)."""
-    rows = []
+    return _predictions(model, dataset, loop, batch_size, device, seed, segments)[0]
+
+
+def _predictions(model: LoopedModel, dataset: TokenDataset, loop: LoopConfig | None, batch_size: int,
+                 device: torch.device | str | None, seed: int, segments: int) -> tuple[np.ndarray, np.ndarray | None]:  # fmt: skip
+    """(arg-max predictions [N, T], the halting head's logits [N] or None when the model has no such head)."""
+    rows, q = [], []
     with _EvalPass(model, dataset, loop, device, seed) as run:
         for b in run.batches(batch_size, segments=segments):
             rows.append(b.out.logits.argmax(-1).cpu().numpy())
-    return np.concatenate(rows) if rows else np.zeros((0, dataset.inputs.shape[1]), dtype=np.int64)
+            q.append(None if b.out.q_logits is None else b.out.q_logits.float().cpu().numpy())
+    preds = np.concatenate(rows) if rows else np.zeros((0, dataset.inputs.shape[1]), dtype=np.int64)
+    return preds, None if not q or any(x is None for x in q) else np.concatenate(q)
 
 
 @torch.no_grad()
@@ -581,12 +589,7 @@ def arc_pass_at_k(
         raise ValueError(
             "ARC pass@k needs puzzle ids on the dataset (task, augmentation version of every row)"
         )
-    predictions, q_logits = [], []  # the halting head's logits break vote ties (TRM evaluators/arc.py)
-    with _EvalPass(model, dataset, loop, device, seed) as run:
-        for b in run.batches(batch_size, segments=segments):
-            predictions.append(b.out.logits.argmax(-1).cpu().numpy())
-            q_logits.append(None if b.out.q_logits is None else b.out.q_logits.float().cpu().numpy())
-    preds = np.concatenate(predictions) if predictions else np.zeros((0, dataset.inputs.shape[1]), dtype=np.int64)
-    q = None if not q_logits or any(x is None for x in q_logits) else np.concatenate(q_logits)
+    # the halting head's logits break vote ties (TRM evaluators/arc.py)
+    preds, q = _predictions(model, dataset, loop, batch_size, device, seed, segments)
     result = task.evaluate(dataset.inputs, dataset.puzzle_ids, preds, k, q_logits=q)
     return {**result, "k": float(k), "rows": float(len(dataset))}

@@ -35,7 +35,6 @@ from loopformer.eval.analysis import (
     LMLoopCurve,
     LoopCurve,
     SignalCurve,
-    lm_logit_lens,
     logit_lens,
     signal_propagation,
     spectral_radius_at_fixed_point,
@@ -194,17 +193,16 @@ def run_suite(
     lens_loops, signal_loops = opts.loops(main.train_depth)
     small = dataset.subset(slice(0, min(len(dataset), max(opts.analysis_examples, 1))))
     lens: LoopCurve | LMLoopCurve | None = None
-    if lens_loops and lm:
-        log(f"  logit lens over {lens_loops} loops on {len(small)} windows")
-        lens = lm_logit_lens(main.model, task, small, lens_loops, loop=main.loop, batch_size=opts.batch_size,
-                             train_depth=main.train_depth, seed=main.seed)  # fmt: skip
-        if len(lens.loops) > 1:
-            plot_paths["logit lens per loop"] = plots.save_figure(plots.plot_lm_lens(lens, title=tt),
-                                                                  plot_dir / "logit_lens.png")  # fmt: skip
-    elif lens_loops:
-        log(f"  logit lens / overthinking over {lens_loops} loops on {len(small)} examples")
+    if lens_loops:
+        log(f"  logit lens{'' if lm else ' / overthinking'} over {lens_loops} loops on {len(small)} "
+            f"{'windows' if lm else 'examples'}")  # fmt: skip
+        # a validator's lens has always drawn its initial iterates with seed 0, as the accuracy curve
         lens = logit_lens(main.model, task, small, lens_loops, loop=main.loop, batch_size=opts.batch_size,
-                          train_depth=main.train_depth)  # fmt: skip
+                          train_depth=main.train_depth, seed=main.seed if lm else 0)  # fmt: skip
+    if isinstance(lens, LMLoopCurve) and len(lens.loops) > 1:
+        plot_paths["logit lens per loop"] = plots.save_figure(plots.plot_lm_lens(lens, title=tt),
+                                                              plot_dir / "logit_lens.png")  # fmt: skip
+    elif isinstance(lens, LoopCurve):
         plot_paths["logit lens accuracy per loop"] = plots.save_figure(
             plots.plot_loop_accuracy(lens, title=tt), plot_dir / "logit_lens.png"
         )
