@@ -139,6 +139,28 @@ def point_command(recipe: str, folder: Path, point: Point, budgets: str | None =
     return [train, evaluate + (["--max-steps", budgets] if budgets else [])]
 
 
+def _same_config(run: Path, cfg: Any) -> str | None:
+    """None when ``run``'s recorded config matches ``cfg`` (before the trainer resolves the model's fields from
+    the task, so only the keys ``cfg`` sets are compared); else the first differing key."""
+    from loopformer.config import load_config_file, to_dict
+    from loopformer.plugins import reading_data
+
+    with reading_data(f"{run / 'config.json'}"):  # a run folder is data: nothing it names is imported
+        old = to_dict(load_config_file(run, check=False))
+    new = to_dict(cfg)
+    for section in ("data", "eval", "loop_train", "loop_eval", "loop_periodic", "seed"):
+        if old.get(section) != new.get(section):
+            return section
+    ignore = {"resume", "overwrite", "progress"}
+    for key, value in new["train"].items():
+        if key not in ignore and old["train"].get(key) != value:
+            return f"train.{key}"
+    for key, value in new["model"].items():
+        if old["model"].get(key) != value:
+            return f"model.{key}"
+    return None
+
+
 def check_points(recipe: str, folder: Path, points: list[Point], budgets: list[int], device: str) -> None:
     """Every point's training config (``train``'s checks) and its evaluation overrides and loop budgets
     (``eval``'s, ``loopformer.config.checks``), before the sweep folder is created or a point trained."""
@@ -154,18 +176,15 @@ def check_points(recipe: str, folder: Path, points: list[Point], budgets: list[i
 
 def _train_point(recipe: str, run: Path, point: Point, echo: Any) -> None:
     from loopformer.commands.run import training_config
-    from loopformer.files import read_json
     from loopformer.runs.records import finished_summary
-    from loopformer.runs.resume_checks import config_changes
     from loopformer.train.trainer import Trainer
 
     cfg = training_config(recipe, point.train, run)
-    if (run / "config.json").is_file():  # what a resume would refuse (runs.resume_checks), refused up front
-        saved = read_json(run / "config.json", click.UsageError)
-        differs = config_changes(saved if isinstance(saved, dict) else {}, cfg)
-        if differs:
+    if (run / "config.json").is_file():
+        differs = _same_config(run, cfg)
+        if differs is not None:
             raise click.UsageError(
-                f"{run} was trained with another {next(iter(differs))} than this sweep asks for; "
+                f"{run} was trained with another {differs} than this sweep asks for; "
                 "sweep into another folder (or remove that point)"
             )
         if finished_summary(run, cfg.train.steps) is not None:  # read through its schema

@@ -108,7 +108,6 @@ class ModelUnderTest:
     model: LoopedModel
     loop: LoopConfig
     train_depth: int | None = None
-    description: str = ""
     segments: int = 1  # chained forward calls carrying the state (eval.segments; TRM / HRM: 16)
     seed: int = 0  # the initial iterates' generator (the run's seed, as the trainer's evaluation)
 
@@ -378,9 +377,9 @@ def evaluate_run(run: Any, dataset: TokenDataset, out: Path, final: Path, option
                  notes: list[str], extra: dict[str, Any], log: Log = lambda _msg: None) -> dict[str, Any]:  # fmt: skip
     """The report of the trained run ``run`` (a ``LoadedRun``, trained ``train_depth`` loops deep) on
     ``dataset``, written into ``out`` and naming its files by where they end up (``final``); ``notes`` and
-    ``extra`` (what it was evaluated on and how, provenance) go into it. ARC also gets pass@2, voting over augmentations; ``eval.protocol``
-    ``authors_trm_deq`` / ``both`` adds the Attractor puzzle authors' evaluation. Returns the suite's
-    metrics; the results and the report's path go to ``log``."""
+    ``extra`` (what it was evaluated on and how, provenance) go into it. ARC also gets pass@2, voting over
+    augmentations; ``eval.protocol`` ``authors_trm_deq`` / ``both`` adds the Attractor puzzle authors'
+    evaluation. Returns the suite's metrics; the results and the report's path go to ``log``."""
     from loopformer.tasks.arc import ArcTask
 
     def shown(path: str | Path) -> Path:
