@@ -1,4 +1,5 @@
-"""``loopformer data prepare NAME``: the standard puzzle datasets, subsampled and augmented as the papers do.
+"""The standard datasets, subsampled and augmented as the papers do (``loopformer data prepare NAME``, whose
+command in ``loopformer.commands.data`` parses its arguments and calls ``prepare``).
 
 Datasets (``DATASETS``), their sources and the papers' settings (the defaults of ``--subset`` / ``--augment``):
 
@@ -38,10 +39,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import click
 import numpy as np
 
-from loopformer.commands.common import out_option, overwrite_option
 from loopformer.files import atomic_write_json, reserved_memmap
 from loopformer.tasks.base import TaskDataError, TokenDataset
 
@@ -384,65 +383,3 @@ def done_message(name: str, out: Path, record: dict[str, Any], seed: int) -> str
         f"data.train_path={where} and evaluate on a test split of your own (data.eval_path=FOLDER_OR_FILE) or on "
         f"generated puzzles (data.eval_size=N, without data.eval_path)"
     )
-
-
-# ------------------------------------------------------------------------------------------- command
-
-
-@click.command("prepare")
-@click.argument("name", type=click.Choice(list(DATASETS)))
-@out_option("Output folder.", required=True)
-@click.option("--from", "from_dir", type=click.Path(exists=True, path_type=Path), default=None,
-              help="Folder with the files already on disk (no download); text: the corpus, a file or a folder.")  # fmt: skip
-@click.option("--subset", type=int, default=None, help="Training rows to keep, seeded (0 = all; default: the papers').")
-@click.option("--augment", type=int, default=None, help="Augmented copies per training puzzle (default: the papers').")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the subset and augmentations.")
-@click.option("--cache-dir", type=click.Path(path_type=Path), default=None, help="huggingface_hub cache folder.")
-@overwrite_option("replace the dataset in OUT (moved aside once the new one is complete)")
-@click.option("--shuffle", is_flag=True, help="text: documents in an order seeded by --seed.")
-@click.option("--vocab-size", type=int, default=None, help="text from a .npy of token ids: its vocabulary.")
-@click.option("--tokens-per-byte", type=float, default=None,
-              help="text from a .npy of token ids: tokens per UTF-8 byte of the text it encodes.")  # fmt: skip
-@click.option("--text-column", default="text", show_default=True, help="text from a .parquet: the column.")
-def prepare_cmd(name: str, out_dir: Path, from_dir: Path | None, subset: int | None, augment: int | None, seed: int,
-                cache_dir: Path | None, overwrite: bool = False, shuffle: bool = False, vocab_size: int | None = None,
-                tokens_per_byte: float | None = None, text_column: str = "text") -> None:  # fmt: skip
-    """Download (or read --from DIR), subsample, augment and validate dataset NAME into OUT.
-
-    Examples: loopformer data prepare sudoku-extreme --out data/sudoku-extreme-1k-aug-1000;
-    loopformer data prepare text --from /data/fineweb-edu --shuffle --out data/fineweb-bytes
-    (a memory-mapped token file the text task streams: data.options.path=data/fineweb-bytes)
-    """
-    from rich.console import Console
-    from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
-
-    from loopformer.config.checks import check_count
-    from loopformer.runs.outputs import staged_output
-
-    out = out_dir
-    for option, value in (("--subset", subset), ("--augment", augment), ("--seed", seed)):
-        check_count(option, value, 0)  # before the output folder is claimed
-    console = Console(stderr=True)
-    with Progress(TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(), TimeRemainingColumn(),
-                  console=console, transient=True) as bar:  # fmt: skip
-        bars: dict[str, Any] = {}
-
-        def progress(stage: str, done: int, total: int) -> None:
-            if stage not in bars:
-                bars[stage] = bar.add_task(stage, total=total or None)
-            bar.update(bars[stage], completed=done)
-
-        # built in a hidden folder and swapped in whole: a killed prepare leaves the old dataset
-        text = {"shuffle": shuffle, "vocab_size": vocab_size, "tokens_per_byte": tokens_per_byte,
-                "text_column": text_column} if name == "text" else None  # fmt: skip
-        if text is None and (shuffle or vocab_size is not None or tokens_per_byte is not None):
-            raise click.UsageError(f"--shuffle, --vocab-size and --tokens-per-byte apply to text, not {name}")
-        with staged_output(out, "prepare", overwrite, "--out") as tmp:
-            record = prepare(name, tmp, from_dir, subset, augment, seed, progress, cache_dir, text)
-    console = Console(stderr=True, soft_wrap=True)
-    if name == "text":
-        console.print(f"wrote {record['rows']['tokens']:,} tokens ({record['dtype']}, vocabulary {record['vocab_size']}, "
-                      f"{record['bytes']:,} bytes, sha256 {record['sha256'][:12]}...) to {out}; train with "
-                      f"data.task=text data.options.path={out}")  # fmt: skip
-        return
-    console.print(done_message(name, out, record, seed))
