@@ -204,35 +204,16 @@ def score_predictions(
     return exact, valid, right, count
 
 
-class _Progress:
-    """A rich progress bar when asked for and there is more than one batch; otherwise nothing."""
+def _progress(batches: Iterator[EvalBatch], enabled: bool, total: int, description: str) -> Iterator[EvalBatch]:
+    """``batches`` under a rich progress bar when asked for and there is more than one batch."""
+    if not enabled or total <= 1:
+        yield from batches
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    def __init__(self, enabled: bool, total: int, description: str) -> None:
-        self.bar = None
-        if enabled and total > 1:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-            self.bar = Progress(
-                TextColumn("{task.description}"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TimeRemainingColumn(),
-                transient=True,
-            )
-            self.task = self.bar.add_task(description, total=total)
-
-    def __enter__(self) -> _Progress:
-        if self.bar is not None:
-            self.bar.start()
-        return self
-
-    def advance(self) -> None:
-        if self.bar is not None:
-            self.bar.advance(self.task)
-
-    def __exit__(self, *exc: object) -> None:
-        if self.bar is not None:
-            self.bar.stop()
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                  transient=True) as bar:  # fmt: skip
+        yield from bar.track(batches, total=total, description=description)
 
 
 @dataclass
@@ -376,18 +357,15 @@ def evaluate(
     name = task.name if task is not None else str(dataset.meta.get("task", ""))
     with _EvalPass(model, dataset, loop, device, seed, comm) as run:
         total = math.ceil(len(dataset) / max(batch_size, 1))
-        with _Progress(
-            progress, total if max_batches is None else min(total, max_batches), f"eval {name}"
-        ) as bar:
-            for b in run.batches(batch_size, max_batches, segments, bf16):
-                pred = b.out.logits.argmax(dim=-1).cpu().numpy()
-                exact, valid, right, count = score_predictions(
-                    validator, dataset.inputs[b.rows], dataset.labels[b.rows], pred
-                )
-                right_total += int(right.sum())
-                count_total += int(count.sum())
-                records.extend(_records(dataset, b, exact, valid, right, count))
-                bar.advance()
+        total = total if max_batches is None else min(total, max_batches)
+        for b in _progress(run.batches(batch_size, max_batches, segments, bf16), progress, total, f"eval {name}"):
+            pred = b.out.logits.argmax(dim=-1).cpu().numpy()
+            exact, valid, right, count = score_predictions(
+                validator, dataset.inputs[b.rows], dataset.labels[b.rows], pred
+            )
+            right_total += int(right.sum())
+            count_total += int(count.sum())
+            records.extend(_records(dataset, b, exact, valid, right, count))
     return _result(name, records, right_total, count_total, validator is not None, run, loop_summary(run.cfg))
 
 
@@ -499,24 +477,23 @@ def evaluate_lm(
         raise ValueError("cannot evaluate on an empty dataset")
     nll = right = count = exact = steps = n = 0.0
     with _EvalPass(model, dataset, loop, device, seed, comm) as run:
-        with _Progress(progress, math.ceil(len(dataset) / max(batch_size, 1)), f"eval {task.name}") as bar:
-            for b in run.batches(batch_size, max_batches, segments, bf16):
-                logits, labels = b.out.logits.float(), b.labels
-                mask = labels != IGNORE_INDEX
-                token_nll = F.cross_entropy(
-                    logits.reshape(-1, logits.shape[-1]),
-                    labels.reshape(-1),
-                    ignore_index=IGNORE_INDEX,
-                    reduction="none",
-                )
-                nll += float(token_nll.double().sum())
-                hit = (logits.argmax(-1) == labels) & mask
-                right += float(hit.sum())
-                count += float(mask.sum())
-                exact += float((hit.sum(1) == mask.sum(1)).sum())
-                steps += float(b.steps.sum())
-                n += len(b.rows)
-                bar.advance()
+        total = math.ceil(len(dataset) / max(batch_size, 1))
+        for b in _progress(run.batches(batch_size, max_batches, segments, bf16), progress, total, f"eval {task.name}"):
+            logits, labels = b.out.logits.float(), b.labels
+            mask = labels != IGNORE_INDEX
+            token_nll = F.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]),
+                labels.reshape(-1),
+                ignore_index=IGNORE_INDEX,
+                reduction="none",
+            )
+            nll += float(token_nll.double().sum())
+            hit = (logits.argmax(-1) == labels) & mask
+            right += float(hit.sum())
+            count += float(mask.sum())
+            exact += float((hit.sum(1) == mask.sum(1)).sum())
+            steps += float(b.steps.sum())
+            n += len(b.rows)
     nll, right, count, exact, steps, n = run.comm.sum([nll, right, count, exact, steps, n])
     loss = nll / count if count else float("nan")
     return LMEvalResult(
