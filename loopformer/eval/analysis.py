@@ -23,10 +23,9 @@ does (``eval.segments``); the curves then cover ``segments * loops`` loops.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,7 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from loopformer.eval.budget import with_budget
-from loopformer.eval.evaluate import batch_tensors, iter_batches, model_device, score_predictions
+from loopformer.eval.evaluate import batch_tensors, eval_mode, iter_batches, score_predictions
 from loopformer.loop import LoopConfig
 from loopformer.models.base import LoopedModel
 from loopformer.tasks.base import IGNORE_INDEX, Task, TokenDataset
@@ -172,19 +171,6 @@ def _answer_positions(labels: np.ndarray) -> np.ndarray:
     if not mask.any(axis=1).all():
         raise ValueError("some rows have no labelled position to read the bridge token at")
     return mask.shape[1] - 1 - np.argmax(mask[:, ::-1], axis=1)
-
-
-@contextlib.contextmanager
-def _eval_mode(model: LoopedModel, device: torch.device | str | None) -> Iterator[torch.device]:
-    """``model`` on ``device`` (default: where it is) in eval mode; its training mode restored on exit."""
-    device = torch.device(device) if device is not None else model_device(model)
-    model.to(device)
-    was_training = model.training
-    model.eval()
-    try:
-        yield device
-    finally:
-        model.train(was_training)
 
 
 def _ratio(a: np.ndarray, b: np.ndarray | float) -> list[float]:
@@ -330,7 +316,7 @@ def logit_lens(
     if loops < 1 or segments < 1:
         raise ValueError(f"loops and segments must be >= 1, got {loops} and {segments}")
     tally = _LensTally(task, loops * segments)
-    with _eval_mode(model, device) as device:
+    with eval_mode(model, device) as device:
         cfg = _fixed(model, loop, loops, halting)
         bridges = None if tally.lm else _bridge_targets(task, dataset, bridge_tokens, bridge_positions)
         generator = torch.Generator(device=device).manual_seed(seed)
@@ -386,7 +372,7 @@ def signal_propagation(
     cfg_loops, loops = loops, loops * segments
     sums = {k: np.zeros(loops) for k in ("rms", "upd", "rel")}
     n_total, rms0 = 0, 0.0
-    with _eval_mode(model, device) as device:
+    with eval_mode(model, device) as device:
         cfg = _fixed(model, loop, cfg_loops, "fixed")
         generator = torch.Generator(device=device).manual_seed(seed)
         for index in iter_batches(dataset, batch_size, max_batches):
@@ -504,7 +490,7 @@ def spectral_radius_at_fixed_point(
 ) -> Tensor:
     """Run the model's loop to its final (approximately fixed) state, then the spectral radius of the
     step's Jacobian there, per sample [B]."""
-    with _eval_mode(model, None) as device:
+    with eval_mode(model) as device:
         inputs = inputs.to(device)
         generator = torch.Generator(device=device).manual_seed(seed)
         ctx = tuple(c.detach() if isinstance(c, Tensor) else c for c in model.embed(inputs, puzzle_ids))

@@ -188,6 +188,19 @@ def model_device(model: torch.nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
+@contextlib.contextmanager
+def eval_mode(model: torch.nn.Module, device: torch.device | str | None = None) -> Iterator[torch.device]:
+    """``model`` on ``device`` (default: where it is) in eval mode; its training mode restored on exit."""
+    device = torch.device(device) if device is not None else model_device(model)
+    model.to(device)
+    was_training = model.training
+    model.eval()
+    try:
+        yield device
+    finally:
+        model.train(was_training)
+
+
 def score_predictions(
     task: Task | None, inputs: np.ndarray, labels: np.ndarray, predictions: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -247,22 +260,18 @@ class _EvalPass:
     ) -> None:
         self.model = model
         self.dataset = dataset
-        self.device = torch.device(device) if device is not None else model_device(model)
         self.cfg = loop if loop is not None else model.config.loop
         self.seed = seed
         self.comm = comm if comm is not None else EvalComm()
-        self.was_training = model.training
-        self.generator = torch.Generator(device=self.device)
+        self._mode = eval_mode(model, device)
 
     def __enter__(self) -> _EvalPass:
-        self.model.to(self.device)
-        self.was_training = self.model.training
-        self.model.eval()
-        self.generator.manual_seed(self.seed)
+        self.device = self._mode.__enter__()
+        self.generator = torch.Generator(device=self.device).manual_seed(self.seed)
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.model.train(self.was_training)
+    def __exit__(self, *exc: Any) -> None:
+        self._mode.__exit__(*exc)
 
     def forward(
         self,
