@@ -43,7 +43,7 @@ def choose_threads(spec: str) -> int:
         if n < 1:
             raise SystemExit(f"--threads must be >= 1 or 'auto', got {spec}")
         return n
-    from loopformer.train.setup import physical_cores
+    from loopformer.devices import physical_cores
 
     cores = physical_cores()
     busy = os.getloadavg()[0] > (os.cpu_count() or 1)

@@ -35,7 +35,7 @@ from benchmarks.common import (
 
 
 def physical_cores() -> int:
-    from loopformer.train.setup import physical_cores as cores
+    from loopformer.devices import physical_cores as cores
 
     return cores()
 

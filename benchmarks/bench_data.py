@@ -3,7 +3,7 @@
 The CSV has the real format (``source,question,answer,rating``, 81-character grids, '.' blanks,
 integer tdoku ratings): its rows are the two real Sudoku-Extreme puzzles quoted in HRM's data
 description, solved, then relabelled by random validity-preserving transforms
-(``loopformer.commands.data_prepare.sudoku_augment``) into ``rows`` distinct rows, written once under
+(``loopformer.tasks.prepare.sudoku_augment``) into ``rows`` distinct rows, written once under
 ``benchmarks/.cache/``.  Figures (targets from issue 13):
 
 * ``data.csv_parse_rate``: rows/s of ``SudokuTask.load`` (bytes -> tokens -> every row validated), target
@@ -33,7 +33,7 @@ SOURCES = ("puzzles0_kaggle", "puzzles1_unbiased", "puzzles2_17_clue", "puzzles7
 
 def write_real_format_csv(path: Path, rows: int, seed: int = 0) -> Path:
     """``rows`` distinct real-format Sudoku-Extreme rows (see the module docstring)."""
-    from loopformer.commands.data_prepare import sudoku_augment
+    from loopformer.tasks.prepare import sudoku_augment
     from loopformer.tasks.sudoku import SudokuTask
 
     task = SudokuTask(9)

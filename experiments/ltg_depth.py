@@ -33,7 +33,7 @@ def per_hop_curves(
     model: Any, task: Any, sets: dict[int, Any], loops: int
 ) -> dict[int, dict[str, list[float]]]:
     """Per hop count: validator accuracy and mean logit margin after each of 1..loops fixed loops."""
-    from loopformer.eval import logit_lens
+    from loopformer.eval.analysis import logit_lens
 
     out = {}
     for k, ds in sets.items():
@@ -50,7 +50,7 @@ def per_hop_curves(
 
 
 def single_pass(model: Any, task: Any, sets: dict[int, Any]) -> dict[int, dict[str, float]]:
-    from loopformer.eval import evaluate
+    from loopformer.eval.evaluate import evaluate
 
     return {
         k: {"n": len(ds), "accuracy": evaluate(model, task, ds, batch_size=512).valid_accuracy}

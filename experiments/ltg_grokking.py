@@ -46,7 +46,8 @@ def _subset(ds: Any, n: int, seed: int) -> Any:
 
 def train_with_curves(recipe: str, overrides: list[str], log: Any = print) -> dict[str, Any]:
     from loopformer.config import load_config, save_config
-    from loopformer.eval import evaluate, logit_lens
+    from loopformer.eval.analysis import logit_lens
+    from loopformer.eval.evaluate import evaluate
     from loopformer.tasks.registry import get_task
     from loopformer.train.trainer import Trainer
 

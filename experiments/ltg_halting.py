@@ -76,7 +76,8 @@ def equal_accuracy_budget(fixed_acc: list[float], acc: float, slack: float = EQU
 
 
 def run(quick: bool = False, retrain: bool = False) -> dict[str, Any]:
-    from loopformer.eval import evaluate, logit_lens
+    from loopformer.eval.analysis import logit_lens
+    from loopformer.eval.evaluate import evaluate
 
     c = ltg_common
     task, models = c.train_kg_models(("fixed", "poisson"), quick=quick, retrain=retrain)

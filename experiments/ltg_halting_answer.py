@@ -50,7 +50,8 @@ def _pooled(rows: dict[int, dict[str, Any]], rule: str) -> dict[str, float]:
 
 
 def run(quick: bool = False, retrain: bool = False) -> dict[str, Any]:
-    from loopformer.eval import evaluate, logit_lens
+    from loopformer.eval.analysis import logit_lens
+    from loopformer.eval.evaluate import evaluate
 
     c = ltg_common
     load0 = os.getloadavg()

@@ -47,7 +47,7 @@ def summarize(loops: list[int], acc: list[float], margin: list[float]) -> dict[s
 
 
 def run(quick: bool = False, retrain: bool = False) -> dict[str, Any]:
-    from loopformer.eval import overthinking
+    from loopformer.eval.analysis import logit_lens
 
     c = ltg_common
     task, models = c.train_kg_models(("fixed", "poisson"), quick=quick, retrain=retrain)
@@ -68,7 +68,7 @@ def run(quick: bool = False, retrain: bool = False) -> dict[str, Any]:
             "per_hop": {},
         }
         for k, ds in sets.items():
-            curve = overthinking(model, task, ds, loops, batch_size=512)
+            curve = logit_lens(model, task, ds, loops, batch_size=512)
             entry["per_hop"][k] = {
                 "n": len(ds),
                 "loops": curve.loops,

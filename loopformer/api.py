@@ -1,10 +1,13 @@
-"""The Python API: load a trained model, solve a puzzle with it, watch the loop think.
+"""The Python API: load a trained model, solve a puzzle with it, watch the loop think; evaluate a run
+into a report and compare reports, as ``loopformer eval`` / ``compare`` do.
 
     import loopformer
     run = loopformer.load("runs/sudoku")            # a run folder, checkpoint folder or hub id (owner/name)
     sol = loopformer.solve(run, "5...27..9..41......1..5.3...")
     sol.answer, sol.valid, sol.steps, sol.trajectory
     sol.to_dict()                                   # exactly the fields of `loopformer solve --json`
+    from loopformer.api import evaluate_checkpoint, ReportOptions
+    evaluate_checkpoint("runs/sudoku", ReportOptions(budgets=[1, 2, 4, 8]))   # the report folder
 
 ``load`` returns a ``LoadedRun``: ``.model`` (EMA weights when the run keeps them), ``.task``, ``.config``
 (the resolved run configuration) and ``.loop_eval`` (the evaluation loop: solver, halting, cap).
@@ -19,13 +22,22 @@ answer's *text* is the task's notation (``Task.format_grid``) or None when the p
 grid, its *tokens* are token ids. ``answer`` (JSON ``solution``) and ``trajectory_text`` (JSON
 ``trajectory``) are text; ``tokens`` (JSON ``solution_tokens``) and ``trajectory`` (JSON
 ``trajectory_tokens``) are tokens: numpy arrays in Python, lists of ints in JSON.
+
+``evaluate_checkpoint`` and ``compare_reports`` join run storage (loading a run, the report folder's one
+write path, provenance, the held-out set's fingerprint) and evaluation (``loopformer.eval.suite``: what a
+report computes and writes), which sit on one floor and never import each other. They return the folder
+they wrote; what a command prints of it comes through ``log`` or from the files.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -34,6 +46,9 @@ from loopformer.devices import resolve_device
 from loopformer.eval.budget import with_budget
 from loopformer.runs import LoadedRun, load_run
 from loopformer.tasks.base import Task, TaskDataError
+
+if TYPE_CHECKING:
+    from loopformer.eval.suite import Log, ReportOptions
 
 
 def load(run_or_hub_id: str | Path, device: str | torch.device = "auto", use_ema: bool = True) -> LoadedRun:
@@ -133,6 +148,31 @@ def format_answer(task: Task, tokens: np.ndarray) -> str | None:
         return None
 
 
+def check_givens(task: Task, tokens: np.ndarray) -> dict[str, Any]:
+    """What the task's exact solver says about the puzzle itself, before any model runs:
+    ``{"status": "solvable" | "contradictory" | "unsolvable" | "not unique" | "unchecked", "detail": str | None}``
+    (Sudoku: duplicated givens, then a solution count up to 2; maze: a unique start / goal joined by a path)."""
+    conflict = task.find_conflict(tokens)
+    if conflict:
+        return {"status": "contradictory", "detail": f"the givens contradict each other: {conflict}"}
+    n = task.count_solutions(tokens, limit=2)
+    if n is not None:
+        if n == 0:
+            return {
+                "status": "unsolvable",
+                "detail": "the givens admit no solution (the exact solver found none)",
+            }
+        if n > 1:
+            return {"status": "not unique", "detail": "the givens admit more than one solution"}
+        return {"status": "solvable", "detail": None}
+    length = task.shortest_path_length(tokens)
+    if length is not None:
+        if length < 0:
+            return {"status": "unsolvable", "detail": "no path joins a unique start S to a unique goal G"}
+        return {"status": "solvable", "detail": None}
+    return {"status": "unchecked", "detail": None}
+
+
 @torch.no_grad()
 def solve(model: LoadedRun | str | Path, puzzle: str | np.ndarray | list[int], max_steps: int | None = None,
           seed: int | None = None, segments: int | None = None, puzzle_id: int | None = None) -> Solution:  # fmt: skip
@@ -201,3 +241,158 @@ def _puzzle_ids(run: LoadedRun, puzzle_id: int | None, device: torch.device) -> 
     if not 0 <= puzzle_id < n:
         raise ValueError(f"puzzle id {puzzle_id} is out of range: the model's table has ids 0..{n - 1}")
     return torch.tensor([puzzle_id], dtype=torch.long, device=device)
+
+
+def _quiet(_message: Any) -> None:
+    return None
+
+
+def evaluate_checkpoint(checkpoint: str | Path, options: ReportOptions | None = None, log: Log = _quiet) -> Path:
+    """What ``loopformer eval`` (and each point of ``loopformer sweep``) does: load ``checkpoint`` (a run
+    folder, checkpoint folder or hub id), evaluate it as ``options`` say and write the report; returns the
+    report folder. The overrides, variants and loop counts are checked before the weights are read. With
+    ``options.variants`` the report holds one sub-report per loop (``variants/NN-name/``) and their
+    comparison (``comparison.md`` / ``.json``, overlay plots); with ``options.auto_solver`` the search runs
+    on a slice of the held-out set and the report covers the other rows, with the chosen solver."""
+    from loopformer.config.checks import check_loop_counts, check_variants
+    from loopformer.devices import set_cpu_threads
+    from loopformer.eval.auto_solver import search_run
+    from loopformer.eval.suite import ReportOptions, run_job_references
+    from loopformer.nn import autocast
+    from loopformer.runs import eval_dataset
+    from loopformer.runs.outputs import staged_output
+
+    opts = options or ReportOptions()
+    dev = resolve_device(opts.device)
+
+    def checks(config: Any) -> None:
+        lens = opts.lens_loops if opts.analyses else None
+        check_loop_counts(config, {"--max-steps": opts.budgets, "--lens-loops": lens}, str(dev))
+        check_variants(config, [o for _, o in opts.variants], str(dev))
+
+    run = load_run(checkpoint, use_ema=opts.ema, config_overrides=tuple(opts.overrides), device=str(dev),
+                   best=opts.best, check=checks)  # fmt: skip
+    set_cpu_threads(run.config.train.threads, dev, run.model)  # the run's train.threads rule, logged
+    # the baseline of the `loopformer run` job this model belongs to, when evaluated on the same held-out set
+    same = not opts.examples and not any(o.lstrip("~+").startswith("data.") for o in opts.overrides)
+    references = {**opts.references, **run_job_references(run.path, same_heldout=same)}
+    opts = dataclasses.replace(opts, batch_size=run.config.eval.batch_size, references=references)
+    with autocast(dev, run.config.bf16):  # evaluate in the precision the run trained in
+        dataset = eval_dataset(run.task, run.config, opts.examples)
+        auto = None
+        if opts.auto_solver is not None:  # search on a slice; the report covers the other rows
+            run, dataset, auto = search_run(run, dataset, *opts.auto_solver, log=log)
+        # no second process writes into a run folder in use (a training, another eval): lock what we write into
+        if opts.out_dir:  # the run-folder rules (refused when it holds a report, built aside, swapped in whole)
+            out = Path(opts.out_dir)
+            target = staged_output(out, "eval", opts.overwrite, "--out")
+        else:  # next to the checkpoints, not inside one (old checkpoints are rotated away)
+            out = _run_dir(run) / f"eval-step{run.step}-{time.strftime('%Y%m%d-%H%M%S')}"
+            target = _report_folder(out, _run_dir(run))
+        with target as write_dir:
+            if opts.variants:
+                _evaluate_variants(run, dataset, write_dir, out, opts, log)
+            else:
+                _report(run, dataset, write_dir, out, opts, log, auto=auto)
+    return out
+
+
+def _run_dir(run: LoadedRun) -> Path:
+    return run.path.parent.parent if run.path.parent.name == "checkpoints" else run.path
+
+
+@contextmanager
+def _report_folder(out: Path, run_dir: Path) -> Iterator[Path]:
+    """The default report folder (a new name inside the run folder ``run_dir``, never through a link there),
+    the run folder locked meanwhile."""
+    from loopformer.files import check_inside
+    from loopformer.runs.folder import RunLock
+
+    check_inside(out, run_dir)
+    with RunLock(out.parent, "eval"):
+        yield out
+
+
+def _report(run: LoadedRun, dataset: Any, out: Path, final: Path, opts: ReportOptions, log: Log,
+            auto: dict[str, Any] | None = None, variant: list[str] | None = None) -> None:  # fmt: skip
+    """One report of ``run`` into ``out`` (files named by where they end up, ``final``), recording what it was
+    evaluated on (``heldout``: task, options, the held-out set's fingerprint), how (``evaluation``) and the
+    provenance of the training and of this evaluation."""
+    from loopformer.eval.auto_solver import auto_note
+    from loopformer.eval.evaluate import model_device
+    from loopformer.eval.suite import evaluate_run, segment_note
+    from loopformer.runs import training_depth
+    from loopformer.runs.fingerprint import heldout_record
+    from loopformer.runs.provenance import collect, describe, record_for_step
+
+    made: dict[str, Any] = {"heldout": heldout_record(run.config, dataset),
+                            "evaluation": {**opts.record(), **({"variant": variant} if variant is not None else {})}}  # fmt: skip
+    if auto is not None:
+        made["auto_solver"] = auto
+    trained_by = record_for_step(_run_dir(run), run.step)
+    made["provenance"] = {"training": trained_by, "evaluation": collect(model_device(run.model))}
+    unit = "examples" if run.task.has_validator else "windows"
+    unscored = made["heldout"].get("unscored_rows")
+    notes = [f"Task: {run.config.data.task} {run.config.data.options}; {len(dataset)} held-out {unit}"
+             + (f" ({unscored} rows without labels left out: they cannot be scored)." if unscored else "."),
+             *segment_note(run.config.eval.segments), *auto_note(auto),
+             *([f"Trained with {describe(trained_by)}."] if trained_by else [])]  # fmt: skip
+    evaluate_run(run, dataset, out, final, opts, training_depth(run), notes, made, log)
+
+
+def _evaluate_variants(run: LoadedRun, dataset: Any, out: Path, final: Path, opts: ReportOptions, log: Log) -> None:
+    """The run's loop_eval and each variant into ``out/variants/<name>/``, then their comparison into ``out``.
+    Every key a variant names is honoured: ``eval.max_examples`` evaluates that many held-out rows (the
+    keys that cannot vary are refused before the weights are read: ``config.checks.VARIANT_FIXED``)."""
+    from loopformer.config.checks import check_variants
+    from loopformer.eval.compare import heldout_line, load_entries, write_comparison
+    from loopformer.runs import eval_dataset
+
+    names, folders = [], []
+    for i, (name, overrides) in enumerate([("loop_eval", []), *opts.variants]):
+        config = check_variants(run.config, [overrides])[0] if overrides else run.config
+        variant = dataclasses.replace(run, config=config, loop_eval=config.loop_config(run.model.config.loop, "eval"))
+        rows = dataset
+        if any(o.lstrip("~").startswith("eval.max_examples") for o in overrides):  # the variant's own row count
+            rows = eval_dataset(run.task, config, 0)
+        folder = Path("variants") / f"{i:02d}-{safe_name(name)}"
+        _report(variant, rows, out / folder, final / folder, opts, log, variant=list(overrides))
+        names.append(name)
+        folders.append(out / folder)
+    entries = load_entries(folders, names)
+    title = (f"{run.family or run.config.model.name} ({run.path}): {len(entries)} evaluation loops compared · "
+             f"{heldout_line(entries, allow=True)}")  # fmt: skip
+    write_comparison(out, entries, title)
+
+
+def compare_reports(out: str | Path, folders: Sequence[Path], title: str = "", overwrite: bool = False,
+                    names: Sequence[str] | None = None, root: Path | None = None, allow_heldout: bool = False,
+                    missing: Sequence[str] = ()) -> Path:  # fmt: skip
+    """What ``loopformer compare`` (and a sweep's ``compare/``) writes: the comparison of report ``folders``
+    (``comparison.md``, ``comparison.json``, overlay plots) into ``out``, built aside and swapped in whole
+    (refused when ``out`` holds something, unless ``overwrite``); returns ``out``. ``root``: the folder that
+    owns ``out`` (a sweep's). The title (``title``, or by default the table's rows counted) names what the
+    reports were evaluated on; reports of other tasks or held-out sets are refused unless ``allow_heldout``.
+    ``missing``: the sweep points without a report, said below the table."""
+    from loopformer.eval.compare import (
+        check_kinds,
+        comparison_title,
+        heldout_line,
+        load_entries,
+        write_comparison,
+    )
+    from loopformer.runs.outputs import staged_output
+
+    entries = load_entries(folders, names)
+    check_kinds(entries)  # bits per byte beside accuracy first: no held-out set makes those compare
+    title = f"{title or comparison_title(entries, len(folders))} · {heldout_line(entries, allow_heldout)}"
+    notes = [f"No report (not in the table): {', '.join(missing)}."] if missing else []
+    with staged_output(out, "compare", overwrite, "--out", root=root) as staging:
+        write_comparison(staging, entries, title, notes)
+    return Path(out)
+
+
+def safe_name(text: str) -> str:
+    """``text`` as a folder name: letters, digits and ``._=,+-`` kept, anything else ``-``."""
+    kept = "".join(c if c.isalnum() or c in "._=,+-" else "-" for c in text).strip("-.")
+    return kept[:120] or "point"

@@ -45,7 +45,7 @@ LAZY_COMMANDS: dict[str, tuple[str, str]] = {
         "analyses accept.",
     ),
     "data": (
-        "loopformer.cli:_data_group",
+        "loopformer.commands.data:data",
         "Generate, show and summarise task datasets; loopformer data TASK ... generates examples of TASK.",
     ),
     "export": (
@@ -87,21 +87,11 @@ LAZY_COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-def _data_group() -> click.Group:
-    """``loopformer data`` with its ``prepare`` subcommand attached."""
-    from loopformer.commands.data import data
-    from loopformer.commands.data_prepare import prepare_cmd
-
-    if "prepare" not in data.commands:
-        data.add_command(prepare_cmd)
-    return data
-
-
 def load_command(name: str) -> click.Command:
     """The click command ``name`` of ``LAZY_COMMANDS``, imported now."""
     module, _, attr = LAZY_COMMANDS[name][0].partition(":")
-    obj: Any = getattr(importlib.import_module(module), attr)
-    return obj() if not isinstance(obj, click.Command) else obj
+    command: click.Command = getattr(importlib.import_module(module), attr)
+    return command
 
 
 class LazyGroup(CleanErrorGroup):

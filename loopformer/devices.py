@@ -64,7 +64,6 @@ def set_cpu_threads(threads: int, device: torch.device, model: torch.nn.Module, 
     return count
 
 
-
 def resolve_device(spec: str | torch.device | None) -> torch.device:
     """``auto`` / None -> CUDA when available, else CPU; ``cpu``; ``cuda``; ``cuda:N`` (checked)."""
     if isinstance(spec, torch.device):
@@ -88,15 +87,6 @@ def resolve_device(spec: str | torch.device | None) -> torch.device:
             raise ValueError(f"device {spec!r}: only {torch.cuda.device_count()} GPU(s) visible")
         return torch.device(text)
     raise ValueError(f"device {spec!r}: expected {DEVICE_HELP}")
-
-
-def device_option() -> Any:
-    """The shared ``--device`` click option."""
-    import click
-
-    return click.option(
-        "--device", default="auto", show_default=True, help=f"where to evaluate: {DEVICE_HELP}"
-    )
 
 
 # aten ops whose result the host needs before it can go on (a GPU would be synchronised): a scalar read, and

@@ -154,14 +154,6 @@ def load_entry_points() -> list[str]:
     return loaded
 
 
-def reset_entry_points() -> None:
-    """Forget that the entry points were loaded (tests)."""
-    global _entry_points_loaded
-    _entry_points_loaded = False
-# the data file being read (a checkpoint's config.json, a downloaded model): None while reading user input
-_reading: contextvars.ContextVar[str | None] = contextvars.ContextVar("loopformer_reading_data", default=None)
-
-
 def is_class_path(name: object) -> bool:
     """Whether ``name`` is a ``module:Class`` reference rather than a registered name."""
     return isinstance(name, str) and ":" in name

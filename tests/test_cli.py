@@ -191,10 +191,11 @@ def test_default_run_beats_baseline(tmp_path: Path) -> None:
 
 
 def test_default_recipe_is_found_from_any_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from loopformer.commands.run import build_run_configs, find_run_recipe
+    from loopformer.commands.run import build_run_configs
+    from loopformer.config import find_recipe
 
     monkeypatch.chdir(tmp_path)
-    path = find_run_recipe("default")
+    path = find_recipe("default")
     assert path.name == "default.yaml" and path.is_file()
     main, base, section, description = build_run_configs("default", ("train.steps=7", "baseline.train.lr=0.01"),
                                                          tmp_path / "out")

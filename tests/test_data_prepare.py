@@ -12,10 +12,10 @@ import pytest
 from click.testing import CliRunner
 
 from loopformer.cli import cli
-from loopformer.commands.data_prepare import DATASETS, dihedral_rows, prepare, sudoku_augment
 from loopformer.tasks.base import TaskDataError
 from loopformer.tasks.formats import load_hrm_folder
 from loopformer.tasks.maze import MazeTask
+from loopformer.tasks.prepare import DATASETS, dihedral_rows, prepare, sudoku_augment
 from loopformer.tasks.sudoku import SudokuTask
 
 REAL_PUZZLES = (

@@ -14,14 +14,13 @@ from torch import Tensor, nn
 from loopformer.eval.analysis import (
     logit_lens,
     logit_margin,
-    overthinking,
     signal_propagation,
     spectral_radius,
     spectral_radius_at_fixed_point,
     token_rank,
     trace_loops,
 )
-from loopformer.eval.budget import accuracy_vs_budget, easy_hard_steps, steps_vs_difficulty, with_budget
+from loopformer.eval.budget import budget_curve, easy_hard_steps, steps_vs_difficulty, with_budget
 from loopformer.eval.evaluate import evaluate
 from loopformer.loop import LoopConfig
 from loopformer.models.base import LoopedModel, ModelConfig
@@ -125,13 +124,13 @@ def test_evaluate_matches_hand_computation() -> None:
 def test_budget_curve_fixed_and_capped() -> None:
     model, task = TinyLooped(steps=10, halting="residual"), ShiftTask()
     ds = task.generate(12, seed=0)
-    curve = accuracy_vs_budget(model, task, ds, [1, 3, 2], mode="fixed")
+    curve = budget_curve(model, task, ds, [1, 3, 2], mode="fixed")
     assert [p.budget for p in curve.points] == [1, 2, 3]
     assert [p.mean_steps for p in curve.points] == [1.0, 2.0, 3.0]
     for p in curve.points:
         direct = evaluate(model, task, ds, loop=LoopConfig(halting="fixed", max_steps=p.budget, tol=1e-4))
         assert p.token_accuracy == pytest.approx(direct.token_accuracy)
-    capped = accuracy_vs_budget(model, task, ds, [2, 50], mode="capped")
+    capped = budget_curve(model, task, ds, [2, 50], mode="capped")
     assert capped.points[0].mean_steps <= 2
     free = evaluate(model, task, ds, loop=with_budget(model.config.loop, 50, "capped"))
     assert capped.points[1].mean_steps == pytest.approx(free.mean_steps)
@@ -250,8 +249,6 @@ def test_logit_lens_equals_unrolled_readouts() -> None:
         pred = logits.argmax(-1)
         assert curve.token_accuracy[k] == pytest.approx((pred == labels).double().mean().item())
         assert curve.margin[k] == pytest.approx(logit_margin(logits.detach(), labels).mean().item())
-    over = overthinking(model, task, ds, max_loops=5, train_depth=2)
-    assert over.margin == pytest.approx(curve.margin) and over.train_depth == 2
 
 
 def test_logit_lens_bridge_rank_and_margin_helpers() -> None:

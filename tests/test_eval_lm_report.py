@@ -20,10 +20,10 @@ from test_train_gaps import TEXT_RUN
 
 from loopformer.cli import cli
 from loopformer.config import build_config
-from loopformer.eval.budget import with_budget
+from loopformer.eval.analysis import logit_lens
+from loopformer.eval.budget import budget_curve, with_budget
 from loopformer.eval.compare import Entry, comparison_title
-from loopformer.eval.evaluate import EvalResult, ExampleRecord
-from loopformer.eval.lm import evaluate_lm, lm_budget_curve, lm_logit_lens
+from loopformer.eval.evaluate import EvalResult, ExampleRecord, evaluate_lm
 from loopformer.eval.report import describe_loop
 from loopformer.runs import eval_dataset, load_run
 from loopformer.train import Trainer
@@ -67,8 +67,8 @@ def test_eval_of_a_text_run_writes_bits_per_byte_vs_budget(looped_text_run: Path
 def test_lm_logit_lens_equals_evaluate_lm_at_each_fixed_loop_count(looped_text_run: Path) -> None:
     run = load_run(looped_text_run, use_ema=False)
     data = eval_dataset(run.task, run.config)
-    lens = lm_logit_lens(run.model, run.task, data, 5, loop=run.loop_eval, batch_size=5)
-    curve = lm_budget_curve(
+    lens = logit_lens(run.model, run.task, data, 5, loop=run.loop_eval, batch_size=5)
+    curve = budget_curve(
         run.model, run.task, data, [1, 3, 5], mode="fixed", loop=run.loop_eval, batch_size=7
     )
     for point in curve.points:
@@ -148,9 +148,9 @@ def _result(difficulty: list[float], steps: list[int], converged: float = 0.997)
 
 
 def test_no_plot_over_a_single_value_and_the_report_says_why(tmp_path: Path) -> None:
-    from loopformer.commands.suite import accuracy_table, no_difficulty_plot_reason, no_histogram_reason
     from loopformer.eval.budget import steps_vs_difficulty
-    from loopformer.eval.report import write_report
+    from loopformer.eval.report import accuracy_table, write_report
+    from loopformer.eval.suite import no_difficulty_plot_reason, no_histogram_reason
 
     one_difficulty = _result([4.0] * 5, [1, 2, 3, 2, 1])
     assert no_histogram_reason(one_difficulty) is None
@@ -175,7 +175,7 @@ def test_no_plot_over_a_single_value_and_the_report_says_why(tmp_path: Path) -> 
 
 
 def test_an_eval_of_a_run_jobs_model_draws_that_jobs_baseline(tmp_path: Path) -> None:
-    from loopformer.commands.suite import run_job_references
+    from loopformer.eval.suite import run_job_references
 
     job = tmp_path / "job"
     (job / "model" / "checkpoints" / "step_00000010").mkdir(parents=True)

@@ -17,7 +17,7 @@ from test_tasks_arc import write_tasks
 
 from loopformer.cli import cli
 from loopformer.config import build_config
-from loopformer.eval.predict import arc_pass_at_k, predict
+from loopformer.eval.evaluate import arc_pass_at_k, predict
 from loopformer.loop import LoopConfig
 from loopformer.models.base import ModelOutput
 from loopformer.runs import eval_dataset, load_run

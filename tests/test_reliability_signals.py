@@ -146,15 +146,15 @@ def test_sigterm_outside_a_training_unwinds_and_unlocks(recipe, tmp_path, monkey
     default silent death: the lock is released and the half-built report folder removed."""
     run = tmp_path / "run"
     assert CliRunner().invoke(cli, ["train", str(recipe), "-o", str(run), "train.steps=2"]).exit_code == 0
-    import loopformer.commands.train_eval as te
+    import loopformer.api as api
 
-    real = te._evaluate_into
+    real = api._report
 
     def killed(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGTERM)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(te, "_evaluate_into", killed)
+    monkeypatch.setattr(api, "_report", killed)
     report = tmp_path / "report"
     result = CliRunner().invoke(cli, ["eval", str(run), "-o", str(report), "--examples", "2"])
     text = cli_text(result)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from loopformer.config import build_config
-from loopformer.eval.lm import evaluate_lm
+from loopformer.eval.evaluate import evaluate_lm
 from loopformer.runs import eval_dataset, load_run
 from loopformer.tasks.base import TaskDataError
 from loopformer.tasks.text import TextTask

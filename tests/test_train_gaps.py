@@ -18,8 +18,7 @@ from test_train_utils import SEQ, VOCAB, TinyLooped, tiny_config
 
 from loopformer.cli import cli
 from loopformer.config import build_config
-from loopformer.eval.lm import evaluate_lm
-from loopformer.eval.predict import arc_pass_at_k
+from loopformer.eval.evaluate import arc_pass_at_k, evaluate_lm
 from loopformer.loop import LoopConfig
 from loopformer.models.base import ModelOutput
 from loopformer.runs import eval_dataset

@@ -1,5 +1,6 @@
-"""Shared pieces of the ``loopformer`` commands: one-line errors, argument parsing (this module is what
-``loopformer --help`` loads: it must not import torch).
+"""Shared pieces of the ``loopformer`` commands: one-line errors, argument parsing, the options several
+commands take (declared once here: ``out_option``, ``overwrite_option``, ``device_option``, ...), and the
+comparison table on the console (this module is what ``loopformer --help`` loads: it must not import torch).
 
 Every command raises ordinary exceptions (``ConfigError``, ``CheckpointError``, ``TaskDataError``,
 ``KeyError`` from the registries, ``FileNotFoundError``...); ``CleanErrorGroup`` turns any of them
@@ -166,19 +167,20 @@ PATH = PathParam()
 
 
 def parse_pairs(pairs: tuple[str, ...] | list[str], what: str) -> dict[str, Any]:
-    """``("a=1", "b=[2,3]")`` -> ``{"a": 1, "b": [2, 3]}`` (values parsed as YAML)."""
+    """``("a=1", "box=[2,3]", "min-blanks=4")`` -> ``{"a": 1, "box": [2, 3], "min_blanks": 4}``: keyword
+    arguments (``-`` read as ``_``), values parsed as YAML scalars / lists."""
     import yaml
 
     out: dict[str, Any] = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
-        key = key.strip()
-        if not sep or not key:
+        key = key.strip().replace("-", "_")
+        if not sep or not key.isidentifier():
             raise click.BadParameter(f"expected key=value, got {pair!r}", param_hint=what)
         try:
             out[key] = yaml.safe_load(value) if value.strip() else ""
-        except yaml.YAMLError:
-            out[key] = value
+        except yaml.YAMLError as exc:
+            raise click.BadParameter(f"cannot parse value of {key!r}: {exc}", param_hint=what) from None
     return out
 
 
@@ -203,12 +205,6 @@ def parse_variants(variants: tuple[str, ...] | list[str]) -> list[tuple[str, lis
     return parsed
 
 
-def safe_name(text: str) -> str:
-    """``text`` as a folder name: letters, digits and ``._=,+-`` kept, anything else ``-``."""
-    kept = "".join(c if c.isalnum() or c in "._=,+-" else "-" for c in text).strip("-.")
-    return kept[:120] or "point"
-
-
 def parse_int_list(text: str | None, what: str) -> list[int]:
     if not text:
         return []
@@ -223,5 +219,97 @@ def parse_int_list(text: str | None, what: str) -> list[int]:
     return values
 
 
-__all__ = ["PATH", "CleanErrorGroup", "PathParam", "WholeHelpGroup", "one_line", "parse_int_list", "parse_pairs",
-           "parse_variants", "safe_name"]
+def check_job_folder(out: Path, job: str, earlier: bool, own: tuple[str, ...] = ()) -> None:
+    """Refuse, before anything is created, the ``--out`` of a job that writes a folder of its own (``job``:
+    "`loopformer run`", "sweep"): a file, a folder that is or lies in a training run's folder, one holding
+    a training run in a sub-folder not in ``own`` (``()``: not checked, a sweep's points are runs), or one that
+    is not empty and holds no ``earlier`` run of the job."""
+    from loopformer.runs.folder import LOCK_NAME, RunFolderError, nested_run, run_at_or_above, training_run
+
+    if out.exists() and not out.is_dir():
+        raise RunFolderError(f"--out {out} is a file, not a folder: name a folder to write into")
+    found = run_at_or_above(out)
+    if found is not None:
+        raise RunFolderError(f"--out {out} is or lies in the training run {found}; a {job} writes a folder of its "
+                             f"own: choose another --out")  # fmt: skip
+    if not out.is_dir():
+        return
+    for child in sorted(out.iterdir()) if own else []:  # the job's own runs are fine; any other is not
+        if child.is_dir() and not child.is_symlink() and child.name not in own:
+            nested = child if training_run(child) else nested_run(child)
+            if nested is not None:
+                raise RunFolderError(f"--out {out} holds the training run {nested}; choose a new or empty --out")
+    others = sorted(p.name for p in out.iterdir() if p.name != LOCK_NAME)
+    if others and not earlier:
+        raise RunFolderError(f"--out {out} is not empty ({', '.join(others[:3])}) and holds no earlier {job}; "
+                             f"choose a new or empty --out")  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- options of several commands
+
+
+def out_option(help: str, required: bool = False, short: bool = True) -> Any:
+    """``--out`` (and ``-o``): the folder or file a command writes, a ``PATH`` passed as ``out_dir``."""
+    return click.option(*(("--out", "-o") if short else ("--out",)), "out_dir", type=PATH, default=None,
+                        required=required, help=help)  # fmt: skip
+
+
+def overwrite_option(help: str) -> Any:
+    return click.option("--overwrite", is_flag=True, help=help)
+
+
+def device_option(help: str = "where to evaluate") -> Any:
+    """``--device auto|cpu|cuda|cuda:N`` (``loopformer.devices.resolve_device`` reads it)."""
+    from loopformer.devices import DEVICE_HELP
+
+    return click.option("--device", default="auto", show_default=True, help=f"{help}: {DEVICE_HELP}")
+
+
+def ema_option(help: str = "use the EMA weights when the checkpoint has them") -> Any:
+    return click.option("--ema/--no-ema", default=True, show_default=True, help=help)
+
+
+def best_option(help: str = "the run's best checkpoint (checkpoints/best, kept by train.keep_best) instead of "
+                "its latest") -> Any:  # fmt: skip
+    return click.option("--best", is_flag=True, help=help)
+
+
+def budgets_option(help: str) -> Any:
+    """``--max-steps B1,B2,...``: loop budgets, passed as ``budgets`` (a list of ints >= 1)."""
+    return click.option("--max-steps", "budgets", default=None, metavar="B1,B2,...", help=help,
+                        callback=lambda ctx, param, text: parse_int_list(text, "--max-steps"))  # fmt: skip
+
+
+def task_option(help: str) -> Any:
+    """``--task-option`` / ``-t KEY=VALUE`` (repeatable), passed as ``task_options``: a task's keywords."""
+    return click.option("--task-option", "--task-options", "--option", "-t", "task_options", multiple=True,
+                        metavar="KEY=VALUE", help=help)  # fmt: skip
+
+
+def json_option(help: str) -> Any:
+    return click.option("--json", "as_json", is_flag=True, help=help)
+
+
+def print_config_option(help: str = "print the resolved configuration, every model and loop field (YAML), "
+                        "and exit") -> Any:  # fmt: skip
+    return click.option("--print-config", is_flag=True, help=help)
+
+
+def print_comparison(folder: Path) -> None:
+    """The comparison in ``folder`` (its ``comparison.json``) as a table on the console, at 160 columns so a
+    row stays one line; its notes (the sweep points without a report) on stderr."""
+    from rich.console import Console
+
+    from loopformer.eval.compare import comparison_table
+    from loopformer.files import read_json
+
+    data = read_json(folder / "comparison.json", ValueError)
+    Console(highlight=False, width=160).print(comparison_table(data["rows"], data["title"]))
+    for note in data.get("notes") or []:
+        click.echo(note, err=True)
+
+
+__all__ = ["PATH", "CleanErrorGroup", "PathParam", "WholeHelpGroup", "best_option", "budgets_option", "check_job_folder",
+           "device_option", "ema_option", "json_option", "one_line", "out_option", "overwrite_option",
+           "parse_int_list", "parse_pairs", "parse_variants", "print_comparison", "print_config_option",
+           "task_option"]

@@ -13,54 +13,30 @@ from pathlib import Path
 
 import click
 
-from loopformer.commands.common import PATH
+from loopformer.commands.common import (
+    PATH,
+    best_option,
+    ema_option,
+    json_option,
+    out_option,
+    overwrite_option,
+)
 from loopformer.convert import CONVERTERS
 
 
 @click.command("convert")
 @click.argument("system", type=click.Choice(["fprm", "attractor", "trm", "hrm", "ltg"]))
 @click.argument("checkpoint", type=click.Path(dir_okay=False))
-@click.option(
-    "--config",
-    "config_file",
-    type=PATH,
-    default=None,
-    help="the reference's training configuration (e.g. TRM / HRM all_config.yaml)",
-)
-@click.option(
-    "--out",
-    "-o",
-    "out_dir",
-    required=True,
-    type=PATH,
-    help="run folder to write (config.yaml + checkpoints/step_00000000)",
-)
-@click.option(
-    "--set",
-    "overrides",
-    multiple=True,
-    metavar="KEY=VALUE",
-    help="loopformer config override for the run folder, e.g. data.eval_path=data/test",
-)
-@click.option(
-    "--allow-defaults",
-    is_flag=True,
-    help="convert without the reference's configuration, taking its defaults (refused otherwise)",
-)
-@click.option(
-    "--overwrite",
-    is_flag=True,
-    help="replace what --out holds (moved aside once the new run folder is complete)",
-)
-def convert(
-    system: str,
-    checkpoint: str,
-    config_file: Path | None,
-    out_dir: Path,
-    overrides: tuple[str, ...],
-    allow_defaults: bool = False,
-    overwrite: bool = False,
-) -> None:
+@click.option("--config", "config_file", type=PATH, default=None,
+              help="the reference's training configuration (e.g. TRM / HRM all_config.yaml)")  # fmt: skip
+@out_option("run folder to write (config.yaml + checkpoints/step_00000000)", required=True)
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+              help="loopformer config override for the run folder, e.g. data.eval_path=data/test")  # fmt: skip
+@click.option("--allow-defaults", is_flag=True,
+              help="convert without the reference's configuration, taking its defaults (refused otherwise)")  # fmt: skip
+@overwrite_option("replace what --out holds (moved aside once the new run folder is complete)")
+def convert(system: str, checkpoint: str, config_file: Path | None, out_dir: Path, overrides: tuple[str, ...],
+            allow_defaults: bool = False, overwrite: bool = False) -> None:  # fmt: skip
     """Turn an authors' checkpoint (a PyTorch state dict, loaded with weights_only=True) into a run
     folder that loopformer eval, solve and the analyses accept."""
     from loopformer.convert import convert_checkpoint
@@ -87,9 +63,8 @@ def convert(
 
 @click.command("consolidate")
 @click.argument("checkpoint", type=click.Path(exists=True))
-@click.option("--out", "out_dir", required=True, type=PATH,
-              help="folder to write step_N/ (and its latest pointer) into")  # fmt: skip
-@click.option("--overwrite", is_flag=True, help="replace an earlier consolidation of the same step in --out")
+@out_option("folder to write step_N/ (and its latest pointer) into", required=True, short=False)
+@overwrite_option("replace an earlier consolidation of the same step in --out")
 def consolidate_cmd(checkpoint: str, out_dir: Path, overwrite: bool = False) -> None:
     """Turn a sharded (FSDP2) checkpoint into a full safetensors checkpoint.
 
@@ -146,19 +121,14 @@ def check_consolidate_out(out: Path, run: Path | None) -> None:
 @click.command("export")
 @click.argument("system", type=click.Choice(["trm", "hrm", "fprm"]))
 @click.argument("run")
-@click.option("--out", "-o", "out_path", required=True, type=PATH,
-              help="checkpoint file to write (all_config.yaml is written beside it)")  # fmt: skip
-@click.option(
-    "--ema/--no-ema", default=True, show_default=True, help="export the EMA weights when the run has them"
-)
-@click.option(
-    "--best", is_flag=True, help="the run's best checkpoint (train.keep_best) instead of its latest"
-)
+@out_option("checkpoint file to write (all_config.yaml is written beside it)", required=True)
+@ema_option("export the EMA weights when the run has them")
+@best_option("the run's best checkpoint (train.keep_best) instead of its latest")
 @click.option("--compiled-keys/--plain-keys", default=True, show_default=True,
               help="key prefix _orig_mod.model.inner. (the authors' torch.compile'd model, their default) or "
               "model.inner. (a DISABLE_COMPILE=1 load)")  # fmt: skip
-@click.option("--overwrite", is_flag=True, help="replace an existing checkpoint file and all_config.yaml")
-def export_cmd(system: str, run: str, out_path: Path, ema: bool, best: bool, compiled_keys: bool,
+@overwrite_option("replace an existing checkpoint file and all_config.yaml")
+def export_cmd(system: str, run: str, out_dir: Path, ema: bool, best: bool, compiled_keys: bool,
                overwrite: bool) -> None:  # fmt: skip
     """Write RUN as a checkpoint of the authors' code for SYSTEM (the inverse of loopformer convert).
 
@@ -171,7 +141,7 @@ def export_cmd(system: str, run: str, out_path: Path, ema: bool, best: bool, com
     from loopformer.convert.export import export_weights, write_export
     from loopformer.runs import load_run
 
-    out = Path(out_path)
+    out = Path(out_dir)
     check_export_out(out, overwrite)
     loaded = load_run(run, use_ema=ema, device="cpu", best=best)
     exported = export_weights(system, loaded.config, loaded.model.state_dict())
@@ -202,7 +172,7 @@ def check_export_out(out: Path, overwrite: bool) -> None:
 @click.command("translate", context_settings={"ignore_unknown_options": True})
 @click.argument("system", type=click.Choice(["trm", "hrm", "fprm"]))
 @click.argument("words", nargs=-1, type=click.UNPROCESSED, metavar="KEY=VALUE...")
-@click.option("--json", "as_json", is_flag=True, help="print one JSON object instead of the table")
+@json_option("print one JSON object instead of the table")
 def translate_cmd(system: str, words: tuple[str, ...], as_json: bool) -> None:
     """Translate the authors' config keys or command line for SYSTEM into loopformer overrides.
 

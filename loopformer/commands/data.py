@@ -4,6 +4,7 @@
     loopformer data generate TASK ...          (the same; TASK as a first word is shorthand for this)
     loopformer data show TASK FILE [--index i]
     loopformer data stats TASK FILE
+    loopformer data prepare NAME --out FOLDER  the standard datasets (``loopformer.tasks.prepare``)
 
 ``--size`` and ``--option key=value`` go to the task's constructor when it takes that keyword, else to
 ``task.generate`` (values parsed as YAML scalars / lists: ``--option box=[2,3]``, ``--option loops=0.1``);
@@ -21,10 +22,10 @@ from typing import Any
 
 import click
 import numpy as np
-import yaml
 
-from loopformer.commands.common import PATH, WholeHelpGroup
+from loopformer.commands.common import WholeHelpGroup, out_option, overwrite_option, parse_pairs, task_option
 from loopformer.tasks.base import Task, TaskDataError, TokenDataset
+from loopformer.tasks.prepare import DATASETS, done_message, prepare
 
 
 class _DataGroup(WholeHelpGroup):
@@ -34,25 +35,6 @@ class _DataGroup(WholeHelpGroup):
         if args and not args[0].startswith("-") and args[0] not in self.commands:
             args = ["generate", *args]
         return super().parse_args(ctx, args)
-
-
-# the task's constructor keywords (``data show`` / ``data stats``): ``-t size=9``, repeatable
-TASK_OPTION = click.option(
-    "--option", "--task-option", "-t", "extra", multiple=True, metavar="KEY=VALUE", help="Task constructor keyword."
-)
-
-def _parse_options(pairs: tuple[str, ...]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        key = key.strip().replace("-", "_")
-        if not sep or not key.isidentifier():
-            raise click.BadParameter(f"expected key=value, got {pair!r}", param_hint="--option")
-        try:
-            out[key] = yaml.safe_load(value) if value.strip() else ""
-        except yaml.YAMLError as exc:
-            raise click.BadParameter(f"cannot parse value of {key!r}: {exc}", param_hint="--option") from None
-    return out
 
 
 def _keywords(fn: Callable[..., Any], skip: tuple[str, ...]) -> tuple[set[str], bool]:
@@ -129,16 +111,8 @@ def data() -> None:
 )
 @click.option("--count", type=int, default=1000, show_default=True, help="Number of examples.")
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--out", "-o", "out", type=PATH, required=True, help="Output file (or folder).")
-@click.option(
-    "--option",
-    "--task-option",
-    "-t",
-    "extra",
-    multiple=True,
-    metavar="KEY=VALUE",
-    help="Extra task keyword; repeatable.",
-)
+@out_option("Output file (or folder).", required=True)
+@task_option("Extra task keyword; repeatable.")
 @click.option(
     "--format",
     "fmt",
@@ -148,25 +122,15 @@ def data() -> None:
     help="native: the task's own file format (task.save); hrm: an HRM/TRM folder.",
 )
 @click.option("--split", default="train", show_default=True, help="Split folder for --format hrm.")
-@click.option(
-    "--overwrite", is_flag=True, help="replace an existing OUT file (--format hrm: the split folder)"
-)
-def generate_cmd(
-    task_name: str,
-    size: int | None,
-    count: int,
-    seed: int,
-    out: Path,
-    extra: tuple[str, ...],
-    fmt: str,
-    split: str,
-    overwrite: bool,
-) -> None:
+@overwrite_option("replace an existing OUT file (--format hrm: the split folder)")
+def generate_cmd(task_name: str, size: int | None, count: int, seed: int, out_dir: Path, task_options: tuple[str, ...],
+                 fmt: str, split: str, overwrite: bool) -> None:  # fmt: skip
     """Generate COUNT examples of TASK with SEED and write them to OUT."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    options = _parse_options(extra)
+    out = out_dir
+    options = parse_pairs(task_options, "--option")
     if size is not None:
         if "size" in options:
             raise click.UsageError("--size given twice (also as --option size=...)")
@@ -248,13 +212,13 @@ def write_generated(task: Task, ds: TokenDataset, out: Path, fmt: str, split: st
 @click.argument("task_name", metavar="TASK")
 @click.argument("file", type=click.Path(exists=True, path_type=Path))
 @click.option("--index", "-i", type=int, default=0, show_default=True, help="Example to show.")
-@TASK_OPTION
+@task_option("Task constructor keyword.")
 @click.option("--plain", is_flag=True, help="No colour markup.")
-def show_cmd(task_name: str, file: Path, index: int, extra: tuple[str, ...], plain: bool) -> None:
+def show_cmd(task_name: str, file: Path, index: int, task_options: tuple[str, ...], plain: bool) -> None:
     """Render example INDEX of FILE: the input, then the label."""
     from rich.console import Console
 
-    task, _ = _make_task(task_name, _parse_options(extra), file)
+    task, _ = _make_task(task_name, parse_pairs(task_options, "--option"), file)
     ds = _load(task, file)
     if not -len(ds) <= index < len(ds):
         raise click.BadParameter(f"{index} is out of range for {len(ds)} examples", param_hint="--index")
@@ -277,14 +241,14 @@ def show_cmd(task_name: str, file: Path, index: int, extra: tuple[str, ...], pla
 @data.command("stats")
 @click.argument("task_name", metavar="TASK")
 @click.argument("file", type=click.Path(exists=True, path_type=Path))
-@TASK_OPTION
+@task_option("Task constructor keyword.")
 @click.option("--bins", type=int, default=10, show_default=True, help="Histogram bins (fewer if few values).")
-def stats_cmd(task_name: str, file: Path, extra: tuple[str, ...], bins: int) -> None:
+def stats_cmd(task_name: str, file: Path, task_options: tuple[str, ...], bins: int) -> None:
     """Print the example count and a difficulty histogram of FILE."""
     from rich.console import Console
     from rich.table import Table
 
-    task, _ = _make_task(task_name, _parse_options(extra), file)
+    task, _ = _make_task(task_name, parse_pairs(task_options, "--option"), file)
     ds = _load(task, file)
     console = Console(highlight=False, soft_wrap=True)  # long paths must not break lines
     d = ds.difficulty
@@ -312,3 +276,62 @@ def stats_cmd(task_name: str, file: Path, extra: tuple[str, ...], bins: int) -> 
     for name, c in zip(names, counts):
         table.add_row(name, str(c), "#" * max(0, round(40 * c / peak)))
     console.print(table)
+
+
+@data.command("prepare")
+@click.argument("name", type=click.Choice(list(DATASETS)))
+@out_option("Output folder.", required=True)
+@click.option("--from", "from_dir", type=click.Path(exists=True, path_type=Path), default=None,
+              help="Folder with the files already on disk (no download); text: the corpus, a file or a folder.")  # fmt: skip
+@click.option("--subset", type=int, default=None, help="Training rows to keep, seeded (0 = all; default: the papers').")
+@click.option("--augment", type=int, default=None, help="Augmented copies per training puzzle (default: the papers').")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the subset and augmentations.")
+@click.option("--cache-dir", type=click.Path(path_type=Path), default=None, help="huggingface_hub cache folder.")
+@overwrite_option("replace the dataset in OUT (moved aside once the new one is complete)")
+@click.option("--shuffle", is_flag=True, help="text: documents in an order seeded by --seed.")
+@click.option("--vocab-size", type=int, default=None, help="text from a .npy of token ids: its vocabulary.")
+@click.option("--tokens-per-byte", type=float, default=None,
+              help="text from a .npy of token ids: tokens per UTF-8 byte of the text it encodes.")  # fmt: skip
+@click.option("--text-column", default="text", show_default=True, help="text from a .parquet: the column.")
+def prepare_cmd(name: str, out_dir: Path, from_dir: Path | None, subset: int | None, augment: int | None, seed: int,
+                cache_dir: Path | None, overwrite: bool = False, shuffle: bool = False, vocab_size: int | None = None,
+                tokens_per_byte: float | None = None, text_column: str = "text") -> None:  # fmt: skip
+    """Download (or read --from DIR), subsample, augment and validate dataset NAME into OUT.
+
+    Examples: loopformer data prepare sudoku-extreme --out data/sudoku-extreme-1k-aug-1000;
+    loopformer data prepare text --from /data/fineweb-edu --shuffle --out data/fineweb-bytes
+    (a memory-mapped token file the text task streams: data.options.path=data/fineweb-bytes)
+    """
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
+
+    from loopformer.config.checks import check_count
+    from loopformer.runs.outputs import staged_output
+
+    out = out_dir
+    for option, value in (("--subset", subset), ("--augment", augment), ("--seed", seed)):
+        check_count(option, value, 0)  # before the output folder is claimed
+    console = Console(stderr=True)
+    with Progress(TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(), TimeRemainingColumn(),
+                  console=console, transient=True) as bar:  # fmt: skip
+        bars: dict[str, Any] = {}
+
+        def progress(stage: str, done: int, total: int) -> None:
+            if stage not in bars:
+                bars[stage] = bar.add_task(stage, total=total or None)
+            bar.update(bars[stage], completed=done)
+
+        # built in a hidden folder and swapped in whole: a killed prepare leaves the old dataset
+        text = {"shuffle": shuffle, "vocab_size": vocab_size, "tokens_per_byte": tokens_per_byte,
+                "text_column": text_column} if name == "text" else None  # fmt: skip
+        if text is None and (shuffle or vocab_size is not None or tokens_per_byte is not None):
+            raise click.UsageError(f"--shuffle, --vocab-size and --tokens-per-byte apply to text, not {name}")
+        with staged_output(out, "prepare", overwrite, "--out") as tmp:
+            record = prepare(name, tmp, from_dir, subset, augment, seed, progress, cache_dir, text)
+    console = Console(stderr=True, soft_wrap=True)
+    if name == "text":
+        console.print(f"wrote {record['rows']['tokens']:,} tokens ({record['dtype']}, vocabulary {record['vocab_size']}, "
+                      f"{record['bytes']:,} bytes, sha256 {record['sha256'][:12]}...) to {out}; train with "
+                      f"data.task=text data.options.path={out}")  # fmt: skip
+        return
+    console.print(done_message(name, out, record, seed))

@@ -13,6 +13,8 @@ from typing import Any
 
 import click
 
+from loopformer.commands.common import json_option
+
 DESCRIPTIONS = {
     "transformer": "plain transformer, one pass (baseline)",
     "recurrent": "recurrent-depth looped block (LTG, Huginn)",
@@ -71,7 +73,7 @@ def _fmt(n: int | None) -> str:
 
 
 @click.command("models")
-@click.option("--json", "as_json", is_flag=True, help="print JSON instead of a table")
+@json_option("print JSON instead of a table")
 def models(as_json: bool) -> None:
     """List every registered model family with its parameter count at paper size and at the default CPU size."""
     rows = model_rows()

@@ -28,7 +28,6 @@ Overrides on the command line: ``key=value`` for the main config (also inherited
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import time
@@ -38,15 +37,8 @@ from typing import Any
 
 import click
 
-from loopformer.commands.common import PATH
-from loopformer.commands.suite import ModelUnderTest, SuiteOptions, accuracy_table, run_suite, spearman_text
-from loopformer.devices import device_option, resolve_device
-from loopformer.eval.evaluate import model_device
-from loopformer.eval.lm import evaluate_lm
-from loopformer.eval.report import describe_loop
-from loopformer.nn import autocast
-from loopformer.runs import eval_dataset, load_run, training_depth
-from loopformer.runs.fingerprint import heldout_record
+from loopformer.commands.common import device_option, out_option, overwrite_option, print_config_option
+from loopformer.devices import resolve_device
 
 DEFAULT_RECIPE = "default"
 # fields a plain transformer shares with the looped families (copied unless the baseline sets them)
@@ -76,11 +68,14 @@ class RunSection:
     title: str = ""
 
 
-def find_run_recipe(name: str | Path) -> Path:
-    """A recipe path: as given, ``recipes/<name>.yaml`` here, or inside the package (config.find_recipe)."""
-    from loopformer.config import find_recipe
+def training_config(recipe: str | Path, overrides: list[str] | tuple[str, ...], out_dir: str | Path | None = None) -> Any:
+    """The ``RunConfig`` a recipe (a name in recipes/ or a path) trains with ``overrides``: its ``run:`` table,
+    ``loopformer run``'s, is no part of it (``loopformer train`` and each point of ``loopformer sweep``)."""
+    from loopformer.config import build_config, find_recipe, read_recipe
 
-    return find_recipe(name)
+    raw = read_recipe(find_recipe(recipe))
+    raw.pop("run", None)
+    return build_config(raw, list(overrides), out_dir=out_dir)
 
 
 def split_overrides(overrides: tuple[str, ...]) -> tuple[list[str], list[str], list[str]]:
@@ -106,15 +101,16 @@ def build_run_configs(
         ConfigError,
         apply_overrides,
         build_config,
+        find_recipe,
         from_dict,
         parse_override,
         read_recipe,
     )
-    from loopformer.config.checks import check_unique
+    from loopformer.config.checks import check_counts, check_loop_counts, check_unique
     from loopformer.config.recipes import merge
 
     check_unique(overrides)
-    raw = read_recipe(find_run_recipe(recipe))
+    raw = read_recipe(find_recipe(recipe))
     run_raw = raw.pop("run", {}) or {}
     main_over, run_over, base_over = split_overrides(overrides)
     for text in run_over:  # run.* overrides: dotted paths inside the run table
@@ -128,15 +124,11 @@ def build_run_configs(
     section: RunSection = from_dict(RunSection, run_raw, "run")
     if section.budget_mode not in ("capped", "fixed"):
         raise ConfigError(f"run.budget_mode: {section.budget_mode!r} is not 'capped' or 'fixed'")
-    from loopformer.config.checks import check_counts
-
     check_counts("run.", 1, budgets=section.budgets, analysis_examples=section.analysis_examples)
     check_counts("run.", 0, lens_loops=section.lens_loops, signal_loops=section.signal_loops)
     main_raw = apply_overrides(raw, main_over)
     main_raw["out_dir"] = str(out / "model")
     main_cfg = build_config(main_raw, ())
-    from loopformer.config.checks import check_loop_counts
-
     check_loop_counts(main_cfg, {"run.budgets": section.budgets, "run.lens_loops": section.lens_loops,
                                  "run.signal_loops": section.signal_loops})  # fmt: skip
 
@@ -177,13 +169,14 @@ def task_description(cfg: Any) -> str:
 
 
 def _train(cfg: Any, label: str, echo: Any) -> dict[str, Any]:
+    from loopformer.runs.records import finished_summary
     from loopformer.train.trainer import Trainer
 
     if cfg.train.resume:  # --resume: a model whose training finished before the interruption is kept
-        done = _finished_summary(Path(cfg.out_dir), cfg.train.steps)
+        done = finished_summary(Path(cfg.out_dir), cfg.train.steps)  # its checkpoint confined to its checkpoints/
         if done is not None:
             echo(f"[bold]{label}[/bold]: trained earlier ({done['steps']} steps), kept -> {cfg.out_dir}")
-            return done
+            return {**done, "wall_time": done.get("wall_time") or 0.0}
 
     echo(f"[bold]training {label}[/bold]: {cfg.model.name}, {cfg.train.steps} steps of {cfg.train.batch_size} "
          f"({cfg.train.mode}) -> {cfg.out_dir}")
@@ -195,55 +188,22 @@ def _train(cfg: Any, label: str, echo: Any) -> dict[str, Any]:
     return summary
 
 
-def _finished_summary(run: Path, steps: int) -> dict[str, Any] | None:
-    """``run``'s ``summary.json`` when its training reached ``steps`` (read through its schema; its
-    checkpoint confined to the run's own ``checkpoints/``: ``loopformer.runs.records.finished_summary``)."""
-    from loopformer.runs.records import finished_summary
-
-    summary = finished_summary(run, steps)
-    if summary is None:
-        return None
-    summary.setdefault("wall_time", 0.0)
-    if summary["wall_time"] is None:
-        summary["wall_time"] = 0.0
-    return summary
-
-
-def _run_lm(out: Path, label: str, main_run: Any, base_summary: dict[str, Any] | None, base_cfg: Any,
-            dataset: Any, echo: Any) -> None:
-    """A task without a validator (text): both models scored by held-out loss and bits per byte."""
-    from loopformer.eval.report import write_json
-
-    runs = {label: main_run}
-    if base_summary is not None:
-        runs[f"baseline ({base_cfg.model.name})"] = load_run(base_summary["checkpoint"], use_ema=base_cfg.eval.use_ema,
-                                                             device=str(model_device(main_run.model)))
-    results = {}
-    for name, r in runs.items():
-        lm = evaluate_lm(r.model, r.task, dataset, loop=r.loop_eval, batch_size=r.config.eval.batch_size,
-                         seed=r.config.seed)
-        results[name] = {"checkpoint": str(r.path), **lm.to_dict()}
-        echo(f"[bold]{name}[/bold]: held-out loss {lm.loss:.4f} nats/token, bits per byte {lm.bits_per_byte:.4f}")
-    write_json(out / "summary.json", {"task": task_description(main_run.config), "model": label, "results": results,
-                                      "heldout": heldout_record(main_run.config, dataset)})
-    echo(f"summary: {out / 'summary.json'}")
-
-
 def run_folder_for(out_dir: str | Path | None, overwrite: bool, resume: bool = False) -> Path:
     """The folder of a ``loopformer run``: ``--out`` (refused when it holds a previous run, unless
-    ``overwrite`` or ``resume``), else a new ``runs/<timestamp>`` (``-2``, ``-3``... when that name is taken)."""
+    ``overwrite`` or ``resume``, or something other than a previous run), else a new ``runs/<timestamp>``
+    (``-2``, ``-3``... when that name is taken)."""
+    from loopformer.commands.common import check_job_folder
     from loopformer.runs.folder import RunFolderError, holds_run
 
     if resume and (not out_dir or overwrite):
         raise click.UsageError("--resume continues the run in --out: give --out, and not --overwrite")
     if out_dir:
         out = Path(out_dir)
-        if out.exists() and not out.is_dir():
-            raise RunFolderError(f"--out {out} is a file, not a folder: name a folder to write into")
-        _refuse_foreign_folder(out)
+        previous = out.is_dir() and ((out / "summary.json").is_file() or holds_run(out / "model")
+                                     or holds_run(out / "baseline"))  # fmt: skip
+        check_job_folder(out, "`loopformer run`", previous, own=("model", "baseline"))
         if resume and not (holds_run(out / "model") or holds_run(out / "baseline")):
             raise RunFolderError(f"--resume: {out} holds no `loopformer run` to continue (no model/ checkpoints)")
-        previous = (out / "summary.json").is_file() or holds_run(out / "model") or holds_run(out / "baseline")
         if previous and not overwrite and not resume:
             raise RunFolderError(f"{out} holds a previous `loopformer run`; pass another --out, leave --out "
                                  f"out for a new runs/<timestamp> folder, or replace it with --overwrite")
@@ -259,45 +219,15 @@ def run_folder_for(out_dir: str | Path | None, overwrite: bool, resume: bool = F
             out = stamp.with_name(f"{stamp.name}-{n}")
 
 
-def _refuse_foreign_folder(out: Path) -> None:
-    """Refuse, before anything is created, an ``--out`` that is or lies in a training run's folder, or
-    that holds something other than a previous ``loopformer run`` (a dataset, another run below it)."""
-    from loopformer.runs.folder import (
-        LOCK_NAME,
-        RunFolderError,
-        holds_run,
-        nested_run,
-        run_at_or_above,
-        training_run,
-    )
-
-    found = run_at_or_above(out)
-    if found is not None:
-        raise RunFolderError(f"--out {out} is or lies in the training run {found}; `loopformer run` writes a "
-                             f"folder of its own: choose another --out")  # fmt: skip
-    if not out.is_dir():
-        return
-    previous = (out / "summary.json").is_file() or holds_run(out / "model") or holds_run(out / "baseline")
-    for child in sorted(out.iterdir()):  # a run of its own (model/, baseline/) is fine; any other is not
-        if child.is_dir() and not child.is_symlink() and child.name not in ("model", "baseline"):
-            nested = child if training_run(child) else nested_run(child)
-            if nested is not None:
-                raise RunFolderError(f"--out {out} holds the training run {nested}; choose a new or empty --out")
-    others = sorted(p.name for p in out.iterdir() if p.name != LOCK_NAME)
-    if others and not previous:
-        raise RunFolderError(f"--out {out} is not empty ({', '.join(others[:3])}) and holds no earlier "
-                             f"`loopformer run`; choose a new or empty --out")  # fmt: skip
-
-
 @click.command("run")
 @click.option("--recipe", "-r", default=DEFAULT_RECIPE, show_default=True, help="recipe name (in recipes/) or path")
-@click.option("--out", "-o", "out_dir", type=PATH, default=None, help="run folder (default: a new runs/<timestamp>)")
-@click.option("--overwrite", is_flag=True, help="replace the previous run in --out (each model's folder swapped in whole once "
-              "its first checkpoint is written)")
+@out_option("run folder (default: a new runs/<timestamp>)")
+@overwrite_option("replace the previous run in --out (each model's folder swapped in whole once its first "
+                  "checkpoint is written)")
 @click.option("--resume", is_flag=True, help="continue the run in --out after an interruption (SIGTERM, "
               "Ctrl-C): each model resumes from its latest checkpoint, a finished one is kept")
 @device_option()
-@click.option("--print-config", is_flag=True, help="print the resolved configurations (YAML) and exit")
+@print_config_option("print the resolved configurations (YAML) and exit")
 @click.argument("overrides", nargs=-1)
 def run(recipe: str, out_dir: Path | None, overwrite: bool, resume: bool, overrides: tuple[str, ...], device: str,
         print_config: bool) -> None:
@@ -323,15 +253,11 @@ def run(recipe: str, out_dir: Path | None, overwrite: bool, resume: bool, overri
         if base_cfg is not None:
             click.echo("---\n# the baseline\n" + print_config_yaml(base_cfg), nl=False)
         return
-    with contextlib.ExitStack() as stack:
-        _run(recipe, out_dir, overwrite, overrides, dev, stack, resume)
-
-
-def _run(recipe: str, out_dir: Path | None, overwrite: bool, overrides: tuple[str, ...], dev: Any,
-         stack: contextlib.ExitStack, resume: bool = False) -> None:  # fmt: skip
     from rich.console import Console
 
     from loopformer.commands.common import resume_hint
+    from loopformer.files import check_inside
+    from loopformer.nn import autocast
     from loopformer.train.stop import TrainingInterrupted
 
     console = Console(highlight=False)
@@ -343,69 +269,99 @@ def _run(recipe: str, out_dir: Path | None, overwrite: bool, overrides: tuple[st
     # every override checked (as `train` checks them) before a run folder is claimed or anything written
     build_run_configs(recipe, overrides, Path(out_dir or "runs/<timestamp>"))
     out = run_folder_for(out_dir, overwrite, resume)
-    from loopformer.files import check_inside
-
     for part in ("model", "baseline", "plots"):  # the folders `run` owns in OUT: never through a link
         check_inside(out / part / "x", out)
     main_cfg, base_cfg, section, base_desc = build_run_configs(recipe, overrides, out)
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
     try:
-        main_summary = _train(main_cfg, "the looped model", console.print)
-        base_summary = _train(base_cfg, "the baseline", console.print) if base_cfg is not None else None
+        trained = [_train(main_cfg, "the looped model", console.print)]
+        if base_cfg is not None:
+            trained.append(_train(base_cfg, "the baseline", console.print))
     except TrainingInterrupted as err:  # SIGTERM / SIGINT: checkpointed and unlocked; say how to go on
         kept = [o for o in given if o.split("=", 1)[0] not in ("train.resume", "train.overwrite")]
         resume_hint(err, ["loopformer", "run", "-r", recipe, *kept, "-o", str(out), "--resume"])
+    with autocast(dev, main_cfg.bf16):  # evaluate in the precision the run trained in
+        summary = _evaluate_job(out, [c for c in (main_cfg, base_cfg) if c is not None], trained, section, base_desc, dev, console.print)
+    if summary is not None:
+        from loopformer.eval.report import write_json
 
-    stack.enter_context(autocast(dev, main_cfg.bf16))  # evaluate in the precision the run trained in
-    main_run = load_run(main_summary["checkpoint"], use_ema=main_cfg.eval.use_ema, device=str(dev))
+        summary.update(wall_time=round(time.perf_counter() - t_start, 1), recipe=str(_recipe_path(recipe)),
+                       overrides=list(overrides))  # fmt: skip
+        write_json(out / "summary.json", summary)
+        console.print(f"report: {summary['report']}   plots: {out / 'plots'}   summary: {out / 'summary.json'}")
+
+
+def _recipe_path(recipe: str) -> Path:
+    from loopformer.config import find_recipe
+
+    return find_recipe(recipe)
+
+
+def _evaluate_job(out: Path, configs: list[Any], trained: list[dict[str, Any]], section: RunSection,
+                  base_desc: str, dev: Any, echo: Any) -> dict[str, Any] | None:  # fmt: skip
+    """Both trained models on the looped model's held-out set: the report (``loopformer.eval.suite``) and
+    what ``summary.json`` records (returned; None for a text job, whose summary is written here: held-out loss
+    and bits per byte of each model)."""
+    from loopformer.eval.report import accuracy_table, describe_loop, write_json
+    from loopformer.eval.suite import ModelUnderTest, ReportOptions, run_suite, spearman_text
+    from loopformer.runs import eval_dataset, load_run, training_depth
+    from loopformer.runs.fingerprint import heldout_record
+
+    runs = [load_run(summary["checkpoint"], use_ema=cfg.eval.use_ema, device=str(dev))
+            for cfg, summary in zip(configs, trained)]  # fmt: skip
+    main_cfg, main_run = configs[0], runs[0]
     dataset = eval_dataset(main_run.task, main_run.config)
-    main_label = main_cfg.model.name
-    if not main_run.task.has_validator:  # language modelling: held-out loss and bits per byte
-        _run_lm(out, main_label, main_run, base_summary, base_cfg, dataset, console.print)
-        return
-    main = ModelUnderTest(main_label, main_run.model, main_run.loop_eval, training_depth(main_run),
-                          segments=main_run.config.eval.segments, seed=main_run.config.seed)
-    baselines = []
-    base_run = None
-    if base_summary is not None:
-        base_run = load_run(base_summary["checkpoint"], use_ema=base_cfg.eval.use_ema, device=str(dev))
-        baselines.append(ModelUnderTest(f"baseline ({base_cfg.model.name})", base_run.model, base_run.loop_eval,
-                                        segments=base_run.config.eval.segments, seed=base_run.config.seed))
-    options = SuiteOptions(
-        budgets=section.budgets, budget_mode=section.budget_mode, lens_loops=section.lens_loops,
-        signal_loops=section.signal_loops, spectral=section.spectral, analysis_examples=section.analysis_examples,
-        batch_size=main_cfg.eval.batch_size, progress=True,
-    )
-    params = {main_label: main_summary.get("parameters")}
-    if base_summary is not None:
-        params[baselines[0].label] = base_summary.get("parameters")
+    label = main_cfg.model.name
+    labels = [label, *(f"baseline ({c.model.name})" for c in configs[1:])]
+    if not main_run.task.has_validator:  # language modelling: held-out loss and bits per byte, no report
+        from loopformer.eval.evaluate import evaluate_lm
+
+        results = {}
+        for name, r in zip(labels, runs):
+            lm = evaluate_lm(r.model, r.task, dataset, loop=r.loop_eval, batch_size=r.config.eval.batch_size,
+                             seed=r.config.seed)  # fmt: skip
+            results[name] = {"checkpoint": str(r.path), **lm.to_dict()}
+            echo(f"[bold]{name}[/bold]: held-out loss {lm.loss:.4f} nats/token, bits per byte {lm.bits_per_byte:.4f}")
+        write_json(out / "summary.json", {"task": task_description(main_cfg), "model": label, "results": results,
+                                          "heldout": heldout_record(main_run.config, dataset)})  # fmt: skip
+        echo(f"summary: {out / 'summary.json'}")
+        return None
+    main = ModelUnderTest.from_run(main_run, label, training_depth(main_run))
+    baselines = [ModelUnderTest.from_run(r, name) for name, r in zip(labels[1:], runs[1:])]
+    options = ReportOptions(budgets=section.budgets, budget_mode=section.budget_mode, lens_loops=section.lens_loops,
+                            signal_loops=section.signal_loops, spectral=section.spectral,
+                            analysis_examples=section.analysis_examples, batch_size=main_cfg.eval.batch_size)  # fmt: skip
+    params = {name: summary.get("parameters") for name, summary in zip(labels, trained)}
+    walls = [f"{label} {trained[0]['wall_time']} s", *(f"baseline {s['wall_time']} s" for s in trained[1:])]
     notes = [
         *([f"Baseline: {base_desc}."] if base_desc else []),
         f"Task: {task_description(main_cfg)}; {len(dataset)} held-out examples.",
         "Parameters: " + ", ".join(f"{k} {v:,}" for k, v in params.items() if v is not None) + ".",
         f"Training: {main_cfg.train.steps} steps of batch {main_cfg.train.batch_size} for each model "
-        f"(wall time: {main_label} {main_summary['wall_time']} s"
-        + (f", baseline {base_summary['wall_time']} s" if base_summary else "") + ").",
+        f"(wall time: {', '.join(walls)}).",
     ]
-    suite = run_suite(
-        out, section.title or f"loopformer run: {main_label} ({describe_loop(main.loop)}) vs "
-        f"{baselines[0].label if baselines else 'no baseline'} on {main_cfg.data.task}",
-        main_run.task, dataset, main, baselines, options, notes=notes, log=lambda m: console.print(f"  {m}"),
-        extra={"heldout": heldout_record(main_run.config, dataset)},  # what compare checks reports agree on
-    )
-    results = suite["results"]
-    r_main = results[main_label]
-    r_base = results[baselines[0].label] if baselines else None
-    stats = suite["difficulty"][main_label]
-    summary = {
+    title = section.title or (f"loopformer run: {label} ({describe_loop(main.loop)}) vs "
+                              f"{labels[1] if baselines else 'no baseline'} on {main_cfg.data.task}")  # fmt: skip
+    suite = run_suite(out, title, main_run.task, dataset, main, baselines, options, notes=notes, log=echo,
+                      extra={"heldout": heldout_record(main_run.config, dataset)})  # what compare checks reports agree on
+    results, stats, eh = suite["results"], suite["difficulty"][label], suite["easy_hard"]
+    r_main, r_base = results[label], results[labels[1]] if baselines else None
+    echo("")
+    echo(accuracy_table(results))
+    echo(f"[bold]held-out accuracy[/bold] (independent validator): {label} {100 * r_main.valid_accuracy:.1f}%"
+         + (f", baseline {100 * r_base.valid_accuracy:.1f}% ({base_desc})" if r_base else ""))
+    echo(f"[bold]mean loop steps[/bold]: easy (difficulty <= {eh['split_difficulty']:g}) "
+         f"{eh['easy_mean_steps']:.2f}, hard {eh['hard_mean_steps']:.2f}; {spearman_text(stats)}")
+    echo(f"checkpoint: {main_run.path}")
+    return {
         "task": task_description(main_cfg),
-        "model": main_label,
+        "model": label,
         "heldout_accuracy": r_main.valid_accuracy,
         "heldout_exact_accuracy": r_main.exact_accuracy,
         "heldout_token_accuracy": r_main.token_accuracy,
         "baseline": base_desc or None,
-        "baseline_model": base_cfg.model.name if base_cfg is not None else None,
+        "baseline_model": configs[1].model.name if baselines else None,
         "baseline_accuracy": r_base.valid_accuracy if r_base else None,
         "baseline_exact_accuracy": r_base.exact_accuracy if r_base else None,
         "heldout_examples": len(dataset),
@@ -413,28 +369,11 @@ def _run(recipe: str, out_dir: Path | None, overwrite: bool, overrides: tuple[st
         "mean_steps": r_main.mean_steps,
         "mean_steps_by_difficulty": stats.mean_steps_by_difficulty(),
         "steps_difficulty_spearman": {"rho": stats.spearman_rho, "p": stats.spearman_p},
-        "easy_hard_steps": suite["easy_hard"],
+        "easy_hard_steps": eh,
         "checkpoint": str(main_run.path),
-        "baseline_checkpoint": str(base_run.path) if base_run else None,
+        "baseline_checkpoint": str(runs[1].path) if baselines else None,
         "report": str(suite["report"]),
         "metrics": str(suite["metrics"]),
         "plots": {k: str(v) for k, v in suite["plots"].items()},
-        "train_wall_time": {main_label: main_summary["wall_time"],
-                            **({"baseline": base_summary["wall_time"]} if base_summary else {})},
-        "wall_time": round(time.perf_counter() - t_start, 1),
-        "recipe": str(find_run_recipe(recipe)),
-        "overrides": list(overrides),
+        "train_wall_time": {label: trained[0]["wall_time"], **({"baseline": trained[1]["wall_time"]} if baselines else {})},
     }
-    from loopformer.eval.report import write_json
-
-    write_json(out / "summary.json", summary)
-    console.print()
-    console.print(accuracy_table(results))
-    eh = suite["easy_hard"]
-    console.print(f"[bold]held-out accuracy[/bold] (independent validator): {main_label} "
-                  f"{100 * r_main.valid_accuracy:.1f}%"
-                  + (f", baseline {100 * r_base.valid_accuracy:.1f}% ({base_desc})" if r_base else ""))
-    console.print(f"[bold]mean loop steps[/bold]: easy (difficulty <= {eh['split_difficulty']:g}) "
-                  f"{eh['easy_mean_steps']:.2f}, hard {eh['hard_mean_steps']:.2f}; {spearman_text(stats)}")
-    console.print(f"checkpoint: {main_run.path}")
-    console.print(f"report: {suite['report']}   plots: {out / 'plots'}   summary: {out / 'summary.json'}")

@@ -17,43 +17,13 @@ from typing import Any
 import click
 import numpy as np
 
-from loopformer.api import format_answer
+from loopformer.api import check_givens, format_answer, parse_puzzle
 from loopformer.api import solve as solve_puzzle
-from loopformer.devices import device_option, resolve_device
+from loopformer.commands.common import device_option, ema_option, json_option
+from loopformer.devices import resolve_device
 from loopformer.numerics import NumericalFaultError
 from loopformer.runs import load_run
-from loopformer.tasks.base import Task, TaskDataError
-
-
-def parse_puzzle(task: Task, text: str) -> np.ndarray:
-    """Input tokens [T] for one puzzle given as text (``Task.parse_grid``)."""
-    return np.asarray(task.parse_grid(text, "puzzle"), dtype=np.int64).reshape(-1)
-
-
-def check_givens(task: Task, tokens: np.ndarray) -> dict[str, Any]:
-    """What the task's exact solver says about the puzzle itself, before any model runs:
-    ``{"status": "solvable" | "contradictory" | "unsolvable" | "not unique" | "unchecked", "detail": str | None}``
-    (Sudoku: duplicated givens, then a solution count up to 2; maze: a unique start / goal joined by a path)."""
-    conflict = task.find_conflict(tokens)
-    if conflict:
-        return {"status": "contradictory", "detail": f"the givens contradict each other: {conflict}"}
-    n = task.count_solutions(tokens, limit=2)
-    if n is not None:
-        if n == 0:
-            return {
-                "status": "unsolvable",
-                "detail": "the givens admit no solution (the exact solver found none)",
-            }
-        if n > 1:
-            return {"status": "not unique", "detail": "the givens admit more than one solution"}
-        return {"status": "solvable", "detail": None}
-    length = task.shortest_path_length(tokens)
-    if length is not None:
-        if length < 0:
-            return {"status": "unsolvable", "detail": "no path joins a unique start S to a unique goal G"}
-        return {"status": "solvable", "detail": None}
-    return {"status": "unchecked", "detail": None}
-
+from loopformer.tasks.base import Task
 
 # solve --json: schema (str), task, puzzle, solution (str | null: not a well-formed grid), solution_tokens (list[int] | null), valid (bool),
 # steps (int | null), trajectory (list[str | null] | null), trajectory_tokens (list[list[int]] | null), checkpoint,
@@ -88,11 +58,9 @@ def solve_record(**values: Any) -> dict[str, Any]:
 @click.option(
     "--checkpoint", "-c", required=True, help="run folder, checkpoints/ folder or checkpoint folder"
 )
-@click.option("--json", "as_json", is_flag=True, help="print one JSON object (solution, valid, steps, ...)")
+@json_option("print one JSON object (solution, valid, steps, ...)")
 @click.option("--max-steps", type=int, default=None, help="cap on loops (default: the run's evaluation loop)")
-@click.option(
-    "--ema/--no-ema", default=True, show_default=True, help="use the EMA weights when the checkpoint has them"
-)
+@ema_option()
 @click.option("--all-loops", is_flag=True, help="print every loop, not only those where the answer changed")
 @click.option(
     "--puzzle-id",
@@ -145,9 +113,7 @@ def solve(
             click.echo(json.dumps(solve_record(task=task_name, puzzle=puzzle, valid=False, error=str(err))))
         raise
     task = run.task
-    tokens = parse_puzzle(task, puzzle)
-    if task.seq_len and tokens.size != task.seq_len:
-        raise TaskDataError(f"the puzzle has {tokens.size} tokens, the model's task expects {task.seq_len}")
+    tokens = parse_puzzle(task, puzzle)  # the task's notation, its vocabulary and length checked
     from loopformer.config.checks import check_trajectory
 
     loops = (max_steps or int(run.loop_eval.max_steps)) * max(int(run.config.eval.segments), 1)
@@ -162,13 +128,11 @@ def solve(
     }
     try:
         solution = solve_puzzle(run, tokens, max_steps=max_steps, puzzle_id=puzzle_id)
-        frames, final = solution.trajectory, solution.tokens
     except NumericalFaultError as err:
         if as_json:
             click.echo(json.dumps(solve_record(**common, valid=False, error=str(err))))
         raise
-    valid = bool(task.check(tokens, final))
-    steps = len(frames)
+    frames, valid, steps = solution.trajectory, solution.valid, solution.steps
     if as_json:
         click.echo(json.dumps(solve_record(**{**solution.to_dict(), **common, "valid": valid})))
         return

@@ -35,7 +35,7 @@ from typing import Any
 
 import click
 
-from loopformer.commands.common import PATH, safe_name
+from loopformer.commands.common import budgets_option, device_option, out_option
 
 EVAL_PREFIXES = ("loop_eval.", "eval.")
 
@@ -104,6 +104,8 @@ def short_keys(keys: list[str]) -> dict[str, str]:
 
 
 def _label(pairs: list[tuple[str, str]], short: dict[str, str]) -> str:
+    from loopformer.api import safe_name
+
     return safe_name(",".join(f"{short[k]}={v}" for k, v in pairs))
 
 
@@ -137,15 +139,9 @@ def point_command(recipe: str, folder: Path, point: Point, budgets: str | None =
     return [train, evaluate + (["--max-steps", budgets] if budgets else [])]
 
 
-def _finished(run: Path, steps: int) -> bool:
-    """Whether ``run``'s training reached ``steps`` (its ``summary.json``, read through its schema)."""
-    from loopformer.runs.records import finished_summary
-
-    return finished_summary(run, steps) is not None
-
-
 def _same_config(run: Path, cfg: Any) -> str | None:
-    """None when ``run``'s recorded config matches ``cfg``; else the first differing key."""
+    """None when ``run``'s recorded config matches ``cfg`` (before the trainer resolves the model's fields from
+    the task, so only the keys ``cfg`` sets are compared); else the first differing key."""
     from loopformer.config import load_config_file, to_dict
     from loopformer.plugins import reading_data
 
@@ -168,28 +164,22 @@ def _same_config(run: Path, cfg: Any) -> str | None:
 def check_points(recipe: str, folder: Path, points: list[Point], budgets: list[int], device: str) -> None:
     """Every point's training config (``train``'s checks) and its evaluation overrides and loop budgets
     (``eval``'s, ``loopformer.config.checks``), before the sweep folder is created or a point trained."""
-    from loopformer.commands.run import find_run_recipe
-    from loopformer.config import build_config, read_recipe
+    from loopformer.commands.run import training_config
     from loopformer.config.checks import check_loop_counts, run_config_for
     from loopformer.devices import resolve_device
 
-    raw = read_recipe(find_run_recipe(recipe))
-    raw.pop("run", None)
     dev = str(resolve_device(device))
     for point in points:
-        cfg = build_config(raw, point.train, out_dir=folder / point.run)
-        evaluated = run_config_for(cfg, point.evaluate, device=dev)
+        evaluated = run_config_for(training_config(recipe, point.train, folder / point.run), point.evaluate, device=dev)
         check_loop_counts(evaluated, {"--max-steps": budgets}, dev)
 
 
 def _train_point(recipe: str, run: Path, point: Point, echo: Any) -> None:
-    from loopformer.commands.run import find_run_recipe
-    from loopformer.config import build_config, read_recipe
+    from loopformer.commands.run import training_config
+    from loopformer.runs.records import finished_summary
     from loopformer.train.trainer import Trainer
 
-    raw = read_recipe(find_run_recipe(recipe))
-    raw.pop("run", None)
-    cfg = build_config(raw, point.train, out_dir=run)
+    cfg = training_config(recipe, point.train, run)
     if (run / "config.json").is_file():
         differs = _same_config(run, cfg)
         if differs is not None:
@@ -197,10 +187,10 @@ def _train_point(recipe: str, run: Path, point: Point, echo: Any) -> None:
                 f"{run} was trained with another {differs} than this sweep asks for; "
                 "sweep into another folder (or remove that point)"
             )
-        if _finished(run, cfg.train.steps):
+        if finished_summary(run, cfg.train.steps) is not None:  # read through its schema
             echo(f"{point.run}: finished earlier, not trained again")
             return
-        cfg = build_config(raw, [*point.train, "train.resume=true"], out_dir=run)
+        cfg = training_config(recipe, [*point.train, "train.resume=true"], run)
     echo(f"{point.run}: training {cfg.model.name} for {cfg.train.steps} steps -> {run}")
     Trainer(cfg).fit()
 
@@ -239,25 +229,14 @@ def _report_differs(report: Path, point: Point, budgets: list[int], analyses: bo
 def check_sweep_folder(folder: Path, recipe: str, axes: dict[str, Any], fixed: dict[str, Any]) -> None:
     """Refuse a sweep folder that is a file, lies in a training run's folder, is one, or holds
     something other than this sweep (another sweep's ``sweep.json``, a dataset, a report)."""
-    from loopformer.runs.folder import LOCK_NAME, RunFolderError, run_at_or_above
-
-    if folder.exists() and not folder.is_dir():
-        raise RunFolderError(f"--out {folder} is a file, not a folder: name a folder to write into")
-    found = run_at_or_above(folder)
-    if found is not None:
-        raise RunFolderError(f"--out {folder} is or lies in the training run {found}; a sweep writes "
-                             f"a folder of its own: choose another --out")  # fmt: skip
-    if not folder.is_dir():
-        return
-    record = folder / "sweep.json"
-    if not record.is_file():
-        others = sorted(p.name for p in folder.iterdir() if p.name != LOCK_NAME)
-        if others:
-            raise RunFolderError(f"--out {folder} is not empty ({', '.join(others[:3])}) and holds no "
-                                 f"earlier sweep; choose a new or empty folder")  # fmt: skip
-        return
+    from loopformer.commands.common import check_job_folder
     from loopformer.eval.compare import read_sweep
+    from loopformer.runs.folder import RunFolderError
 
+    record = folder / "sweep.json"
+    check_job_folder(folder, "sweep", record.is_file())
+    if not record.is_file():
+        return
     old = read_sweep(folder)  # through its schema: a malformed file is one line naming the field
     if (old.get("recipe"), old.get("axes"), old.get("fixed")) != (recipe, axes, fixed):
         raise RunFolderError(
@@ -270,32 +249,24 @@ def check_sweep_folder(folder: Path, recipe: str, axes: dict[str, Any], fixed: d
 @click.command("sweep")
 @click.argument("recipe")
 @click.argument("grid", nargs=-1, required=True)
-@click.option("--out", "-o", "out_dir", type=PATH, required=True, help="the sweep folder (one run folder per point)")
-@click.option("--max-steps", "max_steps", default=None, metavar="B1,B2,...",
-              help="loop budgets of each point's accuracy-vs-budget curve, e.g. 1,2,4,8")  # fmt: skip
+@out_option("the sweep folder (one run folder per point)", required=True)
+@budgets_option("loop budgets of each point's accuracy-vs-budget curve, e.g. 1,2,4,8")
 @click.option("--analyses/--no-analyses", default=False, show_default=True,
               help="logit lens, signal propagation and spectral radius in every report")  # fmt: skip
-@click.option(
-    "--device",
-    default="auto",
-    show_default=True,
-    help="where each point is evaluated: auto | cpu | cuda | cuda:N (training: the recipe's device key)",
-)
-def sweep(recipe: str, grid: tuple[str, ...], out_dir: Path, max_steps: str | None, analyses: bool,
-          device: str) -> None:  # fmt: skip
+@device_option("where each point is evaluated (training: the recipe's device key)")
+def sweep(recipe: str, grid: tuple[str, ...], out_dir: Path, budgets: list[int], analyses: bool, device: str) -> None:
     """Run RECIPE over a grid, e.g. loop_eval.solver=damped,anderson train.lr=1e-3,3e-4; compare the points.
 
     GRID: key=a,b,c arguments are axes (their cartesian product is run in turn); key=value ones apply to
     every point. Points that differ only in loop_eval.* / eval.* share one training run. Resumable:
     finished points are skipped. The comparison (table + plots) goes to OUT/compare/.
     """
-    from loopformer.commands.common import parse_int_list
     from loopformer.files import missing_parts, remove_empty
 
     axes, fixed = parse_grid(grid)
     if not axes:
         raise click.BadParameter("no axis: give at least one key=a,b,... argument", param_hint="GRID")
-    budgets = parse_int_list(max_steps, "--max-steps")
+    max_steps = ",".join(map(str, budgets)) or None  # as given, for the points' commands and the resume hint
     points = grid_points(axes, fixed)
     folder = Path(out_dir)
     check_sweep_folder(folder, recipe, axes, fixed)  # before anything is written
@@ -311,9 +282,11 @@ def sweep(recipe: str, grid: tuple[str, ...], out_dir: Path, max_steps: str | No
 def _sweep(recipe: str, grid: tuple[str, ...], folder: Path, axes: dict[str, Any], fixed: list[str],
            points: list[Point], budgets: list[int], max_steps: str | None, analyses: bool, device: str) -> None:  # fmt: skip
     """The sweep itself, in its locked folder (see the module docstring)."""
-    from loopformer.commands.common import resume_hint
-    from loopformer.commands.compare import compare_into
-    from loopformer.commands.train_eval import evaluate_checkpoint
+    from rich.console import Console
+
+    from loopformer.api import compare_reports, evaluate_checkpoint
+    from loopformer.commands.common import print_comparison, resume_hint
+    from loopformer.eval.suite import ReportOptions
     from loopformer.files import atomic_write_json, check_inside
     from loopformer.runs.folder import RunLock
     from loopformer.train.stop import TrainingInterrupted
@@ -348,9 +321,11 @@ def _sweep(recipe: str, grid: tuple[str, ...], folder: Path, axes: dict[str, Any
                 continue
             if why:
                 click.echo(f"{point.name}: report {report} was written {why}; evaluating again")
-            evaluate_checkpoint(run, point.evaluate, budgets, analyses=analyses, out_dir=report, device=device,
-                                overwrite=True)  # fmt: skip
+            options = ReportOptions(budgets=budgets, analyses=analyses, overrides=point.evaluate, device=device,
+                                    out_dir=report, overwrite=True)  # fmt: skip
+            evaluate_checkpoint(run, options, log=Console(highlight=False).print)
         reports = [folder / p.run / p.report for p in points]
-        written = compare_into(folder / "compare", reports, f"sweep of {recipe}: {', '.join(axes)}", True,
-                               [p.name for p in points], root=folder)  # fmt: skip
-    click.echo(f"comparison: {written['markdown']}  plots: {folder / 'compare' / 'plots'}")
+        compare_reports(folder / "compare", reports, f"sweep of {recipe}: {', '.join(axes)}", True,
+                        [p.name for p in points], root=folder)  # fmt: skip
+    print_comparison(folder / "compare")
+    click.echo(f"comparison: {folder / 'compare' / 'comparison.md'}  plots: {folder / 'compare' / 'plots'}")

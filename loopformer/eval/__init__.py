@@ -1,41 +1,13 @@
-"""Evaluation and loop analyses: validator accuracy, test-time compute, adaptivity, logit lens,
-overthinking, signal propagation, Jacobian spectral radius; plots and reports."""
+"""Evaluation and loop analyses; importing the package loads none of its modules (the trainer needs only
+``evaluate`` and ``authors``, never scipy or matplotlib).
 
-from loopformer.eval.analysis import (
-    LoopCurve,
-    SignalCurve,
-    logit_lens,
-    logit_margin,
-    overthinking,
-    signal_propagation,
-    spectral_radius,
-    spectral_radius_at_fixed_point,
-    trace_loops,
-)
-from loopformer.eval.budget import (
-    BudgetCurve,
-    DifficultyStats,
-    accuracy_vs_budget,
-    steps_vs_difficulty,
-    with_budget,
-)
-from loopformer.eval.evaluate import EvalResult, evaluate
-
-__all__ = [
-    "BudgetCurve",
-    "DifficultyStats",
-    "EvalResult",
-    "LoopCurve",
-    "SignalCurve",
-    "accuracy_vs_budget",
-    "evaluate",
-    "logit_lens",
-    "logit_margin",
-    "overthinking",
-    "signal_propagation",
-    "spectral_radius",
-    "spectral_radius_at_fixed_point",
-    "steps_vs_difficulty",
-    "trace_loops",
-    "with_budget",
-]
+- ``evaluate``: the one evaluation path (``evaluate``: validator accuracy; ``evaluate_lm``: loss and bits
+  per byte), predictions, ARC pass@k, ``EvalComm`` (how ranks share an evaluation).
+- ``authors``: the Attractor puzzle authors' evaluation protocol (``eval.protocol``).
+- ``budget``: test-time compute curves, steps vs difficulty.
+- ``analysis``: logit lens, overthinking, signal propagation, the Jacobian's spectral radius.
+- ``auto_solver``: ``loopformer eval --auto-solver``, the fastest solver at the trained accuracy.
+- ``suite`` / ``report`` / ``plots``: the evaluation report (``ReportOptions``, ``run_suite``), its
+  report.md and metrics.json, its figures.
+- ``compare``: one table and overlay plots across reports, eval variants and sweeps.
+"""

@@ -4,14 +4,16 @@
   through the model's own readout (final norm + head), through the engine's
   ``callback(t, z_active, active_idx)``; per loop: token / exact / validator accuracy and, for
   knowledge-graph queries, the rank of the bridge entity's logit (0 = top) at a chosen position.
-- Overthinking (arXiv 2604.07822): the logit margin (correct logit minus the best other logit) at the
-  answer positions and the accuracy vs inference loops, run past the training depth.
+- Overthinking (arXiv 2604.07822): the logit lens's logit margin (correct logit minus the best other
+  logit) at the answer positions and its accuracy vs inference loops, run past the training depth
+  (``logit_lens(..., train_depth=)`` marks it).
 - Signal propagation (arXiv 2606.18206, FPRM's motivation): the state's RMS norm ``sqrt(mean z^2)`` and
   the update norm ``||z_{t+1} - z_t||`` (absolute and relative to ``||z_t||``) per loop.
 - Spectral radius of ``J = d step / dz`` at the (approximate) fixed point by power iteration with
   Jacobian-vector products (``torch.func.jvp``) or vector-Jacobian products (``J^T`` has the same
   spectrum). arXiv 2606.18206 (Theorem 3): damping matters when eigenvalues leave the unit circle.
-  It lives in :mod:`loopformer.eval.spectral` and is re-exported here.
+- The logit lens of a language model (a task without a validator): every loop's readout scored as a
+  language model (bits per byte, token accuracy, logit margin per loop: ``LMLoopCurve``).
 
 All per-loop readouts force the ``fixed`` halting rule by default, so every sample is read at every
 loop; a sample that halts earlier under another rule keeps its last readout. ``segments`` (default 1)
@@ -21,19 +23,19 @@ does (``eval.segments``); the curves then cover ``segments * loops`` loops.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from collections.abc import Callable, Iterator, Sequence
+import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from loopformer.eval.budget import with_budget
-from loopformer.eval.evaluate import batch_tensors, iter_batches, model_device, score_predictions
-from loopformer.eval.spectral import spectral_radius, spectral_radius_at_fixed_point, spectral_radius_summary
+from loopformer.eval.evaluate import batch_tensors, eval_mode, iter_batches, score_predictions
 from loopformer.loop import LoopConfig
 from loopformer.models.base import LoopedModel
 from loopformer.tasks.base import IGNORE_INDEX, Task, TokenDataset
@@ -130,6 +132,21 @@ class LoopCurve:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+@dataclass
+class LMLoopCurve:
+    """Per-loop language-modelling metrics of the logit lens (index 0 is loop 1)."""
+
+    loops: list[int]
+    bits_per_byte: list[float]
+    loss: list[float]  # nats per labelled token
+    token_accuracy: list[float]
+    margin: list[float]  # mean (correct logit - best other logit) at the labelled positions
+    train_depth: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
 def logit_margin(logits: Tensor, labels: Tensor) -> Tensor:
     """Correct logit minus the best other logit at every labelled position; [B, T], nan elsewhere."""
     mask = labels != IGNORE_INDEX
@@ -154,19 +171,6 @@ def _answer_positions(labels: np.ndarray) -> np.ndarray:
     if not mask.any(axis=1).all():
         raise ValueError("some rows have no labelled position to read the bridge token at")
     return mask.shape[1] - 1 - np.argmax(mask[:, ::-1], axis=1)
-
-
-@contextlib.contextmanager
-def _eval_mode(model: LoopedModel, device: torch.device | str | None) -> Iterator[torch.device]:
-    """``model`` on ``device`` (default: where it is) in eval mode; its training mode restored on exit."""
-    device = torch.device(device) if device is not None else model_device(model)
-    model.to(device)
-    was_training = model.training
-    model.eval()
-    try:
-        yield device
-    finally:
-        model.train(was_training)
 
 
 def _ratio(a: np.ndarray, b: np.ndarray | float) -> list[float]:
@@ -200,12 +204,14 @@ def _bridge_targets(
 
 
 class _LensTally:
-    """The logit lens's per-loop sums over batches (index k is loop k + 1)."""
+    """The logit lens's per-loop sums over batches (index k is loop k + 1); for a language model (a task
+    without a validator) the cross-entropy, summed in float64, instead of the validator's verdicts."""
 
-    KEYS = ("right", "count", "exact", "valid", "margin", "margin_n", "rank", "top1", "bridge_n")
+    KEYS = ("right", "count", "exact", "valid", "margin", "margin_n", "rank", "top1", "bridge_n", "nll")
 
     def __init__(self, task: Task, loops: int) -> None:
         self.task, self.loops = task, loops
+        self.lm = task is not None and not task.has_validator
         self.sums = {k: np.zeros(loops) for k in self.KEYS}
         self.n = 0
 
@@ -231,12 +237,20 @@ class _LensTally:
         bridge: tuple[Tensor, Tensor] | None,
     ) -> None:
         sums = self.sums
-        pred = logits.argmax(-1).cpu().numpy()
-        exact, valid, right, count = score_predictions(self.task, x_np, y_np, pred)
-        sums["right"][k] += right.sum()
-        sums["count"][k] += count.sum()
-        sums["exact"][k] += exact.sum()
-        sums["valid"][k] += valid.sum()
+        if self.lm:
+            logits = logits.double()
+            mask = labels != IGNORE_INDEX
+            sums["nll"][k] += float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                                                    ignore_index=IGNORE_INDEX, reduction="sum"))  # fmt: skip
+            sums["right"][k] += float(((logits.argmax(-1) == labels) & mask).sum())
+            sums["count"][k] += float(mask.sum())
+        else:
+            pred = logits.argmax(-1).cpu().numpy()
+            exact, valid, right, count = score_predictions(self.task, x_np, y_np, pred)
+            sums["right"][k] += right.sum()
+            sums["count"][k] += count.sum()
+            sums["exact"][k] += exact.sum()
+            sums["valid"][k] += valid.sum()
         m = logit_margin(logits.double(), labels)
         finite = ~torch.isnan(m)
         sums["margin"][k] += float(m[finite].sum())
@@ -251,8 +265,16 @@ class _LensTally:
             sums["top1"][k] += float((ranks == 0).sum())
             sums["bridge_n"][k] += int(has_bridge.sum())
 
-    def curve(self, train_depth: int | None, bridges: bool) -> LoopCurve:
+    def curve(self, train_depth: int | None, bridges: bool) -> LoopCurve | LMLoopCurve:
         sums = self.sums
+        if self.lm:
+            from loopformer.tasks.text import bits_per_byte
+
+            loss, per_byte = _ratio(sums["nll"], sums["count"]), float(self.task.tokens_per_byte)
+            return LMLoopCurve(loops=list(range(1, self.loops + 1)),
+                               bits_per_byte=[bits_per_byte(x, per_byte) if math.isfinite(x) else float("nan") for x in loss],
+                               loss=loss, token_accuracy=_ratio(sums["right"], sums["count"]),
+                               margin=_ratio(sums["margin"], sums["margin_n"]), train_depth=train_depth)  # fmt: skip
         curve = LoopCurve(
             loops=list(range(1, self.loops + 1)),
             token_accuracy=_ratio(sums["right"], sums["count"]),
@@ -282,8 +304,10 @@ def logit_lens(
     train_depth: int | None = None,
     seed: int = 0,
     segments: int = 1,
-) -> LoopCurve:
-    """Read out every loop state through the model's head: per-loop accuracies and logit margins.
+) -> LoopCurve | LMLoopCurve:
+    """Read out every loop state through the model's head: per-loop accuracies and logit margins; for a
+    task without a validator (a language model) an ``LMLoopCurve``: every loop's readout scored as a
+    language model (cross-entropy summed in float64, as bits per byte), token accuracy and margin.
 
     ``bridge_tokens`` ([N], -1 = skip that row) adds the bridge token's rank per loop, read at
     ``bridge_positions`` (default: the last labelled position). When no tokens are given, the task's
@@ -292,9 +316,9 @@ def logit_lens(
     if loops < 1 or segments < 1:
         raise ValueError(f"loops and segments must be >= 1, got {loops} and {segments}")
     tally = _LensTally(task, loops * segments)
-    with _eval_mode(model, device) as device:
+    with eval_mode(model, device) as device:
         cfg = _fixed(model, loop, loops, halting)
-        bridges = _bridge_targets(task, dataset, bridge_tokens, bridge_positions)
+        bridges = None if tally.lm else _bridge_targets(task, dataset, bridge_tokens, bridge_positions)
         generator = torch.Generator(device=device).manual_seed(seed)
         for index in iter_batches(dataset, batch_size, max_batches):
             inputs, labels, puzzle_ids = batch_tensors(dataset, index, device)
@@ -304,40 +328,6 @@ def logit_lens(
             observe = tally.observer(dataset.inputs[index], dataset.labels[index], labels, bridge)
             trace_loops(model, inputs, cfg, observe, puzzle_ids, generator, segments=segments)
     return tally.curve(train_depth, bridges is not None)
-
-
-def overthinking(
-    model: LoopedModel,
-    task: Task,
-    dataset: TokenDataset,
-    max_loops: int,
-    train_depth: int | None = None,
-    loop: LoopConfig | None = None,
-    batch_size: int = 64,
-    max_batches: int | None = None,
-    device: torch.device | str | None = None,
-    seed: int = 0,
-    segments: int = 1,
-) -> LoopCurve:
-    """Logit margin and accuracy vs inference loops 1..max_loops (run past ``train_depth``).
-
-    The same per-loop readout as the logit lens, always with exactly ``max_loops`` fixed loops;
-    ``curve.train_depth`` marks the training depth for the plot."""
-    return logit_lens(
-        model,
-        task,
-        dataset,
-        max_loops,
-        loop=loop,
-        halting="fixed",
-        batch_size=batch_size,
-        max_batches=max_batches,
-        device=device,
-        train_depth=train_depth,
-        seed=seed,
-        bridge_tokens=np.full(len(dataset), -1),
-        segments=segments,
-    )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -382,7 +372,7 @@ def signal_propagation(
     cfg_loops, loops = loops, loops * segments
     sums = {k: np.zeros(loops) for k in ("rms", "upd", "rel")}
     n_total, rms0 = 0, 0.0
-    with _eval_mode(model, device) as device:
+    with eval_mode(model, device) as device:
         cfg = _fixed(model, loop, cfg_loops, "fixed")
         generator = torch.Generator(device=device).manual_seed(seed)
         for index in iter_batches(dataset, batch_size, max_batches):
@@ -416,16 +406,109 @@ def signal_propagation(
     )
 
 
-__all__: Sequence[str] = (
-    "LoopCurve",
-    "SignalCurve",
-    "logit_lens",
-    "logit_margin",
-    "overthinking",
-    "signal_propagation",
-    "spectral_radius",
-    "spectral_radius_at_fixed_point",
-    "spectral_radius_summary",
-    "token_rank",
-    "trace_loops",
-)
+# ------------------------------------------------------------------------------------------------
+# the spectral radius of the step's Jacobian
+# ------------------------------------------------------------------------------------------------
+
+
+def spectral_radius(
+    f: Callable[[Tensor], Tensor],
+    z: Tensor,
+    iters: int = 200,
+    tol: float = 1e-6,
+    method: str = "jvp",
+    generator: torch.Generator | None = None,
+    per_sample: bool = True,
+) -> Tensor:
+    """Spectral radius of ``J = df/dz`` at ``z`` by power iteration; [B] (per sample) or a scalar.
+
+    ``f`` must act on each sample independently (true of a transformer step), so ``J`` is block
+    diagonal and every sample is its own power iteration. ``method``: ``jvp`` iterates ``v <- J v``
+    (``torch.func.jvp``), ``vjp`` iterates ``v <- J^T v`` (autograd; same spectrum). The estimate is
+    the geometric mean of the growth ``||J v|| / ||v||`` over the second half of the iterations, which
+    also converges when the dominant eigenvalues are a complex pair. Stops early once two successive
+    windowed estimates agree to ``tol`` (relative).
+    """
+    if method not in ("jvp", "vjp"):
+        raise ValueError(f"unknown method {method!r} (jvp | vjp)")
+    z = z.detach()
+    batch = z.shape[0] if per_sample else 1
+    v = torch.randn(z.shape, generator=generator, dtype=z.dtype, device=z.device)
+
+    def norms(x: Tensor) -> Tensor:
+        flat = x.reshape(batch, -1)
+        return flat.norm(dim=1).clamp_min(torch.finfo(x.dtype).tiny)
+
+    def shape_b(n: Tensor) -> Tensor:
+        return n.reshape(batch, *([1] * (z.dim() - (1 if per_sample else 0))))
+
+    v = v / shape_b(norms(v))
+    if method == "vjp":
+        with torch.enable_grad():
+            z_req = z.clone().requires_grad_(True)
+            fz = f(z_req)
+
+        def apply(u: Tensor) -> Tensor:
+            (g,) = torch.autograd.grad(fz, z_req, u, retain_graph=True)
+            return g
+    else:
+
+        def apply(u: Tensor) -> Tensor:
+            return torch.func.jvp(f, (z,), (u,))[1]
+
+    logs: list[Tensor] = []
+    estimate = None
+    for k in range(iters):
+        w = apply(v).detach()
+        g = norms(w)
+        logs.append(g.log())
+        v = w / shape_b(g)
+        if k >= 9 and (k + 1) % 5 == 0:
+            window = torch.stack(logs[len(logs) // 2 :])
+            new = window.mean(0).exp()
+            if estimate is not None and bool(
+                ((new - estimate).abs() <= tol * estimate.abs().clamp_min(1e-12)).all()
+            ):
+                estimate = new
+                break
+            estimate = new
+    if estimate is None:
+        estimate = torch.stack(logs[len(logs) // 2 :]).mean(0).exp()
+    return estimate if per_sample else estimate.reshape(())
+
+
+@torch.no_grad()
+def spectral_radius_at_fixed_point(
+    model: LoopedModel,
+    inputs: Tensor,
+    loop: LoopConfig | None = None,
+    puzzle_ids: Tensor | None = None,
+    iters: int = 100,
+    tol: float = 1e-4,
+    method: str = "vjp",
+    seed: int = 0,
+) -> Tensor:
+    """Run the model's loop to its final (approximately fixed) state, then the spectral radius of the
+    step's Jacobian there, per sample [B]."""
+    with eval_mode(model) as device:
+        inputs = inputs.to(device)
+        generator = torch.Generator(device=device).manual_seed(seed)
+        ctx = tuple(c.detach() if isinstance(c, Tensor) else c for c in model.embed(inputs, puzzle_ids))
+        z0 = model.init_state(ctx, generator)
+        out = model(inputs, loop=loop, state=z0, puzzle_ids=puzzle_ids)
+        z_star = out.state.detach()
+
+        def f(z: Tensor) -> Tensor:
+            return model.step(z, *ctx)
+
+        return spectral_radius(f, z_star, iters=iters, tol=tol, method=method, generator=generator)
+
+
+def spectral_radius_summary(radii: Tensor) -> dict[str, float]:
+    r = radii.detach().double().cpu().numpy()
+    return {
+        "mean": float(r.mean()),
+        "median": float(np.median(r)),
+        "max": float(r.max()),
+        "fraction_below_1": float((r < 1).mean()),
+    }

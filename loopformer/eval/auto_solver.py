@@ -290,3 +290,33 @@ def format_report(result: AutoSolverResult) -> list[str]:
             f"{t.seconds:.3f} s"
         )
     return lines
+
+
+def search_run(run: Any, dataset: TokenDataset, fraction: float, accuracy_tolerance: float,
+               log: Any = print) -> tuple[Any, TokenDataset, dict[str, Any]]:  # fmt: skip
+    """``loopformer eval --auto-solver`` on the trained run ``run`` (a ``LoadedRun``): the search on a slice of
+    ``dataset``, then the trained and the chosen setting compared on the other rows. Returns (the run with the
+    chosen loop_eval, the report rows, the search's record for metrics.json); the comparison goes to ``log``."""
+    if not run.task.has_validator:
+        raise ValueError("--auto-solver needs a task scored by accuracy (this one is scored by loss)")
+    kwargs = {"batch_size": run.config.eval.batch_size, "seed": run.config.seed, "segments": run.config.eval.segments}
+    log(f"auto-solver: searching from {run.loop_eval.solver} tol={run.loop_eval.tol:g}")
+    result, chosen, rows = search(run.model, run.task, dataset, run.loop_eval, fraction=fraction,
+                                  accuracy_tolerance=accuracy_tolerance, log=lambda m: log(f"  {m}"), **kwargs)  # fmt: skip
+    result.report = compare(run.model, run.task, rows, {"trained": run.loop_eval, "chosen": chosen}, **kwargs)
+    for line in format_report(result):
+        log(line)
+    return dataclasses.replace(run, loop_eval=chosen), rows, result.to_dict()
+
+
+def auto_note(record: dict[str, Any] | None) -> list[str]:
+    """The report's note on the solver the search chose (``record``: ``search_run``'s), or none."""
+    if record is None:
+        return []
+    c, r = record["chosen"], record["reference"]
+    return [
+        f"Solver: {c['label']} chosen by --auto-solver on {record['search_rows']} held-out examples not in this "
+        f"report, the fastest at the trained accuracy ({c['seconds']:.3f} s, {c['map_evals']:.2f} map evaluations per "
+        f"sample at {100 * c['accuracy']:.1f}% vs the trained {r['label']}: {r['seconds']:.3f} s, {r['map_evals']:.2f} "
+        f"at {100 * r['accuracy']:.1f}%); metrics.json auto_solver has every candidate."
+    ]

@@ -1,9 +1,11 @@
 """Test-time compute and adaptivity: accuracy at each step budget, steps against difficulty.
 
-- ``accuracy_vs_budget``: the test-time compute curve. The loop is run with ``max_steps`` set to
-  each budget, either with the halting rule forced to ``fixed`` (exactly ``b`` loops) or with the
-  model's own halting rule capped at ``b`` (FPRM halts at a fixed point or at the cap). Each point
-  is one ``loopformer.eval.evaluate.evaluate`` pass.
+- ``budget_curve``: the test-time compute curve. The loop is run with ``max_steps`` set to each
+  budget, either with the halting rule forced to ``fixed`` (exactly ``b`` loops) or with the model's
+  own halting rule capped at ``b`` (FPRM halts at a fixed point or at the cap). Each point is one
+  ``loopformer.eval.evaluate.evaluate`` pass (validator accuracy, ``BudgetPoint``), or one
+  ``evaluate_lm`` pass for a task without a validator (bits per byte, ``LMBudgetPoint``: the curve of
+  a looped language model).
 - ``steps_vs_difficulty``: mean steps per difficulty bucket and the Spearman rank correlation
   between difficulty and steps (FPRM: "more iterations for puzzles with more blanks").
 - ``easy_hard_steps``: mean steps on the easier and the harder half of a dataset.
@@ -18,9 +20,8 @@ from typing import Any
 
 import numpy as np
 import torch
-from scipy import stats
 
-from loopformer.eval.evaluate import evaluate
+from loopformer.eval.evaluate import evaluate, evaluate_lm
 from loopformer.loop import LoopConfig
 from loopformer.models.base import LoopedModel
 from loopformer.tasks.base import Task, TokenDataset
@@ -58,15 +59,27 @@ class BudgetPoint:
 
 
 @dataclass
+class LMBudgetPoint:
+    budget: int
+    bits_per_byte: float
+    loss: float
+    token_accuracy: float
+    mean_steps: float
+
+
+@dataclass
 class BudgetCurve:
+    """The metrics at each step budget (``mode``: fixed | capped); ``LMBudgetPoint`` points for a
+    language model."""
+
     mode: str
-    points: list[BudgetPoint]
+    points: list[BudgetPoint] | list[LMBudgetPoint]
 
     def to_dict(self) -> dict[str, Any]:
         return {"mode": self.mode, "points": [dataclasses.asdict(p) for p in self.points]}
 
 
-def accuracy_vs_budget(
+def budget_curve(
     model: LoopedModel,
     task: Task,
     dataset: TokenDataset,
@@ -79,33 +92,24 @@ def accuracy_vs_budget(
     progress: bool = False,
     seed: int = 0,
 ) -> BudgetCurve:
-    """Accuracy at each inference step budget (``fixed``: exactly b loops; ``capped``: halting rule, cap b)."""
+    """The metrics at each inference step budget (``fixed``: exactly b loops; ``capped``: halting rule,
+    cap b), one segment per example: validator accuracy, or bits per byte when ``task`` has no validator."""
     if not budgets:
         raise ValueError("give at least one step budget")
+    if mode not in BUDGET_MODES:
+        raise ValueError(f"unknown budget mode {mode!r} (known: {', '.join(BUDGET_MODES)})")
     base = loop if loop is not None else model.config.loop
-    points = []
+    points: list[Any] = []
     for b in sorted({int(b) for b in budgets}):
-        res = evaluate(
-            model,
-            task,
-            dataset,
-            loop=with_budget(base, b, mode),
-            batch_size=batch_size,
-            max_batches=max_batches,
-            device=device,
-            progress=progress,
-            seed=seed,
-        )
-        points.append(
-            BudgetPoint(
-                b,
-                res.valid_accuracy,
-                res.exact_accuracy,
-                res.token_accuracy,
-                res.mean_steps,
-                res.converged_fraction,
-            )
-        )
+        kwargs = {"loop": with_budget(base, b, mode), "batch_size": batch_size, "max_batches": max_batches,
+                  "device": device, "progress": progress, "seed": seed}  # fmt: skip
+        if task is not None and not task.has_validator:
+            lm = evaluate_lm(model, task, dataset, **kwargs)
+            points.append(LMBudgetPoint(b, lm.bits_per_byte, lm.loss, lm.token_accuracy, lm.mean_steps))
+            continue
+        res = evaluate(model, task, dataset, **kwargs)
+        points.append(BudgetPoint(b, res.valid_accuracy, res.exact_accuracy, res.token_accuracy, res.mean_steps,
+                                  res.converged_fraction))  # fmt: skip
     return BudgetCurve(mode, points)
 
 
@@ -182,6 +186,8 @@ def steps_vs_difficulty(
     if len(d) < 3 or np.all(d == d[0]) or np.all(s == s[0]):
         rho, p = float("nan"), float("nan")
     else:
+        from scipy import stats  # here only: importing the evaluation must not load scipy
+
         r = stats.spearmanr(d, s)
         rho, p = float(r.statistic), float(r.pvalue)
     return DifficultyStats(buckets, rho, p)

@@ -1,7 +1,7 @@
 """Comparing evaluations: one table and overlay plots across runs, eval variants or sweep points.
 
 Reads only what evaluation reports already hold (``metrics.json`` written by
-``loopformer.commands.suite.run_suite``: ``results``, ``models``, ``budget``, ``difficulty``), so it
+``loopformer.eval.suite.run_suite``: ``results``, ``models``, ``budget``, ``difficulty``), so it
 works on reports from ``loopformer eval``, ``loopformer run`` and ``loopformer sweep`` alike.
 
 - ``report_folders(path)``: the report folders a command-line argument names: a report folder
@@ -35,13 +35,13 @@ from pathlib import Path
 from typing import Any
 
 from loopformer.eval import plots
-from loopformer.eval.report import _num, _table, describe_loop, write_json
+from loopformer.eval.report import console_table, describe_loop, md_table, num, write_json
 from loopformer.files import Each, atomic_write_text, check_inside, read_record
 
 METRICS = "metrics.json"
 SWEEP_FILE = "sweep.json"
 _NUM = (float, None)
-# what a report's metrics.json holds that compare reads (loopformer.commands.suite.run_suite writes it)
+# what a report's metrics.json holds that compare reads (loopformer.eval.suite.run_suite writes it)
 METRICS_SCHEMA: dict[str, Any] = {
     "results?": Each({"n?": (int, None), "valid_accuracy?": _NUM, "exact_accuracy?": _NUM,
                       "mean_steps?": _NUM, "converged_fraction?": _NUM, "loop?": (dict, None),
@@ -257,31 +257,38 @@ def _legend_name(e: Entry, suffix: str = "") -> str:
     return f"{e.name}{suffix}{loop}"
 
 
-def plot_accuracy_vs_budget(entries: Sequence[Entry], title: str = "") -> Any:
-    """Accuracy vs loop budget (log2 x-axis); baselines are horizontal lines."""
-    fig, ax = plots._figure((7, 4.5))
+def plot_budget(entries: Sequence[Entry], title: str = "") -> Any:
+    """Accuracy vs loop budget (log2 x-axis), or for language models held-out bits per byte (lower is
+    better); a run without a budget curve is one point at its mean loops; a baseline (one pass) is a
+    horizontal line."""
+    lm = bool(entries) and all(e.is_lm for e in entries)
+
+    def headline(e: Entry) -> float | None:
+        bpb = e.result.get("bits_per_byte")
+        return (None if bpb is None else float(bpb)) if lm else 100 * e.accuracy
+
+    fig, ax = plots.figure((7, 4.5))
     for e in entries:
-        if e.baseline:
-            ax.axhline(100 * e.accuracy, ls="--", color="gray", lw=1.2, label=_legend_name(e))
+        y = headline(e)
+        if e.baseline and y is not None:
+            ax.axhline(y, ls="--", color="gray", lw=1.2, label=_legend_name(e))
         elif e.budget and e.budget.get("points"):
             pts = e.budget["points"]
-            ax.plot([p["budget"] for p in pts], [100 * (p["valid_accuracy"] or 0) for p in pts], marker="o",
-                    label=_legend_name(e, f" ({e.budget.get('mode', '')})"))  # fmt: skip
-        elif e.result.get("mean_steps"):
-            ax.plot(
-                [e.result["mean_steps"]],
-                [100 * e.accuracy],
-                marker="s",
-                ls="",
-                label=_legend_name(e, " (at its mean loops)"),
-            )
+            ys = [p["bits_per_byte"] if lm else 100 * (p["valid_accuracy"] or 0) for p in pts]
+            ax.plot([p["budget"] for p in pts], ys, marker="o", label=_legend_name(e, f" ({e.budget.get('mode', '')})"))
+        elif e.result.get("mean_steps") and y is not None:
+            ax.plot([e.result["mean_steps"]], [y], marker="s", ls="", label=_legend_name(e, " (at its mean loops)"))
     plots.log2_axis(ax, _budget_xs(entries), "loops: the budget (max loops), or a run's mean loops (log2)")
-    ax.set_ylabel("valid accuracy (%)")
-    ax.set_ylim(-2, 102)
-    ax.set_title("accuracy vs loop budget")
+    if lm:
+        ax.set_ylabel("held-out bits per byte (lower is better)")
+        ax.set_title("bits per byte vs loop budget")
+    else:
+        ax.set_ylabel("valid accuracy (%)")
+        ax.set_ylim(-2, 102)
+        ax.set_title("accuracy vs loop budget")
     ax.grid(alpha=0.3)
     ax.legend(frameon=False, fontsize=7)
-    return plots._finish(fig, None, title)
+    return plots.finish(fig, None, title)
 
 
 def _budget_xs(entries: Sequence[Entry]) -> list[float]:
@@ -293,34 +300,6 @@ def _budget_xs(entries: Sequence[Entry]) -> list[float]:
         elif e.result.get("mean_steps") and not e.baseline:
             xs.append(float(e.result["mean_steps"]))
     return xs
-
-
-def plot_bpb_vs_budget(entries: Sequence[Entry], title: str = "") -> Any:
-    """Language models: held-out bits per byte vs loop budget (log2 x-axis, lower is better); a run
-    without a budget curve is one point at its mean loops; a baseline (one pass) a horizontal line."""
-    fig, ax = plots._figure((7, 4.5))
-    for e in entries:
-        bpb = e.result.get("bits_per_byte")
-        if e.baseline and bpb is not None:
-            ax.axhline(float(bpb), ls="--", color="gray", lw=1.2, label=_legend_name(e))
-        elif e.budget and e.budget.get("points"):
-            pts = e.budget["points"]
-            ax.plot([p["budget"] for p in pts], [p["bits_per_byte"] for p in pts], marker="o",
-                    label=_legend_name(e, f" ({e.budget.get('mode', '')})"))  # fmt: skip
-        elif e.result.get("mean_steps") and bpb is not None:
-            ax.plot(
-                [e.result["mean_steps"]],
-                [float(bpb)],
-                marker="s",
-                ls="",
-                label=_legend_name(e, " (at its mean loops)"),
-            )
-    plots.log2_axis(ax, _budget_xs(entries), "loops: the budget (max loops), or a run's mean loops (log2)")
-    ax.set_ylabel("held-out bits per byte (lower is better)")
-    ax.set_title("bits per byte vs loop budget")
-    ax.grid(alpha=0.3)
-    ax.legend(frameon=False, fontsize=7)
-    return plots._finish(fig, None, title)
 
 
 def comparison_title(entries: Sequence[Entry], reports: int) -> str:
@@ -345,7 +324,7 @@ def check_kinds(entries: Sequence[Entry]) -> None:
 
 def plot_loops_vs_difficulty(entries: Sequence[Entry], title: str = "") -> Any:
     """Mean loops per difficulty bucket, one line per looped model."""
-    fig, ax = plots._figure((7, 4.5))
+    fig, ax = plots.figure((7, 4.5))
     for e in entries:
         buckets = (e.difficulty or {}).get("buckets") or []
         if e.baseline or not buckets:
@@ -357,7 +336,7 @@ def plot_loops_vs_difficulty(entries: Sequence[Entry], title: str = "") -> Any:
     ax.set_title("loops vs difficulty")
     ax.grid(alpha=0.3)
     ax.legend(frameon=False, fontsize=7)
-    return plots._finish(fig, None, title)
+    return plots.finish(fig, None, title)
 
 
 COLUMNS = ("run", "loop", "valid", "exact", "mean loops", "converged", "ms / example", "parameters",
@@ -379,16 +358,16 @@ def row_cells(r: dict[str, Any], columns: Sequence[str] = COLUMNS) -> list[str]:
     cells = {
         "run": r["name"] + (" (baseline)" if r["baseline"] else ""),
         "loop": r["loop"],
-        "valid": _num(r["valid_accuracy"], True),
-        "exact": _num(r["exact_accuracy"], True),
-        "bits per byte": _num(r.get("bits_per_byte"), digits=4),
-        "loss": _num(r.get("loss"), digits=4),
-        "token": _num(r.get("token_accuracy"), True),
-        "mean loops": _num(r["mean_loops"]),
-        "converged": _num(r["converged_fraction"], True),
-        "ms / example": _num(r["ms_per_example"], digits=3),
+        "valid": num(r["valid_accuracy"], True),
+        "exact": num(r["exact_accuracy"], True),
+        "bits per byte": num(r.get("bits_per_byte"), digits=4),
+        "loss": num(r.get("loss"), digits=4),
+        "token": num(r.get("token_accuracy"), True),
+        "mean loops": num(r["mean_loops"]),
+        "converged": num(r["converged_fraction"], True),
+        "ms / example": num(r["ms_per_example"], digits=3),
         "parameters": "-" if r["parameters"] is None else f"{r['parameters']:,}",
-        "test-time compute": _num(r["test_time_compute"], digits=1),
+        "test-time compute": num(r["test_time_compute"], digits=1),
     }
     return [cells[c] for c in columns]
 
@@ -397,7 +376,7 @@ def comparison_markdown(title: str, rows: list[dict[str, Any]], plot_paths: dict
                         notes: Sequence[str] = ()) -> str:  # fmt: skip
     header = list(columns_for(rows))
     table = [row_cells(r, header) for r in rows]
-    lines = [f"# {title}", "", *_table(header, table)]
+    lines = [f"# {title}", "", *md_table(header, table)]
     scored = ("`bits per byte`: held-out cross-entropy in bits per byte (lower is better)."
               if header == list(LM_COLUMNS) else "`valid`: the task's independent validator.")  # fmt: skip
     lines += [
@@ -434,11 +413,28 @@ def comparison_figures(entries: Sequence[Entry], title: str) -> dict[str, tuple[
     """{caption: (file name, figure)}: bits per byte vs budget for language models; accuracy vs budget
     and, when some looped model has more than one difficulty value, loops vs difficulty otherwise."""
     if entries and all(e.is_lm for e in entries):
-        return {"bits per byte vs loop budget": ("bpb_vs_budget.png", plot_bpb_vs_budget(entries, title))}
-    figures = {"accuracy vs loop budget": ("accuracy_vs_budget.png", plot_accuracy_vs_budget(entries, title))}
+        return {"bits per byte vs loop budget": ("bpb_vs_budget.png", plot_budget(entries, title))}
+    figures = {"accuracy vs loop budget": ("accuracy_vs_budget.png", plot_budget(entries, title))}
     if any(len((e.difficulty or {}).get("buckets") or []) > 1 for e in entries if not e.baseline):
         figures["loops vs difficulty"] = ("loops_vs_difficulty.png", plot_loops_vs_difficulty(entries, title))
     return figures
+
+
+def comparison_table(rows: Sequence[dict[str, Any]], title: str) -> Any:
+    """The comparison as a rich table for the console (the markdown table's columns but exact accuracy and
+    loss)."""
+    shown = [col for col in columns_for(rows) if col not in ("exact", "loss")]
+    return console_table(title, shown, [row_cells(r, shown) for r in rows], left=("run", "loop"))
+
+
+def missing_points(sources: Sequence[str | Path]) -> list[str]:
+    """The points of the sweep folders among ``sources`` that have no report (``sweep_reports``)."""
+    missing: list[str] = []
+    for source in sources:
+        folder = Path(source)
+        if folder.is_dir() and (folder / SWEEP_FILE).is_file() and not _is_report(folder):
+            missing += [f"{source}: {m}" for m in sweep_reports(folder)[1]]
+    return missing
 
 
 __all__ = [
@@ -448,16 +444,17 @@ __all__ = [
     "check_kinds",
     "columns_for",
     "comparison_figures",
+    "comparison_table",
     "comparison_title",
-    "plot_bpb_vs_budget",
     "comparison_markdown",
     "heldout_line",
+    "load_entries",
+    "missing_points",
+    "plot_budget",
+    "plot_loops_vs_difficulty",
     "read_metrics",
     "read_sweep",
-    "sweep_reports",
-    "load_entries",
-    "plot_accuracy_vs_budget",
-    "plot_loops_vs_difficulty",
     "report_folders",
+    "sweep_reports",
     "write_comparison",
 ]

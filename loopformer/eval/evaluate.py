@@ -12,11 +12,10 @@ else; they share one batch loop (``_EvalPass.batches``).
   records difficulty, loop steps, convergence, exact and valid. ``segments > 1`` chains that many
   forward calls carrying the state, as TRM / HRM evaluate; ``check=False`` (or no task) skips the
   validator (``valid_accuracy`` is then NaN).
-- ``evaluate_lm`` (``loopformer.eval.lm``): tasks without a validator (``Task.has_validator`` False:
-  language modelling) are scored by the held-out cross-entropy (nats per token) and bits per byte,
-  over the same batch loop.
-- ``predict`` and ``arc_pass_at_k`` (``loopformer.eval.predict``): arg-max predictions, and ARC's
-  pass@k voted over augmentations.
+- ``evaluate_lm``: tasks without a validator (``Task.has_validator`` False: language modelling) are
+  scored by the held-out cross-entropy (nats per token, summed in float64) and bits per byte, over
+  the same batch loop.
+- ``predict`` and ``arc_pass_at_k``: arg-max predictions, and ARC's pass@k voted over augmentations.
 - ``EvalComm``: how a multi-process job shares an evaluation (rows per rank, sums over ranks,
   lock-step halting). The default is one process; the trainer passes its distributed strategy's
   (``loopformer.train.strategy``), so this module never imports the trainer.
@@ -37,6 +36,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from loopformer.loop import LoopConfig
@@ -188,6 +188,19 @@ def model_device(model: torch.nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
+@contextlib.contextmanager
+def eval_mode(model: torch.nn.Module, device: torch.device | str | None = None) -> Iterator[torch.device]:
+    """``model`` on ``device`` (default: where it is) in eval mode; its training mode restored on exit."""
+    device = torch.device(device) if device is not None else model_device(model)
+    model.to(device)
+    was_training = model.training
+    model.eval()
+    try:
+        yield device
+    finally:
+        model.train(was_training)
+
+
 def score_predictions(
     task: Task | None, inputs: np.ndarray, labels: np.ndarray, predictions: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -204,35 +217,16 @@ def score_predictions(
     return exact, valid, right, count
 
 
-class _Progress:
-    """A rich progress bar when asked for and there is more than one batch; otherwise nothing."""
+def _progress(batches: Iterator[EvalBatch], enabled: bool, total: int, description: str) -> Iterator[EvalBatch]:
+    """``batches`` under a rich progress bar when asked for and there is more than one batch."""
+    if not enabled or total <= 1:
+        yield from batches
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    def __init__(self, enabled: bool, total: int, description: str) -> None:
-        self.bar = None
-        if enabled and total > 1:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-            self.bar = Progress(
-                TextColumn("{task.description}"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TimeRemainingColumn(),
-                transient=True,
-            )
-            self.task = self.bar.add_task(description, total=total)
-
-    def __enter__(self) -> _Progress:
-        if self.bar is not None:
-            self.bar.start()
-        return self
-
-    def advance(self) -> None:
-        if self.bar is not None:
-            self.bar.advance(self.task)
-
-    def __exit__(self, *exc: object) -> None:
-        if self.bar is not None:
-            self.bar.stop()
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                  transient=True) as bar:  # fmt: skip
+        yield from bar.track(batches, total=total, description=description)
 
 
 @dataclass
@@ -266,22 +260,18 @@ class _EvalPass:
     ) -> None:
         self.model = model
         self.dataset = dataset
-        self.device = torch.device(device) if device is not None else model_device(model)
         self.cfg = loop if loop is not None else model.config.loop
         self.seed = seed
         self.comm = comm if comm is not None else EvalComm()
-        self.was_training = model.training
-        self.generator = torch.Generator(device=self.device)
+        self._mode = eval_mode(model, device)
 
     def __enter__(self) -> _EvalPass:
-        self.model.to(self.device)
-        self.was_training = self.model.training
-        self.model.eval()
-        self.generator.manual_seed(self.seed)
+        self.device = self._mode.__enter__()
+        self.generator = torch.Generator(device=self.device).manual_seed(self.seed)
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.model.train(self.was_training)
+    def __exit__(self, *exc: Any) -> None:
+        self._mode.__exit__(*exc)
 
     def forward(
         self,
@@ -376,18 +366,15 @@ def evaluate(
     name = task.name if task is not None else str(dataset.meta.get("task", ""))
     with _EvalPass(model, dataset, loop, device, seed, comm) as run:
         total = math.ceil(len(dataset) / max(batch_size, 1))
-        with _Progress(
-            progress, total if max_batches is None else min(total, max_batches), f"eval {name}"
-        ) as bar:
-            for b in run.batches(batch_size, max_batches, segments, bf16):
-                pred = b.out.logits.argmax(dim=-1).cpu().numpy()
-                exact, valid, right, count = score_predictions(
-                    validator, dataset.inputs[b.rows], dataset.labels[b.rows], pred
-                )
-                right_total += int(right.sum())
-                count_total += int(count.sum())
-                records.extend(_records(dataset, b, exact, valid, right, count))
-                bar.advance()
+        total = total if max_batches is None else min(total, max_batches)
+        for b in _progress(run.batches(batch_size, max_batches, segments, bf16), progress, total, f"eval {name}"):
+            pred = b.out.logits.argmax(dim=-1).cpu().numpy()
+            exact, valid, right, count = score_predictions(
+                validator, dataset.inputs[b.rows], dataset.labels[b.rows], pred
+            )
+            right_total += int(right.sum())
+            count_total += int(count.sum())
+            records.extend(_records(dataset, b, exact, valid, right, count))
     return _result(name, records, right_total, count_total, validator is not None, run, loop_summary(run.cfg))
 
 
@@ -444,3 +431,151 @@ def _result(
         loop=loop,
         records=records,
     )
+
+
+@dataclass
+class LMEvalResult:
+    """Held-out language-modelling metrics: mean cross-entropy per labelled token and bits per byte."""
+
+    task: str
+    n: int  # examples (windows)
+    tokens: int  # labelled tokens scored
+    loss: float  # nats per token
+    bits_per_byte: float
+    token_accuracy: float
+    exact_accuracy: float
+    mean_steps: float
+    loop: dict[str, Any]
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def summary(self) -> dict[str, Any]:
+        """The short metric names the trainer logs."""
+        return {
+            "n": self.n,
+            "loss": self.loss,
+            "bits_per_byte": self.bits_per_byte,
+            "token_acc": self.token_accuracy,
+            "exact_acc": self.exact_accuracy,
+            "loop_steps": self.mean_steps,
+        }
+
+
+@torch.no_grad()
+def evaluate_lm(
+    model: LoopedModel,
+    task: Task,
+    dataset: TokenDataset,
+    loop: LoopConfig | None = None,
+    batch_size: int = 64,
+    max_batches: int | None = None,
+    device: torch.device | str | None = None,
+    progress: bool = False,
+    seed: int = 0,
+    *,
+    segments: int = 1,
+    bf16: bool = False,
+    comm: EvalComm | None = None,
+) -> LMEvalResult:
+    """Mean cross-entropy (nats per labelled token, summed in float64) and bits per byte of ``model`` on
+    ``dataset`` (``loopformer.tasks.text.bits_per_byte`` with the task's ``tokens_per_byte``, 1 for bytes)."""
+    from loopformer.tasks.text import bits_per_byte
+
+    if len(dataset) == 0:
+        raise ValueError("cannot evaluate on an empty dataset")
+    nll = right = count = exact = steps = n = 0.0
+    with _EvalPass(model, dataset, loop, device, seed, comm) as run:
+        total = math.ceil(len(dataset) / max(batch_size, 1))
+        for b in _progress(run.batches(batch_size, max_batches, segments, bf16), progress, total, f"eval {task.name}"):
+            logits, labels = b.out.logits.float(), b.labels
+            mask = labels != IGNORE_INDEX
+            token_nll = F.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]),
+                labels.reshape(-1),
+                ignore_index=IGNORE_INDEX,
+                reduction="none",
+            )
+            nll += float(token_nll.double().sum())
+            hit = (logits.argmax(-1) == labels) & mask
+            right += float(hit.sum())
+            count += float(mask.sum())
+            exact += float((hit.sum(1) == mask.sum(1)).sum())
+            steps += float(b.steps.sum())
+            n += len(b.rows)
+    nll, right, count, exact, steps, n = run.comm.sum([nll, right, count, exact, steps, n])
+    loss = nll / count if count else float("nan")
+    return LMEvalResult(
+        task=task.name,
+        n=int(n),
+        tokens=int(count),
+        loss=loss,
+        bits_per_byte=bits_per_byte(loss, float(task.tokens_per_byte)),
+        token_accuracy=right / count if count else float("nan"),
+        exact_accuracy=exact / max(n, 1),
+        mean_steps=steps / max(n, 1),
+        loop=loop_summary(run.cfg),
+    )
+
+
+@torch.no_grad()
+def predict(
+    model: LoopedModel,
+    dataset: TokenDataset,
+    loop: LoopConfig | None = None,
+    batch_size: int = 64,
+    device: torch.device | str | None = None,
+    seed: int = 0,
+    *,
+    segments: int = 1,
+) -> np.ndarray:
+    """Arg-max predictions [N, T] of ``model`` on every row of ``dataset`` (after ``segments`` chained
+    calls carrying the state, as ``evaluate``)."""
+    return _predictions(model, dataset, loop, batch_size, device, seed, segments)[0]
+
+
+def _predictions(model: LoopedModel, dataset: TokenDataset, loop: LoopConfig | None, batch_size: int,
+                 device: torch.device | str | None, seed: int, segments: int) -> tuple[np.ndarray, np.ndarray | None]:  # fmt: skip
+    """(arg-max predictions [N, T], the halting head's logits [N] or None when the model has no such head)."""
+    rows, q = [], []
+    with _EvalPass(model, dataset, loop, device, seed) as run:
+        for b in run.batches(batch_size, segments=segments):
+            rows.append(b.out.logits.argmax(-1).cpu().numpy())
+            q.append(None if b.out.q_logits is None else b.out.q_logits.float().cpu().numpy())
+    preds = np.concatenate(rows) if rows else np.zeros((0, dataset.inputs.shape[1]), dtype=np.int64)
+    return preds, None if not q or any(x is None for x in q) else np.concatenate(q)
+
+
+@torch.no_grad()
+def arc_pass_at_k(
+    model: LoopedModel,
+    task: Task,
+    dataset: TokenDataset | None = None,
+    loop: LoopConfig | None = None,
+    k: int = 2,
+    batch_size: int = 64,
+    device: torch.device | str | None = None,
+    seed: int = 0,
+    *,
+    segments: int = 1,
+) -> dict[str, float]:
+    """ARC pass@k with voting over augmentations: ``task.evaluate`` of the model's predictions on
+    ``dataset`` (default: every test pair under every augmentation version,
+    ``task.generate(0, seed, part="test")``). Returns ``ArcTask.evaluate``'s dictionary
+    (``score``, ``all_solved``, ``outputs_solved``, ``outputs``, ``tasks``) plus ``k`` and ``rows``.
+    ``segments``: chained calls carrying the state per batch (TRM / HRM: 16), as ``evaluate``.
+    """
+    from loopformer.tasks.arc import ArcTask
+
+    if not isinstance(task, ArcTask):
+        raise TypeError(f"arc_pass_at_k needs an ARC task, got {task.name!r}")
+    if dataset is None:
+        dataset = task.generate(0, seed, part="test")
+    if dataset.puzzle_ids is None:
+        raise ValueError(
+            "ARC pass@k needs puzzle ids on the dataset (task, augmentation version of every row)"
+        )
+    # the halting head's logits break vote ties (TRM evaluators/arc.py)
+    preds, q = _predictions(model, dataset, loop, batch_size, device, seed, segments)
+    result = task.evaluate(dataset.inputs, dataset.puzzle_ids, preds, k, q_logits=q)
+    return {**result, "k": float(k), "rows": float(len(dataset))}

@@ -19,17 +19,16 @@ from typing import Any
 import numpy as np
 from matplotlib.figure import Figure
 
-from loopformer.eval.analysis import LoopCurve, SignalCurve
-from loopformer.eval.budget import BudgetCurve, steps_vs_difficulty
+from loopformer.eval.analysis import LMLoopCurve, LoopCurve, SignalCurve
+from loopformer.eval.budget import BudgetCurve, LMBudgetPoint, steps_vs_difficulty
 from loopformer.eval.evaluate import EvalResult
-from loopformer.eval.lm import LMBudgetCurve, LMLoopCurve
 
 
 def _series(x: Any) -> Mapping[str, Any]:
     return x if isinstance(x, Mapping) else {"": x}
 
 
-def _figure(figsize: tuple[float, float], ncols: int = 1) -> tuple[Figure, Any]:
+def figure(figsize: tuple[float, float], ncols: int = 1) -> tuple[Figure, Any]:
     fig = Figure(figsize=figsize)
     return fig, fig.subplots(1, ncols)
 
@@ -45,7 +44,7 @@ def save_figure(fig: Figure, path: str | Path | None = None) -> Figure:
     return path
 
 
-def _finish(fig: Figure, path: str | Path | None, title: str = "") -> Figure:
+def finish(fig: Figure, path: str | Path | None, title: str = "") -> Figure:
     if title:  # the run and its loop (report.describe_loop): solver, halting, tolerance, cap
         fig.suptitle(title, fontsize=8)
     fig.tight_layout()
@@ -95,58 +94,41 @@ def plot_budget_curve(
     title: str = "",
     references: Mapping[str, float] | None = None,
 ) -> Figure:
-    """Validator accuracy vs inference step budget (the test-time compute curve), on a log2 axis;
-    ``references`` ({label: accuracy in [0, 1]}: the baseline, the model under its own halting rule)
-    are drawn as horizontal lines."""
+    """The test-time compute curve on a log2 axis: validator accuracy vs inference step budget, or held-out
+    bits per byte vs loop budget (lower is better) for a language model's curve (``LMBudgetPoint``);
+    ``references`` ({label: accuracy in [0, 1], or bits per byte}: the baseline, the model under its own
+    halting rule) are drawn as horizontal lines."""
     curves = _series(curves)
-    fig, ax = _figure((5.5, 3.8))
+    lm = any(isinstance(p, LMBudgetPoint) for c in curves.values() for p in c.points)
+    fig, ax = figure((5.5, 3.8))
     budgets: list[int] = []
     for label, c in curves.items():
         b = [p.budget for p in c.points]
         budgets += b
-        ax.plot(b, [100 * p.valid_accuracy for p in c.points], marker="o", label=label or None)
-    reference_lines(ax, references)
-    log2_axis(ax, budgets)
-    ax.set_ylabel("valid accuracy (%)")
-    ax.set_ylim(-2, 102)
+        ys = [p.bits_per_byte if lm else 100 * p.valid_accuracy for p in c.points]
+        ax.plot(b, ys, marker="o", label=label or None)
     mode = next(iter(curves.values())).mode if curves else ""
-    ax.set_title(f"accuracy vs step budget ({mode})")
+    if lm:
+        reference_lines(ax, references, scale=1.0, unit=" bits/byte")
+        log2_axis(ax, budgets, "inference loop budget (max loops, log2)")
+        ax.set_ylabel("held-out bits per byte (lower is better)")
+        ax.set_title(f"bits per byte vs loop budget ({mode})")
+    else:
+        reference_lines(ax, references)
+        log2_axis(ax, budgets)
+        ax.set_ylabel("valid accuracy (%)")
+        ax.set_ylim(-2, 102)
+        ax.set_title(f"accuracy vs step budget ({mode})")
     ax.grid(alpha=0.3)
     if any(curves) or references:
         ax.legend(frameon=False, fontsize=7)
-    return _finish(fig, path, title)
-
-
-def plot_lm_budget_curve(
-    curves: LMBudgetCurve | Mapping[str, LMBudgetCurve],
-    path: str | Path | None = None,
-    title: str = "",
-    references: Mapping[str, float] | None = None,
-) -> Figure:
-    """Held-out bits per byte vs inference loop budget on a log2 axis (lower is better): the test-time
-    compute curve of a looped language model; ``references`` ({label: bits per byte}) as horizontal lines."""
-    curves = _series(curves)
-    fig, ax = _figure((5.5, 3.8))
-    budgets: list[int] = []
-    for label, c in curves.items():
-        b = [p.budget for p in c.points]
-        budgets += b
-        ax.plot(b, [p.bits_per_byte for p in c.points], marker="o", label=label or None)
-    reference_lines(ax, references, scale=1.0, unit=" bits/byte")
-    log2_axis(ax, budgets, "inference loop budget (max loops, log2)")
-    ax.set_ylabel("held-out bits per byte (lower is better)")
-    mode = next(iter(curves.values())).mode if curves else ""
-    ax.set_title(f"bits per byte vs loop budget ({mode})")
-    ax.grid(alpha=0.3)
-    if any(curves) or references:
-        ax.legend(frameon=False, fontsize=7)
-    return _finish(fig, path, title)
+    return finish(fig, path, title)
 
 
 def plot_lm_lens(curve: LMLoopCurve, path: str | Path | None = None, title: str = "") -> Figure:
     """Logit lens of a language model: bits per byte (left axis) and token accuracy (right axis) of every
     loop's readout; the training depth marked."""
-    fig, ax = _figure((5.5, 3.8))
+    fig, ax = figure((5.5, 3.8))
     ax.plot(curve.loops, curve.bits_per_byte, color="tab:blue", marker=".", label="bits per byte")
     ax.set_xlabel("loop")
     ax.set_ylabel("bits per byte (lower is better)", color="tab:blue")
@@ -158,18 +140,18 @@ def plot_lm_lens(curve: LMLoopCurve, path: str | Path | None = None, title: str 
         ax.text(curve.train_depth, ax.get_ylim()[1], " train depth", va="top", fontsize=8, color="gray")
     ax.set_title("logit lens: every loop's readout")
     ax.grid(alpha=0.3)
-    return _finish(fig, path, title)
+    return finish(fig, path, title)
 
 
 def plot_steps_histogram(result: EvalResult, path: str | Path | None = None, title: str = "") -> Figure:
     """How many loop steps examples took."""
-    fig, ax = _figure((5, 3.5))
+    fig, ax = figure((5, 3.5))
     ks = sorted(result.steps_histogram)
     ax.bar(ks, [result.steps_histogram[k] for k in ks], width=0.8, color="tab:blue")
     ax.set_xlabel("loop steps")
     ax.set_ylabel("examples")
     ax.set_title(f"steps per example (mean {result.mean_steps:.2f})")
-    return _finish(fig, path, title)
+    return finish(fig, path, title)
 
 
 def plot_steps_vs_difficulty(result: EvalResult, path: str | Path | None = None, title: str = "") -> Figure:
@@ -178,7 +160,7 @@ def plot_steps_vs_difficulty(result: EvalResult, path: str | Path | None = None,
     stats = steps_vs_difficulty(d, s, result.valid)
     rng = np.random.default_rng(0)
     jitter = (rng.random(len(d)) - 0.5) * 0.3 * (np.ptp(d) / max(1, len(np.unique(d))) if len(d) else 0)
-    fig, ax = _figure((5, 3.5))
+    fig, ax = figure((5, 3.5))
     ok = result.valid
     ax.scatter((d + jitter)[ok], s[ok], s=8, alpha=0.35, color="tab:green", label="valid")
     ax.scatter((d + jitter)[~ok], s[~ok], s=8, alpha=0.35, color="tab:red", label="invalid")
@@ -191,7 +173,7 @@ def plot_steps_vs_difficulty(result: EvalResult, path: str | Path | None = None,
         f"steps vs difficulty (Spearman rho {rho:.2f})" if np.isfinite(rho) else "steps vs difficulty"
     )
     ax.legend(frameon=False, fontsize=8)
-    return _finish(fig, path, title)
+    return finish(fig, path, title)
 
 
 def plot_loop_accuracy(
@@ -199,7 +181,7 @@ def plot_loop_accuracy(
 ) -> Figure:
     """Logit lens: accuracy of the readout of each loop's state."""
     curves = _series(curves)
-    fig, ax = _figure((5, 3.5))
+    fig, ax = figure((5, 3.5))
     for label, c in curves.items():
         prefix = f"{label} " if label else ""
         ax.plot(c.loops, [100 * a for a in c.valid_accuracy], marker=".", label=f"{prefix}valid")
@@ -212,12 +194,12 @@ def plot_loop_accuracy(
     ax.set_title("logit lens: accuracy per loop")
     ax.grid(alpha=0.3)
     ax.legend(frameon=False, fontsize=8)
-    return _finish(fig, path, title)
+    return finish(fig, path, title)
 
 
 def plot_overthinking(curve: LoopCurve, path: str | Path | None = None, title: str = "") -> Figure:
     """Logit margin (left axis) and validator accuracy (right axis) vs inference loops."""
-    fig, ax = _figure((5, 3.5))
+    fig, ax = figure((5, 3.5))
     ax.plot(curve.loops, curve.margin, color="tab:purple", marker=".", label="logit margin")
     ax.axhline(0, color="gray", lw=0.8)
     ax.set_xlabel("inference loops")
@@ -230,18 +212,18 @@ def plot_overthinking(curve: LoopCurve, path: str | Path | None = None, title: s
         ax.axvline(curve.train_depth, color="gray", ls=":", lw=1)
         ax.text(curve.train_depth, ax.get_ylim()[1], " train depth", va="top", fontsize=8, color="gray")
     ax.set_title("overthinking: margin and accuracy vs loops")
-    return _finish(fig, path, title)
+    return finish(fig, path, title)
 
 
 def plot_bridge_rank(curve: LoopCurve, path: str | Path | None = None, title: str = "") -> Figure:
     """Logit lens on knowledge-graph queries: mean rank of the bridge entity per loop."""
-    fig, ax = _figure((5, 3.5))
+    fig, ax = figure((5, 3.5))
     ax.plot(curve.loops, curve.bridge_rank, marker=".")
     ax.set_xlabel("loop")
     ax.set_ylabel("mean bridge rank (0 = top)")
     ax.set_title("logit lens: bridge entity rank")
     ax.grid(alpha=0.3)
-    return _finish(fig, path, title)
+    return finish(fig, path, title)
 
 
 def plot_state_norms(
@@ -249,7 +231,7 @@ def plot_state_norms(
 ) -> Figure:
     """Signal propagation: state RMS and update norm per loop (log scale)."""
     curves = _series(curves)
-    fig, (a1, a2) = _figure((8, 3.5), 2)
+    fig, (a1, a2) = figure((8, 3.5), 2)
     for label, c in curves.items():
         a1.plot([0, *c.loops], [c.state_rms0, *c.state_rms], marker=".", label=label or None)
         a2.plot(c.loops, c.relative_update, marker=".", label=label or None)
@@ -264,4 +246,4 @@ def plot_state_norms(
     for a in (a1, a2):
         a.grid(alpha=0.3)
         _legend(a, curves)
-    return _finish(fig, path, title)
+    return finish(fig, path, title)

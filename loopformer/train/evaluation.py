@@ -4,7 +4,7 @@
 EMA, data, loops and strategy):
 
 - ``score``: the current weights on a dataset through ``loopformer.eval.evaluate`` (the task's validator)
-  or ``loopformer.eval.lm`` (loss / bits per byte), ``eval.segments`` chained calls, sharded by rank;
+  or ``evaluate_lm`` (loss / bits per byte), ``eval.segments`` chained calls, sharded by rank;
 - ``score_authors``: the Attractor puzzle authors' ``train_trm_deq.py`` ``_eval`` (``eval.protocol``,
   ``loopformer.eval.authors``);
 - ``evaluate``: the periodic / final evaluation (EMA weights when kept) under ``eval.protocol``;
@@ -22,8 +22,7 @@ from typing import Any
 import numpy as np
 
 from loopformer.eval.authors import evaluate_authors_trm_deq
-from loopformer.eval.evaluate import evaluate
-from loopformer.eval.lm import evaluate_lm
+from loopformer.eval.evaluate import evaluate, evaluate_lm
 from loopformer.loop import LoopConfig
 from loopformer.tasks.base import TokenDataset
 from loopformer.train.seeding import SALT_CURRICULUM
