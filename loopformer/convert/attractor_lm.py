@@ -321,4 +321,4 @@ def convert(state: dict[str, Tensor], ref: dict[str, Any]) -> Converted:
         f"attractor head: learning rate x {s['fp_lr_scale']}, matrix weight decay {s['fp_wd']} (fp_lr_scale / fp_wd)",
         "the solve stops on the largest residual of the batch (batch_residual), normalised by ||f(x)|| (the reference: ||x||)",
     ]
-    return Converted(run=run, weights=km.out, notes=notes, sources=km.sources)
+    return km.converted(run, notes)
