@@ -188,7 +188,8 @@ def _map_weights(km: KeyMap, fields: dict[str, Any], n_layers: int) -> None:
         km.take("puzzle_emb.weights")  # a zero-width table: nothing to carry over
     for i in range(n_layers):
         src, dst = f"L_level.layers.{i}.", f"layers.{i}."
-        km.put(dst + "mix.qkv.weight", src + "self_attn.qkv_proj.weight", partial(permute_qkv, n_heads=fields["n_heads"]))
+        qkv = partial(permute_qkv, n_heads=fields["n_heads"])
+        km.put(dst + "mix.qkv.weight", src + "self_attn.qkv_proj.weight", qkv)
         km.put(dst + "mix.proj.weight", src + "self_attn.o_proj.weight")
         km.put(dst + "mlp.gate_up.weight", src + "mlp.gate_up_proj.weight")
         km.put(dst + "mlp.down.weight", src + "mlp.down_proj.weight")
@@ -206,17 +207,14 @@ def _halt_row(t: Tensor) -> Tensor:
 
 
 def _loops(arch: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    common = {
-        "solver": "damped",
-        "damp_patience": int(arch["decay_patience"]),
-        "tol": float(arch["fp_thresh"]),
-        "residual_norm": "rel_sup",
-        "damp_min_step": 1e-3,
-    }
+    def damped(decay: str) -> dict[str, Any]:
+        return {"gamma": float(arch[decay]), "patience": int(arch["decay_patience"]), "min_step": 1e-3}
+
+    common = {"solver": "damped", "tol": float(arch["fp_thresh"]), "residual_norm": "rel_sup"}
     k = int(arch["n_backwards_L"])
     train = {
         **common,
-        "damp_gamma": float(arch["stepsize_decay_train"]),
+        "damped": damped("stepsize_decay_train"),
         "halting": "fixed",
         "max_steps": k,
         "grad": "truncated",
@@ -225,7 +223,7 @@ def _loops(arch: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     cap = arch["max_iter_eval"] if arch["max_iter_eval"] is not None else arch["max_iter"]
     evaluation = {
         **common,
-        "damp_gamma": float(arch["stepsize_decay_eval"]),
+        "damped": damped("stepsize_decay_eval"),
         "halting": "batch_residual",
         "max_steps": int(cap),
     }
@@ -257,4 +255,5 @@ def convert(state: dict[str, Tensor], ref_config: dict[str, Any]) -> Converted:
     ]
     if arch["max_iter_dist"] != "det":
         notes.append(f"max_iter_dist={arch['max_iter_dist']!r}: loopformer runs a fixed number of segments")
-    return km.converted({"model": fields, "train": train, "loop_train": loop_train, "loop_eval": loop_eval}, notes)
+    run = {"model": fields, "train": train, "loop_train": loop_train, "loop_eval": loop_eval}
+    return km.converted(run, notes)

@@ -26,12 +26,12 @@ the embedding likewise, backbone output projections zero, head output projection
 N(0, 2/(5d)) at +-3 std because they would be zero), and ``head_parameter_prefixes()`` for the
 optimiser's head group (``train.head_lr_scale`` / ``train.head_weight_decay``: the reference's
 ``fp_lr_scale`` / ``fp_wd``). The solver plug-in ``anderson_attractor``
-(``loopformer/models/attractor_solver.py``) returns the reference's ``f(x_k)``.
+(``loopformer/models/attractor_solvers.py``) returns the reference's ``f(x_k)``.
 
 Default loop: Anderson (m 5, relative regulariser 1e-4, mixing 1.0), residual halting at
 ``||f(y) - y|| / ||y||`` < 3e-4 between 4 and 12 iterations (puzzles; language uses 6..64 through the
 loop config), gradient ``neumann`` with one term: ``u = v + J^T v`` backpropagated through one
-recomputed f (the code's "onestep"; ``neumann_clip`` bounds ``||J^T v||`` by clip * ||v||). The
+recomputed f (the code's "onestep"; ``neumann.clip`` bounds ``||J^T v||`` by clip * ||v||). The
 paper's cheapest form ``u = v`` is ``grad="onestep"``; the full adjoint solve is ``grad="ift"``.
 
 Equilibrium internalization: because the proposal c is both the initial iterate and the injected
@@ -70,7 +70,7 @@ ATTRACTOR_INITS = ("default", "scaled_zero")
 def _default_loop() -> LoopConfig:
     return LoopConfig(
         solver="anderson",
-        anderson_m=5,
+        anderson={"m": 5},
         halting="residual",
         tol=3e-4,
         residual_norm="rel_l2",
