@@ -190,21 +190,7 @@ class PaddedInputEmbedding(InputEmbedding):
         super().__init__(config)
         self.puzzle_emb = nn.Embedding(config.num_puzzle_ids, config.puzzle_emb_dim)
         nn.init.zeros_(self.puzzle_emb.weight)
-
-    def forward(self, inputs: Tensor, puzzle_ids: Tensor | None = None) -> Tensor:
-        if inputs.dim() != 2 or inputs.dtype not in (torch.int64, torch.int32):
-            raise ValueError(
-                f"inputs must be integer tokens of shape [B, T], got {tuple(inputs.shape)} {inputs.dtype}"
-            )
-        if puzzle_ids is None:  # the authors' Sudoku / maze data: one identifier (0) for every puzzle
-            puzzle_ids = torch.zeros(inputs.shape[0], dtype=torch.long, device=inputs.device)
-        x = self.tokens(inputs) * self.scale
-        if self.positions is not None:
-            x = self.positions(x)
-        p = self.puzzle_emb(puzzle_ids)
-        p = F.pad(p, (0, self.prefix_len * self.d_model - p.shape[-1]))
-        p = p.view(inputs.shape[0], self.prefix_len, self.d_model) * self.scale
-        return torch.cat([p, x], dim=1)
+        self.default_puzzle_id = True
 
 
 class FPRM(LoopedModel):
