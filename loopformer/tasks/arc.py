@@ -553,7 +553,7 @@ class ArcTask(Task):
         self.subsets, self.test_subset = tuple(subsets), test_subset
         self.ignore_pad, self.decode, self.keep_one_untranslated = ignore_pad, decode, keep_one_untranslated
         self.held_out: set[int] = set()
-        if self.subsets:  # TRM / HRM protocol (loopformer.tasks.arc_paper)
+        if self.subsets:  # TRM / HRM protocol (module docstring)
             if test_subset not in self.subsets:
                 raise TaskDataError(f"test_subset {test_subset!r} is not one of subsets {list(self.subsets)}")
             rows = load_subsets(self.source, self.subsets, test_subset)
