@@ -223,7 +223,7 @@ def _run_per_step(lp: LoopState, compact: bool) -> int:
     finished ones are frozen with ``torch.where`` (``compaction=False``). Both give the same results."""
     cfg, t, n_active = lp.cfg, 0, lp.b
     active: Tensor | None = None  # frozen rows: the rows still running (None until the first stop check)
-    ran = torch.zeros(lp.b, dtype=torch.long, device=lp.device)  # frozen rows: steps recorded per sample
+    ran = None if compact else torch.zeros(lp.b, dtype=torch.long, device=lp.device)  # frozen rows: steps
     shape = (-1, *([1] * (lp.z.dim() - 1)))
     for t in range(cfg.max_steps):
         it = _iterate(lp, t)
@@ -240,7 +240,7 @@ def _run_per_step(lp: LoopState, compact: bool) -> int:
         n_finished = int(finished.sum())
         if n_finished:
             _retire(lp, t, it, finished, bad, conv)
-            if not compact:
+            if ran is not None:
                 ran.masked_fill_(finished, t + 1)
         n_active -= n_finished
         if n_active == 0:
@@ -256,7 +256,7 @@ def _run_per_step(lp: LoopState, compact: bool) -> int:
             lp.history.restart(t + 1, keep.numel())
         else:
             lp.z = it.z_next
-    if compact:
+    if ran is None:
         lp.history.flush(lp.idx, t + 1)
     else:
         lp.history.mask_after(ran, t + 1)
