@@ -73,7 +73,8 @@ def _time(fn, repeat: int) -> tuple[float, object, float]:
 
 
 def run(quick: bool) -> list[Result]:
-    from loopformer.tasks.formats import load_hrm_folder, read_puzzle_csv, save_hrm_folder
+    from loopformer.tasks.formats import load_hrm_folder, save_hrm_folder
+    from loopformer.tasks.puzzle_csv import read_puzzle_csv
     from loopformer.tasks.sudoku import SudokuTask
 
     rows = 20_000 if quick else 1_000_000

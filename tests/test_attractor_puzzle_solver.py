@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-import loopformer.models.attractor_puzzle_solver as trmdeq
+import loopformer.models.attractor_solvers as trmdeq
 from loopformer.loop import LoopConfig, run_loop
 from loopformer.loop.quasi_newton import gram_weights
 

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from loopformer.tasks.base import TaskDataError
-from loopformer.tasks.formats import load_hrm_folder, read_puzzle_csv, save_hrm_folder
+from loopformer.tasks.formats import load_hrm_folder, save_hrm_folder
+from loopformer.tasks.puzzle_csv import read_puzzle_csv
 from loopformer.tasks.sudoku import SudokuTask
 
 REAL_PUZZLES = (

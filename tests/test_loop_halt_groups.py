@@ -70,7 +70,7 @@ def test_the_attractor_lm_solver_stops_and_returns_per_group() -> None:
     """``anderson_attractor`` returns ``f(x_k)`` at the step its own group stops (the reference's per-call stop)."""
     a = torch.tensor([0.1, 0.2, 0.8, 0.7], dtype=torch.float64)
     z0 = torch.zeros(4, 3, dtype=torch.float64)
-    import loopformer.models.attractor_solver  # noqa: F401  (registers the solver)
+    import loopformer.models.attractor_solvers  # noqa: F401  (registers the solver)
 
     cfg = dict(solver="anderson_attractor", halting="batch_residual", tol=1e-8, min_steps=2, max_steps=60)
     grouped = run_loop(_nonlinear, z0, LoopConfig(**cfg, halt_group=2), ctx=(a,))

@@ -9,8 +9,7 @@ import json
 import numpy as np
 import pytest
 
-from loopformer.tasks.arc import ArcTask, encode_grid
-from loopformer.tasks.arc_paper import crop_grid, rank_votes
+from loopformer.tasks.arc import ArcTask, crop_grid, encode_grid, rank_votes
 from loopformer.tasks.base import IGNORE_INDEX, TaskDataError
 
 

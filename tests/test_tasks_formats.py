@@ -90,6 +90,7 @@ def test_reads_hand_built_hrm_folder_with_groups(tmp_path) -> None:
 
 class MazeTaskStub(MazeTask):
     name = "maze_stub"  # a stand-in task for its difficulty only (not a real maze: no maze agreement check)
+    label_rule = ""
 
     def __init__(self) -> None:
         super().__init__(3)

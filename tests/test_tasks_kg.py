@@ -4,8 +4,7 @@ import numpy as np
 import pytest
 
 from loopformer.tasks.base import IGNORE_INDEX, TaskDataError
-from loopformer.tasks.kg import KGDepthTask
-from loopformer.tasks.kg_systematic import KGSystematicTask
+from loopformer.tasks.kg import KGDepthTask, KGSystematicTask
 from loopformer.tasks.registry import get_task
 
 

@@ -1,15 +1,15 @@
 """``loopformer convert``: an official checkpoint of the authors' code -> a loopformer run folder.
 
-One key mapping per system lives in ``loopformer/convert/<system>.py`` and is listed in
-``CONVERTERS``. A mapping is a function ``convert(state, ref_config) -> Converted``: ``state`` is the
+One key mapping per system (``loopformer/convert/<system>.py``; TRM and HRM share ``recursive.py``) is
+listed in ``CONVERTERS``. A mapping is a function ``convert(state, ref_config) -> Converted``: ``state`` is the
 reference's flat state dict (tensors only), ``ref_config`` the reference's configuration (the YAML /
 JSON its training script saved next to the checkpoint, ``{}`` when none is given). It returns the
 loopformer run configuration (a nested dict, as a recipe) and the loopformer state dict. Every key of
 ``state`` must be used exactly once (``KeyMap`` tracks this): unknown keys are an error naming them,
-and ``check_weights`` names loopformer parameters the mapping did not fill. A converter module that
-can find the reference's configuration beside a checkpoint also defines ``find_config(checkpoint) ->
-Path | None`` (TRM and HRM: ``all_config.yaml``; the Attractor: ``config.json`` / ``model_config.json`` /
-``all_config.yaml``); it is used when no ``--config`` is given. With no configuration at all the
+and ``check_weights`` names loopformer parameters the mapping did not fill. ``CONVERTERS`` also names the
+files the reference's training script writes beside a checkpoint (TRM and HRM: ``all_config.yaml``; the
+Attractor: ``config.json`` / ``model_config.json`` / ``all_config.yaml``): the first found is read when no
+``--config`` is given. With no configuration at all the
 conversion is refused unless ``allow_defaults`` (``--allow-defaults``): the reference's defaults rarely
 match a checkpoint (TRM ``mlp_t``: an evaluation loop of 48 steps instead of 12). ``--set`` overrides
 are parsed before the mapping runs and are visible to it (``given``), so the ``--set model.seq_len=N`` /
@@ -38,13 +38,15 @@ from loopformer.files import atomic_write_text
 from loopformer.numerics import NumericalFaultError, nonfinite_names
 from loopformer.runs.layout import CheckpointError
 
-# system name -> module under loopformer.convert defining ``convert(state, ref_config) -> Converted``
-CONVERTERS: dict[str, str] = {
-    "fprm": "loopformer.convert.fprm",
-    "trm": "loopformer.convert.trm",
-    "hrm": "loopformer.convert.hrm",
-    "ltg": "loopformer.convert.ltg",
-    "attractor": "loopformer.convert.attractor",
+# system name -> (``module:function`` of its ``convert(state, ref_config) -> Converted``, the files holding the
+# reference's configuration that its training script writes beside a checkpoint)
+CONVERTERS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "fprm": ("loopformer.convert.fprm:convert", ()),
+    "trm": ("loopformer.convert.recursive:convert_trm", ("all_config.yaml",)),
+    "hrm": ("loopformer.convert.recursive:convert_hrm", ("all_config.yaml",)),
+    "ltg": ("loopformer.convert.ltg:convert", ()),
+    # the Attractor LM's launch config / model config, TRM-DEQ's model_config.json, or a TRM-style all_config.yaml
+    "attractor": ("loopformer.convert.attractor:convert", ("config.json", "model_config.json", "all_config.yaml")),
 }
 
 
@@ -54,24 +56,34 @@ class Converted:
     weights: dict[str, Tensor]  # loopformer state dict
     notes: list[str] = field(default_factory=list)  # what the mapping assumed (printed by the CLI)
     sources: dict[str, str] = field(default_factory=dict)  # loopformer key -> reference key it came from
+    # loopformer key -> what the mapping applied to the reference tensor (absent: copied as it is); ``export``
+    # runs the mapping backwards through these
+    transforms: dict[str, Callable[[Tensor], Tensor]] = field(default_factory=dict)
 
 
 class KeyMap:
     """The reference state dict, consumed key by key; leftovers are an error naming them.
 
     ``put(dst, src, transform)`` takes ``src``, stores ``transform(tensor)`` as loopformer key ``dst``
-    in ``out`` and records where it came from in ``sources``.
+    in ``out`` and records where it came from in ``sources`` (and the transform in ``transforms``).
     """
 
     def __init__(self, state: dict[str, Tensor], source: str) -> None:
         self.state, self.source, self.used = state, source, set()
         self.out: dict[str, Tensor] = {}
         self.sources: dict[str, str] = {}
+        self.transforms: dict[str, Callable[[Tensor], Tensor]] = {}
 
     def put(self, dst: str, src: str, transform: Callable[[Tensor], Tensor] | None = None) -> None:
         t = self.take(src)
         self.out[dst] = transform(t) if transform is not None else t
         self.sources[dst] = src
+        if transform is not None:
+            self.transforms[dst] = transform
+
+    def converted(self, run: dict[str, Any], notes: Iterable[str] = ()) -> Converted:
+        """The conversion: ``run`` and the weights put so far, with where each came from and how."""
+        return Converted(run, self.out, list(notes), self.sources, self.transforms)
 
     def has(self, key: str) -> bool:
         return key in self.state
@@ -196,7 +208,14 @@ def parse_given(overrides: Iterable[str]) -> dict[str, Any]:
 def converter(system: str) -> Callable[[dict[str, Tensor], dict[str, Any]], Converted]:
     if system not in CONVERTERS:
         raise KeyError(f"no converter for {system!r} (known: {', '.join(sorted(CONVERTERS))})")
-    return importlib.import_module(CONVERTERS[system]).convert
+    module, function = CONVERTERS[system][0].split(":")
+    return getattr(importlib.import_module(module), function)
+
+
+def find_config(system: str, checkpoint: str | Path) -> Path | None:
+    """The first of ``system``'s configuration files beside ``checkpoint`` (None when there is none)."""
+    folder = Path(checkpoint).resolve().parent
+    return next((folder / n for n in CONVERTERS[system][1] if (folder / n).is_file()), None)
 
 
 def build_converted(
@@ -255,11 +274,10 @@ def convert_checkpoint(
             f"{checkpoint}: tensor {bad[0]!r}{more} holds NaN or infinite values (the training diverged?); "
             f"refusing to convert it"
         )
-    find_config = getattr(importlib.import_module(CONVERTERS[system]), "find_config", None)
-    if config_file is None and find_config is not None:
-        config_file = find_config(checkpoint)
+    if config_file is None:
+        config_file = find_config(system, checkpoint)
     if config_file is None and not allow_defaults:
-        beside = getattr(importlib.import_module(CONVERTERS[system]), "CONFIG_NAMES", ())
+        beside = CONVERTERS[system][1]
         looked = f" (looked for {', '.join(beside)} beside it)" if beside else ""
         raise CheckpointError(
             f"convert {system}: no reference configuration for {checkpoint}{looked}; without it the "

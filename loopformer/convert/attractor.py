@@ -5,7 +5,7 @@ by ``train_trm_deq.py``, which saves ``{"model_state": ACTLossHeadDEQ.state_dict
 "train_config": ...}`` (pass the state dict; ``--config`` a JSON / YAML with ``model_config`` and
 ``train_config``, or the flat ``model_config.json`` the script writes). TRM-DEQ keeps TRM's module names
 (``embed_tokens``, ``L_level.layers.N``, ``H_init`` / ``L_init``, ``lm_head``, ``q_head``, ``puzzle_emb``),
-so the key mapping is TRM's (``loopformer.convert.trm``); the DEQ fields come from the model config:
+so the key mapping is TRM's (``loopformer.convert.recursive``); the DEQ fields come from the model config:
 ``deq_max_iter`` / ``deq_min_iter`` / ``deq_tol`` / ``deq_anderson_m`` / ``deq_anderson_beta`` /
 ``bptt_through`` and, when ``jacobian_reg_lambda > 0``, ``jacobian_samples``; the regulariser's weight
 ``lambda / global_batch_size`` becomes ``train.ponder_weight``. The optimiser is AdamW over every
@@ -17,16 +17,19 @@ A state dict of the Attractor *language model* (``attractor/models/attractor/att
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from torch import Tensor
 
 from loopformer.convert import Converted, KeyMap, strip_prefixes
-from loopformer.convert.recursive import PREFIXES, TRAIN_DEFAULTS, task_section
+from loopformer.convert.recursive import (
+    PREFIXES,
+    TRAIN_DEFAULTS,
+    map_trm_weights,
+    task_section,
+    trm_model_section,
+)
 from loopformer.convert.recursive import train_section as recursive_train_section
-from loopformer.convert.trm import map_trm_weights
-from loopformer.convert.trm import model_section as trm_model_section
 
 # TrainTRMDEQConfig defaults (train_trm_deq.py)
 DEFAULTS: dict[str, Any] = {
@@ -54,17 +57,6 @@ DEFAULTS: dict[str, Any] = {
     "ema": True,
     "loss_type": "stablemax_cross_entropy",
 }
-
-
-# what the Attractor scripts save beside a checkpoint (read when no --config is given): the LM's launch
-# config / model config, TRM-DEQ's model_config.json, or a TRM-style all_config.yaml
-CONFIG_NAMES = ("config.json", "model_config.json", "all_config.yaml")
-
-
-def find_config(checkpoint: str | Path) -> Path | None:
-    """The first of ``CONFIG_NAMES`` beside ``checkpoint`` (None when there is none)."""
-    folder = Path(checkpoint).resolve().parent
-    return next((folder / n for n in CONFIG_NAMES if (folder / n).is_file()), None)
 
 
 def settings(ref: dict[str, Any]) -> dict[str, Any]:
@@ -131,4 +123,4 @@ def convert(state: dict[str, Tensor], ref: dict[str, Any]) -> Converted:
         "q_head row 1 (q_continue) dropped: no_ACT_continue never uses it",
         f"Jacobian regulariser weight train.ponder_weight = lambda / global batch = {run['train']['ponder_weight']:.3g}",
     ]
-    return Converted(run=run, weights=km.out, notes=notes, sources=km.sources)
+    return km.converted(run, notes)

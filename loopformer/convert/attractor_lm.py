@@ -15,7 +15,7 @@ channel pairs, so no permutation), ``c_proj`` -> ``mix.proj``, ``mlp.fc`` / ``ml
 ``mlp.down``, ``norm_1`` / ``norm_2`` -> ``norm1`` / ``norm2``, ``raw_gamma_attn`` / ``raw_gamma_mlp`` of
 head block i -> ``gate_logit[i, 0]`` / ``[i, 1]``; ``freqs_cis`` is checked against loopformer's rotary
 table and dropped. The loop: ``anderson_attractor`` (returns ``f(x_k)``), ``batch_residual`` halting
-(``rel.max() < tol``), ``grad: neumann`` with one term and ``neumann_clip = adjoint_grad_clip``
+(``rel.max() < tol``), ``grad: neumann`` with one term and ``neumann.clip = adjoint_grad_clip``
 (``backward_type: onestep``).
 """
 
@@ -164,17 +164,16 @@ def loop_section(s: dict[str, Any], train: bool) -> dict[str, Any]:
     """``_solve_forward`` / ``anderson_solve`` (+ the ``onestep`` backward when training)."""
     loop = {
         "solver": "anderson_attractor",
-        "anderson_m": int(s["anderson_m"]),
-        "anderson_reg": 1e-4,  # anderson_solve's lam (the model never passes another)
-        "anderson_reg_relative": False,
-        "anderson_beta": float(s["anderson_beta"]),
+        # anderson_solve's lam is reg 1e-4 on the raw Gram matrix (the model never passes another)
+        "anderson": {"m": int(s["anderson_m"]), "reg": 1e-4, "reg_relative": False,
+                     "beta": float(s["anderson_beta"])},  # fmt: skip
         "halting": "batch_residual",
         "tol": float(s["tol"]),
         "min_steps": min(int(s["min_iter"]), int(s["max_iter"])),
         "max_steps": int(s["max_iter"]),
     }
     if train:
-        loop.update(grad="neumann", grad_steps=1, neumann_clip=s["adjoint_grad_clip"])
+        loop.update(grad="neumann", grad_steps=1, neumann={"clip": s["adjoint_grad_clip"]})
     return loop
 
 
@@ -321,4 +320,4 @@ def convert(state: dict[str, Tensor], ref: dict[str, Any]) -> Converted:
         f"attractor head: learning rate x {s['fp_lr_scale']}, matrix weight decay {s['fp_wd']} (fp_lr_scale / fp_wd)",
         "the solve stops on the largest residual of the batch (batch_residual), normalised by ||f(x)|| (the reference: ||x||)",
     ]
-    return Converted(run=run, weights=km.out, notes=notes, sources=km.sources)
+    return km.converted(run, notes)

@@ -6,13 +6,15 @@ The inverse of ``loopformer convert``, for TRM (SamsungSAILMontreal/TinyRecursiv
 model, or ``model.inner.<name>`` with ``compiled=False`` for a ``DISABLE_COMPILE=1`` load) and the
 ``all_config.yaml`` their ``pretrain.py`` writes beside the ``step_N`` files (``arch:`` holds the model).
 
-Each key of the weights is placed by the inverse of the converter's own key map: the same names
-(``loopformer.convert.recursive`` / ``loopformer.convert.fprm``), the q / k rows of every head put back
-in the authors' rotate-half order by inverting the converter's ``permute_qkv`` (computed from it, so the
-two cannot drift apart). What the converter drops is filled as the authors' code initialises it: the Q
-head's continue row (weight 0, bias -5; never read with ``no_ACT_continue``) and FPRM's weight-dropout
-masks (all ones). A loopformer weight with no place in the authors' model (a norm gain, tied embeddings)
-is an error naming it.
+Each key of the weights is placed by the converter's own key map run backwards, never by a second
+table: the converter reads a stand-in of the authors' state dict (``reference_state``: meta tensors of the
+shapes the exported ``all_config.yaml`` implies) and records for every loopformer weight the authors' key
+and the transform it applied (``Converted.sources`` / ``transforms``); a row permutation (the q / k rows
+of every head in loopformer's RoPE pair order, ``permute_qkv``) is inverted by reading it off the
+transform itself (``unpermute_rows``), so the two cannot drift apart. What the converter drops is filled
+as the authors' code initialises it: the Q head's continue row (weight 0, bias -5; never read with
+``no_ACT_continue``) and FPRM's weight-dropout masks (all ones). A loopformer weight with no place in the
+authors' model (a norm gain, tied embeddings) is an error naming it.
 
 Every export is checked by the round trip before anything is written: the converter reads the exported
 state and config back, and its weights must equal the run's bit for bit and its model fields the run's
@@ -21,6 +23,7 @@ state and config back, and its weights must equal the run's bit for bit and its 
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,27 +63,6 @@ class Exported:
         return {prefix + k: v.detach().cpu().contiguous() for k, v in self.state.items()}
 
 
-class _Weights:
-    """The run's weights, taken key by key; leftovers are an error naming them."""
-
-    def __init__(self, weights: dict[str, Tensor], system: str) -> None:
-        self.weights, self.system, self.used = weights, system, set()
-
-    def take(self, key: str) -> Tensor:
-        if key not in self.weights:
-            raise CheckpointError(
-                f"export {self.system}: the run has no weight {key!r} the authors' model needs"
-            )
-        self.used.add(key)
-        return self.weights[key]
-
-    def finish(self) -> None:
-        left = sorted(set(self.weights) - self.used)
-        if left:
-            raise CheckpointError(f"export {self.system}: {len(left)} loopformer weights have no place in the "
-                                  f"authors' model: {left[:6]}{' ...' if len(left) > 6 else ''}")  # fmt: skip
-
-
 def unpermute_rows(ours: Tensor, permute: Callable[[Tensor], Tensor]) -> Tensor:
     """The authors' tensor ``theirs`` with ``permute(theirs) == ours``, for a ``permute`` that reorders rows
     (the converter's ``permute_qkv``): the row order is read off ``permute`` applied to row numbers."""
@@ -92,41 +74,6 @@ def unpermute_rows(ours: Tensor, permute: Callable[[Tensor], Tensor]) -> Tensor:
     theirs = torch.empty_like(ours)
     theirs[order] = ours
     return theirs
-
-
-def _q_head(w: _Weights, weight: str, bias: str, rows: int) -> dict[str, Tensor]:
-    """The authors' 2-row Q head (halt, continue) from loopformer's ``rows`` row(s)."""
-    qw, qb = w.take(weight), w.take(bias)
-    if rows == 2:
-        return {"q_head.weight": qw, "q_head.bias": qb}
-    pad_w = torch.zeros((1, qw.shape[1]), dtype=qw.dtype)
-    pad_b = torch.full((1,), Q_CONTINUE_BIAS, dtype=qb.dtype)
-    return {"q_head.weight": torch.cat([qw, pad_w]), "q_head.bias": torch.cat([qb, pad_b])}
-
-
-# ------------------------------------------------------------------------------------------- TRM / HRM
-
-
-def _recursive_blocks(
-    w: _Weights, level: str, ours: str, n: int, n_heads: int, rope: bool
-) -> dict[str, Tensor]:
-    from loopformer.convert import recursive as rec
-
-    out: dict[str, Tensor] = {}
-    for i in range(n):
-        src, dst = f"{level}.layers.{i}", f"{ours}.layers.{i}"
-        if f"{dst}.mix.mlp.gate_up.weight" in w.weights:  # TRM's mlp_t
-            out[f"{src}.mlp_t.gate_up_proj.weight"] = w.take(f"{dst}.mix.mlp.gate_up.weight")
-            out[f"{src}.mlp_t.down_proj.weight"] = w.take(f"{dst}.mix.mlp.down.weight")
-        else:
-            qkv = w.take(f"{dst}.mix.qkv.weight")
-            out[f"{src}.self_attn.qkv_proj.weight"] = (
-                unpermute_rows(qkv, lambda t: rec.permute_qkv(t, n_heads)) if rope else qkv
-            )
-            out[f"{src}.self_attn.o_proj.weight"] = w.take(f"{dst}.mix.proj.weight")
-        out[f"{src}.mlp.gate_up_proj.weight"] = w.take(f"{dst}.mlp.gate_up.weight")
-        out[f"{src}.mlp.down_proj.weight"] = w.take(f"{dst}.mlp.down.weight")
-    return out
 
 
 def _recursive_arch(system: str, f: dict[str, Any], cfg: Any) -> dict[str, Any]:
@@ -180,37 +127,7 @@ def _training(cfg: Any) -> dict[str, Any]:
     }
 
 
-def export_recursive(system: str, cfg: Any, weights: dict[str, Tensor]) -> Exported:
-    """TRM / HRM: the converter's ``map_weights`` run backwards."""
-    f = cfg.model.fields
-    w = _Weights(weights, system)
-    state: dict[str, Tensor] = {"embed_tokens.embedding_weight": w.take("embedding.tokens.weight")}
-    if f.get("num_puzzle_ids"):
-        state["puzzle_emb.weights"] = w.take("embedding.puzzle_emb.weight")
-    rope = bool(f.get("rope", True))
-    if system == "trm":
-        levels = (("L_level", "net", int(f["n_layers"])),)
-        inits = ("y_init", "z_init")
-    else:
-        levels = (
-            ("H_level", "H", int(f["n_layers"])),
-            ("L_level", "L", int(f.get("l_layers") or f["n_layers"])),
-        )
-        inits = ("h_init", "l_init")
-    for level, ours, n in levels:
-        state.update(_recursive_blocks(w, level, ours, n, int(f["n_heads"]), rope))
-    state["H_init"], state["L_init"] = w.take(inits[0]), w.take(inits[1])
-    state["lm_head.weight"] = w.take("lm_head.weight")
-    state.update(_q_head(w, "q_proj.weight", "q_proj.bias", 1 if system == "trm" else 2))
-    w.finish()
-    config = {"arch": _recursive_arch(system, f, cfg), **_training(cfg)}
-    return Exported(system, state, config)
-
-
-# ------------------------------------------------------------------------------------------- FPRM
-
-
-def _fprm_arch(f: dict[str, Any], cfg: Any) -> dict[str, Any]:
+def _fprm_arch(system: str, f: dict[str, Any], cfg: Any) -> dict[str, Any]:
     from loopformer.convert.fprm import NORMS
 
     if f.get("conv", "none") == "none":
@@ -244,40 +161,81 @@ def _fprm_arch(f: dict[str, Any], cfg: Any) -> dict[str, Any]:
     return arch
 
 
-def export_fprm(system: str, cfg: Any, weights: dict[str, Tensor]) -> Exported:
-    """FPRM: the converter's ``_weights`` run backwards, with the all-ones weight-dropout masks."""
-    from loopformer.convert.fprm import permute_qkv
-
-    f = cfg.model.fields
-    arch = _fprm_arch(f, cfg)
-    w = _Weights(weights, system)
-    state: dict[str, Tensor] = {"embed_tokens.embedding_weight": w.take("embedding.tokens.weight"),
-                                "lm_head.weight": w.take("output.head.weight")}  # fmt: skip
-    state.update(_q_head(w, "q_linear.weight", "q_linear.bias", 1))
-    if f.get("num_puzzle_ids"):
-        state["puzzle_emb.weights"] = w.take("embedding.puzzle_emb.weight")
-    n_heads = int(f["n_heads"])
-    for i in range(int(f["n_layers"])):
-        src, dst = f"L_level.layers.{i}.", f"layers.{i}."
-        state[src + "self_attn.qkv_proj.weight"] = unpermute_rows(w.take(dst + "mix.qkv.weight"),
-                                                                  lambda t: permute_qkv(t, n_heads))  # fmt: skip
-        state[src + "self_attn.o_proj.weight"] = w.take(dst + "mix.proj.weight")
-        state[src + "mlp.gate_up_proj.weight"] = w.take(dst + "mlp.gate_up.weight")
-        state[src + "mlp.down_proj.weight"] = w.take(dst + "mlp.down.weight")
-    state["L_level.conv.weight"] = w.take("conv.conv.weight")
-    state["L_level.alpha_1_param"] = w.take("residual_logit_a1")
-    state["L_level.alpha_2_param"] = w.take("residual_logit_a2")
-    w.finish()
-    for key in [k for k in state if k.endswith(".weight") and k.split(".")[-2] in CASTED_LINEARS]:
-        state[key[: -len("weight")] + "mask"] = torch.ones_like(state[key])
-    train = _training(cfg)
-    return Exported(system, state, {"arch": arch, **train})
-
-
-EXPORTERS: dict[str, Callable[[str, Any, dict[str, Tensor]], Exported]] = {
-    "trm": export_recursive, "hrm": export_recursive, "fprm": export_fprm,
+# system -> the ``arch`` section of its all_config.yaml for a run (the loopformer model family is the system's)
+EXPORTERS: dict[str, Callable[[str, dict[str, Any], Any], dict[str, Any]]] = {
+    "trm": _recursive_arch, "hrm": _recursive_arch, "fprm": _fprm_arch,
 }  # fmt: skip
-FAMILY = {"trm": "trm", "hrm": "hrm", "fprm": "fprm"}  # the loopformer model family each system exports
+
+
+def reference_state(system: str, ref: dict[str, Any]) -> dict[str, Tensor]:
+    """Meta tensors of the shapes the authors' model has for ``ref`` (as their pretrain.py names them)."""
+    a = ref["arch"]
+    d, vocab = int(a["hidden_size"]), int(a["vocab_size"])
+    inter = -(-round(float(a.get("expansion", 4)) * d * 2 / 3) // 256) * 256  # their _find_multiple(.., 256)
+
+    def meta(*shape: int) -> Tensor:
+        return torch.empty(shape, device="meta", dtype=torch.float32)
+
+    def blocks(level: str, n: int, mlp_t: bool = False) -> dict[str, Tensor]:
+        out = {}
+        for i in range(n):
+            p = f"{level}.layers.{i}."
+            if mlp_t:
+                length = int(a["seq_len"]) + int(a.get("puzzle_emb_len") or 0)
+                inner = -(-round(float(a.get("expansion", 4)) * length * 2 / 3) // 256) * 256
+                out.update({p + "mlp_t.gate_up_proj.weight": meta(2 * inner, length),
+                            p + "mlp_t.down_proj.weight": meta(length, inner)})  # fmt: skip
+            else:
+                out.update({p + "self_attn.qkv_proj.weight": meta(3 * d, d),
+                            p + "self_attn.o_proj.weight": meta(d, d)})  # fmt: skip
+            out.update({p + "mlp.gate_up_proj.weight": meta(2 * inter, d),
+                        p + "mlp.down_proj.weight": meta(d, inter)})  # fmt: skip
+        return out
+
+    state = {"embed_tokens.embedding_weight": meta(vocab, d), "lm_head.weight": meta(vocab, d),
+             "q_head.weight": meta(2, d), "q_head.bias": meta(2)}  # fmt: skip
+    if int(a.get("puzzle_emb_ndim") or 0):
+        state["puzzle_emb.weights"] = meta(int(a["num_puzzle_identifiers"]), int(a["puzzle_emb_ndim"]))
+    if system == "fprm":
+        state.update(blocks("L_level", int(a["L_layers"])))
+        k = int(a["conv_kernel_size"])
+        conv = meta(d, 1, k, k) if a["conv_type"] == "conv2d" else meta(d, 1, k)
+        state.update(
+            {"L_level.conv.weight": conv, "L_level.alpha_1_param": meta(d), "L_level.alpha_2_param": meta(d)}
+        )
+        return state
+    state.update({"H_init": meta(d), "L_init": meta(d)})
+    if system == "hrm":
+        state.update(blocks("H_level", int(a["H_layers"])))
+    state.update(blocks("L_level", int(a["L_layers"]), bool(a.get("mlp_t"))))
+    return state
+
+
+def authors_state(system: str, config: dict[str, Any], weights: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The authors' state dict of ``weights`` for their configuration ``config``: the converter's key map run
+    backwards (module docstring)."""
+    shapes = reference_state(system, config)
+    probe = converter(system)(shapes, copy.deepcopy(config))
+    left = sorted(set(weights) - set(probe.sources))
+    if left:
+        raise CheckpointError(f"export {system}: {len(left)} loopformer weights have no place in the "
+                              f"authors' model: {left[:6]}{' ...' if len(left) > 6 else ''}")  # fmt: skip
+    state: dict[str, Tensor] = {}
+    for ours, theirs in probe.sources.items():
+        if ours not in weights:
+            raise CheckpointError(f"export {system}: the run has no weight {ours!r} the authors' model needs")
+        t, transform, rows = weights[ours], probe.transforms.get(ours), shapes[theirs].shape[0]
+        if transform is not None and theirs.startswith("q_head.") and rows > t.shape[0]:
+            # the rows the converter drops: the authors' init (weight 0, bias -5), never read with no_ACT_continue
+            fill = Q_CONTINUE_BIAS if theirs.endswith(".bias") else 0.0
+            t = torch.cat([t, torch.full((rows - t.shape[0], *t.shape[1:]), fill, dtype=t.dtype)])
+        elif transform is not None:
+            t = unpermute_rows(t, transform)
+        state[theirs] = t
+    if system == "fprm":  # the weight-dropout masks of the authors' masked linears: all ones
+        for key in [k for k in state if k.endswith(".weight") and k.split(".")[-2] in CASTED_LINEARS]:
+            state[key[: -len("weight")] + "mask"] = torch.ones_like(state[key])
+    return state
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -314,10 +272,11 @@ def export_weights(system: str, cfg: Any, weights: dict[str, Tensor]) -> Exporte
     """The authors' checkpoint of a run (its ``RunConfig`` and weights), checked by the round trip."""
     if system not in EXPORTERS:
         raise KeyError(f"no export for {system!r} (available: {', '.join(sorted(EXPORTERS))})")
-    if cfg.model.name != FAMILY[system]:
-        raise ValueError(f"export {system}: the run's model is {cfg.model.name!r}, not {FAMILY[system]!r}")
+    if cfg.model.name != system:
+        raise ValueError(f"export {system}: the run's model is {cfg.model.name!r}, not {system!r}")
     weights = {k: v.detach().cpu() for k, v in weights.items()}
-    exported = EXPORTERS[system](system, cfg, weights)
+    config = {"arch": EXPORTERS[system](system, cfg.model.fields, cfg), **_training(cfg)}
+    exported = Exported(system, authors_state(system, config, weights), config)
     check_round_trip(exported, cfg, weights)
     return exported
 
@@ -337,4 +296,5 @@ def write_export(exported: Exported, path: str | Path, compiled: bool = True) ->
     return path, config
 
 
-__all__ = ["EXPORTERS", "Exported", "check_round_trip", "export_weights", "unpermute_rows", "write_export"]
+__all__ = ["EXPORTERS", "Exported", "authors_state", "check_round_trip", "export_weights", "reference_state",
+           "unpermute_rows", "write_export"]

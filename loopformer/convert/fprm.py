@@ -27,12 +27,14 @@ Weights:
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from loopformer.convert import Converted, KeyMap, strip_prefixes
+from loopformer.convert.recursive import permute_qkv
 from loopformer.runs.layout import CheckpointError
 
 SOURCE = "FPRM checkpoint"
@@ -116,23 +118,6 @@ def _check_supported(arch: dict[str, Any]) -> None:
         raise CheckpointError(f"{SOURCE}: arch.norm_type={arch['norm_type']!r} is not one of {sorted(NORMS)}")
 
 
-def rope_permutation(head_dim: int) -> Tensor:
-    """loopformer channel c of a head <- the authors' channel perm[c] (pairs (j, j+D/2) -> (2j, 2j+1))."""
-    half = head_dim // 2
-    return torch.tensor([c // 2 if c % 2 == 0 else half + c // 2 for c in range(head_dim)])
-
-
-def permute_qkv(w: Tensor, n_heads: int) -> Tensor:
-    """Reorder the q and k rows of a fused [3 d, d] projection head by head (v rows unchanged)."""
-    d = w.shape[1]
-    if w.shape[0] != 3 * d or d % n_heads:
-        raise CheckpointError(f"{SOURCE}: qkv_proj of shape {tuple(w.shape)} does not fit {n_heads} heads")
-    hd = d // n_heads
-    perm = rope_permutation(hd)
-    q, k, v = w.view(3, n_heads, hd, d).unbind(0)
-    return torch.cat([q[:, perm].reshape(d, d), k[:, perm].reshape(d, d), v.reshape(d, d)], dim=0)
-
-
 def _logit(t: Tensor) -> Tensor:
     return torch.log(t / (1 - t))
 
@@ -187,50 +172,49 @@ def _model_fields(arch: dict[str, Any], km: KeyMap, n_layers: int) -> dict[str, 
     return fields
 
 
-def _weights(km: KeyMap, fields: dict[str, Any], n_layers: int) -> dict[str, Tensor]:
+def _map_weights(km: KeyMap, fields: dict[str, Any], n_layers: int) -> None:
     for key in km.keys_with(""):
         if key.endswith(".mask"):
             mask = km.take(key)
             if not bool((mask == 1).all()):
                 raise CheckpointError(f"{SOURCE}: weight-dropout mask {key!r} is not all ones")
-    w: dict[str, Tensor] = {
-        "embedding.tokens.weight": km.take("embed_tokens.embedding_weight"),
-        "output.head.weight": km.take("lm_head.weight"),
-        "q_linear.weight": km.take("q_head.weight")[:1],
-        "q_linear.bias": km.take("q_head.bias")[:1],
-    }
+    km.put("embedding.tokens.weight", "embed_tokens.embedding_weight")
+    km.put("output.head.weight", "lm_head.weight")
+    km.put("q_linear.weight", "q_head.weight", _halt_row)
+    km.put("q_linear.bias", "q_head.bias", _halt_row)
     if "puzzle_emb_dim" in fields:
-        w["embedding.puzzle_emb.weight"] = km.take("puzzle_emb.weights")
+        km.put("embedding.puzzle_emb.weight", "puzzle_emb.weights")
     elif km.has("puzzle_emb.weights"):
         km.take("puzzle_emb.weights")  # a zero-width table: nothing to carry over
     for i in range(n_layers):
         src, dst = f"L_level.layers.{i}.", f"layers.{i}."
-        w[dst + "mix.qkv.weight"] = permute_qkv(km.take(src + "self_attn.qkv_proj.weight"), fields["n_heads"])
-        w[dst + "mix.proj.weight"] = km.take(src + "self_attn.o_proj.weight")
-        w[dst + "mlp.gate_up.weight"] = km.take(src + "mlp.gate_up_proj.weight")
-        w[dst + "mlp.down.weight"] = km.take(src + "mlp.down_proj.weight")
+        qkv = partial(permute_qkv, n_heads=fields["n_heads"])
+        km.put(dst + "mix.qkv.weight", src + "self_attn.qkv_proj.weight", qkv)
+        km.put(dst + "mix.proj.weight", src + "self_attn.o_proj.weight")
+        km.put(dst + "mlp.gate_up.weight", src + "mlp.gate_up_proj.weight")
+        km.put(dst + "mlp.down.weight", src + "mlp.down_proj.weight")
     if fields["conv"] != "none":
-        w["conv.conv.weight"] = km.take("L_level.conv.weight")
+        km.put("conv.conv.weight", "L_level.conv.weight")
     for n in ("1", "2"):
-        p = km.take(f"L_level.alpha_{n}_param")
-        if fields["scalars"] == "fixed":
-            p = _logit(p.expand(fields["d_model"]).clone())
-        w[f"residual_logit_a{n}"] = p
-    return w
+        fixed = fields["scalars"] == "fixed"  # the raw values of ``fixed`` become logits
+        km.put(f"residual_logit_a{n}", f"L_level.alpha_{n}_param",
+               (lambda p: _logit(p.expand(fields["d_model"]).clone())) if fixed else None)  # fmt: skip
+
+
+def _halt_row(t: Tensor) -> Tensor:
+    """The Q head's row 0, the halt logit (row 1, the continue logit, is dropped: ``no_ACT_continue``)."""
+    return t[:1]
 
 
 def _loops(arch: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    common = {
-        "solver": "damped",
-        "damp_patience": int(arch["decay_patience"]),
-        "tol": float(arch["fp_thresh"]),
-        "residual_norm": "rel_sup",
-        "damp_min_step": 1e-3,
-    }
+    def damped(decay: str) -> dict[str, Any]:
+        return {"gamma": float(arch[decay]), "patience": int(arch["decay_patience"]), "min_step": 1e-3}
+
+    common = {"solver": "damped", "tol": float(arch["fp_thresh"]), "residual_norm": "rel_sup"}
     k = int(arch["n_backwards_L"])
     train = {
         **common,
-        "damp_gamma": float(arch["stepsize_decay_train"]),
+        "damped": damped("stepsize_decay_train"),
         "halting": "fixed",
         "max_steps": k,
         "grad": "truncated",
@@ -239,7 +223,7 @@ def _loops(arch: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     cap = arch["max_iter_eval"] if arch["max_iter_eval"] is not None else arch["max_iter"]
     evaluation = {
         **common,
-        "damp_gamma": float(arch["stepsize_decay_eval"]),
+        "damped": damped("stepsize_decay_eval"),
         "halting": "batch_residual",
         "max_steps": int(cap),
     }
@@ -255,7 +239,7 @@ def convert(state: dict[str, Tensor], ref_config: dict[str, Any]) -> Converted:
     if n_layers == 0 or not km.has("embed_tokens.embedding_weight"):
         raise CheckpointError(f"{SOURCE}: no FPRM trunk found (keys: {km.sample()})")
     fields = _model_fields(arch, km, n_layers)
-    weights = _weights(km, fields, n_layers)
+    _map_weights(km, fields, n_layers)
     km.finish()
     loop_train, loop_eval = _loops(arch)
     train: dict[str, Any] = {
@@ -271,8 +255,5 @@ def convert(state: dict[str, Tensor], ref_config: dict[str, Any]) -> Converted:
     ]
     if arch["max_iter_dist"] != "det":
         notes.append(f"max_iter_dist={arch['max_iter_dist']!r}: loopformer runs a fixed number of segments")
-    return Converted(
-        run={"model": fields, "train": train, "loop_train": loop_train, "loop_eval": loop_eval},
-        weights=weights,
-        notes=notes,
-    )
+    run = {"model": fields, "train": train, "loop_train": loop_train, "loop_eval": loop_eval}
+    return km.converted(run, notes)

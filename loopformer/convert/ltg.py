@@ -58,6 +58,11 @@ def _n_layers(km: KeyMap) -> int:
 PRED_POS = {"last_token": "last", "inp_len": "answer"}
 
 
+def _conv1d(t: Tensor) -> Tensor:
+    """Hugging Face's ``Conv1D`` weight [in, out] as ``nn.Linear``'s [out, in]."""
+    return t.t().contiguous()
+
+
 def _halt_position(ref: dict[str, Any]) -> str:
     pred_pos = ref.get("pred_pos", "last_token")
     if pred_pos not in PRED_POS:
@@ -114,19 +119,18 @@ def _data_hint(model: dict[str, Any]) -> str:
 def convert(state: dict[str, Tensor], ref: dict[str, Any]) -> Converted:
     km = KeyMap(strip_prefixes(state, ("_orig_mod.", "module.")), "ltg checkpoint")
     model = model_section(km, ref)
-    out: dict[str, Tensor] = {}
     for i in range(model["n_layers"]):
         for dst, (src, transpose) in BLOCK_KEYS.items():
-            t = km.take(f"blocks.{i}.{src}")
-            out[f"core.{i}.{dst}"] = t.t().contiguous() if transpose else t
-    out["embedding.tokens.weight"] = km.take("token_embedding.weight")
+            km.put(f"core.{i}.{dst}", f"blocks.{i}.{src}", _conv1d if transpose else None)
+    km.put("embedding.tokens.weight", "token_embedding.weight")
     if model["learned_positions"]:
-        out["embedding.positions.table"] = km.take("position_embedding.weight")
-    out["output.head.weight"] = (
-        km.take("lm_head.weight") if km.has("lm_head.weight") else out["embedding.tokens.weight"]
-    )
-    out["output.norm.weight"] = km.take("ln_f.weight")
-    out["output.norm.bias"] = km.take("ln_f.bias")
+        km.put("embedding.positions.table", "position_embedding.weight")
+    if km.has("lm_head.weight"):
+        km.put("output.head.weight", "lm_head.weight")
+    else:  # tied to the token embedding
+        km.out["output.head.weight"] = km.out["embedding.tokens.weight"]
+    km.put("output.norm.weight", "ln_f.weight")
+    km.put("output.norm.bias", "ln_f.bias")
     km.finish(ignore=[k for k in km.state if k.endswith(BUFFERS)])
     run = {
         "model": model,
@@ -138,4 +142,4 @@ def convert(state: dict[str, Tensor], ref: dict[str, Any]) -> Converted:
         f"prediction position: {where}; evaluate with data.options.pred_pos {_data_hint(model)} (kg_files)",
         "GPT2Block attention/residual dropout 0.1 (GPT2Config default), embedding dropout from --dropout",
     ]
-    return Converted(run=run, weights=out, notes=notes)
+    return km.converted(run, notes)

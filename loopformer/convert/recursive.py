@@ -1,4 +1,4 @@
-"""Key mapping shared by TRM and HRM checkpoints (``loopformer convert trm|hrm``).
+"""``loopformer convert trm|hrm``: a TinyRecursiveModels or HRM checkpoint -> a loopformer ``trm`` / ``hrm`` run folder.
 
 Both repositories save ``torch.save(ACTLossHead(model).state_dict())`` (``pretrain.py:
 save_train_state``), keys ``[_orig_mod.]model.inner.<name>`` (``_orig_mod.`` when compiled), and write
@@ -16,6 +16,13 @@ Reference -> loopformer tensors (``models/layers.py``):
   ``mlp.gate_up`` / ``down``; TRM ``mlp_t.*`` -> ``mix.mlp.*``. The RMSNorms have no weights.
 - ``H_init`` / ``L_init`` -> the (answer, latent) initial vectors; ``q_head`` (2 rows: halt,
   continue) -> TRM: row 0 (``no_ACT_continue``, the continue logit is never used), HRM: both rows.
+
+TRM specifics (``models/recursive_reasoning/trm.py``): one ``L_level`` net used for both updates;
+``H_cycles`` -> the loop's ``max_steps`` (T), ``L_cycles`` -> ``n_inner`` (n), ``L_layers`` -> ``n_layers``;
+``puzzle_emb_len`` (16 by default) puzzle tokens; ``mlp_t`` -> ``mixer="mlp"``. HRM specifics (sapientinc/HRM
+``models/hrm/hrm_act_v1.py``, or the HRM in TinyRecursiveModels): ``H_level`` / ``L_level`` -> ``H`` / ``L``;
+``L_cycles`` -> ``l_cycles``, ``H_layers`` / ``L_layers`` -> ``n_layers`` / ``l_layers``;
+``ceil(puzzle_emb_ndim / d)`` puzzle tokens.
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from loopformer.convert import KeyMap
+from loopformer.convert import Converted, KeyMap, given, strip_prefixes
 from loopformer.runs.layout import CheckpointError
 
 PREFIXES = ("_orig_mod.", "model.", "inner.")
@@ -77,15 +84,6 @@ TRAIN_DEFAULTS = {
 }
 
 
-CONFIG_NAMES = ("all_config.yaml",)
-
-
-def find_config(checkpoint: str | Path) -> Path | None:
-    """``all_config.yaml`` beside the checkpoint, as the reference's pretrain.py writes it."""
-    candidate = Path(checkpoint).resolve().parent / "all_config.yaml"
-    return candidate if candidate.is_file() else None
-
-
 def arch_settings(system: str, ref: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """(arch, training settings) with the reference defaults filled in."""
     arch_in = ref.get("arch", ref)
@@ -97,15 +95,17 @@ def arch_settings(system: str, ref: dict[str, Any]) -> tuple[dict[str, Any], dic
 
 
 def rope_permutation(head_dim: int) -> Tensor:
-    """Index ``perm`` with ``ours[p] = theirs[perm[p]]``: rotate-half pairs -> interleaved pairs."""
+    """Index ``perm`` with ``ours[p] = theirs[perm[p]]``: rotate-half pairs (j, j + D/2) -> interleaved pairs
+    (2j, 2j + 1); a common permutation of q and k leaves every attention score unchanged (TRM, HRM, FPRM)."""
     half = head_dim // 2
     return torch.tensor([p // 2 + (p % 2) * half for p in range(head_dim)])
 
 
 def permute_qkv(w: Tensor, n_heads: int) -> Tensor:
     """qkv rows [q heads | k heads | v heads] with each q / k head's rows put in RoPE pair order."""
-    d_out = w.shape[0] // 3
-    head_dim = d_out // n_heads
+    if w.shape[0] % (3 * n_heads):
+        raise CheckpointError(f"qkv_proj of shape {tuple(w.shape)} does not fit {n_heads} heads")
+    head_dim = w.shape[0] // 3 // n_heads
     perm = rope_permutation(head_dim)
     rows = torch.arange(w.shape[0]).view(3, n_heads, head_dim)
     rows[:2] = rows[:2][..., perm]
@@ -167,8 +167,6 @@ def embedding_shapes(km: KeyMap) -> tuple[int, int, int, int]:
 
 def reference_seq_len(arch: dict[str, Any], ref: dict[str, Any]) -> int | None:
     """``arch.seq_len``, else the dataset's ``train/dataset.json``; None when neither has it."""
-    from loopformer.convert import given
-
     return arch.get("seq_len") or given("model.seq_len") or dataset_meta(ref).get("seq_len")
 
 
@@ -217,8 +215,6 @@ def dataset_meta(ref: dict[str, Any]) -> dict[str, Any]:
 
 def task_section(ref: dict[str, Any], seq_len: int) -> dict[str, Any]:
     """loopformer ``data`` section: the task named by the reference's data path."""
-    from loopformer.convert import given
-
     paths = ref.get("data_paths") or ([ref["data_path"]] if ref.get("data_path") else [])
     name = str(paths[0]) if paths else ""
     side = math.isqrt(seq_len)
@@ -288,3 +284,79 @@ def train_section(arch: dict[str, Any], train: dict[str, Any]) -> dict[str, Any]
         "halt_on_q": True,
         "halt_exploration": float(arch["halt_exploration_prob"]),
     }
+
+
+# ------------------------------------------------------------------------------------------- TRM
+
+
+def trm_model_section(km: KeyMap, arch: dict[str, Any], ref: dict[str, Any]) -> dict[str, Any]:
+    vocab, d, ndim, n_ids = embedding_shapes(km)
+    plen = (int(arch["puzzle_emb_len"]) or -(ndim // -d)) if ndim else 0
+    mlp_t = km.has("L_level.layers.0.mlp_t.gate_up_proj.weight")
+    seq_len = reference_seq_len(arch, ref)
+    if seq_len is None and mlp_t:
+        seq_len = km.peek("L_level.layers.0.mlp_t.gate_up_proj.weight").shape[1] - plen
+    if seq_len is None:
+        raise no_seq_len("TRM")
+    pos = arch["pos_encodings"]
+    if pos not in ("rope", "none"):
+        raise NotImplementedError(f"TRM pos_encodings={pos!r} is not supported (rope or none)")
+    if not arch.get("no_ACT_continue", True):
+        raise NotImplementedError(
+            "TRM with no_ACT_continue=False (Q-learning continue target) is not supported"
+        )
+    return {
+        "name": "trm",
+        **model_fields(km, arch, seq_len, "L_level.layers.", plen),
+        "n_inner": int(arch["L_cycles"]),
+        "mixer": "mlp" if mlp_t else "attention",
+        "rope": pos == "rope",
+    }
+
+
+def map_trm_weights(km: KeyMap, model: dict[str, Any]) -> None:
+    """TRM's one ``L_level`` net -> ``net``, ``H_init`` / ``L_init`` -> ``y_init`` / ``z_init``, the
+    Q head's row 0 (also TRM-DEQ's, ``loopformer.convert.attractor``)."""
+    levels = (("L_level", "net", model["n_layers"]),)
+    map_weights(km, model, levels, ("y_init", "z_init"), model["rope"], q_rows=1)
+
+
+def convert_trm(state: dict[str, Tensor], ref: dict[str, Any]) -> Converted:
+    km = KeyMap(strip_prefixes(state, PREFIXES), "TRM checkpoint")
+    arch, train = arch_settings("trm", ref)
+    model = trm_model_section(km, arch, ref)
+    map_trm_weights(km, model)
+    km.finish()
+    run = run_config(model, arch, ref, train_section(arch, train))
+    notes = ["q_head row 1 (q_continue) dropped: TRM's no_ACT_continue never uses it"]
+    return km.converted(run, notes)
+
+
+# ------------------------------------------------------------------------------------------- HRM
+
+
+def hrm_model_section(km: KeyMap, arch: dict[str, Any], ref: dict[str, Any]) -> dict[str, Any]:
+    vocab, d, ndim, n_ids = embedding_shapes(km)
+    seq_len = reference_seq_len(arch, ref)
+    if seq_len is None:
+        raise no_seq_len("HRM")
+    if arch["pos_encodings"] != "rope":
+        raise NotImplementedError(f"HRM pos_encodings={arch['pos_encodings']!r} is not supported (rope only)")
+    return {
+        "name": "hrm",
+        **model_fields(km, arch, seq_len, "H_level.layers.", -(ndim // -d)),
+        "l_layers": count_layers(km, "L_level.layers."),
+        "l_cycles": int(arch["L_cycles"]),
+    }
+
+
+def convert_hrm(state: dict[str, Tensor], ref: dict[str, Any]) -> Converted:
+    km = KeyMap(strip_prefixes(state, PREFIXES), "HRM checkpoint")
+    arch, train = arch_settings("hrm", ref)
+    model = hrm_model_section(km, arch, ref)
+    levels = (("H_level", "H", model["n_layers"]), ("L_level", "L", model["l_layers"]))
+    map_weights(km, model, levels, ("h_init", "l_init"), rope=True, q_rows=None)
+    km.finish()
+    training = {**train_section(arch, train), "q_learning": True}
+    run = run_config(model, arch, ref, training)
+    return km.converted(run)

@@ -17,10 +17,8 @@ import copy
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-from torch import Tensor
-
 from loopformer.convert import converter
+from loopformer.convert.export import reference_state
 from loopformer.convert.recursive import TRAIN_DEFAULTS
 
 # the authors' configuration each translation starts from: their arch defaults (loopformer.convert.recursive /
@@ -74,58 +72,6 @@ def _yaml(value: Any) -> str:
     return text if not any(c in text for c in " []{},") else f"'{text}'"
 
 
-def _reference_state(system: str, ref: dict[str, Any]) -> dict[str, Tensor]:
-    """Meta tensors of the shapes the authors' model has for ``ref`` (as their pretrain.py names them)."""
-    a = ref["arch"]
-    d, vocab = int(a["hidden_size"]), int(a["vocab_size"])
-    inter = -(-round(float(a.get("expansion", 4)) * d * 2 / 3) // 256) * 256  # their _find_multiple(.., 256)
-
-    def meta(*shape: int) -> Tensor:
-        return torch.empty(shape, device="meta", dtype=torch.float32)
-
-    def blocks(level: str, n: int, mlp_t: bool = False) -> dict[str, Tensor]:
-        out = {}
-        for i in range(n):
-            p = f"{level}.layers.{i}."
-            if mlp_t:
-                length = int(a["seq_len"]) + int(a.get("puzzle_emb_len") or 0)
-                inner = -(-round(float(a.get("expansion", 4)) * length * 2 / 3) // 256) * 256
-                out.update({p + "mlp_t.gate_up_proj.weight": meta(2 * inner, length),
-                            p + "mlp_t.down_proj.weight": meta(length, inner)})  # fmt: skip
-            else:
-                out.update(
-                    {
-                        p + "self_attn.qkv_proj.weight": meta(3 * d, d),
-                        p + "self_attn.o_proj.weight": meta(d, d),
-                    }
-                )
-            out.update(
-                {
-                    p + "mlp.gate_up_proj.weight": meta(2 * inter, d),
-                    p + "mlp.down_proj.weight": meta(d, inter),
-                }
-            )
-        return out
-
-    state = {"embed_tokens.embedding_weight": meta(vocab, d), "lm_head.weight": meta(vocab, d),
-             "q_head.weight": meta(2, d), "q_head.bias": meta(2)}  # fmt: skip
-    if int(a.get("puzzle_emb_ndim") or 0):
-        state["puzzle_emb.weights"] = meta(int(a["num_puzzle_identifiers"]), int(a["puzzle_emb_ndim"]))
-    if system == "fprm":
-        state.update(blocks("L_level", int(a["L_layers"])))
-        k = int(a["conv_kernel_size"])
-        conv = meta(d, 1, k, k) if a["conv_type"] == "conv2d" else meta(d, 1, k)
-        state.update(
-            {"L_level.conv.weight": conv, "L_level.alpha_1_param": meta(d), "L_level.alpha_2_param": meta(d)}
-        )
-        return state
-    state.update({"H_init": meta(d), "L_init": meta(d)})
-    if system == "hrm":
-        state.update(blocks("H_level", int(a["H_layers"])))
-    state.update(blocks("L_level", int(a["L_layers"]), bool(a.get("mlp_t"))))
-    return state
-
-
 def _flat(table: Any, prefix: str = "") -> dict[str, Any]:
     if not isinstance(table, dict):
         return {prefix: table}
@@ -137,7 +83,7 @@ def _flat(table: Any, prefix: str = "") -> dict[str, Any]:
 
 def converted_config(system: str, ref: dict[str, Any]) -> dict[str, Any]:
     """``loopformer convert``'s run configuration for the authors' configuration ``ref``, flattened."""
-    run = converter(system)(_reference_state(system, ref), copy.deepcopy(ref)).run
+    run = converter(system)(reference_state(system, ref), copy.deepcopy(ref)).run
     return _flat(run)
 
 

@@ -12,8 +12,8 @@ reads only what their classes declare, never their names.
   sample keeps its last finite iterate and converged=False; ``stop_diverged=False`` turns the
   divergence stop off (the references' training segments have none).
 - with ``compaction`` halted samples leave the active batch (``LoopState.compact``), so adaptive
-  halting saves real compute; without it finished rows are frozen with ``torch.where``
-  (``_run_masked``). Both give the same results.
+  halting saves real compute; without it finished rows are frozen with ``torch.where``. One driver
+  (``_run_per_step``) takes that choice as a parameter; both give the same results.
 - per-iteration cost (small maps are dominated by it): residuals and ||state|| are written in
   place into preallocated history rows, one host sync per step (``aminmax`` of the residuals
   against the rule's ``residual_bound``: could any sample stop?) and the exact halting /
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -204,33 +205,61 @@ def _run_plain(lp: LoopState) -> int:
     return cfg.max_steps
 
 
-def _run_compacting(lp: LoopState) -> int:
-    """Per-sample halting; finished samples leave the active batch."""
-    cfg, callback, t = lp.cfg, lp.callback, 0
+def _notify(lp: LoopState, t: int, z_next: Tensor, active: Tensor | None) -> None:
+    """The callback with the new iterate of the rows active in step t (``active``: the frozen-rows path's
+    running rows, None while every row of the batch runs)."""
+    if lp.callback is None:
+        return
+    if active is None:
+        lp.callback(t + 1, z_next, lp.idx)
+    else:
+        live = active.nonzero().squeeze(1)
+        lp.callback(t + 1, z_next.index_select(0, live), live)
+
+
+def _run_per_step(lp: LoopState, compact: bool) -> int:
+    """Per-sample halting with a host read every step. How finished rows leave: with ``compact`` they are
+    dropped from the active batch (``LoopState.compact``); without, every row stays in the batch and the
+    finished ones are frozen with ``torch.where`` (``compaction=False``). Both give the same results."""
+    cfg, t, n_active = lp.cfg, 0, lp.b
+    active: Tensor | None = None  # frozen rows: the rows still running (None until the first stop check)
+    ran = None if compact else torch.zeros(lp.b, dtype=torch.long, device=lp.device)  # frozen rows: steps
+    shape = (-1, *([1] * (lp.z.dim() - 1)))
     for t in range(cfg.max_steps):
         it = _iterate(lp, t)
         last = t + 1 == cfg.max_steps
         if not last and not _could_stop(lp, t, it):
-            lp.z = it.z_next
-            if callback is not None:
-                callback(t + 1, it.z_next, lp.idx)
+            lp.z = it.z_next if active is None else torch.where(active.view(shape), it.z_next, lp.z)
+            _notify(lp, t, it.z_next, active)
             continue
         finished, bad, conv = _stop_masks(lp, t, it, last)
-        if callback is not None:
-            callback(t + 1, it.z_next, lp.idx)
+        if not compact:
+            active = torch.ones_like(finished) if active is None else active
+            finished = finished & active
+        _notify(lp, t, it.z_next, active)
         n_finished = int(finished.sum())
         if n_finished:
             _retire(lp, t, it, finished, bad, conv)
-        if n_finished == lp.z.shape[0]:
+            if ran is not None:
+                ran.masked_fill_(finished, t + 1)
+        n_active -= n_finished
+        if n_active == 0:
             break
-        if n_finished:  # flush this segment's history, continue with the rows still running
+        if active is not None:
+            frozen = (~active) | bad
+            active = active & ~finished
+            lp.z = torch.where(frozen.view(shape), lp.z, it.z_next)
+        elif n_finished:  # flush this segment's history, continue with the rows still running
             lp.history.flush(lp.idx, t + 1)
             keep = (~finished).nonzero().squeeze(1)
             lp.compact(keep, it.z_next)
             lp.history.restart(t + 1, keep.numel())
         else:
             lp.z = it.z_next
-    lp.history.flush(lp.idx, t + 1)
+    if ran is None:
+        lp.history.flush(lp.idx, t + 1)
+    else:
+        lp.history.mask_after(ran, t + 1)
     return t + 1
 
 
@@ -266,43 +295,6 @@ def _run_deferred(lp: LoopState) -> int:
     return int(longest)
 
 
-def _masked_notify(lp: LoopState, t: int, z_next: Tensor, active: Tensor, all_active: bool) -> None:
-    if lp.callback is not None:
-        live = lp.idx if all_active else active.nonzero().squeeze(1)
-        lp.callback(t + 1, z_next if all_active else z_next.index_select(0, live), live)
-
-
-def _run_masked(lp: LoopState) -> int:
-    """compaction=False: every row stays in the batch, finished rows are frozen with torch.where."""
-    cfg, t = lp.cfg, 0
-    active = torch.ones(lp.b, dtype=torch.bool, device=lp.device)
-    ran = torch.zeros(lp.b, dtype=torch.long, device=lp.device)  # recorded steps per sample
-    all_active = True
-    shape = (-1, *([1] * (lp.z.dim() - 1)))
-    for t in range(cfg.max_steps):
-        it = _iterate(lp, t)
-        last = t + 1 == cfg.max_steps
-        if not last and not _could_stop(lp, t, it):
-            lp.z = it.z_next if all_active else torch.where(active.view(shape), it.z_next, lp.z)
-            _masked_notify(lp, t, it.z_next, active, all_active)
-            continue
-        finished, bad, conv = _stop_masks(lp, t, it, last)
-        finished = finished & active
-        _masked_notify(lp, t, it.z_next, active, False)
-        n_finished = int(finished.sum())
-        if n_finished:
-            _retire(lp, t, it, finished, bad, conv)
-            ran.masked_fill_(finished, t + 1)
-        frozen = (~active) | bad
-        active = active & ~finished
-        all_active = False
-        if n_finished and not bool(active.any()):
-            break
-        lp.z = torch.where(frozen.view(shape), lp.z, it.z_next)
-    lp.history.mask_after(ran, t + 1)
-    return t + 1
-
-
 def run_loop(
     step: StepFn,
     z0: Tensor,
@@ -330,8 +322,10 @@ def run_loop(
         run = _run_plain
     elif lp.deferred:
         run = _run_deferred
+    elif z0.is_meta:  # no host read has an answer on the meta device (--plan): every loop runs to its cap
+        run = _run_plain
     else:
-        run = _run_compacting if cfg.compaction else _run_masked
+        run = partial(_run_per_step, compact=cfg.compaction)
     try:
         t_run = run(lp)
     finally:

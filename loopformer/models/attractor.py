@@ -26,12 +26,12 @@ the embedding likewise, backbone output projections zero, head output projection
 N(0, 2/(5d)) at +-3 std because they would be zero), and ``head_parameter_prefixes()`` for the
 optimiser's head group (``train.head_lr_scale`` / ``train.head_weight_decay``: the reference's
 ``fp_lr_scale`` / ``fp_wd``). The solver plug-in ``anderson_attractor``
-(``loopformer/models/attractor_solver.py``) returns the reference's ``f(x_k)``.
+(``loopformer/models/attractor_solvers.py``) returns the reference's ``f(x_k)``.
 
 Default loop: Anderson (m 5, relative regulariser 1e-4, mixing 1.0), residual halting at
 ``||f(y) - y|| / ||y||`` < 3e-4 between 4 and 12 iterations (puzzles; language uses 6..64 through the
 loop config), gradient ``neumann`` with one term: ``u = v + J^T v`` backpropagated through one
-recomputed f (the code's "onestep"; ``neumann_clip`` bounds ``||J^T v||`` by clip * ||v||). The
+recomputed f (the code's "onestep"; ``neumann.clip`` bounds ``||J^T v||`` by clip * ||v||). The
 paper's cheapest form ``u = v`` is ``grad="onestep"``; the full adjoint solve is ``grad="ift"``.
 
 Equilibrium internalization: because the proposal c is both the initial iterate and the injected
@@ -56,21 +56,21 @@ from loopformer.loop import LoopConfig
 from loopformer.models.base import LoopedModel, ModelConfig
 from loopformer.models.transformer import (
     InputEmbedding,
+    LMLayerOptions,
     OutputHead,
+    apply_layer_options,
     make_blocks,
     scaled_zero_blocks,
     scaled_zero_io,
 )
-from loopformer.nn import MLP_KINDS
 
 ATTRACTOR_INJECTIONS = ("add", "concat")
-ATTRACTOR_INITS = ("default", "scaled_zero")
 
 
 def _default_loop() -> LoopConfig:
     return LoopConfig(
         solver="anderson",
-        anderson_m=5,
+        anderson={"m": 5},
         halting="residual",
         tol=3e-4,
         residual_norm="rel_l2",
@@ -82,7 +82,11 @@ def _default_loop() -> LoopConfig:
 
 
 @dataclass
-class AttractorConfig(ModelConfig):
+class AttractorConfig(LMLayerOptions, ModelConfig):
+    """The attractor head's fields; the language model's layer options (``mlp``, ``qk_norm``, ``norm_eps``,
+    ``rope_base``, ``embed_scale``, ``logit_scale``, ``init_orthogonal``: module docstring) are the transformer
+    family's ``LMLayerOptions``, whose defaults are loopformer's own choices."""
+
     n_backbone: int = 2  # backbone (proposal) blocks
     n_layers: int = 2  # weight-tied attractor-head blocks
     layer_scale_init: float = 0.75  # initial gamma of every head sub-layer
@@ -90,35 +94,16 @@ class AttractorConfig(ModelConfig):
     injection: str = "add"  # add | concat
     proposal: bool = True  # False: DEQ-style ablation (inject E(x), start from 0)
     tie_embeddings: bool = True
-    # the authors' language model (module docstring); the defaults are loopformer's own choices
-    mlp: str = "swiglu"  # swiglu | relu2
-    qk_norm: bool = False
-    norm_eps: float = 1e-6  # every RMSNorm (blocks and the final norm)
-    rope_base: float = 10000.0
-    embed_scale: float = 0.0  # token-embedding multiplier; 0 = sqrt(d_model)
-    logit_scale: float = 1.0
     init: str = "default"  # default (PyTorch's) | scaled_zero (the reference's)
-    init_orthogonal: bool = True  # scaled_zero: orthogonal matrices (else truncated normal)
     value_embeddings: bool = False  # the authors' Attractor removes them (ve_gate = None); False only
     loop: LoopConfig = field(default_factory=_default_loop)
 
     def __post_init__(self) -> None:
-        if self.mlp not in MLP_KINDS:
-            raise ValueError(f"AttractorConfig.mlp={self.mlp!r} is not one of {MLP_KINDS}")
+        self.check_layer_options()
         if self.value_embeddings:
             raise ValueError(
                 "AttractorConfig.value_embeddings is not available (the authors' Attractor removes them); "
                 "set it false"
-            )
-        if self.init not in ATTRACTOR_INITS:
-            raise ValueError(f"AttractorConfig.init={self.init!r} is not one of {ATTRACTOR_INITS}")
-        for key in ("norm_eps", "rope_base", "logit_scale"):
-            value = getattr(self, key)
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-                raise ValueError(f"AttractorConfig.{key} must be a finite number > 0, got {value!r}")
-        if not (math.isfinite(self.embed_scale) and self.embed_scale >= 0):
-            raise ValueError(
-                f"AttractorConfig.embed_scale must be >= 0 (0 = sqrt(d)), got {self.embed_scale!r}"
             )
 
 
@@ -143,11 +128,7 @@ class Attractor(LoopedModel):
             )
         d = config.d_model
         self.embedding = InputEmbedding(config)
-        if config.embed_scale:
-            self.embedding.scale = float(config.embed_scale)
-        kw = dict(
-            mlp=config.mlp, qk_norm=config.qk_norm, rope_base=config.rope_base, norm_eps=config.norm_eps
-        )
+        kw = config.layer_kwargs()
         self.backbone = make_blocks(config, config.n_backbone if config.proposal else 0, **kw)
         self.head_blocks = make_blocks(config, config.n_layers, **kw)
         # the reference's FixedPointBlock clamps sigmoid(g) to [1e-6, 1 - 1e-6] (init 0.75 / 0.75 in its configs)
@@ -159,7 +140,7 @@ class Attractor(LoopedModel):
                 eye = torch.eye(d)
                 self.injection_proj.weight.copy_(torch.cat([eye, eye], dim=1))
         self.output = OutputHead(config, self.embedding)
-        self.output.norm.eps = config.norm_eps
+        apply_layer_options(config, self.embedding, self.output)
         if config.init == "scaled_zero":
             scaled_zero_init(self, config.init_orthogonal)
 

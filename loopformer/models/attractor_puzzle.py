@@ -22,7 +22,7 @@ evaluation).
 
 - Inner solve: ``run_loop`` without gradient on ``f(z) = net(z, z_H + x)`` from the carried ``z_L``,
   with ``inner_loop`` (default: the ``anderson_trmdeq`` solver plug-in, the reference's Anderson with
-  its rolled history buffer, ``loopformer.models.attractor_puzzle_solver``; ``deq_solver: anderson`` is
+  its rolled history buffer, ``loopformer.models.attractor_solvers``; ``deq_solver: anderson`` is
   the engine's own, which keeps the true last iterates; m 5, mixing 1.0, absolute regulariser 1e-4 as
   the reference's ``1e-4 * eye``, residual ``||f(z) - z|| / ||f(z)||`` below ``deq_tol`` 1e-3 after
   ``deq_min_iter`` 4 of at most ``deq_max_iter`` 8 map evaluations). The reference counts map
@@ -53,7 +53,7 @@ from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from loopformer.loop import LoopConfig, LoopResult, run_loop
-from loopformer.models import attractor_puzzle_solver  # noqa: F401  (registers the anderson_trmdeq solver)
+from loopformer.models import attractor_solvers  # noqa: F401  (registers the anderson_trmdeq solver)
 from loopformer.models.base import ModelOutput
 from loopformer.models.trm import TRM, TRMConfig
 
@@ -68,7 +68,7 @@ class AttractorPuzzleConfig(TRMConfig):
 
     n_layers: int = 2
     deq_solver: str = (
-        "anderson_trmdeq"  # the reference's Anderson (attractor_puzzle_solver.py) or any engine solver
+        "anderson_trmdeq"  # the reference's Anderson (attractor_solvers.py) or any engine solver
     )
     deq_max_iter: int = 8  # reference: map evaluations of the forward solve
     deq_min_iter: int = 4
@@ -92,10 +92,12 @@ class AttractorPuzzleConfig(TRMConfig):
         solver: dict = {}
         if self.deq_solver == "anderson":
             solver = dict(
-                anderson_m=self.deq_anderson_m,
-                anderson_beta=self.deq_anderson_beta,
-                anderson_reg=self.deq_anderson_reg,
-                anderson_reg_relative=self.deq_anderson_reg_relative,
+                anderson={
+                    "m": self.deq_anderson_m,
+                    "beta": self.deq_anderson_beta,
+                    "reg": self.deq_anderson_reg,
+                    "reg_relative": self.deq_anderson_reg_relative,
+                }
             )
         elif self.deq_solver == "anderson_trmdeq":
             solver = dict(

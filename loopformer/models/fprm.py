@@ -50,6 +50,7 @@ evaluation raises gamma to 0.99 and the step cap. State tracking uses ``causal=T
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -90,8 +91,7 @@ def lecun_trunc_normal_(t: Tensor, std: float, generator: torch.Generator | None
 def _default_loop() -> LoopConfig:
     return LoopConfig(
         solver="damped",
-        damp_gamma=0.9,
-        damp_patience=5,
+        damped={"gamma": 0.9, "patience": 5},
         halting="residual",
         tol=0.1,
         residual_norm="rel_sup",
@@ -190,21 +190,7 @@ class PaddedInputEmbedding(InputEmbedding):
         super().__init__(config)
         self.puzzle_emb = nn.Embedding(config.num_puzzle_ids, config.puzzle_emb_dim)
         nn.init.zeros_(self.puzzle_emb.weight)
-
-    def forward(self, inputs: Tensor, puzzle_ids: Tensor | None = None) -> Tensor:
-        if inputs.dim() != 2 or inputs.dtype not in (torch.int64, torch.int32):
-            raise ValueError(
-                f"inputs must be integer tokens of shape [B, T], got {tuple(inputs.shape)} {inputs.dtype}"
-            )
-        if puzzle_ids is None:  # the authors' Sudoku / maze data: one identifier (0) for every puzzle
-            puzzle_ids = torch.zeros(inputs.shape[0], dtype=torch.long, device=inputs.device)
-        x = self.tokens(inputs) * self.scale
-        if self.positions is not None:
-            x = self.positions(x)
-        p = self.puzzle_emb(puzzle_ids)
-        p = F.pad(p, (0, self.prefix_len * self.d_model - p.shape[-1]))
-        p = p.view(inputs.shape[0], self.prefix_len, self.d_model) * self.scale
-        return torch.cat([p, x], dim=1)
+        self.default_puzzle_id = True
 
 
 class FPRM(LoopedModel):
@@ -407,9 +393,7 @@ def paper_config() -> FPRMConfig:
 def state_tracking_config(group_size: int = 120) -> FPRMConfig:
     """FPRM on A5 / S5 word problems (arXiv 2606.18206): causal, no RoPE, causal 1-D conv, a1 = a2 = 0.5,
     K = 4 differentiable steps; vocab |G| + 1 (61 for A5, 121 for S5)."""
-    loop = _default_loop()
-    loop.grad_steps = 4
-    loop.damp_gamma, loop.damp_patience = 0.95, 10
+    loop = dataclasses.replace(_default_loop(), grad_steps=4, damped={"gamma": 0.95, "patience": 10})
     return FPRMConfig(
         vocab_size=group_size + 1,
         seq_len=32,

@@ -29,7 +29,7 @@ Design choices (where they come from):
   ``ceil(puzzle_emb_ndim / d)`` = 1), post-norm blocks without norm gain (eps 1e-5), SwiGLU widths
   rounded to 256, truncated LeCun normal init (flax convention), fixed truncated-normal ``H_init`` /
   ``L_init`` vectors (buffers by default, see ``loopformer.models.trm``): as HRM's code, shared with
-  TRM through ``PuzzleTokenEmbedding`` / ``ReasoningModule``.
+  TRM through ``RecursiveModel`` / ``PuzzleTokenEmbedding`` / ``ReasoningModule``.
 - Readout ``lm_head(zH)`` on the token positions.
 - Q-learning ACT head: ``Linear(d, 2)`` on ``zH`` at the first position gives HRM's ``(q_halt,
   q_continue)`` logits (weight 0, bias -5 at init). ``q_values`` returns both ``[B, 2]`` (for a
@@ -44,19 +44,11 @@ import contextlib
 from dataclasses import dataclass, field
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from loopformer.loop import LoopConfig
-from loopformer.models.base import LoopedModel, ModelConfig
-from loopformer.models.trm import (
-    Q_BIAS_INIT,
-    PuzzleTokenEmbedding,
-    ReasoningModule,
-    check_family_config,
-    check_token_count,
-    init_vector,
-    lecun_init_,
-)
+from loopformer.models.base import ModelConfig
+from loopformer.models.trm import ReasoningModule, RecursiveModel
 
 
 @dataclass
@@ -80,43 +72,19 @@ class HRMConfig(ModelConfig):
     )
 
 
-class HRM(LoopedModel):
+class HRM(RecursiveModel):
     config: HRMConfig
+    init_names = ("h_init", "l_init")
+    q_outputs = 2  # (q_halt, q_continue)
 
     def __init__(self, config: HRMConfig) -> None:
-        super().__init__(config)
         if config.l_cycles < 1:
             raise ValueError(f"l_cycles must be >= 1, got {config.l_cycles}")
-        check_family_config(config)
-        self.embedding = PuzzleTokenEmbedding(config)
+        super().__init__(config)
+
+    def build_nets(self, config: HRMConfig) -> None:
         self.H = ReasoningModule(config, config.n_layers, config.mixer)
         self.L = ReasoningModule(config, config.l_layers or config.n_layers, config.mixer)
-        d, flax = config.d_model, config.init == "lecun"
-        if config.learned_init:
-            self.h_init = init_vector(d, learned=True, flax=flax)
-            self.l_init = init_vector(d, learned=True, flax=flax)
-        else:
-            self.register_buffer("h_init", init_vector(d, learned=False, flax=flax))
-            self.register_buffer("l_init", init_vector(d, learned=False, flax=flax))
-        self.lm_head = None if config.tie_embeddings else nn.Linear(d, config.vocab_size, bias=False)
-        if self.lm_head is not None and flax:
-            lecun_init_(self.lm_head)
-        self.q_proj: nn.Linear | None = None
-        if config.q_head:
-            self.q_proj = nn.Linear(d, 2)
-            nn.init.zeros_(self.q_proj.weight)
-            nn.init.constant_(self.q_proj.bias, Q_BIAS_INIT)
-
-    def embed(self, inputs: Tensor, puzzle_ids: Tensor | None = None) -> tuple[Tensor, ...]:
-        check_token_count(self.config, self.config.mixer, inputs)
-        return (self.embedding(inputs, puzzle_ids),)
-
-    def init_state(self, ctx: tuple[Tensor, ...], generator: torch.Generator | None = None) -> Tensor:
-        x = ctx[0]
-        B, L, d = x.shape
-        zh = self.h_init.to(x.dtype).expand(B, L, d)
-        zl = self.l_init.to(x.dtype).expand(B, L, d)
-        return torch.stack((zh, zl), dim=1)
 
     def step(self, z: Tensor, *ctx: Tensor) -> Tensor:
         x = ctx[0]
@@ -132,12 +100,6 @@ class HRM(LoopedModel):
     def blocks_per_step(self) -> int:
         """An H-cycle: ``l_cycles`` passes of the L module and one of the H module."""
         return self.config.l_cycles * (self.config.l_layers or self.config.n_layers) + self.config.n_layers
-
-    def readout(self, z: Tensor, *ctx: Tensor) -> Tensor:
-        zh = z[:, 0, self.config.puzzle_emb_len :]
-        if self.lm_head is None:
-            return zh @ self.embedding.tokens.weight.t()
-        return self.lm_head(zh)
 
     def q_values(self, z: Tensor, *ctx: Tensor) -> Tensor | None:
         """HRM's Q-learning logits ``[B, 2]`` = (q_halt, q_continue), read from ``zH`` at position 0."""

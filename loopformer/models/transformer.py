@@ -31,6 +31,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from loopformer.loop import LoopConfig
@@ -63,6 +64,7 @@ class InputEmbedding(nn.Module):
             self.puzzle_emb = nn.Embedding(config.num_puzzle_ids, self.prefix_len * d)
             nn.init.zeros_(self.puzzle_emb.weight)
         self.positions = LearnedPositions(config.seq_len, d) if config.learned_positions else None
+        self.default_puzzle_id = False  # puzzle_ids=None means identifier 0 (else an error)
 
     def forward(self, inputs: Tensor, puzzle_ids: Tensor | None = None) -> Tensor:
         if inputs.dim() != 2 or inputs.dtype not in (torch.int64, torch.int32):
@@ -74,11 +76,17 @@ class InputEmbedding(nn.Module):
             x = self.positions(x)
         if self.puzzle_emb is None:
             return x
-        if puzzle_ids is None:
+        if puzzle_ids is None and not self.default_puzzle_id:
             raise ValueError(
                 "this model has a per-puzzle embedding table (num_puzzle_ids > 0): pass puzzle_ids"
             )
-        p = self.puzzle_emb(puzzle_ids).view(inputs.shape[0], self.prefix_len, self.d_model) * self.scale
+        if puzzle_ids is None:  # the FPRM authors' Sudoku / maze data: one identifier (0) for every puzzle
+            puzzle_ids = torch.zeros(inputs.shape[0], dtype=torch.long, device=inputs.device)
+        p = self.puzzle_emb(puzzle_ids)
+        width = self.prefix_len * self.d_model
+        if p.shape[-1] < width:  # a narrower table (FPRM's puzzle_emb_dim), zero-padded
+            p = F.pad(p, (0, width - p.shape[-1]))
+        p = p.view(inputs.shape[0], self.prefix_len, self.d_model) * self.scale
         return torch.cat([p, x], dim=1)
 
 

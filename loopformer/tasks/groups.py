@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from loopformer.tasks.base import IGNORE_INDEX, Task, TaskDataError, TokenDataset
-from loopformer.tasks.npz_format import load_npz, save_npz
+from loopformer.tasks.formats import load_npz, save_npz
 
 Perm = tuple[int, ...]
 

@@ -18,7 +18,6 @@ must equal the BFS distance computed here from the input alone.
 
 from __future__ import annotations
 
-import csv
 import random
 from collections import deque
 from pathlib import Path
@@ -27,11 +26,10 @@ from typing import Any
 import numpy as np
 
 from loopformer.tasks.base import Task, TaskDataError, TokenDataset
-from loopformer.tasks.formats import PUZZLE_CSV_COLUMNS, read_puzzle_csv, write_puzzle_csv
+from loopformer.tasks.puzzle_csv import first_question, read_puzzle_csv, write_puzzle_csv
 
 CHARSET = "# SGo"
 WALL, OPEN, START, GOAL, PATH = 1, 2, 3, 4, 5
-CSV_COLUMNS = PUZZLE_CSV_COLUMNS
 
 
 def bfs_distances(open_cells: np.ndarray, start: tuple[int, int]) -> np.ndarray:
@@ -263,6 +261,15 @@ class MazeTask(Task):
         """Shortest S -> G path length in moves."""
         return float(self.shortest_path_length(inputs))
 
+    label_rule = "walls / S / G changed, a path off the open cells, or not one S and one G"
+
+    def rows_agree(self, inputs: np.ndarray, labels: np.ndarray) -> np.ndarray:
+        """Maze-Hard rows: the label keeps walls, S and G, marks the path on open cells only, and the input
+        holds one S, one G and no path (shortest-path validity is ``check``'s, per row)."""
+        q, a = inputs, labels
+        ok = np.where(q == OPEN, (a == OPEN) | (a == PATH), a == q).all(axis=1)
+        return ok & ((q == START).sum(1) == 1) & ((q == GOAL).sum(1) == 1) & ~(q == PATH).any(axis=1)
+
     # ---------------------------------------------------------------- augmentation
     def apply_transform(self, grid: np.ndarray, transform: int) -> np.ndarray:
         """Dihedral transform 0..7: rotate by 90 * (t % 4) degrees, then mirror left-right if t >= 4."""
@@ -317,14 +324,9 @@ class MazeTask(Task):
     @staticmethod
     def infer_options(path: str | Path) -> dict[str, Any]:
         """Constructor options for a CSV: ``size`` from the first question's length."""
-        with open(path, newline="") as fh:
-            for row in csv.DictReader(fh):
-                q = row.get("question") or ""
-                side = int(round(len(q) ** 0.5))
-                if side * side == len(q) and side >= 3:
-                    return {"size": side}
-                break
-        return {}
+        q = first_question(path)
+        side = int(round(len(q) ** 0.5))
+        return {"size": side} if side * side == len(q) and side >= 3 else {}
 
     def load(self, path: str | Path) -> TokenDataset:
         """Read a Maze-Hard CSV (``source,question,answer,rating``); every row is validated (length,

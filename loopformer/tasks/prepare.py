@@ -221,8 +221,7 @@ def prepare_csv(name: str, out: Path, sources: dict[str, Path], subset: int, aug
 
 
 def _read_csv(task: Any, path: Path, advance: Callable[[int], None]) -> TokenDataset:
-    from loopformer.tasks.formats import read_puzzle_csv
-    from loopformer.tasks.puzzle_csv import sudoku_fast_rows
+    from loopformer.tasks.puzzle_csv import read_puzzle_csv, sudoku_fast_rows
 
     meta = {"task": task.name, "size": task.size}
     fast = sudoku_fast_rows(task.geometry.units, task.size, task.symbols) if task.name == "sudoku" else None

@@ -389,6 +389,14 @@ def _assemble(path: Path, parts: list[Any], seq_len: int, meta: dict[str, Any]) 
                                                         "difficulty": "rating"})  # fmt: skip
 
 
+def first_question(path: str | Path) -> str:
+    """The first row's ``question`` of a puzzle CSV ('' without one): what a task reads its size off."""
+    with open(path, newline="") as fh:
+        for row in csv.DictReader(fh):
+            return row.get("question") or ""
+    return ""
+
+
 def write_puzzle_csv(
     dataset: TokenDataset,
     path: str | Path,

@@ -21,7 +21,7 @@ TASKS: dict[str, str] = {
     "arc": "loopformer.tasks.arc:ArcTask",
     "groups": "loopformer.tasks.groups:GroupTask",
     "kg_depth": "loopformer.tasks.kg:KGDepthTask",
-    "kg_systematic": "loopformer.tasks.kg_systematic:KGSystematicTask",
+    "kg_systematic": "loopformer.tasks.kg:KGSystematicTask",
     "kg_files": "loopformer.tasks.kg_files:KGFilesTask",
     "text": "loopformer.tasks.text:TextTask",
 }

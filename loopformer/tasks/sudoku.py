@@ -19,7 +19,6 @@ shuffles, transpose) have exact inverses; transpose is only offered for square b
 
 from __future__ import annotations
 
-import csv
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,14 +26,17 @@ from typing import Any
 import numpy as np
 
 from loopformer.tasks.base import Task, TaskDataError, TokenDataset
-from loopformer.tasks.formats import PUZZLE_CSV_COLUMNS, read_puzzle_csv, write_puzzle_csv
-from loopformer.tasks.puzzle_csv import sudoku_fast_rows
+from loopformer.tasks.puzzle_csv import (
+    FastRows,
+    first_question,
+    read_puzzle_csv,
+    sudoku_fast_rows,
+    write_puzzle_csv,
+)
 from loopformer.tasks.sudoku_solver import SYMBOLS, SudokuGeometry, generate_worker, search, warm_up
 
-PAD_TOKEN = 0
 BLANK_TOKEN = 1
 DEFAULT_BOXES: dict[int, tuple[int, int]] = {4: (2, 2), 6: (2, 3), 9: (3, 3), 16: (4, 4)}
-CSV_COLUMNS = PUZZLE_CSV_COLUMNS
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -342,6 +344,19 @@ class SudokuTask(Task):
         """Number of blank cells."""
         return float(np.sum(np.asarray(inputs).reshape(-1) == BLANK_TOKEN))
 
+    def difficulties(self, inputs: np.ndarray) -> np.ndarray:
+        return (np.asarray(inputs) == BLANK_TOKEN).sum(axis=1).astype(np.float64)
+
+    label_rule = "incomplete, changes a given, or repeats a digit in a row / column / box"
+
+    def rows_agree(self, inputs: np.ndarray, labels: np.ndarray) -> np.ndarray:
+        """Each label a complete valid grid keeping every given of its input (the CSV reader's fast check)."""
+        return self.fast_rows().check(inputs, labels)
+
+    def fast_rows(self) -> FastRows:
+        """The vectorised CSV path and row check of this board (``loopformer.tasks.puzzle_csv``)."""
+        return sudoku_fast_rows(self.geometry.units, self.size, self.symbols)
+
     def render(self, inputs: np.ndarray, prediction: np.ndarray | None = None, markup: bool = False) -> str:
         """A boxed grid.  Givens plain, filled-in cells in parentheses ``(5)`` (or cyan with rich markup;
         a filled cell that breaks a row / column / box rule or overwrites a given is red / ``!5!``)."""
@@ -383,15 +398,9 @@ class SudokuTask(Task):
     @staticmethod
     def infer_options(path: str | Path) -> dict[str, Any]:
         """Constructor options for a CSV file: ``size`` from the first question's length."""
-        with open(path, newline="") as fh:
-            reader = csv.DictReader(fh)
-            for row in reader:
-                q = "".join((row.get("question") or "").split())
-                side = int(round(len(q) ** 0.5))
-                if side * side == len(q) and side in DEFAULT_BOXES:
-                    return {"size": side}
-                break
-        return {}
+        q = "".join(first_question(path).split())
+        side = int(round(len(q) ** 0.5))
+        return {"size": side} if side * side == len(q) and side in DEFAULT_BOXES else {}
 
     def load(self, path: str | Path) -> TokenDataset:
         """Read a Sudoku-Extreme CSV (``source,question,answer,rating``); difficulty = rating column.
@@ -401,8 +410,7 @@ class SudokuTask(Task):
         unique solution); an empty rating becomes the blank count.  Errors name the file and line.
         """
         meta = {"task": self.name, "size": self.size, "box": list(self.box)}
-        fast = sudoku_fast_rows(self.geometry.units, self.size, self.symbols)
-        return read_puzzle_csv(path, self._parse_csv_row, self.seq_len, meta, fast=fast)
+        return read_puzzle_csv(path, self._parse_csv_row, self.seq_len, meta, fast=self.fast_rows())
 
     def _parse_csv_row(self, where: str, question: str, answer: str) -> tuple[np.ndarray, np.ndarray, float]:
         q = self.parse_grid(question, f"{where}: question")

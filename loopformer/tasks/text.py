@@ -47,12 +47,18 @@ from typing import Any
 
 import numpy as np
 
-from loopformer.tasks.base import Task, TaskDataError, TokenDataset
-from loopformer.tasks.npz_format import load_npz, save_npz
-from loopformer.tasks.token_file import TEXT_SUFFIXES, is_token_folder, open_token_file, read_ids
+from loopformer.tasks.base import Task, TaskDataError, TokenDataset, splitmix64
+from loopformer.tasks.formats import load_npz, save_npz
+from loopformer.tasks.token_file import (
+    TEXT_SUFFIXES,
+    builtin_corpus_topics,
+    is_token_folder,
+    open_token_file,
+    read_corpus,
+    read_ids,
+)
 
 ORDERS = ("random", "sequential")
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _SALT = np.uint64(0x5458)  # "TX": the text task's draws
 
 
@@ -61,84 +67,11 @@ def bits_per_byte(mean_nat_loss: float, tokens_per_byte: float = 1.0) -> float:
     return float(mean_nat_loss) * float(tokens_per_byte) / math.log(2.0)
 
 
-def builtin_corpus_topics() -> list[str]:
-    """CPython's documentation topics (``pydoc_data.topics``) in sorted key order: real English, no download."""
-    try:
-        from pydoc_data.topics import topics
-    except ImportError as error:  # some minimal Python builds drop pydoc_data
-        raise TaskDataError(
-            "this Python ships without pydoc_data: pass path= to a local text corpus"
-        ) from error
-    return [topics[key] for key in sorted(topics)]
-
-
-def builtin_corpus() -> bytes:
-    """The built-in corpus as UTF-8 bytes: its topics joined by blank lines."""
-    return "\n\n".join(builtin_corpus_topics()).encode("utf-8")
-
-
-def read_corpus(path: str | Path | None, text_column: str = "text") -> bytes:
-    """The raw bytes of a corpus: built-in (None), one file, a folder of .txt/.md files, or a parquet file."""
-    if path is None:
-        return builtin_corpus()
-    path = Path(path)
-    if not path.exists():
-        raise TaskDataError(f"{path}: no such file or folder")
-    if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES)
-        if not files:
-            raise TaskDataError(f"{path}: folder has no {'/'.join(TEXT_SUFFIXES)} files")
-        data = b"\n\n".join(p.read_bytes() for p in files)
-    elif path.suffix.lower() == ".parquet":
-        try:
-            import pyarrow.parquet as pq
-        except ImportError as error:
-            raise TaskDataError(
-                f"{path}: reading parquet needs pyarrow (pip install pyarrow), or pass a .txt file"
-            ) from error
-        table = pq.read_table(path)
-        if text_column not in table.column_names:
-            raise TaskDataError(
-                f"{path}: no column {text_column!r} (columns: {', '.join(table.column_names)})"
-            )
-        data = "\n\n".join(str(s) for s in table.column(text_column).to_pylist() if s).encode("utf-8")
-    else:
-        data = path.read_bytes()
-    if not data:
-        raise TaskDataError(f"{path}: the corpus is empty")
-    return data
-
-
-def read_token_ids(path: str | Path, vocab_size: int | None) -> tuple[np.ndarray, int]:
-    """A memory-mapped 1-D integer token array and its vocabulary size; TaskDataError naming the problem."""
-    path = Path(path)
-    if not path.is_file():
-        raise TaskDataError(f"{path}: no such file")
-    data = read_ids(path)
-    lo, hi = int(data.min()), int(data.max())
-    if lo < 0:
-        raise TaskDataError(f"{path}: token ids must be >= 0, found {lo}")
-    if vocab_size is None:
-        vocab_size = hi + 1
-    elif hi >= vocab_size:
-        raise TaskDataError(f"{path}: token id {hi} does not fit vocab_size {vocab_size}")
-    return data, int(vocab_size)
-
-
-def _splitmix(x: np.ndarray) -> np.ndarray:
-    """SplitMix64's finaliser on uint64 values (a bijection: distinct inputs give distinct outputs)."""
-    x = x + _GOLDEN
-    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return x ^ (x >> np.uint64(31))
-
-
 def uniform_draws(seed: int, counters: np.ndarray, total: int) -> np.ndarray:
     """Per window number in ``counters``, a uniform integer in ``[0, total)``, a pure function of
     ``(seed, number)``: any window of a run can be drawn without drawing the ones before it."""
-    with np.errstate(over="ignore"):
-        key = _splitmix(np.array([seed & 0xFFFFFFFFFFFFFFFF], dtype=np.uint64) ^ _SALT)
-        h = _splitmix(np.asarray(counters, dtype=np.int64).astype(np.uint64) ^ key)
+    key = splitmix64(np.array([seed & 0xFFFFFFFFFFFFFFFF], dtype=np.uint64) ^ _SALT)
+    h = splitmix64(np.asarray(counters, dtype=np.int64).astype(np.uint64) ^ key)
     return (h % np.uint64(total)).astype(np.int64)
 
 
@@ -173,7 +106,7 @@ class TextTask(Task):
         if is_token_folder(path):
             self._open_token_folder(Path(str(path)), vocab_size, tokens_per_byte)
         elif path is not None and Path(path).suffix.lower() == ".npy":
-            self.data, self.vocab_size = read_token_ids(path, vocab_size)
+            self.data, self.vocab_size = read_ids(path, vocab_size)
             if tokens_per_byte is None or not tokens_per_byte > 0:
                 raise TaskDataError(
                     f"{path}: a tokenized corpus needs data.options.tokens_per_byte > 0 (tokens per byte of "

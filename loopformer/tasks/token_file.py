@@ -20,9 +20,9 @@ Sources (``iter_chunks``): the built-in corpus (CPython's documentation topics, 
 file (one document, read in pieces), a folder of ``.txt`` / ``.md`` files (one document per file, sorted
 path order), a ``.parquet`` file with a text column (one document per non-empty row, one row group at a
 time), or a ``.npy`` of token ids (an already tokenized corpus, e.g. FineWeb-Edu through the authors' BPE
-tokenizer: ``vocab_size`` and ``tokens_per_byte`` given). Byte-level documents are joined with ``"\\n\\n"``
-exactly as ``loopformer.tasks.text.read_corpus`` joins them, so the token file of a source holds the bytes
-the text task would read from it. ``shuffle``: documents in an order seeded by ``seed`` (a folder's files;
+tokenizer: ``vocab_size`` and ``tokens_per_byte`` given). Byte-level documents are joined with ``"\\n\\n"``;
+``read_corpus`` reads a source the same way into memory (what the text task trains on when it is given the
+source itself), so the token file of a source holds the bytes the text task would read from it. ``shuffle``: documents in an order seeded by ``seed`` (a folder's files;
 a parquet file's row groups and the rows inside each, as ``ParquetStreamPure`` shuffles its files and each
 row group's rows), in bounded memory.
 """
@@ -43,7 +43,7 @@ from loopformer.tasks.base import TaskDataError
 TOKENS_BIN = "tokens.bin"
 TOKENS_JSON = "tokens.json"
 FORMAT = "loopformer-tokens"
-SEPARATOR = b"\n\n"  # between byte-level documents (read_corpus's join)
+SEPARATOR = b"\n\n"  # between byte-level documents
 TEXT_SUFFIXES = (".txt", ".md")
 CHUNK = 1 << 24  # bytes / tokens written per piece: memory stays bounded whatever the corpus
 DTYPES = ("uint8", "uint16", "uint32")
@@ -116,6 +116,17 @@ def open_token_file(folder: str | Path) -> TokenFile:
 # ------------------------------------------------------------------------------------------- sources
 
 
+def builtin_corpus_topics() -> list[str]:
+    """CPython's documentation topics (``pydoc_data.topics``) in sorted key order: real English, no download."""
+    try:
+        from pydoc_data.topics import topics
+    except ImportError as error:  # some minimal Python builds drop pydoc_data
+        raise TaskDataError(
+            "this Python ships without pydoc_data: pass path= to a local text corpus"
+        ) from error
+    return [topics[key] for key in sorted(topics)]
+
+
 def _folder_files(folder: Path) -> list[Path]:
     files = sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES)
     if not files:
@@ -133,7 +144,9 @@ def _parquet_documents(path: Path, column: str, shuffle: bool, seed: int) -> Ite
     try:
         import pyarrow.parquet as pq
     except ImportError as error:
-        raise TaskDataError(f"{path}: reading parquet needs pyarrow (pip install pyarrow)") from error
+        raise TaskDataError(
+            f"{path}: reading parquet needs pyarrow (pip install pyarrow), or pass a .txt file"
+        ) from error
     pf = pq.ParquetFile(path)
     if column not in pf.schema_arrow.names:
         raise TaskDataError(f"{path}: no column {column!r} (columns: {', '.join(pf.schema_arrow.names)})")
@@ -148,8 +161,6 @@ def _parquet_documents(path: Path, column: str, shuffle: bool, seed: int) -> Ite
 def _documents(path: Path | None, column: str, shuffle: bool, seed: int) -> Iterator[Iterable[bytes]]:
     """Each document of a byte-level source as an iterable of its pieces."""
     if path is None:
-        from loopformer.tasks.text import builtin_corpus_topics
-
         topics = builtin_corpus_topics()
         order = (
             np.random.default_rng([seed, 0x5051]).permutation(len(topics)) if shuffle else range(len(topics))
@@ -169,7 +180,7 @@ def _documents(path: Path | None, column: str, shuffle: bool, seed: int) -> Iter
 
 def _byte_chunks(
     path: Path | None, column: str, shuffle: bool, seed: int, count: list[int]
-) -> Iterator[np.ndarray]:
+) -> Iterator[bytes]:
     """The source's bytes, documents joined with ``SEPARATOR``, in pieces of about ``CHUNK`` bytes
     (``count[0]``: the documents seen so far)."""
     buffer: list[bytes] = []
@@ -183,10 +194,22 @@ def _byte_chunks(
             buffer.append(piece)
             size += len(piece)
             if size >= CHUNK:
-                yield np.frombuffer(b"".join(buffer), dtype=np.uint8)
+                yield b"".join(buffer)
                 buffer, size = [], 0
     if size:
-        yield np.frombuffer(b"".join(buffer), dtype=np.uint8)
+        yield b"".join(buffer)
+
+
+def read_corpus(path: str | Path | None, text_column: str = "text") -> bytes:
+    """The raw bytes of a byte-level source (built-in (None), one file, a folder of .txt/.md files, or a
+    parquet file), documents joined with ``SEPARATOR``: the bytes its token file holds, in memory."""
+    source = None if path is None else Path(path)
+    if source is not None and not source.exists():
+        raise TaskDataError(f"{source}: no such file or folder")
+    data = b"".join(_byte_chunks(source, text_column, False, 0, [0]))
+    if not data:
+        raise TaskDataError(f"{path}: the corpus is empty")
+    return data
 
 
 def _id_chunks(ids: np.ndarray) -> Iterator[np.ndarray]:
@@ -194,8 +217,12 @@ def _id_chunks(ids: np.ndarray) -> Iterator[np.ndarray]:
         yield np.asarray(ids[start : start + CHUNK])
 
 
-def read_ids(path: Path) -> np.ndarray:
-    """A memory-mapped 1-D integer array of token ids (a ``.npy``); TaskDataError naming the problem."""
+def read_ids(path: str | Path, vocab_size: int | None = None) -> tuple[np.ndarray, int]:
+    """A memory-mapped 1-D integer array of token ids (a ``.npy``) and its vocabulary size (``vocab_size``,
+    by default the largest id + 1); TaskDataError naming the problem."""
+    path = Path(path)
+    if not path.is_file():
+        raise TaskDataError(f"{path}: no such file")
     try:
         ids = np.load(path, mmap_mode="r", allow_pickle=False)
     except (ValueError, OSError) as error:
@@ -204,7 +231,16 @@ def read_ids(path: Path) -> np.ndarray:
         raise TaskDataError(f"{path}: expected a 1-D integer array of token ids, got {ids.dtype} {ids.shape}")
     if ids.size == 0:
         raise TaskDataError(f"{path}: the token array is empty")
-    return ids
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0:
+        raise TaskDataError(f"{path}: token ids must be >= 0, found {lo}")
+    if vocab_size is None:
+        vocab_size = hi + 1
+    elif hi >= vocab_size:
+        raise TaskDataError(
+            f"{path}: token id {hi} does not fit vocab_size {vocab_size} (it is outside [0, {vocab_size}))"
+        )
+    return ids, int(vocab_size)
 
 
 # ------------------------------------------------------------------------------------------- writing
@@ -276,8 +312,7 @@ def prepare_text(
                 f"{path}: a tokenized corpus needs --tokens-per-byte > 0 (its token count / the UTF-8 size "
                 f"of the text it encodes), got {tokens_per_byte!r}"
             )
-        ids = read_ids(path)
-        vocab = vocab_size if vocab_size is not None else max(int(c.max()) for c in _id_chunks(ids)) + 1
+        ids, vocab = read_ids(path, vocab_size)
         record = {**base, "tokens_per_byte": float(tokens_per_byte), "documents": None, "separator": None}
         return write_token_file(out, _id_chunks(ids), vocab, record, progress)
     if vocab_size not in (None, 256) or tokens_per_byte not in (None, 1.0):
@@ -287,7 +322,8 @@ def prepare_text(
         )
     count = [0]
     record = {**base, "tokens_per_byte": 1.0, "separator": SEPARATOR.decode(), "text_column": text_column}
-    meta = write_token_file(out, _byte_chunks(path, text_column, shuffle, seed, count), 256, record, progress)
+    chunks = (np.frombuffer(c, dtype=np.uint8) for c in _byte_chunks(path, text_column, shuffle, seed, count))
+    meta = write_token_file(out, chunks, 256, record, progress)
     meta["documents"] = count[0]  # known once every document was read
     atomic_write_json(Path(out) / TOKENS_JSON, meta, root=out, indent=2)
     return meta
@@ -298,9 +334,11 @@ __all__ = [
     "TOKENS_BIN",
     "TOKENS_JSON",
     "TokenFile",
+    "builtin_corpus_topics",
     "is_token_folder",
     "open_token_file",
     "prepare_text",
+    "read_corpus",
     "read_ids",
     "token_dtype",
     "write_token_file",

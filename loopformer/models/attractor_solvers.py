@@ -1,8 +1,22 @@
-"""``anderson_trmdeq``: the Attractor puzzle model's Anderson solve as its authors' code computes it.
+"""The Attractor paper's two Anderson solves as its authors' code computes them: solver plug-ins (registered in
+``loopformer.loop.SOLVERS`` on import, by ``loopformer.models``) that differ from the engine's ``anderson``.
 
-A solver plug-in (registered in ``loopformer.loop.SOLVERS`` on import) reproducing
-github jacobfa/Attractor, ``experiments/attractor_puzzles/trm/trm_deq.py: _anderson_solve``, which the
-paper's Sudoku-Extreme / Maze-Hard runs used. It differs from the engine's ``anderson`` in its history:
+**``anderson_attractor``** (the language model): github jacobfa/Attractor,
+``attractor/models/attractor/solvers.py: anderson_solve``. Its iterates are the engine's ``anderson``
+(type-II, a ring of the last m pairs, the first iterate ``f(y0)``; the options are the ``anderson``
+group: ``anderson.m``, ``anderson.reg`` with ``anderson.reg_relative: false`` for the reference's
+``lam`` added to the raw Gram matrix, ``anderson.beta``). What differs is the value a sample returns
+when it stops: the reference returns ``f(x_k)`` of the last iterate it checked (``Fh[:, last_idx]``),
+the engine's ``anderson`` the next mixed iterate. This solver returns ``f(z)`` on the step at which a
+sample stops: the step cap, or the halting rule's test on this step's residual (``residual``:
+``res < tol`` per sample; ``batch_residual``: every running sample (of its ``halt_group``) below tol, the
+reference's ``rel.max() < tol`` over its micro-batch; both from ``min_steps`` on). With any other halting rule only the step cap
+returns ``f(z)`` (the solver cannot know when such a rule stops). The implicit gradient modes then attach at ``f(x_k)``, as the reference's
+``_attach_implicit_grad`` does.
+
+**``anderson_trmdeq``** (the puzzle model, TRM-DEQ): github jacobfa/Attractor,
+``experiments/attractor_puzzles/trm/trm_deq.py: _anderson_solve``, which the paper's Sudoku-Extreme /
+Maze-Hard runs used. It differs from the engine's ``anderson`` in its history:
 the m-slot buffers start as ``[y0, f(y0), 0, ...]`` / ``[f(y0), f(f(y0)), 0, ...]``, every step rolls
 them by one slot and writes the new iterate into the last slot, and the mixing reads the *first*
 ``min(k, m)`` slots. For k = 3..m+1 those include slots that were never written (zeros): their
@@ -27,13 +41,54 @@ int, the same for every sample: the reference solves the batch in lock step).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
-from loopformer.loop.quasi_newton import exact
+from loopformer.loop.halting import group_all, halt_groups
+from loopformer.loop.quasi_newton import Anderson, AndersonOptions, exact
 from loopformer.loop.solvers import SOLVERS, Info, Solver, State, option_error
+
+RESIDUAL_RULES = ("residual", "batch_residual")
+
+
+@SOLVERS.register(replace=True)
+class AttractorAnderson(Anderson):
+    """The engine's Anderson, returning ``f(z)`` on the step a sample stops (see the module docstring)."""
+
+    name = "anderson_attractor"
+    Options = AndersonOptions
+    needs_residual = True  # the stopping test reads this step's residual
+    adjoint_ok = False
+
+    def __init__(self, cfg: Any, options: Any = None) -> None:
+        super().__init__(cfg, cfg.anderson if options is None else options)
+        self.needs_residual = True
+
+    def init(self, z: Tensor) -> State:
+        groups = halt_groups(z.shape[0], self.cfg.halt_group, z.device)
+        return {"k": 0, "t": 0} if groups is None else {"k": 0, "t": 0, "group": groups}
+
+    def _stops(
+        self, res: Tensor | None, t: int, b: int, device: torch.device, groups: Tensor | None
+    ) -> Tensor:
+        cfg = self.cfg
+        if t + 1 >= cfg.max_steps:
+            return torch.ones(b, dtype=torch.bool, device=device)
+        if cfg.halting not in RESIDUAL_RULES or res is None or t + 1 < cfg.min_steps:
+            return torch.zeros(b, dtype=torch.bool, device=device)
+        below = res < cfg.tol
+        return below if cfg.halting == "residual" else group_all(below, groups)
+
+    def update(self, z: Tensor, fz: Tensor, res: Tensor | None, state: State) -> tuple[Tensor, State, Info]:
+        t = state["t"]
+        mixed, state, info = super().update(z, fz, res, state)
+        state = {**state, "t": t + 1}
+        stop = self._stops(res, t, z.shape[0], z.device, state.get("group"))
+        # unconditional (no host read to ask whether any sample stops): rows not stopping keep the mix
+        mixed = torch.where(stop.view(-1, *([1] * (z.dim() - 1))), fz.to(mixed.dtype), mixed)
+        return mixed, state, info
 
 
 @dataclass(frozen=True)
