@@ -170,16 +170,19 @@ HRM_BUILD = (  # HRM (sapientinc/HRM's Sudoku options) at the CPU width with the
     "norm_eps: 1.0e-5, norm_gain: false, mlp_multiple: 256, init: lecun, loop: {max_steps: 2}}"
 )
 NO_CURRICULUM = "data.curriculum.enabled=false"  # the full 20-60-blank mix from the first step
+# no final evaluation inside training: the eval phase scores every budget's checkpoint (the held-out size changes
+# nothing the training draws: same weights, checked)
+NO_FINAL_EVAL = "data.eval_size=0"
 AUTHORS.update(
     {
-        "fprm_nocur": [*AUTHORS["fprm_authors"], NO_CURRICULUM],
-        "trm_nocur": [*AUTHORS["trm_authors"], NO_CURRICULUM],
+        "fprm_nocur": [*AUTHORS["fprm_authors"], NO_CURRICULUM, NO_FINAL_EVAL],
+        "trm_nocur": [*AUTHORS["trm_authors"], NO_CURRICULUM, NO_FINAL_EVAL],
         # TRM built for this compute: 3 latent updates a cycle and no puzzle-prefix tokens (the build that
         # reached 89.4% at 60 minutes before the authors' options were adopted)
         "trm_c3": [*(o for o in AUTHORS["trm_authors"] if o not in PUZZLE_EMB), "model.n_inner=3",
-                   "model.num_puzzle_ids=0", "model.puzzle_emb_len=0", "model.puzzle_emb_dim=0"],
-        "fprm_noconv": [*AUTHORS["fprm_authors"], "model.conv=none"],
-        "trm_conv": [*AUTHORS["trm_authors"], "model.conv=grid2d"],
+                   "model.num_puzzle_ids=0", "model.puzzle_emb_len=0", "model.puzzle_emb_dim=0", NO_FINAL_EVAL],
+        "fprm_noconv": [*AUTHORS["fprm_authors"], "model.conv=none", NO_FINAL_EVAL],
+        "trm_conv": [*AUTHORS["trm_authors"], "model.grid_conv=true", NO_FINAL_EVAL],
         "hrm_authors": [
             HRM_BUILD,
             *PUZZLE_EMB,
@@ -193,16 +196,17 @@ AUTHORS.update(
             "eval.segments=1",
             "data.curriculum.max_steps=21",  # 126 blocks: 21 steps x (2 L + 1 H) x 2 blocks
             "train.eval_every=0",
+            NO_FINAL_EVAL,
         ],
         # the learning-rate check (15 minutes, one seed): the shared AdamW at 1e-3 and 4e-3, and TRM's own
         # optimiser (AdamATan2 1e-4, weight decay 1.0, betas 0.9 / 0.95, no clipping; the shared warm-up)
-        "fprm_lr1e-3": [*AUTHORS["fprm_authors"], "train.lr=1.0e-3", "train.puzzle_emb_lr=1.0e-3"],
-        "fprm_lr4e-3": [*AUTHORS["fprm_authors"], "train.lr=4.0e-3", "train.puzzle_emb_lr=4.0e-3"],
-        "trm_lr1e-3": [*AUTHORS["trm_authors"], "train.lr=1.0e-3", "train.puzzle_emb_lr=1.0e-3"],
-        "trm_lr4e-3": [*AUTHORS["trm_authors"], "train.lr=4.0e-3", "train.puzzle_emb_lr=4.0e-3"],
+        "fprm_lr1e-3": [*AUTHORS["fprm_authors"], "train.lr=1.0e-3", "train.puzzle_emb_lr=1.0e-3", NO_FINAL_EVAL],
+        "fprm_lr4e-3": [*AUTHORS["fprm_authors"], "train.lr=4.0e-3", "train.puzzle_emb_lr=4.0e-3", NO_FINAL_EVAL],
+        "trm_lr1e-3": [*AUTHORS["trm_authors"], "train.lr=1.0e-3", "train.puzzle_emb_lr=1.0e-3", NO_FINAL_EVAL],
+        "trm_lr4e-3": [*AUTHORS["trm_authors"], "train.lr=4.0e-3", "train.puzzle_emb_lr=4.0e-3", NO_FINAL_EVAL],
         "trm_atan2": [*AUTHORS["trm_authors"], "train.optimizer=adam_atan2", "train.lr=1.0e-4",
                       "train.weight_decay=1.0", "train.betas=[0.9, 0.95]", "train.grad_clip=0.0",
-                      "train.puzzle_emb_lr=1.0e-4", "train.puzzle_emb_weight_decay=1.0"],
+                      "train.puzzle_emb_lr=1.0e-4", "train.puzzle_emb_weight_decay=1.0", NO_FINAL_EVAL],
     }
 )
 # what each control isolates: (a, b, the question), a - b reported (experiments/sudoku9_h2h.py, controls)

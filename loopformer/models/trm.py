@@ -156,13 +156,11 @@ class ReasoningModule(nn.Module):
         # the head-to-head's convolution control (issue 46): FPRM's depthwise grid convolution on the sum
         # h + injection before the blocks, replacing it as the FPRM authors' code does (PyTorch's Conv init)
         self.conv: DepthwiseConv2d | None = None
-        if getattr(config, "conv", "none") == "grid2d":
+        if getattr(config, "grid_conv", False):
             if config.grid is None:
-                raise ValueError("conv='grid2d' needs config.grid, e.g. (9, 9) for Sudoku")
+                raise ValueError("grid_conv needs config.grid, e.g. (9, 9) for Sudoku")
             self.conv = DepthwiseConv2d(config.d_model, tuple(config.grid), kernel=3)
             self.conv.conv.reset_parameters()
-        elif getattr(config, "conv", "none") != "none":
-            raise ValueError(f"conv must be 'none' or 'grid2d', got {config.conv!r}")
 
     def forward(self, h: Tensor, injection: Tensor) -> Tensor:
         h = h + injection
@@ -227,7 +225,7 @@ class TRMConfig(ModelConfig):
     n_inner: int = 6  # latent updates z = net(z + y + x) per step (TRM's n)
     mixer: str = "attention"  # "attention" or "mlp" (MLP-mixer across positions, fixed-size grids)
     learned_init: bool = False  # learn the y / z initial vectors instead of TRM's fixed buffers
-    conv: str = "none"  # none | grid2d: FPRM's depthwise 3x3 grid convolution before each net call (issue 46)
+    grid_conv: bool = False  # FPRM's depthwise 3x3 grid convolution before each net call (issue 46's control)
     q_head: bool = True
     puzzle_emb_dim: int = (
         0  # values per puzzle-embedding row; 0 = puzzle_emb_len * d_model, -1 = d_model (TRM)
