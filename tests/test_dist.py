@@ -35,8 +35,7 @@ from test_train_utils import TinyLooped, tiny_config, tiny_dataset
 from torch import Tensor
 
 from loopformer.loop import make_sampler
-from loopformer.runs.layout import step_dirs
-from loopformer.runs.sharded import stored_weights
+from loopformer.runs.checkpoint import step_dirs, stored_weights
 from loopformer.train import Trainer, dist
 
 REPO = Path(__file__).resolve().parent.parent
@@ -341,7 +340,7 @@ def _deep_trainer(out: Path, *extra: str) -> Trainer:
 
 
 def _deep_ranks(rank: int, world: int, tmp: str, ref: str) -> None:
-    import loopformer.train.resume as trainer_module
+    import loopformer.train.trainer as trainer_module
 
     run = Path(tmp) / "dist"
     expected = load_file(ref)

@@ -3,7 +3,7 @@
 Each argument is a report folder (``loopformer eval`` / ``run`` output: it holds ``metrics.json``), a
 run folder (its newest ``eval-*`` report), an ``eval --variant`` report (its variants) or a sweep
 folder (its points); see ``loopformer.eval.compare``. The output folder follows the rules of
-``loopformer.runs.outputs.staged_output``: refused when it holds something unless ``--overwrite``,
+``loopformer.runs.folder.staged_output``: refused when it holds something unless ``--overwrite``,
 built aside and swapped in whole. Reports are compared only when they were evaluated on the same task,
 task options and held-out set (their ``heldout`` record; ``--allow-different-heldout`` lets them through
 and the title says so); the title names the task, and sweep points without a report are named.
@@ -53,7 +53,7 @@ def compare_into(out: Path, folders: Sequence[Path], title: str, overwrite: bool
         load_entries,
         write_comparison,
     )
-    from loopformer.runs.outputs import staged_output
+    from loopformer.runs.folder import staged_output
 
     entries = load_entries(folders, names)
     check_kinds(entries)  # bits per byte beside accuracy first: no held-out set makes those compare

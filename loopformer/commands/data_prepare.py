@@ -456,7 +456,7 @@ def _command() -> Any:
                     bars[stage] = bar.add_task(stage, total=total or None)
                 bar.update(bars[stage], completed=done)
 
-            from loopformer.runs.outputs import staged_output
+            from loopformer.runs.folder import staged_output
 
             # built in a hidden folder and swapped in whole: a killed prepare leaves the old dataset
             text = {"shuffle": shuffle, "vocab_size": vocab_size, "tokens_per_byte": tokens_per_byte,

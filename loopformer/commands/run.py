@@ -46,7 +46,7 @@ from loopformer.eval.lm import evaluate_lm
 from loopformer.eval.report import describe_loop
 from loopformer.nn import autocast
 from loopformer.runs import eval_dataset, load_run, training_depth
-from loopformer.runs.fingerprint import heldout_record
+from loopformer.runs.folder import heldout_record
 
 DEFAULT_RECIPE = "default"
 # fields a plain transformer shares with the looped families (copied unless the baseline sets them)
@@ -197,8 +197,8 @@ def _train(cfg: Any, label: str, echo: Any) -> dict[str, Any]:
 
 def _finished_summary(run: Path, steps: int) -> dict[str, Any] | None:
     """``run``'s ``summary.json`` when its training reached ``steps`` (read through its schema; its
-    checkpoint confined to the run's own ``checkpoints/``: ``loopformer.runs.records.finished_summary``)."""
-    from loopformer.runs.records import finished_summary
+    checkpoint confined to the run's own ``checkpoints/``: ``loopformer.runs.folder.finished_summary``)."""
+    from loopformer.runs.folder import finished_summary
 
     summary = finished_summary(run, steps)
     if summary is None:

@@ -139,7 +139,7 @@ def point_command(recipe: str, folder: Path, point: Point, budgets: str | None =
 
 def _finished(run: Path, steps: int) -> bool:
     """Whether ``run``'s training reached ``steps`` (its ``summary.json``, read through its schema)."""
-    from loopformer.runs.records import finished_summary
+    from loopformer.runs.folder import finished_summary
 
     return finished_summary(run, steps) is not None
 

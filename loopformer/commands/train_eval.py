@@ -296,7 +296,7 @@ def _evaluate(run: Any, examples: int, out_dir: str | None, budgets: list[int], 
               lens_loops: int | None, analyses: bool, overwrite: bool = False,
               variants: list[tuple[str, list[str]]] | None = None, auto: tuple[float, float] | None = None,
               record: dict[str, Any] | None = None, references: dict[str, float] | None = None) -> None:  # fmt: skip
-    from loopformer.runs.outputs import staged_output
+    from loopformer.runs.folder import staged_output
 
     dataset = eval_dataset(run.task, run.config, examples)
     auto_record = None
@@ -359,8 +359,7 @@ def _evaluate_into(run: Any, dataset: Any, out: Path, final: Path, budgets: list
     and how (``evaluation``: ``record``)."""
     from rich.console import Console
 
-    from loopformer.runs.fingerprint import heldout_record
-    from loopformer.runs.provenance import collect, describe, record_for_step
+    from loopformer.runs.folder import collect, describe, heldout_record, record_for_step
     from loopformer.tasks.arc import ArcTask
 
     made = {"heldout": heldout_record(run.config, dataset), "evaluation": record}

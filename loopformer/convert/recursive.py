@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from loopformer.convert import KeyMap
-from loopformer.runs.layout import CheckpointError
+from loopformer.runs.checkpoint import CheckpointError
 
 PREFIXES = ("_orig_mod.", "model.", "inner.")
 
