@@ -980,7 +980,7 @@ class BestTracker:
 
     def consider(self, result: dict[str, Any], step: int) -> bool:
         """Take the evaluation ``result`` of ``step``; True when it is the new best (the caller then
-        checkpoints the step and calls ``mark``)."""
+        checkpoints the step and calls ``mark``, which writes the pointer)."""
         if not self.enabled or not result:
             return False
         if self.metric not in result:
@@ -996,10 +996,14 @@ class BestTracker:
         self.value, self.step, self.checkpoint = value, step, step_name(step)
         return True
 
-    def mark(self, checkpoint: Path) -> None:
-        """The best step's checkpoint folder (as written)."""
+    def mark(self, checkpoint: Path, write: bool = True) -> None:
+        """The best step's checkpoint folder, as written; ``write``: point its ``checkpoints/best`` at it (rank 0
+        does, under torchrun)."""
         if checkpoint.name != self.checkpoint:
             raise ValueError(f"the best evaluation is step {self.step}, but {checkpoint} was written")
+        if write:
+            log.info("best checkpoint: %s (eval_%s = %s)", checkpoint, self.metric, self.value)
+            write_best(checkpoint.parent, checkpoint, self.metric, self.value, self.step, self.mode)
 
     def state_dict(self) -> dict[str, Any] | None:
         """The record a checkpoint's training state carries (None until there is a best)."""
@@ -1033,12 +1037,6 @@ class BestTracker:
     def fields(self) -> dict[str, Any]:
         """``best_step`` (the best evaluation's step so far) for an evaluation's metrics record."""
         return {"best_step": self.step} if self.enabled and self.step is not None else {}
-
-    def write(self, root: Path) -> Path:
-        """Point ``root/best`` at this best's checkpoint folder."""
-        assert self.checkpoint is not None and self.value is not None and self.step is not None
-        log.info("best checkpoint: %s (eval_%s = %s)", root / self.checkpoint, self.metric, self.value)
-        return write_best(root, root / self.checkpoint, self.metric, self.value, self.step, self.mode)
 
     def summary(self, root: Path) -> dict[str, Any] | None:
         """What ``summary.json`` reports: the folder (its full path under ``root``), metric, value, step, label."""

@@ -1132,7 +1132,8 @@ def check_origin(folder: Path, ckpt_dir: Path, run_dir: Path) -> Path | None:
         return None
     source = folder.parent.parent if folder.parent.name == "checkpoints" else folder.parent
     # the same branch started again before its first checkpoint (killed early) may go on
-    again = _origin(run_dir) == str(_real(folder)) and not step_dirs(ckpt_dir)
+    origin = read_origin(run_dir)
+    again = origin is not None and origin["checkpoint"] == str(_real(folder)) and not step_dirs(ckpt_dir)
     if step_dirs(ckpt_dir) or (holds_run(run_dir) and not again):
         raise CheckpointError(
             f"train.resume names {folder}, a checkpoint of another run ({source}), but {run_dir} holds a "
@@ -1174,12 +1175,6 @@ def read_origin(run_dir: Path) -> dict[str, Any] | None:
     if not path.is_file():
         return None
     return read_record(path, OriginRecord, CheckpointError)
-
-
-def _origin(run_dir: Path) -> str | None:
-    """The checkpoint ``run_dir/origin.json`` names (None without one)."""
-    record = read_origin(run_dir)
-    return None if record is None else record["checkpoint"]
 
 
 def branch_origin(run_dir: Path) -> Path | None:

@@ -9,7 +9,7 @@ gets ``DistEnv(rank=0, world_size=1)`` and every helper is then a no-op or the i
   ``init_process_group(device_id=)``), ``gloo`` on CPU; ``shutdown`` destroys the process group the trainer
   created.
 - ``all_reduce_mean`` (metrics), ``all_reduce_max``, ``all_gather_rows`` (the deep-supervision
-  carry, gathered to one global carry for the checkpoint), ``barrier``, ``clip_sharded_grad_norm``.
+  carry, gathered to one global carry for the checkpoint), ``barrier``.
 - ``shard``: rank ``r`` of ``w`` takes rows ``[r * B / w, (r + 1) * B / w)`` of each global
   batch of ``B`` rows. The index stream (``loopformer.train.data.IndexStream``) is global and
   identical on every rank (a pure function of seed, epoch and position), so the concatenation
@@ -75,7 +75,7 @@ from torch import Tensor, nn
 from loopformer.config import TrainConfig
 from loopformer.devices import resolve_device
 from loopformer.eval.evaluate import EvalComm
-from loopformer.runs.checkpoint import CheckpointError, check_weights, load_weights
+from loopformer.runs.checkpoint import CheckpointError, check_weights
 from loopformer.train.optim import clip_grad_norm
 
 
@@ -380,19 +380,6 @@ def is_fsdp(model: nn.Module) -> bool:
     return isinstance(model, FSDPModule)
 
 
-@contextlib.contextmanager
-def gathered(model: nn.Module) -> Iterator[nn.Module]:
-    """Full parameters inside the block for calls that bypass ``forward`` (FSDP ``unshard``)."""
-    if not is_fsdp(model):
-        yield model
-        return
-    model.unshard()
-    try:
-        yield model
-    finally:
-        model.reshard()
-
-
 def full_tensor(t: Tensor) -> Tensor:
     """A plain tensor from a DTensor shard (collective: every rank must call it) or ``t`` itself."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t
@@ -420,7 +407,6 @@ class LockstepHalting:
         self.enabled = enabled and is_distributed()
         self.local_steps = 0
         self.global_steps = 0
-        self._others_done = False
 
     def _reduce(self, flag: int) -> int:
         t = torch.tensor([flag], dtype=torch.int64, device=_comm_device())
@@ -445,43 +431,12 @@ class LockstepHalting:
 # --------------------------------------------------------------------------------------------
 # FSDP2 state: full (unsharded) tensors in checkpoints, shards in memory
 # --------------------------------------------------------------------------------------------
-def like(target: Tensor, full: Tensor) -> Tensor:
-    """``full`` laid out as ``target``: sharded like a DTensor ``target``, else moved to its device."""
-    if hasattr(target, "device_mesh"):
-        from torch.distributed.tensor import distribute_tensor
-
-        return distribute_tensor(full.to(target.device, target.dtype), target.device_mesh, target.placements)
-    return full.to(target.device, target.dtype)
-
-
-def fsdp_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """The optimiser state with full tensors keyed by parameter name (collective)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-    return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
-
-
 def load_fsdp_optimizer_state(
     model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
 ) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
     set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
-
-
-def clip_sharded_grad_norm(parameters: list[Tensor], max_norm: float) -> Tensor:
-    """Global gradient norm of (possibly sharded) gradients before clipping, as a device tensor; clips
-    when ``max_norm > 0`` (the scale applied on the device)."""
-    grads = [p.grad for p in parameters if p.grad is not None]
-    if not grads:
-        return torch.zeros(())
-    total = full_tensor(torch.nn.utils.get_total_norm(grads))
-    if max_norm > 0:
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for g in grads:  # a DTensor shard is scaled in place through its local tensor
-            local = g.to_local() if hasattr(g, "to_local") else g
-            local.mul_(coef.to(local.device))
-    return total
 
 
 # --------------------------------------------------------------------------------------------
@@ -524,7 +479,7 @@ class Strategy(EvalComm):
         yield model
 
     def no_sync(self, forward_model: nn.Module, sync: bool) -> contextlib.AbstractContextManager:
-        """Around one micro-step's forward + backward (``loopformer.train.accumulate``): ``sync``
+        """Around one micro-step's forward + backward (gradient accumulation, ``Trainer._micro_steps``): ``sync``
         False (an inner micro-step) leaves the gradients local; one process: nothing to do."""
         return contextlib.nullcontext()
 
@@ -570,17 +525,18 @@ class Strategy(EvalComm):
     def full_ema(self, ema_state: dict[str, Tensor] | None) -> dict[str, Tensor] | None:
         return ema_state
 
-    def load_weights(self, model: nn.Module, path: Path) -> None:
-        """The full weights of the checkpoint file ``path`` into ``model`` (names, shapes and dtypes checked)."""
-        weights = load_weights(path)
-        check_weights(weights, model, str(path))
+    def load_weights(self, model: nn.Module, weights: dict[str, Tensor], source: str) -> None:
+        """A checkpoint's full ``weights`` into ``model`` (names, shapes and dtypes checked; ``source`` names
+        the file)."""
+        check_weights(weights, model, source)
         model.load_state_dict(weights, strict=True)
 
     def like(self, target: Tensor | None, full: Tensor) -> Tensor:
+        """A full tensor of a checkpoint laid out as the live ``target`` (one process: as it is)."""
         return full
 
     def sharded_checkpoints(self, tc: TrainConfig) -> bool:
-        """Whether checkpoints are sharded (``loopformer.runs.sharded``): only when asked for here."""
+        """Whether checkpoints are sharded (``loopformer.runs.checkpoint.save_sharded``): only when asked for here."""
         return tc.checkpoint_format == "sharded"
 
     def check_layout(self, layout: str, folder: Path) -> None:
@@ -671,8 +627,15 @@ class FSDPStrategy(_Distributed):
 
     @contextlib.contextmanager
     def gathered(self, model: nn.Module) -> Iterator[nn.Module]:
-        with gathered(model):
+        """Full parameters inside the block for calls that bypass ``forward`` (FSDP ``unshard``)."""
+        if not is_fsdp(model):
             yield model
+            return
+        model.unshard()
+        try:
+            yield model
+        finally:
+            model.reshard()
 
     @contextlib.contextmanager
     def no_sync(self, forward_model: nn.Module, sync: bool) -> Iterator[None]:
@@ -688,10 +651,24 @@ class FSDPStrategy(_Distributed):
             forward_model.set_requires_gradient_sync(True)
 
     def clip_grad_norm(self, params: list[Tensor], max_norm: float) -> Tensor:
-        return clip_sharded_grad_norm(params, max_norm)
+        """Global gradient norm of the sharded gradients before clipping, as a device tensor; clips when
+        ``max_norm > 0`` (the scale applied on the device)."""
+        grads = [p.grad for p in params if p.grad is not None]
+        if not grads:
+            return torch.zeros(())
+        total = full_tensor(torch.nn.utils.get_total_norm(grads))
+        if max_norm > 0:
+            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+            for g in grads:  # a DTensor shard is scaled in place through its local tensor
+                local = g.to_local() if hasattr(g, "to_local") else g
+                local.mul_(coef.to(local.device))
+        return total
 
     def optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        return fsdp_optimizer_state(model, optimizer)
+        """The optimiser state with full tensors keyed by parameter name (collective)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
 
     def load_optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: Any) -> None:
         load_fsdp_optimizer_state(model, optimizer, state)
@@ -702,15 +679,21 @@ class FSDPStrategy(_Distributed):
     def full_ema(self, ema_state: dict[str, Tensor] | None) -> dict[str, Tensor] | None:
         return full_state(ema_state) if ema_state is not None else None
 
-    def load_weights(self, model: nn.Module, path: Path) -> None:
-        weights = load_weights(path)  # full tensors from the file, re-sharded like the live parameters
-        check_weights(weights, model, str(path))
+    def load_weights(self, model: nn.Module, weights: dict[str, Tensor], source: str) -> None:
+        check_weights(weights, model, source)  # full tensors, re-sharded like the live parameters
         with torch.no_grad():
             for name, t in model.state_dict().items():
-                t.copy_(like(t, weights[name]))
+                t.copy_(self.like(t, weights[name]))
 
     def like(self, target: Tensor | None, full: Tensor) -> Tensor:
-        return full if target is None else like(target, full)
+        """``full`` laid out as ``target``: sharded like a DTensor ``target``, else moved to its device."""
+        if target is None:
+            return full
+        if hasattr(target, "device_mesh"):
+            from torch.distributed.tensor import distribute_tensor
+
+            return distribute_tensor(full.to(target.device, target.dtype), target.device_mesh, target.placements)
+        return full.to(target.device, target.dtype)
 
     def sharded_checkpoints(self, tc: TrainConfig) -> bool:
         return tc.checkpoint_format != "full"  # "auto": every rank writes its own shards

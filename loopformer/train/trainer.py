@@ -77,13 +77,13 @@ from loopformer.runs.checkpoint import (
     is_sharded,
     load_sharded,
     load_training_state,
-    load_weights,
     quarantine_after,
     rng_state,
     save_checkpoint,
     save_sharded,
     set_rng_state,
     step_name,
+    stored_weights,
 )
 from loopformer.runs.folder import RunFolder, check_resume, record_resume, resume_folder, training_data
 from loopformer.tasks.base import Task, TokenDataset
@@ -701,14 +701,8 @@ class Trainer:
             self.log.write(record, self.step)
         if save_due or improved:  # a new best is checkpointed at its step
             self.save()
-        if improved:
-            self._mark_best()
-
-    def _mark_best(self) -> None:
-        """Point ``checkpoints/best`` at the checkpoint just written (the best evaluation's step)."""
-        self.best.mark(self.last_checkpoint)
-        if self.strategy.is_main:
-            self.best.write(self.ckpt_dir)
+        if improved:  # checkpoints/best names the checkpoint just written
+            self.best.mark(self.last_checkpoint, write=self.strategy.is_main)
 
     def _finish(self) -> None:
         """Final checkpoint (before the final evaluation: an evaluation error never loses the trained
@@ -720,8 +714,8 @@ class Trainer:
             with self.stop.interruptible():  # a signal here: the checkpoint above is what a resume evaluates
                 self.last_eval = self.evaluate()
             self.progress.evaluation(self.step, self.last_eval, final=True)
-            if self.best.consider(self.last_eval, self.step):
-                self._mark_best()  # the final checkpoint, written just above
+            if self.best.consider(self.last_eval, self.step):  # the final checkpoint, written just above
+                self.best.mark(self.last_checkpoint, write=self.strategy.is_main)
         except EvaluationInterrupted as stopped:
             raise TrainingInterrupted(stopped.signum, self.step, self.last_checkpoint) from None
         finally:
@@ -845,11 +839,11 @@ class Trainer:
         if is_sharded(folder):
             load_sharded(folder, self.model, self.optimizer, self.ema.shadow if self.ema else None, state)
         else:
-            self.strategy.load_weights(self.model, folder / "model.safetensors")
+            weights, ema = stored_weights(folder)
+            self.strategy.load_weights(self.model, weights, str(folder / "model.safetensors"))
             if self.ema is not None:
-                if not (folder / "ema.safetensors").is_file():
+                if ema is None:
                     raise CheckpointError(f"{folder} has no ema.safetensors but this run keeps an EMA (train.ema > 0)")
-                ema = load_weights(folder / "ema.safetensors")
                 self.ema.load_state_dict({k: self.strategy.like(self.ema.shadow.get(k), v) for k, v in ema.items()})
             self.strategy.check_layout(state.get("optimizer_layout", "torch"), folder)
             try:
