@@ -142,7 +142,7 @@ def test_shards_partition_each_global_batch() -> None:
 
 def test_single_process_helpers_are_identities() -> None:
     assert not dist.is_distributed() and dist.rank() == 0 and dist.world_size() == 1
-    assert dist.all_reduce_mean({"a": 2.5}) == {"a": 2.5} and dist.all_gather_counts(3) == [3]
+    assert dist.all_reduce_mean({"a": 2.5}) == {"a": 2.5}
     t = torch.arange(4)
     assert dist.all_gather_rows(t) is t
     model = torch.nn.Linear(2, 2)

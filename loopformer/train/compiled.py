@@ -136,7 +136,7 @@ class CompiledStep:
                     st["step"] = torch.zeros((), dtype=torch.float32)
                 st["step"] = st["step"].to(device=p.device, dtype=torch.float32)
         if isinstance(opt, AdamATan2):
-            opt._steps.count.clear()  # the eager path re-reads the (moved) counts if it runs again
+            opt.reread_step_counts()  # the eager path re-reads the (moved) counts if it runs again
         self.ready = True
 
     def __call__(self, batch: SegmentBatch, lr: float, step: int, ema_weight: float) -> dict[str, Any]:

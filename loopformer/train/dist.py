@@ -195,10 +195,6 @@ def world_size() -> int:
     return dist.get_world_size() if is_distributed() else 1
 
 
-def is_main() -> bool:
-    return rank() == 0
-
-
 def barrier() -> None:
     if is_distributed():
         dist.barrier()
@@ -246,16 +242,6 @@ def all_reduce_max(value: float) -> float:
     t = torch.tensor([float(value)], dtype=torch.float64, device=_comm_device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t.item())
-
-
-def all_gather_counts(count: int) -> list[int]:
-    """Every rank's ``count``, in rank order."""
-    if not is_distributed():
-        return [int(count)]
-    t = torch.tensor([int(count)], dtype=torch.int64, device=_comm_device())
-    out = [torch.zeros_like(t) for _ in range(dist.get_world_size())]
-    dist.all_gather(out, t)
-    return [int(x.item()) for x in out]
 
 
 def all_gather_rows(t: Tensor | None) -> Tensor | None:
@@ -388,6 +374,11 @@ def full_tensor(t: Tensor) -> Tensor:
 def full_state(tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
     """``{name: full tensor}`` of a state dict that may hold DTensors (collective under FSDP)."""
     return {k: full_tensor(v) for k, v in tensors.items()}
+
+
+def local_state(tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """``{name: this rank's shard}`` of a state dict that may hold DTensors (no communication)."""
+    return {k: v.to_local() if hasattr(v, "to_local") else v for k, v in tensors.items()}
 
 
 # --------------------------------------------------------------------------------------------

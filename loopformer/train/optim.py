@@ -154,6 +154,11 @@ class AdamATan2(torch.optim.Optimizer):
         super().load_state_dict(state_dict)
         self._steps = HostSteps()
 
+    def reread_step_counts(self) -> None:
+        """Read the step counts from the state again at the next step: they were moved or changed outside
+        ``step`` (a compiled step keeps them as tensors on the parameters' device)."""
+        self._steps = HostSteps()
+
     @torch.no_grad()
     def step(self, closure: object = None) -> None:  # type: ignore[override]
         if closure is not None:

@@ -5,15 +5,15 @@
 - ``__init__`` builds the pieces from the config (``loopformer.train.setup``: data, model, optimiser; the
   strategy, ``loopformer.train.dist``; the training mode, ``loopformer.train.modes``; the run folder,
   ``loopformer.runs.folder``) and continues from ``train.resume``'s checkpoint when asked;
-- ``fit`` runs ``train_step`` to ``train.steps``, then the final checkpoint and evaluation;
+- ``fit`` runs ``train_step`` to ``train.steps``, each followed by ``_after_step`` (the metrics read once per
+  ``log_every``, ``loopformer.train.metrics``; the periodic evaluation, ``evaluate`` / ``score``:
+  ``loopformer.eval.evaluate``; the curriculum; checkpoints), then the final checkpoint and evaluation;
 - ``train_step``: the learning rate of the step, the mode's ``batch`` (``simple``: a fresh batch and a
   step-seeded loop count; ``deep_supervision``: one segment on the carried slots; or a registered mode),
   ``_update`` (or ``_compiled_update``, the whole step as one ``torch.compile``d graph,
   ``loopformer.train.compiled``), the mode's ``after_step``;
 - ``_update``: ``_micro_steps`` (forward ``_forward``, ``loss``, backward; ``train.grad_accum_steps``
-  micro-batches), the divergence check decided on the device, clipping, ``optimizer.step()``, the EMA;
-- ``_after_step``: the metrics read once per ``log_every`` (``loopformer.train.metrics``), the periodic
-  evaluation (``evaluate`` / ``score``: ``loopformer.eval.evaluate``), the curriculum, checkpoints.
+  micro-batches), the divergence check decided on the device, clipping, ``optimizer.step()``, the EMA.
 
 Checkpoints: the trainer hands run storage what it saves (``save``: the weights and EMA through the
 strategy, and ``state_dict()``: optimiser, data stream, curriculum, the mode's carry, RNG states, elapsed
@@ -253,27 +253,128 @@ class Trainer:
         self.model.step = torch.compile(self.model.step)  # type: ignore[method-assign]
         return None
 
-    # -- the pieces a training mode uses -------------------------------------------------------
-    @property
-    def carry(self) -> Any:
-        """The training mode's carried slots (deep supervision), else None."""
-        return self.mode.carry
+    # -- the loop ------------------------------------------------------------------------------
+    def fit(self) -> dict[str, Any]:
+        """Train to ``train.steps`` optimiser steps (continuing a resumed run); returns a summary."""
+        tc = self.config.train
+        try:
+            # a resume that found no checkpoint still drops the metrics its killed predecessor wrote
+            resumed = self.resumed_from is not None or bool(tc.resume)
+            self.log.open(self.config, resumed, self.step, self.device)  # inside: a failed write unlocks
+            self.strategy.barrier()  # rank 0 has written the run folder's config before anyone goes on
+            self.t0 = time.perf_counter()
+            stop = self.stop
+            self.progress = TrainProgress(tc.progress and self.strategy.is_main, tc.steps, self.step, tc.log_every)
+            with stop, self.progress:
+                while self.step < tc.steps:
+                    metrics = self.train_step()
+                    self.step += 1
+                    self._after_step(metrics)
+                    self.progress.update(self.step, self.last_metrics)
+                    signum = stop.agreed()
+                    if signum is not None and self.step < tc.steps:
+                        self._stop_on_signal(signum)
+                self._finish()
+        finally:
+            self.folder.close()
+            self.log.close()
+            # the DDP wrapper's reducer holds the process group: drop it first, so the group's threads
+            # are joined when it is destroyed here, not by a destructor at interpreter exit
+            self.forward_model = self.model
+            self.strategy.shutdown(sync=sys.exc_info()[0] is None)
+        return self.summary()
 
-    def generator(self, step: int, salt: int) -> torch.Generator:
-        """Seeded by (seed, step, salt), plus the rank under torchrun (independent draws per rank)."""
-        return step_generator(self.device, self.config.seed, step, salt, self.strategy.rank)
-
-    def next_batch(self) -> Batch:
-        """This rank's share of the next global batch of ``train.batch_size`` rows of the stream."""
-        return make_batch(
-            self.train_data, dist.shard(self.stream.take(self.config.train.batch_size)), self.device
+    def _after_step(self, metrics: StepMetrics) -> None:
+        """Curriculum, logging, periodic evaluation and checkpoints after step ``self.step`` (one
+        metrics record per step: a periodic evaluation joins the step's training record). The step's device
+        metrics are read only at the steps that need them (``read_metrics``: one host read)."""
+        tc, cc = self.config.train, self.config.data.curriculum
+        self.meter.add(metrics)
+        log_due = self.step % tc.log_every == 0 or self.step == tc.steps
+        eval_due = bool(tc.eval_every) and self.step % tc.eval_every == 0 and self.step < tc.steps
+        save_due = bool(tc.checkpoint_every) and self.step % tc.checkpoint_every == 0 and self.step < tc.steps
+        curriculum_due = (
+            self.curriculum is not None and not self.curriculum.done and self.step % cc.check_every == 0
         )
+        if not (log_due or eval_due or save_due or curriculum_due):
+            return
+        read = self.read_metrics(reset=log_due)  # raises TrainingDivergedError before any save or evaluation
+        read["time"] = round(self.elapsed(), 3)
+        self.last_metrics = read
+        if curriculum_due:
+            self._curriculum_check()
+        record = read if log_due else {}
+        improved = False
+        if eval_due:
+            self.last_eval = self.evaluate()
+            self.progress.evaluation(self.step, self.last_eval)
+            improved = self.best.consider(self.last_eval, self.step)
+            record = {**record, "step": self.step, **{f"eval_{k}": v for k, v in self.last_eval.items()},
+                      **self.best.fields()}  # fmt: skip
+        if record and self.step < tc.steps:
+            self.log.write(record, self.step)
+        if save_due or improved:  # a new best is checkpointed at its step
+            self.save()
+        if improved:  # checkpoints/best names the checkpoint just written
+            self.best.mark(self.last_checkpoint, write=self.strategy.is_main)
 
-    def fresh_states(self, inputs: Tensor, puzzle_ids: Tensor | None, step: int) -> Tensor:
-        """Detached ``init_state`` rows for ``inputs``, drawn from the (step, rank) stream."""
-        with torch.no_grad(), autocast(self.device, self.config.bf16), self.strategy.gathered(self.model):
-            ctx = self.model.embed(inputs, puzzle_ids)
-            return self.model.init_state(ctx, self.generator(step, SALT_INIT)).detach()
+    def _finish(self) -> None:
+        """Final checkpoint (before the final evaluation: an evaluation error never loses the trained
+        weights), evaluation, and the last step's one metrics record (training + eval)."""
+        record = dict(self.last_metrics) if self.last_metrics.get("step") == self.step else {}
+        self.save()
+        self.last_eval = {}
+        try:
+            with self.stop.interruptible():  # a signal here: the checkpoint above is what a resume evaluates
+                self.last_eval = self.evaluate()
+            self.progress.evaluation(self.step, self.last_eval, final=True)
+            if self.best.consider(self.last_eval, self.step):  # the final checkpoint, written just above
+                self.best.mark(self.last_checkpoint, write=self.strategy.is_main)
+        except EvaluationInterrupted as stopped:
+            raise TrainingInterrupted(stopped.signum, self.step, self.last_checkpoint) from None
+        finally:
+            record.update({f"eval_{k}": v for k, v in self.last_eval.items()})
+            if self.last_eval:
+                record.update(self.best.fields())
+            if record and self.last_metrics.get("step") != self.step:  # no step trained here: a resume at the end
+                self.log.join_last({"step": self.step, **record}, self.step)
+            elif record:
+                self.log.write({"step": self.step, **record}, self.step)
+
+    def _stop_on_signal(self, signum: int) -> None:
+        """Checkpoint the step just finished (unless it already is) and raise TrainingInterrupted."""
+        self.read_metrics(reset=False)  # a step that diverged is never checkpointed
+        why_not = None
+        if self.last_checkpoint is None or self.last_checkpoint.name != step_name(self.step):
+            try:
+                self.save()
+            except Exception as err:  # any failure (disk full, diverged weights) is reported, not raised
+                why_not = " ".join(str(err).split()) or type(err).__name__
+        raise TrainingInterrupted(signum, self.step, None if why_not else self.last_checkpoint, why_not)
+
+    def elapsed(self) -> float:
+        """Training wall time so far, including the time before a resume."""
+        return self.elapsed_before + (time.perf_counter() - self.t0 if self.t0 is not None else 0.0)
+
+    def summary(self) -> dict[str, Any]:
+        """The run's summary (written to ``summary.json`` by rank 0)."""
+        summary = {
+            "steps": self.step,
+            "run_dir": str(self.run_dir),
+            "checkpoint": str(self.last_checkpoint) if self.last_checkpoint else None,
+            "resumed_from": str(self.resumed_from) if self.resumed_from else None,
+            "train": self.last_metrics,
+            "eval": self.last_eval,  # the final checkpoint's evaluation (loop_periodic over loop_eval)
+            "eval_label": f"final (step {self.step})",
+            # train.keep_best: the best evaluation's checkpoint, metric, value, step and its label
+            # "best (by eval_<metric>, step N)"; None without keep_best
+            "best": self.best.summary(self.ckpt_dir),
+            "curriculum_level": self.curriculum.level if self.curriculum else None,
+            "wall_time": round(self.elapsed(), 3),
+            "parameters": self.model.num_parameters(),
+        }
+        self.log.write_summary(summary)
+        return summary
 
     # -- one optimiser step --------------------------------------------------------------------
     def train_step(self) -> StepMetrics:
@@ -549,6 +650,28 @@ class Trainer:
         with torch.random.fork_rng(devices=devices):
             return dist.unused_parameters(self.model, loss_of)
 
+    # -- the pieces a training mode uses -------------------------------------------------------
+    @property
+    def carry(self) -> Any:
+        """The training mode's carried slots (deep supervision), else None."""
+        return self.mode.carry
+
+    def generator(self, step: int, salt: int) -> torch.Generator:
+        """Seeded by (seed, step, salt), plus the rank under torchrun (independent draws per rank)."""
+        return step_generator(self.device, self.config.seed, step, salt, self.strategy.rank)
+
+    def next_batch(self) -> Batch:
+        """This rank's share of the next global batch of ``train.batch_size`` rows of the stream."""
+        return make_batch(
+            self.train_data, dist.shard(self.stream.take(self.config.train.batch_size)), self.device
+        )
+
+    def fresh_states(self, inputs: Tensor, puzzle_ids: Tensor | None, step: int) -> Tensor:
+        """Detached ``init_state`` rows for ``inputs``, drawn from the (step, rank) stream."""
+        with torch.no_grad(), autocast(self.device, self.config.bf16), self.strategy.gathered(self.model):
+            ctx = self.model.embed(inputs, puzzle_ids)
+            return self.model.init_state(ctx, self.generator(step, SALT_INIT)).detach()
+
     # -- evaluation ----------------------------------------------------------------------------
     def score(
         self,
@@ -639,129 +762,6 @@ class Trainer:
                 self.optimizer.state.clear()
             log.info("curriculum: level %s passed (%.3f), now training up to %s", cur.level - cur.step, acc, cur.level)
 
-    # -- the loop ------------------------------------------------------------------------------
-    def fit(self) -> dict[str, Any]:
-        """Train to ``train.steps`` optimiser steps (continuing a resumed run); returns a summary."""
-        tc = self.config.train
-        try:
-            # a resume that found no checkpoint still drops the metrics its killed predecessor wrote
-            resumed = self.resumed_from is not None or bool(tc.resume)
-            self.log.open(self.config, resumed, self.step, self.device)  # inside: a failed write unlocks
-            self.strategy.barrier()  # rank 0 has written the run folder's config before anyone goes on
-            self.t0 = time.perf_counter()
-            stop = self.stop
-            self.progress = TrainProgress(tc.progress and self.strategy.is_main, tc.steps, self.step, tc.log_every)
-            with stop, self.progress:
-                while self.step < tc.steps:
-                    metrics = self.train_step()
-                    self.step += 1
-                    self._after_step(metrics)
-                    self.progress.update(self.step, self.last_metrics)
-                    signum = stop.agreed()
-                    if signum is not None and self.step < tc.steps:
-                        self._stop_on_signal(signum)
-                self._finish()
-        finally:
-            self.folder.close()
-            self.log.close()
-            # the DDP wrapper's reducer holds the process group: drop it first, so the group's threads
-            # are joined when it is destroyed here, not by a destructor at interpreter exit
-            self.forward_model = self.model
-            self.strategy.shutdown(sync=sys.exc_info()[0] is None)
-        return self.summary()
-
-    def _after_step(self, metrics: StepMetrics) -> None:
-        """Curriculum, logging, periodic evaluation and checkpoints after step ``self.step`` (one
-        metrics record per step: a periodic evaluation joins the step's training record). The step's device
-        metrics are read only at the steps that need them (``read_metrics``: one host read)."""
-        tc, cc = self.config.train, self.config.data.curriculum
-        self.meter.add(metrics)
-        log_due = self.step % tc.log_every == 0 or self.step == tc.steps
-        eval_due = bool(tc.eval_every) and self.step % tc.eval_every == 0 and self.step < tc.steps
-        save_due = bool(tc.checkpoint_every) and self.step % tc.checkpoint_every == 0 and self.step < tc.steps
-        curriculum_due = (
-            self.curriculum is not None and not self.curriculum.done and self.step % cc.check_every == 0
-        )
-        if not (log_due or eval_due or save_due or curriculum_due):
-            return
-        read = self.read_metrics(reset=log_due)  # raises TrainingDivergedError before any save or evaluation
-        read["time"] = round(self.elapsed(), 3)
-        self.last_metrics = read
-        if curriculum_due:
-            self._curriculum_check()
-        record = read if log_due else {}
-        improved = False
-        if eval_due:
-            self.last_eval = self.evaluate()
-            self.progress.evaluation(self.step, self.last_eval)
-            improved = self.best.consider(self.last_eval, self.step)
-            record = {**record, "step": self.step, **{f"eval_{k}": v for k, v in self.last_eval.items()},
-                      **self.best.fields()}  # fmt: skip
-        if record and self.step < tc.steps:
-            self.log.write(record, self.step)
-        if save_due or improved:  # a new best is checkpointed at its step
-            self.save()
-        if improved:  # checkpoints/best names the checkpoint just written
-            self.best.mark(self.last_checkpoint, write=self.strategy.is_main)
-
-    def _finish(self) -> None:
-        """Final checkpoint (before the final evaluation: an evaluation error never loses the trained
-        weights), evaluation, and the last step's one metrics record (training + eval)."""
-        record = dict(self.last_metrics) if self.last_metrics.get("step") == self.step else {}
-        self.save()
-        self.last_eval = {}
-        try:
-            with self.stop.interruptible():  # a signal here: the checkpoint above is what a resume evaluates
-                self.last_eval = self.evaluate()
-            self.progress.evaluation(self.step, self.last_eval, final=True)
-            if self.best.consider(self.last_eval, self.step):  # the final checkpoint, written just above
-                self.best.mark(self.last_checkpoint, write=self.strategy.is_main)
-        except EvaluationInterrupted as stopped:
-            raise TrainingInterrupted(stopped.signum, self.step, self.last_checkpoint) from None
-        finally:
-            record.update({f"eval_{k}": v for k, v in self.last_eval.items()})
-            if self.last_eval:
-                record.update(self.best.fields())
-            if record and self.last_metrics.get("step") != self.step:  # no step trained here: a resume at the end
-                self.log.join_last({"step": self.step, **record}, self.step)
-            elif record:
-                self.log.write({"step": self.step, **record}, self.step)
-
-    def _stop_on_signal(self, signum: int) -> None:
-        """Checkpoint the step just finished (unless it already is) and raise TrainingInterrupted."""
-        self.read_metrics(reset=False)  # a step that diverged is never checkpointed
-        why_not = None
-        if self.last_checkpoint is None or self.last_checkpoint.name != step_name(self.step):
-            try:
-                self.save()
-            except Exception as err:  # any failure (disk full, diverged weights) is reported, not raised
-                why_not = " ".join(str(err).split()) or type(err).__name__
-        raise TrainingInterrupted(signum, self.step, None if why_not else self.last_checkpoint, why_not)
-
-    def elapsed(self) -> float:
-        """Training wall time so far, including the time before a resume."""
-        return self.elapsed_before + (time.perf_counter() - self.t0 if self.t0 is not None else 0.0)
-
-    def summary(self) -> dict[str, Any]:
-        """The run's summary (written to ``summary.json`` by rank 0)."""
-        summary = {
-            "steps": self.step,
-            "run_dir": str(self.run_dir),
-            "checkpoint": str(self.last_checkpoint) if self.last_checkpoint else None,
-            "resumed_from": str(self.resumed_from) if self.resumed_from else None,
-            "train": self.last_metrics,
-            "eval": self.last_eval,  # the final checkpoint's evaluation (loop_periodic over loop_eval)
-            "eval_label": f"final (step {self.step})",
-            # train.keep_best: the best evaluation's checkpoint, metric, value, step and its label
-            # "best (by eval_<metric>, step N)"; None without keep_best
-            "best": self.best.summary(self.ckpt_dir),
-            "curriculum_level": self.curriculum.level if self.curriculum else None,
-            "wall_time": round(self.elapsed(), 3),
-            "parameters": self.model.num_parameters(),
-        }
-        self.log.write_summary(summary)
-        return summary
-
     # -- checkpoints: what the trainer hands run storage, and takes back -------------------------
     def state_dict(self, optimizer: bool = True) -> dict[str, Any]:
         """Everything but the weights that a bit-exact resume needs (collective under FSDP / with a carry);
@@ -802,8 +802,7 @@ class Trainer:
         newest ``train.keep_checkpoints`` kept. Weights that are not finite are never written."""
         tc = self.config.train
         if self.strategy.sharded_checkpoints(tc):
-            local = {k: v.to_local() if hasattr(v, "to_local") else v for k, v in self.model.state_dict().items()}
-            bad = nonfinite_names(local)
+            bad = nonfinite_names(dist.local_state(self.model.state_dict()))
             if dist.all_reduce_max(float(bool(bad))) > 0:  # every rank stops, whichever holds the bad shard
                 self.diverged("weights", float("nan"), f"non-finite parameter {bad[0]!r}" if bad else "non-finite shard")
             self.last_checkpoint = save_sharded(
