@@ -260,7 +260,7 @@ def evaluate_checkpoint(checkpoint: str | Path, options: ReportOptions | None = 
     from loopformer.eval.suite import ReportOptions, run_job_references
     from loopformer.nn import autocast
     from loopformer.runs import eval_dataset
-    from loopformer.runs.outputs import staged_output
+    from loopformer.runs.folder import staged_output
 
     opts = options or ReportOptions()
     dev = resolve_device(opts.device)
@@ -322,8 +322,8 @@ def _report(run: LoadedRun, dataset: Any, out: Path, final: Path, opts: ReportOp
     from loopformer.eval.evaluate import model_device
     from loopformer.eval.suite import evaluate_run, segment_note
     from loopformer.runs import training_depth
-    from loopformer.runs.fingerprint import heldout_record
-    from loopformer.runs.provenance import collect, describe, record_for_step
+    from loopformer.runs.folder import heldout_record
+    from loopformer.runs.folder import collect, describe, record_for_step
 
     made: dict[str, Any] = {"heldout": heldout_record(run.config, dataset),
                             "evaluation": {**opts.record(), **({"variant": variant} if variant is not None else {})}}  # fmt: skip
@@ -381,7 +381,7 @@ def compare_reports(out: str | Path, folders: Sequence[Path], title: str = "", o
         load_entries,
         write_comparison,
     )
-    from loopformer.runs.outputs import staged_output
+    from loopformer.runs.folder import staged_output
 
     entries = load_entries(folders, names)
     check_kinds(entries)  # bits per byte beside accuracy first: no held-out set makes those compare

@@ -20,6 +20,10 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 DEVICE_HELP = "auto (CUDA when present, else CPU), cpu, cuda or cuda:N"
+# train.threads: 0 (auto) gives models below SMALL_MODEL_PARAMETERS one CPU thread: at the CPU recipes' sizes
+# (the default job: 0.11M parameters) a second thread made a training step 54x slower on the loaded 2-core
+# development machine (1.3 s vs 69 s per step, load average ~14; benchmarks/bench_threads.py,
+# docs/performance.md); with tensors this small there is little for a second thread to gain even when idle
 SMALL_MODEL_PARAMETERS = 2_000_000  # below this, one CPU thread (a second one only adds overhead)
 
 

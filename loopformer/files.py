@@ -26,15 +26,15 @@ read ARC / knowledge-graph JSON with it, run storage (``loopformer.runs``) write
   ``TaskDataError`` for data files, ``ValueError`` for run summaries) with one line naming the file and what
   is wrong (not UTF-8 and at which byte, invalid JSON and where, nested too deeply, unreadable), never
   quoting the file's contents.
-- ``read_record(path, schema, error)`` / ``check_record``: a JSON object loopformer wrote itself (a run's
-  ``summary.json``, ``provenance.json``, a report's ``metrics.json``, a sweep's ``sweep.json``, ...; the
-  schemas live with their writers, ``loopformer.runs.records`` for run storage), read back through
-  ``read_json`` and checked against its schema, so a malformed or crafted file is one line naming the
-  file and the field (``summary.json: 'steps' must be an integer >= 0, got str``), never a bare key name
-  or an internal error. A schema is a dict of field -> kind (a trailing ``?`` marks an optional field);
-  a kind is a type (``int`` is never a ``bool``, ``float`` takes an ``int``), a tuple of kinds (any of),
-  a nested schema, ``[kind]`` (a list of such items), ``Each(kind)`` (an object of such values) or
-  ``Rule(kind, test, "what it must be")``.
+- JSON kinds (``JSONInt``, ``Count``, ``JSONNumber``, ``JSONStr``, ``ProcessId``, ``json_kind``): the types
+  the library's own records are annotated with (dataclasses beside their writers: ``loopformer.runs``,
+  ``loopformer.eval.compare``), read and checked by the configuration's strict loader
+  (``loopformer.config.from_dict``). A JSON kind takes a value only as JSON holds it (``7`` is never the
+  string ``"7"``, ``true`` never the integer 1): a file loopformer wrote holds its own types, so any other is
+  a crafted or damaged file, named by the loader with the file and the field
+  (``summary.json: steps: expected an integer >= 0, got 'many'``).
+- ``exchange_folders(a, b)``: two folders swapped in one atomic step (Linux ``renameat2(RENAME_EXCHANGE)``),
+  False where the OS or file system cannot (run storage then falls back to two renames).
 
 The only file written in place is the run lock (``loopformer.runs.folder``): an OS lock lives
 on one inode, so that file must never be replaced.
@@ -42,11 +42,13 @@ on one inode, so that file must never be replaced.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import json
 import os
 import secrets
 import shutil
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -278,104 +280,69 @@ def read_json(
         raise error(f"{path}: cannot read ({err.strerror or type(err).__name__})") from None
 
 
-class Each:
-    """A record field holding an object whose every value is of ``kind`` (free keys)."""
+class _JSONKind(type):
+    """The metaclass of a JSON kind: ``isinstance(value, kind)`` is the kind's ``test``; the class's name is
+    what the loader's error says the value must be ("an integer >= 0")."""
 
-    def __init__(self, kind: Any) -> None:
-        self.kind = kind
-
-
-class Rule:
-    """A record field of ``kind`` that must also pass ``test`` (``what``: "an integer >= 0")."""
-
-    def __init__(self, kind: Any, test: Callable[[Any], bool], what: str) -> None:
-        self.kind, self.test, self.what = kind, test, what
+    def __instancecheck__(cls, value: Any) -> bool:
+        return bool(cls.test(value))
 
 
-def _kind_name(kind: Any) -> str:
-    if isinstance(kind, Rule):
-        return kind.what
-    if isinstance(kind, tuple):
-        return " or ".join(_kind_name(k) for k in kind)
-    if isinstance(kind, dict | Each) or kind is dict:
-        return "an object"
-    if isinstance(kind, list) or kind is list:
-        return "a list"
-    if kind is None or kind is type(None):
-        return "null"
-    names = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
-    return names.get(kind, getattr(kind, "__name__", str(kind)))
+def json_kind(what: str, test: Callable[[Any], bool]) -> type:
+    """A type for a record's field that holds the values passing ``test`` as JSON holds them (``what``: "an
+    integer >= 0"); the strict loader (``loopformer.config.coerce``) takes such a value as it is and refuses
+    any other, converting nothing."""
+    return _JSONKind(what, (), {"test": staticmethod(test)})
 
 
-def _found(value: Any) -> str:
-    return "null" if value is None else type(value).__name__
+def _integer(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _matches(value: Any, kind: Any) -> bool:
-    """Whether ``value`` has the JSON type of ``kind`` (not looking inside objects and lists)."""
-    if isinstance(kind, Rule):
-        return _matches(value, kind.kind)
-    if isinstance(kind, tuple):
-        return any(_matches(value, k) for k in kind)
-    if kind is None or kind is type(None):
-        return value is None
-    if isinstance(kind, dict | Each) or kind is dict:
-        return isinstance(value, dict)
-    if isinstance(kind, list) or kind is list:
-        return isinstance(value, list)
-    if kind is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if kind is float:
-        return isinstance(value, int | float) and not isinstance(value, bool)
-    return isinstance(value, kind)
+JSONInt = json_kind("an integer", _integer)
+Count = json_kind("an integer >= 0", lambda v: _integer(v) and v >= 0)
+JSONNumber = json_kind("a number", lambda v: isinstance(v, int | float) and not isinstance(v, bool))
+JSONStr = json_kind("a string", lambda v: isinstance(v, str))
+ProcessId = json_kind("a process id (1 .. 4194303)", lambda v: _integer(v) and 0 < v < 1 << 22)
 
 
-def check_record(data: Any, schema: dict[str, Any], where: str, error: type[Exception] = ValueError,
-                 field: str = "") -> Any:  # fmt: skip
-    """``data`` after checking it against ``schema`` (see the module docstring); ``error`` naming
-    ``where`` and the field otherwise."""
-    _check_value(data, schema, where, error, field)
-    return data
+def exchange_folders(a: Path, b: Path) -> bool:
+    """Swap the folders ``a`` and ``b`` in one atomic step (Linux ``renameat2(RENAME_EXCHANGE)``, through
+    ``ctypes``); False where the OS or file system cannot (then nothing was changed)."""
+    global _RENAMEAT2
+    if _RENAMEAT2 is None:
+        _RENAMEAT2 = False
+        if sys.platform.startswith("linux"):
+            try:
+                libc = ctypes.CDLL(None, use_errno=True)
+                func = libc.renameat2
+                func.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+                func.restype = ctypes.c_int
+                _RENAMEAT2 = func
+            except (OSError, AttributeError):  # an old C library without renameat2
+                _RENAMEAT2 = False
+    if _RENAMEAT2 is False:
+        return False
+    if _RENAMEAT2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):  # not on this file system
+        return False
+    raise OSError(err, os.strerror(err), str(a), None, str(b))
 
 
-def _check_value(value: Any, kind: Any, where: str, error: type[Exception], field: str) -> None:
-    shown = f"{field!r}" if field else "the file"
-    if not _matches(value, kind):
-        raise error(f"{where}: {shown} must be {_kind_name(kind)}, got {_found(value)}")
-    if isinstance(kind, tuple):  # the first alternative that matches decides what is inside
-        kind = next(k for k in kind if _matches(value, k))
-    if isinstance(kind, Rule):
-        if not kind.test(value):
-            raise error(f"{where}: {shown} must be {kind.what}")
-        kind = kind.kind
-    if isinstance(kind, dict):
-        for name, sub in kind.items():
-            key = name.rstrip("?")
-            dotted = f"{field}.{key}" if field else key
-            if key not in value:
-                if name.endswith("?"):
-                    continue
-                raise error(f"{where}: the field {dotted!r} is missing")
-            _check_value(value[key], sub, where, error, dotted)
-    elif isinstance(kind, Each):
-        for key, item in value.items():
-            _check_value(item, kind.kind, where, error, f"{field}.{key}" if field else str(key))
-    elif isinstance(kind, list) and kind:
-        for i, item in enumerate(value):
-            _check_value(item, kind[0], where, error, f"{field}[{i}]")
-
-
-def read_record(path: Path, schema: dict[str, Any], error: type[Exception] = ValueError) -> dict[str, Any]:
-    """A JSON object loopformer wrote (``path``), parsed by ``read_json`` and checked against ``schema``;
-    ``error`` with one line naming the file and the field otherwise."""
-    return check_record(read_json(Path(path), error), schema, str(path), error)
+_RENAMEAT2: Any = None  # the C library's renameat2, False where there is none (found on first use)
+_AT_FDCWD, _RENAME_EXCHANGE = -100, 2
 
 
 __all__ = [
-    "Each",
-    "Rule",
-    "check_record",
-    "read_record",
+    "Count",
+    "JSONInt",
+    "JSONNumber",
+    "JSONStr",
+    "ProcessId",
+    "exchange_folders",
+    "json_kind",
     "read_json",
     "UnsafePathError",
     "WriteError",

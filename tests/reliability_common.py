@@ -67,7 +67,7 @@ def rewrite_manifest(folder: Path) -> None:
     """Make the checkpoint consistent again after editing its files: where checkpoints carry a manifest
     (size + SHA-256, added by the reliability work), write it anew; code without manifests needs nothing."""
     try:
-        from loopformer.runs.manifest import write_manifest
+        from loopformer.runs.checkpoint import write_manifest
     except ImportError:  # code from before checkpoint manifests
         return
     write_manifest(folder)
@@ -140,19 +140,18 @@ def train_tiny(folder: Path, recipe: Path, *overrides: str) -> Path:
 
 def make_sharded(run: Path, dest: Path, aliases: dict[str, str] | None = None) -> Path:
     """``dest/checkpoints/step_N``: ``run``'s newest checkpoint written again as a one-process sharded
-    checkpoint (``loopformer.runs.sharded.save_sharded``); ``aliases`` are added to its ``state.json``
+    checkpoint (``loopformer.runs.checkpoint.save_sharded``); ``aliases`` are added to its ``state.json``
     ``sharded.aliases`` (the manifest rewritten to match)."""
     import json
     import warnings
 
-    from loopformer.runs.checkpoint import load_checkpoint
-    from loopformer.runs.sharded import save_sharded
+    from loopformer.runs.checkpoint import load_checkpoint, save_sharded
 
     ck = load_checkpoint(newest_checkpoint(run))
     optimizer = torch.optim.AdamW(ck.model.parameters())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # DCP: "torch.distributed is disabled ... a single process"
-        folder = save_sharded(dest / "checkpoints", ck.step, ck.family, ck.model, optimizer, ck.config,
+        folder = save_sharded(dest / "checkpoints", ck.step, ck.model, optimizer, ck.config,
                               ck.ema_state, {"stream": {}, "rng": {}}, 0, True)  # fmt: skip
     if aliases:
         state = json.loads((folder / "state.json").read_text())

@@ -35,8 +35,8 @@ from reliability_common import TINY_RECIPE
 
 from loopformer.config import ConfigError
 from loopformer.numerics import NumericalFaultError
+from loopformer.runs.checkpoint import CheckpointError
 from loopformer.runs.folder import RunFolderError
-from loopformer.runs.layout import CheckpointError
 from loopformer.tasks.base import TaskDataError
 
 PROJECT_ERRORS = (ConfigError, TaskDataError, CheckpointError, NumericalFaultError, RunFolderError)
@@ -562,8 +562,7 @@ def _import_before_forking() -> None:
 def kill_resume_rounds(work: Path, kills: int = 4, steps: int = 30, seed: int = 0) -> dict[str, Any]:
     """One run SIGKILLed ``kills`` times (alternately inside a checkpoint write and at a random moment),
     resumed after each kill, then to the end; and an uninterrupted run. Returns the record."""
-    from loopformer.runs.checkpoint import latest_checkpoint
-    from loopformer.runs.layout import load_weights
+    from loopformer.runs.checkpoint import latest_checkpoint, load_weights
 
     _import_before_forking()
     rng = random.Random(seed)

@@ -13,14 +13,20 @@ from test_train_utils import TinyConfig, TinyLooped, tiny_config
 
 from loopformer.models.registry import build_model
 from loopformer.runs.checkpoint import (
+    CheckpointError,
+    flatten_state,
     latest_checkpoint,
     load_checkpoint,
     load_training_state,
+    load_weights,
     resolve_checkpoint,
+    rng_state,
     save_checkpoint,
+    save_weights,
+    set_rng_state,
+    step_dirs,
+    unflatten_state,
 )
-from loopformer.runs.layout import CheckpointError, load_weights, save_weights, step_dirs
-from loopformer.runs.state import flatten_state, rng_state, set_rng_state, unflatten_state
 
 
 def test_nested_state_round_trips_through_json_and_tensors() -> None:

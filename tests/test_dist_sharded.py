@@ -1,4 +1,4 @@
-"""Sharded FSDP2 checkpoints (loopformer.runs.sharded) on CPU with gloo: 2 ranks save, 2 and 1 resume.
+"""Sharded FSDP2 checkpoints (loopformer.runs.checkpoint) on CPU with gloo: 2 ranks save, 2 and 1 resume.
 
 The oracle of the 2 -> 2 resume is the uninterrupted 2-rank run: the resumed run's step-4 checkpoint
 (weights, EMA, every optimiser tensor, param_groups), its params and its metrics lines equal the
@@ -21,9 +21,14 @@ import torch.distributed as tdist
 from test_dist import WEIGHT_ATOL, TinyDet, _flat_params, _gather, run_ranks
 from test_train_utils import tiny_config, tiny_dataset
 
-from loopformer.runs.checkpoint import load_checkpoint, load_training_state
-from loopformer.runs.manifest import verify_checkpoint
-from loopformer.runs.sharded import consolidate, is_sharded, read_full
+from loopformer.runs.checkpoint import (
+    consolidate,
+    is_sharded,
+    load_checkpoint,
+    load_training_state,
+    read_full,
+    verify_checkpoint,
+)
 from loopformer.train import Trainer, dist
 
 pytest.importorskip("torch.distributed.checkpoint.hf_storage")

@@ -23,7 +23,7 @@ from loopformer.convert.export import COMPILED_PREFIX, export_weights
 from loopformer.convert.fixtures import FIXTURE_DIR, load_fixture, prefixed
 from loopformer.convert.translate import translate
 from loopformer.runs import load_run
-from loopformer.runs.layout import CheckpointError
+from loopformer.runs.checkpoint import CheckpointError
 from loopformer.train import Trainer
 
 

@@ -16,10 +16,9 @@ import torch
 from loopformer.convert import build_converted, converter, load_state_dict, read_reference_config
 from loopformer.convert.fixtures import FIXTURE_DIR, load_fixture, prefixed
 from loopformer.loop import run_loop
-from loopformer.runs.layout import CheckpointError
+from loopformer.runs.checkpoint import CheckpointError
 from loopformer.train.losses import sequence_loss
-from loopformer.train.muon import MuonAdamW
-from loopformer.train.optim import set_lr
+from loopformer.train.optim import MuonAdamW, set_lr
 from loopformer.train.setup import make_optimizer
 
 LOGIT_ATOL, LOSS_RTOL, GRAD_RTOL, STEP_ATOL = 1e-5, 1e-6, 1e-5, 1e-6

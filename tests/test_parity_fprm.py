@@ -20,7 +20,7 @@ from loopformer.config import build_config
 from loopformer.convert import converter
 from loopformer.convert.fixtures import fixture_dtype, load_fixture, prefixed
 from loopformer.models.registry import build_model
-from loopformer.runs.layout import CheckpointError
+from loopformer.runs.checkpoint import CheckpointError
 from loopformer.train.losses import accuracy, q_halt_loss, sequence_loss
 from loopformer.train.optim import build_optimizer
 

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from loopformer.cli import cli
 from loopformer.convert import KeyMap, load_state_dict, strip_prefixes
 from loopformer.convert.fixtures import FixtureError, load_fixture, save_fixture
-from loopformer.runs.layout import CheckpointError
+from loopformer.runs.checkpoint import CheckpointError
 
 
 def test_parity_fixture_roundtrip_is_byte_identical(tmp_path):

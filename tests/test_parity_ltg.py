@@ -145,7 +145,7 @@ def test_parity_ltg_train_loss_grads_and_step(name: str) -> None:
 
 
 def test_ltg_convert_rejects_unknown_keys() -> None:
-    from loopformer.runs.layout import CheckpointError
+    from loopformer.runs.checkpoint import CheckpointError
 
     tensors, meta = load_fixture("ltg_rdt")
     state = prefixed(tensors, "ref")

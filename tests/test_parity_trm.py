@@ -41,7 +41,7 @@ def test_parity_trm_converter_names_unknown_and_missing_keys(tmp_path) -> None:
     import torch
 
     from loopformer.convert import convert_checkpoint, load_state_dict
-    from loopformer.runs.layout import CheckpointError
+    from loopformer.runs.checkpoint import CheckpointError
 
     state = load_state_dict(FIXTURE_DIR / "trm_attn" / "step_1")
     config = FIXTURE_DIR / "trm_attn" / "all_config.yaml"

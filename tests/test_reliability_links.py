@@ -119,7 +119,7 @@ def test_consolidate_out_follows_the_output_rules(swept, tmp_path) -> None:
 
 
 def test_an_error_inside_a_staged_output_names_the_users_folder(tmp_path) -> None:
-    from loopformer.runs.outputs import staged_output
+    from loopformer.runs.folder import staged_output
 
     out = tmp_path / "report"
     with pytest.raises(ValueError) as raised:

@@ -106,7 +106,7 @@ def test_push_never_mixes_two_checkpoints_of_a_rotation(trained, tmp_path, monke
 
 
 def test_consolidate_never_mixes_two_checkpoints_of_a_rotation(trained, tmp_path, monkeypatch) -> None:
-    import loopformer.runs.sharded as sharded
+    import loopformer.runs.checkpoint as sharded
 
     step = make_sharded(trained[1], tmp_path / "sharded")
     real = sharded.read_full

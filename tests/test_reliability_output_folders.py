@@ -11,8 +11,7 @@ from click.testing import CliRunner
 from reliability_common import cli_text, fails_cleanly, tiny_recipe
 
 from loopformer.cli import cli
-from loopformer.runs.folder import LOCK_NAME, RunFolderError
-from loopformer.runs.outputs import STAGING_PREFIX, staged_output
+from loopformer.runs.folder import LOCK_NAME, STAGING_PREFIX, RunFolderError, staged_output
 
 
 def _files(folder) -> dict[str, bytes]:

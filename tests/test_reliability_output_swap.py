@@ -1,4 +1,4 @@
-"""Issue 24, the output-folder swap (``loopformer.runs.outputs.staged_output``): the new content replaces
+"""Issue 24, the output-folder swap (``loopformer.runs.folder.staged_output``): the new content replaces
 the old in one atomic step where the OS allows (``renameat2(RENAME_EXCHANGE)``), the old content is
 removed only after the new one is in place (nothing accumulates), and a crash at any step of the swap
 (simulated by making that step fail) leaves the folder holding the old content or the new, whole."""
@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-import loopformer.runs.outputs as of
-from loopformer.runs.outputs import staged_output
+import loopformer.runs.folder as of
+from loopformer.runs.folder import staged_output
 
 
 def _files(folder) -> dict[str, bytes]:
@@ -39,7 +39,7 @@ NEW = {"train/dataset.json": b'{"new": 1}', "extra.txt": b"new"}
 def test_the_swap_is_one_exchange_and_the_old_content_is_removed_after_it(tmp_path, monkeypatch) -> None:
     out, _ = _old(tmp_path)
     calls = []
-    real_exchange, real_rmtree = getattr(of, "_exchange", lambda a, b: False), of.shutil.rmtree
+    real_exchange, real_rmtree = getattr(of, "exchange_folders", lambda a, b: False), of.shutil.rmtree
 
     def exchange(a, b):
         ok = real_exchange(a, b)
@@ -50,7 +50,7 @@ def test_the_swap_is_one_exchange_and_the_old_content_is_removed_after_it(tmp_pa
         calls.append(("rmtree", path.name, _files(out)))
         return real_rmtree(path, *args, **kwargs)
 
-    monkeypatch.setattr(of, "_exchange", exchange, raising=False)
+    monkeypatch.setattr(of, "exchange_folders", exchange, raising=False)
     monkeypatch.setattr(of.shutil, "rmtree", rmtree)
     renames = []
     real_replace = os.replace
@@ -66,7 +66,7 @@ def test_the_swap_is_one_exchange_and_the_old_content_is_removed_after_it(tmp_pa
 def test_without_an_exchange_two_renames_and_nothing_left_behind(tmp_path, monkeypatch) -> None:
     out, _ = _old(tmp_path)
     monkeypatch.setattr(
-        of, "_exchange", lambda a, b: False, raising=False
+        of, "exchange_folders", lambda a, b: False, raising=False
     )  # not Linux, or a file system without it
     with staged_output(out, "prepare", overwrite=True) as tmp:
         _new(tmp)
@@ -83,9 +83,9 @@ def test_a_crash_at_any_step_of_the_swap_leaves_old_or_new_content_whole(tmp_pat
         raise OSError(5, "simulated crash")
 
     if step == "exchange":
-        monkeypatch.setattr(of, "_exchange", crash)
+        monkeypatch.setattr(of, "exchange_folders", crash)
     elif step in ("first-rename", "second-rename"):
-        monkeypatch.setattr(of, "_exchange", lambda a, b: False)
+        monkeypatch.setattr(of, "exchange_folders", lambda a, b: False)
         nth = 1 if step == "first-rename" else 2
 
         def replace(a, b):

@@ -39,15 +39,21 @@ def _killed_child(monkeypatch_target: str, recipe: Path, run: Path) -> int:
     pid = os.fork()
     if pid == 0:  # the child: never returns
         try:
-            import loopformer.runs.outputs as of
+            import loopformer.runs.folder as of
 
             def die(*args, **kwargs):
                 os.kill(os.getpid(), signal.SIGKILL)
 
             if monkeypatch_target == "exchange":
-                of._exchange = die
+                of.exchange_folders = die
             elif monkeypatch_target == "remove-old":
-                of.shutil = types.SimpleNamespace(rmtree=die)  # only output_folder's (swap_in's) removal
+                real_swap = of.swap_in
+
+                def swap_in(*args, **kwargs):
+                    of.shutil = types.SimpleNamespace(rmtree=die)  # only swap_in's removal of the old run
+                    return real_swap(*args, **kwargs)
+
+                of.swap_in = swap_in
             elif monkeypatch_target == "after-remove":  # after the swap and the removal of the old run
                 import loopformer.runs.folder as rf
 
@@ -89,7 +95,7 @@ def test_a_kill_during_overwrite_leaves_the_old_run_or_the_new_one_whole(tmp_pat
 
 def test_overwrite_replaces_the_whole_folder_in_one_exchange(tmp_path, monkeypatch) -> None:
     """One rename-exchange swaps the new run in: no entry-by-entry moves inside the run folder."""
-    import loopformer.runs.outputs as of
+    import loopformer.runs.folder as of
 
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(yaml.safe_dump(tiny_recipe(train={"steps": 2}), sort_keys=False))
@@ -97,7 +103,7 @@ def test_overwrite_replaces_the_whole_folder_in_one_exchange(tmp_path, monkeypat
     _train(recipe, run)
     (run / "notes.txt").write_text("mine")  # an unrelated file of the old run goes with it
     calls: list[tuple[str, str]] = []
-    exchange, replace = getattr(of, "_exchange", None), os.replace
+    exchange, replace = getattr(of, "exchange_folders", None), os.replace
 
     def spy_exchange(a, b):
         calls.append(("exchange", Path(b).name))
@@ -108,7 +114,7 @@ def test_overwrite_replaces_the_whole_folder_in_one_exchange(tmp_path, monkeypat
             calls.append(("replace", f"{src} -> {dst}"))
         return replace(src, dst, *args, **kwargs)
 
-    monkeypatch.setattr(of, "_exchange", spy_exchange, raising=False)
+    monkeypatch.setattr(of, "exchange_folders", spy_exchange, raising=False)
     monkeypatch.setattr(os, "replace", spy_replace)
     _train(recipe, run, "--overwrite", "train.steps=3")
     assert calls[:1] == [("exchange", "run")], calls

@@ -5,7 +5,7 @@ naming the file and the field, never an internal error or a bare key name.
 Cases: a crafted ``sweep.json``, ``metrics.json`` (a report), ``summary.json`` and ``provenance.json``; a
 lock file with a huge pid, or naming pid 1 (it held the folder for ever); a sharded checkpoint whose alias
 names a missing tensor; an authors' state dict missing a key the mapping reads. Only the CLI, files on disk
-and ``loopformer.runs.sharded.save_sharded`` (through ``reliability_common.make_sharded``) are used.
+and ``loopformer.runs.checkpoint.save_sharded`` (through ``reliability_common.make_sharded``) are used.
 """
 
 from __future__ import annotations
@@ -147,7 +147,7 @@ def test_an_authors_state_dict_missing_a_key_names_it_as_missing(tmp_path) -> No
 def test_a_run_from_a_crafted_summary_checkpoint_stays_in_its_folder(swept, tmp_path) -> None:
     """``run --resume`` reads each model's ``summary.json`` and loads its ``checkpoint``: a path naming
     another folder is read as a step folder name inside this run, never followed."""
-    from loopformer.runs.records import finished_summary
+    from loopformer.runs.folder import finished_summary
 
     run = _copy(swept[0] / "run", tmp_path / "run")
     other = _copy(swept[0] / "run", tmp_path / "other")

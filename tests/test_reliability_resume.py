@@ -135,7 +135,7 @@ def test_what_a_checkpoint_records_beside_the_config_is_no_config_change() -> No
     """config.json also holds family, step and the plug-in modules that define the model (a plug-in run's
     checkpoint lists them); none of them is a config key, so none blocks a resume of that run."""
     from loopformer.config import RunConfig, config_to_json
-    from loopformer.runs.resume_checks import config_changes
+    from loopformer.runs.folder import config_changes
 
     config = RunConfig()
     saved = {**json.loads(config_to_json(config)), "family": "fprm", "step": 2, "plugins": ["my_plugins"]}

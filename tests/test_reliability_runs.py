@@ -16,9 +16,13 @@ import torch
 from reliability_common import hold_lock
 from test_train_utils import TinyLooped, tiny_config, tiny_dataset
 
-from loopformer.runs.checkpoint import latest_checkpoint, latest_good_checkpoint, resolve_checkpoint
+from loopformer.runs.checkpoint import (
+    latest_checkpoint,
+    latest_good_checkpoint,
+    resolve_checkpoint,
+    step_dirs,
+)
 from loopformer.runs.folder import LOCK_NAME, RunFolderError, RunLock
-from loopformer.runs.layout import step_dirs
 from loopformer.train import Trainer, TrainingDivergedError
 
 
@@ -216,7 +220,7 @@ def test_saving_a_step_again_swaps_the_folder_in_one_exchange(tmp_path, monkeypa
         assert os.fspath(src) != os.fspath(final), "the step folder was renamed away"
         return real(src, dst, *args, **kwargs)
 
-    import loopformer.runs.outputs as of
+    import loopformer.runs.checkpoint as of
 
     exchanged = []
     real_exchange = of.exchange_folders

@@ -94,7 +94,7 @@ def test_a_report_into_a_link_inside_a_run_folder_is_refused(tmp_path) -> None:
     """``eval -o RUN/LINK`` (a link inside the run folder to a folder outside it) wrote the report
     through the link; now refused naming it. A report folder that is itself a link elsewhere is refused too
     (issue 35: an output replaced whole never goes through a link; its target stays as it was)."""
-    from loopformer.runs.outputs import staged_output
+    from loopformer.runs.folder import staged_output
 
     run, outside = tmp_path / "run", tmp_path / "outside"
     (run / "checkpoints" / "step_00000001").mkdir(parents=True)

@@ -18,7 +18,7 @@ from reliability_common import cli_text, tiny_recipe
 
 from loopformer.cli import cli
 from loopformer.runs import load_run
-from loopformer.runs.manifest import verify_checkpoint
+from loopformer.runs.checkpoint import verify_checkpoint
 from loopformer.train.trainer import Trainer
 
 

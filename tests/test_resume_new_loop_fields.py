@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 from loopformer.config import build_config, config_to_json, to_dict
-from loopformer.runs.resume_checks import config_changes
+from loopformer.runs.folder import config_changes
 
 
 def _saved(cfg, drop: tuple[str, ...]) -> dict:

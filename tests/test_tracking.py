@@ -121,7 +121,7 @@ def test_training_bar_has_an_eta() -> None:
 
     from rich.progress import TimeRemainingColumn
 
-    from loopformer.train.progress import TrainProgress
+    from loopformer.train.metrics import TrainProgress
 
     with TrainProgress(True, 10, 0, log_every=1, stream=io.StringIO(), tty=True) as p:
         assert any(isinstance(c, TimeRemainingColumn) for c in p.bar.columns)

@@ -23,7 +23,7 @@ from test_train_utils import TinyLooped, tiny_config, tiny_dataset
 from loopformer.config import ConfigError
 from loopformer.tasks.base import TokenDataset
 from loopformer.train import Trainer
-from loopformer.train.accumulate import AccumulationError, micro_steps
+from loopformer.train.setup import AccumulationError, micro_steps
 
 TOL = {"rtol": 1e-10, "atol": 1e-10}
 K = 4

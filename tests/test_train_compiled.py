@@ -13,7 +13,6 @@ import torch
 import torch._dynamo
 
 from loopformer.config import load_config
-from loopformer.train import accumulate
 from loopformer.train.compiled import CompiledStep, why_not_whole
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -23,7 +22,7 @@ from benchmarks.paper_small import small_trainer
 def _batch(tr):
     batch = tr.mode.batch(tr.step)
     if batch.state is None:
-        batch.state = accumulate.initial_states(tr, batch)
+        batch.state = tr.initial_states(batch)
     return batch
 
 

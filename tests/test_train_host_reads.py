@@ -68,7 +68,7 @@ def test_one_host_read_per_logged_step(tmp_path: Path) -> None:
     cfg = tiny_config(tmp_path, "train.mode=deep_supervision", "train.max_segments=3", "train.log_every=4",
                       "train.steps=100")  # fmt: skip
     tr = Trainer(cfg, model=TinyLooped(), train_data=tiny_dataset(64), eval_data=None)
-    tr.log.open(tr.config, tr.ckpt_dir, False, 0, tr.device)
+    tr.log.open(tr.config, False, 0, tr.device)
     _steps(tr, 2)
     with HostReads() as reads:
         _steps(tr, 6)  # steps 3..8: logged at 4 and 8
@@ -114,8 +114,8 @@ def test_divergence_is_decided_on_the_device_and_the_update_is_skipped(tmp_path:
     )
     loss = tr.loss
 
-    def poisoned(out, batch, probe=None):
-        total, parts, acc = loss(out, batch, probe)
+    def poisoned(out, batch, *args):
+        total, parts, acc = loss(out, batch, *args)
         return (total * float("inf") if tr.step == 3 else total), parts, acc
 
     tr.loss = poisoned

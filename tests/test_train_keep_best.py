@@ -10,9 +10,14 @@ from test_train_utils import TinyLooped, tiny_config, tiny_dataset
 
 from loopformer.config import ConfigError, validate
 from loopformer.runs import checkpoint_label
-from loopformer.runs.best import find_best, read_best
-from loopformer.runs.checkpoint import load_checkpoint, resolve_checkpoint
-from loopformer.runs.layout import CheckpointError, step_dirs
+from loopformer.runs.checkpoint import (
+    CheckpointError,
+    find_best,
+    load_checkpoint,
+    read_best,
+    resolve_checkpoint,
+    step_dirs,
+)
 from loopformer.train import Trainer
 
 

@@ -1,4 +1,4 @@
-"""``train.optimizer: muon_adamw`` (loopformer.train.muon): the Polar Express iteration against a float64
+"""``train.optimizer: muon_adamw`` (loopformer.train.optim): the Polar Express iteration against a float64
 SVD oracle, the Muon schedule (momentum warm-up, weight-decay taper), cautious weight decay, fused-qkv
 chunks, the parameter split, config errors and a checkpoint resume. The step itself is parity-tested
 against the reference's MuonAdamW in tests/test_parity_attractor_lm.py."""
@@ -11,7 +11,7 @@ from test_train_utils import TinyLooped, tiny_config, tiny_dataset
 
 from loopformer.config import ConfigError, build_config
 from loopformer.train import Trainer
-from loopformer.train.muon import MuonAdamW, muon_chunks, muon_update_, polar_express
+from loopformer.train.optim import MuonAdamW, muon_chunks, muon_update_, polar_express
 
 
 def _with_singular_values(rows: int, cols: int, s: torch.Tensor, seed: int) -> tuple[torch.Tensor, ...]:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import yaml
 
-from loopformer.train.progress import TrainProgress, eval_text
+from loopformer.train.metrics import TrainProgress, eval_text
 from tests.reliability_common import tiny_recipe
 
 

@@ -12,8 +12,7 @@ from test_train_utils import SEQ, TinyLooped, tiny_config, tiny_dataset
 
 from loopformer.config import load_config_file
 from loopformer.loop import make_sampler
-from loopformer.runs.checkpoint import load_checkpoint
-from loopformer.runs.layout import step_dirs
+from loopformer.runs.checkpoint import load_checkpoint, step_dirs
 from loopformer.train import Trainer, TrainingDivergedError
 
 

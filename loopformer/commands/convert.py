@@ -45,7 +45,7 @@ def convert(system: str, checkpoint: str, config_file: Path | None, out_dir: Pat
         raise NotImplementedError(
             f"no key mapping for {system!r} yet (available: {', '.join(sorted(CONVERTERS))})"
         )
-    from loopformer.runs.outputs import staged_output
+    from loopformer.runs.folder import staged_output
 
     out = Path(out_dir)
     # built aside and swapped in whole; an earlier conversion may be replaced, a trained run never
@@ -74,8 +74,8 @@ def consolidate_cmd(checkpoint: str, out_dir: Path, overwrite: bool = False) -> 
     the checkpoint's own run's checkpoints/, or a folder holding no other run and no dataset; nothing is
     written through a symbolic link, and an earlier step_N there is replaced only with --overwrite."""
     from loopformer.files import check_inside, missing_parts, remove_empty
+    from loopformer.runs.checkpoint import consolidate
     from loopformer.runs.folder import RunFolderError, RunLock, inside_run, training_run
-    from loopformer.runs.sharded import consolidate
 
     out = Path(out_dir)
     source = Path(checkpoint)
@@ -102,8 +102,7 @@ def check_consolidate_out(out: Path, run: Path | None) -> None:
     """Refuse an ``--out`` of ``consolidate`` that is a symbolic link, a file, or (outside the checkpoint's own
     ``run``) a folder holding another run or a dataset."""
     from loopformer.files import UnsafePathError
-    from loopformer.runs.folder import RunFolderError, nested_run
-    from loopformer.runs.outputs import holds_dataset
+    from loopformer.runs.folder import RunFolderError, holds_dataset, nested_run
 
     if out.is_symlink():
         raise UnsafePathError(f"--out {out} is a symbolic link (to {out.readlink()}); consolidate does not write "

@@ -187,9 +187,8 @@ def check_generate_target(out: Path, fmt: str, split: str, overwrite: bool) -> N
 
 def write_generated(task: Task, ds: TokenDataset, out: Path, fmt: str, split: str, overwrite: bool) -> None:
     """Write ``ds`` to ``out`` under the folder's lock: a file atomically, an HRM split folder built
-    aside and swapped in whole (``loopformer.runs.outputs.staged_output``)."""
-    from loopformer.runs.folder import RunLock
-    from loopformer.runs.outputs import staged_output
+    aside and swapped in whole (``loopformer.runs.folder.staged_output``)."""
+    from loopformer.runs.folder import RunLock, staged_output
 
     folder = out if fmt == "hrm" else (out.parent if str(out.parent) else Path("."))
     created = not folder.exists()

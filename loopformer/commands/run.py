@@ -169,7 +169,7 @@ def task_description(cfg: Any) -> str:
 
 
 def _train(cfg: Any, label: str, echo: Any) -> dict[str, Any]:
-    from loopformer.runs.records import finished_summary
+    from loopformer.runs.folder import finished_summary
     from loopformer.train.trainer import Trainer
 
     if cfg.train.resume:  # --resume: a model whose training finished before the interruption is kept

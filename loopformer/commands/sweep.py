@@ -176,7 +176,7 @@ def check_points(recipe: str, folder: Path, points: list[Point], budgets: list[i
 
 def _train_point(recipe: str, run: Path, point: Point, echo: Any) -> None:
     from loopformer.commands.run import training_config
-    from loopformer.runs.records import finished_summary
+    from loopformer.runs.folder import finished_summary
     from loopformer.train.trainer import Trainer
 
     cfg = training_config(recipe, point.train, run)

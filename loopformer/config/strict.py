@@ -76,6 +76,9 @@ def coerce(value: Any, tp: Any, path: str) -> Any:
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
+        members = [a for a in args if a is not type(None)]
+        if len(members) == 1 and dataclasses.is_dataclass(members[0]):  # a table or null: the table's own errors
+            return coerce(value, members[0], path)
         # bool before str, numbers before str: try the non-str members first
         for member in sorted((a for a in args if a is not type(None)), key=lambda a: a is str):
             try:
@@ -108,7 +111,8 @@ def coerce(value: Any, tp: Any, path: str) -> Any:
     if origin is dict or tp is dict:
         if not isinstance(value, Mapping):
             raise ConfigError(f"{path}: expected a table, got {value!r}")
-        return {str(k): v for k, v in value.items()}
+        item = args[1] if len(args) == 2 else Any  # dict[str, X]: every value converted to X
+        return {str(k): coerce(v, item, _join(path, str(k))) for k, v in value.items()}
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -166,11 +170,18 @@ def _coerced_fields(cls: type, data: Mapping[str, Any], path: str) -> dict[str, 
     coerced to their types."""
     hints = _hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
+    # a record read back from a file that may hold more than the fields read (loopformer.runs): others skipped
+    skip_others = getattr(cls, "other_keys_ignored", False)
     out = {}
     for key, value in data.items():
         if key not in names:
+            if skip_others:
+                continue
             raise ConfigError(f"unknown config key {_join(path, key)!r}{_suggest(str(key), names, path)}")
         out[key] = coerce(value, hints[key], _join(path, key))
+    for f in dataclasses.fields(cls):  # a field without a default must be given
+        if f.name not in out and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ConfigError(f"the field {_join(path, f.name)!r} is missing")
     return out
 
 

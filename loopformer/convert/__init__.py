@@ -36,7 +36,7 @@ from torch import Tensor
 
 from loopformer.files import atomic_write_text
 from loopformer.numerics import NumericalFaultError, nonfinite_names
-from loopformer.runs.layout import CheckpointError
+from loopformer.runs.checkpoint import CheckpointError
 
 # system name -> (``module:function`` of its ``convert(state, ref_config) -> Converted``, the files holding the
 # reference's configuration that its training script writes beside a checkpoint)
@@ -225,7 +225,7 @@ def build_converted(
     ``dtype``: convert the model first (e.g. float64 for the parity tests)."""
     from loopformer.config import build_config
     from loopformer.models.registry import build_model
-    from loopformer.runs.layout import check_weights
+    from loopformer.runs.checkpoint import check_weights
 
     config = build_config(converted.run, list(overrides))
     model = build_model(config.model.name, config=config.model_config())

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from loopformer.convert import Converted, KeyMap
-from loopformer.runs.layout import CheckpointError
+from loopformer.runs.checkpoint import CheckpointError
 
 SOURCE = "Attractor LM checkpoint"
 # AttractorConfig / Config defaults (attractor/models/attractor/config.py, attractor/models/config.py)

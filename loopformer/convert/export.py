@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from loopformer.convert import converter
-from loopformer.runs.layout import CheckpointError
+from loopformer.runs.checkpoint import CheckpointError
 
 COMPILED_PREFIX = "_orig_mod.model.inner."  # a torch.compile'd ACTLossHead, as pretrain.py saves it
 PLAIN_PREFIX = "model.inner."

@@ -35,7 +35,7 @@ from torch import Tensor
 
 from loopformer.convert import Converted, KeyMap, strip_prefixes
 from loopformer.convert.recursive import permute_qkv
-from loopformer.runs.layout import CheckpointError
+from loopformer.runs.checkpoint import CheckpointError
 
 SOURCE = "FPRM checkpoint"
 # the authors' defaults (models/config.py ReasoningModelConfig, fprm_config.py FPRMConfig, config/arch/fprm.yaml)

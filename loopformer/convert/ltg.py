@@ -26,7 +26,7 @@ from typing import Any
 from torch import Tensor
 
 from loopformer.convert import Converted, KeyMap, strip_prefixes
-from loopformer.runs.layout import CheckpointError
+from loopformer.runs.checkpoint import CheckpointError
 
 BLOCK_KEYS = {  # loopformer GPT2Block name -> (reference name, transpose Conv1D)
     "ln_1.weight": ("ln_1.weight", False),

@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from loopformer.convert import Converted, KeyMap, given, strip_prefixes
-from loopformer.runs.layout import CheckpointError
+from loopformer.runs.checkpoint import CheckpointError
 
 PREFIXES = ("_orig_mod.", "model.", "inner.")
 

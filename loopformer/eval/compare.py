@@ -10,7 +10,7 @@ works on reports from ``loopformer eval``, ``loopformer run`` and ``loopformer s
   folder, and the points without a report are named) or a run folder (its newest ``eval-*`` report).
 - ``load_entries(folders)``: one ``Entry`` per model of each report (a ``loopformer run`` report
   holds the looped model and its baseline); each ``metrics.json`` (and ``sweep.json``) is read through
-  its schema (``METRICS_SCHEMA``, ``SWEEP``; ``loopformer.files.read_record``), so a malformed one is one line
+  its record (``MetricsRecord``, ``SweepRecord``: dataclasses checked by ``loopformer.config.from_dict``), so a malformed one is one line
   naming the file and the field.
 - ``heldout_line(entries, allow)``: what the reports were evaluated on (their ``heldout`` record: task,
   task options, the held-out set's fingerprint); reports that differ there are refused unless
@@ -32,36 +32,120 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
+from loopformer.config import from_dict
 from loopformer.eval import plots
 from loopformer.eval.report import console_table, describe_loop, md_table, num, write_json
-from loopformer.files import Each, atomic_write_text, check_inside, read_record
+from loopformer.files import JSONInt, JSONNumber, JSONStr, atomic_write_text, check_inside, read_json
 
 METRICS = "metrics.json"
 SWEEP_FILE = "sweep.json"
-_NUM = (float, None)
-# what a report's metrics.json holds that compare reads (loopformer.eval.suite.run_suite writes it)
-METRICS_SCHEMA: dict[str, Any] = {
-    "results?": Each({"n?": (int, None), "valid_accuracy?": _NUM, "exact_accuracy?": _NUM,
-                      "mean_steps?": _NUM, "converged_fraction?": _NUM, "loop?": (dict, None),
-                      "bits_per_byte?": _NUM, "loss?": _NUM, "token_accuracy?": _NUM}),  # the last 3: LM reports
-    "models?": Each({"loop?": (dict, None), "parameters?": (int, None), "blocks?": (int, None),
-                     "seconds_per_example?": _NUM, "baseline?": bool}),
-    "budget?": Each(({"mode?": str, "points?": [{"budget": float, "valid_accuracy?": _NUM}]}, None)),
-    "difficulty?": Each(({"buckets?": [{"low": float, "high": float, "mean_steps?": _NUM}]}, None)),
-    "heldout?": ({"task": str, "options?": dict, "rows?": int, "sha256?": str}, None),
-}  # fmt: skip
-# what loopformer sweep writes (loopformer.commands.sweep)
-SWEEP: dict[str, Any] = {
-    "recipe?": (str, None),
-    "axes?": (dict, None),  # compared whole with a rerun's grid: any value that differs is another sweep
-    "fixed?": (list, dict, None),
-    "max_steps?": [int],
-    "points?": [{"name": str, "run?": str, "report": str}],
-    "reports?": [str],
-    "evaluation?": (dict, None),
-}
+
+
+class _Read:
+    """Base of what compare reads of a report's ``metrics.json`` or a sweep's ``sweep.json``: the files hold
+    more than these fields, which are skipped (``loopformer.config.from_dict``)."""
+
+    other_keys_ignored: ClassVar[bool] = True
+
+
+@dataclass
+class _Result(_Read):
+    n: JSONInt | None = None
+    valid_accuracy: JSONNumber | None = None
+    exact_accuracy: JSONNumber | None = None
+    mean_steps: JSONNumber | None = None
+    converged_fraction: JSONNumber | None = None
+    loop: dict | None = None
+    bits_per_byte: JSONNumber | None = None  # this and the next two: language-model reports
+    loss: JSONNumber | None = None
+    token_accuracy: JSONNumber | None = None
+
+
+@dataclass
+class _Model(_Read):
+    loop: dict | None = None
+    parameters: JSONInt | None = None
+    blocks: JSONInt | None = None
+    seconds_per_example: JSONNumber | None = None
+    baseline: bool = False
+
+
+@dataclass
+class _BudgetPoint(_Read):
+    budget: JSONNumber
+    valid_accuracy: JSONNumber | None = None
+
+
+@dataclass
+class _Budget(_Read):
+    mode: JSONStr = ""
+    points: list[_BudgetPoint] = field(default_factory=list)
+
+
+@dataclass
+class _Bucket(_Read):
+    low: JSONNumber
+    high: JSONNumber
+    mean_steps: JSONNumber | None = None
+
+
+@dataclass
+class _Difficulty(_Read):
+    buckets: list[_Bucket] = field(default_factory=list)
+
+
+@dataclass
+class _Heldout(_Read):
+    task: JSONStr
+    options: dict = field(default_factory=dict)
+    rows: JSONInt = 0
+    sha256: JSONStr = ""
+
+
+@dataclass
+class MetricsRecord(_Read):
+    """What a report's metrics.json holds that compare reads (``loopformer.eval.suite.run_suite`` writes it)."""
+
+    results: dict[str, _Result] = field(default_factory=dict)
+    models: dict[str, _Model] = field(default_factory=dict)
+    budget: dict[str, _Budget | None] = field(default_factory=dict)
+    difficulty: dict[str, _Difficulty | None] = field(default_factory=dict)
+    heldout: _Heldout | None = None
+
+
+@dataclass
+class _SweepPoint(_Read):
+    name: JSONStr
+    report: JSONStr
+    run: JSONStr = ""
+
+
+@dataclass
+class SweepRecord(_Read):
+    """What ``loopformer sweep`` writes (``loopformer.commands.sweep``) as sweep.json."""
+
+    recipe: JSONStr | None = None
+    axes: dict | None = None  # compared whole with a rerun's grid: any value that differs is another sweep
+    fixed: list | dict | None = None
+    max_steps: list[JSONInt] = field(default_factory=list)
+    points: list[_SweepPoint] = field(default_factory=list)
+    reports: list[JSONStr] = field(default_factory=list)
+    evaluation: dict | None = None
+
+
+def _read(path: Path, record: type) -> dict[str, Any]:
+    """The JSON object ``path`` holds, checked against ``record`` by the configuration's strict loader;
+    ValueError with one line naming the file and the field otherwise."""
+    data = read_json(path)
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: the file must hold an object, got {type(data).__name__}")
+    try:
+        from_dict(record, data)
+    except ValueError as err:
+        raise ValueError(f"{path}: {err}") from None
+    return data
 
 
 @dataclass
@@ -150,8 +234,8 @@ def report_folders(path: str | Path) -> list[Path]:
 
 
 def read_sweep(folder: Path) -> dict[str, Any]:
-    """``folder/sweep.json`` checked against ``SWEEP`` (ValueError naming the file and the field)."""
-    return read_record(Path(folder) / SWEEP_FILE, SWEEP)
+    """``folder/sweep.json`` checked against ``SweepRecord`` (ValueError naming the file and the field)."""
+    return _read(Path(folder) / SWEEP_FILE, SweepRecord)
 
 
 def sweep_reports(folder: Path) -> tuple[list[Path], list[str]]:
@@ -171,8 +255,8 @@ def sweep_reports(folder: Path) -> tuple[list[Path], list[str]]:
 
 
 def read_metrics(folder: Path) -> dict[str, Any]:
-    """A report's ``metrics.json`` checked against ``METRICS_SCHEMA`` (ValueError naming the file and field)."""
-    return read_record(Path(folder) / METRICS, METRICS_SCHEMA)
+    """A report's ``metrics.json`` checked against ``MetricsRecord`` (ValueError naming the file and field)."""
+    return _read(Path(folder) / METRICS, MetricsRecord)
 
 
 def _source_name(folder: Path) -> str:
@@ -439,8 +523,8 @@ def missing_points(sources: Sequence[str | Path]) -> list[str]:
 
 __all__ = [
     "Entry",
-    "METRICS_SCHEMA",
-    "SWEEP",
+    "MetricsRecord",
+    "SweepRecord",
     "check_kinds",
     "columns_for",
     "comparison_figures",

@@ -3,22 +3,19 @@
 Modules, bottom up (each imports only those above it in this list, plus ``loopformer.config``, models,
 tasks, ``loopformer.files`` and ``loopformer.numerics``; never training, evaluation or the commands):
 
-- ``folder``: a run folder and its lock (``.loopformer.lock``: pid and host; a dead holder's lock is taken
-  over), what counts as a run, the refusals that keep one run out of another's folder;
-- ``outputs``: output folders a command owns (``eval -o``, ``compare -o``, ...): built aside and swapped in
-  whole (``renameat2`` exchange), never through a link, never over another run or dataset;
-- ``provenance``: ``provenance.json`` (versions, commit, command line; a record per resume);
-- ``state``: the training-state skeleton (nested data split into JSON + a tensor table, RNG states);
-- ``manifest``: the checksums of a checkpoint's files, verified before anything in it is used;
-- ``plugin_record``: the user modules a run's model / task / loop plug-ins come from;
-- ``sharded``: checkpoints written as shards by several processes, consolidated;
-- ``checkpoint``: the checkpoint format (safetensors + JSON, written atomically, no pickle), the dtype
-  checks of loading, ``latest`` / pruning;
-- ``best``: the ``best`` pointer (``train.keep_best``);
-- ``resume_checks``: what a resume refuses (another run's checkpoint, a changed training stream);
-- ``hub``: a run shared through the Hugging Face Hub (``push``; a hub id resolved to a local folder);
+- ``checkpoint``: checkpoints, one owner: the format (safetensors + JSON, written atomically, no pickle),
+  the manifest verified before anything in it is used, the dtype checks of loading, ``latest`` / pruning,
+  the ``best`` pointer (``train.keep_best``), sharded checkpoints written by several processes; the records
+  run storage reads back, as dataclasses checked by the configuration's strict loader (``read_record``);
+- ``folder``: the run folder, one owner: its lock (``.loopformer.lock``), what counts as a run, the
+  refusals that keep one run out of another's folder, output folders built aside and swapped in whole
+  (``staged_output``), provenance, data fingerprints, what a resume refuses, the summary;
 - ``load``: a run's data splits and ``load_run``, a trained model ready to evaluate (read the folder ->
-  read and validate its config -> build the model -> load the weights).
+  read and validate its config -> build the model -> load the weights);
+- ``hub``: a run shared through the Hugging Face Hub (``push``; a hub id resolved to a local folder).
+
+The trainer hands storage what it saves (its ``state_dict()``s) and takes back what it restores; storage
+never reads the trainer's attributes.
 
 The public names (``load_run``, ``LoadedRun``, ``eval_dataset``, ``task_dataset``, ``load_split``,
 ``run_task``, ``training_depth``, ``checkpoint_label``) are imported on first use, so that

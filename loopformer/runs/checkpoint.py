@@ -1,85 +1,586 @@
-"""Checkpoints: a folder of safetensors + JSON, written atomically, loaded without pickle.
+"""Checkpoints, one owner: writing, verifying and reading them, the best one, and sharded ones.
 
-Layout of ``<run>/checkpoints/step_00001000/``:
+A checkpoint is the folder ``<run>/checkpoints/step_00001000/`` (``step_name``, ``step_dirs``), beside the
+``latest`` pointer (a file naming the newest folder) and the ``best`` record (``train.keep_best``). It holds
+safetensors and JSON only; nothing is ever unpickled:
 
-- ``model.safetensors``  the weights (tied tensors stored once, aliases in the file's metadata);
+- ``model.safetensors``  the weights (tensors sharing storage, tied weights, stored once, with aliases in the
+  file's metadata: ``save_weights`` / ``load_weights``);
 - ``ema.safetensors``    the EMA weights, when the run keeps an EMA;
-- ``config.json``        the resolved ``RunConfig`` plus ``family`` (model registry name), ``step`` and
-  ``plugins`` (user modules defining its model / task / loop plug-ins: ``train.plugin_record``);
-- ``state.safetensors`` + ``state.json``  everything else a bit-exact resume needs: optimiser
-  state, data-stream and curriculum state, RNG states (torch / CUDA / numpy / python), the step,
-  and the deep-supervision carry (slot examples, carried states, segment counts). Any nested
-  structure of dicts, lists, numbers, strings and tensors is split by ``flatten_state`` into a
-  JSON skeleton and a flat tensor table, and joined back by ``unflatten_state``.
+- ``config.json``        the resolved ``RunConfig`` plus ``family`` (the model registry's name), ``step`` and
+  ``plugins`` (the user modules defining its model / task / loop plug-ins / training mode, ``plugin_modules``:
+  ``read_checkpoint_config`` requires them imported, so a fresh process rebuilds a plug-in model after
+  ``--import``, ``loopformer.plugins``);
+- ``state.safetensors`` + ``state.json``  the training state a bit-exact resume needs, as the trainer hands it
+  over (its ``state_dict()``: optimiser, data stream, curriculum, the mode's carry, RNG states, the step, the
+  elapsed time, the metrics since the last log, the best so far, the data fingerprints). Any nested structure
+  of dicts, lists, numbers, strings and tensors is split by ``flatten_state`` into a JSON skeleton and a flat
+  tensor table, and joined back by ``unflatten_state``; the skeleton is checked against ``StateRecord``;
+- ``manifest.json``      written last: the size and SHA-256 of every file (``{"format": 1, "files": {name:
+  {"size", "sha256"}}}``). ``verify_checkpoint`` says why a folder is unusable (never quoting a file it
+  could not parse) or None: the manifest parses, names only plain file names inside the folder, and every
+  file it lists has that size and hash (a folder without a manifest, from before manifests, verifies when
+  its JSON files parse). Nothing in a checkpoint is used before it verifies.
 
-A checkpoint is first written to a hidden temporary folder and then renamed into place; the
-``latest`` pointer file (the folder's name) is replaced atomically (``loopformer.files``, which also
-writes every file inside the folder); only the newest ``keep`` checkpoints are kept. The ``best`` pointer
-(``loopformer.runs.best.write_best``: a JSON record naming the step folder of the best evaluation by
-``train.keep_best``, its metric, value and step, replaced atomically) protects its folder: pruning never
-removes it. Nothing is ever unpickled: safetensors and JSON only.
+Writing (``save_checkpoint``): the folder is built as a hidden temporary folder, every file through
+``loopformer.files`` (atomic, fsynced), then renamed into place (re-saving a step exchanges the two folders in
+one step); ``latest`` is replaced atomically and only the newest ``keep`` checkpoints are kept, never the
+best one. A failed write (disk full) removes the partial folder and leaves the earlier checkpoints and
+``latest`` as they were. After a divergence ``quarantine_after`` renames the checkpoints written from the
+failed step on.
+
+Reading: loading a stored tensor into a model must not change its values (``check_weights``: names, shapes,
+and ``dtype_problem``: a float64 tensor in a float32 model would be rounded silently by
+``load_state_dict``; an integer tensor where the model has a float one is no checkpoint of that model).
+
+The best checkpoint (``train.keep_best``): the FPRM authors save the EMA weights at every evaluation
+(``checkpoint_every_eval: true`` in nilskiKonjIzDunava/fprm ``config/cfg_pretrain_*.yaml``) and publish the one
+with the best test metric (their model card: "best test metric"); their code picks nothing itself. Here
+``BestTracker.consider`` compares each evaluation the trainer runs with the best so far; a strictly better
+value (NaN never is) makes the trainer checkpoint that step and point ``checkpoints/best`` at it
+(``write_best``: a JSON record of the folder, metric, value, step and max / min, replaced atomically). The
+record travels in every checkpoint's training state, so a resumed run keeps comparing against the same best.
+
+Sharded checkpoints (``train.strategy=fsdp``; ``train.checkpoint_format`` "auto" or "sharded"): no gathering
+of full tensors on rank 0. ``save_sharded`` takes the model's and the optimiser's state dicts from
+``torch.distributed.checkpoint.state_dict.get_state_dict`` (DTensor shards, keyed by parameter name) plus the
+EMA, and ``dcp.save``s them with DCP's safetensors storage (``HuggingFaceStorageWriter(save_distributed=True)``):
+rank ``r`` writes ``shard-0000{r+1}-model-00001-of-00001.safetensors`` holding its pieces, each file's header
+recording every piece's offsets in the full tensor. No pickle (DCP's default ``.metadata`` file is one; this
+format has none). Keys in the shards: ``model.<name>``, ``ema.<name>``, ``optim.<name>.<key>``; a tied weight is
+stored once (``sharded.aliases`` in ``state.json``, which also holds the optimiser's non-tensor part,
+``optimizer_layout: "dcp"`` and the world size). Rank 0 creates ``.tmp-step_N-sharded`` (a name every rank
+knows), every rank writes its shard into it through ``loopformer.files.atomic_path``, rank 0 adds the rest and
+the manifest and renames the folder into place; a write that fails on any rank fails ``dcp.save`` on every
+rank and leaves no folder. ``load_sharded`` restores a live model / optimiser / EMA on any world size (one
+process included); ``read_full`` rebuilds the full tensors in one process (``eval``, ``push``) and
+``consolidate`` writes them as a full checkpoint (optimiser layout ``fsdp_full``). Needs
+``torch.distributed.checkpoint.hf_storage`` (torch >= 2.9).
+
+The JSON records read back here (``state.json``, ``checkpoints/best``) are dataclasses (``StateRecord``,
+``BestRecord``) checked by the configuration's strict loader (``check_record`` / ``read_record``, also used by
+``loopformer.runs.folder`` for the run folder's records), so a malformed or crafted file is one line naming the
+file and the field, never a bare key name or an internal error.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import hashlib
+import json
 import logging
+import math
 import os
+import random
+import re
 import shutil
-from dataclasses import dataclass
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, Literal
 
+import numpy as np
 import torch
+import torch.distributed as tdist
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from loopformer.config import ConfigError, RunConfig, config_to_json, load_config_file
+from loopformer.config import ConfigError, RunConfig, config_to_json, from_dict, load_config_file
 from loopformer.files import (
+    Count,
+    JSONNumber,
+    JSONStr,
     WriteError,
+    atomic_path,
     atomic_write_json,
     atomic_write_text,
     check_inside,
+    exchange_folders,
     fsync_dir,
     read_json,
 )
 from loopformer.numerics import check_weights_finite, nonfinite_names
 from loopformer.plugins import check_recorded, reading_data
-from loopformer.runs.best import best_checkpoint, find_best
-from loopformer.runs.layout import (
-    _STEP_DIR,
-    BEST,
-    LATEST,
-    CheckpointError,
-    check_weights,
-    check_weights_subset,
-    load_weights,
-    save_tensors,
-    save_weights,
-    step_dirs,
-    step_name,
-)
-from loopformer.runs.manifest import verify_checkpoint, write_manifest
-from loopformer.runs.plugin_record import config_extras
-from loopformer.runs.sharded import is_sharded, stored_weights
-from loopformer.runs.state import flatten_state, unflatten_state
 
 log = logging.getLogger("loopformer.train")
 
+LATEST = "latest"
+BEST = "best"
+MANIFEST = "manifest.json"
+REQUIRED = ("model.safetensors", "config.json")
+STEP_DIR = re.compile(r"^step_(\d+)$")
+SHARD_PREFIX = "shard-"
+SHARD_SUFFIX = ".safetensors"
+SHARDED_LAYOUT = "dcp"  # the optimizer_layout of a sharded checkpoint
 
+
+class CheckpointError(RuntimeError):
+    """A missing, corrupt or mismatched checkpoint; the message names the file or parameter."""
+
+
+def step_name(step: int) -> str:
+    """The checkpoint folder name of ``step``: ``step_00001000``."""
+    return f"step_{step:08d}"
+
+
+def step_dirs(root: str | Path) -> list[Path]:
+    """Checkpoint folders under ``root`` sorted by step (oldest first)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := STEP_DIR.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+# --------------------------------------------------------------------------------------------
+# The records run storage reads back: dataclasses checked by the configuration's strict loader
+# --------------------------------------------------------------------------------------------
+class Record:
+    """Base of the records run storage reads back: a file may hold more than the fields read (a ``loopformer
+    run`` summary holds its report), which are not read (``loopformer.config.from_dict`` skips them)."""
+
+    other_keys_ignored: ClassVar[bool] = True
+
+
+def _json_name(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def check_record(data: Any, cls: type, where: str | Path, error: type[Exception] = ValueError) -> Any:
+    """``data`` (a JSON file loopformer wrote) after checking it against the record dataclass ``cls`` with the
+    configuration's strict loader; ``error`` with one line naming ``where`` and the field otherwise."""
+    if not isinstance(data, dict):
+        raise error(f"{where}: the file must hold an object, got {_json_name(data)}")
+    try:
+        from_dict(cls, data)
+    except ValueError as err:  # ConfigError, or a record's own check (__post_init__)
+        raise error(f"{where}: {err}") from None
+    return data
+
+
+def read_record(path: str | Path, cls: type, error: type[Exception] = ValueError) -> dict[str, Any]:
+    """The JSON object a file loopformer wrote holds (``path``), checked against ``cls`` (``check_record``)."""
+    return check_record(read_json(Path(path), error), cls, path, error)
+
+
+@dataclass
+class BestRecord(Record):
+    """``checkpoints/best``: the step folder of the best evaluation by ``train.keep_best``."""
+
+    checkpoint: JSONStr
+    metric: JSONStr
+    value: JSONNumber
+    step: Count
+    mode: Literal["max", "min"] = "max"
+
+    def __post_init__(self) -> None:
+        if STEP_DIR.match(self.checkpoint) is None:
+            raise ValueError(f"checkpoint: expected a step_N folder name, got {self.checkpoint!r}")
+
+
+@dataclass
+class _MeterState(Record):
+    sums: dict[str, JSONNumber]
+    counts: dict[str, Count]
+    host: dict
+
+
+@dataclass
+class _ShardState(Record):
+    world_size: Count = 1
+    aliases: dict[str, JSONStr] = field(default_factory=dict)
+    ema: bool = False
+
+
+@dataclass
+class StateRecord(Record):
+    """A checkpoint's ``state.json``: the skeleton of the training state (tensors are ``{"__tensor__": key}``)."""
+
+    step: Count
+    stream: dict = field(default_factory=dict)
+    rng: dict = field(default_factory=dict)
+    optimizer: dict = field(default_factory=dict)
+    optimizer_layout: JSONStr = "torch"
+    curriculum: dict | None = None
+    carry: dict | list | None = None
+    elapsed: JSONNumber | None = None
+    best: dict | None = None
+    data: dict | None = None
+    meter: _MeterState | None = None  # the metrics summed since the last logged record
+    sharded: _ShardState | None = None
+
+
+# --------------------------------------------------------------------------------------------
+# Tensor files
+# --------------------------------------------------------------------------------------------
+def save_weights(
+    tensors: dict[str, Tensor],
+    path: str | Path,
+    metadata: dict[str, str] | None = None,
+    root: str | Path | None = None,
+) -> None:
+    """safetensors file of ``tensors``, written atomically (``loopformer.files``; ``root``: the folder it
+    must stay inside); tensors sharing storage (tied weights) are stored once."""
+    unique: dict[str, Tensor] = {}
+    aliases: dict[str, str] = {}
+    seen: dict[tuple, str] = {}
+    for name, t in tensors.items():
+        key = (t.device, t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride())) if t.numel() else None
+        if key is not None and key in seen:
+            aliases[name] = seen[key]
+            continue
+        if key is not None:
+            seen[key] = name
+        unique[name] = t.detach().to("cpu", copy=True).contiguous()
+    meta = dict(metadata or {})
+    meta["aliases"] = json.dumps(aliases)
+    save_tensors(unique, Path(path), meta, root)
+
+
+def save_tensors(tensors: dict[str, Tensor], path: Path, metadata: dict[str, str] | None, root: Any) -> None:
+    """``tensors`` as the safetensors file ``path``, atomically; a failed write is a ``WriteError``."""
+    with atomic_path(path, root) as tmp:
+        try:
+            save_file(tensors, str(tmp), metadata=metadata)
+        except SafetensorError as err:  # safetensors reports a failed write (disk full) as its own error
+            code = re.search(r"os error (\d+)", str(err))
+            number = int(code.group(1)) if code else errno.EIO
+            raise WriteError(number, os.strerror(number) if code else str(err), str(path)) from None
+
+
+def load_weights(path: str | Path) -> dict[str, Tensor]:
+    """Tensors of a safetensors file (aliases restored); CheckpointError naming a bad file."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint file {path} does not exist")
+    try:
+        from safetensors import safe_open
+
+        tensors = load_file(str(path))
+        with safe_open(str(path), framework="pt") as handle:
+            meta = handle.metadata() or {}
+    except (SafetensorError, OSError, ValueError, RuntimeError) as err:
+        raise CheckpointError(f"checkpoint file {path} is corrupt or truncated: {err}") from None
+    try:
+        aliases = json.loads(meta.get("aliases", "{}"))
+        for alias, target in aliases.items():
+            tensors[str(alias)] = tensors[target]
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raise CheckpointError(f"checkpoint file {path} has corrupt alias metadata") from None
+    return tensors
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_problem(name: str, stored: Tensor, target: Tensor) -> str | None:
+    """Why loading ``stored`` into ``target`` would change its values, or None: an integer or boolean
+    tensor for a floating one (or back), or a float rounded to a narrower one (a float64 tensor in a
+    float32 model). Widening (bf16 -> float32) is exact and allowed."""
+    if stored.dtype == target.dtype:
+        return None
+    if stored.is_floating_point() != target.is_floating_point() or stored.is_complex() != target.is_complex():
+        return (
+            f"parameter {name!r} is {_dtype_name(stored.dtype)} in the checkpoint but "
+            f"{_dtype_name(target.dtype)} in the model"
+        )
+    if stored.is_floating_point() and torch.finfo(stored.dtype).bits > torch.finfo(target.dtype).bits:
+        return (
+            f"parameter {name!r} is {_dtype_name(stored.dtype)} in the checkpoint but the model is "
+            f"{_dtype_name(target.dtype)} (as the checkpoint's other tensors): loading would round it; store "
+            "every floating tensor in one dtype"
+        )
+    return None
+
+
+def check_weights(weights: dict[str, Tensor], model: nn.Module, source: str, subset: bool = False) -> None:
+    """Names, shapes and dtypes of ``weights`` against ``model.state_dict()``; CheckpointError on mismatch.
+    ``subset``: an EMA table, which holds parameters only (every entry must be a parameter of the model)."""
+    expected = dict(model.named_parameters()) if subset else dict(model.state_dict())
+    missing = [] if subset else [k for k in expected if k not in weights]
+    unexpected = [k for k in weights if k not in expected]
+    if subset and unexpected:
+        raise CheckpointError(f"{source}: {unexpected[0]!r} is not a parameter of {type(model).__name__}")
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{source} does not match {type(model).__name__}: missing parameters {missing[:8]}"
+            f"{' ...' if len(missing) > 8 else ''}, unexpected {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}"
+        )
+    for name, t in weights.items():
+        if tuple(t.shape) != tuple(expected[name].shape):
+            raise CheckpointError(
+                f"{source}: parameter {name!r} has shape {tuple(t.shape)} in the checkpoint "
+                f"but {tuple(expected[name].shape)} in the model"
+            )
+        if (problem := dtype_problem(name, t, expected[name])) is not None:
+            raise CheckpointError(f"{source}: {problem}")
+
+
+# --------------------------------------------------------------------------------------------
+# Training state: nested state <-> (JSON skeleton, tensor table); RNG states
+# --------------------------------------------------------------------------------------------
+def flatten_state(obj: Any, tensors: dict[str, Tensor] | None = None, prefix: str = "s") -> tuple[Any, dict]:
+    """Replace every tensor in ``obj`` by ``{"__tensor__": key}``; returns (skeleton, tensors)."""
+    tensors = {} if tensors is None else tensors
+    if isinstance(obj, Tensor):
+        tensors[prefix] = obj.detach().to("cpu", copy=True).contiguous()
+        return {"__tensor__": prefix}, tensors
+    if isinstance(obj, np.ndarray):
+        tensors[prefix] = torch.from_numpy(np.ascontiguousarray(obj).copy())
+        return {"__ndarray__": prefix}, tensors
+    if isinstance(obj, dict):
+        if all(isinstance(k, str) for k in obj):
+            return {k: flatten_state(v, tensors, f"{prefix}.{k}")[0] for k, v in obj.items()}, tensors
+        if all(isinstance(k, int) and not isinstance(k, bool) for k in obj):
+            items = {str(k): flatten_state(v, tensors, f"{prefix}.{k}")[0] for k, v in obj.items()}
+            return {"__intdict__": items}, tensors
+        raise TypeError(f"cannot checkpoint a dict with keys {list(obj)[:5]} at {prefix}")
+    if isinstance(obj, list | tuple):
+        items = [flatten_state(v, tensors, f"{prefix}.{i}")[0] for i, v in enumerate(obj)]
+        return (items if isinstance(obj, list) else {"__tuple__": items}), tensors
+    if obj is None or isinstance(obj, bool | int | float | str):
+        return obj, tensors
+    if isinstance(obj, np.integer | np.floating | np.bool_):
+        return obj.item(), tensors
+    raise TypeError(f"cannot checkpoint a {type(obj).__name__} at {prefix} (tensors, numbers, strings only)")
+
+
+def unflatten_state(skeleton: Any, tensors: dict[str, Tensor]) -> Any:
+    """Inverse of ``flatten_state``."""
+    if isinstance(skeleton, dict):
+        if set(skeleton) == {"__tensor__"}:
+            return tensors[skeleton["__tensor__"]]
+        if set(skeleton) == {"__ndarray__"}:
+            return tensors[skeleton["__ndarray__"]].numpy()
+        if set(skeleton) == {"__intdict__"}:
+            return {int(k): unflatten_state(v, tensors) for k, v in skeleton["__intdict__"].items()}
+        if set(skeleton) == {"__tuple__"}:
+            return tuple(unflatten_state(v, tensors) for v in skeleton["__tuple__"])
+        return {k: unflatten_state(v, tensors) for k, v in skeleton.items()}
+    if isinstance(skeleton, list):
+        return [unflatten_state(v, tensors) for v in skeleton]
+    return skeleton
+
+
+def rng_state() -> dict[str, Any]:
+    """torch (CPU and every CUDA device), numpy and python RNG states as tensors / lists."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    version, internal, gauss_next = random.getstate()
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "numpy": {
+            "kind": kind,
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached": float(cached),
+        },
+        "python": {"version": version, "internal": list(internal), "gauss_next": gauss_next},
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = list(torch.cuda.get_rng_state_all())
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what ``rng_state`` returned."""
+    torch.set_rng_state(state["torch"].to(torch.uint8))
+    n = state["numpy"]
+    np.random.set_state(
+        (n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached"])
+    )
+    p = state["python"]
+    random.setstate((p["version"], tuple(p["internal"]), p["gauss_next"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([t.to(torch.uint8) for t in state["cuda"]])
+
+
+# --------------------------------------------------------------------------------------------
+# The manifest
+# --------------------------------------------------------------------------------------------
+def file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def write_manifest(folder: Path) -> None:
+    """``folder/manifest.json`` for every regular file in ``folder`` (fsynced before it is written)."""
+    files = {}
+    for path in sorted(folder.iterdir()):
+        if path.is_file() and path.name != MANIFEST:
+            with open(path, "rb") as fh:
+                os.fsync(fh.fileno())
+            files[path.name] = {"size": path.stat().st_size, "sha256": file_digest(path)}
+    atomic_write_json(folder / MANIFEST, {"format": 1, "files": files}, root=folder, indent=1)
+
+
+def _json_ok(path: Path) -> str | None:
+    try:
+        json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        return f"{path.name} is not valid UTF-8 JSON ({type(err).__name__})"
+    return None
+
+
+def verify_checkpoint(folder: Path, hashes: bool = True) -> str | None:
+    """Why ``folder`` is not a usable checkpoint (None when it verifies); see the module docstring."""
+    if not folder.is_dir():
+        return "not a folder"
+    for name in REQUIRED:
+        if name == "model.safetensors" and any(folder.glob(f"{SHARD_PREFIX}*{SHARD_SUFFIX}")):
+            continue  # a sharded checkpoint: its weights are in the shards
+        if not (folder / name).is_file():
+            return f"{name} is missing"
+    manifest = folder / MANIFEST
+    if not manifest.is_file():
+        for name in ("config.json", "state.json"):
+            if (folder / name).is_file() and (why := _json_ok(folder / name)):
+                return why
+        return None
+    try:
+        data = json.loads(manifest.read_text(encoding="utf-8"))
+        files = data["files"]
+        entries = [(str(name), int(spec["size"]), str(spec["sha256"])) for name, spec in files.items()]
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as err:
+        return f"{MANIFEST} is corrupt ({type(err).__name__})"
+    for name, size, digest in entries:
+        if Path(name).name != name or name in ("", ".", ".."):
+            return f"{MANIFEST} names {name!r}, which is not a file inside the checkpoint"
+        path = folder / name
+        if not path.is_file():
+            return f"{name} is missing"
+        actual = path.stat().st_size
+        if actual != size:
+            return f"{name} has {actual} bytes, the manifest says {size} (truncated or replaced)"
+        if hashes and file_digest(path) != digest:
+            return f"{name} does not match its SHA-256 in the manifest (corrupt)"
+    return None
+
+
+def verified(folder: Path) -> Path:
+    """``folder`` after checking it against its manifest; CheckpointError naming what is wrong."""
+    why = verify_checkpoint(folder)
+    if why is not None:
+        name = why.split(" ", 1)[0]
+        where = folder / name if (folder / name).exists() else folder
+        raise CheckpointError(f"checkpoint file {where} is corrupt or truncated: {why}")
+    return folder
+
+
+def manifest_bytes(folder: Path) -> bytes | None:
+    """The manifest of ``folder`` as it is now (None without one): what ``unchanged_since`` compares."""
+    try:
+        return (folder / MANIFEST).read_bytes()
+    except OSError:
+        return None
+
+
+def unchanged_since(folder: Path, manifest: bytes | None) -> None:
+    """CheckpointError when ``folder`` was removed or replaced since its manifest read ``manifest`` (a training
+    in that run rotating its checkpoints while another command reads one)."""
+    if not folder.is_dir() or manifest_bytes(folder) != manifest:
+        raise CheckpointError(
+            f"checkpoint {folder} was removed or replaced while it was being read (a training in that run "
+            f"rotates its checkpoints: train.keep_checkpoints); run the command again, or name a checkpoint "
+            f"that is kept (checkpoints/best)"
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# What a checkpoint's config.json records beside the config
+# --------------------------------------------------------------------------------------------
+def _base(model: nn.Module) -> nn.Module:
+    """The model itself under a ``torch.compile`` wrapper (``_orig_mod``)."""
+    return getattr(model, "_orig_mod", model)
 
 
 def model_family(model: nn.Module) -> str:
     """The registry name of ``model``'s class (``loopformer.models.registry.MODELS``) or its class name."""
     from loopformer.models.registry import MODELS
 
-    cls = type(getattr(model, "_orig_mod", model))
+    cls = type(_base(model))
     for klass in cls.__mro__:  # FSDP2's fully_shard swaps in a subclass ("FSDP<Model>")
         for name, spec in MODELS.items():
             module, class_name, _ = spec.split(":")
             if klass.__module__ == module and klass.__name__ == class_name:
                 return name
-    return next(k.__name__ for k in cls.__mro__ if not k.__name__.startswith("FSDP"))  # not FSDP2's "FSDP<Model>"
+    return next(k.__name__ for k in cls.__mro__ if not k.__name__.startswith("FSDP"))
 
 
+def plugin_modules(model: nn.Module, config: RunConfig) -> list[str]:
+    """The modules outside loopformer that define ``model``'s class, the run's task and the loop plug-ins
+    (solver, halting rule, gradient mode) and training mode its config names: what a checkpoint records so
+    that loading it in a fresh process imports them (``loopformer.plugins``)."""
+    from loopformer.config import to_dict
+    from loopformer.loop import GRADS, HALTINGS, SOLVERS
+    from loopformer.plugins import external_modules
+    from loopformer.tasks.registry import task_class
+
+    base = _base(model)
+    # FSDP2's fully_shard swaps in a subclass defined by torch: the first class that is not torch's
+    classes: list[Any] = [next(k for k in type(base).__mro__ if not k.__module__.startswith("torch"))]
+    classes.append(type(getattr(base, "config", None)))
+    try:
+        classes.append(task_class(config.data.task))
+    except (KeyError, ImportError):  # a run trained on data given in code: no task to record
+        pass
+    loops = [to_dict(getattr(base.config, "loop", None) or {})] if hasattr(base, "config") else []
+    raw = to_dict(config)
+    loops += [raw.get(key) or {} for key in ("loop_train", "loop_eval", "loop_periodic")]
+    for loop in loops:
+        if not isinstance(loop, dict):
+            continue
+        for key, registry in (("solver", SOLVERS), ("halting", HALTINGS), ("grad", GRADS)):
+            name = loop.get(key)
+            if isinstance(name, str) and name in registry:
+                classes.append(registry.get(name))
+    modes = sys.modules.get("loopformer.train.modes")  # not imported: no training mode to record
+    if modes is not None:
+        classes.append(modes.TRAINING_MODES.get(config.train.mode))
+    return external_modules(classes)
+
+
+def _config_extras(model: nn.Module | None, config: RunConfig, family: str, step: int) -> dict[str, Any]:
+    """The family, the step and (when there are any) the user modules a fresh process must import."""
+    modules = plugin_modules(model, config) if model is not None else []
+    return {"family": family, "step": step, **({"plugins": modules} if modules else {})}
+
+
+# --------------------------------------------------------------------------------------------
+# Writing
+# --------------------------------------------------------------------------------------------
+def _run_root(root: Path) -> Path:
+    """The run folder a ``checkpoints`` root belongs to (nothing may leave it through a link)."""
+    return root.parent if root.name == "checkpoints" else root
+
+
+def _fresh_tmp(root: Path, tmp: Path) -> None:
+    """Create the empty temporary folder ``tmp`` under ``root``, clearing what killed writes left."""
+    root.mkdir(parents=True, exist_ok=True)
+    for stale in root.glob(".tmp-step_*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir()
+    except OSError as err:
+        raise WriteError(err.errno, err.strerror, str(tmp)) from None
+
+
+def _write_rest(tmp: Path, config: RunConfig, extras: dict[str, Any], state: dict[str, Any]) -> None:
+    """``config.json``, the training state and, last, the manifest of the folder ``tmp``."""
+    atomic_write_text(tmp / "config.json", config_to_json(config, **extras), root=tmp)
+    skeleton, tensors = flatten_state(state)
+    save_tensors(tensors, tmp / "state.safetensors", None, tmp)
+    atomic_write_json(tmp / "state.json", skeleton, root=tmp)
+    write_manifest(tmp)  # sizes + SHA-256 of every file, fsynced: a resume verifies before it trusts
+    fsync_dir(tmp)
 
 
 def save_checkpoint(
@@ -96,48 +597,40 @@ def save_checkpoint(
 ) -> Path:
     """Write ``root/step_{step:08d}`` atomically, point ``root/latest`` at it, keep the newest ``keep``.
 
-    ``weights``: the tensors to store instead of ``model.state_dict()`` (full tensors gathered
-    from FSDP shards). ``model`` None: ``weights`` and ``family`` name what is stored. ``within``: the run folder nothing may leave through a symbolic link
-    (default: the parent of a ``checkpoints`` root, else ``root``). A failed write (disk full)
-    removes the partial folder and leaves the earlier checkpoints and ``latest`` as they were.
+    ``training_state``: what a resume restores (the trainer's ``state_dict()``). ``weights``: the tensors to
+    store instead of ``model.state_dict()`` (full tensors gathered from FSDP shards). ``model`` None:
+    ``weights`` and ``family`` name what is stored. ``within``: the run folder nothing may leave through a
+    symbolic link (default: the parent of a ``checkpoints`` root, else ``root``).
     """
     root = Path(root)
-    within = (root.parent if root.name == "checkpoints" else root) if within is None else within
+    within = _run_root(root) if within is None else within
     check_inside(root / LATEST, within)
-    root.mkdir(parents=True, exist_ok=True)
-    for stale in root.glob(".tmp-step_*"):
-        shutil.rmtree(stale, ignore_errors=True)
     name = step_name(step)
     tmp = root / f".tmp-{name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    _fresh_tmp(root, tmp)
+    if model is not None:
+        family = model_family(model)
+        weights = _base(model).state_dict() if weights is None else weights
     try:
-        tmp.mkdir()
-    except OSError as err:
-        raise WriteError(err.errno, err.strerror, str(tmp)) from None
-    if model is not None:  # else weights and family name what is stored
-        family, weights = model_family(model), getattr(model, "_orig_mod", model).state_dict() if weights is None else weights
-    try:
-        base = getattr(model, "_orig_mod", model)
-        extra = config_extras(base, config, family, step) if model is not None else {"family": family, "step": step}
-        _write_step_folder(tmp, step, family, config, ema_state, training_state, weights, extra)
+        meta = {"family": family, "step": str(step)}
+        save_weights(weights, tmp / "model.safetensors", meta, tmp)
+        if ema_state is not None:
+            save_weights(ema_state, tmp / "ema.safetensors", meta, tmp)
+        _write_rest(tmp, config, _config_extras(model, config, family, step), {"step": step, **(training_state or {})})
     except WriteError as err:  # named by the checkpoint it was for, not the hidden temporary folder
         shutil.rmtree(tmp, ignore_errors=True)  # a failed write leaves no partial folder behind
-        file = Path(str(err.filename)).name
-        raise WriteError(err.errno, err.strerror, str(root / name / file)) from None
+        raise WriteError(err.errno, err.strerror, str(root / name / Path(str(err.filename)).name)) from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     final = root / name
-    publish(root, tmp, final, keep, within)
+    _publish(root, tmp, final, keep, within)
     return final
 
 
-def publish(root: Path, tmp: Path, final: Path, keep: int, within: str | Path | None = None) -> None:
+def _publish(root: Path, tmp: Path, final: Path, keep: int, within: str | Path) -> None:
     """Rename the complete folder ``tmp`` to ``final``, point ``root/latest`` at it, keep the newest ``keep``."""
-    within = (root.parent if root.name == "checkpoints" else root) if within is None else within
     if final.exists():  # re-saving a step (after a resume): one exchange, the step folder never missing
-        from loopformer.runs.outputs import exchange_folders
-
         if exchange_folders(tmp, final):
             shutil.rmtree(tmp, ignore_errors=True)  # it holds the old folder now
         else:  # no exchange on this OS / file system: two renames
@@ -156,28 +649,34 @@ def publish(root: Path, tmp: Path, final: Path, keep: int, within: str | Path | 
                 shutil.rmtree(old, ignore_errors=True)
 
 
-def _write_step_folder(
-    tmp: Path,
-    step: int,
-    family: str,
-    config: RunConfig,
-    ema_state: dict[str, Tensor] | None,
-    training_state: dict[str, Any] | None,
-    weights: dict[str, Tensor],
-    extra: dict[str, Any],
-) -> None:
-    save_weights(weights, tmp / "model.safetensors", {"family": family, "step": str(step)}, tmp)
-    if ema_state is not None:
-        save_weights(ema_state, tmp / "ema.safetensors", {"family": family, "step": str(step)}, tmp)
-    # extra: family, step and the user modules a fresh process must import (loopformer.runs.plugin_record)
-    atomic_write_text(tmp / "config.json", config_to_json(config, **extra), root=tmp)
-    skeleton, tensors = flatten_state({"step": step, **(training_state or {})})
-    save_tensors(tensors, tmp / "state.safetensors", None, tmp)
-    atomic_write_json(tmp / "state.json", skeleton, root=tmp)
-    write_manifest(tmp)  # sizes + SHA-256 of every file, fsynced: a resume verifies before it trusts
-    fsync_dir(tmp)
+def quarantine_after(root: str | Path, step: int) -> Path | None:
+    """After divergence at ``step``: rename checkpoints from ``step`` on (their weights produced the
+    divergence) and any with non-finite weights to ``diverged_step_N``; point ``latest`` at the newest
+    remaining good one and return it (None when there is none)."""
+    root = Path(root)
+    good = None
+    for folder in candidate_checkpoints(root):
+        m = STEP_DIR.match(folder.name)
+        if (
+            good is None
+            and int(m.group(1)) < step
+            and verify_checkpoint(folder, hashes=False) is None
+            and _nonfinite_reason(folder) is None
+        ):
+            good = folder
+        elif good is None:
+            os.replace(folder, folder.with_name(f"diverged_{folder.name}"))
+            log.warning("divergence: %s renamed to diverged_%s (not a good checkpoint)", folder, folder.name)
+    if good is not None:
+        atomic_write_text(root / LATEST, good.name + "\n", root=root)
+    elif (root / LATEST).is_file():
+        (root / LATEST).unlink()
+    return good
 
 
+# --------------------------------------------------------------------------------------------
+# Finding one
+# --------------------------------------------------------------------------------------------
 def _pointer_target(root: Path) -> Path | None:
     """The step folder ``root/latest`` names: a plain ``step_N`` name inside ``root`` only (an
     absolute path, ``..`` or anything else is ignored with a warning, never followed)."""
@@ -188,7 +687,7 @@ def _pointer_target(root: Path) -> Path | None:
         name = pointer.read_text(encoding="utf-8").strip()
     except (OSError, UnicodeDecodeError):
         name = None
-    if name is None or not _STEP_DIR.match(name):
+    if name is None or not STEP_DIR.match(name):
         log.warning("%s does not hold a step_N folder name; ignoring it", pointer)
         return None
     target = root / name
@@ -230,14 +729,13 @@ def latest_good_checkpoint(root: str | Path) -> tuple[Path | None, list[str]]:
 
 
 def _nonfinite_reason(folder: Path) -> str | None:
-    if is_sharded(folder):  # each rank checked its own shards before writing (resume.save)
+    if is_sharded(folder):  # each rank checked its own shards before writing
         return None
     try:
         bad = nonfinite_names(load_weights(folder / "model.safetensors"))
     except CheckpointError as err:
         return str(err)
     return f"non-finite weights ({bad[0]!r})" if bad else None
-
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
@@ -257,6 +755,9 @@ def resolve_checkpoint(path: str | Path) -> Path:
     raise CheckpointError(f"{path} holds no checkpoint (no model.safetensors, no step_* folders)")
 
 
+# --------------------------------------------------------------------------------------------
+# Reading
+# --------------------------------------------------------------------------------------------
 @dataclass
 class Checkpoint:
     """A loaded checkpoint: the model (with the chosen weights), its config and metadata."""
@@ -295,16 +796,6 @@ def read_checkpoint_config(path: str | Path, check: bool = False) -> tuple[RunCo
         except ConfigError as err:
             raise CheckpointError(f"{cfg_path}: {err}") from None
     return config, str(raw.get("family", "")), step
-
-
-def verified(folder: Path) -> Path:
-    """``folder`` after checking it against its manifest; CheckpointError naming what is wrong."""
-    why = verify_checkpoint(folder)
-    if why is not None:
-        name = why.split(" ", 1)[0]
-        where = folder / name if (folder / name).exists() else folder
-        raise CheckpointError(f"checkpoint file {where} is corrupt or truncated: {why}")
-    return folder
 
 
 def load_checkpoint(
@@ -359,7 +850,7 @@ def load_stored_weights(
     check_weights(weights_file, model, str(folder))
     model.load_state_dict(weights_file, strict=True)
     if ema_state is not None:
-        check_weights_subset(ema_state, model, f"{folder} (EMA weights)")
+        check_weights(ema_state, model, f"{folder} (EMA weights)", subset=True)
     weights = "model"
     if use_ema and ema_state is not None:
         with torch.no_grad():
@@ -371,15 +862,22 @@ def load_stored_weights(
     return ema_state, weights
 
 
+def stored_weights(folder: Path) -> tuple[dict[str, Tensor], dict[str, Tensor] | None]:
+    """(the model weights, the EMA weights or None) of a checkpoint folder, full or sharded."""
+    if is_sharded(folder):
+        full = read_full(folder)
+        return full["model"], full["ema"] or None
+    ema = folder / "ema.safetensors"
+    return load_weights(folder / "model.safetensors"), load_weights(ema) if ema.is_file() else None
+
+
 def load_training_state(path: str | Path) -> dict[str, Any]:
     """The nested training state saved by ``save_checkpoint`` (tensors on CPU)."""
     folder = verified(resolve_checkpoint(path))
     json_path, tensor_path = folder / "state.json", folder / "state.safetensors"
     if not json_path.is_file():
         raise CheckpointError(f"checkpoint {folder} has no state.json (not a training checkpoint?)")
-    from loopformer.runs.records import check_state
-
-    skeleton = check_state(read_json(json_path, CheckpointError), json_path)
+    skeleton = check_record(read_json(json_path, CheckpointError), StateRecord, json_path, CheckpointError)
     tensors = load_weights(tensor_path) if tensor_path.is_file() else {}
     try:
         return unflatten_state(skeleton, tensors)
@@ -387,3 +885,409 @@ def load_training_state(path: str | Path) -> dict[str, Any]:
         raise CheckpointError(f"{json_path} names the tensor {err.args[0]!r}, which {tensor_path} does not hold") from None
     except TypeError as err:
         raise CheckpointError(f"{json_path} does not match {tensor_path} ({type(err).__name__})") from None
+
+
+# --------------------------------------------------------------------------------------------
+# The best checkpoint (train.keep_best)
+# --------------------------------------------------------------------------------------------
+def best_label(record: dict[str, Any]) -> str:
+    """'best (by eval_<metric>, step N)': how reports name the best checkpoint."""
+    return f"best (by eval_{record['metric']}, step {record['step']})"
+
+
+def write_best(
+    root: str | Path, checkpoint: str | Path, metric: str, value: float, step: int, mode: str
+) -> Path:
+    """Point ``root/best`` at the step folder ``checkpoint`` (inside ``root``): a JSON record of the
+    folder, the metric (a key of the evaluation summary), its value, the step and max / min, replaced
+    atomically."""
+    root = Path(root)
+    name = Path(checkpoint).name
+    if not STEP_DIR.match(name) or not (root / name).is_dir():
+        raise CheckpointError(f"best checkpoint {checkpoint} is not a step folder of {root}")
+    record = {"checkpoint": name, "metric": metric, "value": float(value), "step": int(step), "mode": mode}
+    atomic_write_text(root / BEST, json.dumps(record) + "\n", root=root)  # temp file, fsync, rename, fsync the folder
+    return root / BEST
+
+
+def read_best(root: str | Path) -> dict[str, Any] | None:
+    """The record ``root/best`` holds (None when there is none); a malformed record, or one naming
+    a folder that is gone (e.g. quarantined after a divergence), is ignored with a warning."""
+    pointer = Path(root) / BEST
+    if not pointer.is_file():
+        return None
+    try:
+        record = read_record(pointer, BestRecord, CheckpointError)
+    except CheckpointError as err:
+        log.warning("%s (not a best-checkpoint record); ignoring it", err)
+        return None
+    if not (Path(root) / record["checkpoint"]).is_dir():
+        log.warning("%s names %s, which is gone; ignoring it", pointer, record["checkpoint"])
+        return None
+    return record
+
+
+def best_checkpoint(root: str | Path) -> Path | None:
+    """The step folder ``root/best`` points to, None when there is none."""
+    record = read_best(root)
+    return Path(root) / record["checkpoint"] if record is not None else None
+
+
+def find_best(path: str | Path) -> tuple[Path, dict[str, Any]]:
+    """(the best checkpoint folder, its record) of a run folder, a ``checkpoints/`` root or a
+    ``loopformer run`` folder; CheckpointError when the run keeps none (train.keep_best unset)."""
+    path = Path(path)
+    if path.is_file() and path.name == BEST:
+        path = path.parent
+    for root in (path, path / "checkpoints", path / "model" / "checkpoints"):
+        record = read_best(root)
+        if record is not None:
+            return root / record["checkpoint"], record
+    raise CheckpointError(
+        f"{path} keeps no best checkpoint (no checkpoints/best: the run was trained without train.keep_best)"
+    )
+
+
+def best_record_for(folder: str | Path) -> dict[str, Any] | None:
+    """The best record of the run holding checkpoint ``folder`` when ``folder`` is that best one."""
+    folder = Path(folder)
+    record = read_best(folder.parent)
+    return record if record is not None and record["checkpoint"] == folder.name else None
+
+
+class BestTracker:
+    """The best value of one evaluation metric so far, and the step and checkpoint it came from."""
+
+    def __init__(self, metric: str, mode: str = "max") -> None:
+        if mode not in ("max", "min"):
+            raise ValueError(f"train.keep_best_mode must be 'max' or 'min', got {mode!r}")
+        self.metric, self.mode = metric, mode
+        self.value: float | None = None
+        self.step: int | None = None
+        self.checkpoint: str | None = None  # the step folder's name
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.metric)
+
+    def better(self, value: float) -> bool:
+        """Whether ``value`` strictly beats the best so far (the first finite value always does)."""
+        if not math.isfinite(value):
+            return False
+        if self.value is None:
+            return True
+        return value > self.value if self.mode == "max" else value < self.value
+
+    def consider(self, result: dict[str, Any], step: int) -> bool:
+        """Take the evaluation ``result`` of ``step``; True when it is the new best (the caller then
+        checkpoints the step and calls ``mark``, which writes the pointer)."""
+        if not self.enabled or not result:
+            return False
+        if self.metric not in result:
+            have = ", ".join(
+                k for k, v in result.items() if isinstance(v, int | float) and not isinstance(v, bool)
+            )
+            raise ValueError(
+                f"train.keep_best={self.metric!r} is not an evaluation metric of this run (it has {have})"
+            )
+        value = float(result[self.metric])
+        if not self.better(value):
+            return False
+        self.value, self.step, self.checkpoint = value, step, step_name(step)
+        return True
+
+    def mark(self, checkpoint: Path, write: bool = True) -> None:
+        """The best step's checkpoint folder, as written; ``write``: point its ``checkpoints/best`` at it (rank 0
+        does, under torchrun)."""
+        if checkpoint.name != self.checkpoint:
+            raise ValueError(f"the best evaluation is step {self.step}, but {checkpoint} was written")
+        if write:
+            log.info("best checkpoint: %s (eval_%s = %s)", checkpoint, self.metric, self.value)
+            write_best(checkpoint.parent, checkpoint, self.metric, self.value, self.step, self.mode)
+
+    def state_dict(self) -> dict[str, Any] | None:
+        """The record a checkpoint's training state carries (None until there is a best)."""
+        if not self.enabled or self.value is None:
+            return None
+        return {"metric": self.metric, "mode": self.mode, "value": self.value, "step": self.step,
+                "checkpoint": self.checkpoint}  # fmt: skip
+
+    def load_state_dict(self, saved: dict[str, Any] | None, root: Path, resumed_step: int) -> None:
+        """Continue from a checkpoint's record (``saved``) and the run's ``root/best`` pointer: the
+        better of the two that name a folder still in ``root`` at or before ``resumed_step`` (the
+        pointer can be newer than the state: the final evaluation runs after the final checkpoint)."""
+        if not self.enabled:
+            return
+        candidates = []
+        for record in (saved, read_best(root)):
+            if not record or record.get("metric") != self.metric or record.get("mode", "max") != self.mode:
+                continue
+            if record.get("checkpoint") is None or record["step"] > resumed_step:
+                continue
+            if not (root / record["checkpoint"]).is_dir():
+                log.warning("resume: the best checkpoint %s is not in %s; the best restarts", record["checkpoint"], root)
+                continue
+            candidates.append(record)
+        self.value = self.step = self.checkpoint = None
+        for record in candidates:
+            if self.better(float(record["value"])) or (self.value == record["value"] and record["step"] < self.step):
+                self.value, self.step = float(record["value"]), int(record["step"])
+                self.checkpoint = record["checkpoint"]
+
+    def fields(self) -> dict[str, Any]:
+        """``best_step`` (the best evaluation's step so far) for an evaluation's metrics record."""
+        return {"best_step": self.step} if self.enabled and self.step is not None else {}
+
+    def summary(self, root: Path) -> dict[str, Any] | None:
+        """What ``summary.json`` reports: the folder (its full path under ``root``), metric, value, step, label."""
+        record = self.state_dict() if self.checkpoint is not None else None
+        if record is None:
+            return None
+        return {**record, "label": best_label(record), "checkpoint": str(root / record["checkpoint"])}
+
+
+# --------------------------------------------------------------------------------------------
+# Sharded checkpoints
+# --------------------------------------------------------------------------------------------
+def is_sharded(folder: str | Path) -> bool:
+    """Whether ``folder`` is a sharded checkpoint (shard files, no ``model.safetensors``)."""
+    folder = Path(folder)
+    if (folder / "model.safetensors").is_file() or not folder.is_dir():
+        return False
+    return any(p.name.startswith(SHARD_PREFIX) and p.name.endswith(SHARD_SUFFIX) for p in folder.iterdir())
+
+
+def _hf_storage() -> Any:
+    try:
+        from torch.distributed.checkpoint import hf_storage
+    except ImportError:
+        raise CheckpointError(
+            f"sharded checkpoints need torch.distributed.checkpoint.hf_storage (torch >= 2.9; this is "
+            f"torch {torch.__version__}); set train.checkpoint_format=full"
+        ) from None
+    return hf_storage
+
+
+def _safe_writer(path: Path) -> Any:
+    """DCP's safetensors writer whose files go through ``loopformer.files.atomic_path``."""
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    class SafeFileSystem(FileSystem):
+        @contextlib.contextmanager
+        def create_stream(self, file: str | os.PathLike, mode: str) -> Iterator[Any]:
+            if "r" in mode:
+                with super().create_stream(file, mode) as stream:
+                    yield stream
+                return
+            with atomic_path(Path(file), path) as tmp, open(tmp, mode) as stream:  # DCP closes it itself
+                yield stream
+
+    writer = _hf_storage().HuggingFaceStorageWriter(str(path), save_distributed=True)
+    writer.fs = SafeFileSystem()
+    return writer
+
+
+def _reader(folder: Path) -> Any:
+    """DCP's safetensors reader over the shard files only (not ``state.safetensors`` beside them)."""
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    class ShardFiles(FileSystem):
+        def ls(self, path: str | os.PathLike) -> list[str]:
+            return [str(p) for p in sorted(Path(path).iterdir()) if p.name.startswith(SHARD_PREFIX)]
+
+    reader = _hf_storage().HuggingFaceStorageReader(str(folder))
+    reader.fs = ShardFiles()
+    return reader
+
+
+def _tensor_key(t: Tensor) -> tuple:
+    local = t.to_local() if hasattr(t, "to_local") else t
+    return (local.device, local.data_ptr(), local.dtype, tuple(t.shape))
+
+
+def tensor_table(
+    model: nn.Module, optimizer: torch.optim.Optimizer, ema: dict[str, Tensor] | None
+) -> tuple[dict[str, Tensor], dict[str, Any], dict[str, str]]:
+    """(the tensors DCP stores, the optimiser's non-tensor part, aliases of tied tensors) of the live
+    training state; the tensors are the live ones (a ``dcp.load`` into them restores in place)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    table: dict[str, Tensor] = {}
+    aliases: dict[str, str] = {}
+    seen: dict[tuple, str] = {}
+    items = [(f"model.{k}", v) for k, v in model_sd.items()]
+    items += [(f"ema.{k}", v) for k, v in (ema or {}).items()]
+    scalars: dict[str, dict[str, Any]] = {}
+    for name, state in optim_sd["state"].items():
+        for k, v in state.items():
+            if isinstance(v, Tensor):
+                items.append((f"optim.{name}.{k}", v))
+            else:
+                scalars.setdefault(name, {})[k] = v
+    for key, t in items:
+        ident = _tensor_key(t) if t.numel() else None
+        if ident is not None and ident in seen:
+            aliases[key] = seen[ident]
+            continue
+        if ident is not None:
+            seen[ident] = key
+        table[key] = t
+    return table, {"param_groups": optim_sd["param_groups"], "scalars": scalars}, aliases
+
+
+def _grouped() -> bool:
+    return tdist.is_available() and tdist.is_initialized()
+
+
+def _barrier() -> None:
+    if _grouped():
+        tdist.barrier()
+
+
+def save_sharded(
+    root: Path,
+    step: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    config: RunConfig,
+    ema_state: dict[str, Tensor] | None,
+    training_state: dict[str, Any],
+    keep: int,
+    is_main: bool,
+) -> Path:
+    """Write ``root/step_N`` as a sharded checkpoint (collective: every rank calls it); see the module
+    docstring. ``training_state``: what rank 0 writes beside the shards (without the optimiser)."""
+    from torch.distributed.checkpoint import save as dcp_save
+
+    name = step_name(step)
+    tmp = root / f".tmp-{name}-sharded"
+    if is_main:
+        _fresh_tmp(root, tmp)
+    _barrier()
+    table, optim_rest, aliases = tensor_table(model, optimizer, ema_state)
+    try:
+        dcp_save(table, storage_writer=_safe_writer(tmp), no_dist=not _grouped())
+        if is_main:
+            world = tdist.get_world_size() if _grouped() else 1
+            state = {
+                "step": step,
+                **training_state,
+                "optimizer": optim_rest,
+                "optimizer_layout": SHARDED_LAYOUT,
+                "sharded": {"world_size": world, "aliases": aliases, "ema": ema_state is not None},
+            }
+            extras = _config_extras(getattr(model, "module", model), config, model_family(model), step)
+            _write_rest(tmp, config, extras, state)
+    except BaseException:
+        if is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    final = root / name
+    if is_main:
+        _publish(root, tmp, final, keep, _run_root(root))
+    _barrier()
+    return final
+
+
+def load_sharded(
+    folder: Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    ema: dict[str, Tensor] | None,
+    state: dict[str, Any],
+) -> None:
+    """Restore the weights, the optimiser and the EMA (in place) from the sharded checkpoint ``folder``
+    on this process group's world size (or in one process); ``state``: its ``load_training_state``."""
+    from torch.distributed.checkpoint import load as dcp_load
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    if ema is not None and not (state.get("sharded") or {}).get("ema"):
+        raise CheckpointError(f"{folder} holds no EMA weights but this run keeps an EMA (train.ema > 0)")
+    table, _, _ = tensor_table(model, optimizer, ema)
+    try:
+        dcp_load(table, storage_reader=_reader(folder), no_dist=not _grouped())
+    except (RuntimeError, ValueError, KeyError, AssertionError) as err:
+        raise CheckpointError(f"sharded checkpoint {folder} does not fit this model / optimizer: {err}") from None
+    model_sd, optim_sd = get_state_dict(model, optimizer)  # the live tensors, now holding the checkpoint
+    saved = state["optimizer"]
+    for name, extra in saved.get("scalars", {}).items():
+        optim_sd["state"].setdefault(name, {}).update(extra)
+    optim_sd["param_groups"] = saved["param_groups"]
+    try:
+        set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    except (RuntimeError, ValueError, KeyError) as err:
+        raise CheckpointError(f"optimizer state in {folder} does not fit this model: {err}") from None
+
+
+def read_full(folder: str | Path) -> dict[str, dict[str, Tensor]]:
+    """The full tensors of a sharded checkpoint in one process: ``{"model", "ema", "optim"}`` tables
+    (``optim``: ``name.key`` -> tensor); tied tensors restored from the ``aliases`` in state.json."""
+    from torch.distributed.checkpoint import load as dcp_load
+
+    folder = Path(folder)
+    try:
+        meta = _reader(folder).read_metadata().state_dict_metadata
+        table = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in meta.items()}
+        dcp_load(table, storage_reader=_reader(folder), no_dist=True)
+    except (RuntimeError, ValueError, KeyError, OSError, AssertionError) as err:
+        raise CheckpointError(f"sharded checkpoint {folder} is unreadable: {err}") from None
+    aliases = (load_training_state(folder).get("sharded") or {}).get("aliases", {})
+    for alias, target in aliases.items():
+        if target not in table:
+            raise CheckpointError(
+                f"{folder / 'state.json'}: 'sharded.aliases.{alias}' names the tensor {target!r}, which the "
+                f"shards of {folder} do not hold"
+            )
+        table[alias] = table[target]
+    out: dict[str, dict[str, Tensor]] = {"model": {}, "ema": {}, "optim": {}}
+    for key, t in table.items():
+        part, _, name = key.partition(".")
+        if part not in out:
+            raise CheckpointError(f"sharded checkpoint {folder} holds an unknown tensor {key!r}")
+        out[part][name] = t
+    return out
+
+
+def _full_optimizer_state(full: dict[str, Tensor], saved: dict[str, Any]) -> dict[str, Any]:
+    """The optimiser state keyed by parameter name with full tensors (``fsdp_full`` layout) from
+    ``read_full(...)["optim"]`` and the non-tensor part in state.json."""
+    state: dict[str, dict[str, Any]] = {}
+    for key, t in full.items():
+        name, _, k = key.rpartition(".")
+        state.setdefault(name, {})[k] = t
+    for name, extra in saved.get("scalars", {}).items():
+        state.setdefault(name, {}).update(extra)
+    return {"state": state, "param_groups": saved["param_groups"]}
+
+
+def consolidate(src: str | Path, out: str | Path, replace: bool = False) -> Path:
+    """Write the sharded checkpoint ``src`` as a full (safetensors) checkpoint ``out/step_N`` (the
+    ``latest`` pointer beside it); what ``convert`` / ``push`` / a resume with any strategy read. An
+    ``out/step_N`` already there is replaced (in one exchange) only when ``replace``. Everything is read
+    before anything is written, and the source must still be the checkpoint it was when reading began (a
+    training rotating its checkpoints meanwhile gives a CheckpointError, not a mix of two steps)."""
+    folder = verified(resolve_checkpoint(src))
+    if not is_sharded(folder):
+        raise CheckpointError(f"{folder} is not a sharded checkpoint (it already holds model.safetensors)")
+    manifest = manifest_bytes(folder)
+    try:
+        config, family, step = read_checkpoint_config(folder)
+        state = load_training_state(folder)
+        full = read_full(folder)
+    except (CheckpointError, OSError) as err:
+        unchanged_since(folder, manifest)
+        raise err from None
+    unchanged_since(folder, manifest)
+    if (Path(out) / step_name(step)).exists() and not replace:
+        raise CheckpointError(
+            f"{Path(out) / step_name(step)} exists (an earlier consolidation?); pass --overwrite to replace it"
+        )
+    state.pop("step", None)
+    state.pop("sharded", None)
+    state["optimizer"] = _full_optimizer_state(full["optim"], state["optimizer"])
+    state["optimizer_layout"] = "fsdp_full"
+    return save_checkpoint(
+        Path(out), step, None, config, ema_state=full["ema"] or None, training_state=state,
+        weights=full["model"], family=family,
+    )  # fmt: skip

@@ -263,12 +263,12 @@ def check_push(run: str | Path, repo_id: str) -> Path:
 
 
 def _read_summary(path: Path) -> dict[str, Any]:
-    """A run's ``summary.json`` checked against its schema (``loopformer.runs.records.SUMMARY``);
-    ValueError naming the file and the field (never quoting it) otherwise."""
-    from loopformer.files import read_record
-    from loopformer.runs.records import SUMMARY
+    """A run's ``summary.json`` checked against its record (``loopformer.runs.folder.Summary``);
+    ValueError naming the file and the field otherwise."""
+    from loopformer.runs.checkpoint import read_record
+    from loopformer.runs.folder import Summary
 
-    return read_record(path, SUMMARY)
+    return read_record(path, Summary)
 
 
 def ship_plugins(plugins: list[str], folder: Path) -> list[str]:
@@ -295,17 +295,16 @@ def stage_run(run: str | Path, folder: Path, repo_id: str | None = None,
     plug-in module that is one file of the user's is copied beside the weights); returns {"checkpoint",
     "step", "family", "files"}. The checkpoint must still be the one it was when copying began (a training
     rotating its checkpoints meanwhile is a CheckpointError, never a mix of two steps)."""
-    from loopformer.runs.checkpoint import resolve_checkpoint
-    from loopformer.runs.sharded import _manifest_bytes, _still_there
+    from loopformer.runs.checkpoint import manifest_bytes, resolve_checkpoint, unchanged_since
 
     ckpt = resolve_checkpoint(run)
-    manifest = _manifest_bytes(ckpt)
+    manifest = manifest_bytes(ckpt)
     try:
         staged = _stage(ckpt, run, folder, repo_id, license)
     except (OSError, ValueError) as err:
-        _still_there(ckpt, manifest)
+        unchanged_since(ckpt, manifest)
         raise err from None
-    _still_there(ckpt, manifest)
+    unchanged_since(ckpt, manifest)
     return staged
 
 
@@ -316,11 +315,9 @@ def _stage(ckpt: Path, run: str | Path, folder: Path, repo_id: str | None,
     read_checkpoint_config(ckpt)  # config.json parses (CheckpointError naming it otherwise)
     raw = json.loads((ckpt / "config.json").read_text(encoding="utf-8"))
     files = []
-    from loopformer.runs.sharded import is_sharded, stored_weights
+    from loopformer.runs.checkpoint import is_sharded, save_weights, stored_weights
 
     if is_sharded(ckpt):  # every rank's shards, joined into the full weights files a download expects
-        from loopformer.runs.layout import save_weights
-
         meta = {"family": str(raw.get("family", "")), "step": str(raw.get("step", 0))}
         for name, table in zip(("model.safetensors", "ema.safetensors"), stored_weights(ckpt), strict=True):
             if table is not None:
@@ -396,7 +393,7 @@ def _command() -> Any:
             raise click.BadParameter("an empty commit message; leave --message out for the default",
                                      param_hint="--message")  # fmt: skip
         if to_folder is not None:
-            from loopformer.runs.outputs import staged_output
+            from loopformer.runs.folder import staged_output
 
             with staged_output(to_folder, "push", overwrite, "--to-folder") as tmp:  # swapped in whole
                 staged = stage_run(ckpt, tmp, repo_id if parse_hub_id(repo_id) else None, license_)

@@ -28,17 +28,18 @@ from loopformer.config.checks import check_task_fits_model, run_config_for
 from loopformer.loop import LoopConfig
 from loopformer.loop.samplers import training_sampler
 from loopformer.models.base import LoopedModel
-from loopformer.runs.best import best_label, best_record_for, find_best
 from loopformer.runs.checkpoint import (
+    CheckpointError,
+    best_label,
+    best_record_for,
     build_stored_model,
+    find_best,
     latest_checkpoint,
     load_stored_weights,
     read_checkpoint_config,
     resolve_checkpoint,
     verified,
 )
-from loopformer.runs.hub import resolve_source
-from loopformer.runs.layout import CheckpointError
 from loopformer.tasks.base import IGNORE_INDEX, Task, TokenDataset
 from loopformer.tasks.registry import get_task
 
@@ -190,6 +191,8 @@ def load_run(
     ``task``: the task the caller expects; ``check``: the caller's own checks of that config) -> build the
     model -> load the weights.
     """
+    from loopformer.runs.hub import resolve_source  # huggingface_hub only where a hub id is read
+
     folder = resolve_source(path)  # a hub id (owner/name) is downloaded, a local path kept
     folder = verified(find_best(folder)[0] if best else resolve_checkpoint(folder))
     stored, family, step = read_checkpoint_config(folder)

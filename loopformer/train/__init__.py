@@ -1,6 +1,9 @@
-"""Training: the trainer (pluggable training modes and distributed strategies), carry, accumulation, the data
-stream, losses, optimisers, seeding, set-up, the trainer's evaluations, progress, metrics logs, stop signals,
-``--plan`` and tracking. Checkpoints are written through run storage (``loopformer.runs.checkpoint``).
+"""Training: the trainer (one class, ``trainer``), what it builds from the config (``setup``), the training
+modes and deep supervision's carry (``modes``), the distributed layer and strategies (``dist``), the data
+stream, curriculum and per-step seeds (``data``), losses, optimisers (``optim``), what a run reports
+(``metrics``: device metrics, logs, progress), stop signals (``stop``), the whole step compiled
+(``compiled``), ``--plan`` and tracking. Checkpoints are written through run storage
+(``loopformer.runs.checkpoint``), which takes the trainer's ``state_dict()``.
 
 Public API::
 
@@ -29,7 +32,7 @@ _EXPORTS = {
     "TrainingMode": "modes",
     "SegmentBatch": "modes",
     "register_training_mode": "modes",
-    "Strategy": "strategy",
+    "Strategy": "dist",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -111,7 +111,8 @@ def adam_atan2_update(opt: AdamATan2, pairs: list[tuple[Tensor, Tensor]], lr: Te
 
 
 class CompiledStep:
-    """One optimiser step's tensor work as a compiled function (see the module docstring)."""
+    """One optimiser step's tensor work as a compiled function (see the module docstring). What it uses of the
+    trainer: ``model``, ``loss()``, ``params``, ``guard``, ``optimizer``, ``ema``, ``config`` and ``device``."""
 
     def __init__(self, trainer: Trainer, mode: str = "default", backend: str = "inductor") -> None:
         self.tr = trainer
@@ -135,7 +136,7 @@ class CompiledStep:
                     st["step"] = torch.zeros((), dtype=torch.float32)
                 st["step"] = st["step"].to(device=p.device, dtype=torch.float32)
         if isinstance(opt, AdamATan2):
-            opt._steps.count.clear()  # the eager path re-reads the (moved) counts if it runs again
+            opt.reread_step_counts()  # the eager path re-reads the (moved) counts if it runs again
         self.ready = True
 
     def __call__(self, batch: SegmentBatch, lr: float, step: int, ema_weight: float) -> dict[str, Any]:
@@ -153,9 +154,7 @@ class CompiledStep:
         with autocast(tr.device, tr.config.bf16):
             out = tr.model(inputs, loop=loop, state=state, puzzle_ids=puzzle_ids,
                            **({"solver_state": solver_state} if solver_state else {}))  # fmt: skip
-        loss, parts, acc = tr.loss(out, batch)
-        if tc.q_learning and tr.mode.carry is not None:
-            loss = loss + tr._q_learning(out, batch, acc.exact, parts)
+        loss, parts, acc = tr.loss(out, batch)  # with HRM's Q-learning term when the run has one
         params = tr.params
         grads = torch.autograd.grad(loss, params, allow_unused=True)
         pairs = [(p, g) for p, g in zip(params, grads) if g is not None]
@@ -179,9 +178,4 @@ class CompiledStep:
                 "q_logits": q, "loop": loop}  # fmt: skip
 
 
-def ema_weight(trainer: Trainer) -> float:
-    """The EMA's weight (1 - decay) at the trainer's step (0 without an EMA)."""
-    return 0.0 if trainer.ema is None else 1.0 - trainer.ema.decay_at(trainer.step)
-
-
-__all__ = ["MODES", "CompiledStep", "adam_atan2_update", "adamw_update", "ema_weight", "why_not_whole"]
+__all__ = ["MODES", "CompiledStep", "adam_atan2_update", "adamw_update", "why_not_whole"]

@@ -1,4 +1,16 @@
-"""Training batches: a deterministic index stream and the difficulty curriculum.
+"""Training data and randomness: the per-step seeds, a deterministic index stream and the difficulty curriculum.
+
+Every random draw of a run is a function of (seed, global step[, rank]):
+
+- ``seed_everything``: the global torch / numpy / python generators, once at the start of a run
+  (before the model is built, so its initial weights are a function of the seed).
+- ``seed_for``: a 32-bit seed for the stream (seed, step, salt[, rank]); the salts keep the
+  per-step streams (initial states, halting exploration, Jacobian probes, curriculum samples)
+  independent of each other. ``step_generator``: a ``torch.Generator`` on a device seeded by it.
+
+Because nothing draws from a generator that outlives a step (the loop-count samplers in
+``loopformer.loop.samplers`` are also seeded by the step), a resumed run replays exactly; the
+global generators' states are saved in each checkpoint for whatever else draws from them.
 
 - ``IndexStream``: an endless stream of example indices. Epoch ``e`` is a permutation of the
   eligible examples drawn from ``numpy.random.default_rng([seed, e])``, so the order is a pure
@@ -10,7 +22,8 @@
   windows; one integer (how many were drawn) resumes it exactly.
 - ``Curriculum``: Loop, Think & Generalize's schedule (arXiv 2604.07822): train on examples
   whose difficulty <= level; start at ``start``; advance by ``step`` when the exact-match
-  accuracy on the current level reaches ``threshold`` (0.95); stop at ``max_level``.
+  accuracy on the current level reaches ``threshold`` (0.95); stop at ``max_level``
+  (``make_curriculum``: the one ``data.curriculum`` asks for).
 - ``Batch`` / ``make_batch``: tensors of a set of rows of a ``TokenDataset`` on a device.
 
 A run's train / eval sets themselves come from ``loopformer.runs.load_split``.
@@ -18,6 +31,7 @@ A run's train / eval sets themselves come from ``loopformer.runs.load_split``.
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +39,31 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from loopformer.config import ConfigError, CurriculumConfig
 from loopformer.tasks.base import TokenDataset
+
+# salts that keep the per-step random streams independent
+SALT_INIT, SALT_EXPLORE, SALT_JAC, SALT_CURRICULUM = 11, 13, 17, 19
+
+
+def seed_everything(seed: int) -> None:
+    """Seed torch (CPU and CUDA), numpy's global generator and python's ``random``."""
+    torch.manual_seed(seed)
+    np.random.seed(seed % 2**32)
+    random.seed(seed)
+
+
+def seed_for(seed: int, step: int, salt: int, rank: int | None = None) -> int:
+    """A 32-bit seed for the random stream (seed, step, salt[, rank])."""
+    entropy = [seed, step, salt] if rank is None else [seed, step, salt, rank]
+    return int(np.random.SeedSequence(entropy).generate_state(1)[0])
+
+
+def step_generator(
+    device: torch.device, seed: int, step: int, salt: int, rank: int | None = None
+) -> torch.Generator:
+    """A generator on ``device`` for the stream (seed, step, salt[, rank])."""
+    return torch.Generator(device=device).manual_seed(seed_for(seed, step, salt, rank))
 
 
 @dataclass
@@ -226,3 +264,17 @@ class Curriculum:
         self.level = float(state["level"])
         self.history = [dict(h) for h in state.get("history", [])]
         self.stage_start = int(state.get("stage_start", 0))  # absent in checkpoints from before the option
+
+
+def make_curriculum(cc: CurriculumConfig, train_data: TokenDataset) -> Curriculum | None:
+    """The difficulty curriculum over the training set's difficulty (None when ``enabled`` is off)."""
+    if not cc.enabled:
+        return None
+    if train_data.streamed:
+        raise ConfigError(
+            "data.curriculum: the training set is streamed (read a batch at a time), so there are no rows "
+            "to order by difficulty; turn the curriculum off"
+        )
+    return Curriculum(
+        train_data.difficulty, cc.start, cc.step, cc.max_level, cc.threshold, cc.restart_optimizer
+    )

@@ -34,6 +34,26 @@ gets ``DistEnv(rank=0, world_size=1)`` and every helper is then a no-op or the i
 The distributed layer follows nanochat's shape (a hundred lines on torch.distributed); the
 loop-count samplers are already seeded by the global step, so all ranks draw the
 same loop count without communication.
+
+The strategies (``Strategy``, ``DDPStrategy``, ``FSDPStrategy``): the trainer holds one and never asks which
+one it is. A strategy answers:
+
+- ``wrap(model, tc, probe)``: the module ``forward`` is called on (the model itself, DDP, or the
+  model after FSDP2's ``fully_shard``); ``probe()`` returns the parameters the real loss leaves
+  without gradient, asked only when ``train.find_unused_parameters`` is None under DDP / FSDP;
+- checkpoints: ``optimizer_state`` / ``load_optimizer_state`` (with the ``optimizer_layout``
+  tag written beside them), ``full_weights`` / ``full_ema`` (the tensors rank 0 writes; None:
+  the model's own), ``load_weights`` / ``like`` (full tensors laid out as the live ones);
+- a step: ``clip_grad_norm`` (a device tensor), ``gathered(model)`` (full parameters for calls that bypass
+  ``forward``), ``mean_tensor`` (on the device, every step) / ``mean`` / ``reduce_metrics`` (host values,
+  when the trainer reads its metrics) over ranks, ``barrier``, ``is_main``;
+- evaluation, as a ``loopformer.eval.evaluate.EvalComm``: ``local_rows`` (DDP shards the rows;
+  FSDP evaluates all rows on every rank because each forward gathers the weights), ``sum``,
+  ``max``, ``lockstep`` (``train.sync_halting``).
+
+``Strategy`` itself is the single process (also under torchrun with ``WORLD_SIZE=1``);
+``DDPStrategy`` and ``FSDPStrategy`` are chosen by ``train.strategy`` when the world has more than
+one rank. ``STRATEGIES`` maps the names to the classes; ``make_strategy`` builds the one a run asks for.
 """
 
 from __future__ import annotations
@@ -44,14 +64,19 @@ import gc
 import os
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-STRATEGIES = ("ddp", "fsdp")
+from loopformer.config import TrainConfig
+from loopformer.devices import resolve_device
+from loopformer.eval.evaluate import EvalComm
+from loopformer.runs.checkpoint import CheckpointError, check_weights
+from loopformer.train.optim import clip_grad_norm
 
 
 @dataclass(frozen=True)
@@ -170,10 +195,6 @@ def world_size() -> int:
     return dist.get_world_size() if is_distributed() else 1
 
 
-def is_main() -> bool:
-    return rank() == 0
-
-
 def barrier() -> None:
     if is_distributed():
         dist.barrier()
@@ -221,16 +242,6 @@ def all_reduce_max(value: float) -> float:
     t = torch.tensor([float(value)], dtype=torch.float64, device=_comm_device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t.item())
-
-
-def all_gather_counts(count: int) -> list[int]:
-    """Every rank's ``count``, in rank order."""
-    if not is_distributed():
-        return [int(count)]
-    t = torch.tensor([int(count)], dtype=torch.int64, device=_comm_device())
-    out = [torch.zeros_like(t) for _ in range(dist.get_world_size())]
-    dist.all_gather(out, t)
-    return [int(x.item()) for x in out]
 
 
 def all_gather_rows(t: Tensor | None) -> Tensor | None:
@@ -328,7 +339,7 @@ def wrap_model(
     the optimiser after this call.
     """
     if strategy not in STRATEGIES:
-        raise ValueError(f"unknown train.strategy {strategy!r}; expected one of {STRATEGIES}")
+        raise ValueError(f"unknown train.strategy {strategy!r}; expected one of {tuple(STRATEGIES)}")
     if not is_distributed():
         return model
     if strategy == "ddp":
@@ -355,19 +366,6 @@ def is_fsdp(model: nn.Module) -> bool:
     return isinstance(model, FSDPModule)
 
 
-@contextlib.contextmanager
-def gathered(model: nn.Module) -> Iterator[nn.Module]:
-    """Full parameters inside the block for calls that bypass ``forward`` (FSDP ``unshard``)."""
-    if not is_fsdp(model):
-        yield model
-        return
-    model.unshard()
-    try:
-        yield model
-    finally:
-        model.reshard()
-
-
 def full_tensor(t: Tensor) -> Tensor:
     """A plain tensor from a DTensor shard (collective: every rank must call it) or ``t`` itself."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t
@@ -376,6 +374,11 @@ def full_tensor(t: Tensor) -> Tensor:
 def full_state(tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
     """``{name: full tensor}`` of a state dict that may hold DTensors (collective under FSDP)."""
     return {k: full_tensor(v) for k, v in tensors.items()}
+
+
+def local_state(tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """``{name: this rank's shard}`` of a state dict that may hold DTensors (no communication)."""
+    return {k: v.to_local() if hasattr(v, "to_local") else v for k, v in tensors.items()}
 
 
 # --------------------------------------------------------------------------------------------
@@ -395,7 +398,6 @@ class LockstepHalting:
         self.enabled = enabled and is_distributed()
         self.local_steps = 0
         self.global_steps = 0
-        self._others_done = False
 
     def _reduce(self, flag: int) -> int:
         t = torch.tensor([flag], dtype=torch.int64, device=_comm_device())
@@ -420,22 +422,6 @@ class LockstepHalting:
 # --------------------------------------------------------------------------------------------
 # FSDP2 state: full (unsharded) tensors in checkpoints, shards in memory
 # --------------------------------------------------------------------------------------------
-def like(target: Tensor, full: Tensor) -> Tensor:
-    """``full`` laid out as ``target``: sharded like a DTensor ``target``, else moved to its device."""
-    if hasattr(target, "device_mesh"):
-        from torch.distributed.tensor import distribute_tensor
-
-        return distribute_tensor(full.to(target.device, target.dtype), target.device_mesh, target.placements)
-    return full.to(target.device, target.dtype)
-
-
-def fsdp_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """The optimiser state with full tensors keyed by parameter name (collective)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-    return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
-
-
 def load_fsdp_optimizer_state(
     model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
 ) -> None:
@@ -444,16 +430,275 @@ def load_fsdp_optimizer_state(
     set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
 
 
-def clip_grad_norm(parameters: list[Tensor], max_norm: float) -> Tensor:
-    """Global gradient norm of (possibly sharded) gradients before clipping, as a device tensor; clips
-    when ``max_norm > 0`` (the scale applied on the device)."""
-    grads = [p.grad for p in parameters if p.grad is not None]
-    if not grads:
-        return torch.zeros(())
-    total = full_tensor(torch.nn.utils.get_total_norm(grads))
-    if max_norm > 0:
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for g in grads:  # a DTensor shard is scaled in place through its local tensor
-            local = g.to_local() if hasattr(g, "to_local") else g
-            local.mul_(coef.to(local.device))
-    return total
+# --------------------------------------------------------------------------------------------
+# Strategies
+# --------------------------------------------------------------------------------------------
+class Strategy(EvalComm):
+    """One process: every hook is the identity or a no-op."""
+
+    name: ClassVar[str] = "none"
+    layout: ClassVar[str] = "torch"  # the optimizer_layout tag of the checkpoints it writes
+
+    def __init__(
+        self, env: DistEnv, device: torch.device, sync_halting: bool = False, owns_group: bool = False
+    ) -> None:
+        self.env = env
+        self.device = device
+        self.sync_halting = sync_halting
+        self.owns_group = owns_group  # this process created the process group: shutdown() ends it
+        self.find_unused_parameters = False
+        self.unused_parameters: list[str] = []
+
+    @property
+    def is_main(self) -> bool:
+        return self.env.is_main
+
+    @property
+    def rank(self) -> int | None:
+        """The rank that salts per-rank random streams (None in one process)."""
+        return self.env.rank if self.env.enabled else None
+
+    # -- model --------------------------------------------------------------------------------
+    def validate(self, tc: TrainConfig) -> None:
+        """Raise for training options this strategy cannot run."""
+
+    def wrap(self, model: nn.Module, tc: TrainConfig, probe: Callable[[], list[str]]) -> nn.Module:
+        return model
+
+    @contextlib.contextmanager
+    def gathered(self, model: nn.Module) -> Iterator[nn.Module]:
+        yield model
+
+    def no_sync(self, forward_model: nn.Module, sync: bool) -> contextlib.AbstractContextManager:
+        """Around one micro-step's forward + backward (gradient accumulation, ``Trainer._micro_steps``): ``sync``
+        False (an inner micro-step) leaves the gradients local; one process: nothing to do."""
+        return contextlib.nullcontext()
+
+    # -- a step -------------------------------------------------------------------------------
+    def clip_grad_norm(self, params: list[Tensor], max_norm: float) -> Tensor:
+        return clip_grad_norm(params, max_norm)
+
+    def mean(self, values: dict[str, float]) -> dict[str, float]:
+        return dict(values)
+
+    def mean_tensor(self, values: Tensor) -> Tensor:
+        """``values`` averaged over ranks on the device (no host read); one process: as they are."""
+        return values
+
+    def reduce_metrics(self, metrics: dict[str, Any]) -> dict[str, Any]:
+        return metrics
+
+    def barrier(self) -> None:
+        barrier()
+
+    def shutdown(self, sync: bool) -> None:
+        """End the process group this strategy created (``sync``: meet at a barrier first)."""
+        if self.owns_group:
+            shutdown(sync=sync)
+            self.owns_group = False
+
+    # -- checkpoints --------------------------------------------------------------------------
+    def optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        return optimizer.state_dict()
+
+    def load_optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: Any) -> None:
+        groups = state.get("param_groups") or [{}]
+        if groups[0].get("params") and isinstance(
+            groups[0]["params"][0], str
+        ):  # keyed by name: FSDP's layout
+            load_fsdp_optimizer_state(model, optimizer, state)
+        else:
+            optimizer.load_state_dict(state)
+
+    def full_weights(self, model: nn.Module) -> dict[str, Tensor] | None:
+        return None
+
+    def full_ema(self, ema_state: dict[str, Tensor] | None) -> dict[str, Tensor] | None:
+        return ema_state
+
+    def load_weights(self, model: nn.Module, weights: dict[str, Tensor], source: str) -> None:
+        """A checkpoint's full ``weights`` into ``model`` (names, shapes and dtypes checked; ``source`` names
+        the file)."""
+        check_weights(weights, model, source)
+        model.load_state_dict(weights, strict=True)
+
+    def like(self, target: Tensor | None, full: Tensor) -> Tensor:
+        """A full tensor of a checkpoint laid out as the live ``target`` (one process: as it is)."""
+        return full
+
+    def sharded_checkpoints(self, tc: TrainConfig) -> bool:
+        """Whether checkpoints are sharded (``loopformer.runs.checkpoint.save_sharded``): only when asked for here."""
+        return tc.checkpoint_format == "sharded"
+
+    def check_layout(self, layout: str, folder: Path) -> None:
+        if layout != self.layout and not (
+            layout == "fsdp_full" and not self.env.enabled
+        ):  # one process reads both
+            raise CheckpointError(
+                f"{folder} holds {'an FSDP' if layout == 'fsdp_full' else 'a DDP / single-process'} optimizer "
+                f"state; resume it with train.strategy={'fsdp' if layout == 'fsdp_full' else 'ddp'}"
+            )
+
+
+class _Distributed(Strategy):
+    """What DDP and FSDP share: the unused-parameter probe, metric reduction, lock-step halting."""
+
+    def wrap(self, model: nn.Module, tc: TrainConfig, probe: Callable[[], list[str]]) -> nn.Module:
+        find_unused = tc.find_unused_parameters
+        if find_unused is None:  # automatic: does the real loss leave a parameter without gradient?
+            self.unused_parameters = probe()
+            find_unused = all_reduce_max(float(bool(self.unused_parameters))) > 0
+        self.find_unused_parameters = bool(find_unused)
+        unused_outputs = tuple(
+            name
+            for name, weight in (("q_logits", tc.q_loss_weight), ("aux_loss", tc.ponder_weight))
+            if weight <= 0
+        )
+        return wrap_model(model, self.name, self.device, self.find_unused_parameters, unused_outputs)
+
+    def mean(self, values: dict[str, float]) -> dict[str, float]:
+        return all_reduce_mean(values)
+
+    def mean_tensor(self, values: Tensor) -> Tensor:
+        return all_reduce_mean_tensor(values)
+
+    def reduce_metrics(self, metrics: dict[str, Any]) -> dict[str, Any]:
+        """Per-rank metrics -> their mean over ranks ("halted": the total); shared values kept."""
+        shared = ("step", "lr", "grad_norm", "loops", "level")
+        keys = [
+            k
+            for k, v in metrics.items()
+            if k not in shared and isinstance(v, int | float) and not isinstance(v, bool)
+        ]
+        mean = all_reduce_mean({k: metrics[k] for k in keys})
+        out = {**metrics, **mean}
+        if "halted" in out:
+            out["halted"] = int(round(mean["halted"] * self.env.world_size))
+        return out
+
+    def max(self, value: float) -> float:
+        return all_reduce_max(value)
+
+    def lockstep(self) -> LockstepHalting | None:
+        lock = LockstepHalting(self.sync_halting)
+        return lock if lock.enabled else None
+
+
+class DDPStrategy(_Distributed):
+    """``DistributedDataParallel``: replicated weights; evaluation rows are sharded and the counts summed."""
+
+    name = "ddp"
+
+    def local_rows(self, rows: np.ndarray) -> np.ndarray:
+        return rows[eval_shard(len(rows))]
+
+    def local_batches(self, n: int) -> np.ndarray:
+        return np.arange(self.env.rank, n, self.env.world_size, dtype=np.int64)
+
+    def no_sync(self, forward_model: nn.Module, sync: bool) -> contextlib.AbstractContextManager:
+        """An inner micro-step runs in DDP's ``no_sync()``: no gradient all-reduce until the last."""
+        return contextlib.nullcontext() if sync else forward_model.no_sync()
+
+    def sum(self, values: list[float]) -> list[float]:
+        return all_reduce_sum(values)
+
+
+class FSDPStrategy(_Distributed):
+    """FSDP2 ``fully_shard`` on the model's root: sharded weights, full tensors in checkpoints."""
+
+    name = "fsdp"
+    layout = "fsdp_full"
+
+    def validate(self, tc: TrainConfig) -> None:
+        if tc.jacobian_weight > 0:
+            raise ValueError(
+                "train.jacobian_weight > 0 is not supported with train.strategy=fsdp (it calls "
+                "the step outside forward); use train.strategy=ddp"
+            )
+
+    @contextlib.contextmanager
+    def gathered(self, model: nn.Module) -> Iterator[nn.Module]:
+        """Full parameters inside the block for calls that bypass ``forward`` (FSDP ``unshard``)."""
+        if not is_fsdp(model):
+            yield model
+            return
+        model.unshard()
+        try:
+            yield model
+        finally:
+            model.reshard()
+
+    @contextlib.contextmanager
+    def no_sync(self, forward_model: nn.Module, sync: bool) -> Iterator[None]:
+        """An inner micro-step runs with ``set_requires_gradient_sync(False)``: the unsharded
+        gradients accumulate locally and are reduce-scattered once, in the last micro-step."""
+        if sync:
+            yield
+            return
+        forward_model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            forward_model.set_requires_gradient_sync(True)
+
+    def clip_grad_norm(self, params: list[Tensor], max_norm: float) -> Tensor:
+        """Global gradient norm of the sharded gradients before clipping, as a device tensor; clips when
+        ``max_norm > 0`` (the scale applied on the device)."""
+        grads = [p.grad for p in params if p.grad is not None]
+        if not grads:
+            return torch.zeros(())
+        total = full_tensor(torch.nn.utils.get_total_norm(grads))
+        if max_norm > 0:
+            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+            for g in grads:  # a DTensor shard is scaled in place through its local tensor
+                local = g.to_local() if hasattr(g, "to_local") else g
+                local.mul_(coef.to(local.device))
+        return total
+
+    def optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """The optimiser state with full tensors keyed by parameter name (collective)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
+
+    def load_optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: Any) -> None:
+        load_fsdp_optimizer_state(model, optimizer, state)
+
+    def full_weights(self, model: nn.Module) -> dict[str, Tensor] | None:
+        return full_state(model.state_dict())  # gathers the shards (every rank takes part)
+
+    def full_ema(self, ema_state: dict[str, Tensor] | None) -> dict[str, Tensor] | None:
+        return full_state(ema_state) if ema_state is not None else None
+
+    def load_weights(self, model: nn.Module, weights: dict[str, Tensor], source: str) -> None:
+        check_weights(weights, model, source)  # full tensors, re-sharded like the live parameters
+        with torch.no_grad():
+            for name, t in model.state_dict().items():
+                t.copy_(self.like(t, weights[name]))
+
+    def like(self, target: Tensor | None, full: Tensor) -> Tensor:
+        """``full`` laid out as ``target``: sharded like a DTensor ``target``, else moved to its device."""
+        if target is None:
+            return full
+        if hasattr(target, "device_mesh"):
+            from torch.distributed.tensor import distribute_tensor
+
+            return distribute_tensor(full.to(target.device, target.dtype), target.device_mesh, target.placements)
+        return full.to(target.device, target.dtype)
+
+    def sharded_checkpoints(self, tc: TrainConfig) -> bool:
+        return tc.checkpoint_format != "full"  # "auto": every rank writes its own shards
+
+
+STRATEGIES: dict[str, type[Strategy]] = {"ddp": DDPStrategy, "fsdp": FSDPStrategy}
+
+
+def make_strategy(tc: TrainConfig, device_name: str) -> Strategy:
+    """Join the job (torchrun's environment) and return its strategy: ``Strategy`` for one process
+    (device ``resolve_device(device_name)``), else ``STRATEGIES[train.strategy]`` on the rank's device."""
+    if tc.strategy not in STRATEGIES:
+        raise ValueError(f"unknown train.strategy {tc.strategy!r}; expected one of {tuple(STRATEGIES)}")
+    env, device, created = setup(device_name)
+    if not env.enabled:
+        return Strategy(env, resolve_device(device_name), tc.sync_halting, created)
+    return STRATEGIES[tc.strategy](env, device, tc.sync_halting, created)

@@ -93,6 +93,13 @@ class Accuracy:
     def exact_acc(self) -> float:
         return int(self.exact.sum()) / self.exact.numel() if self.exact.numel() else 0.0
 
+    @classmethod
+    def cat(cls, accs: list[Accuracy]) -> Accuracy:
+        """The micro-batches' accuracies as one, in batch order (gradient accumulation)."""
+        if len(accs) == 1:
+            return accs[0]
+        return cls(*(torch.cat([getattr(a, f) for a in accs]) for f in ("token_correct", "token_count", "exact")))
+
     def rates(self) -> tuple[Tensor, Tensor]:
         """(token accuracy, exact accuracy) as 0-dim device tensors (no host read)."""
         tokens = self.token_correct.sum() / self.token_count.sum().clamp(min=1)

@@ -17,7 +17,7 @@ The two built-in modes:
   ``train.loop_sampler: none`` runs the training loop as configured instead (its own halting,
   e.g. an Attractor's Anderson solve to tolerance, capped at ``loop_train.max_steps``).
 - ``deep_supervision`` (TRM / HRM / FPRM): each step runs ONE segment on a carried batch of slots
-  (``loopformer.train.carry``), from the detached carried state; afterwards the state is carried
+  (``Carry``, below), from the detached carried state; afterwards the state is carried
   and slots that reached ``max_segments``, whose Q-head says halt or whose loop converged are
   replaced before the next segment.
 
@@ -27,6 +27,27 @@ A new mode is a subclass with a ``name`` and ``batch`` (``after_step`` / ``state
 the trainer it is built with: ``trainer.config``, ``trainer.loop_train``, ``trainer.sampler``,
 ``trainer.next_batch()`` (this rank's share of the next global batch), ``trainer.fresh_states``,
 ``trainer.train_data``, ``trainer.stream``, ``trainer.strategy`` (rank, world size), ``trainer.device``.
+
+The deep-supervision carry: the slots a ``deep_supervision`` run refines over segments.
+
+TRM / HRM / FPRM training (arXiv 2606.18206; TRM arXiv 2510.04871, HRM arXiv 2506.21734) keeps a carried batch of
+``train.batch_size`` slots, each holding an example, its detached state and a segment count.
+Each optimiser step runs ONE segment on the carry; afterwards ``DeepSupervisionMode.after_step`` stores
+``out.state.detach()`` and decides which slots halt: when their segment count reaches
+``max_segments``, or (options) when their Q logit is > 0 (TRM, with exploration: with
+probability ``halt_exploration`` a slot must first run a random 2..max_segments segments) or
+when their loop converged (FPRM). Before the next segment ``DeepSupervisionMode.batch`` gives halted slots
+new examples and fresh ``init_state`` rows as the references do (TinyRecursiveModels
+``models/recursive_reasoning/trm.py``, ``TinyRecursiveReasoningModel_ACTV1.forward``: every step reads a
+whole new batch and ``torch.where(halted, new, carried)`` keeps the running slots): the next ``batch_size``
+rows of the index stream are drawn every step and a halted slot takes the row at its own position. Every
+decision stays on the device and every shape is static: no host read per step, and CUDA graphs apply.
+
+Under torchrun each rank holds its contiguous share of the slots; the checkpoint stores one
+global carry (``state_dict``, gathered over ranks) and ``load_state_dict`` takes this rank's share
+back, so a run resumes under any world size that divides the batch.
+
+The halting exploration draws come from ``loopformer.train.data.seed_for`` (a function of seed and step).
 """
 
 from __future__ import annotations
@@ -45,16 +66,9 @@ from loopformer.loop import LoopConfig
 from loopformer.loop.halting import HALTINGS, FixedHalting
 from loopformer.loop.solvers import SOLVERS, Solver
 from loopformer.models.base import ModelOutput
-from loopformer.train.carry import (
-    Carry,
-    CarryFeed,
-    advance_carry,
-    carry_from_checkpoint,
-    carry_solver_state,
-    global_carry_state,
-    refill_carry,
-)
-from loopformer.train.data import Batch
+from loopformer.runs.checkpoint import CheckpointError
+from loopformer.train import dist
+from loopformer.train.data import SALT_EXPLORE, Batch, seed_for
 
 if TYPE_CHECKING:
     from loopformer.train.trainer import Trainer
@@ -71,6 +85,19 @@ class SegmentBatch:
     loop: LoopConfig
     metrics: dict[str, Any] = field(default_factory=dict)  # logged with the step's metrics
     solver_state: dict[str, Tensor] | None = None  # per-sample solver state to resume (FPRM's carry)
+
+    def rows(self, sl: slice, state: Tensor | None, first: bool) -> SegmentBatch:
+        """The rows ``sl`` of this batch, starting from ``state`` (its rows already cut): one micro-batch of
+        gradient accumulation; ``first``: the micro-batch that logs the batch's metrics."""
+
+        def cut(t: Tensor | None) -> Tensor | None:
+            return None if t is None else t[sl]
+
+        solver = {k: v[sl] for k, v in self.solver_state.items()} if self.solver_state else None
+        metrics = self.metrics if first else {}
+        return SegmentBatch(
+            self.inputs[sl], self.labels[sl], cut(self.puzzle_ids), cut(state), self.loop, metrics, solver
+        )
 
 
 class TrainingMode:
@@ -192,52 +219,173 @@ def carried_solver(loop: LoopConfig) -> Solver:
     return solver
 
 
+@dataclass
+class Carry:
+    """Deep-supervision slots: each row an example being refined over segments (all on the device)."""
+
+    index: Tensor  # [B] dataset rows (int64)
+    inputs: Tensor  # [B, T]
+    labels: Tensor  # [B, T]
+    puzzle_ids: Tensor | None  # [B]
+    state: Tensor  # [B, ...] detached carried state
+    segments: Tensor  # [B] segments run so far (int64)
+    halted: Tensor  # [B] bool: replace before the next segment
+    # [B] per-sample solver state (train.carry_solver_state; damped: eta, best, patience); empty: none
+    solver: dict[str, Tensor] = field(default_factory=dict)
+
+    def state_dict(self) -> dict[str, Any]:
+        out = {
+            k: getattr(self, k)
+            for k in ("index", "inputs", "labels", "puzzle_ids", "state", "segments", "halted")
+        }
+        return {**out, **{f"solver.{k}": v for k, v in self.solver.items()}}
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any], device: torch.device) -> Carry:
+        def dev(t: Tensor | None) -> Tensor | None:
+            return None if t is None else t.to(device)
+
+        return cls(
+            index=state["index"].long().to(device),
+            inputs=dev(state["inputs"]),
+            labels=dev(state["labels"]),
+            puzzle_ids=dev(state["puzzle_ids"]),
+            state=dev(state["state"]),
+            segments=state["segments"].long().to(device),
+            halted=state["halted"].bool().to(device),
+            solver={k[len("solver.") :]: v.to(device) for k, v in state.items() if k.startswith("solver.")},
+        )
+
+
+def _rows(mask: Tensor, like: Tensor) -> Tensor:
+    return mask.view(-1, *([1] * (like.dim() - 1)))
+
+
 @register_training_mode
 class DeepSupervisionMode(TrainingMode):
-    """One segment per step on a carried batch of slots; halted slots replaced."""
+    """One segment per step on a carried batch of slots (``Carry``); halted slots replaced."""
 
     name = "deep_supervision"
 
     def __init__(self, trainer: Trainer) -> None:
         super().__init__(trainer)
-        self.feed = CarryFeed(
-            dataset=trainer.train_data,
-            take=trainer.stream.take,
-            fresh_states=lambda inputs, puzzle_ids: trainer.fresh_states(inputs, puzzle_ids, trainer.step),
-            global_batch=trainer.config.train.batch_size,
-            env=trainer.strategy.env,
-            device=trainer.device,
-        )
         self.solver: Solver | None = None
         if trainer.config.train.carry_solver_state:  # FPRM: the damped solver's state spans segments
             self.solver = carried_solver(trainer.loop_train)
-            self.feed.fresh_solver = lambda n: self.solver.init(torch.zeros(n, 1, device=trainer.device))
 
     def batch(self, step: int) -> SegmentBatch:
-        self.carry = refill_carry(self.carry, self.feed)
+        self.carry = self.refill(self.carry)
         c = self.carry
         solver_state = c.solver or None
         return SegmentBatch(
             c.inputs, c.labels, c.puzzle_ids, c.state, self.trainer.loop_train, solver_state=solver_state
         )
 
-    def after_step(self, batch: SegmentBatch, out: ModelOutput, step: int) -> dict[str, Any]:
+    def refill(self, carry: Carry | None) -> Carry:
+        """Give halted (or all, when ``carry`` is None) slots new examples and fresh states.
+
+        Every call draws this rank's share of the next global batch from the stream, as the references read a
+        new batch every step; a halted slot takes the new row at its position (``torch.where``: no host read,
+        static shapes). An existing carry is updated in place and returned.
+        """
         tr = self.trainer
-        advance_carry(self.carry, out, tr.config.train, tr.config.seed, step, tr.strategy.env.world_size)
+        batch = tr.next_batch()
+        fresh = tr.fresh_states(batch.inputs, batch.puzzle_ids, tr.step)
+        index = batch.index.to(tr.device, non_blocking=True)
+        if carry is None:
+            B = batch.inputs.shape[0]  # this rank's slots
+            return Carry(
+                index=index,
+                inputs=batch.inputs,
+                labels=batch.labels,
+                puzzle_ids=batch.puzzle_ids,
+                state=fresh,
+                segments=torch.zeros(B, dtype=torch.long, device=tr.device),
+                halted=torch.zeros(B, dtype=torch.bool, device=tr.device),
+            )
+        c, h = carry, carry.halted
+        c.index = torch.where(h, index, c.index)
+        c.inputs = torch.where(_rows(h, c.inputs), batch.inputs, c.inputs)
+        c.labels = torch.where(_rows(h, c.labels), batch.labels, c.labels)
+        if c.puzzle_ids is not None and batch.puzzle_ids is not None:
+            c.puzzle_ids = torch.where(h, batch.puzzle_ids, c.puzzle_ids)
+        c.state = torch.where(_rows(h, c.state), fresh.to(c.state.dtype), c.state)
+        if c.solver and self.solver is not None:  # a new example starts the solver afresh
+            new = self.solver.init(torch.zeros(h.shape[0], 1, device=tr.device))
+            c.solver = {k: torch.where(_rows(h, v), new[k].to(v), v) for k, v in c.solver.items()}
+        c.segments = torch.where(h, 0, c.segments)
+        c.halted = torch.zeros_like(h)
+        return c
+
+    def after_step(self, batch: SegmentBatch, out: ModelOutput, step: int) -> dict[str, Any]:
+        """Carry ``out.state`` (detached), count the segment and mark halted slots (``train.max_segments``,
+        ``train.halt_on_q`` with ``train.halt_exploration``, ``train.halt_on_converged``); with
+        ``train.carry_solver_state`` keep each slot's solver state (``carry_solver``)."""
+        tc, c = self.trainer.config.train, self.carry
+        c.state = out.state.detach()
+        c.segments = c.segments + 1
+        halted = c.segments >= tc.max_segments
+        if tc.halt_on_q and out.q_logits is not None:
+            q_halt = out.q_logits.detach().float().reshape(-1) > 0
+            if tc.halt_exploration > 0:
+                # drawn on the CPU for the global batch and sharded: the same draws as one process would make
+                g = torch.Generator().manual_seed(seed_for(self.trainer.config.seed, step, SALT_EXPLORE))
+                n_global = len(c.segments) * self.trainer.strategy.env.world_size
+                explore = dist.shard(torch.rand(n_global, generator=g, device="cpu") < tc.halt_exploration)
+                min_segments = dist.shard(
+                    torch.randint(2, tc.max_segments + 1, (n_global,), generator=g, device="cpu")
+                )
+                floor = torch.where(explore, min_segments, torch.zeros_like(min_segments))
+                q_halt = q_halt & (c.segments >= floor.to(c.segments.device, non_blocking=True))
+            halted = halted | q_halt
+        if tc.halt_on_converged and out.loop is not None:
+            halted = halted | out.loop.converged.detach().reshape(-1)
+        c.halted = halted
         if self.solver is not None:
-            carry_solver_state(self.carry, out, self.solver, tr.config.train.halt_on_converged)
+            self.carry_solver(out, tc.halt_on_converged)
         # device tensors, read when the trainer logs (``halted``: slots halted at this step)
-        return {"segments": self.carry.segments.float().mean(), "halted": self.carry.halted.sum()}
+        return {"segments": c.segments.float().mean(), "halted": c.halted.sum()}
+
+    def carry_solver(self, out: ModelOutput, halt_on_stall: bool) -> None:
+        """After a segment (``train.carry_solver_state``): keep each slot's final solver state (the
+        ``LoopResult.stats`` entries ``solver.stats`` names) for its next segment; ``refill`` restarts it for
+        the slots that take a new example. With ``halt_on_stall`` (``train.halt_on_converged``) a slot whose
+        step size fell below the solver's ``min_step`` halts too (FPRM's ``halting_mechanism: fixed_point``:
+        residual < ``fp_thresh`` or ``stepsize < 1e-3``, nilskiKonjIzDunava/fprm
+        ``models/fixed_point_reasoning/fprm.py``)."""
+        c, solver = self.carry, self.solver
+        if out.loop is None:
+            raise ValueError("train.carry_solver_state: the model returned no loop result to carry")
+        missing = [k for k in solver.stats if k not in out.loop.stats]
+        if missing:
+            raise ValueError(f"train.carry_solver_state: the loop reported no solver state {missing}")
+        c.solver = {k: out.loop.stats[k].detach() for k in solver.stats}
+        min_step = getattr(solver.opts, "min_step", None)
+        if halt_on_stall and min_step is not None and "eta" in c.solver:
+            c.halted = c.halted | (c.solver["eta"] < min_step)
 
     def probe_batch(self, rows: Batch) -> SegmentBatch:
         state = self.trainer.fresh_states(rows.inputs, rows.puzzle_ids, 0)
         return SegmentBatch(rows.inputs, rows.labels, rows.puzzle_ids, state, self.trainer.loop_train)
 
     def state_dict(self) -> Any:
-        return global_carry_state(self.carry, self.trainer.strategy.env.enabled)
+        """The carry of all ranks as one (rank order = slot order of a single-process run)."""
+        if self.carry is None:
+            return None
+        state = self.carry.state_dict()
+        if not self.trainer.strategy.env.enabled:
+            return state
+        return {k: dist.all_gather_rows(v) for k, v in state.items()}
 
     def load_state_dict(self, saved: Any, folder: Path) -> None:
+        """This rank's carry from the global one a checkpoint holds (None when it holds none)."""
         tr = self.trainer
-        self.carry = carry_from_checkpoint(
-            saved, tr.config.train.batch_size, folder, tr.strategy.env.enabled, tr.device
-        )
+        global_batch = tr.config.train.batch_size
+        if saved and len(saved["index"]) != global_batch:
+            raise CheckpointError(
+                f"{folder} carries {len(saved['index'])} deep-supervision slots but train.batch_size is "
+                f"{global_batch}; resume with the batch size the run was started with"
+            )
+        if saved and tr.strategy.env.enabled:  # the saved carry is global: take this rank's slots
+            saved = {k: None if v is None else dist.shard(v) for k, v in saved.items()}
+        self.carry = Carry.from_state(saved, tr.device) if saved else None

@@ -1,16 +1,18 @@
-"""What the trainer builds before its first step: device, data splits, model and loop sampler.
+"""What the trainer builds from the run configuration before its first step (each a function of config
+objects, also used by ``--plan``'s memory model).
 
-- ``resolve_device``: ``device: auto`` picks CUDA when there is one.
 - ``configure_process``: logging on ranks > 0, the global batch against the world size.
 - ``build_data``: the task and its train / eval splits (``loopformer.runs.task_dataset``), unless given.
-- ``prepare_model``: the given or the recipe's model on the device; ``compile_on``: whether the run compiles
-  (``compile: auto``: on CUDA); ``fast_cuda_settings``: TF32 and cuDNN autotuning on CUDA.
-- ``make_optimizer``: the optimiser ``train`` names (``loopformer.train.optim.build_optimizer``).
-- ``lr_for``: the step's learning rate from the schedule ``train`` names.
-- ``make_curriculum``: the difficulty curriculum of ``data.curriculum`` (None when off).
 - ``task_model_defaults`` / ``build_run_model``: the model a recipe names, with the fields the
   task determines (vocabulary, sequence length, causality, puzzle ids, grid) filled in where the
   recipe leaves them unset; the fully resolved model config is written back into the run config.
+- ``compile_on``: whether the run compiles (``compile: auto``: on CUDA); ``fast_cuda_settings``: TF32 and
+  cuDNN autotuning on CUDA.
+- ``make_optimizer``: the optimiser ``train`` names (``loopformer.train.optim.build_optimizer``);
+  ``lr_for``: the step's learning rate from the schedule ``train`` names.
+- ``micro_steps`` / ``check_loop``: gradient accumulation's micro-batches per step, and the training loops
+  whose accumulated step could not equal the full batch's (``AccumulationError``, refused before any write;
+  the accumulated step itself is ``loopformer.train.trainer.Trainer``'s).
 """
 
 from __future__ import annotations
@@ -21,22 +23,14 @@ from typing import Any
 
 import torch
 
-from loopformer.config import ConfigError, CurriculumConfig, RunConfig, TrainConfig, to_dict
+from loopformer.config import ConfigError, RunConfig, TrainConfig, to_dict
+from loopformer.loop import LoopConfig
+from loopformer.loop.halting import HALTINGS
 from loopformer.models.base import LoopedModel
 from loopformer.runs import run_task, task_dataset
 from loopformer.tasks.base import Task, TokenDataset, task_model_fields
-from loopformer.train.data import Curriculum
 from loopformer.train.dist import DistEnv
 from loopformer.train.optim import build_optimizer, lr_at
-
-
-def resolve_device(name: str) -> torch.device:
-    """``auto`` -> CUDA when available, else CPU; ``cuda`` without CUDA raises."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("device='cuda' was asked for but CUDA is not available")
-    return torch.device(name)
 
 
 def configure_process(tc: TrainConfig, env: DistEnv, device: torch.device) -> None:
@@ -53,10 +47,6 @@ def configure_process(tc: TrainConfig, env: DistEnv, device: torch.device) -> No
         torch.set_num_threads(tc.threads or 1)  # auto: settled by set_cpu_threads once the model is built
 
 
-# train.threads: 0 (auto) gives models below this many parameters one CPU thread: at the CPU recipes' sizes
-# (the default job: 0.11M parameters) a second thread made a training step 54x slower on the loaded 2-core
-# development machine (1.3 s vs 69 s per step, load average ~14; benchmarks/bench_threads.py,
-# docs/performance.md); with tensors this small there is little for a second thread to gain even when idle
 def build_data(
     config: RunConfig,
     task: Task | None,
@@ -73,20 +63,6 @@ def build_data(
     if len(train) == 0:
         raise ValueError("the training set is empty")
     return task, train, held_out
-
-
-def prepare_model(
-    config: RunConfig,
-    model: LoopedModel | None,
-    task: Task | None,
-    train_data: TokenDataset,
-    device: torch.device,
-) -> LoopedModel:
-    """``model`` (or the recipe's, ``build_run_model``) on ``device`` (``compile``: the trainer compiles the
-    whole step, or the looped body, once the optimiser exists: ``Trainer.__init__``)."""
-    if model is None:
-        model = build_run_model(config, task, train_data)
-    return model.to(device)
 
 
 def compile_on(config: RunConfig, device: torch.device) -> bool:
@@ -149,20 +125,6 @@ def lr_for(step: int, tc: TrainConfig) -> float:
     return lr_at(step, tc.lr, tc.warmup_steps, tc.steps, tc.schedule, tc.min_lr_ratio, tc.cooldown_fraction)
 
 
-def make_curriculum(cc: CurriculumConfig, train_data: TokenDataset) -> Curriculum | None:
-    """The difficulty curriculum over the training set's difficulty (None when ``enabled`` is off)."""
-    if not cc.enabled:
-        return None
-    if train_data.streamed:
-        raise ConfigError(
-            "data.curriculum: the training set is streamed (read a batch at a time), so there are no rows "
-            "to order by difficulty; turn the curriculum off"
-        )
-    return Curriculum(
-        train_data.difficulty, cc.start, cc.step, cc.max_level, cc.threshold, cc.restart_optimizer
-    )
-
-
 def task_model_defaults(task: Task | None, train_data: TokenDataset) -> dict[str, Any]:
     """Model fields the task and its training data determine, used where the recipe leaves them unset."""
     out: dict[str, Any] = task_model_fields(task) if task is not None else {}
@@ -193,3 +155,51 @@ def build_run_model(config: RunConfig, task: Task | None, train_data: TokenDatas
         f.name: to_dict(getattr(model_config, f.name)) for f in dataclasses.fields(model_config)
     }
     return build_model(config.model.name, config=model_config)
+
+
+class AccumulationError(ConfigError):
+    """A run asked for gradient accumulation that cannot equal its full-batch step."""
+
+
+def micro_steps(tc: TrainConfig, world_size: int = 1) -> int:
+    """The number of micro-batches ``k`` each rank runs per optimiser step (``train.grad_accum_steps``,
+    or ``batch_size / world_size / train.micro_batch_size``); ConfigError when they do not divide."""
+    if tc.batch_size % world_size:
+        raise ConfigError(f"train.batch_size={tc.batch_size} cannot be split evenly over {world_size} ranks")
+    local, k = tc.batch_size // world_size, tc.grad_accum_steps
+    if k < 1 or tc.micro_batch_size < 0:
+        raise ConfigError("train.grad_accum_steps must be >= 1 and train.micro_batch_size >= 0")
+    if tc.micro_batch_size:
+        if local % tc.micro_batch_size:
+            raise ConfigError(
+                f"train.micro_batch_size={tc.micro_batch_size} does not divide the {local} rows per rank "
+                f"(train.batch_size={tc.batch_size} over {world_size} ranks)"
+            )
+        implied = local // tc.micro_batch_size
+        if k not in (1, implied):
+            raise ConfigError(
+                f"train.grad_accum_steps={k} and train.micro_batch_size={tc.micro_batch_size} disagree: "
+                f"{local} rows per rank in micro-batches of {tc.micro_batch_size} is {implied} micro-steps"
+            )
+        k = implied
+    if local % k:
+        raise ConfigError(
+            f"train.grad_accum_steps={k} does not divide the {local} rows per rank "
+            f"(train.batch_size={tc.batch_size} over {world_size} ranks)"
+        )
+    return k
+
+
+def check_loop(loop: LoopConfig, k: int, rows: int) -> None:
+    """AccumulationError for a halting rule whose decision couples rows that micro-batches of ``rows``
+    rows would split (a batch-wide rule without a ``halt_group`` dividing ``rows``)."""
+    g = loop.halt_group
+    if k > 1 and HALTINGS.get(loop.halting).batch_stalls and not (0 < g and rows % g == 0):
+        group = f"groups of loop_train.halt_group={g} rows" if g else "the whole batch"
+        raise AccumulationError(
+            f"train.grad_accum_steps={k}: the training loop's halting rule {loop.halting!r} is batch-wide "
+            f"(every sample runs until the largest residual of {group} is below tol), which micro-batches "
+            f"of {rows} rows would split, so the step would differ from the full batch; set "
+            f"loop_train.halt_group to a divisor of {rows} (a group per micro-batch or smaller), train with "
+            "a per-sample rule (loop_train.halting=residual) or without accumulation"
+        )

@@ -30,9 +30,6 @@ class Trackers:
         if self.wandb_run is not None:
             self.wandb_run.log(numbers, step=step)
 
-    def add_scalar(self, key: str, value: float, step: int) -> None:
-        self.log({key: value}, step)
-
     def close(self) -> None:
         if self.tensorboard is not None:
             self.tensorboard.close()
