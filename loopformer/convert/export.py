@@ -261,6 +261,13 @@ def export_recursive(
     w.finish()
     ndim = int(state["puzzle_emb.weights"].shape[1]) if "puzzle_emb.weights" in state else 0
     train, notes = _training(cfg, system)
+    if not ndim:  # their code reads model.model.puzzle_emb unconditionally (a puzzle table cannot be added)
+        notes.append("no puzzle embedding: " + (
+            "TRM's load_checkpoint reads model.model.puzzle_emb before loading (AttributeError); load with "
+            "model.load_state_dict(torch.load(PATH), assign=True)" if system == "trm" else
+            "HRM's create_model gives model.model.puzzle_emb to its sign-SGD (AttributeError)"))  # fmt: skip
+    if system == "hrm" and forward_dtype == "float32":
+        notes.append("HRM's flash-attn runs float16 / bfloat16 only: float32 needs SDPA in its place")
     config = {"arch": _recursive_arch(system, f, cfg, ndim, forward_dtype), **train,
               DATA_KEY: _data_metadata(f)}  # fmt: skip
     return Exported(system, state, config, notes)
