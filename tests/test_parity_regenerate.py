@@ -23,6 +23,8 @@ ROOT = Path(__file__).resolve().parents[1]
         ("ltg.py", "LOOPFORMER_REF_LTG"),
         ("attractor_lm.py", "LOOPFORMER_REF_ATTRACTOR"),
         ("lm_baselines.py", "LOOPFORMER_REF_ATTRACTOR"),
+        ("export_authors.py", "LOOPFORMER_REF_TRM"),  # export_trm, export_trm_puzzle
+        ("export_authors.py", "LOOPFORMER_REF_HRM"),  # export_hrm
     ],
 )
 def test_parity_fixture_scripts_regenerate_bit_identically(script: str, env: str) -> None:

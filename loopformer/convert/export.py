@@ -19,11 +19,19 @@ authors' model (a norm gain, tied embeddings) is an error naming it.
 Every export is checked by the round trip before anything is written: the converter reads the exported
 state and config back, and its weights must equal the run's bit for bit and its model fields the run's
 (a field the authors' model cannot express, e.g. FPRM's ``conv_form: add``, is an error naming it).
+
+``all_config.yaml`` holds every field the authors' ``PretrainConfig`` requires (``epochs`` included; HRM reads
+``data_path``, TRM and FPRM ``data_paths``). A TRM / HRM ``arch`` leaves out what their ``create_model`` passes
+from the data's ``dataset.json`` (seq_len, vocab_size, num_puzzle_identifiers: given twice, a TypeError); those
+go under ``loopformer_data``, which their config ignores and ``loopformer convert`` reads. ``forward_dtype`` is
+the dtype the run trained in (``trained_dtype``: float32 unless it ran under bf16 autocast). Checked against
+the authors' own classes by ``tools/parity/export_authors.py`` / ``tests/test_export_authors.py``.
 """
 
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +43,7 @@ from torch import Tensor
 from loopformer.convert import converter
 from loopformer.runs.checkpoint import CheckpointError
 
+DATA_KEY = "loopformer_data"  # all_config.yaml: the data the model was built for (the authors ignore it)
 COMPILED_PREFIX = "_orig_mod.model.inner."  # a torch.compile'd ACTLossHead, as pretrain.py saves it
 PLAIN_PREFIX = "model.inner."
 Q_CONTINUE_BIAS = -5.0  # the authors' q_head init: weight 0, bias -5 (TRM / HRM / FPRM)
@@ -76,8 +85,23 @@ def unpermute_rows(ours: Tensor, permute: Callable[[Tensor], Tensor]) -> Tensor:
     return theirs
 
 
-def _recursive_arch(system: str, f: dict[str, Any], cfg: Any) -> dict[str, Any]:
-    tc = cfg.train
+def _effective_fields(system: str, fields: dict[str, Any]) -> dict[str, Any]:
+    """The run's model fields with the values their defaults stand for, as the converter reads them from the
+    weights: HRM's ``l_layers`` 0 = ``n_layers``; ``puzzle_emb_dim`` -1 = ``d_model``, 0 = ``puzzle_emb_len``
+    x ``d_model`` (TRM / HRM with a puzzle embedding)."""
+    out = dict(fields)
+    if system == "hrm" and not out.get("l_layers"):
+        out["l_layers"] = out.get("n_layers")
+    if system in ("trm", "hrm") and out.get("num_puzzle_ids") and out.get("puzzle_emb_dim") in (-1, 0):
+        d = int(out["d_model"])
+        out["puzzle_emb_dim"] = d if out["puzzle_emb_dim"] == -1 else int(out.get("puzzle_emb_len") or 0) * d
+    return out
+
+
+def _recursive_arch(system: str, f: dict[str, Any], cfg: Any, forward_dtype: str) -> dict[str, Any]:
+    """``arch:`` of all_config.yaml. Never seq_len, vocab_size or num_puzzle_identifiers: the authors'
+    ``create_model`` passes those from the data's metadata beside ``**arch`` (a TypeError when both do)."""
+    tc, f = cfg.train, _effective_fields(system, f)
     arch: dict[str, Any] = {
         "name": "recursive_reasoning.trm@TinyRecursiveReasoningModel_ACTV1" if system == "trm"
         else "hrm.hrm_act_v1@HierarchicalReasoningModel_ACTV1",
@@ -88,13 +112,10 @@ def _recursive_arch(system: str, f: dict[str, Any], cfg: Any) -> dict[str, Any]:
         "pos_encodings": "rope" if f.get("rope", True) else "none",
         "puzzle_emb_ndim": int(f.get("puzzle_emb_dim") or 0) if f.get("num_puzzle_ids") else 0,
         "puzzle_emb_len": int(f.get("puzzle_emb_len") or 0),
-        "num_puzzle_identifiers": int(f.get("num_puzzle_ids") or 0),
         "halt_max_steps": int(tc.max_segments),
         "halt_exploration_prob": float(tc.halt_exploration),
         "rms_norm_eps": float(f["norm_eps"]),
-        "seq_len": int(f["seq_len"]),
-        "vocab_size": int(f["vocab_size"]),
-        "forward_dtype": "bfloat16",
+        "forward_dtype": forward_dtype,
         "loss": {"name": "losses@ACTLossHead",
                  "loss_type": "stablemax_cross_entropy" if tc.loss == "stablemax" else "softmax_cross_entropy"},
     }  # fmt: skip
@@ -107,9 +128,27 @@ def _recursive_arch(system: str, f: dict[str, Any], cfg: Any) -> dict[str, Any]:
     return arch
 
 
-def _training(cfg: Any) -> dict[str, Any]:
-    """The authors' top-level training keys (cfg_pretrain.yaml) for loopformer's ``train`` section."""
+def _epochs(cfg: Any) -> tuple[int, str | None]:
+    """The run's length in the authors' ``epochs`` (their pretrain.py: total steps = epochs x groups x mean
+    examples per group / global batch; loopformer's sets are one example per group): steps x batch / train
+    rows, rounded up; 1 with a note when the training set's size is not in the config (data.train_size 0)."""
+    tc, rows = cfg.train, int(cfg.data.train_size or 0)
+    if rows <= 0 and cfg.data.train_path:  # all rows of an HRM / TRM folder: its dataset.json counts them
+        from loopformer.convert.recursive import dataset_meta
+
+        meta = dataset_meta({"data_path": str(cfg.data.train_path)})
+        rows = int(meta.get("total_groups", 0) * meta.get("mean_puzzle_examples", 0))
+    if rows > 0:
+        return max(1, math.ceil(int(tc.steps) * int(tc.batch_size) / rows)), None
+    return 1, "epochs: 1 (the run's config does not give its training set's size; their evaluate ignores it)"
+
+
+def _training(cfg: Any, system: str) -> tuple[dict[str, Any], list[str]]:
+    """The authors' top-level training keys (cfg_pretrain.yaml) for loopformer's ``train`` section: every
+    field their ``PretrainConfig`` requires (HRM reads one ``data_path``, TRM and FPRM ``data_paths``)."""
     tc, data = cfg.train, cfg.data
+    epochs, note = _epochs(cfg)
+    path = str(data.train_path or f"data/{data.task}")  # the converter reads the task off it
     return {
         "global_batch_size": int(tc.batch_size),
         "lr": float(tc.lr),
@@ -123,11 +162,44 @@ def _training(cfg: Any) -> dict[str, Any]:
         "ema": bool(tc.ema > 0),
         "ema_rate": float(tc.ema) if tc.ema > 0 else 0.999,
         "seed": int(cfg.seed),
-        "data_paths": [str(data.train_path or f"data/{data.task}")],  # the converter reads the task off it
-    }
+        "data_path" if system == "hrm" else "data_paths": path if system == "hrm" else [path],
+        "epochs": epochs,
+    }, [note] if note else []
 
 
-def _fprm_arch(system: str, f: dict[str, Any], cfg: Any) -> dict[str, Any]:
+def trained_dtype(cfg: Any, checkpoint: str | Path | None = None) -> tuple[str, str]:
+    """(the dtype the run's forward trained in, why): ``bfloat16`` under bf16 autocast (``bf16: true``, or
+    ``auto`` on CUDA as the provenance record of the training that reached ``checkpoint`` says), ``float32``
+    otherwise; a run with ``bf16: auto`` and no record of its device (a converted run) keeps the authors'
+    default ``bfloat16``."""
+    if cfg.bf16 is True or cfg.bf16 is False:
+        return ("bfloat16" if cfg.bf16 else "float32"), f"bf16: {str(cfg.bf16).lower()}"
+    device = None
+    if checkpoint is not None:
+        from loopformer.runs.folder import read_records, record_for_step, run_at_or_above
+
+        folder = run_at_or_above(checkpoint)
+        digits = "".join(c for c in Path(checkpoint).name if c.isdigit())
+        if folder is not None:
+            record = record_for_step(folder, int(digits)) if digits else (read_records(folder) or [None])[-1]
+            device = (record or {}).get("device")
+    if device is None and cfg.device != "auto":
+        device = cfg.device
+    if device is None:
+        return "bfloat16", "bf16: auto and no record of the training device: the authors' default bfloat16"
+    on_cuda = str(device).startswith("cuda")
+    return ("bfloat16" if on_cuda else "float32"), f"bf16: auto, trained on {device}"
+
+
+def _data_metadata(f: dict[str, Any]) -> dict[str, int]:
+    """What the authors' code reads from the data (``train/dataset.json`` under the data path), as the run's
+    model was built for it: read back by ``loopformer convert`` (seq_len), ignored by their PretrainConfig.
+    Their data always holds the blank identifier 0, so at least one puzzle identifier."""
+    return {"seq_len": int(f["seq_len"]), "vocab_size": int(f["vocab_size"]),
+            "num_puzzle_identifiers": max(1, int(f.get("num_puzzle_ids") or 0))}  # fmt: skip
+
+
+def _fprm_arch(system: str, f: dict[str, Any], cfg: Any, forward_dtype: str) -> dict[str, Any]:
     from loopformer.convert.fprm import NORMS
 
     if f.get("conv", "none") == "none":
@@ -154,7 +226,8 @@ def _fprm_arch(system: str, f: dict[str, Any], cfg: Any) -> dict[str, Any]:
         "n_backwards_L": int(lt.max_steps), "fp_thresh": float(le.tol), "decay_patience": int(le.damped.patience),
         "stepsize_decay_train": float(lt.damped.gamma), "stepsize_decay_eval": float(le.damped.gamma),
         "max_iter": int(cfg.train.max_segments), "max_iter_dist": "det", "max_iter_eval": int(le.max_steps),
-        "halting_mechanism": "fixed_point", "no_ACT_continue": True, "mlp_t": False, "forward_dtype": "bfloat16",
+        "halting_mechanism": "fixed_point", "no_ACT_continue": True, "mlp_t": False,
+        "forward_dtype": forward_dtype,
         "loss": {"name": "losses@ACTLossHead", "q_loss_coeff": float(cfg.train.q_loss_weight),
                  "loss_type": "stablemax_cross_entropy" if cfg.train.loss == "stablemax" else "softmax_cross_entropy"},
     }  # fmt: skip
@@ -162,14 +235,14 @@ def _fprm_arch(system: str, f: dict[str, Any], cfg: Any) -> dict[str, Any]:
 
 
 # system -> the ``arch`` section of its all_config.yaml for a run (the loopformer model family is the system's)
-EXPORTERS: dict[str, Callable[[str, dict[str, Any], Any], dict[str, Any]]] = {
+EXPORTERS: dict[str, Callable[[str, dict[str, Any], Any, str], dict[str, Any]]] = {
     "trm": _recursive_arch, "hrm": _recursive_arch, "fprm": _fprm_arch,
 }  # fmt: skip
 
 
 def reference_state(system: str, ref: dict[str, Any]) -> dict[str, Tensor]:
     """Meta tensors of the shapes the authors' model has for ``ref`` (as their pretrain.py names them)."""
-    a = ref["arch"]
+    a = {**ref.get(DATA_KEY, {}), **ref["arch"]}  # TRM / HRM: the data's sizes beside arch (loopformer_data)
     d, vocab = int(a["hidden_size"]), int(a["vocab_size"])
     inter = -(-round(float(a.get("expansion", 4)) * d * 2 / 3) // 256) * 256  # their _find_multiple(.., 256)
 
@@ -256,7 +329,7 @@ def check_round_trip(exported: Exported, cfg: Any, weights: dict[str, Tensor]) -
     for key, value in weights.items():
         if not torch.equal(converted.weights[key], value):
             raise CheckpointError(f"export {exported.system}: weight {key!r} changes in the round trip")
-    fields = cfg.model.fields
+    fields = _effective_fields(exported.system, cfg.model.fields)
     for key, value in converted.run["model"].items():
         if key == "name":
             continue
@@ -268,15 +341,30 @@ def check_round_trip(exported: Exported, cfg: Any, weights: dict[str, Tensor]) -
                                   f"this run has {mine!r}; it cannot be exported as it is")  # fmt: skip
 
 
-def export_weights(system: str, cfg: Any, weights: dict[str, Tensor]) -> Exported:
-    """The authors' checkpoint of a run (its ``RunConfig`` and weights), checked by the round trip."""
+def export_weights(
+    system: str, cfg: Any, weights: dict[str, Tensor], checkpoint: str | Path | None = None
+) -> Exported:
+    """The authors' checkpoint of a run (its ``RunConfig`` and weights), checked by the round trip;
+    ``checkpoint`` (the run's checkpoint folder) tells ``trained_dtype`` the device it trained on."""
     if system not in EXPORTERS:
         raise KeyError(f"no export for {system!r} (available: {', '.join(sorted(EXPORTERS))})")
     if cfg.model.name != system:
         raise ValueError(f"export {system}: the run's model is {cfg.model.name!r}, not {system!r}")
     weights = {k: v.detach().cpu() for k, v in weights.items()}
-    config = {"arch": EXPORTERS[system](system, cfg.model.fields, cfg), **_training(cfg)}
-    exported = Exported(system, authors_state(system, config, weights), config)
+    forward_dtype, why = trained_dtype(cfg, checkpoint)
+    train, notes = _training(cfg, system)
+    config = {"arch": EXPORTERS[system](system, cfg.model.fields, cfg, forward_dtype), **train}
+    if system in ("trm", "hrm"):
+        config[DATA_KEY] = _data_metadata(cfg.model.fields)
+        if not config["arch"]["puzzle_emb_ndim"]:  # their code reads model.model.puzzle_emb unconditionally
+            notes.append("no puzzle embedding: " + (
+                "TRM's load_checkpoint reads model.model.puzzle_emb before loading (AttributeError); load with "
+                "model.load_state_dict(torch.load(PATH), assign=True)" if system == "trm" else
+                "HRM's create_model gives model.model.puzzle_emb to its sign-SGD (AttributeError)"))  # fmt: skip
+        if system == "hrm" and forward_dtype == "float32":
+            notes.append("HRM's flash-attn runs float16 / bfloat16 only: float32 needs SDPA in its place")
+    exported = Exported(system, authors_state(system, config, weights), config, [
+        f"arch.forward_dtype: {forward_dtype} ({why})", *notes])
     check_round_trip(exported, cfg, weights)
     return exported
 
@@ -297,4 +385,4 @@ def write_export(exported: Exported, path: str | Path, compiled: bool = True) ->
 
 
 __all__ = ["EXPORTERS", "Exported", "authors_state", "check_round_trip", "export_weights", "reference_state",
-           "unpermute_rows", "write_export"]
+           "trained_dtype", "unpermute_rows", "write_export"]

@@ -166,8 +166,11 @@ def embedding_shapes(km: KeyMap) -> tuple[int, int, int, int]:
 
 
 def reference_seq_len(arch: dict[str, Any], ref: dict[str, Any]) -> int | None:
-    """``arch.seq_len``, else the dataset's ``train/dataset.json``; None when neither has it."""
-    return arch.get("seq_len") or given("model.seq_len") or dataset_meta(ref).get("seq_len")
+    """``arch.seq_len``, else ``loopformer_data.seq_len`` (``loopformer export`` writes it outside ``arch``),
+    else the dataset's ``train/dataset.json``; None when none has it."""
+    exported = ref.get("loopformer_data") if isinstance(ref.get("loopformer_data"), dict) else {}
+    seq_len = arch.get("seq_len") or given("model.seq_len") or exported.get("seq_len")
+    return seq_len or dataset_meta(ref).get("seq_len")
 
 
 def no_seq_len(system: str) -> ValueError:
@@ -249,13 +252,16 @@ def run_config(
 ) -> dict[str, Any]:
     """The converted run: the model, the task named by the reference's data path, ``train``, and the
     reference's evaluation as ``loop_eval``."""
-    return {
+    run = {
         "model": model,
         "data": task_section(ref, model["seq_len"]),
         "train": train,
         "eval": {"segments": 1, "batch_size": 64},
         "loop_eval": eval_loop(model, arch),
     }
+    if arch.get("forward_dtype", "bfloat16") in ("float32", "float64"):
+        run["bf16"] = False  # full precision stays full precision (export writes float32 back)
+    return run
 
 
 def train_section(arch: dict[str, Any], train: dict[str, Any]) -> dict[str, Any]:
