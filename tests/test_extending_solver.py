@@ -94,9 +94,7 @@ def test_exact_truncated_replay_and_ift_use_the_new_solver() -> None:
         tol=1e-13,
         max_steps=2000,
         grad="ift",
-        ift_solver="relaxed",
-        ift_tol=1e-13,
-        ift_max_steps=2000,
+        plugins={"ift": {"solver": "relaxed", "tol": 1e-13, "max_steps": 2000}},
     )
     res = run_loop(lambda z, x: z @ w.T + x, torch.zeros_like(z_star), cfg, ctx=(x,))
     (gx,) = torch.autograd.grad((c * res.state).sum(), [x])

@@ -164,17 +164,19 @@ def loop_section(s: dict[str, Any], train: bool) -> dict[str, Any]:
     """``_solve_forward`` / ``anderson_solve`` (+ the ``onestep`` backward when training)."""
     loop = {
         "solver": "anderson_attractor",
-        "anderson_m": int(s["anderson_m"]),
-        "anderson_reg": 1e-4,  # anderson_solve's lam (the model never passes another)
-        "anderson_reg_relative": False,
-        "anderson_beta": float(s["anderson_beta"]),
+        "anderson": {
+            "m": int(s["anderson_m"]),
+            "reg": 1e-4,  # anderson_solve's lam (the model never passes another)
+            "reg_relative": False,
+            "beta": float(s["anderson_beta"]),
+        },
         "halting": "batch_residual",
         "tol": float(s["tol"]),
         "min_steps": min(int(s["min_iter"]), int(s["max_iter"])),
         "max_steps": int(s["max_iter"]),
     }
     if train:
-        loop.update(grad="neumann", grad_steps=1, neumann_clip=s["adjoint_grad_clip"])
+        loop.update(grad="neumann", grad_steps=1, neumann={"clip": s["adjoint_grad_clip"]})
     return loop
 
 

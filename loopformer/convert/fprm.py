@@ -220,17 +220,15 @@ def _weights(km: KeyMap, fields: dict[str, Any], n_layers: int) -> dict[str, Ten
 
 
 def _loops(arch: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    common = {
-        "solver": "damped",
-        "damp_patience": int(arch["decay_patience"]),
-        "tol": float(arch["fp_thresh"]),
-        "residual_norm": "rel_sup",
-        "damp_min_step": 1e-3,
-    }
+    common = {"solver": "damped", "tol": float(arch["fp_thresh"]), "residual_norm": "rel_sup"}
+
+    def damped(gamma: Any) -> dict[str, Any]:
+        return {"gamma": float(gamma), "patience": int(arch["decay_patience"]), "min_step": 1e-3}
+
     k = int(arch["n_backwards_L"])
     train = {
         **common,
-        "damp_gamma": float(arch["stepsize_decay_train"]),
+        "damped": damped(arch["stepsize_decay_train"]),
         "halting": "fixed",
         "max_steps": k,
         "grad": "truncated",
@@ -239,7 +237,7 @@ def _loops(arch: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     cap = arch["max_iter_eval"] if arch["max_iter_eval"] is not None else arch["max_iter"]
     evaluation = {
         **common,
-        "damp_gamma": float(arch["stepsize_decay_eval"]),
+        "damped": damped(arch["stepsize_decay_eval"]),
         "halting": "batch_residual",
         "max_steps": int(cap),
     }

@@ -70,7 +70,7 @@ ATTRACTOR_INITS = ("default", "scaled_zero")
 def _default_loop() -> LoopConfig:
     return LoopConfig(
         solver="anderson",
-        anderson_m=5,
+        plugins={"anderson": {"m": 5}},
         halting="residual",
         tol=3e-4,
         residual_norm="rel_l2",

@@ -92,10 +92,14 @@ class AttractorPuzzleConfig(TRMConfig):
         solver: dict = {}
         if self.deq_solver == "anderson":
             solver = dict(
-                anderson_m=self.deq_anderson_m,
-                anderson_beta=self.deq_anderson_beta,
-                anderson_reg=self.deq_anderson_reg,
-                anderson_reg_relative=self.deq_anderson_reg_relative,
+                plugins={
+                    "anderson": {
+                        "m": self.deq_anderson_m,
+                        "beta": self.deq_anderson_beta,
+                        "reg": self.deq_anderson_reg,
+                        "reg_relative": self.deq_anderson_reg_relative,
+                    }
+                }
             )
         elif self.deq_solver == "anderson_trmdeq":
             solver = dict(

@@ -27,13 +27,12 @@ int, the same for every sample: the reference solves the batch in lock step).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 from torch import Tensor
 
-from loopformer.loop.quasi_newton import exact
-from loopformer.loop.solvers import SOLVERS, Info, Solver, State, option_error
+from loopformer.loop.config import option_error
+from loopformer.loop.solvers import SOLVERS, Info, Solver, State, exact
 
 
 @dataclass(frozen=True)
@@ -41,14 +40,13 @@ class TRMDEQAndersonOptions:
     m: int = 5
     reg: float = 1e-4
     beta: float = 1.0
-    legacy_names: ClassVar[dict[str, str]] = {}
 
     def __post_init__(self) -> None:
         if not isinstance(self.m, int) or isinstance(self.m, bool) or self.m < 2:
-            raise option_error("anderson_trmdeq", "m", {}, f"must be an integer >= 2, got {self.m!r}")
+            raise option_error("anderson_trmdeq", "m", f"must be an integer >= 2, got {self.m!r}")
         if not self.reg > 0 or not self.beta > 0:
             raise option_error(
-                "anderson_trmdeq", "reg/beta", {}, f"must be > 0, got {self.reg!r}, {self.beta!r}"
+                "anderson_trmdeq", "reg/beta", f"must be > 0, got {self.reg!r}, {self.beta!r}"
             )
 
 

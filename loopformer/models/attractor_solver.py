@@ -3,8 +3,8 @@
 A solver plug-in (registered in ``loopformer.loop.SOLVERS`` on import) for github jacobfa/Attractor,
 ``attractor/models/attractor/solvers.py: anderson_solve``. Its iterates are the engine's ``anderson``
 (type-II, a ring of the last m pairs, the first iterate ``f(y0)``; the options are the ``anderson``
-group: ``anderson_m``, ``anderson_reg`` with ``anderson_reg_relative: false`` for the reference's
-``lam`` added to the raw Gram matrix, ``anderson_beta``). What differs is the value a sample returns
+table: ``anderson.m``, ``anderson.reg`` with ``anderson.reg_relative: false`` for the reference's
+``lam`` added to the raw Gram matrix, ``anderson.beta``). What differs is the value a sample returns
 when it stops: the reference returns ``f(x_k)`` of the last iterate it checked (``Fh[:, last_idx]``),
 the engine's ``anderson`` the next mixed iterate. This solver returns ``f(z)`` on the step at which a
 sample stops: the step cap, or the halting rule's test on this step's residual (``residual``:
@@ -21,9 +21,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from loopformer.loop.config import NoOptions
 from loopformer.loop.halting import group_all, halt_groups
-from loopformer.loop.quasi_newton import Anderson, AndersonOptions
-from loopformer.loop.solvers import SOLVERS, Info, State
+from loopformer.loop.solvers import SOLVERS, Anderson, Info, State
 
 RESIDUAL_RULES = ("residual", "batch_residual")
 
@@ -33,12 +33,12 @@ class AttractorAnderson(Anderson):
     """The engine's Anderson, returning ``f(z)`` on the step a sample stops (see the module docstring)."""
 
     name = "anderson_attractor"
-    Options = AndersonOptions
+    Options = NoOptions  # it reads the anderson table (LoopConfig.options_for("anderson"))
     needs_residual = True  # the stopping test reads this step's residual
     adjoint_ok = False
 
     def __init__(self, cfg: Any, options: Any = None) -> None:
-        super().__init__(cfg, cfg.anderson if options is None else options)
+        super().__init__(cfg, cfg.options_for("anderson") if options is None else options)
         self.needs_residual = True
 
     def init(self, z: Tensor) -> State:

@@ -8,7 +8,7 @@ the step number ``t`` (1-based) and, without RoPE, the sinusoidal position signa
     h^t = Block(h^{t-1} + P_pos + P_time(t))          (post-norm: h = norm(h + S(h)) per sub-layer)
 
 Halting is Graves' ACT per token, run by the loop engine (``halting="act"``): the halting unit
-``p = sigmoid(w . h + b)`` (``halt_prob``, ``[B, T]``) accumulates to ``1 - act_eps``; the step where it
+``p = sigmoid(w . h + b)`` (``halt_prob``, ``[B, T]``) accumulates to ``1 - act.eps``; the step where it
 crosses (or the last step, ``max_steps``) halts with the remainder ``R``; the output state is the
 halting-weighted mixture of the per-step states and the ponder cost is ``N + R``. The engine owns those
 semantics; ``aux_loss`` returns ``ponder_weight * mean(ponder_cost)``.
@@ -67,7 +67,7 @@ class UTConfig(ModelConfig):
     halt_bias_init: float = 1.0
     loop: LoopConfig = field(
         default_factory=lambda: LoopConfig(
-            solver="picard", halting="act", max_steps=8, act_eps=0.01, grad="bptt"
+            solver="picard", halting="act", max_steps=8, plugins={"act": {"eps": 0.01}}, grad="bptt"
         )
     )
 

@@ -34,8 +34,10 @@ from pathlib import Path
 from typing import Any
 
 from loopformer.config import RunConfig, config_to_json, to_dict
+from loopformer.config.recipes import stored_table
 from loopformer.files import append_line, atomic_write_json, read_json, read_record
 from loopformer.loop import LoopConfig
+from loopformer.loop.config import plugin_defaults
 from loopformer.runs.folder import holds_run
 from loopformer.runs.layout import CheckpointError, step_dirs
 
@@ -110,11 +112,12 @@ def config_changes(saved: dict[str, Any], current: RunConfig) -> dict[str, dict[
     """``{key: {"old": ..., "new": ...}}`` for the stream-changing keys where the checkpoint's
     ``config.json`` (``saved``) and ``current`` differ; a key one side lacks compares with its default."""
     # family / step / plugins: what the checkpoint records beside the config (loopformer.runs.checkpoint)
-    old = _flat({k: v for k, v in saved.items() if k not in ("family", "step", "plugins")})
+    old = _flat(stored_table({k: v for k, v in saved.items() if k not in ("family", "step", "plugins")}))
     new = _flat(json.loads(config_to_json(current)))
     default = _flat(to_dict(RunConfig()))
-    # the model's resolved loop: a field added since the checkpoint was written compares with its default
-    default.update({f"model.loop.{k}": v for k, v in _flat(to_dict(LoopConfig())).items()})
+    # the model's resolved loop: a field added since the checkpoint was written compares with its default, a
+    # plug-in's options an earlier version listed for every plug-in with the plug-in's defaults
+    default.update({f"model.loop.{k}": v for k, v in _flat(to_dict(LoopConfig(plugins=plugin_defaults()))).items()})
     changes = {}
     for key in sorted(set(old) | set(new)):
         a, b = old.get(key, default.get(key, _MISSING)), new.get(key, default.get(key, _MISSING))
