@@ -80,6 +80,9 @@ def test_the_new_solver_is_a_valid_name_with_typed_options() -> None:
         build_config(
             {}, ["model.name=fprm", "loop_eval.solver=relaxed", "loop_eval.plugins={relaxed: {omega: 3}}"]
         )
+    # its table beside the other loop keys, as a built-in plug-in's (docs/extending.md)
+    cfg = build_config({}, ["model.name=fprm", "loop_eval.solver=relaxed", "loop_eval.relaxed.omega=0.5"])
+    assert cfg.loop_config(cfg.model_config().loop, "eval").options_for(Relaxed) == RelaxedOptions(omega=0.5)
 
 
 def test_exact_truncated_replay_and_ift_use_the_new_solver() -> None:

@@ -262,7 +262,9 @@ class _FusedAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: Tensor) -> Any:
-        raise RuntimeError("the plan's meta attention has no backward")
+        # shapes only (meta): a forward that differentiates inside itself (TRM-DEQ's Jacobian probe) runs
+        q, k, v = ctx.saved_tensors[:3]
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), None
 
 
 def _to_bf16(x: Any) -> Any:
@@ -385,6 +387,16 @@ def activation_bytes(build: Callable[[], nn.Module], forward: Forward, rows: Any
     return out
 
 
+def carried_state(forward: Forward, model: nn.Module, rows: Any) -> Tensor:
+    """The final state of one meta training forward at batch 1, no gradient: what a deep-supervision slot
+    carries from step to step (its shape and dtype)."""
+    one = torch.as_tensor(rows.inputs[:1], device="meta")
+    pids = None if rows.puzzle_ids is None else torch.as_tensor(rows.puzzle_ids[:1], device="meta")
+    with torch.no_grad(), MetaRun():
+        _, state = forward(model, one, one.clone(), pids)
+    return state
+
+
 def optimizer_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[int, str]:
     """Bytes of ``optimizer``'s state after one step on the meta device, and how they were counted (a formula
     naming the operation that has no meta kernel, when the step cannot run there)."""
@@ -403,11 +415,14 @@ def optimizer_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) ->
             if not g.get("sign_sgd")
             for p in g["params"]
         )
-        why = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        why = why if len(why) <= 160 else why[:157] + "..."
+        name, text = type(optimizer).__name__, " ".join(str(err).split())
+        if "fused" in text:  # torch's fused AdamW kernel takes only real devices' tensors
+            why = "its fused kernel (fused=True) takes only tensors of a real device"
+        else:
+            why = f"{type(err).__name__}: {text if len(text) <= 200 else text[:197] + '...'}"
         return 2 * n, (
-            f"2 moments per parameter outside the sign-SGD rows (a formula: {type(optimizer).__name__}'s step "
-            f"could not run on the meta device, so its state could not be measured: {type(err).__name__}: {why})"
+            f"2 moments per parameter outside the sign-SGD rows (a formula: the {name} state could not be measured, "
+            f"as {name}.step does not run on the meta device: {why})"
         )
     finally:
         for p in params:
@@ -489,11 +504,8 @@ def make_plan(cfg: Any, gpus: int, gpu_memory: int, probe: Probe) -> Plan:
     optim, how = optimizer_state_bytes(model, probe.optimizer(model))
     rows_per_gpu = tc.batch_size // gpus
     carry = 0
-    if tc.mode == "deep_supervision":  # every slot's state, from one meta forward at batch 1
-        one = torch.as_tensor(probe.rows.inputs[:1], device="meta")
-        pids = None if probe.rows.puzzle_ids is None else torch.as_tensor(probe.rows.puzzle_ids[:1], device="meta")
-        with torch.no_grad(), MetaRun():
-            _, state = probe.forward(model, one, one.clone(), pids)
+    if tc.mode == "deep_supervision":  # every slot's state, its inputs and labels
+        state = carried_state(probe.forward, model, probe.rows)
         carry = rows_per_gpu * (math.prod(state.shape[1:]) * state.element_size() + 2 * probe.rows.inputs.shape[1] * 8)
     ema = 0
     if tc.ema > 0:

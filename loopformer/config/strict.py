@@ -265,10 +265,11 @@ def beside_field(cls: type) -> dataclasses.Field | None:
 
 
 def table_keys(cls: type, table: Mapping[str, Any] | None = None) -> dict[str, Any] | None:
-    """The keys a table of ``cls`` may hold with their types (its fields and what sits beside them); None
-    when any key may sit beside the fields (checked later by its owner)."""
+    """The keys a table of ``cls`` may hold with their types (its fields, what sits beside them, and the beside
+    field's own name holding a table of them); None when any key may sit beside the fields (checked later by
+    its owner)."""
     beside = beside_field(cls)
-    keys = {f.name: hints(cls)[f.name] for f in dataclasses.fields(cls) if f is not beside}
+    keys = {f.name: hints(cls)[f.name] for f in dataclasses.fields(cls)}
     if beside is None:
         return keys
     types_ = beside.metadata["beside"]

@@ -71,18 +71,24 @@ def plan_rows(cfg: RunConfig, task: Any) -> tuple[TokenDataset, str]:
 def make_plan(cfg: RunConfig, gpus: int, gpu_memory: int) -> tuple[Plan, str]:
     """The plan of ``cfg`` on ``gpus`` GPUs of ``gpu_memory`` bytes each, and where its rows came from."""
     from loopformer.runs import run_task
-    from loopformer.train.setup import build_run_model, make_optimizer
 
     try:
         task, missing = run_task(cfg.data), ""
     except (OSError, TaskDataError) as err:  # the task reads files that are not here: the recipe's fields decide
         task, missing = None, f"; the task's files are not here ({type(err).__name__}), so the model fields decide"
     rows, source = plan_rows(cfg, task)
-    probe = Probe(
+    probe = run_probe(cfg, task, rows, source + missing)
+    return memory.make_plan(cfg, gpus, gpu_memory, probe), probe.source
+
+
+def run_probe(cfg: RunConfig, task: Any, rows: TokenDataset, source: str = "") -> Probe:
+    """What the memory model measures of ``cfg``'s run (``loopformer.config.memory.Probe``)."""
+    from loopformer.train.setup import build_run_model, make_optimizer
+
+    return Probe(
         build=lambda: build_run_model(copy.deepcopy(cfg), task, rows),
         forward=lambda model, inputs, labels, pids: training_forward(model, cfg, inputs, labels, pids),
         optimizer=lambda model: make_optimizer(model, cfg.train),
         rows=rows,
-        source=source + missing,
+        source=source,
     )
-    return memory.make_plan(cfg, gpus, gpu_memory, probe), probe.source
