@@ -65,9 +65,9 @@ def test_recipe_keys_nested_partial_tables_and_errors() -> None:
         build_config({}, ["model.name=fprm", "loop_eval.dampd.gamma=0.9"])
 
 
-@pytest.mark.parametrize("old", sorted(RENAMED[LoopConfig]))
+@pytest.mark.parametrize("old", sorted(RENAMED["LoopConfig"]))
 def test_an_old_flat_name_is_refused_naming_its_new_key(old: str, tmp_path: Path) -> None:
-    new = RENAMED[LoopConfig][old]
+    new = RENAMED["LoopConfig"][old]
     message = rf"config key 'loop_eval.{old}' was renamed: write 'loop_eval.{new}'"
     with pytest.raises(ConfigError, match=message):  # an override
         build_config({}, [f"loop_eval.{old}=1"])

@@ -55,8 +55,6 @@ from loopformer.config.strict import (
     to_dict,
     unknown_key,
 )
-from loopformer.loop import LoopConfig
-from loopformer.loop.config import plugin_options
 
 log = logging.getLogger("loopformer.config")
 
@@ -357,7 +355,7 @@ def stored_table(data: Mapping[str, Any]) -> dict[str, Any]:
     ``RENAMED`` (``damp_gamma``) moved into their tables (``damped: {gamma: ...}``) and a ``plugins`` table's
     entries beside the other keys, in ``model.loop``, ``loop_train``, ``loop_eval`` and ``loop_periodic``; a
     key given both ways keeps the table's value."""
-    renamed = RENAMED[LoopConfig]
+    renamed = RENAMED["LoopConfig"]
     out = json.loads(json.dumps(dict(data), default=list))  # deep copy of plain data
     model = out.get("model")
     tables = [model.get("loop")] if isinstance(model, dict) else []
@@ -397,8 +395,10 @@ def resolved_tables(cfg: RunConfig, task_defaults: dict[str, Any] | None = None)
     return data
 
 
-def _every_option(loop: LoopConfig) -> dict[str, Any]:
-    """``loop`` as a table with the options of every registered plug-in (its own or the defaults)."""
+def _every_option(loop: Any) -> dict[str, Any]:
+    """``loop`` (a LoopConfig) as a table with the options of every registered plug-in (its own or the defaults)."""
+    from loopformer.loop.config import plugin_options
+
     return {**to_dict(loop), **{name: to_dict(loop.options_for(name)) for name in plugin_options()}}
 
 

@@ -21,10 +21,12 @@ import math
 import os
 import typing
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from loopformer.config.strict import ConfigError, Overlay, Registered, coerce, hints, join, suggest, to_dict
-from loopformer.loop import LoopConfig
+
+if TYPE_CHECKING:  # resolved by loopformer.config.strict.hints: importing the configuration imports no torch
+    from loopformer.loop import LoopConfig
 
 MAX_LR = 10.0
 
@@ -406,13 +408,13 @@ class RunConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     # the loops, each the LoopConfig keys it sets over the model's default loop (model.loop): loop_train for
     # training, loop_eval for evaluation (RunConfig.loop_config resolves them; the only place that does)
-    loop_train: Overlay[LoopConfig] = field(default_factory=lambda: Overlay(LoopConfig))
-    loop_eval: Overlay[LoopConfig] = field(default_factory=lambda: Overlay(LoopConfig))
+    loop_train: Overlay[LoopConfig] = field(default_factory=lambda: _loop_overlay())
+    loop_eval: Overlay[LoopConfig] = field(default_factory=lambda: _loop_overlay())
     # applied over loop_eval for the trainer's own evaluations (every train.eval_every steps and the one at the
     # end of training, which also choose train.keep_best): a cheaper in-training protocol than loop_eval's
     # (FPRM: the authors evaluate in-run at cap 1000, their published numbers at cap 35000); {} = loop_eval as
     # is. `loopformer eval` always uses loop_eval.
-    loop_periodic: Overlay[LoopConfig] = field(default_factory=lambda: Overlay(LoopConfig))
+    loop_periodic: Overlay[LoopConfig] = field(default_factory=lambda: _loop_overlay())
     out_dir: str = "runs/default"
     seed: int = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -449,7 +451,14 @@ class RunConfig:
         changes = {"train": self.loop_train, "eval": self.loop_eval, "periodic": self.loop_periodic}[phase].changes
         if phase == "train" and "sync_every" not in changes:
             changes = {**changes, "sync_every": 0}
-        return Overlay(LoopConfig, changes).over(base, f"loop_{phase}")
+        return Overlay(type(base), changes).over(base, f"loop_{phase}")
+
+def _loop_overlay() -> Overlay:
+    """An empty ``Overlay[LoopConfig]``: the model's default loop as it is."""
+    from loopformer.loop import LoopConfig
+
+    return Overlay(LoopConfig)
+
 
 def model_fields(name: str, fields_: typing.Mapping[str, Any], path: str) -> dict[str, Any]:
     """Family config fields coerced to their types; a table for a nested dataclass (``model.loop``) is

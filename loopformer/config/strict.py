@@ -37,17 +37,15 @@ from typing import Annotated, Any, Generic, Literal, TypeVar
 
 import yaml
 
-from loopformer.loop import LoopConfig
-
 C = TypeVar("C")
 
 MAX_YAML_NODES = 100_000
 
-# keys of earlier versions, by the dataclass whose tables held them: the old key -> the key that replaced it.
-# A recipe or an override using one is refused naming its new key; a stored run config is translated
-# (loopformer.config.recipes.stored_table)
-RENAMED: dict[type, dict[str, str]] = {
-    LoopConfig: {
+# keys of earlier versions, by the name of the dataclass whose tables held them: the old key -> the key that
+# replaced it. A recipe or an override using one is refused naming its new key; a stored run config is
+# translated (loopformer.config.recipes.stored_table)
+RENAMED: dict[str, dict[str, str]] = {
+    "LoopConfig": {
         "damp_gamma": "damped.gamma",
         "damp_patience": "damped.patience",
         "damp_min_step": "damped.min_step",
@@ -99,7 +97,7 @@ def join(path: str, key: str) -> str:
 def unknown_key(cls: type, key: Any, known: Sequence[str], path: str) -> ConfigError:
     """The error for ``key`` in a table of ``cls`` at ``path``: its new spelling when an earlier version
     used it (``RENAMED``), else the nearest of ``known``."""
-    new = RENAMED.get(cls, {}).get(str(key))
+    new = RENAMED.get(cls.__name__, {}).get(str(key))
     if new is not None:
         return ConfigError(
             f"config key {join(path, key)!r} was renamed: write {join(path, new)!r} (the option's table)"
@@ -255,8 +253,12 @@ def coerce(value: Any, tp: Any, path: str) -> Any:
 # --------------------------------------------------------------------------------------------
 @functools.cache
 def hints(cls: type) -> dict[str, Any]:
-    """The resolved annotations of dataclass ``cls`` (``Annotated`` kept)."""
-    return typing.get_type_hints(cls, include_extras=True)
+    """The resolved annotations of dataclass ``cls`` (``Annotated`` kept). The run configuration names
+    ``LoopConfig`` only for its annotations, resolved here when a table is first read, so that importing
+    ``loopformer.config`` imports no torch (the ``recipes`` command's start-up, tests/test_startup.py)."""
+    from loopformer.loop import LoopConfig
+
+    return typing.get_type_hints(cls, include_extras=True, localns={"LoopConfig": LoopConfig})
 
 
 def beside_field(cls: type) -> dataclasses.Field | None:

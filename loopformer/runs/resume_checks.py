@@ -117,7 +117,8 @@ def config_changes(saved: dict[str, Any], current: RunConfig) -> dict[str, dict[
     default = _flat(to_dict(RunConfig()))
     # the model's resolved loop: a field added since the checkpoint was written compares with its default, a
     # plug-in's options an earlier version listed for every plug-in with the plug-in's defaults
-    default.update({f"model.loop.{k}": v for k, v in _flat(to_dict(LoopConfig(plugins=plugin_defaults()))).items()})
+    loop_defaults = {**to_dict(LoopConfig()), **to_dict(plugin_defaults())}
+    default.update({f"model.loop.{k}": v for k, v in _flat(loop_defaults).items()})
     changes = {}
     for key in sorted(set(old) | set(new)):
         a, b = old.get(key, default.get(key, _MISSING)), new.get(key, default.get(key, _MISSING))
