@@ -26,10 +26,12 @@ RECIPES = sorted((Path(__file__).parents[1] / "loopformer" / "recipes").glob("*.
 
 
 def test_plugin_options_are_typed_by_their_registered_class() -> None:
-    cfg = LoopConfig(solver="damped", plugins={"damped": {"gamma": 0.95, "patience": 10}, "anderson": {"m": 3}})
+    options = {"damped": {"gamma": 0.95, "patience": 10}, "anderson": {"m": 3}}
+    cfg = LoopConfig(solver="damped", plugins=options)
     assert cfg.plugins["damped"] == DampedOptions(gamma=0.95, patience=10)
     assert cfg.options_for("damped") == DampedOptions(gamma=0.95, patience=10)
-    assert cfg.options_for("anderson").m == 3 and cfg.options_for("broyden").m == 16  # given, else the defaults
+    assert cfg.options_for("anderson").m == 3  # given
+    assert cfg.options_for("broyden").m == 16  # else the defaults
     assert LoopConfig(solver="damped").plugins == {"damped": DampedOptions()}  # the plug-ins run are recorded
     other = dataclasses.replace(cfg, max_steps=7)  # replace keeps (and re-checks) the options
     assert other.options_for("damped").patience == 10
@@ -61,7 +63,8 @@ def test_recipe_keys_nested_partial_tables_and_errors() -> None:
     assert a.loop_config(base, "eval").options_for("damped").min_step == base.options_for("damped").min_step
     with pytest.raises(ConfigError, match=r"loop_eval.damped.gama"):
         build_config({}, ["model.name=fprm", "loop_eval.damped={gama: 0.9}"])
-    with pytest.raises(ConfigError, match=r"unknown config key 'loop_eval.dampd'; did you mean 'loop_eval.damped'\?"):
+    nearest = r"unknown config key 'loop_eval.dampd'; did you mean 'loop_eval.damped'\?"
+    with pytest.raises(ConfigError, match=nearest):
         build_config({}, ["model.name=fprm", "loop_eval.dampd.gamma=0.9"])
 
 
@@ -75,12 +78,14 @@ def test_an_old_flat_name_is_refused_naming_its_new_key(old: str, tmp_path: Path
     recipe.write_text(f"base: sudoku4_fprm\nloop_eval: {{{old}: 1}}\n")
     with pytest.raises(ConfigError, match=message):  # a recipe
         load_config(recipe)
-    with pytest.raises(ConfigError, match=rf"config key 'model.loop.{old}' was renamed: write 'model.loop.{new}'"):
+    in_model = rf"config key 'model.loop.{old}' was renamed: write 'model.loop.{new}'"
+    with pytest.raises(ConfigError, match=in_model):
         build_config({"model": {"name": "fprm", "loop": {old: 1}}})
 
 
 def test_a_stored_run_config_with_the_old_flat_names_still_loads(tmp_path: Path) -> None:
-    cfg = build_config({"model": {"name": "fprm", "d_model": 16, "n_heads": 2}}, ["loop_eval.damped.gamma=0.99"])
+    model = {"name": "fprm", "d_model": 16, "n_heads": 2}
+    cfg = build_config({"model": model}, ["loop_eval.damped.gamma=0.99"])
     stored = json.loads(json.dumps(to_dict(cfg)))
     stored["model"]["loop"] = {"solver": "damped", "damp_gamma": 0.95, "damp_patience": 7, "plugins": {}}
     stored["loop_eval"] = {"damp_gamma": 0.99}
@@ -94,7 +99,7 @@ def test_a_stored_run_config_with_the_old_flat_names_still_loads(tmp_path: Path)
 def test_a_dump_loads_back() -> None:
     cfg = LoopConfig(solver="anderson", plugins={"anderson": {"m": 3}, "damped": {"gamma": 0.5}})
     table = to_dict(cfg)
-    assert table["anderson"]["m"] == 3 and "plugins" not in table  # options beside the fields, as a recipe writes
+    assert table["anderson"]["m"] == 3 and "plugins" not in table  # beside the fields, as a recipe writes
     assert from_dict(LoopConfig, table) == cfg
     assert from_dict(LoopConfig, {**table, "plugins": {}}) == cfg  # the layout of earlier dumps
 

@@ -123,3 +123,5 @@ def test_cli_prints_the_plan_and_a_micro_batch(tmp_path) -> None:
     assert "saved activations" in result.output and "per example" in result.output
     assert "2 GPU(s) of 2 GB" in result.output
     assert "micro-batch" in result.output
+    # the optimiser's state is measured, or the line says what could not be measured and why
+    assert "measured (" in result.output or "state could not be measured, as" in result.output

@@ -2,8 +2,8 @@
 per GPU for ``loopformer train RECIPE --plan``.
 
 **The bound every command checks** (``check_memory``, inside ``loopformer.config.schema.validate``, so
-``train``, ``eval``, ``solve``, ``run`` and ``push`` refuse the same sizes): a *lower bound* of what the run must
-hold at once, each term tied to the keys that set it:
+``train``, ``eval``, ``solve``, ``run`` and ``push`` refuse the same sizes): a *lower bound* of what the run
+must hold at once, each term tied to the keys that set it:
 
 - the weights: ``model.n_layers`` x 4 ``model.d_model``^2 (attention projections; the MLP left out)
   plus ``model.vocab_size`` x ``model.d_model``, as float32, x4 when training (gradients, two Adam moments);
@@ -81,13 +81,14 @@ from loopformer.config.strict import ConfigError
 GIB = float(1 << 30)
 FAR_BEYOND = 4  # refuse only a bound this many times the memory: an estimate that is off never refuses a run
 HISTORY_BYTES = 16.0  # per loop step and sample: float32 residual + state norm, and their segment buffers
-# the plan's margin on top of the counted bytes: the CUDA context (~0.5-1 GiB), the backward's transient gradient
-# buffers (a few activation-sized tensors) and the caching allocator's fragmentation, small now that every
-# shape of a training step is static (issue 33: the carry is refilled in place, the loops do not compact)
+# the plan's margin on top of the counted bytes: the CUDA context (~0.5-1 GiB), the backward's transient
+# gradient buffers (a few activation-sized tensors) and the caching allocator's fragmentation, small now that
+# every shape of a training step is static (issue 33: the carry is refilled in place, the loops do not compact)
 MARGIN_FRACTION = 0.05
 MARGIN_BYTES = 2 * 2**30
 GiB = 2**30
-MEASURED_AT = (2, 4)  # batch sizes of the plan's two measurements (batch 1 can share storages a larger one does not)
+# batch sizes of the plan's two measurements (batch 1 can share storages a larger batch does not)
+MEASURED_AT = (2, 4)
 
 
 def physical_memory() -> int | None:
@@ -340,7 +341,8 @@ def plan_loop(cfg: Any, model: nn.Module) -> Any:
 
     loop = cfg.loop_config(model.config.loop, "train")
     steps = loop.max_steps
-    sampler = training_sampler(cfg.train.loop_sampler, cfg.train.loop_sampler_options, loop.max_steps, cfg.seed)
+    tc = cfg.train
+    sampler = training_sampler(tc.loop_sampler, tc.loop_sampler_options, loop.max_steps, cfg.seed)
     if sampler is not None:
         steps = max(int(sampler.sample(s)) for s in range(256))
     halting = loop.halting if HALTINGS.get(loop.halting).learned else "fixed"
@@ -368,17 +370,17 @@ class Probe:
 
 def activation_bytes(build: Callable[[], nn.Module], forward: Forward, rows: Any, batches: tuple[int, ...],
                      bf16: bool, device: str = "meta") -> list[int]:  # fmt: skip
-    """Saved-activation bytes of one training forward + loss at each batch size (``rows`` repeated); on the meta
-    device under ``MetaRun`` (with ``bf16``: autocast's policy)."""
+    """Saved-activation bytes of one training forward + loss at each batch size (``rows`` repeated); on the
+    meta device under ``MetaRun`` (with ``bf16``: autocast's policy)."""
     model = build()
     model.train()
     exclude = {_key(t) for t in (*model.parameters(), *model.buffers())}
     out = []
     for b in batches:
-        idx = torch.arange(b) % len(rows)
-        inputs = torch.as_tensor(rows.inputs[idx.numpy()], device=device)
-        labels = torch.as_tensor(rows.labels[idx.numpy()], device=device)
-        pids = None if rows.puzzle_ids is None else torch.as_tensor(rows.puzzle_ids[idx.numpy()], device=device)
+        idx = (torch.arange(b) % len(rows)).numpy()
+        inputs = torch.as_tensor(rows.inputs[idx], device=device)
+        labels = torch.as_tensor(rows.labels[idx], device=device)
+        pids = None if rows.puzzle_ids is None else torch.as_tensor(rows.puzzle_ids[idx], device=device)
         mode = MetaRun(bf16) if device == "meta" else contextlib.nullcontext()
         with count_saved(exclude) as seen, mode:
             loss, _ = forward(model, inputs, labels, pids)
@@ -421,14 +423,17 @@ def optimizer_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) ->
         else:
             why = f"{type(err).__name__}: {text if len(text) <= 200 else text[:197] + '...'}"
         return 2 * n, (
-            f"2 moments per parameter outside the sign-SGD rows (a formula: the {name} state could not be measured, "
-            f"as {name}.step does not run on the meta device: {why})"
+            f"2 moments per parameter outside the sign-SGD rows (a formula: the {name} state could not be "
+            f"measured, as {name}.step does not run on the meta device: {why})"
         )
     finally:
         for p in params:
             p.grad = None
     total = sum(
-        v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values() if isinstance(v, Tensor)
+        v.numel() * v.element_size()
+        for s in optimizer.state.values()
+        for v in s.values()
+        if isinstance(v, Tensor)
     )
     return total, f"measured ({type(optimizer).__name__} state after one step)"
 
@@ -506,10 +511,12 @@ def make_plan(cfg: Any, gpus: int, gpu_memory: int, probe: Probe) -> Plan:
     carry = 0
     if tc.mode == "deep_supervision":  # every slot's state, its inputs and labels
         state = carried_state(probe.forward, model, probe.rows)
-        carry = rows_per_gpu * (math.prod(state.shape[1:]) * state.element_size() + 2 * probe.rows.inputs.shape[1] * 8)
+        slot = math.prod(state.shape[1:]) * state.element_size() + 2 * probe.rows.inputs.shape[1] * 8
+        carry = rows_per_gpu * slot
     ema = 0
     if tc.ema > 0:
-        ema = _nbytes(p for n, p in model.named_parameters() if tc.ema_puzzle_embeddings or "puzzle_emb" not in n)
+        kept = (p for n, p in model.named_parameters() if tc.ema_puzzle_embeddings or "puzzle_emb" not in n)
+        ema = _nbytes(kept)
     loop = cfg.loop_config(model.config.loop, "train")
     sampled = cfg.train.loop_sampler != "none" and cfg.train.mode == "simple"
     halting = plan_loop(cfg, model).halting if sampled else loop.halting

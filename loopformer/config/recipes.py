@@ -24,8 +24,8 @@
   ``load_config_file`` reads either back, the keys a checkpoint adds beside the config
   (``CHECKPOINT_META_KEYS``) left out and the spellings of earlier versions translated (``stored_table``).
 - ``resolved_yaml(cfg)``: the run configuration with ``model`` and ``loop_train`` / ``loop_eval`` /
-  ``loop_periodic`` written out field by field (every field with its effective value; the loops with the options
-  of every registered plug-in, ``model.loop`` as a trained run records it); it loads
+  ``loop_periodic`` written out field by field (every field with its effective value; the loops with the
+  options of every registered plug-in, ``model.loop`` as a trained run records it); it loads
   back to the same model and loops. Model fields the trainer fills from the task (``TASK_FIELDS``)
   stay out unless the recipe sets them, so the printed config still takes them from the task.
 """
@@ -396,7 +396,8 @@ def resolved_tables(cfg: RunConfig, task_defaults: dict[str, Any] | None = None)
 
 
 def _every_option(loop: Any) -> dict[str, Any]:
-    """``loop`` (a LoopConfig) as a table with the options of every registered plug-in (its own or the defaults)."""
+    """``loop`` (a LoopConfig) as a table with the options of every registered plug-in (its own or the
+    defaults)."""
     from loopformer.loop.config import plugin_options
 
     return {**to_dict(loop), **{name: to_dict(loop.options_for(name)) for name in plugin_options()}}

@@ -6,11 +6,11 @@
 ``RunConfig.loop_config`` (the one definition of the loop a phase runs). Tables become these classes through
 ``loopformer.config.strict``.
 
-``validate(cfg)`` runs when a config is built (``loopformer.config.build_config``): the model family's fields
-are coerced and checked by their own class, then every value by the dataclass that owns it (ranges with the
-dotted key, a held-out set generated apart from the training set, the task's name and options, the loop
-sampler's options), the model's shape (``d_model`` divisible by ``n_heads``), the device (``cuda`` needs a CUDA
-device), and sizes that cannot fit in memory (``loopformer.config.memory``).
+``validate(cfg)`` runs when a config is built (``loopformer.config.build_config``): the model family's
+fields are coerced and checked by their own class, then every value by the dataclass that owns it (ranges
+with the dotted key, a held-out set generated apart from the training set, the task's name and options, the
+loop sampler's options), the model's shape (``d_model`` divisible by ``n_heads``), the device (``cuda``
+needs a CUDA device), and sizes that cannot fit in memory (``loopformer.config.memory``).
 """
 
 from __future__ import annotations
@@ -155,7 +155,8 @@ class DataConfig:
         raise ConfigError(
             f"data.train_seed and data.eval_seed are both {self.train_seed} with the same generator options "
             f"(data.train_generate = data.eval_generate): the held-out set would be the training set's first "
-            f"rows; give data.eval_seed another value (or other data.eval_generate options, or a data.eval_path)"
+            f"rows; give data.eval_seed another value (or other data.eval_generate options, or a "
+            f"data.eval_path)"
         )
 
 
@@ -284,7 +285,8 @@ class TrainConfig:
         """Ranges (sizes >= 1, rates in [0, 1), finite non-negative weights, a sane learning rate), the
         optimiser's options, accumulation against the batch, the kept metric's name, and CPU threads."""
         _at_least(self, "train", 1, "steps", "batch_size", "max_segments", "log_every")
-        _at_least(self, "train", 0, "warmup_steps", "eval_every", "checkpoint_every", "keep_checkpoints", "threads")
+        _at_least(self, "train", 0, "warmup_steps", "eval_every", "checkpoint_every", "keep_checkpoints",
+                  "threads")  # fmt: skip
         if not (math.isfinite(self.lr) and 0 < self.lr <= MAX_LR):
             raise ConfigError(f"train.lr must be a finite number in (0, {MAX_LR:g}], got {self.lr}")
         _finite(self, "train", 0.0, 1.0, "ema", "label_smoothing", open_high=True)
@@ -305,7 +307,8 @@ class TrainConfig:
         self._check_accumulation()
         if self.keep_best and not self.keep_best.isidentifier():
             raise ConfigError(
-                f"train.keep_best must name an evaluation metric (e.g. exact_acc, valid_acc), got {self.keep_best!r}"
+                "train.keep_best must name an evaluation metric (e.g. exact_acc, valid_acc), "
+                f"got {self.keep_best!r}"
             )
         if self.keep_best.startswith("eval_"):
             raise ConfigError(
@@ -344,7 +347,8 @@ class TrainConfig:
             )
         if isinstance(self.muon_ns_steps, bool) or not 1 <= self.muon_ns_steps <= 5:
             raise ConfigError(
-                f"train.muon_ns_steps must be an integer in 1..5 (Polar Express steps), got {self.muon_ns_steps}"
+                "train.muon_ns_steps must be an integer in 1..5 (Polar Express steps), "
+                f"got {self.muon_ns_steps}"
             )
         if isinstance(self.muon_momentum_warmup_steps, bool) or self.muon_momentum_warmup_steps < 0:
             raise ConfigError(
@@ -357,7 +361,8 @@ class TrainConfig:
             )
         if self.optimizer == "muon_adamw" and (self.puzzle_emb_optimizer == "sign_sgd" or self.decay_all):
             raise ConfigError(
-                "train.optimizer=muon_adamw takes neither train.puzzle_emb_optimizer=sign_sgd nor train.decay_all"
+                "train.optimizer=muon_adamw takes neither train.puzzle_emb_optimizer=sign_sgd nor "
+                "train.decay_all"
             )
 
     def _check_accumulation(self) -> None:
@@ -367,12 +372,13 @@ class TrainConfig:
         _at_least(self, "train", 0, "micro_batch_size")
         if self.batch_size % self.grad_accum_steps:
             raise ConfigError(
-                f"train.grad_accum_steps={self.grad_accum_steps} does not divide train.batch_size={self.batch_size}"
+                f"train.grad_accum_steps={self.grad_accum_steps} does not divide "
+                f"train.batch_size={self.batch_size}"
             )
         if self.micro_batch_size and self.batch_size % (self.micro_batch_size * self.grad_accum_steps):
             raise ConfigError(
-                f"train.micro_batch_size={self.micro_batch_size} x train.grad_accum_steps={self.grad_accum_steps} "
-                f"does not divide train.batch_size={self.batch_size}"
+                f"train.micro_batch_size={self.micro_batch_size} x "
+                f"train.grad_accum_steps={self.grad_accum_steps} does not divide train.batch_size={self.batch_size}"
             )
 
 
@@ -410,10 +416,10 @@ class RunConfig:
     # training, loop_eval for evaluation (RunConfig.loop_config resolves them; the only place that does)
     loop_train: Overlay[LoopConfig] = field(default_factory=lambda: _loop_overlay())
     loop_eval: Overlay[LoopConfig] = field(default_factory=lambda: _loop_overlay())
-    # applied over loop_eval for the trainer's own evaluations (every train.eval_every steps and the one at the
-    # end of training, which also choose train.keep_best): a cheaper in-training protocol than loop_eval's
-    # (FPRM: the authors evaluate in-run at cap 1000, their published numbers at cap 35000); {} = loop_eval as
-    # is. `loopformer eval` always uses loop_eval.
+    # applied over loop_eval for the trainer's own evaluations (every train.eval_every steps and the one at
+    # the end of training, which also choose train.keep_best): a cheaper in-training protocol than loop_eval's
+    # (FPRM: the authors evaluate in-run at cap 1000, their published numbers at cap 35000); {} = loop_eval
+    # as is. `loopformer eval` always uses loop_eval.
     loop_periodic: Overlay[LoopConfig] = field(default_factory=lambda: _loop_overlay())
     out_dir: str = "runs/default"
     seed: int = 0
@@ -448,7 +454,8 @@ class RunConfig:
         the host unless the recipe asks (``LoopConfig.sync_every``: 0 unless ``loop_train`` sets it)."""
         if phase == "periodic":
             base = self.loop_config(base, "eval")
-        changes = {"train": self.loop_train, "eval": self.loop_eval, "periodic": self.loop_periodic}[phase].changes
+        overlay = {"train": self.loop_train, "eval": self.loop_eval, "periodic": self.loop_periodic}[phase]
+        changes = overlay.changes
         if phase == "train" and "sync_every" not in changes:
             changes = {**changes, "sync_every": 0}
         return Overlay(type(base), changes).over(base, f"loop_{phase}")
@@ -524,9 +531,11 @@ def _check_model(cfg: RunConfig) -> None:
     d_model, heads = getattr(mc, "d_model", None), getattr(mc, "n_heads", None)
     if isinstance(d_model, int) and isinstance(heads, int) and d_model % heads:
         raise ConfigError(f"model.d_model={d_model} must be divisible by model.n_heads={heads}")
-    if getattr(mc, "rope", False) and isinstance(d_model, int) and isinstance(heads, int) and (d_model // heads) % 2:
+    odd_heads = isinstance(d_model, int) and isinstance(heads, int) and (d_model // heads) % 2
+    if getattr(mc, "rope", False) and odd_heads:
         raise ConfigError(
-            f"model.d_model / model.n_heads = {d_model // heads} must be even for rotary positions (model.rope=true)"
+            f"model.d_model / model.n_heads = {d_model // heads} must be even for rotary positions "
+            "(model.rope=true)"
         )
 
 
@@ -534,9 +543,11 @@ def _check_loops(cfg: RunConfig) -> None:
     """The training sampler's options, and a bf16 loop state only under bf16 autocast."""
     from loopformer.loop.samplers import training_sampler
 
-    loops = {phase: cfg.loop_config(cfg.model_config().loop, phase) for phase in ("train", "eval", "periodic")}
+    base = cfg.model_config().loop
+    loops = {phase: cfg.loop_config(base, phase) for phase in ("train", "eval", "periodic")}
     try:
-        training_sampler(cfg.train.loop_sampler, cfg.train.loop_sampler_options, loops["train"].max_steps, cfg.seed)
+        training_sampler(cfg.train.loop_sampler, cfg.train.loop_sampler_options, loops["train"].max_steps,
+                         cfg.seed)  # fmt: skip
     except (ValueError, TypeError) as err:
         raise ConfigError(f"train.loop_sampler / train.loop_sampler_options: {err}") from None
     for phase, loop in loops.items():
@@ -618,8 +629,8 @@ def validate(cfg: RunConfig, training: bool = True, device: str | None = None) -
     coerced values (a nested ``loop`` table is written out whole, the family's default under it) so the
     dump round-trips.
 
-    ``training=False`` checks a trained run's config for evaluation (``loopformer.config.checks.run_config_for``):
-    the training machine's settings (``device``, ``train.threads``) are not held against this machine, and
+    ``training=False`` checks a trained run's config for evaluation
+    (``loopformer.config.checks.run_config_for``): the training machine's settings (``device``, ``train.threads``) are not held against this machine, and
     the memory bound (``loopformer.config.memory``) is evaluation's, on ``device`` (default ``cfg.device``)."""
     fields_ = model_fields(cfg.model.name, cfg.model.fields, "model")
     cfg.model.fields = {k: to_dict(v) for k, v in fields_.items()}

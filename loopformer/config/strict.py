@@ -1,7 +1,7 @@
 """The one loader of typed data: plain tables <-> dataclasses, strictly, and the strict YAML reader.
 
-- ``from_dict(cls, data)`` builds a dataclass from a table; ``coerce(value, type, path)`` converts one value to
-  its annotation; ``to_dict`` turns a dataclass back into plain YAML / JSON data. Unknown keys and bad types
+- ``from_dict(cls, data)`` builds a dataclass from a table; ``coerce(value, type, path)`` converts one value
+  to its annotation; ``to_dict`` turns a dataclass back into plain YAML / JSON data. Unknown keys and bad types
   are errors: every ``ConfigError`` names the full dotted key and suggests the nearest valid one (``difflib``
   plus a bonus for a shared prefix); a key an earlier version used (``RENAMED``) is refused naming the key
   that replaced it. The run configuration (``loopformer.config.schema``) and the records the library writes
@@ -267,9 +267,9 @@ def beside_field(cls: type) -> dataclasses.Field | None:
 
 
 def table_keys(cls: type, table: Mapping[str, Any] | None = None) -> dict[str, Any] | None:
-    """The keys a table of ``cls`` may hold with their types (its fields, what sits beside them, and the beside
-    field's own name holding a table of them); None when any key may sit beside the fields (checked later by
-    its owner)."""
+    """The keys a table of ``cls`` may hold with their types (its fields, what sits beside them, and the
+    beside field's own name holding a table of them); None when any key may sit beside the fields (checked
+    later by its owner)."""
     beside = beside_field(cls)
     keys = {f.name: hints(cls)[f.name] for f in dataclasses.fields(cls)}
     if beside is None:
@@ -314,7 +314,8 @@ def _typed_table(cls: type, data: Mapping[str, Any], path: str, partial: bool) -
 
 
 def _build(cls: type, values: Mapping[str, Any], path: str) -> Any:
-    """``cls(**values)``; the class's own refusal (``ValueError`` / ``TypeError``) as a ConfigError at ``path``."""
+    """``cls(**values)``; the class's own refusal (``ValueError`` / ``TypeError``) as a ConfigError at
+    ``path``."""
     try:
         return cls(**values)
     except (ValueError, TypeError) as err:
@@ -352,9 +353,12 @@ def _merged(base: Any, changes: Mapping[str, Any], path: str) -> Any:
         if isinstance(value, Mapping) and dataclasses.is_dataclass(old):
             value = _merged(old, value, join(path, key))
         elif beside is not None and key == beside.name and isinstance(old, Mapping):
+            entries = {**old, **value}
             value = {
-                k: _merged(old[k], v, join(path, k)) if isinstance(v, Mapping) and dataclasses.is_dataclass(old.get(k)) else v
-                for k, v in {**old, **value}.items()
+                k: _merged(old[k], v, join(path, k))
+                if isinstance(v, Mapping) and dataclasses.is_dataclass(old.get(k))
+                else v
+                for k, v in entries.items()
             }
         merged[key] = value
     try:

@@ -1,12 +1,13 @@
-"""LoopConfig: every knob of the loop engine in one validated dataclass, and the registries it names plug-ins from.
+"""LoopConfig: every knob of the loop engine in one validated dataclass, and the registries it names
+plug-ins from.
 
 Three plug-in axes (docs/architecture.md): ``solver`` (how the next iterate is formed), ``halting`` (when a
 sample stops) and ``grad`` (how gradients flow back through the loop). Each axis is a ``Registry`` of classes
-(``SOLVERS`` in solvers.py, ``HALTINGS`` in halting.py, ``GRADS`` in grad.py); a plug-in is one class registered
-under its ``name``, with its typed options in its own frozen ``Options`` dataclass. LoopConfig imports no
-plug-in: it checks its names against the registries (``AXES``, filled as each axis module registers its base)
-and keeps the options of plug-ins by name in ``plugins`` (a table or an ``Options`` instance each, typed by the
-registered class). In a recipe a plug-in's table sits beside the other keys, ``loop_eval: {solver: damped,
+(``SOLVERS`` in solvers.py, ``HALTINGS`` in halting.py, ``GRADS`` in grad.py); a plug-in is one class
+registered under its ``name``, with its typed options in its own frozen ``Options`` dataclass. LoopConfig
+imports no plug-in: it checks its names against the registries (``AXES``, filled as each axis module makes
+its registry) and keeps the options of plug-ins by name in ``plugins`` (a table or an ``Options`` instance
+each, typed by the registered class). In a recipe a plug-in's table sits beside the other keys, ``loop_eval: {solver: damped,
 damped: {gamma: 0.99}}``; in Python ``LoopConfig(solver="damped", plugins={"damped": {"gamma": 0.99}})``;
 ``cfg.options_for("damped")`` gives the typed options (the table given, else the class's defaults). The
 plug-ins a config runs (its solver, halting rule and gradient mode) always have their options in ``plugins``,
@@ -265,9 +266,9 @@ class LoopConfig:
 
 
 def _typed_plugins(given: Any, chosen: list[Any]) -> dict[str, Any]:
-    """``given`` (plug-in name -> table or Options) typed by each plug-in's Options class, in one canonical form
-    so that equal loops compare equal: the ``chosen`` plug-ins' options always (their defaults when not given),
-    another plug-in's only when they differ from its defaults."""
+    """``given`` (plug-in name -> table or Options) typed by each plug-in's Options class, in one canonical
+    form so that equal loops compare equal: the ``chosen`` plug-ins' options always (their defaults when not
+    given), another plug-in's only when they differ from its defaults."""
     if not isinstance(given, Mapping):
         raise ValueError(f"LoopConfig.plugins must be a table of plug-in options, got {given!r}")
     out = {}
@@ -293,7 +294,8 @@ def _typed_plugins(given: Any, chosen: list[Any]) -> dict[str, Any]:
 
 
 def option_error(plugin: str, key: str, message: str) -> ValueError:
-    """``LoopConfig.<plugin>.<key> <message>``: an Options class's refusal, named as a recipe writes the key."""
+    """``LoopConfig.<plugin>.<key> <message>``: an Options class's refusal, named as a recipe writes the
+    key."""
     return ValueError(f"LoopConfig.{plugin}.{key} {message}")
 
 

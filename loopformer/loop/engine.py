@@ -330,7 +330,7 @@ def run_loop(
         run = _run_plain
     elif lp.deferred:
         run = _run_deferred
-    elif z0.is_meta:  # no values to halt on (a memory plan: loopformer.config.memory): every loop runs to its cap
+    elif z0.is_meta:  # no values to halt on (the memory plan, loopformer.config.memory): loops run to their cap
         run = _run_plain
     else:
         run = _run_compacting if cfg.compaction else _run_masked

@@ -286,7 +286,8 @@ class IFTOptions:
     def __post_init__(self) -> None:
         allowed = SOLVERS.select(lambda c: c.adjoint_ok)
         if self.solver not in allowed:
-            raise option_error("ift", "solver", f"={self.solver!r} is not one of {', '.join(map(repr, allowed))}")
+            choices = ", ".join(map(repr, allowed))
+            raise option_error("ift", "solver", f"={self.solver!r} is not one of {choices}")
         if self.tol != "auto" and (
             isinstance(self.tol, bool) or not isinstance(self.tol, (int, float)) or not self.tol > 0
         ):

@@ -75,7 +75,8 @@ def make_plan(cfg: RunConfig, gpus: int, gpu_memory: int) -> tuple[Plan, str]:
     try:
         task, missing = run_task(cfg.data), ""
     except (OSError, TaskDataError) as err:  # the task reads files that are not here: the recipe's fields decide
-        task, missing = None, f"; the task's files are not here ({type(err).__name__}), so the model fields decide"
+        task = None
+        missing = f"; the task's files are not here ({type(err).__name__}), so the model fields decide"
     rows, source = plan_rows(cfg, task)
     probe = run_probe(cfg, task, rows, source + missing)
     return memory.make_plan(cfg, gpus, gpu_memory, probe), probe.source
