@@ -51,10 +51,11 @@ def hand_train_step(model, inputs, labels, z0, loop) -> torch.Tensor:
     (x,) = model.embed(inputs)
     n, k = loop.max_steps, loop.grad_steps
     damped = loop.solver == "damped"
+    opts = loop.options_for("damped")
     b = z0.shape[0]
     eta = torch.ones(b, 1, 1)
     best = torch.full((b,), float("inf"))
-    patience = torch.full((b,), loop.damp_patience)
+    patience = torch.full((b,), opts.patience)
     z = z0
     for t in range(n):
         with torch.set_grad_enabled(t >= n - k):
@@ -67,10 +68,10 @@ def hand_train_step(model, inputs, labels, z0, loop) -> torch.Tensor:
             r = rel_sup(z, fz)
             improved = r < best
             best = torch.where(improved, r, best)
-            patience = torch.where(improved, loop.damp_patience, patience - 1)
+            patience = torch.where(improved, opts.patience, patience - 1)
             shrink = (patience <= 0) & (r >= loop.tol)
-            eta = torch.where(shrink.view(-1, 1, 1), eta * loop.damp_gamma, eta)
-            patience = torch.where(shrink, loop.damp_patience, patience)
+            eta = torch.where(shrink.view(-1, 1, 1), eta * opts.gamma, eta)
+            patience = torch.where(shrink, opts.patience, patience)
         z = z_next
     logits = model.readout(z, x)
     loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())

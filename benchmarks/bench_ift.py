@@ -78,7 +78,7 @@ def linear_error(tol: float, cap: int, rho: float = 0.99) -> dict[str, float]:
     w, x, v, z_star, grad_x = linear_problem(128, 8, rho)
     w, v, xg = w.float(), v.float(), x.float().requires_grad_(True)
     cfg = LoopConfig(solver="safe_anderson", halting="residual", tol=1e-6, max_steps=5000, grad="ift",
-                     ift={"tol": tol, "max_steps": cap})  # fmt: skip
+                     plugins={"ift": {"tol": tol, "max_steps": cap}})  # fmt: skip
     res = run_loop(lambda z, x_: z @ w.T + x_, torch.zeros_like(xg), cfg, ctx=(xg,))
     err = linear_grad_check(v, z_star, grad_x, xg)(res.state)["grad_rel_err"]  # float32 against float64
     steps = int(res.stats["ift_steps"].max())
@@ -98,7 +98,7 @@ def accuracy_rows(tmp: Path, quick: bool) -> tuple[list[Result], dict]:
     loop = tr.loop_train
     ref_model = copy.deepcopy(tr.model).double()
     ref_batch = dataclasses.replace(batch, state=batch.state.double())
-    ref_loop = dataclasses.replace(loop, ift=dataclasses.replace(loop.ift, tol=1e-12, max_steps=2000))
+    ref_loop = dataclasses.replace(loop, plugins={**loop.plugins, "ift": {"tol": 1e-12, "max_steps": 2000}})
     reference, ref_stats = _grads(ref_model, ref_batch, ref_loop)
     trunc_loop = dataclasses.replace(loop, grad="truncated", grad_steps=loop.max_steps)
     grid = GRID[:2] if quick else GRID
@@ -106,7 +106,7 @@ def accuracy_rows(tmp: Path, quick: bool) -> tuple[list[Result], dict]:
     loops = {}
     for tol, cap in grid:
         key = f"tol{tol:g}_cap{cap}"
-        loops[key] = dataclasses.replace(loop, ift=dataclasses.replace(loop.ift, tol=tol, max_steps=cap))
+        loops[key] = dataclasses.replace(loop, plugins={**loop.plugins, "ift": {"tol": tol, "max_steps": cap}})
         variants[key] = lambda lp=loops[key]: _grads(tr.model, batch, lp)
     found = {k: fn() for k, fn in variants.items()}
     times = side_by_side(variants, repeats=2 if quick else 5, warmup=0, clock=time.process_time)
@@ -116,7 +116,8 @@ def accuracy_rows(tmp: Path, quick: bool) -> tuple[list[Result], dict]:
         ratio = paired_ratio(times, key, "truncated")
         table[key] = {"grad_rel_error": err, "time_vs_truncated": ratio, **stats}
         if key != "truncated":
-            lin = linear_error(loops[key].ift.tol, loops[key].ift.max_steps)
+            opts = loops[key].options_for("ift")
+            lin = linear_error(opts.tol, opts.max_steps)
             table[key].update(lin, worst_grad_rel_error=max(err, lin["linear_rho_grad_rel_error"]))
         rows.append(Result("ift", f"ift.grad_error.{key}", err, "relative error", None, None,
                            f"backward to {key.replace('_', ', ')}: forward + backward {ratio:.2f}x the truncated "
@@ -152,10 +153,11 @@ def command_row(tmp: Path, quick: bool) -> Result:
         trunc.folder.close()
     ratio = paired_ratio(times, "ift", "truncated")
     loop = ift.loop_train
+    opts = loop.options_for("ift")
     return Result("ift", "ift.step_time_vs_truncated", ratio, "x", f"<= {TARGET_RATIO}", ratio <= TARGET_RATIO,
-                  f"seconds per training step, IFT backward at its defaults (tol {loop.ift.tol} = "
-                  f"{loop.ift.tolerance(torch.float32):g} in float32, cap "
-                  f"{loop.ift.max_steps}; {record.get('ift_steps', float('nan')):.1f} backward iterations on average) "
+                  f"seconds per training step, IFT backward at its defaults (tol {opts.tol} = "
+                  f"{opts.tolerance(torch.float32):g} in float32, cap "
+                  f"{opts.max_steps}; {record.get('ift_steps', float('nan')):.1f} backward iterations on average) "
                   f"/ truncated (6 steps), {loop.max_steps} loops, batch 32; machine loaded",
                   {"times": summary(times), "ift_steps_mean": record.get("ift_steps"),
                    "ift_residual_max_mean": record.get("ift_residual")})  # fmt: skip
@@ -166,7 +168,7 @@ def run(quick: bool = False) -> list[Result]:
     with tempfile.TemporaryDirectory() as tmp:
         rows, info = accuracy_rows(Path(tmp), quick)
         cmd = command_row(Path(tmp), quick)
-    from loopformer.loop.implicit import IFTOptions
+    from loopformer.loop.grad import IFTOptions
 
     opts = IFTOptions()
     default = f"tol{opts.tolerance(torch.float32):g}_cap{opts.max_steps}"

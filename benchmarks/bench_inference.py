@@ -260,8 +260,8 @@ def _compare(
             "tol": authors.tol,
             "residual_norm": authors.residual_norm,
             "max_steps": authors.max_steps,
-            "gamma": authors.damped.gamma,
-            "patience": authors.damped.patience,
+            "gamma": authors.options_for("damped").gamma,
+            "patience": authors.options_for("damped").patience,
         },  # fmt: skip
         "loopformer_loop": {"solver": best.solver, "halting": best.halting, "tol": best.tol},
         "n_timed": n,

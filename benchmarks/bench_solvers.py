@@ -102,7 +102,7 @@ def lf_config(solver: str, tol: float, max_steps: int):
     from loopformer.loop import LoopConfig
 
     name = "broyden" if solver.startswith("broyden") else solver
-    extra = {"broyden_m": max_steps} if solver == "broyden_mfull" else LF_SOLVERS[solver]
+    extra = {"plugins": {"broyden": {"m": max_steps}}} if solver == "broyden_mfull" else LF_SOLVERS[solver]
     return LoopConfig(
         solver=name,
         halting="residual",

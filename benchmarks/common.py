@@ -215,8 +215,7 @@ def train_loop_config(size: StepSize, solver: str = "damped"):
 
     return LoopConfig(
         solver=solver,
-        damp_gamma=0.9,
-        damp_patience=5,
+        plugins={"damped": {"gamma": 0.9, "patience": 5}},
         halting="fixed",
         max_steps=size.loops,
         residual_norm="rel_sup",

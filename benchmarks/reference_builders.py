@@ -289,9 +289,10 @@ def build_fprm(root: Path, trm_root: Path | None, shape: Shape, settings: Settin
             mlp_multiple=256, init="lecun", tied_eps=1e-5,
         )
     )  # fmt: skip
-    damped = dict(solver="damped", damp_patience=5, halting="fixed", residual_norm="rel_sup", trace=False)
-    train_loop = LoopConfig(**damped, damp_gamma=0.9, max_steps=FPRM_K, grad="bptt")
-    eval_loop = LoopConfig(**damped, damp_gamma=0.99, max_steps=FPRM_EVAL_STEPS, grad="bptt")
+    damped = dict(solver="damped", halting="fixed", residual_norm="rel_sup", trace=False)
+    train_loop = LoopConfig(**damped, plugins={"damped": {"gamma": 0.9, "patience": 5}}, max_steps=FPRM_K, grad="bptt")
+    eval_loop = LoopConfig(**damped, plugins={"damped": {"gamma": 0.99, "patience": 5}}, max_steps=FPRM_EVAL_STEPS,
+                           grad="bptt")
     subs.append("fp_thresh 0 so the reference's evaluation runs exactly max_iter_eval damped steps")
     config = {
         "training_step": f"one deep-supervision segment: {FPRM_K} damped steps (gamma 0.9), backprop "

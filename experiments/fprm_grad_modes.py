@@ -41,14 +41,16 @@ from fprm_common import (
     write_json,
 )
 
+from loopformer.config import to_dict
+
 RECIPE = REPO / "recipes" / "fprm_grad_modes.yaml"
 MODES: dict[str, list[str]] = {
     "bptt": ["loop_train.grad=bptt"],
     "truncated_k2": ["loop_train.grad=truncated", "loop_train.grad_steps=2"],
     "onestep": ["loop_train.grad=onestep"],
     "neumann_k5": ["loop_train.grad=neumann", "loop_train.grad_steps=5"],
-    "ift": ["loop_train.grad=ift", "loop_train.ift_solver=anderson", "loop_train.ift_tol=1e-4",
-            "loop_train.ift_max_steps=30"],
+    "ift": ["loop_train.grad=ift", "loop_train.ift.solver=anderson", "loop_train.ift.tol=1e-4",
+            "loop_train.ift.max_steps=30"],
 }
 
 
@@ -74,7 +76,7 @@ def main() -> None:
         saved = saved_bytes_per_step(trainer)
         one_step_s = time.perf_counter() - t0
         results[mode] = {
-            "loop_train": {k: v for k, v in cfg.loop_train.items()},
+            "loop_train": to_dict(cfg.loop_train),
             "train_steps": cfg.train.steps,
             "train_wall_time_s": summary["wall_time"],
             "s_per_step": summary["s_per_step"],

@@ -41,8 +41,8 @@ from loopformer.runs import eval_dataset, load_run
 TOLS = (0.1, 0.01, 0.001)
 SOLVERS: dict[str, dict[str, Any]] = {
     "picard": {"solver": "picard"},
-    "damped_gamma0.99": {"solver": "damped", "damp_gamma": 0.99, "damp_patience": 5},
-    "damped_gamma0.9": {"solver": "damped", "damp_gamma": 0.9, "damp_patience": 5},
+    "damped_gamma0.99": {"solver": "damped", "plugins": {"damped": {"gamma": 0.99, "patience": 5}}},
+    "damped_gamma0.9": {"solver": "damped", "plugins": {"damped": {"gamma": 0.9, "patience": 5}}},
 }
 
 

@@ -128,7 +128,7 @@ def main() -> None:
                 solver_cmp = {}
                 for label, change in (("picard", {"solver": "picard"}),
                                       ("picard_cap256", {"solver": "picard", "max_steps": 8 if args.quick else 256}),
-                                      ("damped_gamma0.9", {"damp_gamma": 0.9})):
+                                      ("damped_gamma0.9", {"plugins": {"damped": {"gamma": 0.9}}})):
                     lp = dataclasses.replace(loop, **change)
                     e2 = run_eval(model, task, data, lp, batch_size=cfg.eval.batch_size, seed=cfg.seed)
                     s2 = steps_vs_difficulty(e2.difficulty, e2.steps, e2.valid)

@@ -47,16 +47,14 @@ def rules(cap: int, length: int) -> dict[str, Any]:
             solver="picard",
             halting="kl_entropy",
             max_steps=cap,
-            kl_threshold=1e-3,
-            entropy_threshold=3.0,
+            plugins={"kl_entropy": {"kl_threshold": 1e-3, "entropy_threshold": 3.0}},
             grad="bptt",
         ),
         "kl_entropy variant": LoopConfig(
             solver="picard",
             halting="kl_entropy",
             max_steps=cap,
-            kl_threshold=0.5,
-            entropy_threshold=3.0 + 12.0 / length,
+            plugins={"kl_entropy": {"kl_threshold": 0.5, "entropy_threshold": 3.0 + 12.0 / length}},
             grad="bptt",
         ),
     }

@@ -35,7 +35,7 @@ def _rule(position: str, cap: int) -> Any:
     from loopformer.loop import LoopConfig
 
     return LoopConfig(solver="picard", halting="kl_entropy", max_steps=cap, min_steps=2 if position == "answer" else 1,
-                      kl_threshold=1e-3, entropy_threshold=3.0, grad="bptt")
+                      plugins={"kl_entropy": {"kl_threshold": 1e-3, "entropy_threshold": 3.0}}, grad="bptt")
 
 
 def _pooled(rows: dict[int, dict[str, Any]], rule: str) -> dict[str, float]:

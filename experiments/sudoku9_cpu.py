@@ -125,7 +125,7 @@ PUZZLE_EMB = [  # both authors: sign-SGD for the puzzle embedding at the model's
 # both at the same test-time compute, 126 blocks per puzzle: FPRM 63 steps x 2 blocks, TRM 9 cycles x 14 blocks
 # (data.curriculum.max_steps).
 FPRM_AUTHORS_EVAL = (
-    "loop_eval={solver: damped, damp_gamma: 0.997, damp_patience: 10, damp_min_step: 1.0e-3, tol: 0.1, "
+    "loop_eval={solver: damped, damped: {gamma: 0.997, patience: 10, min_step: 1.0e-3}, tol: 0.1, "
     "residual_norm: rel_sup, halting: batch_residual, max_steps: 1000}"
 )
 # loopformer's addition (not the paper's): a contraction term on FPRM's map, the Hutchinson estimate of
@@ -139,7 +139,7 @@ AUTHORS: dict[str, list[str]] = {
         "train.carry_solver_state=true",
         "train.max_segments=12",
         "loop_train.residual_norm=rel_sup",
-        "loop_train.damp_min_step=1.0e-3",
+        "loop_train.damped.min_step=1.0e-3",
         FPRM_AUTHORS_EVAL,
         "data.curriculum.max_steps=63",
         # no periodic evaluation: the eval phase scores every budget's checkpoint (it reads no training RNG)

@@ -322,8 +322,7 @@ def _report(run: LoadedRun, dataset: Any, out: Path, final: Path, opts: ReportOp
     from loopformer.eval.evaluate import model_device
     from loopformer.eval.suite import evaluate_run, segment_note
     from loopformer.runs import training_depth
-    from loopformer.runs.folder import heldout_record
-    from loopformer.runs.folder import collect, describe, record_for_step
+    from loopformer.runs.folder import collect, describe, heldout_record, record_for_step
 
     made: dict[str, Any] = {"heldout": heldout_record(run.config, dataset),
                             "evaluation": {**opts.record(), **({"variant": variant} if variant is not None else {})}}  # fmt: skip

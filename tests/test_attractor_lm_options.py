@@ -52,7 +52,7 @@ def test_anderson_attractor_returns_f_of_the_last_checked_iterate(halting: str) 
     b = torch.randn(4, 6, dtype=torch.float64)
 
     cfg = LoopConfig(solver="anderson_attractor", halting=halting, tol=1e-6, min_steps=3, max_steps=30,
-                     anderson_m=3, anderson_reg=1e-4, anderson_reg_relative=False)  # fmt: skip
+                     plugins={"anderson": {"m": 3, "reg": 1e-4, "reg_relative": False}})  # fmt: skip
     inputs: list[torch.Tensor] = []
     idx_seen: list[torch.Tensor] = []
 

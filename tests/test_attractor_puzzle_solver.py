@@ -8,7 +8,7 @@ import torch
 
 import loopformer.models.attractor_solvers as trmdeq
 from loopformer.loop import LoopConfig, run_loop
-from loopformer.loop.quasi_newton import gram_weights
+from loopformer.loop.solvers import gram_weights
 
 
 def _loop(max_steps: int = 7) -> LoopConfig:

@@ -11,8 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from loopformer.loop import LoopConfig, run_loop
-from loopformer.loop.config import GRADS, HALTINGS, SOLVERS
+from loopformer.loop import GRADS, HALTINGS, SOLVERS, LoopConfig, run_loop
 from loopformer.models import build_model
 from loopformer.nn import autocast
 
@@ -45,7 +44,7 @@ def test_autocast_switch() -> None:
 def test_every_combination_under_cpu_bf16(models, solver, halting, grad) -> None:
     model = models["ut_act" if halting == "act" else "fprm"]
     cfg = LoopConfig(solver=solver, halting=halting, grad=grad, max_steps=6, tol=1e-2, grad_steps=2,
-                     kl_threshold=1e-2, entropy_threshold=5.0, ift_max_steps=20, ift_tol=1e-3)  # fmt: skip
+                     plugins={"kl_entropy": {"kl_threshold": 1e-2, "entropy_threshold": 5.0}, "ift": {"max_steps": 20, "tol": 1e-3}})  # fmt: skip
     g = torch.Generator().manual_seed(1)
     inputs = torch.randint(1, 6, (4, 16), generator=g)
     targets = torch.randint(2, 6, (4, 16), generator=g)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from loopformer.loop import LoopConfig, run_loop
-from loopformer.loop.quasi_newton import Broyden, _hv
+from loopformer.loop.solvers import Broyden, _hv
 
 DT = torch.float64
 TORCHDEQ_FORWARD_EVALS = {0.9: 37, 0.99: 101}
@@ -58,7 +58,7 @@ def test_restart_keeps_the_secant_condition() -> None:
     """After every update, the newest inverse-Jacobian estimate maps the last dg to the last dx, also
     on the steps where a full memory (m 3) restarts from -I."""
     w, x, _ = linear_problem(16, 2, 0.9, seed=3)
-    cfg = LoopConfig(solver="broyden", broyden_m=3, max_steps=20)
+    cfg = LoopConfig(solver="broyden", plugins={"broyden": {"m": 3}}, max_steps=20)
     solver = Broyden(cfg)
     z, state = torch.zeros_like(x), solver.init(x)
     restarts = 0

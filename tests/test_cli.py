@@ -201,7 +201,7 @@ def test_default_recipe_is_found_from_any_folder(tmp_path: Path, monkeypatch: py
                                                          tmp_path / "out")
     assert main.model.name == "fprm" and base.model.name == "transformer"
     assert main.train.steps == base.train.steps == 7 and base.train.lr == 0.01 != main.train.lr
-    assert base.train.mode == "simple" and base.loop_train == {} and description
+    assert base.train.mode == "simple" and base.loop_train.changes == {} and description
     for key in ("d_model", "n_heads", "n_layers"):
         assert base.model.fields[key] == main.model.fields[key]
 

@@ -69,7 +69,7 @@ def test_bad_overrides_name_the_key_and_suggest_the_nearest(override: str, messa
 
 
 def test_model_and_loop_fields_are_validated_against_the_family_and_loopconfig() -> None:
-    cfg = build_config({}, ["model.name=fprm", "model.d_model=64", "loop_train.max_steps=8", "loop_eval.damp_gamma=0.99"])
+    cfg = build_config({}, ["model.name=fprm", "model.d_model=64", "loop_train.max_steps=8", "loop_eval.damped.gamma=0.99"])
     assert cfg.model.fields == {"d_model": 64}
     with pytest.raises(ConfigError, match=r"'model.d_modle'.*did you mean 'model.d_model'\?"):
         build_config({}, ["model.d_modle=64"])
@@ -77,19 +77,20 @@ def test_model_and_loop_fields_are_validated_against_the_family_and_loopconfig()
         build_config({}, ["loop_train.max_step=8"])
     with pytest.raises(ConfigError, match=r"loop_eval.tol: expected a number"):
         build_config({}, ["loop_eval.tol=small"])
-    with pytest.raises(ConfigError, match="damp_gamma must be in"):  # LoopConfig's own range check
-        build_config({}, ["loop_eval.damp_gamma=1.5"])
+    with pytest.raises(ConfigError, match=r"damped\.gamma must be in"):  # the damped solver's own range check
+        build_config({}, ["loop_eval.damped.gamma=1.5"])
     with pytest.raises(ConfigError, match="unknown model 'fprn'; did you mean 'fprm'"):
         build_config({}, ["model.name=fprn"])
 
 
 def test_loop_overrides_apply_on_top_of_the_models_default_loop() -> None:
-    cfg = build_config({}, ["model.name=fprm", "loop_train.damp_gamma=0.9", "loop_eval.damp_gamma=0.99",
+    cfg = build_config({}, ["model.name=fprm", "loop_train.damped.gamma=0.9", "loop_eval.damped.gamma=0.99",
                             "loop_eval.max_steps=64"])
     base = cfg.model_config().loop
     train, evaluation = cfg.loop_config(base, "train"), cfg.loop_config(base, "eval")
-    assert isinstance(train, LoopConfig) and train.damp_gamma == 0.9 and train.max_steps == base.max_steps
-    assert evaluation.damp_gamma == 0.99 and evaluation.max_steps == 64 and evaluation.solver == base.solver
+    assert isinstance(train, LoopConfig) and train.options_for("damped").gamma == 0.9
+    assert train.max_steps == base.max_steps
+    assert evaluation.options_for("damped").gamma == 0.99 and evaluation.max_steps == 64 and evaluation.solver == base.solver
 
 
 def test_model_fields_from_the_task_fill_only_unset_fields() -> None:
@@ -101,7 +102,7 @@ def test_model_fields_from_the_task_fill_only_unset_fields() -> None:
 def test_dump_and_load_round_trip_exactly(tmp_path) -> None:
     cfg = build_config(
         {"model": {"name": "fprm", "d_model": 48, "loop": {"max_steps": 9}}},
-        ["train.betas=[0.9,0.99]", "loop_eval.damp_gamma=0.99", "data.train_generate={min_blanks: 4}", "seed=3"],
+        ["train.betas=[0.9,0.99]", "loop_eval.damped.gamma=0.99", "data.train_generate={min_blanks: 4}", "seed=3"],
     )
     save_config(cfg, tmp_path)
     assert load_config_file(tmp_path / "config.yaml") == cfg
@@ -112,7 +113,7 @@ def test_dump_and_load_round_trip_exactly(tmp_path) -> None:
     # records the whole resolved loop
     dumped = to_dict(cfg)["model"]
     assert dumped["d_model"] == 48 and dumped["loop"]["max_steps"] == 9 and dumped["loop"]["solver"] == "damped"
-    assert cfg.model_config().loop.damp_gamma == 0.9
+    assert cfg.model_config().loop.options_for("damped").gamma == 0.9
 
 
 def test_recipe_base_chain_merges_and_cycles_are_reported(tmp_path) -> None:

@@ -20,7 +20,7 @@ CARRY = (
     "train.mode=deep_supervision", "train.max_segments=3", "train.carry_solver_state=true",
     "train.halt_on_converged=true", "train.grad_clip=0", "train.batch_size=8", "train.checkpoint_every=2",
     "data.eval_size=0", "seed=4",
-    "loop_train={solver: damped, halting: fixed, max_steps: 3, tol: 1.0e-9, damp_patience: 1, damp_gamma: 0.5, "
+    "loop_train={solver: damped, halting: fixed, max_steps: 3, tol: 1.0e-9, damped: {patience: 1, gamma: 0.5}, "
     "residual_norm: rel_sup, grad: truncated, grad_steps: 3}",
 )  # fmt: skip
 

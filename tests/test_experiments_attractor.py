@@ -65,7 +65,7 @@ def test_probe_gap_is_one_for_the_deq_ablation_and_below_one_with_a_proposal(int
 def test_attractor_step_flops_are_affine_in_iterations(lm) -> None:
     model = _attractor()
     x = torch.randint(0, 11, (2, 8))
-    base = LoopConfig(solver="anderson", anderson_m=5, halting="residual", min_steps=1, max_steps=12,
+    base = LoopConfig(solver="anderson", plugins={"anderson": {"m": 5}}, halting="residual", min_steps=1, max_steps=12,
                       grad="neumann", grad_steps=1)
     f = {n: lm.step_flops(model, x, x, lm.fixed_loop(base, n), "ce") for n in (1, 2, 6, 7, 8, 10)}
     per_iter = f[7] - f[6]

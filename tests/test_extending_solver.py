@@ -80,6 +80,9 @@ def test_the_new_solver_is_a_valid_name_with_typed_options() -> None:
         build_config(
             {}, ["model.name=fprm", "loop_eval.solver=relaxed", "loop_eval.plugins={relaxed: {omega: 3}}"]
         )
+    # its table beside the other loop keys, as a built-in plug-in's (docs/extending.md)
+    cfg = build_config({}, ["model.name=fprm", "loop_eval.solver=relaxed", "loop_eval.relaxed.omega=0.5"])
+    assert cfg.loop_config(cfg.model_config().loop, "eval").options_for(Relaxed) == RelaxedOptions(omega=0.5)
 
 
 def test_exact_truncated_replay_and_ift_use_the_new_solver() -> None:
@@ -94,9 +97,7 @@ def test_exact_truncated_replay_and_ift_use_the_new_solver() -> None:
         tol=1e-13,
         max_steps=2000,
         grad="ift",
-        ift_solver="relaxed",
-        ift_tol=1e-13,
-        ift_max_steps=2000,
+        plugins={"ift": {"solver": "relaxed", "tol": 1e-13, "max_steps": 2000}},
     )
     res = run_loop(lambda z, x: z @ w.T + x, torch.zeros_like(z_star), cfg, ctx=(x,))
     (gx,) = torch.autograd.grad((c * res.state).sum(), [x])

@@ -131,7 +131,7 @@ def test_the_scanner_sees_function_level_imports(graph) -> None:
     # trainer imports the evaluation at module level: both edges must be found
     assert "loopformer.tasks.text" in graph["loopformer.eval.evaluate"]
     assert "loopformer.eval.evaluate" in graph["loopformer.train.trainer"]
-    assert "loopformer.config.memory" in graph["loopformer.config.validate"]  # inside validate()
+    assert "loopformer.config.memory" in graph["loopformer.config.schema"]  # inside validate()
 
 
 def test_every_unit_imports_only_floors_below_its_own(graph) -> None:
@@ -143,7 +143,7 @@ def test_every_unit_imports_only_floors_below_its_own(graph) -> None:
 @pytest.mark.parametrize(
     ("importer", "target"),
     [
-        ("loopformer.config.validate", "loopformer.train.setup"),  # up: config -> train
+        ("loopformer.config.schema", "loopformer.train.setup"),  # up: config -> train
         ("loopformer.runs.load", "loopformer.eval.evaluate"),  # across one floor: storage -> evaluation
         ("loopformer.tasks.sudoku", "loopformer.models.fprm"),  # up: tasks -> models
     ],

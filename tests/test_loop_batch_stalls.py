@@ -41,7 +41,7 @@ def _reference(z: torch.Tensor, a: torch.Tensor, max_steps: int) -> tuple[torch.
 
 def _loop(halting: str, max_steps: int) -> LoopConfig:
     return LoopConfig(solver="damped", halting=halting, max_steps=max_steps, tol=TOL, residual_norm="rel_sup",
-                      damp_gamma=GAMMA, damp_patience=PATIENCE, damp_min_step=MIN_STEP)  # fmt: skip
+                      plugins={"damped": {"gamma": GAMMA, "patience": PATIENCE, "min_step": MIN_STEP}})  # fmt: skip
 
 
 def test_a_stalled_sample_keeps_iterating_until_the_whole_batch_stops() -> None:

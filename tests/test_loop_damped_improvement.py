@@ -44,7 +44,7 @@ def test_the_damped_solver_with_either_improvement_rule_is_the_reference(margin:
     z0 = torch.zeros(3, 2, 4, dtype=torch.float64)
     expected, eta = _reference(z0, a, margin)
     cfg = LoopConfig(solver="damped", halting="fixed", max_steps=STEPS, tol=TOL, residual_norm="rel_sup",
-                     damped={"gamma": GAMMA, "patience": PATIENCE, "min_step": 1e-12, "min_improvement": margin})  # fmt: skip
+                     plugins={"damped": {"gamma": GAMMA, "patience": PATIENCE, "min_step": 1e-12, "min_improvement": margin}})  # fmt: skip
     out = run_loop(_map, z0, cfg, ctx=(a,))
     torch.testing.assert_close(out.state, expected, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(out.stats["eta"], eta, rtol=0, atol=0)

@@ -44,7 +44,7 @@ def engine_grads(cfg, w, x, c, z0=None, step=lin):
 def test_ift_matches_closed_form(ift_solver):
     w, x, c = problem()
     cfg = LoopConfig(solver="anderson", halting="residual", tol=1e-13, max_steps=2000, grad="ift",
-                     ift_solver=ift_solver, ift_tol=1e-12, ift_max_steps=2000)
+                     plugins={"ift": {"solver": ift_solver, "tol": 1e-12, "max_steps": 2000}})
     res, (gw, gx) = engine_grads(cfg, w, x, c)
     z, u, gw_ref = closed_form(w, x, c)
     torch.testing.assert_close(res.state, z, rtol=0, atol=1e-10)
@@ -83,7 +83,7 @@ def test_neumann_clip_matches_formula():
     w, x, c = problem()
     clip = 0.1
     cfg = LoopConfig(solver="anderson", halting="residual", tol=1e-13, max_steps=2000, grad="neumann",
-                     grad_steps=1, neumann_clip=clip)
+                     grad_steps=1, plugins={"neumann": {"clip": clip}})
     res, (gw, gx) = engine_grads(cfg, w, x, c)
     jt = c @ w.detach()  # J^T v per sample (rows): W^T c_b
     scale = (clip * c.norm(dim=1) / jt.norm(dim=1)).clamp(max=1.0)

@@ -159,7 +159,7 @@ def build_tables(positions: int | None):
 def test_kl_entropy_halts_where_expected(positions, reduce, compaction):
     table = build_tables(positions)
     max_steps = 10
-    cfg = LoopConfig(halting="kl_entropy", kl_threshold=1e-3, entropy_threshold=3.0, kl_reduce=reduce,
+    cfg = LoopConfig(halting="kl_entropy", plugins={"kl_entropy": {"kl_threshold": 1e-3, "entropy_threshold": 3.0, "reduce": reduce}},
                      max_steps=max_steps, compaction=compaction)
     b = table.shape[0]
     res = run_loop(counter, torch.zeros(b, 1, dtype=DT), cfg, ctx=(torch.tensor(table),), readout=table_readout)
@@ -182,7 +182,7 @@ def test_kl_direction_is_p_t_against_p_prev():
     kl_rev = scipy_entropy(softmax_np(a), softmax_np(bb))
     thr = (kl_fwd + kl_rev) / 2
     table = np.stack([np.stack([a, bb, bb, bb])])  # p0 = a, p1 = bb
-    cfg = LoopConfig(halting="kl_entropy", kl_threshold=thr, entropy_threshold=3.0, max_steps=3)
+    cfg = LoopConfig(halting="kl_entropy", plugins={"kl_entropy": {"kl_threshold": thr, "entropy_threshold": 3.0}}, max_steps=3)
     res = run_loop(counter, torch.zeros(1, 1, dtype=DT), cfg, ctx=(torch.tensor(table),), readout=table_readout)
     expected_first = 1 if kl_fwd < thr else 2
     assert v == 4 and kl_fwd != kl_rev
@@ -352,12 +352,12 @@ def test_without_the_divergence_stop_every_sample_runs_its_steps(compaction):
         (dict(grad_steps=-1), "grad_steps"),
         (dict(min_steps=5, max_steps=3), "min_steps"),
         (dict(residual_norm="l1"), "residual_norm"),
-        (dict(damp_gamma=1.5), "damp_gamma"),
+        (dict(plugins={"damped": {"gamma": 1.5}}), "damped.gamma"),
         (dict(grad="truncated", grad_steps=0), "grad_steps"),
         (dict(halting="act", solver="anderson"), "act"),
         (dict(halting="act", grad="ift"), "act"),
-        (dict(ift_solver="broyden"), "ift_solver"),
-        (dict(kl_reduce="median"), "kl_reduce"),
+        (dict(plugins={"ift": {"solver": "broyden"}}), "ift.solver"),
+        (dict(plugins={"kl_entropy": {"reduce": "median"}}), "kl_entropy.reduce"),
     ],
 )
 def test_config_errors_name_the_field(kwargs, field):

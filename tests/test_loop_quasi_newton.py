@@ -8,7 +8,7 @@ import torch
 from loop_helpers import DT, sym_map
 
 from loopformer.loop import SOLVERS, LoopConfig, run_loop
-from loopformer.loop.quasi_newton import Anderson, anderson_weights
+from loopformer.loop.solvers import Anderson, anderson_weights
 
 
 def linear(d: int, b: int, rho: float, seed: int = 0):
@@ -47,7 +47,7 @@ def test_ring_buffer_anderson_equals_the_stacked_history(beta: float) -> None:
         return torch.tanh(z @ w.T + x)
 
     ref = _reference_anderson(f, torch.zeros(b, d, dtype=DT), m, 1e-4, beta, 12)  # wraps the ring twice
-    solver = Anderson(LoopConfig(anderson_m=m, anderson_beta=beta))
+    solver = Anderson(LoopConfig(plugins={"anderson": {"m": m, "beta": beta}}))
     z, state = torch.zeros(b, d, dtype=DT), solver.init(torch.zeros(b, d, dtype=DT))
     for t in range(12):
         z, state, _ = solver.update(z, f(z), None, state)
@@ -59,7 +59,7 @@ def test_ring_buffer_anderson_equals_the_stacked_history(beta: float) -> None:
 
 def test_safeguard_restarts_a_sample_whose_residual_rises() -> None:
     b, d = 2, 3
-    cfg = LoopConfig(solver="anderson", anderson={"m": 4, "restart": 2.0})
+    cfg = LoopConfig(solver="anderson", plugins={"anderson": {"m": 4, "restart": 2.0}})
     solver = Anderson(cfg)
     assert solver.needs_residual  # the plain loop measures the residual for it
     z, state = torch.zeros(b, d, dtype=DT), solver.init(torch.zeros(b, d, dtype=DT))
@@ -90,7 +90,7 @@ def test_safe_anderson_reaches_the_fixed_point_in_fewer_map_evaluations(rho: flo
 
 def test_broyden_terms_are_batch_first_and_bounded() -> None:
     w, x, _, z_star, _ = linear(32, 3, 0.9)
-    cfg = LoopConfig(solver="broyden", broyden_m=64, halting="residual", tol=1e-12, max_steps=500)
+    cfg = LoopConfig(solver="broyden", plugins={"broyden": {"m": 64}}, halting="residual", tol=1e-12, max_steps=500)
     seen = []
     orig = SOLVERS.get("broyden").update
 
@@ -142,8 +142,8 @@ def test_ift_at_default_settings_meets_1e6_relative_gradient_error(rho: float) -
     err = float((g - grad_x).norm() / grad_x.norm())
     assert err <= 1e-6, err
     steps = res.stats["ift_steps"]
-    assert (steps >= 1).all() and (steps < cfg.ift.max_steps).all()  # every sample converged on its own
-    assert cfg.ift.tol == "auto" and cfg.ift.tolerance(torch.float64) == 1e-9
+    assert (steps >= 1).all() and (steps < cfg.options_for("ift").max_steps).all()  # every sample converged on its own
+    assert cfg.options_for("ift").tol == "auto" and cfg.options_for("ift").tolerance(torch.float64) == 1e-9
     assert (res.stats["ift_residual"] < 1e-9).all()
 
 
@@ -156,7 +156,7 @@ def test_ift_backward_options_cap_and_solver() -> None:
         "picard": {"solver": "picard", "max_steps": 5000},
         "anderson": {"solver": "anderson", "max_steps": 5000},
     }.items():
-        cfg = LoopConfig(halting="residual", tol=1e-10, max_steps=5000, grad="ift", ift=opts)
+        cfg = LoopConfig(halting="residual", tol=1e-10, max_steps=5000, grad="ift", plugins={"ift": opts})
         res = run_loop(lambda z, x: z @ w.T + x, torch.zeros_like(x), cfg, ctx=(x,))
         (g,) = torch.autograd.grad((res.state * v).sum(), [x])
         errs[label] = float((g - grad_x).norm() / grad_x.norm())
@@ -173,18 +173,18 @@ def test_ift_auto_tolerance_in_float32_stops_early_within_1e3_of_the_closed_form
     w, x, v, _, grad_x = linear(128, 8, rho)
     w, v, x = w.float(), v.float(), x.float().clone().requires_grad_()
     cfg = LoopConfig(solver="safe_anderson", halting="residual", tol=1e-6, max_steps=5000, grad="ift")
-    assert cfg.ift.tol == "auto" and cfg.ift.tolerance(torch.float32) == 1e-5
+    assert cfg.options_for("ift").tol == "auto" and cfg.options_for("ift").tolerance(torch.float32) == 1e-5
     res = run_loop(lambda z, x: z @ w.T + x, torch.zeros_like(x), cfg, ctx=(x,))
     (g,) = torch.autograd.grad((res.state * v).sum(), [x])
     err = float((g.double() - grad_x).norm() / grad_x.norm())
     assert err <= 1e-3, err
     steps = res.stats["ift_steps"]
     assert (res.stats["ift_residual"] < 1e-5).all() and not res.stats["ift_capped"].any()
-    assert int(steps.max()) < cfg.ift.max_steps // 2, steps.tolist()
+    assert int(steps.max()) < cfg.options_for("ift").max_steps // 2, steps.tolist()
 
 
 def test_ift_tolerance_option_is_a_number_or_auto() -> None:
-    from loopformer.loop.implicit import IFTOptions
+    from loopformer.loop.grad import IFTOptions
 
     assert IFTOptions(tol=1e-7).tolerance(torch.float32) == 1e-7  # a number is used as given, in any dtype
     assert IFTOptions().tolerance(torch.bfloat16) == 1e-2

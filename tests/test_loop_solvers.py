@@ -7,7 +7,7 @@ import torch
 from loop_helpers import DT, sym_map
 
 from loopformer.loop import LoopConfig, run_loop
-from loopformer.loop.norms import residual_and_rms
+from loopformer.loop.norms import residual_into
 
 
 def contractive(d: int, rho: float, seed: int = 0) -> torch.Tensor:
@@ -32,7 +32,7 @@ def test_solvers_reach_closed_form_fixed_point(solver, rho):
     d, b, tol = 16, 4, 1e-9
     w = contractive(d, rho)
     x = torch.randn(b, d, dtype=DT) * torch.tensor([[0.1], [1.0], [3.0], [10.0]], dtype=DT)
-    cfg = LoopConfig(solver=solver, halting="residual", tol=tol, max_steps=6000, broyden_m=32)
+    cfg = LoopConfig(solver=solver, halting="residual", tol=tol, max_steps=6000, plugins={"broyden": {"m": 32}})
     res = run_loop(linear_step(w), torch.zeros(b, d, dtype=DT), cfg, ctx=(x,))
     z_star = fixed_point(w, x)
     assert res.converged.all(), res.steps
@@ -55,7 +55,7 @@ def test_anderson_needs_fewer_iterations_than_picard():
         res = run_loop(linear_step(w), torch.zeros(b, d, dtype=DT), cfg, ctx=(x,))
         assert res.converged.all()
         counts[solver] = int(res.steps.max())
-    cfg = LoopConfig(solver="anderson", anderson_reg_relative=False, halting="residual", tol=tol, max_steps=5000)
+    cfg = LoopConfig(solver="anderson", plugins={"anderson": {"reg_relative": False}}, halting="residual", tol=tol, max_steps=5000)
     counts["anderson_absolute_reg"] = int(run_loop(linear_step(w), torch.zeros(b, d, dtype=DT), cfg, ctx=(x,)).steps.max())
     print(f"rho 0.99 tol 1e-6 iterations: {counts}")
     assert counts["anderson"] * 2 < counts["picard"], counts
@@ -86,19 +86,19 @@ def test_picard_oscillates_damped_converges():
     picard = run_loop(linear_step(w), z0, LoopConfig(solver="picard", halting="residual", tol=1e-6, max_steps=300), ctx=(x,))
     assert not picard.converged.any()
     assert (picard.steps == 300).all()
-    cfg = LoopConfig(solver="damped", halting="residual", tol=1e-6, max_steps=3000, damp_gamma=0.9, damp_patience=5)
+    cfg = LoopConfig(solver="damped", halting="residual", tol=1e-6, max_steps=3000, plugins={"damped": {"gamma": 0.9, "patience": 5}})
     damped = run_loop(linear_step(w), z0, cfg, ctx=(x,))
     assert damped.converged.all(), damped.steps
     torch.testing.assert_close(damped.state, fixed_point(w, x), rtol=0, atol=1e-4)
 
 
 def test_damped_stall_halts_not_converged():
-    """eta < damp_min_step stops the sample, converged=False (FPRM Algorithm 1)."""
+    """eta < damped.min_step stops the sample, converged=False (FPRM Algorithm 1)."""
     d = 4
     w = sym_map(d, torch.tensor([-3.0, 0.1, 0.2, 0.3], dtype=DT))
     x = torch.randn(1, d, dtype=DT)
     cfg = LoopConfig(solver="damped", halting="residual", tol=1e-12, max_steps=10000,
-                     damp_gamma=0.5, damp_patience=2, damp_min_step=0.3)
+                     plugins={"damped": {"gamma": 0.5, "patience": 2, "min_step": 0.3}})
     res = run_loop(linear_step(w), torch.zeros(1, d, dtype=DT), cfg, ctx=(x,))
     assert not res.converged.any()
     assert int(res.steps[0]) < 10000
@@ -152,7 +152,7 @@ def test_broyden_memory_is_bounded():
     solvers.Broyden.update = spy
     try:
         res = run_loop(linear_step(w), torch.zeros(2, d, dtype=DT),
-                       LoopConfig(solver="broyden", broyden_m=3, halting="residual", tol=1e-9, max_steps=2000), ctx=(x,))
+                       LoopConfig(solver="broyden", plugins={"broyden": {"m": 3}}, halting="residual", tol=1e-9, max_steps=2000), ctx=(x,))
     finally:
         solvers.Broyden.update = orig
     assert res.converged.all()
@@ -163,11 +163,12 @@ def test_broyden_memory_is_bounded():
 def test_residual_norms_match_definitions():
     z = torch.randn(3, 5, 4, dtype=DT)
     fz = z + 0.1 * torch.randn(3, 5, 4, dtype=DT)
-    r, rms = residual_and_rms(z, fz, "rel_l2")
+    r = torch.empty(3, dtype=DT)
+    rms = residual_into(z.reshape(3, -1), fz.reshape(3, -1), "rel_l2", 4, r) / math.sqrt(5 * 4)
     for b in range(3):
         assert math.isclose(float(r[b]), float((fz[b] - z[b]).norm() / (fz[b].norm() + 1e-8)), rel_tol=1e-12)
         assert math.isclose(float(rms[b]), float(fz[b].pow(2).mean().sqrt()), rel_tol=1e-12)
-    r, _ = residual_and_rms(z, fz, "rel_sup")
+    residual_into(z.reshape(3, -1), fz.reshape(3, -1), "rel_sup", 4, r)
     for b in range(3):
         per_token = [float((fz[b, t] - z[b, t]).abs().max() / (fz[b, t].abs().max() + 1e-8)) for t in range(5)]
         assert math.isclose(float(r[b]), max(per_token), rel_tol=1e-12)

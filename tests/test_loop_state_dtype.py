@@ -40,7 +40,7 @@ def _decays_to(gamma: float, floor: float, lowp: bool) -> int:
 
 def _drive(state_dtype: str, gamma: float, n_decays: int) -> torch.Tensor:
     """The damped solver's step size after ``n_decays`` decays (patience 1, a residual that never improves)."""
-    cfg = LoopConfig(solver="damped", damp_gamma=gamma, damp_patience=1, tol=0.1, state_dtype=state_dtype)
+    cfg = LoopConfig(solver="damped", plugins={"damped": {"gamma": gamma, "patience": 1}}, tol=0.1, state_dtype=state_dtype)
     solver = Damped(cfg)
     dtype = BF16 if state_dtype == "bfloat16" else torch.float32
     z = torch.zeros(2, 3, dtype=dtype)
@@ -85,7 +85,7 @@ def test_engine_keeps_iterate_and_context_in_bf16_with_the_reference_update() ->
         seen.append((z.dtype, xx.dtype))
         return scale * z + xx
 
-    cfg = LoopConfig(solver="damped", damp_gamma=0.997, damp_patience=1, tol=1e-6, halting="residual",
+    cfg = LoopConfig(solver="damped", plugins={"damped": {"gamma": 0.997, "patience": 1}}, tol=1e-6, halting="residual",
                      residual_norm="rel_sup", max_steps=4, state_dtype="bfloat16")  # fmt: skip
     out = run_loop(step, z0, cfg, ctx=(x,))
     assert set(seen) == {(BF16, BF16)} and out.state.dtype == BF16

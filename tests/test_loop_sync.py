@@ -93,7 +93,8 @@ def test_deferred_act_and_kl_entropy():
         _same(out, ref, g, gref)
         torch.testing.assert_close(out.ponder_cost, ref.ponder_cost, rtol=0, atol=1e-12)
     head = torch.randn(8, 5, dtype=DT)
-    cfg = dict(solver="picard", halting="kl_entropy", max_steps=30, kl_threshold=1e-4, entropy_threshold=10.0)
+    cfg = dict(solver="picard", halting="kl_entropy", max_steps=30,
+               plugins={"kl_entropy": {"kl_threshold": 1e-4, "entropy_threshold": 10.0}})
     ref, _ = _run(LoopConfig(**cfg, sync_every=1), w, x, z0, readout=lambda z, x: z @ head)
     out, _ = _run(LoopConfig(**cfg, sync_every=4), w, x, z0, readout=lambda z, x: z @ head)
     _same(out, ref, None, None)

@@ -112,7 +112,7 @@ def test_engine_finds_the_equilibrium_and_the_gap_measures_y0() -> None:
 
 def test_default_loop_is_the_papers() -> None:
     loop = AttractorConfig().loop
-    assert (loop.solver, loop.anderson_m, loop.halting, loop.tol) == ("anderson", 5, "residual", 3e-4)
+    assert (loop.solver, loop.options_for("anderson").m, loop.halting, loop.tol) == ("anderson", 5, "residual", 3e-4)
     assert (loop.residual_norm, loop.min_steps, loop.max_steps) == ("rel_l2", 4, 12)
     assert (loop.grad, loop.grad_steps) == ("neumann", 1)
     assert AttractorConfig().tie_embeddings

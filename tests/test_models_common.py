@@ -84,7 +84,7 @@ def model_and_loop(name: str, kind: str, grad: str):
     elif grad == "neumann":
         changes["grad_steps"] = 2
     elif grad == "ift":
-        changes.update(ift_max_steps=10, ift_tol=1e-3)
+        changes["plugins"] = {**loop.plugins, "ift": {"max_steps": 10, "tol": 1e-3}}
     return model, dataclasses.replace(loop, **changes)
 
 

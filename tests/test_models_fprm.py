@@ -210,7 +210,8 @@ def test_bad_config_raises_clear_errors() -> None:
 
 def test_default_loop_is_the_papers() -> None:
     loop = FPRMConfig().loop
-    assert (loop.solver, loop.damp_gamma, loop.damp_patience) == ("damped", 0.9, 5)
+    damped = loop.options_for("damped")
+    assert (loop.solver, damped.gamma, damped.patience) == ("damped", 0.9, 5)
     assert (loop.halting, loop.tol, loop.residual_norm, loop.max_steps) == ("residual", 0.1, "rel_sup", 16)
     assert (loop.grad, loop.grad_steps) == ("truncated", 6)
     st = state_tracking_config()

@@ -58,7 +58,7 @@ def graves_weights(p: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Ten
 
 def test_graves_weights_on_model_states(monkeypatch: pytest.MonkeyPatch) -> None:
     model = UniversalTransformer(tiny()).double()
-    loop = LoopConfig(halting="act", max_steps=5, act_eps=0.01)
+    loop = LoopConfig(halting="act", max_steps=5, plugins={"act": {"eps": 0.01}})
 
     def halt_prob(z: torch.Tensor, *ctx: torch.Tensor) -> torch.Tensor:
         step = z[..., -1].long()  # the counter channel: steps taken so far (1 after the first)

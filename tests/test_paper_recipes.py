@@ -76,8 +76,8 @@ def test_fprm_paper_recipes_evaluate_under_the_published_protocol(task: str, gam
     cfg = load_config(ROOT / "recipes" / f"paper_{task}_fprm.yaml")
     base = cfg.model_config().loop
     published, periodic = cfg.loop_config(base, "eval"), cfg.loop_config(base, "periodic")
-    assert (published.max_steps, published.damped.gamma, published.damped.patience) == (35000, gamma, 10)
-    assert (periodic.max_steps, periodic.damped.gamma, periodic.damped.patience) == (1000, 0.99, 5)
+    assert (published.max_steps, published.options_for("damped").gamma, published.options_for("damped").patience) == (35000, gamma, 10)
+    assert (periodic.max_steps, periodic.options_for("damped").gamma, periodic.options_for("damped").patience) == (1000, 0.99, 5)
     for loop in (published, periodic):
         assert (loop.solver, loop.halting, loop.tol, loop.residual_norm) == (
             "damped",
@@ -85,7 +85,7 @@ def test_fprm_paper_recipes_evaluate_under_the_published_protocol(task: str, gam
             0.1,
             "rel_sup",
         )
-        assert loop.damped.min_step == 1e-3
+        assert loop.options_for("damped").min_step == 1e-3
     assert cfg.train.keep_best == "exact_acc" and cfg.train.keep_best_mode == "max"
     # the reference's precision: FixedPointOptimizer keeps the iterate and its step size in bf16
     assert {cfg.loop_config(base, p).state_dtype for p in ("train", "eval", "periodic")} == {"bfloat16"}
@@ -180,7 +180,7 @@ def test_paper_attractor_head_recipes_are_the_authors_sudoku_27m_config(task: st
     assert (loop.solver, loop.halting, loop.tol, loop.min_steps, loop.max_steps) == (
         "anderson_attractor", "batch_residual", 3e-4, 4, 12,
     )  # fmt: skip
-    assert (loop.grad, loop.grad_steps, loop.neumann.clip) == ("neumann", 1, 1.0)
+    assert (loop.grad, loop.grad_steps, loop.options_for("neumann").clip) == ("neumann", 1, 1.0)
     assert (cfg.train.head_lr_scale, cfg.train.head_weight_decay) == (0.5, 0.0)
 
 

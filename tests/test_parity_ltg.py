@@ -90,8 +90,7 @@ def test_parity_ltg_kl_entropy_halting_at_the_answer(name: str) -> None:
     a = f.meta["adaptive"]
     loop = LoopConfig(
         halting="kl_entropy",
-        kl_threshold=a["eps_kl"],
-        entropy_threshold=a["entropy_thresh"],
+        plugins={"kl_entropy": {"kl_threshold": a["eps_kl"], "entropy_threshold": a["entropy_thresh"]}},
         max_steps=a["max_loops"],
         min_steps=2,
         grad="bptt",

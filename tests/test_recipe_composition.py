@@ -14,6 +14,7 @@ from click.testing import CliRunner
 from loopformer.cli import cli
 from loopformer.config import ConfigError, build_config, load_config, read_recipe
 from loopformer.loop import LoopConfig
+from loopformer.loop.config import plugin_options
 
 
 @pytest.fixture
@@ -63,7 +64,7 @@ def test_tilde_key_deletes_in_a_recipe_and_on_the_command_line(tmp_path: Path) -
     cfg = build_config(raw)
     assert cfg.train.eval_every == 0 and cfg.model_config().conv == "none"  # the defaults apply
     cli_cfg = load_config("sudoku4_fprm", ["~model.conv", "~loop_eval.tol"])
-    assert "conv" not in cli_cfg.model.fields and "tol" not in cli_cfg.loop_eval
+    assert "conv" not in cli_cfg.model.fields and "tol" not in cli_cfg.loop_eval.changes
     assert cli_cfg.loop_config(cli_cfg.model_config().loop, "eval").tol == 0.1  # the model's own tol now
     with pytest.raises(ConfigError, match="takes no value"):
         read_recipe(_write(tmp_path, "bad.yaml", {"base": "sudoku4_fprm", "~model.conv": "x"}))
@@ -86,7 +87,7 @@ def test_print_config_lists_every_model_and_loop_field() -> None:
     result = CliRunner().invoke(cli, ["train", "sudoku4_fprm", "train.steps=4", "--print-config"])
     assert result.exit_code == 0, result.output
     printed = yaml.safe_load(result.output)
-    loop_fields = set(LoopConfig.__dataclass_fields__)
+    loop_fields = (set(LoopConfig.__dataclass_fields__) - {"plugins"}) | set(plugin_options())  # options beside
     for phase in ("loop_train", "loop_eval", "loop_periodic"):
         assert set(printed[phase]) == loop_fields, phase
     assert printed["loop_eval"]["anderson"]["m"] == 5  # a default the recipe never names

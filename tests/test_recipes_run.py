@@ -6,7 +6,8 @@
   failed here before their data was fitted to the graph's distinct paths ("only 2000 distinct 1-hop train
   paths exist, 2585 requested").
 - Each ``paper_*`` recipe builds its model on PyTorch's meta device (no storage) and runs one training
-  forward of a batch of its data's shape through it (``loopformer.train.plan``: the rows ``--plan`` uses).
+  forward of a batch of its data's shape through it (``loopformer.train.plan``: the rows ``--plan`` uses,
+  ``loopformer.config.memory.carried_state``).
 - Each recipe's first comment line says what it is and what to expect; ``loopformer recipes`` prints it
   whole, one line per recipe.
 """
@@ -75,9 +76,10 @@ def test_shipped_recipe_builds_its_data_and_trains_two_steps(recipe: str, tmp_pa
 
 @pytest.mark.parametrize("recipe", PAPER)
 def test_paper_recipe_builds_its_model_and_a_batch_on_the_meta_device(recipe: str, tmp_path: Path) -> None:
+    from loopformer.config.memory import carried_state
     from loopformer.runs import run_task
     from loopformer.tasks.base import TaskDataError
-    from loopformer.train.plan import plan_rows, training_loss_shape
+    from loopformer.train.plan import plan_rows, run_probe
     from loopformer.train.setup import build_run_model
 
     raw = read_recipe(recipe)
@@ -93,8 +95,8 @@ def test_paper_recipe_builds_its_model_and_a_batch_on_the_meta_device(recipe: st
     params = list(model.parameters())
     assert params and all(p.is_meta for p in params)
     assert sum(p.numel() for p in params) > 10**6  # paper scale
-    training_loss_shape(model, cfg, rows)  # one training forward of a batch of the data's shape, on meta
-    assert all(isinstance(n, int) and n > 0 for n in model.plan_state_shape)
+    state = carried_state(run_probe(cfg, task, rows).forward, model, rows)  # one training forward, on meta
+    assert all(isinstance(n, int) and n > 0 for n in state.shape[1:])
 
 
 def test_recipes_prints_one_whole_line_per_recipe_with_its_expected_outcome() -> None:

@@ -70,11 +70,9 @@ def test_halting_reads_only_the_answer_position() -> None:
     kl_t, ent_t, cap = 5e-3, 2.5, 12
     loop = LoopConfig(
         halting="kl_entropy",
-        kl_threshold=kl_t,
-        entropy_threshold=ent_t,
+        plugins={"kl_entropy": {"kl_threshold": kl_t, "entropy_threshold": ent_t, "reduce": "max"}},
         max_steps=cap,
         min_steps=2,
-        kl_reduce="max",
         grad="bptt",
     )
     out = model(inputs, loop=loop)

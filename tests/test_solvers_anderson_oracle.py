@@ -4,7 +4,7 @@ The reference below keeps each sample's history as a Python list, solves the reg
 constrained least-squares problem ``min ||sum a_i g_i||^2 + lam s ||a||^2, sum a_i = 1`` with its
 KKT system (``torch.linalg.solve`` on the (n+1) x (n+1) bordered matrix, one sample at a time), and
 applies the safe_anderson restart rule by emptying the list: nothing of it is shared with
-loopformer.loop.quasi_newton (ring buffers, incremental Gram rows, batched solves, slot masks).
+loopformer.loop.solvers (ring buffers, incremental Gram rows, batched solves, slot masks).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 from loop_helpers import DT, sym_map
 
 from loopformer.loop import LoopConfig, run_loop
-from loopformer.loop.quasi_newton import Anderson, _dots, exact
+from loopformer.loop.solvers import Anderson, _dots, exact
 
 
 def _kkt_weights(g: torch.Tensor, reg: float) -> torch.Tensor:
@@ -95,7 +95,7 @@ def test_engine_anderson_iterates_equal_the_textbook_float64_reference(
     steps = 3 * m + 2  # the ring wraps more than twice
     cfg = LoopConfig(
         solver="anderson",
-        anderson={"m": m, "beta": beta, "reg": reg},
+        plugins={"anderson": {"m": m, "beta": beta, "reg": reg}},
         halting="fixed",
         max_steps=steps,
         trace=True,
@@ -111,7 +111,7 @@ def test_engine_anderson_iterates_equal_the_textbook_float64_reference(
 def test_per_sample_halting_with_compaction_stops_where_the_reference_does() -> None:
     step, one, x, scale = _problem()
     tol = 1e-9
-    cfg = LoopConfig(solver="anderson", anderson={"m": 4}, halting="residual", tol=tol, max_steps=400)
+    cfg = LoopConfig(solver="anderson", plugins={"anderson": {"m": 4}}, halting="residual", tol=tol, max_steps=400)
     res, seen = _engine_iterates(step, x, scale, cfg)
     ref, halted, _ = reference_anderson(one, torch.zeros_like(x), 4, 1e-4, 1.0, 400, tol=tol)
     assert res.steps.tolist() == halted and len(set(halted)) > 1  # samples stop at different steps
@@ -137,7 +137,7 @@ def test_safe_anderson_restarts_like_the_reference() -> None:
         return step0(z, x[i : i + 1] + (3.0 if ref_calls[i] > 6 else 0.0), scale[i : i + 1])
 
     cfg = LoopConfig(solver="safe_anderson", halting="fixed", max_steps=14, trace=True)
-    opts = cfg.safe_anderson
+    opts = cfg.options_for("safe_anderson")
     _, seen = _engine_iterates(step, x, scale, cfg)
     ref, _, restarts = reference_anderson(
         one, torch.zeros_like(x), opts.m, opts.reg, opts.beta, 14, restart=opts.restart
@@ -178,14 +178,14 @@ def test_solver_arithmetic_leaves_autocast_and_is_free_outside_it() -> None:
             assert not torch.is_autocast_enabled("cpu")
         assert torch.is_autocast_enabled("cpu")
         # an Anderson step inside a bf16 region: float32 buffers, the same next iterate as outside it
-        solver = Anderson(LoopConfig(anderson_m=3))
+        solver = Anderson(LoopConfig(plugins={"anderson": {"m": 3}}))
         zb = torch.randn(2, 3).to(torch.bfloat16)
         fb = torch.randn(2, 3).to(torch.bfloat16)
         state = solver.init(zb)
         out, state, _ = solver.update(zb, fb, None, state)
         out2, state2, _ = solver.update(out, (out * 0.5 + fb).to(torch.bfloat16), None, state)
     assert state2["g"].dtype == torch.float32 and out2.dtype == torch.bfloat16
-    ref = Anderson(LoopConfig(anderson_m=3))
+    ref = Anderson(LoopConfig(plugins={"anderson": {"m": 3}}))
     s = ref.init(zb)
     o, s, _ = ref.update(zb, fb, None, s)
     o2, _, _ = ref.update(o, (o * 0.5 + fb).to(torch.bfloat16), None, s)

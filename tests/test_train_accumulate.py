@@ -28,8 +28,8 @@ from loopformer.train.setup import AccumulationError, micro_steps
 TOL = {"rtol": 1e-10, "atol": 1e-10}
 K = 4
 SMALL = ("model.d_model=16", "model.n_heads=2", "model.n_layers=1", "model.vocab_size=8")
-DAMPED = ("loop_train={solver: damped, halting: fixed, max_steps: 3, tol: 1.0e-9, damp_patience: 1, "
-          "damp_gamma: 0.5, residual_norm: rel_sup, grad: truncated, grad_steps: 3}")  # fmt: skip
+DAMPED = ("loop_train={solver: damped, halting: fixed, max_steps: 3, tol: 1.0e-9, damped: {patience: 1, gamma: 0.5}, "
+          "residual_norm: rel_sup, grad: truncated, grad_steps: 3}")  # fmt: skip
 DEEP = ("train.mode=deep_supervision", "train.max_segments=2")
 GROUPED = ("loop_train={solver: anderson, halting: batch_residual, halt_group: 2, tol: 0.3, max_steps: 8, "
            "grad: truncated, grad_steps: 2}")  # fmt: skip

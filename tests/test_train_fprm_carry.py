@@ -20,8 +20,8 @@ from loopformer.train import Trainer
 
 GAMMA, PATIENCE, STEPS = 0.5, 1, 3
 DAMPED = (
-    f"loop_train={{solver: damped, halting: fixed, max_steps: {STEPS}, tol: 1.0e-9, damp_patience: {PATIENCE}, "
-    f"damp_gamma: {GAMMA}, residual_norm: rel_sup, grad: truncated, grad_steps: {STEPS}}}"
+    f"loop_train={{solver: damped, halting: fixed, max_steps: {STEPS}, tol: 1.0e-9, "
+    f"damped: {{patience: {PATIENCE}, gamma: {GAMMA}}}, residual_norm: rel_sup, grad: truncated, grad_steps: {STEPS}}}"
 )
 
 
@@ -134,7 +134,7 @@ def test_a_slot_whose_step_size_fell_below_min_step_halts(tmp_path, halt_on_conv
         "train.max_segments=8",
         "train.steps=4",
         f"train.halt_on_converged={str(halt_on_converged).lower()}",
-        "loop_train.damp_min_step=0.3",  # two decays by 0.5 (0.25) stall a sample
+        "loop_train.damped.min_step=0.3",  # two decays by 0.5 (0.25) stall a sample
     )
     calls = _spy(tr)
     z, s = None, None

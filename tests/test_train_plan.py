@@ -1,4 +1,5 @@
-"""``loopformer train RECIPE --plan`` (loopformer/train/plan.py): its activation bytes against what a CPU step saves.
+"""``loopformer train RECIPE --plan`` (loopformer/config/memory.py, measured through loopformer/train/plan.py): its
+activation bytes against what a CPU step saves.
 
 Oracle for the activation count: the same training forward and loss run on the CPU with real
 tensors, and the tensors saved for backward found by walking the autograd graph from the loss
@@ -21,8 +22,9 @@ from test_train_utils import tiny_config, tiny_dataset
 
 from loopformer.cli import cli
 from loopformer.config import ConfigError
+from loopformer.config.memory import MARGIN_FRACTION, MEASURED_AT, GiB, parse_memory
 from loopformer.runs import run_task
-from loopformer.train.plan import MARGIN_FRACTION, MEASURED_AT, GiB, make_plan, parse_memory, training_loss
+from loopformer.train.plan import make_plan, training_forward
 from loopformer.train.setup import build_run_model
 
 # float32 runs (bf16=false): the CPU oracle below runs in float32; the bf16 count (a GPU run's) is checked
@@ -72,7 +74,7 @@ def _cpu_counts(cfg, batches: tuple[int, ...]) -> list[int]:
     for b in batches:
         inputs = torch.as_tensor(rows.inputs[np.arange(b) % len(rows)])
         labels = torch.as_tensor(rows.labels[np.arange(b) % len(rows)])
-        out.append(_graph_saved_bytes(training_loss(model, cfg, inputs, labels, None), exclude))
+        out.append(_graph_saved_bytes(training_forward(model, cfg, inputs, labels, None)[0], exclude))
     return out
 
 
@@ -121,3 +123,5 @@ def test_cli_prints_the_plan_and_a_micro_batch(tmp_path) -> None:
     assert "saved activations" in result.output and "per example" in result.output
     assert "2 GPU(s) of 2 GB" in result.output
     assert "micro-batch" in result.output
+    # the optimiser's state is measured, or the line says what could not be measured and why
+    assert "measured (" in result.output or "state could not be measured, as" in result.output

@@ -72,7 +72,8 @@ def train(
         click.echo(print_config_yaml(cfg), nl=False)
         return
     if plan:
-        from loopformer.train.plan import describe, make_plan, parse_memory
+        from loopformer.config.memory import describe, parse_memory
+        from loopformer.train.plan import make_plan
 
         the_plan, source = make_plan(cfg, gpus, parse_memory(gpu_memory))
         click.echo(f"plan for {recipe} ({cfg.model.name}, train.mode={cfg.train.mode}):")

@@ -1,7 +1,7 @@
 """One validation path for every command: what ``train`` checks, ``eval``, ``solve``, ``run`` and ``push`` check too.
 
 ``train`` and ``run`` build their configs with ``loopformer.config.build_config``, which validates every
-value (``loopformer.config.validate.validate``: ranges with the dotted key, the task's options, sizes that
+value (``loopformer.config.schema.validate``: ranges with the dotted key, the task's options, sizes that
 cannot fit in memory). ``eval``, ``solve`` and ``push`` start from a trained run's stored config instead;
 ``run_config_for`` applies their ``--set`` overrides to it and runs the *same* ``validate`` (for
 evaluation: the training machine's ``device`` / ``train.threads`` are not held against this one, and
@@ -22,9 +22,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from loopformer.config.build import build_config
-from loopformer.config.recipes import apply_overrides
-from loopformer.config.schema import RunConfig
+from loopformer.config.recipes import apply_overrides, build_config
+from loopformer.config.schema import RunConfig, validate
 from loopformer.config.strict import ConfigError, to_dict
 
 EVAL_OVERRIDE_PREFIXES = ("data.", "eval.", "loop_eval.")
@@ -142,8 +141,6 @@ def run_config_for(
 
         known = "" if task in TASKS else f" (and {task!r} is no known task: {', '.join(sorted(TASKS))})"
         raise ConfigError(f"task {task!r}: the model was trained on task {trained_on!r}{known}")
-    from loopformer.config.validate import validate
-
     return validate(cfg, training=False, device=device)
 
 

@@ -1,9 +1,7 @@
-"""Reading recipes: the strict YAML reader, ``base:`` chains, ``~key`` deletions, a model change that drops
-the old model's keys, ``key=value`` overrides, and the fully resolved view ``--print-config`` prints.
+"""Reading recipes: ``base:`` chains, ``~key`` deletions, a model change that drops the old model's keys,
+``key=value`` overrides, and the fully resolved view ``--print-config`` prints. The YAML itself is read by
+``loopformer.config.strict.load_yaml`` (duplicate keys and alias bombs refused).
 
-- ``load_yaml(text, where)``: ``yaml.safe_load`` with two more refusals: a duplicate key in a mapping and
-  documents whose aliases would expand past ``MAX_YAML_NODES`` nodes (a "billion laughs" file), each a
-  ``ConfigError`` naming the file and line. ``read_text`` reads a file as UTF-8 or names the bad byte.
 - ``parse_override`` / ``apply_overrides``: dotted ``key=value`` overrides (``train.lr=3e-4``), each value
   parsed as YAML (numbers, bools, lists, null) and its path checked against the schema before it is
   written into the raw table; ``~key`` deletes a key. A path is a path: the values of ``PATH_KEYS``
@@ -21,8 +19,13 @@ the old model's keys, ``key=value`` overrides, and the fully resolved view ``--p
 - A child recipe or an override that changes ``model.name`` drops the inherited ``model.*`` keys the
   new model's config does not have (``conv`` of FPRM when switching to TRM) and logs a note naming
   them (``loopformer.config`` logger); keys the child sets itself are still checked strictly.
+- ``build_config`` / ``load_config``: a recipe's table plus overrides -> a validated ``RunConfig``;
+  ``save_config`` writes the resolved config to a run folder (``config.yaml`` and ``config.json``),
+  ``load_config_file`` reads either back, the keys a checkpoint adds beside the config
+  (``CHECKPOINT_META_KEYS``) left out and the spellings of earlier versions translated (``stored_table``).
 - ``resolved_yaml(cfg)``: the run configuration with ``model`` and ``loop_train`` / ``loop_eval`` /
-  ``loop_periodic`` written out field by field (every field with its effective value); it loads
+  ``loop_periodic`` written out field by field (every field with its effective value; the loops with the
+  options of every registered plug-in, ``model.loop`` as a trained run records it); it loads
   back to the same model and loops. Model fields the trainer fills from the task (``TASK_FIELDS``)
   stay out unless the recipe sets them, so the printed config still takes them from the task.
 """
@@ -39,14 +42,23 @@ from typing import Any
 
 import yaml
 
-from loopformer.config.schema import ModelSpec, RunConfig
-from loopformer.config.strict import ConfigError, _hints, _join, _suggest, to_dict
+from loopformer.config.schema import ModelSpec, RunConfig, validate
+from loopformer.config.strict import (
+    RENAMED,
+    ConfigError,
+    Overlay,
+    from_dict,
+    load_yaml,
+    read_text,
+    suggest,
+    table_keys,
+    to_dict,
+    unknown_key,
+)
 
 log = logging.getLogger("loopformer.config")
 
 RECIPE_DIR = Path(__file__).resolve().parents[1] / "recipes"  # shipped in the wheel; ./recipes links here
-
-MAX_YAML_NODES = 100_000
 
 DELETE = "~"  # a key starting with it deletes the (dotted) key after it
 
@@ -54,18 +66,6 @@ TASK_FIELDS = ("vocab_size", "seq_len", "causal", "num_puzzle_ids", "puzzle_emb_
 
 # keys whose value is a file or folder path: taken as the text given, never parsed as YAML
 PATH_KEYS = frozenset({"out_dir", "data.train_path", "data.eval_path"})
-
-
-def read_text(path: Path, what: str) -> str:
-    """A UTF-8 text file; ConfigError naming the file (and the first bad byte) otherwise."""
-    try:
-        return path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as err:
-        raise ConfigError(
-            f"{what} {path} is not UTF-8 text (byte {err.start} is 0x{err.object[err.start]:02x})"
-        ) from None
-    except OSError as err:
-        raise ConfigError(f"cannot read {what} {path}: {err.strerror or type(err).__name__}") from None
 
 
 def _lookup(data: dict[str, Any], key: str) -> Any:
@@ -97,19 +97,23 @@ def parse_override(text: str) -> tuple[list[str], Any]:
 
 
 def _check_path(parts: list[str]) -> None:
-    """Errors early for keys that cannot exist in the schema (free tables accept any key)."""
+    """Errors early for keys that cannot exist in the schema: the path is walked through the dataclasses and
+    the overlays (``loop_eval.damped.gamma``: a LoopConfig key, then the damped solver's option); free tables
+    (``data.options``) and a model family's fields (checked once the name is known) accept any key."""
     cls: Any = RunConfig
     walked = ""
     for part in parts:
-        if cls is None:  # inside a free table (options, loop overrides, model fields)
+        if cls is None:  # inside a free table (options, model fields)
             return
-        if cls is ModelSpec:
-            return  # family fields are checked once the name is known
-        names = [f.name for f in dataclasses.fields(cls)]
-        if part not in names:
-            raise ConfigError(f"unknown config key {_join(walked, part)!r}{_suggest(part, names, walked)}")
-        tp = _hints(cls)[part]
-        walked = _join(walked, part)
+        keys = table_keys(cls)
+        if keys is None:  # beside entries checked by their owner (a model family's fields)
+            return
+        if part not in keys:
+            raise unknown_key(cls, part, list(keys), walked)
+        tp = keys[part]
+        walked = f"{walked}.{part}" if walked else part
+        if typing.get_origin(tp) is Overlay:
+            tp = typing.get_args(tp)[0]
         cls = tp if (dataclasses.is_dataclass(tp) and isinstance(tp, type)) else None
         if cls is None and part != parts[-1] and typing.get_origin(tp) is not dict and tp is not dict:
             raise ConfigError(f"config key {walked!r} is a value, not a table")
@@ -168,91 +172,6 @@ def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str,
     return data
 
 
-class StrictLoader(yaml.SafeLoader):
-    """SafeLoader refusing duplicate keys and alias expansion beyond ``MAX_YAML_NODES`` nodes."""
-
-    where = "YAML"
-
-    def compose_document(self) -> Any:
-        node = super().compose_document()
-        _expanded_size(node, self.where)
-        return node
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
-        seen: dict[Any, int] = {}
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":
-                continue
-            key = self.construct_object(key_node, deep=True)
-            try:
-                first = seen.get(key)
-            except TypeError:
-                raise ConfigError(
-                    f"{self.where}: line {key_node.start_mark.line + 1}: a mapping key must be a plain value"
-                ) from None
-            if first is not None:
-                raise ConfigError(
-                    f"{self.where}: line {key_node.start_mark.line + 1}: duplicate key {key!r} "
-                    f"(first given on line {first})"
-                )
-            seen[key] = key_node.start_mark.line + 1
-        return super().construct_mapping(node, deep=deep)
-
-
-def _expanded_size(root: yaml.Node | None, where: str) -> None:
-    """Nodes the document has once every alias is expanded (memoised per node, so it is cheap)."""
-    sizes: dict[int, int] = {}
-    open_: set[int] = set()  # on the current depth-first path: meeting one again is a cycle
-    stack = [(root, False)] if root is not None else []
-    while stack:
-        node, done = stack.pop()
-        if id(node) in sizes:
-            continue
-        if not done and id(node) in open_:
-            raise ConfigError(
-                f"{where}: line {node.start_mark.line + 1}: an alias refers to a value that "
-                "contains it (a recursive structure); refusing it"
-            )
-        open_.add(id(node))
-        children = []
-        if isinstance(node, yaml.SequenceNode):
-            children = list(node.value)
-        elif isinstance(node, yaml.MappingNode):
-            children = [n for pair in node.value for n in pair]
-        if not done:
-            stack.append((node, True))
-            stack.extend((c, False) for c in children if id(c) not in sizes)
-            continue
-        sizes[id(node)] = 1 + sum(sizes.get(id(c), 1) for c in children)
-        open_.discard(id(node))
-        if sizes[id(node)] > MAX_YAML_NODES:
-            raise ConfigError(
-                f"{where}: line {node.start_mark.line + 1}: the document expands to more than "
-                f"{MAX_YAML_NODES:,} values through aliases (&anchor / *alias); refusing it"
-            )
-
-
-def load_yaml(text: str, where: str) -> Any:
-    """``text`` parsed like ``yaml.safe_load`` (see the module docstring); ConfigError naming ``where``
-    and the line, never quoting the text."""
-    loader = None
-    try:
-        loader = StrictLoader(text)  # the reader refuses control characters here already
-        loader.where = where
-        return loader.get_single_data()
-    except yaml.MarkedYAMLError as err:
-        mark = err.problem_mark or err.context_mark
-        at = f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else "?"
-        raise ConfigError(f"{where} is not valid YAML: {err.problem or err.context} at {at}") from None
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{where} is not valid YAML ({type(err).__name__})") from None
-    except RecursionError:
-        raise ConfigError(f"{where}: nested too deeply") from None
-    finally:
-        if loader is not None:
-            loader.dispose()
-
-
 def find_recipe(name: str | Path) -> Path:
     """A recipe path: as given, or ``<name>[.yaml]`` in ./recipes or the package's recipes (RECIPE_DIR)."""
     candidates = [Path(name)]
@@ -262,7 +181,7 @@ def find_recipe(name: str | Path) -> Path:
         if path.is_file():
             return path
     known = sorted(p.stem for p in RECIPE_DIR.glob("*.yaml")) if RECIPE_DIR.is_dir() else []
-    raise ConfigError(f"no recipe {str(name)!r}{_suggest(Path(stem).stem, known) if known else ''}")
+    raise ConfigError(f"no recipe {str(name)!r}{suggest(Path(stem).stem, known) if known else ''}")
 
 
 def model_field_names(name: Any) -> set[str] | None:
@@ -362,6 +281,99 @@ def read_recipe(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any
     return merge(base, data, f"recipe {path.name}")
 
 
+# --------------------------------------------------------------------------------------------
+# Building a run configuration, and the resolved config a run folder keeps
+# --------------------------------------------------------------------------------------------
+CHECKPOINT_META_KEYS = ("family", "step", "plugins")  # written next to the config in checkpoints
+
+
+def build_config(
+    data: Mapping[str, Any], overrides: Sequence[str] = (), check: bool = True, out_dir: str | Path | None = None
+) -> RunConfig:
+    """RunConfig from a raw table plus overrides; ``check`` also validates model / loop keys. ``out_dir``:
+    the run folder a command's ``-o`` names, a path given as a path (never parsed as an override); refused
+    together with an ``out_dir=`` override (which of the two was meant is a guess)."""
+    table = apply_overrides(dict(data), overrides)
+    if out_dir is not None:
+        if any(o.partition("=")[0].strip() == "out_dir" for o in overrides):
+            raise ConfigError("the run folder is given twice, with -o / --out and with out_dir=; give one")
+        table["out_dir"] = str(out_dir)
+    cfg = from_dict(RunConfig, table)
+    return validate(cfg) if check else cfg
+
+
+def load_config(
+    recipe: str | Path | None = None, overrides: Sequence[str] = (), check: bool = True
+) -> RunConfig:
+    """The run configuration of ``recipe`` (a path or a name in recipes/; None = defaults)."""
+    data = read_recipe(recipe) if recipe is not None else {}
+    return build_config(data, overrides, check)
+
+
+def config_to_yaml(cfg: RunConfig) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+def config_to_json(cfg: RunConfig, **extra: Any) -> str:
+    return json.dumps({**to_dict(cfg), **extra}, indent=2)
+
+
+def save_config(cfg: RunConfig, folder: str | Path) -> None:
+    """Write ``config.yaml`` and ``config.json`` into ``folder`` (each atomically: ``loopformer.files``)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    from loopformer.files import atomic_write_text
+
+    atomic_write_text(folder / "config.yaml", config_to_yaml(cfg), root=folder)
+    atomic_write_text(folder / "config.json", config_to_json(cfg), root=folder)
+
+
+def load_config_file(path: str | Path, check: bool = True) -> RunConfig:
+    """Load a dumped ``config.yaml`` / ``config.json`` (or a folder holding one)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "config.json" if (path / "config.json").is_file() else path / "config.yaml"
+    if not path.is_file():
+        raise ConfigError(f"no config file at {path}")
+    text = read_text(path, "config file")
+    if path.suffix == ".json":
+        try:
+            data = json.loads(text)
+        except (json.JSONDecodeError, RecursionError) as err:
+            at = f" at line {err.lineno}, column {err.colno}" if isinstance(err, json.JSONDecodeError) else ""
+            raise ConfigError(f"{path} is not valid JSON{at}") from None
+    else:
+        data = load_yaml(text, str(path))
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{path} does not hold a config table")
+    data = {k: v for k, v in data.items() if k not in CHECKPOINT_META_KEYS}
+    return build_config(stored_table(data), (), check)
+
+
+def stored_table(data: Mapping[str, Any]) -> dict[str, Any]:
+    """A run config as an earlier version stored it, in this version's spelling: the flat loop keys of
+    ``RENAMED`` (``damp_gamma``) moved into their tables (``damped: {gamma: ...}``) and a ``plugins`` table's
+    entries beside the other keys, in ``model.loop``, ``loop_train``, ``loop_eval`` and ``loop_periodic``; a
+    key given both ways keeps the table's value."""
+    renamed = RENAMED["LoopConfig"]
+    out = json.loads(json.dumps(dict(data), default=list))  # deep copy of plain data
+    model = out.get("model")
+    tables = [model.get("loop")] if isinstance(model, dict) else []
+    tables += [out.get(f"loop_{phase}") for phase in ("train", "eval", "periodic")]
+    for table in tables:
+        if not isinstance(table, dict):
+            continue
+        for key in [k for k in table if k in renamed]:
+            group, _, name = renamed[key].partition(".")
+            value = table.pop(key)
+            if isinstance(table.setdefault(group, {}), dict):
+                table[group].setdefault(name, value)
+        if isinstance(table.get("plugins"), dict):
+            for name, options in table.pop("plugins").items():
+                table.setdefault(name, options)
+    return out
+
+
 def resolved_tables(cfg: RunConfig, task_defaults: dict[str, Any] | None = None) -> dict[str, Any]:
     """``cfg`` as plain data with the model and the three loops written out field by field;
     ``task_defaults`` (what the task fixes before its data is read: ``task_fields``) fill the
@@ -379,15 +391,21 @@ def resolved_tables(cfg: RunConfig, task_defaults: dict[str, Any] | None = None)
     }
     data["model"] = {"name": cfg.model.name, **fields_}
     for phase in ("train", "eval", "periodic"):
-        data[f"loop_{phase}"] = to_dict(cfg.loop_config(mc.loop, phase))
+        data[f"loop_{phase}"] = _every_option(cfg.loop_config(mc.loop, phase))
     return data
+
+
+def _every_option(loop: Any) -> dict[str, Any]:
+    """``loop`` (a LoopConfig) as a table with the options of every registered plug-in (its own or the
+    defaults)."""
+    from loopformer.loop.config import plugin_options
+
+    return {**to_dict(loop), **{name: to_dict(loop.options_for(name)) for name in plugin_options()}}
 
 
 def resolved_yaml(cfg: RunConfig, task_defaults: dict[str, Any] | None = None, task_note: str = "") -> str:
     """The YAML ``--print-config`` prints (see the module docstring); ``task_note`` says why the
     task's fields could not be read, when they could not."""
-    import yaml
-
     data = resolved_tables(cfg, task_defaults)
     filled = [k for k in TASK_FIELDS if k not in data["model"] and k in _family_fields(cfg)]
     head = (
@@ -425,16 +443,26 @@ def _family_fields(cfg: RunConfig) -> set[str]:
 
 
 __all__ = [
+    "CHECKPOINT_META_KEYS",
     "DELETE",
     "PATH_KEYS",
     "TASK_FIELDS",
+    "apply_overrides",
+    "build_config",
+    "config_to_json",
+    "config_to_yaml",
     "delete_key",
     "drop_foreign_model_keys",
     "find_recipe",
+    "load_config",
+    "load_config_file",
     "merge",
     "model_field_names",
+    "parse_override",
     "print_config_yaml",
     "read_recipe",
     "resolved_tables",
     "resolved_yaml",
+    "save_config",
+    "stored_table",
 ]

@@ -1,35 +1,81 @@
-"""Strict conversion of plain data to the configuration's dataclasses: unknown keys and bad types are errors.
+"""The one loader of typed data: plain tables <-> dataclasses, strictly, and the strict YAML reader.
 
-``from_dict(cls, data)`` builds a dataclass from a table; ``coerce(value, type, path)`` converts one value to
-its annotation (``Annotated[str, Registered(...)]`` values must be registered names or ``module:Class``
-plug-ins); ``to_dict`` turns a config back into plain YAML / JSON data. Every ``ConfigError`` names the full
-dotted key and suggests the nearest valid one (``difflib`` plus a bonus for a shared prefix), also inside a
-model family's own config and ``LoopConfig``, whose fields are only known once the family is resolved.
+- ``from_dict(cls, data)`` builds a dataclass from a table; ``coerce(value, type, path)`` converts one value
+  to its annotation; ``to_dict`` turns a dataclass back into plain YAML / JSON data. Unknown keys and bad types
+  are errors: every ``ConfigError`` names the full dotted key and suggests the nearest valid one (``difflib``
+  plus a bonus for a shared prefix); a key an earlier version used (``RENAMED``) is refused naming the key
+  that replaced it. The run configuration (``loopformer.config.schema``) and the records the library writes
+  itself are read by these functions.
+- A dict field with ``metadata={"beside": types}`` keeps its entries beside the dataclass's own fields in a
+  table: ``types(table)`` gives each allowed key's type (``LoopConfig.plugins``: ``{solver: damped, damped:
+  {gamma: 0.99}}``), or ``types`` is None and any key is kept as given (``ModelSpec.fields``: a model
+  family's fields beside ``name``). A key named like the field itself, holding a table, is read as its
+  entries (the dataclass's own layout).
+- ``Overlay[C]`` is a partial table of dataclass ``C``: the keys a recipe sets, each coerced to its type (the
+  table of a nested dataclass stays partial), applied over a base ``C`` with ``dataclasses.replace``
+  (``Overlay.over``). ``RunConfig.loop_train`` is an ``Overlay[LoopConfig]`` over the model's default loop.
+- ``Annotated[str, Registered("module:NAME")]``: a value that must be a key of a registry dict (or a
+  ``module:Class`` plug-in subclassing the registry's base).
+- ``load_yaml(text, where)``: ``yaml.safe_load`` with two more refusals: a duplicate key in a mapping and
+  documents whose aliases would expand past ``MAX_YAML_NODES`` nodes (a "billion laughs" file), each a
+  ``ConfigError`` naming the file and line; ``read_text`` reads a file as UTF-8 or names the bad byte.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
+import importlib
 import os
 import types
 import typing
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Generic, Literal, TypeVar
 
-from loopformer.config.schema import ModelSpec
+import yaml
+
+C = TypeVar("C")
+
+MAX_YAML_NODES = 100_000
+
+# keys of earlier versions, by the name of the dataclass whose tables held them: the old key -> the key that
+# replaced it. A recipe or an override using one is refused naming its new key; a stored run config is
+# translated (loopformer.config.recipes.stored_table)
+RENAMED: dict[str, dict[str, str]] = {
+    "LoopConfig": {
+        "damp_gamma": "damped.gamma",
+        "damp_patience": "damped.patience",
+        "damp_min_step": "damped.min_step",
+        "damp_min_improvement": "damped.min_improvement",
+        "anderson_m": "anderson.m",
+        "anderson_reg": "anderson.reg",
+        "anderson_beta": "anderson.beta",
+        "anderson_reg_relative": "anderson.reg_relative",
+        "broyden_m": "broyden.m",
+        "kl_threshold": "kl_entropy.kl_threshold",
+        "entropy_threshold": "kl_entropy.entropy_threshold",
+        "kl_reduce": "kl_entropy.reduce",
+        "act_eps": "act.eps",
+        "neumann_clip": "neumann.clip",
+        "ift_solver": "ift.solver",
+        "ift_tol": "ift.tol",
+        "ift_max_steps": "ift.max_steps",
+    }
+}
 
 
 class ConfigError(ValueError):
     """A bad recipe or override: the message names the dotted key and the nearest valid one."""
 
 
-def _suggest(key: str, options: Sequence[str], prefix: str = "") -> str:
+def suggest(key: str, options: Sequence[str], prefix: str = "") -> str:
     """'; did you mean 'prefix.nearest'?' or the list of valid names when nothing is close."""
     best = _nearest(key, options)
     if best is not None:
-        return f"; did you mean {_join(prefix, best)!r}?"
+        return f"; did you mean {join(prefix, best)!r}?"
     return f" (valid: {', '.join(sorted(options))})"
 
 
@@ -44,8 +90,52 @@ def _nearest(key: str, options: Sequence[str], cutoff: float = 0.5) -> str | Non
     return scored[0][1] if scored and scored[0][0] >= cutoff else None
 
 
-def _join(path: str, key: str) -> str:
+def join(path: str, key: str) -> str:
     return f"{path}.{key}" if path else key
+
+
+def unknown_key(cls: type, key: Any, known: Sequence[str], path: str) -> ConfigError:
+    """The error for ``key`` in a table of ``cls`` at ``path``: its new spelling when an earlier version
+    used it (``RENAMED``), else the nearest of ``known``."""
+    new = RENAMED.get(cls.__name__, {}).get(str(key))
+    if new is not None:
+        return ConfigError(
+            f"config key {join(path, key)!r} was renamed: write {join(path, new)!r} (the option's table)"
+        )
+    return ConfigError(f"unknown config key {join(path, key)!r}{suggest(str(key), known, path)}")
+
+
+# --------------------------------------------------------------------------------------------
+# Values
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Registered:
+    """``Annotated[str, Registered("module:NAME")]``: the value must be a key of the registry dict
+    ``NAME`` in ``module`` (imported when a value is checked), so plug-ins registered outside the package
+    are valid values and the list of choices is the registry's."""
+
+    registry: str
+    base: str = ""  # "module:Class" every plug-in of the registry subclasses (for module:Class values)
+
+    def names(self) -> list[str]:
+        module, attr = self.registry.split(":")
+        return list(getattr(importlib.import_module(module), attr))
+
+    def check(self, value: Any, path: str) -> Any:
+        """``value`` when it is a registered name or a ``module:Class`` path to a subclass of ``base``,
+        which is imported and registered under that path."""
+        from loopformer.plugins import is_class_path, load_entry_points, resolve_class
+
+        if is_class_path(value) and self.base:
+            module, attr = self.registry.split(":")
+            registry = getattr(importlib.import_module(module), attr)
+            base_module, base_name = self.base.split(":")
+            base = getattr(importlib.import_module(base_module), base_name)
+            registry.setdefault(value, resolve_class(value, base, path))
+            return value
+        if isinstance(value, str) and value not in self.names():
+            load_entry_points()
+        return coerce(value, Literal[tuple(self.names())], path)
 
 
 def _type_name(tp: Any) -> str:
@@ -71,8 +161,8 @@ def coerce(value: Any, tp: Any, path: str) -> Any:
         return value
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
-    if origin is Annotated:  # Annotated[str, Registered(...)] (config_schema): one of the registry's names
-        return tp.__metadata__[0].check(value, path, lambda names: coerce(value, Literal[tuple(names)], path))
+    if origin is Annotated:  # Annotated[str, Registered(...)]: one of the registry's names
+        return tp.__metadata__[0].check(value, path)
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
@@ -92,6 +182,14 @@ def coerce(value: Any, tp: Any, path: str) -> Any:
         close = difflib.get_close_matches(str(value), [str(a) for a in args], n=1, cutoff=0.4)
         hint = f"; did you mean {close[0]!r}?" if close else ""
         raise ConfigError(f"{path}: {value!r} is not one of {list(args)}{hint}")
+    if origin is Overlay:
+        if isinstance(value, Overlay):
+            return value
+        of = args[0]
+        table = to_dict(value) if isinstance(value, of) else value
+        if not isinstance(table, Mapping):
+            raise ConfigError(f"{path}: expected a table of {of.__name__} fields, got {value!r}")
+        return Overlay(of, _typed_table(of, table, path, partial=True))
     if dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
             value = to_dict(value)
@@ -112,7 +210,7 @@ def coerce(value: Any, tp: Any, path: str) -> Any:
         if not isinstance(value, Mapping):
             raise ConfigError(f"{path}: expected a table, got {value!r}")
         item = args[1] if len(args) == 2 else Any  # dict[str, X]: every value converted to X
-        return {str(k): coerce(v, item, _join(path, str(k))) for k, v in value.items()}
+        return {str(k): coerce(v, item, join(path, str(k))) for k, v in value.items()}
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -154,137 +252,139 @@ def coerce(value: Any, tp: Any, path: str) -> Any:
     return value
 
 
-def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls, include_extras=True)
+# --------------------------------------------------------------------------------------------
+# Tables
+# --------------------------------------------------------------------------------------------
+@functools.cache
+def hints(cls: type) -> dict[str, Any]:
+    """The resolved annotations of dataclass ``cls`` (``Annotated`` kept). The run configuration names
+    ``LoopConfig`` only for its annotations, resolved here when a table is first read, so that importing
+    ``loopformer.config`` imports no torch (the ``recipes`` command's start-up, tests/test_startup.py)."""
+    from loopformer.loop import LoopConfig
+
+    return typing.get_type_hints(cls, include_extras=True, localns={"LoopConfig": LoopConfig})
+
+
+def beside_field(cls: type) -> dataclasses.Field | None:
+    """The dict field of ``cls`` whose entries sit beside its fields in a table (module docstring)."""
+    return next((f for f in dataclasses.fields(cls) if "beside" in f.metadata), None)
+
+
+def table_keys(cls: type, table: Mapping[str, Any] | None = None) -> dict[str, Any] | None:
+    """The keys a table of ``cls`` may hold with their types (its fields, what sits beside them, and the
+    beside field's own name holding a table of them); None when any key may sit beside the fields (checked
+    later by its owner)."""
+    beside = beside_field(cls)
+    keys = {f.name: hints(cls)[f.name] for f in dataclasses.fields(cls)}
+    if beside is None:
+        return keys
+    types_ = beside.metadata["beside"]
+    return None if types_ is None else {**keys, **types_(table or {})}
+
+
+def _typed_table(cls: type, data: Mapping[str, Any], path: str, partial: bool) -> dict[str, Any]:
+    """``data`` (a table of ``cls``) checked key by key and coerced: ``{field: value}``, the entries that sit
+    beside the fields gathered under their field. ``partial``: the table of a nested dataclass stays a partial
+    (coerced) table, as an ``Overlay``'s changes."""
+    beside = beside_field(cls)
+    fields_ = {f.name: hints(cls)[f.name] for f in dataclasses.fields(cls) if f is not beside}
+    extra_types = None if beside is None else beside.metadata["beside"]
+    extra_types = extra_types(data) if extra_types is not None else None
+    items = list(data.items())
+    if beside is not None and isinstance(data.get(beside.name), Mapping):  # the dataclass's own layout
+        items = [(k, v) for k, v in items if k != beside.name] + list(data[beside.name].items())
+    out: dict[str, Any] = {}
+    extra: dict[str, Any] = {}
+    for key, value in items:
+        where = join(path, key)
+        if key in fields_:
+            tp = fields_[key]
+        elif beside is not None and extra_types is None:
+            extra[str(key)] = value
+            continue
+        elif beside is not None and key in extra_types:
+            tp = extra_types[key]
+        elif getattr(cls, "other_keys_ignored", False):  # a record read back from a file that may hold more
+            continue  # than the fields read (loopformer.runs): the others are skipped
+        else:
+            known = list(fields_) + list(extra_types or ())
+            raise unknown_key(cls, key, known, path)
+        if partial and dataclasses.is_dataclass(tp) and isinstance(value, Mapping):
+            value = _typed_table(tp, value, where, partial=True)
+        else:
+            value = coerce(value, tp, where)
+        (out if key in fields_ else extra)[str(key)] = value
+    if beside is not None and (extra or beside.name in data):
+        out[beside.name] = extra
+    return out
+
+
+def _build(cls: type, values: Mapping[str, Any], path: str) -> Any:
+    """``cls(**values)``; the class's own refusal (``ValueError`` / ``TypeError``) as a ConfigError at
+    ``path``."""
+    try:
+        return cls(**values)
+    except (ValueError, TypeError) as err:
+        if isinstance(err, ConfigError):
+            raise
+        raise ConfigError(f"{path or cls.__name__}: {err}") from None
 
 
 def from_dict(cls: type, data: Mapping[str, Any], path: str = "") -> Any:
     """Strictly build dataclass ``cls`` from ``data``: unknown keys and bad types are errors."""
-    if cls is ModelSpec:
-        return _model_spec(data, path)
-    return cls(**_coerced_fields(cls, data, path))
-
-
-def _coerced_fields(cls: type, data: Mapping[str, Any], path: str) -> dict[str, Any]:
-    """``data`` checked against dataclass ``cls``'s fields (unknown keys suggest the nearest) and
-    coerced to their types."""
-    hints = _hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    # a record read back from a file that may hold more than the fields read (loopformer.runs): others skipped
-    skip_others = getattr(cls, "other_keys_ignored", False)
-    out = {}
-    for key, value in data.items():
-        if key not in names:
-            if skip_others:
-                continue
-            raise ConfigError(f"unknown config key {_join(path, key)!r}{_suggest(str(key), names, path)}")
-        out[key] = coerce(value, hints[key], _join(path, key))
-    for f in dataclasses.fields(cls):  # a field without a default must be given
-        if f.name not in out and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            raise ConfigError(f"the field {_join(path, f.name)!r} is missing")
-    return out
-
-
-def _model_spec(data: Mapping[str, Any], path: str) -> ModelSpec:
     if not isinstance(data, Mapping):
-        raise ConfigError(f"{path}: expected a table with a model 'name', got {data!r}")
-    fields_ = {str(k): v for k, v in data.items() if k != "name"}
-    if "fields" in fields_ and isinstance(fields_["fields"], Mapping):  # the dataclass' own layout
-        fields_ = {**fields_.pop("fields"), **fields_}
-    name = coerce(data.get("name", ModelSpec.name), str, _join(path, "name"))
-    return ModelSpec(name=name, fields=fields_)
+        raise ConfigError(f"{path or cls.__name__}: expected a table of {cls.__name__} fields, got {data!r}")
+    values = _typed_table(cls, data, path, partial=False)
+    for f in dataclasses.fields(cls):  # a field without a default must be given
+        if f.name not in values and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ConfigError(f"the field {join(path, f.name)!r} is missing")
+    return _build(cls, values, path)
 
 
-def _model_fields(name: str, fields_: Mapping[str, Any], path: str) -> dict[str, Any]:
-    """Family config fields coerced to their types (nested LoopConfig tables included)."""
-    from loopformer.models.registry import MODELS, known_model, model_classes
+@dataclass(frozen=True)
+class Overlay(Generic[C]):
+    """The keys a table sets of dataclass ``of`` (``changes``: field -> coerced value; a nested dataclass's
+    or a beside entry's changes as a partial table), applied over a base with ``dataclasses.replace``."""
 
-    if not known_model(name):
-        raise ConfigError(f"{_join(path, 'name')}: unknown model {name!r}{_suggest(name, list(MODELS))}")
-    _, config_cls = model_classes(name)
-    hints = _hints(config_cls)
-    valid = [f.name for f in dataclasses.fields(config_cls)]
-    out = {}
-    for key, value in fields_.items():
-        if key not in valid:
-            raise ConfigError(
-                f"unknown config key {_join(path, key)!r}: model {name!r} has no field {key!r}"
-                f"{_suggest(key, valid, path)}"
-            )
-        tp = hints[key]
-        if dataclasses.is_dataclass(tp) and isinstance(value, Mapping):
-            # a nested table (e.g. model.loop) overrides the family's default, not the class default
-            out[key] = _replace_fields(_field_default(config_cls, key), value, _join(path, key))
-        else:
-            out[key] = coerce(value, tp, _join(path, key))
-    return out
+    of: type
+    changes: dict[str, Any] = field(default_factory=dict)
+
+    def over(self, base: C, path: str = "") -> C:
+        """``base`` with these changes: a partial table updates the nested dataclass (or the beside entry:
+        a plug-in's options) it names, the rest of it kept."""
+        return _merged(base, self.changes, path)
 
 
-def _field_default(cls: type, name: str) -> Any:
-    f = next(f for f in dataclasses.fields(cls) if f.name == name)
-    if f.default_factory is not dataclasses.MISSING:
-        return f.default_factory()
-    return f.default
-
-
-def _partial_fields(cls: type, data: Mapping[str, Any], path: str) -> dict[str, Any]:
-    """``data`` coerced to ``cls``'s field types, where a table for a nested dataclass field stays a
-    partial table (merged into the base by ``_merge_fields``); a class may map legacy flat keys
-    into its nested tables (``LoopConfig.nest_legacy``: ``damp_gamma`` -> ``damped.gamma``)."""
-    nest = getattr(cls, "nest_legacy", None)
-    if nest is not None:
-        try:
-            data = nest(data)
-        except ValueError as err:
-            raise ConfigError(f"{path}: {err}") from None
-    hints = _hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    out: dict[str, Any] = {}
-    for key, value in data.items():
-        if key not in names:
-            known = names + list(getattr(cls, "legacy_names", {}))
-            raise ConfigError(f"unknown config key {_join(path, key)!r}{_suggest(str(key), known, path)}")
-        tp = hints[key]
-        if dataclasses.is_dataclass(tp) and isinstance(value, Mapping):
-            out[key] = _partial_fields(tp, value, _join(path, key))
-        else:
-            out[key] = coerce(value, tp, _join(path, key))
-    return out
-
-
-def _merge_fields(base: Any, changes: Mapping[str, Any], path: str) -> Any:
-    """``base`` with coerced ``changes``; partial tables update nested dataclass fields."""
-    merged = {
-        k: _merge_fields(getattr(base, k), v, _join(path, k))
-        if isinstance(v, Mapping) and dataclasses.is_dataclass(getattr(base, k))
-        else v
-        for k, v in changes.items()
-    }
+def _merged(base: Any, changes: Mapping[str, Any], path: str) -> Any:
+    beside = beside_field(type(base))
+    merged = {}
+    for key, value in changes.items():
+        old = getattr(base, key)
+        if isinstance(value, Mapping) and dataclasses.is_dataclass(old):
+            value = _merged(old, value, join(path, key))
+        elif beside is not None and key == beside.name and isinstance(old, Mapping):
+            entries = {**old, **value}
+            value = {
+                k: _merged(old[k], v, join(path, k))
+                if isinstance(v, Mapping) and dataclasses.is_dataclass(old.get(k))
+                else v
+                for k, v in entries.items()
+            }
+        merged[key] = value
     try:
         return dataclasses.replace(base, **merged)
-    except ValueError as err:
+    except (ValueError, TypeError) as err:
         if isinstance(err, ConfigError):
             raise
-        raise ConfigError(f"{path}: {err}") from None
-
-
-def _replace_fields(base: Any, changes: Mapping[str, Any], path: str) -> Any:
-    """``base`` (a dataclass instance) with ``changes`` coerced to its field types."""
-    return _merge_fields(base, _partial_fields(type(base), changes, path), path)
-
-
-def _loop_fields(overrides: Mapping[str, Any], path: str) -> dict[str, Any]:
-    from loopformer.loop import LoopConfig
-
-    return _partial_fields(LoopConfig, overrides, path)
+        raise ConfigError(f"{path or type(base).__name__}: {err}") from None
 
 
 def to_dict(obj: Any) -> Any:
-    """Plain YAML / JSON data (tuples become lists; ModelSpec is flattened next to its name)."""
-    if isinstance(obj, ModelSpec):
-        return {"name": obj.name, **{k: to_dict(v) for k, v in obj.fields.items()}}
+    """Plain YAML / JSON data (tuples become lists; a beside field's entries sit next to the fields)."""
+    if isinstance(obj, Overlay):
+        return _table(obj.of, obj.changes)
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        return _table(type(obj), {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)})
     if isinstance(obj, Mapping):
         return {str(k): to_dict(v) for k, v in obj.items()}
     if isinstance(obj, list | tuple):
@@ -293,3 +393,116 @@ def to_dict(obj: Any) -> Any:
         return str(obj)
     return obj
 
+
+def _table(cls: type, values: Mapping[str, Any]) -> dict[str, Any]:
+    """``values`` (field -> value, all fields or some) as a table of ``cls``."""
+    beside = beside_field(cls)
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        if beside is not None and key == beside.name:
+            out.update(to_dict(value))
+        elif isinstance(value, Mapping) and dataclasses.is_dataclass(hints(cls).get(key)):
+            out[key] = _table(hints(cls)[key], value)  # an overlay's partial table of a nested dataclass
+        else:
+            out[key] = to_dict(value)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# The strict YAML reader
+# --------------------------------------------------------------------------------------------
+def read_text(path: Path, what: str) -> str:
+    """A UTF-8 text file; ConfigError naming the file (and the first bad byte) otherwise."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(
+            f"{what} {path} is not UTF-8 text (byte {err.start} is 0x{err.object[err.start]:02x})"
+        ) from None
+    except OSError as err:
+        raise ConfigError(f"cannot read {what} {path}: {err.strerror or type(err).__name__}") from None
+
+
+class StrictLoader(yaml.SafeLoader):
+    """SafeLoader refusing duplicate keys and alias expansion beyond ``MAX_YAML_NODES`` nodes."""
+
+    where = "YAML"
+
+    def compose_document(self) -> Any:
+        node = super().compose_document()
+        _expanded_size(node, self.where)
+        return node
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            try:
+                first = seen.get(key)
+            except TypeError:
+                raise ConfigError(
+                    f"{self.where}: line {key_node.start_mark.line + 1}: a mapping key must be a plain value"
+                ) from None
+            if first is not None:
+                raise ConfigError(
+                    f"{self.where}: line {key_node.start_mark.line + 1}: duplicate key {key!r} "
+                    f"(first given on line {first})"
+                )
+            seen[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep=deep)
+
+
+def _expanded_size(root: yaml.Node | None, where: str) -> None:
+    """Nodes the document has once every alias is expanded (memoised per node, so it is cheap)."""
+    sizes: dict[int, int] = {}
+    open_: set[int] = set()  # on the current depth-first path: meeting one again is a cycle
+    stack = [(root, False)] if root is not None else []
+    while stack:
+        node, done = stack.pop()
+        if id(node) in sizes:
+            continue
+        if not done and id(node) in open_:
+            raise ConfigError(
+                f"{where}: line {node.start_mark.line + 1}: an alias refers to a value that "
+                "contains it (a recursive structure); refusing it"
+            )
+        open_.add(id(node))
+        children = []
+        if isinstance(node, yaml.SequenceNode):
+            children = list(node.value)
+        elif isinstance(node, yaml.MappingNode):
+            children = [n for pair in node.value for n in pair]
+        if not done:
+            stack.append((node, True))
+            stack.extend((c, False) for c in children if id(c) not in sizes)
+            continue
+        sizes[id(node)] = 1 + sum(sizes.get(id(c), 1) for c in children)
+        open_.discard(id(node))
+        if sizes[id(node)] > MAX_YAML_NODES:
+            raise ConfigError(
+                f"{where}: line {node.start_mark.line + 1}: the document expands to more than "
+                f"{MAX_YAML_NODES:,} values through aliases (&anchor / *alias); refusing it"
+            )
+
+
+def load_yaml(text: str, where: str) -> Any:
+    """``text`` parsed like ``yaml.safe_load`` (see the module docstring); ConfigError naming ``where``
+    and the line, never quoting the text."""
+    loader = None
+    try:
+        loader = StrictLoader(text)  # the reader refuses control characters here already
+        loader.where = where
+        return loader.get_single_data()
+    except yaml.MarkedYAMLError as err:
+        mark = err.problem_mark or err.context_mark
+        at = f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else "?"
+        raise ConfigError(f"{where} is not valid YAML: {err.problem or err.context} at {at}") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{where} is not valid YAML ({type(err).__name__})") from None
+    except RecursionError:
+        raise ConfigError(f"{where}: nested too deeply") from None
+    finally:
+        if loader is not None:
+            loader.dispose()

@@ -210,6 +210,7 @@ def _fprm_arch(system: str, f: dict[str, Any], cfg: Any, forward_dtype: str) -> 
                               "input-independent); fixed scalars are not exported")  # fmt: skip
     base = cfg.model_config().loop  # the resolved training and evaluation loops
     lt, le = cfg.loop_config(base, "train"), cfg.loop_config(base, "eval")
+    lt_damped, le_damped = lt.options_for("damped"), le.options_for("damped")
     arch: dict[str, Any] = {
         "name": "fixed_point_reasoning.fprm@FixedPointReasoningModel_ACTV1",
         "hidden_size": int(f["d_model"]), "num_heads": int(f["n_heads"]), "expansion": float(f["expansion"]),
@@ -223,8 +224,8 @@ def _fprm_arch(system: str, f: dict[str, Any], cfg: Any, forward_dtype: str) -> 
         "puzzle_emb_len": int(f.get("puzzle_emb_len") or 0),
         "puzzle_emb_ndim": int(f.get("puzzle_emb_dim") or 0) if f.get("num_puzzle_ids") else 0,
         "num_puzzle_identifiers": int(f.get("num_puzzle_ids") or 0),
-        "n_backwards_L": int(lt.max_steps), "fp_thresh": float(le.tol), "decay_patience": int(le.damped.patience),
-        "stepsize_decay_train": float(lt.damped.gamma), "stepsize_decay_eval": float(le.damped.gamma),
+        "n_backwards_L": int(lt.max_steps), "fp_thresh": float(le.tol), "decay_patience": int(le_damped.patience),
+        "stepsize_decay_train": float(lt_damped.gamma), "stepsize_decay_eval": float(le_damped.gamma),
         "max_iter": int(cfg.train.max_segments), "max_iter_dist": "det", "max_iter_eval": int(le.max_steps),
         "halting_mechanism": "fixed_point", "no_ACT_continue": True, "mlp_t": False,
         "forward_dtype": forward_dtype,

@@ -154,7 +154,7 @@ def loop_summary(cfg: LoopConfig | None) -> dict[str, Any]:
     if dataclasses.is_dataclass(cfg):
         out = {k: v for k, v in dataclasses.asdict(cfg).items() if isinstance(v, str | int | float | bool)}
         for name in dict.fromkeys(str(getattr(cfg, axis, "")) for axis in ("solver", "halting", "grad")):
-            group = getattr(cfg, name, None) if name else None  # the chosen plug-ins' option groups (LoopConfig.damped, ...)
+            group = getattr(cfg, "plugins", {}).get(name) if name else None  # the chosen plug-ins' options
             if dataclasses.is_dataclass(group):
                 out[name] = dataclasses.asdict(group)
         return out

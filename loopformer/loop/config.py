@@ -1,44 +1,34 @@
-"""LoopConfig: every knob of the loop engine in one validated dataclass.
+"""LoopConfig: every knob of the loop engine in one validated dataclass, and the registries it names
+plug-ins from.
 
-Three plug-in axes (docs/architecture.md): ``solver`` (how the next iterate is formed),
-``halting`` (when a sample stops) and ``grad`` (how gradients flow back through the loop). The
-valid names are those registered in ``SOLVERS`` / ``HALTINGS`` / ``GRADS``. Each plug-in's
-options are a frozen dataclass grouped under its name: ``LoopConfig(solver="damped",
-damped=DampedOptions(gamma=0.99))`` or, in a recipe, ``loop_eval: {solver: damped, damped:
-{gamma: 0.99}}``; options of plug-ins registered outside the package go in ``plugins``
-(``plugins={"my_solver": {"alpha": 0.5}}``). The flat names of earlier versions (``damp_gamma``,
-``anderson_m``, ``ift_tol``, ...; ``LEGACY_NAMES``) keep working as keywords, attributes and
-config keys, and map to the grouped spelling.
+Three plug-in axes (docs/architecture.md): ``solver`` (how the next iterate is formed), ``halting`` (when a
+sample stops) and ``grad`` (how gradients flow back through the loop). Each axis is a ``Registry`` of classes
+(``SOLVERS`` in solvers.py, ``HALTINGS`` in halting.py, ``GRADS`` in grad.py); a plug-in is one class
+registered under its ``name``, with its typed options in its own frozen ``Options`` dataclass. LoopConfig
+imports no plug-in: it checks its names against the registries (``AXES``, filled as each axis module makes
+its registry) and keeps the options of plug-ins by name in ``plugins`` (a table or an ``Options`` instance
+each, typed by the registered class). In a recipe a plug-in's table sits beside the other keys, ``loop_eval: {solver: damped,
+damped: {gamma: 0.99}}``; in Python ``LoopConfig(solver="damped", plugins={"damped": {"gamma": 0.99}})``;
+``cfg.options_for("damped")`` gives the typed options (the table given, else the class's defaults). The
+plug-ins a config runs (its solver, halting rule and gradient mode) always have their options in ``plugins``,
+so a dumped config records every option it ran with; another plug-in's options are kept where they differ from
+its defaults (one canonical form: equal loops compare equal).
 
-Defaults follow the papers: damped solver gamma 0.9 / patience 5 / min step 1e-3 (FPRM,
-arXiv 2505.18001, Algorithm 1); Anderson m 5, lambda 1e-4 (relative to the Gram matrix),
-mixing 1.0 (Attractor); KL 1e-3 / entropy 3.0 nats (Loop-Think-Generalize); ACT eps 0.01 (Graves,
-arXiv 1603.08983).
+Defaults follow the papers; each plug-in's ``Options`` says where its own come from.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
-import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import torch
 
-# the axis modules first (each imports its companion module: quasi_newton, act, implicit)
-from loopformer.loop.solvers import (  # isort: skip
-    SOLVERS,
-    AndersonOptions,
-    BroydenOptions,
-    DampedOptions,
-    SafeAndersonOptions,
-)
-from loopformer.loop.halting import HALTING_ALIASES, HALTINGS, ACTOptions, KLEntropyOptions  # isort: skip
-from loopformer.loop.grad import GRADS, IFTOptions, NeumannOptions  # isort: skip
 from loopformer.loop.norms import RESIDUAL_NORMS
-from loopformer.loop.registry import NoOptions
+
+T = TypeVar("T", bound=type)
 
 STATE_DTYPES: dict[str, Any] = {"auto": None, "float32": "float32", "bfloat16": "bfloat16"}
 # LoopConfig.sync_every = -1 (auto, the default): on the CPU a host read costs nothing, so 1 (the per-step
@@ -49,6 +39,142 @@ SYNC_AUTO = -1
 SYNC_EVERY_CUDA = 4
 
 
+# --------------------------------------------------------------------------------------------
+# The registries
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class NoOptions:
+    """The options of a plug-in that has none."""
+
+
+class Registry(Generic[T]):
+    """name -> plug-in class for one axis; names are kept in registration order.
+
+    ``register`` adds a class under its ``name`` (a taken name is an error unless ``replace=True``);
+    ``get(name)`` finds it; a ``module:Class`` name is accepted wherever a registered name is
+    (``LoopConfig(solver="mypkg.solvers:Relaxed")``): the module is imported and the class kept under that
+    name; a name not registered yet is looked up again after the ``loopformer.plugins`` entry points are
+    loaded. ``aliases`` are other spellings of registered names (``never`` for ``fixed``).
+    """
+
+    def __init__(self, kind: str, base: type, aliases: Mapping[str, str] | None = None) -> None:
+        self.kind = kind
+        self.base = base
+        self.aliases = dict(aliases or {})
+        self._classes: dict[str, Any] = {}
+        self._paths: dict[str, Any] = {}  # "module:Class" names already resolved
+        AXES[kind] = self
+
+    def register(self, cls: T | None = None, *, replace: bool = False) -> Any:
+        """Register ``cls`` under ``cls.name`` (usable as a decorator)."""
+
+        def add(c: T) -> T:
+            if not (isinstance(c, type) and issubclass(c, self.base)):
+                raise TypeError(f"a {self.kind} plug-in must subclass {self.base.__name__}, got {c!r}")
+            name = getattr(c, "name", None)
+            if not isinstance(name, str) or not name.isidentifier():
+                raise ValueError(
+                    f"{self.kind} plug-in {c.__name__} needs a class attribute name = '<identifier>'"
+                )
+            if name in self._classes and not replace and self._classes[name] is not c:
+                raise ValueError(
+                    f"{self.kind} {name!r} is already registered ({self._classes[name].__name__}); "
+                    "pass replace=True to override it"
+                )
+            self._classes[name] = c
+            return c
+
+        return add if cls is None else add(cls)
+
+    def unregister(self, name: str) -> None:
+        """Remove a plug-in (tests that register temporary ones clean up with this)."""
+        cls = self._classes.pop(name, None)
+        self._paths = {path: c for path, c in self._paths.items() if c is not cls and path != name}
+
+    def canonical(self, name: Any) -> Any:
+        """The registered spelling of ``name`` (an alias resolved)."""
+        return self.aliases.get(name, name) if isinstance(name, str) else name
+
+    def get(self, name: str) -> Any:
+        name = self.canonical(name)
+        if name in self:
+            return self._classes.get(name) or self._paths[name]
+        raise ValueError(
+            f"unknown {self.kind} {name!r}; choose one of {', '.join(map(repr, self._classes))} "
+            "(or a module:Class path)"
+        )
+
+    def names(self) -> tuple[str, ...]:
+        return tuple(self._classes)
+
+    def items(self) -> Iterator[tuple[str, Any]]:
+        return iter(tuple(self._classes.items()))
+
+    def select(self, keep: Callable[[Any], bool]) -> tuple[str, ...]:
+        """Names of the plug-ins whose class satisfies ``keep`` (e.g. solvers usable for IFT)."""
+        return tuple(n for n, c in self._classes.items() if keep(c))
+
+    def __contains__(self, name: object) -> bool:
+        """Registered, a ``module:Class`` path (imported here: ``PluginError`` when it cannot be), or
+        registered by a ``loopformer.plugins`` entry point."""
+        from loopformer.plugins import is_class_path, load_entry_points, resolve_class
+
+        if name in self._classes or name in self._paths:
+            return True
+        if is_class_path(name):
+            cls = resolve_class(str(name), self.base, self.kind)
+            if getattr(cls, "name", None) not in self._classes:
+                self.register(cls)
+            self._paths[str(name)] = cls
+            return True
+        return isinstance(name, str) and bool(load_entry_points()) and name in self._classes
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._classes)
+
+
+# axis -> its registry ("solver": SOLVERS, "halting": HALTINGS, "grad": GRADS), filled by Registry() as
+# solvers.py, halting.py and grad.py are imported (loopformer.loop imports them all)
+AXES: dict[str, Registry] = {}
+AXIS_NAMES = ("solver", "halting", "grad")
+
+
+def plugin_class(name: str) -> Any:
+    """The plug-in registered as ``name`` on any axis; ValueError naming every plug-in when there is none."""
+    for registry in AXES.values():
+        if name in registry:
+            return registry.get(name)
+    known = ", ".join(repr(n) for r in AXES.values() for n in r.names())
+    raise ValueError(f"no plug-in is registered as {name!r} (plug-ins: {known})")
+
+
+def plugin_options(table: Mapping[str, Any] | None = None) -> dict[str, type]:
+    """{name: Options class} of every registered plug-in that takes options: the keys a loop table may hold
+    beside LoopConfig's fields. The ``module:Class`` plug-ins ``table`` names are imported first, so their
+    options count too."""
+    from loopformer.plugins import is_class_path
+
+    for axis in AXIS_NAMES:
+        value = (table or {}).get(axis)
+        if axis in AXES and is_class_path(value):
+            AXES[axis].get(value)  # imports the module:Class plug-in and registers it under its name
+    return {
+        name: cls.Options
+        for registry in AXES.values()
+        for name, cls in registry.items()
+        if getattr(cls, "Options", NoOptions) is not NoOptions
+    }
+
+
+def plugin_defaults() -> dict[str, Any]:
+    """Every registered plug-in's default options, by name: what a stored loop table of an earlier version
+    that lists a plug-in's options means where this version's omits them."""
+    return {name: options_cls() for name, options_cls in plugin_options().items()}
+
+
+# --------------------------------------------------------------------------------------------
+# The configuration
+# --------------------------------------------------------------------------------------------
 @dataclass
 class LoopConfig:
     """How ``run_loop`` iterates, halts and differentiates. Validated on construction."""
@@ -86,16 +212,9 @@ class LoopConfig:
     # micro-batch (github jacobfa/Attractor launch_configs/attractor-small-140m.yaml micro_batch_size 32);
     # groups that do not straddle micro-batches let gradient accumulation equal the full batch
     halt_group: int = 0
-    # options, grouped by the plug-in they belong to
-    damped: DampedOptions = field(default_factory=DampedOptions)
-    anderson: AndersonOptions = field(default_factory=AndersonOptions)
-    safe_anderson: SafeAndersonOptions = field(default_factory=SafeAndersonOptions)
-    broyden: BroydenOptions = field(default_factory=BroydenOptions)
-    kl_entropy: KLEntropyOptions = field(default_factory=KLEntropyOptions)
-    act: ACTOptions = field(default_factory=ACTOptions)
-    neumann: NeumannOptions = field(default_factory=NeumannOptions)
-    ift: IFTOptions = field(default_factory=IFTOptions)
-    plugins: dict[str, Any] = field(default_factory=dict)  # options of plug-ins without a group above
+    # the options of plug-ins, by name (each typed by its registered class's Options); in a table they sit
+    # beside the fields above (loopformer.config reads them through this metadata)
+    plugins: dict[str, Any] = field(default_factory=dict, metadata={"beside": plugin_options})
 
     @property
     def torch_state_dtype(self) -> torch.dtype | None:
@@ -108,46 +227,22 @@ class LoopConfig:
         """Whether the state (and the damped solver's scalars) live in bfloat16 arithmetic."""
         return self.state_dtype == "bfloat16"
 
-    def options_for(self, cls: type) -> Any:
-        """The typed options of plug-in class ``cls`` (its group, or its table in ``plugins``)."""
-        options_cls = getattr(cls, "Options", NoOptions)
-        if cls.name in GROUPS and GROUPS[cls.name] is options_cls:
-            return getattr(self, cls.name)
-        raw = self.plugins.get(cls.name, {})
-        if isinstance(raw, options_cls):
-            return raw
-        if not isinstance(raw, Mapping):
-            raise ValueError(
-                f"LoopConfig.plugins.{cls.name} must be a table of {options_cls.__name__} fields"
-            )
-        try:
-            return options_cls(**raw)
-        except TypeError as err:
-            raise ValueError(f"LoopConfig.plugins.{cls.name}: {err}") from None
+    def options_for(self, plugin: type | str) -> Any:
+        """The typed options of a plug-in (its class or its registered name): its table in ``plugins``, else
+        its ``Options`` defaults."""
+        cls = plugin_class(plugin) if isinstance(plugin, str) else plugin
+        value = self.plugins.get(cls.name)
+        return getattr(cls, "Options", NoOptions)() if value is None else value
 
-    @classmethod
-    def nest_legacy(cls, data: Mapping[str, Any]) -> dict[str, Any]:
-        """A config table with flat legacy names (``damp_gamma``) moved into their groups
-        (``{"damped": {"gamma": ...}}``); a field given both ways is an error."""
-        out: dict[str, Any] = {k: v for k, v in data.items() if k not in LEGACY_NAMES}
-        for key, value in data.items():
-            if key not in LEGACY_NAMES:
-                continue
-            group, name = LEGACY_NAMES[key]
-            table = out.get(group, {})
-            if not isinstance(table, Mapping):
-                raise ValueError(f"LoopConfig: {key!r} and {group!r} given together; use {group}.{name} only")
-            if name in table:
-                raise ValueError(f"LoopConfig: {key!r} and {group}.{name} both given; keep {group}.{name}")
-            out[group] = {**table, name: value}
-        return out
-
-    def _validate(self) -> None:
-        self.halting = HALTING_ALIASES.get(self.halting, self.halting)
-        for name, registry in (("solver", SOLVERS), ("halting", HALTINGS), ("grad", GRADS)):
-            if getattr(self, name) not in registry:  # registered, module:Class or from an entry point
-                allowed = registry.names() + (tuple(HALTING_ALIASES) if name == "halting" else ())
-                _choice(name, getattr(self, name), allowed)
+    def __post_init__(self) -> None:
+        chosen = []
+        for axis in AXIS_NAMES:
+            registry = AXES[axis]
+            value = registry.canonical(getattr(self, axis))
+            if value not in registry:  # registered, module:Class or from an entry point
+                _choice(axis, value, registry.names() + tuple(registry.aliases))
+            setattr(self, axis, value)
+            chosen.append(registry.get(value))
         _choice("residual_norm", self.residual_norm, RESIDUAL_NORMS)
         _choice("state_dtype", self.state_dtype, tuple(STATE_DTYPES))
         _integer("max_steps", self.max_steps, 1)
@@ -165,22 +260,43 @@ class LoopConfig:
                 raise ValueError(f"LoopConfig.{name} must be a number > 0, got {value!r}")
         if not math.isfinite(self.tol):  # an infinite tolerance halts every sample before its first step
             raise ValueError(f"LoopConfig.tol must be finite, got {self.tol!r}")
-        for name, options_cls in GROUPS.items():
-            setattr(self, name, _group(name, getattr(self, name), options_cls))
-        if not isinstance(self.plugins, Mapping):
-            raise ValueError(f"LoopConfig.plugins must be a table of plug-in options, got {self.plugins!r}")
-        for plugin in (SOLVERS.get(self.solver), HALTINGS.get(self.halting), GRADS.get(self.grad)):
-            self.options_for(plugin)  # plug-in options are checked on construction too
+        self.plugins = _typed_plugins(self.plugins, chosen)
+        for plugin in chosen:
             plugin.check_config(self)
 
 
-_HINTS = typing.get_type_hints(LoopConfig)
-GROUPS: dict[str, type] = {  # option group name (= plug-in name) -> its options class
-    f.name: _HINTS[f.name] for f in dataclasses.fields(LoopConfig) if dataclasses.is_dataclass(_HINTS[f.name])
-}
-LEGACY_NAMES: dict[str, tuple[str, str]] = {
-    flat: (group, name) for group, cls in GROUPS.items() for name, flat in cls.legacy_names.items()
-}
+def _typed_plugins(given: Any, chosen: list[Any]) -> dict[str, Any]:
+    """``given`` (plug-in name -> table or Options) typed by each plug-in's Options class, in one canonical
+    form so that equal loops compare equal: the ``chosen`` plug-ins' options always (their defaults when not
+    given), another plug-in's only when they differ from its defaults."""
+    if not isinstance(given, Mapping):
+        raise ValueError(f"LoopConfig.plugins must be a table of plug-in options, got {given!r}")
+    out = {}
+    for name, value in given.items():
+        options_cls = getattr(plugin_class(name), "Options", NoOptions)
+        if options_cls is NoOptions:
+            raise ValueError(f"LoopConfig.{name}: plug-in {name!r} takes no options")
+        if isinstance(value, Mapping):
+            try:
+                value = options_cls(**value)
+            except TypeError as err:
+                raise ValueError(f"LoopConfig.{name}: {err}") from None
+        elif not isinstance(value, options_cls):
+            raise ValueError(
+                f"LoopConfig.{name} must be a {options_cls.__name__} or a table of its fields, got {value!r}"
+            )
+        out[name] = value
+    names = {plugin.name for plugin in chosen if getattr(plugin, "Options", NoOptions) is not NoOptions}
+    for plugin in chosen:
+        if plugin.name in names and plugin.name not in out:
+            out[plugin.name] = plugin.Options()
+    return {name: value for name, value in out.items() if name in names or value != type(value)()}
+
+
+def option_error(plugin: str, key: str, message: str) -> ValueError:
+    """``LoopConfig.<plugin>.<key> <message>``: an Options class's refusal, named as a recipe writes the
+    key."""
+    return ValueError(f"LoopConfig.{plugin}.{key} {message}")
 
 
 def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
@@ -193,44 +309,16 @@ def _integer(name: str, value: Any, low: int) -> None:
         raise ValueError(f"LoopConfig.{name} must be an integer >= {low}, got {value!r}")
 
 
-def _group(name: str, value: Any, options_cls: type) -> Any:
-    if isinstance(value, options_cls):
-        return value
-    if isinstance(value, Mapping):
-        try:
-            return options_cls(**value)
-        except TypeError as err:
-            raise ValueError(f"LoopConfig.{name}: {err}") from None
-    raise ValueError(
-        f"LoopConfig.{name} must be a {options_cls.__name__} or a table of its fields, got {value!r}"
-    )
-
-
-def _legacy_property(group: str, name: str) -> property:
-    def get(self: LoopConfig) -> Any:
-        return getattr(getattr(self, group), name)
-
-    def set_(self: LoopConfig, value: Any) -> None:
-        setattr(self, group, dataclasses.replace(getattr(self, group), **{name: value}))
-
-    return property(get, set_, doc=f"Flat alias of ``{group}.{name}``.")
-
-
-def _init_with_legacy(self: LoopConfig, *args: Any, **kwargs: Any) -> None:
-    """The dataclass __init__, plus the flat legacy keywords, then validation."""
-    legacy = LoopConfig.nest_legacy({k: kwargs.pop(k) for k in list(kwargs) if k in LEGACY_NAMES})
-    _dataclass_init(self, *args, **kwargs)
-    for group, changes in legacy.items():
-        current = getattr(self, group)
-        if isinstance(current, Mapping):
-            current = _group(group, current, GROUPS[group])
-        setattr(self, group, dataclasses.replace(current, **changes))
-    self._validate()
-
-
-_dataclass_init = LoopConfig.__init__
-LoopConfig.__init__ = _init_with_legacy  # type: ignore[method-assign]
-for _flat, (_group_name, _name) in LEGACY_NAMES.items():
-    if _flat not in GROUPS:
-        setattr(LoopConfig, _flat, _legacy_property(_group_name, _name))
-LoopConfig.legacy_names = LEGACY_NAMES  # type: ignore[attr-defined]  # for config-key suggestions
+__all__ = [
+    "AXES",
+    "STATE_DTYPES",
+    "SYNC_AUTO",
+    "SYNC_EVERY_CUDA",
+    "LoopConfig",
+    "NoOptions",
+    "Registry",
+    "plugin_class",
+    "plugin_defaults",
+    "option_error",
+    "plugin_options",
+]

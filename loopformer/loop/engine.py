@@ -322,7 +322,7 @@ def run_loop(
         run = _run_plain
     elif lp.deferred:
         run = _run_deferred
-    elif z0.is_meta:  # no host read has an answer on the meta device (--plan): every loop runs to its cap
+    elif z0.is_meta:  # no values to halt on (the memory plan, loopformer.config.memory): loops run to their cap
         run = _run_plain
     else:
         run = partial(_run_per_step, compact=cfg.compaction)

@@ -5,9 +5,9 @@
 - ``rel_sup``: FPRM's relative sup norm (arXiv 2606.18206, Algorithm 1):
   ``max over tokens t of ||z_t - f(z)_t||_inf / (||f(z)_t||_inf + 1e-8)``; channels are the last
   dim, tokens every dim between batch and channels.
-- ``rms``: root-mean-square of the state per sample (logged every step: how looped runs are debugged).
-All are computed without gradient: they only drive halting decisions and logging.
-``residual_into`` is the engine's per-iteration form: flat, already detached inputs, results written
+The engine also records ||f(z)||_2 per sample (the state's RMS once divided by sqrt(D), logged every step:
+how looped runs are debugged). All are computed without gradient: they only drive halting decisions and
+logging. ``residual_into`` is the engine's per-iteration form: flat, already detached inputs, results written
 into preallocated history rows (``out=``), no decorator or dtype casts (small maps are dominated by
 per-op overhead: benchmarks/notes.md). ``residual_lowp_into`` is the same residual computed in the
 state's own low precision (``LoopConfig.state_dtype="bfloat16"``), as the FPRM reference does
@@ -16,8 +16,6 @@ state's own low precision (``LoopConfig.state_dtype="bfloat16"``), as the FPRM r
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
@@ -25,42 +23,13 @@ EPS = 1e-8
 RESIDUAL_NORMS = ("rel_l2", "rel_sup")
 
 
-@torch.no_grad()
-def residual_and_rms(z: Tensor, fz: Tensor, kind: str) -> tuple[Tensor, Tensor]:
-    """Return (residual [B], rms(fz) [B]) in at least float32; one pass over the state where possible."""
-    b = z.shape[0]
-    dtype = torch.promote_types(z.dtype, torch.float32)
-    fzf = fz.reshape(b, -1).to(dtype)
-    diff = fzf - z.reshape(b, -1).to(dtype)
-    fz_norm = torch.linalg.vector_norm(fzf, dim=1)
-    rms = fz_norm / math.sqrt(max(1, fzf.shape[1]))
-    if kind == "rel_l2":
-        res = torch.linalg.vector_norm(diff, dim=1) / (fz_norm + EPS)
-    elif kind == "rel_sup":
-        channels = z.shape[-1] if z.dim() > 1 else 1
-        num = diff.reshape(b, -1, channels).abs().amax(dim=2)
-        den = fzf.reshape(b, -1, channels).abs().amax(dim=2) + EPS
-        res = (num / den).amax(dim=1)
-    else:
-        raise ValueError(f"unknown residual norm {kind!r} (use 'rel_l2' or 'rel_sup')")
-    return res, rms
-
-
-@torch.no_grad()
-def rms(z: Tensor) -> Tensor:
-    """Root-mean-square of each sample's state, [B], in at least float32."""
-    b = z.shape[0]
-    flat = z.reshape(b, -1).to(torch.promote_types(z.dtype, torch.float32))
-    return torch.linalg.vector_norm(flat, dim=1) / math.sqrt(max(1, flat.shape[1]))
-
-
 def residual_into(
     zf: Tensor, fzf: Tensor, kind: str, channels: int, res_out: Tensor, norm_out: Tensor | None = None
 ) -> Tensor:
     """Write the residual of flat detached [B, D] states into ``res_out`` [B]; return ||f(z)||_2 [B].
 
-    Same arithmetic as ``residual_and_rms`` (the RMS is ``||f(z)|| / sqrt(D)``, which the engine
-    divides once for the whole history); ``channels`` is the state's last dim (rel_sup's tokens are
+    The residual in at least float32 (the caller casts), the RMS as ``||f(z)|| / sqrt(D)``, which the engine
+    divides once for the whole history; ``channels`` is the state's last dim (rel_sup's tokens are
     the rest); ``norm_out`` optionally receives ``||f(z)||_2``. The caller guarantees that no
     gradient is recorded (detached inputs) and that ``zf`` / ``fzf`` already have the result dtype.
     """

@@ -70,7 +70,7 @@ ATTRACTOR_INJECTIONS = ("add", "concat")
 def _default_loop() -> LoopConfig:
     return LoopConfig(
         solver="anderson",
-        anderson={"m": 5},
+        plugins={"anderson": {"m": 5}},
         halting="residual",
         tol=3e-4,
         residual_norm="rel_l2",

@@ -92,11 +92,13 @@ class AttractorPuzzleConfig(TRMConfig):
         solver: dict = {}
         if self.deq_solver == "anderson":
             solver = dict(
-                anderson={
-                    "m": self.deq_anderson_m,
-                    "beta": self.deq_anderson_beta,
-                    "reg": self.deq_anderson_reg,
-                    "reg_relative": self.deq_anderson_reg_relative,
+                plugins={
+                    "anderson": {
+                        "m": self.deq_anderson_m,
+                        "beta": self.deq_anderson_beta,
+                        "reg": self.deq_anderson_reg,
+                        "reg_relative": self.deq_anderson_reg_relative,
+                    }
                 }
             )
         elif self.deq_solver == "anderson_trmdeq":

@@ -41,14 +41,14 @@ int, the same for every sample: the reference solves the batch in lock step).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from torch import Tensor
 
+from loopformer.loop.config import NoOptions, option_error
 from loopformer.loop.halting import group_all, halt_groups
-from loopformer.loop.quasi_newton import Anderson, AndersonOptions, exact
-from loopformer.loop.solvers import SOLVERS, Info, Solver, State, option_error
+from loopformer.loop.solvers import SOLVERS, Anderson, Info, Solver, State, exact
 
 RESIDUAL_RULES = ("residual", "batch_residual")
 
@@ -58,12 +58,12 @@ class AttractorAnderson(Anderson):
     """The engine's Anderson, returning ``f(z)`` on the step a sample stops (see the module docstring)."""
 
     name = "anderson_attractor"
-    Options = AndersonOptions
+    Options = NoOptions  # it reads the anderson table (LoopConfig.options_for("anderson"))
     needs_residual = True  # the stopping test reads this step's residual
     adjoint_ok = False
 
     def __init__(self, cfg: Any, options: Any = None) -> None:
-        super().__init__(cfg, cfg.anderson if options is None else options)
+        super().__init__(cfg, cfg.options_for("anderson") if options is None else options)
         self.needs_residual = True
 
     def init(self, z: Tensor) -> State:
@@ -96,14 +96,13 @@ class TRMDEQAndersonOptions:
     m: int = 5
     reg: float = 1e-4
     beta: float = 1.0
-    legacy_names: ClassVar[dict[str, str]] = {}
 
     def __post_init__(self) -> None:
         if not isinstance(self.m, int) or isinstance(self.m, bool) or self.m < 2:
-            raise option_error("anderson_trmdeq", "m", {}, f"must be an integer >= 2, got {self.m!r}")
+            raise option_error("anderson_trmdeq", "m", f"must be an integer >= 2, got {self.m!r}")
         if not self.reg > 0 or not self.beta > 0:
             raise option_error(
-                "anderson_trmdeq", "reg/beta", {}, f"must be > 0, got {self.reg!r}, {self.beta!r}"
+                "anderson_trmdeq", "reg/beta", f"must be > 0, got {self.reg!r}, {self.beta!r}"
             )
 
 

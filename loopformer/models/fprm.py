@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -91,7 +91,7 @@ def lecun_trunc_normal_(t: Tensor, std: float, generator: torch.Generator | None
 def _default_loop() -> LoopConfig:
     return LoopConfig(
         solver="damped",
-        damped={"gamma": 0.9, "patience": 5},
+        plugins={"damped": {"gamma": 0.9, "patience": 5}},
         halting="residual",
         tol=0.1,
         residual_norm="rel_sup",
@@ -393,7 +393,8 @@ def paper_config() -> FPRMConfig:
 def state_tracking_config(group_size: int = 120) -> FPRMConfig:
     """FPRM on A5 / S5 word problems (arXiv 2606.18206): causal, no RoPE, causal 1-D conv, a1 = a2 = 0.5,
     K = 4 differentiable steps; vocab |G| + 1 (61 for A5, 121 for S5)."""
-    loop = dataclasses.replace(_default_loop(), grad_steps=4, damped={"gamma": 0.95, "patience": 10})
+    loop = _default_loop()
+    loop = replace(loop, grad_steps=4, plugins={"damped": {"gamma": 0.95, "patience": 10}})
     return FPRMConfig(
         vocab_size=group_size + 1,
         seq_len=32,

@@ -34,7 +34,7 @@ Design choices:
   ``norm_eps``, ``rope_base``, ``embed_scale``, ``logit_scale``, ``init_orthogonal``) with
   ``weight_init: scaled_zero`` (``init`` here is the initial state); loopformer blocks only.
 - KL / entropy halting reads ``halting_readout``: with ``halt_position="all"`` every position (reduced
-  by ``LoopConfig.kl_entropy.reduce``), with ``"answer"`` only the answer position, the last token that is
+  by ``kl_entropy.reduce``), with ``"answer"`` only the answer position, the last token that is
   not ``pad_id`` (the LTG reference's ``forward_adapative`` with ``pred_pos="inp_len"`` reads that
   position; github OSU-NLP-Group/Loop-Think-Generalize, gpt_utils_extrapolation.py), with ``"last"``
   only the last position of the padded sequence (``pred_pos="last_token"``, the reference's default; the

@@ -67,7 +67,7 @@ class UTConfig(ModelConfig):
     halt_bias_init: float = 1.0
     loop: LoopConfig = field(
         default_factory=lambda: LoopConfig(
-            solver="picard", halting="act", max_steps=8, act={"eps": 0.01}, grad="bptt"
+            solver="picard", halting="act", max_steps=8, plugins={"act": {"eps": 0.01}}, grad="bptt"
         )
     )
 

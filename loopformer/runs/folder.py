@@ -120,7 +120,9 @@ from loopformer.files import (
     read_json,
     remove_empty,
 )
+from loopformer.config.recipes import stored_table
 from loopformer.loop import LoopConfig
+from loopformer.loop.config import plugin_defaults
 from loopformer.runs.checkpoint import (
     STEP_DIR,
     CheckpointError,
@@ -1062,11 +1064,13 @@ def config_changes(saved: dict[str, Any], current: RunConfig) -> dict[str, dict[
     """``{key: {"old": ..., "new": ...}}`` for the stream-changing keys where the checkpoint's
     ``config.json`` (``saved``) and ``current`` differ; a key one side lacks compares with its default."""
     # family / step / plugins: what the checkpoint records beside the config (loopformer.runs.checkpoint)
-    old = _flat({k: v for k, v in saved.items() if k not in ("family", "step", "plugins")})
+    old = _flat(stored_table({k: v for k, v in saved.items() if k not in ("family", "step", "plugins")}))
     new = _flat(json.loads(config_to_json(current)))
     default = _flat(to_dict(RunConfig()))
-    # the model's resolved loop: a field added since the checkpoint was written compares with its default
-    default.update({f"model.loop.{k}": v for k, v in _flat(to_dict(LoopConfig())).items()})
+    # the model's resolved loop: a field added since the checkpoint was written compares with its default, a
+    # plug-in's options an earlier version listed for every plug-in with the plug-in's defaults
+    loop_defaults = {**to_dict(LoopConfig()), **to_dict(plugin_defaults())}
+    default.update({f"model.loop.{k}": v for k, v in _flat(loop_defaults).items()})
     changes = {}
     for key in sorted(set(old) | set(new)):
         a, b = old.get(key, default.get(key, _MISSING)), new.get(key, default.get(key, _MISSING))

@@ -618,7 +618,7 @@ class Trainer:
             step, quantity, value = failed
             self.diverged(quantity, value, step=step)
         if record.get("ift_capped", 0.0) > 0:  # the implicit gradient's backward solve hit its cap
-            ift = self.loop_train.ift
+            ift = self.loop_train.options_for("ift")
             log.warning("the implicit gradient's backward solve stopped at its cap (ift.max_steps=%d) for %.1f%% "
                         "of the samples before reaching ift.tol=%s (last residual up to %.2g); raise "
                         "loop_train.ift.max_steps or loosen loop_train.ift.tol", ift.max_steps,
