@@ -118,7 +118,7 @@ class LoopState:
         self.converged = torch.zeros(b, dtype=torch.bool, device=device)
         self._pieces: list[tuple[Tensor, Tensor, dict[str, Tensor]]] = []
         self.grad.start(self.step, z0, ctx, self.grad_on)
-        # halting decided on the device (loopformer.loop.deferred); with sync_every 0 no row ever leaves the
+        # halting decided on the device (the engine's deferred path, loopformer.loop.engine); with sync_every 0 no row ever leaves the
         # batch, so the history is written in place (no segment buffers: static shapes)
         every = cfg.sync_every
         if every == SYNC_AUTO:  # a host read costs nothing on the CPU; on a GPU it stalls the queue

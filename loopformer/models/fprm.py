@@ -50,7 +50,6 @@ evaluation raises gamma to 0.99 and the step cap. State tracking uses ``causal=T
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field, replace
 

@@ -103,6 +103,7 @@ from typing import Any
 import numpy as np
 
 from loopformer.config import DataConfig, RunConfig, config_to_json, to_dict
+from loopformer.config.recipes import stored_table
 from loopformer.files import (
     Count,
     JSONInt,
@@ -120,7 +121,6 @@ from loopformer.files import (
     read_json,
     remove_empty,
 )
-from loopformer.config.recipes import stored_table
 from loopformer.loop import LoopConfig
 from loopformer.loop.config import plugin_defaults
 from loopformer.runs.checkpoint import (
