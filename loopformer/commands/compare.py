@@ -3,7 +3,7 @@
 Each argument is a report folder (``loopformer eval`` / ``run`` output: it holds ``metrics.json``), a
 run folder (its newest ``eval-*`` report), an ``eval --variant`` report (its variants) or a sweep
 folder (its points); see ``loopformer.eval.compare``. The output folder (``loopformer.api.compare_reports``)
-follows the rules of ``loopformer.runs.outputs.staged_output``: refused when it holds something unless
+follows the rules of ``loopformer.runs.folder.staged_output``: refused when it holds something unless
 ``--overwrite``, built aside and swapped in whole. Reports are compared only when they were evaluated on the same task,
 task options and held-out set (their ``heldout`` record; ``--allow-different-heldout`` lets them through
 and the title says so); the title names the task, and sweep points without a report are named.
