@@ -8,4 +8,4 @@ Each module ``bench_*.py`` exposes ``run(quick: bool) -> list[Result]`` (``bench
 
 BENCHMARKS = ("engine", "flops", "memory", "halting", "solvers", "compile", "generation", "data", "reference",
               "startup", "threads", "inference", "host_reads", "step_compile", "sync", "ift",
-              "contraction")
+              "contraction", "size")
