@@ -211,6 +211,7 @@ AUTHORS.update(
 )
 # what each control isolates: (a, b, the question), a - b reported (experiments/sudoku9_h2h.py, controls)
 CONTROLS = [
+    ("fprm_authors", "trm_authors", "the head-to-head: authors' builds, shared curriculum"),
     ("fprm_nocur", "trm_nocur", "FPRM vs TRM, no curriculum"),
     ("fprm_authors", "trm_c3", "FPRM vs TRM built for this compute (3 cycles, no prefix)"),
     ("fprm_authors", "hrm_authors", "FPRM vs HRM"),
@@ -671,6 +672,12 @@ def assemble_controls(rows: dict[str, Any], runs: Path, eval_set: Any) -> dict[s
     return {"arms": arms, "pairs": pairs, "learning_rates": lr}
 
 
+def gap_share(gap: dict[str, Any], lowest: int) -> str:
+    """The share of a pair's gap (``sudoku9_h2h.by_blanks_gap``) on puzzles with at least ``lowest`` blanks."""
+    shares = [b["share_of_gap"] for k, b in gap.get("bins", {}).items() if int(k.split("-")[0]) >= lowest]
+    return "-" if not shares or None in shares else f"{100 * sum(shares):.0f}%"
+
+
 def controls_markdown(controls: dict[str, Any]) -> str:
     """``table_h2h_controls.md``: the arms table, the comparisons, the learning-rate check."""
     minutes = sorted({int(m) for by_m in controls["arms"].values() for m in by_m})
@@ -679,9 +686,9 @@ def controls_markdown(controls: dict[str, Any]) -> str:
     text += (
         "\nEach control's comparison, a - b on the seeds both arms have (own protocols; paired bootstrap over the "
         "1,000 puzzles, 95% interval; matched test-time compute: the block budgets 8-2,048 where a is ahead; "
-        "share of the gap on puzzles with >= 40 blanks):\n\n| question | a - b | budget (min) | seeds | a - b per "
-        "seed (points) | bootstrap, own protocols | matched budgets with a ahead | gap share at >= 40 blanks |\n"
-        "|---|---|---|---|---|---|---|---|\n"
+        "share of the gap on puzzles with >= 30 and >= 40 blanks):\n\n| question | a - b | budget (min) | seeds | a - b "
+        "per seed (points) | bootstrap, own protocols | matched budgets with a ahead | gap share at >= 30 blanks | "
+        ">= 40 blanks |\n|---|---|---|---|---|---|---|---|---|\n"
     )
     for pair in controls["pairs"]:
         for m, entry in pair["summary"].items():
@@ -693,12 +700,11 @@ def controls_markdown(controls: dict[str, Any]) -> str:
                 f"{100 * boot['mean']:+.1f} ({100 * boot['low']:+.1f} .. {100 * boot['high']:+.1f})"
             )
             gap = pair["by_blanks"].get(m, {})
-            shares = [gap["bins"][k]["share_of_gap"] for k in ("40-49", "50-60")] if gap else []
-            share = "-" if not shares or None in shares else f"{100 * sum(shares):.0f}%"
+            share = {lo: gap_share(gap, lo) for lo in (30, 40)}
             text += (
                 f"| {pair['question']} | {LABELS.get(pair['a'], pair['a'])} - {LABELS.get(pair['b'], pair['b'])} | "
                 f"{m} | {', '.join(str(s) for s in entry['bootstrap_seeds']) or '-'} | {diffs} | {boot_text} | "
-                f"{entry.get('matched_points_fprm_ahead', '-')} | {share} |\n"
+                f"{entry.get('matched_points_fprm_ahead', '-')} | {share[30]} | {share[40]} |\n"
             )
     if controls["learning_rates"]:
         text += (

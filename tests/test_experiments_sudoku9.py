@@ -197,3 +197,20 @@ def test_the_gpu_seeds_script_trains_and_scores_the_models_it_is_given(tmp_path:
     assert sorted(p.name for p in (runs / "seed5").iterdir() if p.is_dir()) == ["fprm_authors_jac"]
     rows = sorted(p.name for p in (runs / "seed5" / "fprm_authors_jac").glob("eval-h2h-*min.json"))
     assert rows == ["eval-h2h-15min.json", "eval-h2h-30min.json", "eval-h2h-60min.json"]
+
+
+def test_the_gap_by_blanks_adds_up_to_the_whole_gap() -> None:
+    """issue 46's confound check: the bins' shares of a pair's gap are their accuracy differences weighted by their
+    share of the puzzles, so over all bins they add up to 1 (the whole gap), and the >= 30 / >= 40 columns are the
+    sums of the bins above; worked by hand on four puzzles, one per bin."""
+    blanks = np.array([25, 35, 45, 55])
+    per_bin_a = {"20-29": 1.0, "30-39": 1.0, "40-49": 1.0, "50-60": 0.0}  # 3 of 4 puzzles solved
+    per_bin_b = {"20-29": 1.0, "30-39": 0.0, "40-49": 0.0, "50-60": 0.0}  # 1 of 4
+    a = {2: {"protocol": {"valid": 0.75, "by_blanks": per_bin_a}}}
+    b = {2: {"protocol": {"valid": 0.25, "by_blanks": per_bin_b}}}
+    gap = h2h.by_blanks_gap(a, b, blanks)
+    assert gap["gap"] == pytest.approx(0.5)
+    shares = {k: v["share_of_gap"] for k, v in gap["bins"].items()}
+    assert shares == pytest.approx({"20-29": 0.0, "30-39": 0.5, "40-49": 0.5, "50-60": 0.0})
+    assert sudoku9_cpu.gap_share(gap, 30) == "100%" and sudoku9_cpu.gap_share(gap, 40) == "50%"
+    assert sudoku9_cpu.gap_share({}, 40) == "-"
