@@ -30,12 +30,18 @@ _ENVIRONMENT_ERRNOS = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EROFS, err
                        errno.EMFILE, errno.ENOTEMPTY, errno.EXDEV, errno.EPIPE)
 
 
+MAX_MESSAGE = 4000  # characters of an error line; a longer one is cut in the middle
+
+
 def one_line(err: BaseException) -> str:
-    """The exception as one line: ``KeyError('x')`` -> ``x``; multi-line messages joined."""
+    """The exception as one line: ``KeyError('x')`` -> ``x``; multi-line messages joined; at most
+    ``MAX_MESSAGE`` characters (a message quoting a huge value or key is cut, its length said)."""
     if isinstance(err, KeyError) and err.args:
         text = str(err.args[0])
     else:
         text = str(err) or type(err).__name__
+    if len(text) > MAX_MESSAGE:
+        text = f"{text[: MAX_MESSAGE // 2]} [... {len(text) - MAX_MESSAGE:,} characters cut ...] {text[-MAX_MESSAGE // 2 :]}"
     text = " ".join(part.strip() for part in text.splitlines() if part.strip())
     if isinstance(err, OSError) and err.errno in _ENVIRONMENT_ERRNOS and (
         type(err).__name__ not in _USER_ERRORS
@@ -168,19 +174,17 @@ PATH = PathParam()
 
 def parse_pairs(pairs: tuple[str, ...] | list[str], what: str) -> dict[str, Any]:
     """``("a=1", "box=[2,3]", "min-blanks=4")`` -> ``{"a": 1, "box": [2, 3], "min_blanks": 4}``: keyword
-    arguments (``-`` read as ``_``), values parsed as YAML scalars / lists."""
-    import yaml
+    arguments (``-`` read as ``_``), values read by the configuration's one parser of typed values
+    (``loopformer.config.strict.parse_value``: alias and node limits)."""
+    from loopformer.config.strict import excerpt, parse_value
 
     out: dict[str, Any] = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
         key = key.strip().replace("-", "_")
         if not sep or not key.isidentifier():
-            raise click.BadParameter(f"expected key=value, got {pair!r}", param_hint=what)
-        try:
-            out[key] = yaml.safe_load(value) if value.strip() else ""
-        except yaml.YAMLError as exc:
-            raise click.BadParameter(f"cannot parse value of {key!r}: {exc}", param_hint=what) from None
+            raise click.BadParameter(f"expected key=value, got {excerpt(pair)}", param_hint=what)
+        out[key] = parse_value(value, f"{what} {key}")
     return out
 
 

@@ -586,7 +586,7 @@ def _check_options(
                 f"unknown option {prefix}.{key}: {what} takes {', '.join(names) or 'no options'}"
                 f"{suggest(key, names, prefix) if names else ''}"
             )
-    _check_option_types(fn, options, prefix)
+    check_option_types(fn, options, prefix)
 
 
 SIMPLE_TYPES = (int, float, bool, str, type(None))
@@ -607,7 +607,7 @@ def _simple(tp: Any) -> bool:
     )
 
 
-def _check_option_types(fn: Any, options: dict[str, Any], prefix: str) -> None:
+def check_option_types(fn: Any, options: dict[str, Any], prefix: str) -> None:
     """Each option against the annotation of its parameter (``size: int`` refuses ``1.5`` or ``"abc"``,
     ``box: tuple[int, int] | None`` refuses ``3``), with its key; a scalar is stored as coerced
     (``4.0`` -> ``4``). Parameters without a simple annotation (``Any``, arrays) are left to the task."""
