@@ -107,3 +107,45 @@ def test_a_huge_key_or_value_is_quoted_as_a_bounded_excerpt(tmp_path: Path) -> N
     assert "unknown config key" in one_line(result)
     result, _ = run_cli("train", "sudoku4_fprm", "train.steps=" + "9" * 100_000 + "x", "-o", str(tmp_path / "r"))
     assert "train.steps" in one_line(result)
+
+
+# ----------------------------------------------------------------------------------- 2. regular files only
+def test_data_show_and_stats_name_a_fifo_or_a_device(tmp_path: Path) -> None:
+    fifo = tmp_path / "f.csv"
+    os.mkfifo(fifo)
+    result, _ = run_cli("data", "stats", "sudoku", str(fifo))
+    assert "FIFO" in one_line(result, str(fifo))
+    if Path("/dev/zero").exists():
+        result, _ = run_cli("data", "show", "sudoku", "/dev/zero")
+        assert "character device" in one_line(result, "/dev/zero")
+    result, _ = run_cli("train", "sudoku4_fprm", f"data.train_path={fifo}", "-o", str(tmp_path / "r"))
+    assert "FIFO" in one_line(result, str(fifo)) and "no such file" not in result.output
+
+
+def test_run_files_recipes_and_json_must_be_regular_files(run: Path, tmp_path: Path) -> None:
+    from loopformer.config import ConfigError, read_recipe
+    from loopformer.files import WriteError, append_line, read_json
+
+    fifo = tmp_path / "metrics.jsonl"
+    os.mkfifo(fifo)
+    with pytest.raises(WriteError, match="FIFO"):  # a FIFO without a reader: opened at once, refused
+        append_line(fifo, "{}")
+    with pytest.raises(ConfigError, match="FIFO"):
+        read_recipe(fifo)
+    with pytest.raises(ValueError, match="is a folder"):
+        read_json(tmp_path)
+    resumed = tmp_path / "resumed"
+    shutil.copytree(run, resumed)
+    (resumed / "metrics.jsonl").unlink()
+    os.mkfifo(resumed / "metrics.jsonl")
+    result, _ = run_cli("train", str(run.parent / "tiny.yaml"), "-o", str(resumed), "--resume", "train.steps=3")
+    assert "FIFO" in one_line(result, "metrics.jsonl")
+
+
+def test_a_data_file_line_is_bounded_before_the_reader_sizes_the_task(tmp_path: Path) -> None:
+    from loopformer.tasks.puzzle_csv import MAX_LINE_BYTES, first_question
+
+    long_line = tmp_path / "long.csv"
+    long_line.write_bytes(b"x" * (MAX_LINE_BYTES + 10))
+    with pytest.raises(ValueError, match="longer than"):
+        first_question(long_line)

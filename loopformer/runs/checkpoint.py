@@ -423,9 +423,9 @@ def write_manifest(folder: Path) -> None:
 
 def _json_ok(path: Path) -> str | None:
     try:
-        json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as err:
-        return f"{path.name} is not valid UTF-8 JSON ({type(err).__name__})"
+        read_json(path)
+    except ValueError as err:
+        return f"{path.name} is not valid UTF-8 JSON ({str(err).removeprefix(str(path)).lstrip(': ')})"
     return None
 
 
@@ -439,16 +439,17 @@ def verify_checkpoint(folder: Path, hashes: bool = True) -> str | None:
         if not (folder / name).is_file():
             return f"{name} is missing"
     manifest = folder / MANIFEST
-    if not manifest.is_file():
+    if not (manifest.exists() or manifest.is_symlink()):
         for name in ("config.json", "state.json"):
             if (folder / name).is_file() and (why := _json_ok(folder / name)):
                 return why
         return None
     try:
-        data = json.loads(manifest.read_text(encoding="utf-8"))
-        files = data["files"]
+        files = read_json(manifest)["files"]
         entries = [(str(name), int(spec["size"]), str(spec["sha256"])) for name, spec in files.items()]
-    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as err:
+    except ValueError as err:  # unreadable, not JSON, nested too deeply (loopformer.files.read_json)
+        return f"{MANIFEST} is corrupt ({str(err).removeprefix(str(manifest)).lstrip(': ')})"
+    except (KeyError, TypeError, AttributeError) as err:
         return f"{MANIFEST} is corrupt ({type(err).__name__})"
     for name, size, digest in entries:
         if Path(name).name != name or name in ("", ".", ".."):
@@ -777,8 +778,6 @@ def read_checkpoint_config(path: str | Path, check: bool = False) -> tuple[RunCo
     imported, and a ``module:Class`` name in it resolves only against imported modules."""
     folder = resolve_checkpoint(path)
     cfg_path = folder / "config.json"
-    if not cfg_path.is_file():
-        raise CheckpointError(f"checkpoint {folder} has no config.json")
     raw = read_json(cfg_path, CheckpointError)
     if not isinstance(raw, dict):
         raise CheckpointError(f"{cfg_path} does not hold a config object")
