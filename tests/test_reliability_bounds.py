@@ -149,3 +149,27 @@ def test_a_data_file_line_is_bounded_before_the_reader_sizes_the_task(tmp_path: 
     long_line.write_bytes(b"x" * (MAX_LINE_BYTES + 10))
     with pytest.raises(ValueError, match="longer than"):
         first_question(long_line)
+
+
+# ----------------------------------------------------------------------------------- 3. sizes before work
+def test_generation_counts_and_maze_sizes_are_bounded(tmp_path: Path) -> None:
+    result, _ = run_cli("data", "generate", "sudoku", "--count", str(10**15), "-o", str(tmp_path / "c.csv"))
+    assert "RAM" in one_line(result, "--count")
+    result, _ = run_cli("data", "generate", "maze", "-t", "size=4001", "--count", "1", "-o", str(tmp_path / "m.csv"))
+    assert "maze size must be in [3, 100]" in one_line(result)
+
+
+def test_json_from_disk_has_a_depth_bound(run: Path, tmp_path: Path) -> None:
+    from loopformer.files import MAX_JSON_DEPTH, read_json
+
+    for depth in (MAX_JSON_DEPTH + 1, 100_000):
+        path = tmp_path / f"deep{depth}.json"
+        path.write_text("[" * depth + "]" * depth)
+        with pytest.raises(ValueError, match="nested too deeply"):
+            read_json(path)
+    path.write_text("[" * MAX_JSON_DEPTH + "]" * MAX_JSON_DEPTH)
+    assert isinstance(read_json(path), list)  # exactly the bound: read
+    folder = copy_run(run, tmp_path / "deep")
+    (folder / "manifest.json").write_text("[" * 100_000 + "]" * 100_000)
+    result, _ = run_cli("eval", str(tmp_path / "deep"))
+    assert "nested too deeply" in one_line(result, "manifest.json")

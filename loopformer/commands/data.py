@@ -143,6 +143,9 @@ def generate_cmd(task_name: str, size: int | None, count: int, seed: int, out_di
     task, gen_kw = _make_task(task_name, options)
     if count < 0:
         raise click.BadParameter("must be >= 0", param_hint="--count")
+    from loopformer.config.memory import check_rows
+
+    check_rows("--count", count, getattr(task, "seq_len", 1))  # before any row is generated
     check_generate_target(out, fmt, split, overwrite)
     console = Console(stderr=True)
     takes_progress = "progress" in inspect.signature(task.generate).parameters
