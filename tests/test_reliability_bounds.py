@@ -159,6 +159,14 @@ def test_generation_counts_and_maze_sizes_are_bounded(tmp_path: Path) -> None:
     assert "maze size must be in [3, 100]" in one_line(result)
 
 
+def test_a_stride_0_tensor_in_a_pt_file_is_refused_before_it_is_materialised(tmp_path: Path) -> None:
+    big = tmp_path / "big.pt"  # 400 GB when materialised, a few hundred bytes on disk
+    torch.save({"model.inner.embed_tokens.embedding_weight": torch.zeros(1).expand(100_000, 1_000_000)}, big)
+    assert big.stat().st_size < 10_000
+    result, _ = run_cli("convert", "hrm", str(big), "--allow-defaults", "-o", str(tmp_path / "c"))
+    assert "storage" in one_line(result, "embed_tokens.embedding_weight")
+
+
 def test_json_from_disk_has_a_depth_bound(run: Path, tmp_path: Path) -> None:
     from loopformer.files import MAX_JSON_DEPTH, read_json
 
@@ -173,3 +181,46 @@ def test_json_from_disk_has_a_depth_bound(run: Path, tmp_path: Path) -> None:
     (folder / "manifest.json").write_text("[" * 100_000 + "]" * 100_000)
     result, _ = run_cli("eval", str(tmp_path / "deep"))
     assert "nested too deeply" in one_line(result, "manifest.json")
+
+
+# ----------------------------------------------------------------------------------- 6. aliases and manifests
+def set_aliases(folder: Path, aliases: dict[str, str], drop: tuple[str, ...] = ()) -> None:
+    path = folder / "model.safetensors"
+    tensors = load_file(path)
+    with safe_open(path, "pt") as handle:
+        meta = handle.metadata()
+    meta["aliases"] = json.dumps(aliases)
+    save_file({k: v for k, v in tensors.items() if k not in drop}, path, metadata=meta)
+    rewrite_manifest(folder)  # the manifest verifies: only the alias rule can refuse it
+
+
+def test_an_alias_only_names_a_tied_weight(run: Path, tmp_path: Path) -> None:
+    names = sorted(load_file(newest_checkpoint(run) / "model.safetensors"))
+    same = [(a, b) for a in names for b in names if a < b and
+            load_file(newest_checkpoint(run) / "model.safetensors")[a].shape ==
+            load_file(newest_checkpoint(run) / "model.safetensors")[b].shape]  # fmt: skip
+    a, b = same[0]
+    folder = copy_run(run, tmp_path / "stored")
+    set_aliases(folder, {a: b})  # an alias replacing a stored tensor with another
+    result, _ = run_cli("eval", str(tmp_path / "stored"), "-o", str(tmp_path / "r1"))
+    assert "is a stored tensor itself" in one_line(result, a)
+    folder = copy_run(run, tmp_path / "missing")
+    set_aliases(folder, {a: "no.such.tensor"}, drop=(a,))
+    result, _ = run_cli("eval", str(tmp_path / "missing"), "-o", str(tmp_path / "r2"))
+    assert "does not hold" in one_line(result, a, "no.such.tensor")
+
+
+def test_a_checkpoint_without_its_manifest_is_unverified(run: Path, tmp_path: Path, caplog) -> None:
+    import loopformer
+
+    folder = copy_run(run, tmp_path / "nomanifest")
+    (folder / "manifest.json").unlink()
+    with caplog.at_level("WARNING", logger="loopformer"):
+        loopformer.load(tmp_path / "nomanifest", device="cpu")
+    assert "UNVERIFIED" in caplog.text and "manifest.json" in caplog.text
+    from loopformer.runs.checkpoint import CheckpointError
+
+    with pytest.raises(CheckpointError, match="no manifest.json"):
+        loopformer.load(tmp_path / "nomanifest", device="cpu", verify=True)
+    result, _ = run_cli("eval", str(tmp_path / "nomanifest"), "--verify", "-o", str(tmp_path / "r"))
+    one_line(result, "manifest.json", "--verify")

@@ -290,6 +290,12 @@ def task_option(help: str) -> Any:
                         metavar="KEY=VALUE", help=help)  # fmt: skip
 
 
+def verify_option() -> Any:
+    """``--verify``: refuse a checkpoint that has no manifest (loaded with a warning otherwise)."""
+    return click.option("--verify", is_flag=True, help="refuse a checkpoint without its manifest.json (the size "
+                        "and SHA-256 of each file), which otherwise loads with a warning that it is unverified")
+
+
 def json_option(help: str) -> Any:
     return click.option("--json", "as_json", is_flag=True, help=help)
 
@@ -316,4 +322,4 @@ def print_comparison(folder: Path) -> None:
 __all__ = ["PATH", "CleanErrorGroup", "PathParam", "WholeHelpGroup", "best_option", "budgets_option", "check_job_folder",
            "device_option", "ema_option", "json_option", "one_line", "out_option", "overwrite_option",
            "parse_int_list", "parse_pairs", "parse_variants", "print_comparison", "print_config_option",
-           "task_option"]
+           "task_option", "verify_option"]

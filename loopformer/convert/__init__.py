@@ -23,6 +23,7 @@ safetensors; the run folder is written by ``loopformer.runs.checkpoint.save_chec
 
 from __future__ import annotations
 
+import copy
 import importlib
 import json
 from collections.abc import Callable, Iterable
@@ -34,9 +35,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from loopformer.files import atomic_write_text
+from loopformer.config import ConfigError
+from loopformer.config.strict import excerpt
+from loopformer.files import atomic_write_text, read_json, regular_file
 from loopformer.numerics import NumericalFaultError, nonfinite_names
-from loopformer.runs.checkpoint import CheckpointError
+from loopformer.runs.checkpoint import CheckpointError, check_storage
 
 # system name -> (``module:function`` of its ``convert(state, ref_config) -> Converted``, the files holding the
 # reference's configuration that its training script writes beside a checkpoint)
@@ -134,10 +137,9 @@ def strip_prefixes(state: dict[str, Tensor], prefixes: Iterable[str]) -> dict[st
 
 
 def load_state_dict(path: str | Path) -> dict[str, Tensor]:
-    """A flat ``{name: tensor}`` from a torch checkpoint (``weights_only=True``) or a safetensors file."""
-    path = Path(path)
-    if not path.is_file():
-        raise CheckpointError(f"checkpoint {path} does not exist or is not a file")
+    """A flat ``{name: tensor}`` from a torch checkpoint (``weights_only=True``, memory-mapped: a tensor is read
+    when used, and each must hold the bytes its shape needs: ``check_storage``) or a safetensors file."""
+    path = regular_file(path, CheckpointError, "checkpoint")
     if path.suffix == ".safetensors":
         from safetensors import SafetensorError
         from safetensors.torch import load_file
@@ -147,7 +149,12 @@ def load_state_dict(path: str | Path) -> dict[str, Tensor]:
         except (SafetensorError, OSError) as err:
             raise CheckpointError(f"{path} is not a readable safetensors file: {err}") from None
     try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
+        try:
+            obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as err:  # a file of torch's legacy (not zip) format cannot be memory-mapped
+            if "mmap" not in str(err):
+                raise
+            obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # torch raises UnpicklingError, RuntimeError, EOFError...: one clear message
         raise CheckpointError(
             f"{path} is not a PyTorch state dict loadable with weights_only=True "
@@ -161,6 +168,7 @@ def load_state_dict(path: str | Path) -> dict[str, Tensor]:
         isinstance(k, str) and isinstance(v, Tensor) for k, v in obj.items()
     ):
         raise CheckpointError(f"{path} does not hold a flat state dict of tensors")
+    check_storage(obj, str(path))
     return dict(obj)
 
 
