@@ -183,6 +183,34 @@ def test_json_from_disk_has_a_depth_bound(run: Path, tmp_path: Path) -> None:
     assert "nested too deeply" in one_line(result, "manifest.json")
 
 
+# ----------------------------------------------------------------------------------- 4. translate / convert
+@pytest.mark.parametrize(
+    "word, refused",
+    [("arch.L_cycles=.inf", "arch.L_cycles"), ("arch.hidden_size=-64", "arch.hidden_size"),
+     ("arch.num_heads=0", "arch.num_heads"), ("arch.expansion=abc", "arch.expansion"),
+     ("global_batch_size=0", "train.batch_size"), ("lr=.nan", "train.lr")],
+)  # fmt: skip
+def test_translate_refuses_values_train_would_refuse_naming_the_key_typed(word: str, refused: str) -> None:
+    result, _ = run_cli("translate", "hrm", word)
+    line = one_line(result, word.split("=")[0], refused)
+    assert "loopformer train" not in result.output and "internal error" not in line
+
+
+def test_translate_accepts_values_valid_only_together() -> None:
+    result, _ = run_cli("translate", "hrm", "arch.hidden_size=96", "arch.num_heads=3")
+    assert result.exit_code == 0, cli_text(result)
+
+
+def test_convert_names_the_authors_key_it_refuses(tmp_path: Path) -> None:
+    source = tmp_path / "hrm"
+    shutil.copytree(FIXTURES / "hrm", source)
+    config = yaml.safe_load((source / "all_config.yaml").read_text())
+    config["arch"]["H_cycles"] = -3
+    (source / "all_config.yaml").write_text(yaml.safe_dump(config))
+    result, _ = run_cli("convert", "hrm", str(source / "step_1"), "-o", str(tmp_path / "out"))
+    assert "-3" in one_line(result, "arch.H_cycles", "all_config.yaml")
+
+
 # ----------------------------------------------------------------------------------- 6. aliases and manifests
 def set_aliases(folder: Path, aliases: dict[str, str], drop: tuple[str, ...] = ()) -> None:
     path = folder / "model.safetensors"

@@ -176,15 +176,11 @@ def read_reference_config(path: str | Path | None) -> dict[str, Any]:
     """The reference's configuration file (YAML or JSON) as a dict; ``{}`` without one."""
     if path is None:
         return {}
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"reference config {path} does not exist")
-    import yaml
+    from loopformer.config.strict import load_yaml, read_text
 
-    try:
-        data = json.loads(path.read_text()) if path.suffix == ".json" else yaml.safe_load(path.read_text())
-    except (yaml.YAMLError, json.JSONDecodeError) as err:
-        raise ValueError(f"reference config {path} is not valid YAML / JSON: {err}") from None
+    path = Path(path)
+    what = "reference config"
+    data = read_json(path, ConfigError) if path.suffix == ".json" else load_yaml(read_text(path, what), f"{what} {path}")
     if not isinstance(data, dict):
         raise ValueError(f"reference config {path} must be a mapping, got {type(data).__name__}")
     return data
@@ -211,6 +207,49 @@ def parse_given(overrides: Iterable[str]) -> dict[str, Any]:
     from loopformer.config import apply_overrides
 
     return apply_overrides({}, list(overrides))
+
+
+# what a key mapping, or train's checks of the run configuration it gives, raise for a value they refuse
+REFUSALS = (ValueError, TypeError, ArithmeticError, RuntimeError, KeyError, NotImplementedError)
+
+
+def refusal(system: str, state: dict[str, Tensor], ref: dict[str, Any], overrides: Iterable[str] = ()) -> Exception | None:
+    """Why converting the authors' configuration ``ref`` with ``state`` (meta tensors suffice) is refused, by
+    the key mapping or by ``train``'s checks of the run configuration it gives (``build_config``); None when it
+    goes through. ``translate`` checks every value it writes so."""
+    from loopformer.config import build_config
+
+    try:
+        build_config(converter(system)(state, copy.deepcopy(ref)).run, list(overrides))
+    except REFUSALS as err:
+        return err
+    return None
+
+
+def refused_key(system: str, state: dict[str, Tensor], ref: dict[str, Any], overrides: Iterable[str] = ()) -> str | None:
+    """The dotted key of the authors' configuration ``ref`` whose value the conversion refuses: the first
+    without which (the mapping's default in its place) it goes through; None when there is none."""
+    meta = {k: v.to("meta") for k, v in state.items()}
+    for key in flat(ref):
+        probe = copy.deepcopy(ref)
+        *parents, last = key.split(".")
+        node = probe
+        for part in parents:
+            node = node[part]
+        del node[last]
+        if refusal(system, meta, probe, overrides) is None:
+            return key
+    return None
+
+
+def flat(table: Any, prefix: str = "") -> dict[str, Any]:
+    """A nested table's leaves by dotted key (``{"arch": {"H_cycles": 3}}`` -> ``{"arch.H_cycles": 3}``)."""
+    if not isinstance(table, dict):
+        return {prefix: table}
+    out: dict[str, Any] = {}
+    for k, v in table.items():
+        out.update(flat(v, f"{prefix}.{k}" if prefix else str(k)))
+    return out
 
 
 def converter(system: str) -> Callable[[dict[str, Tensor], dict[str, Any]], Converted]:
@@ -293,12 +332,21 @@ def convert_checkpoint(
             f"most checkpoints' (e.g. TRM's evaluation loop length). Pass --config FILE (the training "
             f"script's config), or --allow-defaults to convert with the defaults (listed in the notes)"
         )
+    ref = read_reference_config(config_file)
     token = _GIVEN.set(given_values)
     try:
         try:
-            converted = fn(state, read_reference_config(config_file))
+            converted = fn(state, copy.deepcopy(ref))
+            converted.run["out_dir"] = str(out_dir)
+            config, model = build_converted(converted, overrides)
         except CheckpointError as err:  # the mapping names the system ("TRM checkpoint"): name the file too
             raise CheckpointError(f"{checkpoint}: {err}") from None
+        except REFUSALS as err:  # the value refused, by the name the reference's config file gives it
+            key = None if config_file is None else refused_key(system, state, ref, overrides)
+            if key is None:
+                raise
+            value = excerpt(flat(ref)[key])
+            raise ConfigError(f"{config_file}: {key}: {value} is refused ({err})") from None
     except (CheckpointError, ValueError, NotImplementedError) as err:
         if config_file is not None:
             raise
@@ -311,10 +359,7 @@ def convert_checkpoint(
         _GIVEN.reset(token)
     if config_file is None:
         converted.notes.append(f"no reference config: the {system} reference's defaults were assumed (--allow-defaults)")
-    out = Path(out_dir)
-    converted.run["out_dir"] = str(out)
-    config, model = build_converted(converted, overrides)
-    out = out if write_to is None else Path(write_to)
+    out = Path(out_dir) if write_to is None else Path(write_to)
     out.mkdir(parents=True, exist_ok=True)
     save_config(config, out)
     folder = save_checkpoint(out / "checkpoints", 0, model, config)
