@@ -211,6 +211,33 @@ def test_convert_names_the_authors_key_it_refuses(tmp_path: Path) -> None:
     assert "-3" in one_line(result, "arch.H_cycles", "all_config.yaml")
 
 
+# ----------------------------------------------------------------------------------- 5. distributed start-up
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_half_set_world_size_says_what_it_waits_for_and_gives_up(tmp_path: Path, monkeypatch, caplog) -> None:
+    from loopformer.train.dist import DistEnv, rendezvous
+
+    port = free_port()
+    environ = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    start = time.perf_counter()
+    with caplog.at_level("INFO", logger="loopformer.train"), pytest.raises(ValueError) as err:
+        rendezvous(DistEnv(0, 2), 1.0, environ)
+    assert time.perf_counter() - start < 120  # bounded by the timeout, not torch's 30 minutes
+    assert f"WORLD_SIZE=2 RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT={port}" in str(err.value)
+    assert f"waiting up to 1 s for 2 processes at 127.0.0.1:{port}" in caplog.text
+    for key, value in {"WORLD_SIZE": "2", "RANK": "0", **environ}.items():
+        monkeypatch.setenv(key, value)
+    result, _ = run_cli("train", "sudoku4_fprm", "train.rendezvous_timeout_s=1", "-o", str(tmp_path / "r"))
+    assert "unset WORLD_SIZE" in one_line(result, "WORLD_SIZE=2", "train.rendezvous_timeout_s")
+    monkeypatch.delenv("MASTER_ADDR")
+    result, _ = run_cli("train", "sudoku4_fprm", "-o", str(tmp_path / "r"))
+    one_line(result, "MASTER_ADDR")
+
+
 # ----------------------------------------------------------------------------------- 6. aliases and manifests
 def set_aliases(folder: Path, aliases: dict[str, str], drop: tuple[str, ...] = ()) -> None:
     path = folder / "model.safetensors"
