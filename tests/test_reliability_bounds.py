@@ -279,3 +279,13 @@ def test_a_checkpoint_without_its_manifest_is_unverified(run: Path, tmp_path: Pa
         loopformer.load(tmp_path / "nomanifest", device="cpu", verify=True)
     result, _ = run_cli("eval", str(tmp_path / "nomanifest"), "--verify", "-o", str(tmp_path / "r"))
     one_line(result, "manifest.json", "--verify")
+
+
+# ----------------------------------------------------------------------------------- 7. encodings, 8. recipes
+def test_console_output_survives_an_ascii_encoding(tmp_path: Path) -> None:
+    out = tmp_path / "résumé.csv"
+    env = {**os.environ, "PYTHONIOENCODING": "ascii"}
+    cmd = [sys.executable, "-m", "loopformer", "data", "generate", "sudoku", "-t", "size=4", "--count", "2", "-o"]
+    proc = subprocess.run([*cmd, str(out)], env=env, capture_output=True, text=True, errors="replace")
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-800:]
+    assert "r?sum?.csv" in proc.stdout + proc.stderr and out.is_file()

@@ -2,6 +2,9 @@
 commands take (declared once here: ``out_option``, ``overwrite_option``, ``device_option``, ...), and the
 comparison table on the console (this module is what ``loopformer --help`` loads: it must not import torch).
 
+The console survives any locale / encoding: standard output and error replace what they cannot encode
+(``PYTHONIOENCODING=ascii`` and a non-ASCII folder name print ``?``, never a ``UnicodeEncodeError``).
+
 Every command raises ordinary exceptions (``ConfigError``, ``CheckpointError``, ``TaskDataError``,
 ``KeyError`` from the registries, ``FileNotFoundError``...); ``CleanErrorGroup`` turns any of them
 into one line on stderr and exit status 1, unless ``--debug`` (or ``LOOPFORMER_DEBUG=1``) asks for
@@ -11,8 +14,10 @@ the traceback.
 from __future__ import annotations
 
 import errno
+import io
 import os
 import signal
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -87,6 +92,9 @@ class CleanErrorGroup(WholeHelpGroup):
     """A click group that reports errors in one line (no traceback unless --debug)."""
 
     def invoke(self, ctx: click.Context) -> Any:
+        for stream in (sys.stdout, sys.stderr):  # any locale / encoding: "?" for what it cannot show, no traceback
+            if isinstance(stream, io.TextIOWrapper):
+                stream.reconfigure(errors="replace")
         previous = _catch_sigterm()
         try:
             return super().invoke(ctx)
