@@ -289,3 +289,18 @@ def test_console_output_survives_an_ascii_encoding(tmp_path: Path) -> None:
     proc = subprocess.run([*cmd, str(out)], env=env, capture_output=True, text=True, errors="replace")
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-800:]
     assert "r?sum?.csv" in proc.stdout + proc.stderr and out.is_file()
+
+
+def test_a_user_recipe_named_like_a_shipped_one_can_take_it_as_its_base(tmp_path: Path, monkeypatch) -> None:
+    from loopformer.config import RECIPE_DIR, ConfigError, read_recipe
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "recipes").mkdir()
+    (tmp_path / "recipes" / "sudoku4_fprm.yaml").write_text("base: sudoku4_fprm\ntrain: {steps: 7}\n")
+    shipped = read_recipe(RECIPE_DIR / "sudoku4_fprm.yaml")
+    mine = read_recipe("sudoku4_fprm")
+    assert mine["train"]["steps"] == 7 and mine["model"] == shipped["model"]
+    (tmp_path / "a.yaml").write_text("base: b.yaml\n")
+    (tmp_path / "b.yaml").write_text("base: a.yaml\n")
+    with pytest.raises(ConfigError, match="cycle"):  # a real cycle is still one
+        read_recipe(tmp_path / "a.yaml")

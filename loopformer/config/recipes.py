@@ -171,16 +171,16 @@ def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str,
     return data
 
 
-def find_recipe(name: str | Path) -> Path:
-    """A recipe path: as given, or ``<name>[.yaml]`` in ./recipes or the package's recipes (RECIPE_DIR)."""
-    candidates = [Path(name)]
+def find_recipe(name: str | Path, near: Sequence[Path] = (), passed: Sequence[Path] = ()) -> Path:
+    """A recipe path: ``near`` (a ``base:`` beside its recipe), as given, or ``<name>[.yaml]`` in ./recipes or
+    the package's recipes (RECIPE_DIR). A file of ``passed`` (the recipes of a ``base:`` chain, resolved) is
+    passed over, so a user recipe named like a shipped one can take the shipped one as its base."""
     stem = str(name) if str(name).endswith((".yaml", ".yml")) else f"{name}.yaml"
-    candidates += [Path("recipes") / stem, RECIPE_DIR / stem]
-    for path in candidates:
-        if path.is_file():
-            return path
+    for path in [*near, Path(name), Path("recipes") / stem, RECIPE_DIR / stem]:
+        if (path.exists() and not path.is_dir()) and path.resolve() not in passed:
+            return regular_file(path, ConfigError, "recipe")  # a FIFO or a device is named, never read
     known = sorted(p.stem for p in RECIPE_DIR.glob("*.yaml")) if RECIPE_DIR.is_dir() else []
-    raise ConfigError(f"no recipe {str(name)!r}{suggest(Path(stem).stem, known) if known else ''}")
+    raise ConfigError(f"no recipe {excerpt(str(name))}{suggest(Path(stem).stem, known) if known else ''}")
 
 
 def model_field_names(name: Any) -> set[str] | None:
@@ -269,14 +269,15 @@ def read_recipe(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any
     base: dict[str, Any] = {}
     if parent is not None:
         beside = Path(parent) if Path(parent).is_absolute() else path.parent / parent
-        if not beside.is_file() and beside.with_name(f"{beside.name}.yaml").is_file():
-            beside = beside.with_name(f"{beside.name}.yaml")
+        near, chain = (beside, beside.with_name(f"{beside.name}.yaml")), (*_seen, path)
         try:
-            base = read_recipe(beside if beside.is_file() else parent, (*_seen, path))
+            found = find_recipe(parent, near, chain)
         except ConfigError as err:
-            if str(err).startswith("no recipe"):
-                raise ConfigError(f"recipe {path}: base {parent!r}: {err}") from None
-            raise
+            try:
+                found = find_recipe(parent, near)  # only a recipe of the chain itself: a cycle, named below
+            except ConfigError:
+                raise ConfigError(f"recipe {path}: base {excerpt(parent)}: {err}") from None
+        base = read_recipe(found, chain)
     return merge(base, data, f"recipe {path.name}")
 
 
