@@ -167,6 +167,27 @@ def test_a_stride_0_tensor_in_a_pt_file_is_refused_before_it_is_materialised(tmp
     assert "storage" in one_line(result, "embed_tokens.embedding_weight")
 
 
+def test_a_safetensors_header_larger_than_its_data_or_the_model_is_refused(run: Path, tmp_path: Path) -> None:
+    import struct
+
+    folder = copy_run(run, tmp_path / "huge")  # a header claiming 400 GB over 4 bytes of data
+    name = sorted(load_file(folder / "model.safetensors"))[0]
+    header = json.dumps({name: {"dtype": "F32", "shape": [100_000, 1_000_000], "data_offsets": [0, 4]}}).encode()
+    (folder / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + bytes(4))
+    rewrite_manifest(folder)
+    result, _ = run_cli("eval", str(tmp_path / "huge"), "-o", str(tmp_path / "r1"))
+    assert "corrupt or truncated" in one_line(result, "model.safetensors")
+    folder = copy_run(run, tmp_path / "shape")  # well-formed, but a shape the model does not have
+    tensors = load_file(folder / "model.safetensors")
+    with safe_open(folder / "model.safetensors", "pt") as handle:
+        meta = handle.metadata()
+    tensors[name] = torch.zeros(*tensors[name].shape, 3)
+    save_file(tensors, folder / "model.safetensors", metadata=meta)
+    rewrite_manifest(folder)
+    result, _ = run_cli("eval", str(tmp_path / "shape"), "-o", str(tmp_path / "r2"))
+    assert "in the checkpoint but" in one_line(result, name, "shape")
+
+
 def test_json_from_disk_has_a_depth_bound(run: Path, tmp_path: Path) -> None:
     from loopformer.files import MAX_JSON_DEPTH, read_json
 
