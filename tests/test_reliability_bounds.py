@@ -215,11 +215,14 @@ def test_translate_refuses_values_train_would_refuse_naming_the_key_typed(word: 
     result, _ = run_cli("translate", "hrm", word)
     line = one_line(result, word.split("=")[0], refused)
     assert "loopformer train" not in result.output and "internal error" not in line
+    assert "OverflowError" not in line and "could not convert" not in line  # the kind of value, checked first
 
 
 def test_translate_accepts_values_valid_only_together() -> None:
     result, _ = run_cli("translate", "hrm", "arch.hidden_size=96", "arch.num_heads=3")
     assert result.exit_code == 0, cli_text(result)
+    result, _ = run_cli("translate", "hrm", "arch.expansion=2.5")  # a number where the authors' default is 4
+    assert result.exit_code == 0 and "model.expansion=2.5" in result.output, cli_text(result)
 
 
 def test_convert_names_the_authors_key_it_refuses(tmp_path: Path) -> None:

@@ -9,19 +9,21 @@ changed, on a state dict of the shapes that configuration implies (meta tensors:
 loopformer keys whose values move are the key's translation, printed with the values the user's setting
 gives. A key that moves nothing is one the conversion does not read (``epochs``, ``eval_interval``,
 ``project_name``...); it is listed so, never dropped silently. Every value is checked before anything is
-printed: the translation must convert and give a run configuration ``train`` accepts
-(``loopformer.convert.refusal``); when it does not, a ``ConfigError`` names the authors' key as typed, the
-first refused on its own (``global_batch_size=0 is refused: train.batch_size must be >= 1, got 0``).
+printed: each against the kind of the authors' default (``_check_kind``), then the translation must convert
+and give a run configuration ``train`` accepts (``loopformer.convert.refusal``); when it does not, a
+``ConfigError`` names the authors' key as typed, the first refused on its own (``global_batch_size=0 is
+refused: train.batch_size must be >= 1, got 0``).
 """
 
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from loopformer.config import ConfigError
-from loopformer.config.strict import excerpt
+from loopformer.config.strict import coerce, excerpt
 from loopformer.convert import REFUSALS, converter, flat, refusal
 from loopformer.convert.export import reference_state
 from loopformer.convert.recursive import TRAIN_DEFAULTS
@@ -90,7 +92,21 @@ def refused(system: str, ref: dict[str, Any]) -> str | None:
         err = refusal(system, reference_state(system, ref), ref)
     except REFUSALS as error:  # the shapes of the authors' model cannot be built from these sizes
         err = error
-    return None if err is None else str(err) if isinstance(err, ConfigError) else f"{type(err).__name__}: {err}"
+    if err is None or isinstance(err, ConfigError):
+        return None if err is None else str(err)
+    return f"the {system} model cannot be built with it ({type(err).__name__}: {err})"
+
+
+def _check_kind(key: str, value: Any, default: Any) -> None:
+    """ConfigError naming ``key`` when ``value`` is not of the kind of the authors' default: true / false, or a
+    number (finite where the default is an integer: a size, a count); ranges are train's checks."""
+    where = f"{key}={excerpt(value)}: the authors' {key}"
+    if isinstance(default, bool):
+        coerce(value, bool, where)
+    elif isinstance(default, int | float):
+        number = coerce(value, float, where)
+        if isinstance(default, int) and not math.isfinite(number):
+            raise ConfigError(f"{where}: expected a finite number, got {excerpt(value)}")
 
 
 def _set(ref: dict[str, Any], key: str, value: Any) -> None:
@@ -170,6 +186,7 @@ def translate(system: str, words: list[str]) -> Translation:
         if mode == "+" and _get(ref, key) is not None:
             raise ValueError(f"+{key}={excerpt(value)}: Hydra's + adds a key, but the authors' config already has {key} "
                              f"({excerpt(_get(ref, key))}); write it without + or with ++")  # fmt: skip
+        _check_kind(key, value, _get(REFERENCE[system], key))
         _set(ref, key, value)
     if (why := refused(system, ref)) is not None:  # named by the key typed: the first refused on its own
         for _, key, value in parsed:
