@@ -51,15 +51,18 @@ if TYPE_CHECKING:
     from loopformer.eval.suite import Log, ReportOptions
 
 
-def load(run_or_hub_id: str | Path, device: str | torch.device = "auto", use_ema: bool = True) -> LoadedRun:
+def load(run_or_hub_id: str | Path, device: str | torch.device = "auto", use_ema: bool = True,
+         verify: bool = False) -> LoadedRun:  # fmt: skip
     """A trained model from a run folder, checkpoint folder or hub id (``owner/name[@revision]``).
 
     ``device``: ``auto`` (CUDA when present), ``cpu``, ``cuda`` or ``cuda:N``. ``use_ema``: True or False
-    (anything else, such as the string "no", is a ValueError: it would read as true).
+    (anything else, such as the string "no", is a ValueError: it would read as true). ``verify``: refuse a
+    checkpoint without its manifest (loaded with a warning that it is unverified otherwise).
     """
-    if not isinstance(use_ema, bool):
-        raise ValueError(f"loopformer.load: use_ema must be True or False, got {use_ema!r}")
-    return load_run(run_or_hub_id, use_ema=use_ema, device=str(resolve_device(device)))
+    for name, flag in (("use_ema", use_ema), ("verify", verify)):
+        if not isinstance(flag, bool):
+            raise ValueError(f"loopformer.load: {name} must be True or False, got {flag!r}")
+    return load_run(run_or_hub_id, use_ema=use_ema, device=str(resolve_device(device)), verify=verify)
 
 
 @dataclass
@@ -271,7 +274,7 @@ def evaluate_checkpoint(checkpoint: str | Path, options: ReportOptions | None = 
         check_variants(config, [o for _, o in opts.variants], str(dev))
 
     run = load_run(checkpoint, use_ema=opts.ema, config_overrides=tuple(opts.overrides), device=str(dev),
-                   best=opts.best, check=checks)  # fmt: skip
+                   best=opts.best, check=checks, verify=opts.verify)  # fmt: skip
     set_cpu_threads(run.config.train.threads, dev, run.model)  # the run's train.threads rule, logged
     # the baseline of the `loopformer run` job this model belongs to, when evaluated on the same held-out set
     same = not opts.examples and not any(o.lstrip("~+").startswith("data.") for o in opts.overrides)

@@ -22,10 +22,15 @@ read ARC / knowledge-graph JSON with it, run storage (``loopformer.runs``) write
   (while empty) after it failed, so a failed command leaves no empty folder behind.
 - ``WriteError``: an ``OSError`` raised by a failed write, whose message names the file and the
   reason (``No space left on device``, ``File too large``, ``Read-only file system``).
+- ``regular_file(path, error)``: every file loopformer reads or appends to (run and data files, recipes,
+  checkpoints) is checked first: a regular file (or a link to one), else ``error`` (the caller's exception
+  type) saying what it is (missing, a folder, a FIFO, a device): a FIFO blocks a reader, ``/dev/zero`` never
+  ends. ``append_line`` checks what it opened (``O_NONBLOCK``: a FIFO never makes it wait).
+  ``read_bytes``: a file read whole (JSON, YAML, a log), at most ``MAX_WHOLE_FILE`` bytes.
 - ``read_json(path, error)``: a JSON file a user gave, parsed, or ``error`` (the caller's exception type:
   ``TaskDataError`` for data files, ``ValueError`` for run summaries) with one line naming the file and what
-  is wrong (not UTF-8 and at which byte, invalid JSON and where, nested too deeply, unreadable), never
-  quoting the file's contents.
+  is wrong (not UTF-8 and at which byte, invalid JSON and where, nested deeper than ``MAX_JSON_DEPTH``
+  levels, unreadable), never quoting the file's contents.
 - JSON kinds (``JSONInt``, ``Count``, ``JSONNumber``, ``JSONStr``, ``ProcessId``, ``json_kind``): the types
   the library's own records are annotated with (dataclasses beside their writers: ``loopformer.runs``,
   ``loopformer.eval.compare``), read and checked by the configuration's strict loader
@@ -48,6 +53,7 @@ import json
 import os
 import secrets
 import shutil
+import stat
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -219,12 +225,16 @@ def append_line(path: str | Path, line: str, root: str | Path | None = None, fsy
     path = check_inside(path, root)
     data = (line.rstrip("\n") + "\n").encode("utf-8")
     unshare(path)
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:  # O_NONBLOCK: a FIFO without a reader is ENXIO at once, never a wait; any other non-file: below
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK, 0o644)
     except OSError as err:
-        raise _write_error(err, path) from None
+        why = "it is a FIFO (named pipe), not a regular file" if err.errno == errno.ENXIO else err.strerror
+        raise WriteError(err.errno, why or type(err).__name__, str(path)) from None
     try:
-        size = os.fstat(fd).st_size
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise WriteError(errno.EINVAL, f"it is {_kind(info.st_mode)}, not a regular file", str(path))
+        size = info.st_size
         view = memoryview(data)
         try:
             while view:
@@ -262,22 +272,66 @@ def remove_empty(folders: list[Path]) -> None:
             return
 
 
+MAX_WHOLE_FILE = 1 << 30  # bytes of a file read whole (JSON, YAML, a log)
+MAX_JSON_DEPTH = 100  # nesting of a JSON document: loopformer's own files nest a few levels
+
+
+def _kind(mode: int) -> str:
+    kinds = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
+             (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))  # fmt: skip
+    return next((name for test, name in kinds if test(mode)), "no regular file")
+
+
+def regular_file(path: str | Path, error: type[Exception] = ValueError, what: str = "") -> Path:
+    """``path`` when it names a regular file (or a link to one); ``error`` naming it (``what``: "recipe",
+    "checkpoint file") and saying what it is otherwise: missing, a folder, a FIFO, a device (module docstring)."""
+    name = f"{what} {path}" if what else str(path)
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise error(f"{name} does not exist") from None
+    except OSError as err:
+        raise error(f"{name}: cannot read ({err.strerror or type(err).__name__})") from None
+    if not stat.S_ISREG(mode):
+        raise error(f"{name} is {_kind(mode)}, not a regular file")
+    return Path(path)
+
+
+def read_bytes(path: str | Path, error: type[Exception] = ValueError, what: str = "") -> bytes:
+    """The content of the regular file ``path`` (``regular_file``), at most ``MAX_WHOLE_FILE`` bytes; ``error``
+    naming the file otherwise."""
+    regular_file(path, error, what)
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read(MAX_WHOLE_FILE + 1) if os.fstat(fh.fileno()).st_size <= MAX_WHOLE_FILE else None
+    except OSError as err:
+        raise error(f"{what} {path}: cannot read ({err.strerror or type(err).__name__})".lstrip()) from None
+    if data is None or len(data) > MAX_WHOLE_FILE:
+        raise error(f"{what} {path} holds more than the {MAX_WHOLE_FILE:,} bytes read whole".lstrip())
+    return data
+
+
 def read_json(
     path: Path,
     error: type[Exception] = ValueError,
     object_pairs_hook: Callable[[list[tuple[str, Any]]], Any] | None = None,
 ) -> Any:
     """The parsed UTF-8 JSON file ``path``; ``error`` naming the file and position otherwise."""
+    deep = f"{path}: JSON nested too deeply (more than {MAX_JSON_DEPTH} levels)"
     try:
-        return json.loads(path.read_bytes().decode("utf-8"), object_pairs_hook=object_pairs_hook)
+        data = json.loads(read_bytes(path, error).decode("utf-8"), object_pairs_hook=object_pairs_hook)
     except UnicodeDecodeError as err:
         raise error(f"{path}: not UTF-8 text (byte {err.start})") from None
     except json.JSONDecodeError as err:
         raise error(f"{path}: not valid JSON (line {err.lineno}, column {err.colno}: {err.msg})") from None
-    except RecursionError:
-        raise error(f"{path}: JSON nested too deeply") from None
-    except OSError as err:
-        raise error(f"{path}: cannot read ({err.strerror or type(err).__name__})") from None
+    except RecursionError:  # deeper than the interpreter's recursion limit
+        raise error(deep) from None
+    level = [data] if isinstance(data, dict | list) else []
+    for _ in range(MAX_JSON_DEPTH):  # the lists and objects one level down, level by level (no recursion)
+        level = [c for n in level for c in (n.values() if isinstance(n, dict) else n) if isinstance(c, (dict, list))]
+    if level:
+        raise error(deep)
+    return data
 
 
 class _JSONKind(type):
@@ -344,6 +398,8 @@ __all__ = [
     "exchange_folders",
     "json_kind",
     "read_json",
+    "read_bytes",
+    "regular_file",
     "UnsafePathError",
     "WriteError",
     "append_line",

@@ -127,10 +127,10 @@ def test_non_utf8_recipe_and_config_files_name_the_file(tmp_path) -> None:
         load_config(recipe)
     cfg = tmp_path / "config.json"
     cfg.write_bytes(b'{"seed": 1, "x": "\xff"}')
-    with pytest.raises(ConfigError, match=r"config\.json is not UTF-8"):
+    with pytest.raises(ConfigError, match=r"config\.json: not UTF-8 text \(byte 18\)"):
         load_config_file(cfg)
     cfg.write_text('{"seed": 1,\n "secret_abc": }')
-    with pytest.raises(ConfigError, match=r"config\.json is not valid JSON at line 2") as info:
+    with pytest.raises(ConfigError, match=r"config\.json: not valid JSON \(line 2") as info:
         load_config_file(cfg)
     assert "secret_abc" not in str(info.value)
 

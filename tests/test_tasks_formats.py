@@ -121,7 +121,7 @@ def test_errors_name_the_file(tmp_path) -> None:
 
     root, folder = build("nolabels")
     (folder / "all__labels.npy").unlink()
-    with pytest.raises(TaskDataError, match=r"all__labels\.npy: missing file"):
+    with pytest.raises(TaskDataError, match=r"all__labels\.npy does not exist"):
         load_hrm_folder(root)
 
     root, folder = build("truncated")

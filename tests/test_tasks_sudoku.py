@@ -283,5 +283,5 @@ def test_csv_errors_name_row_and_problem(tmp_path) -> None:
     with pytest.raises(TaskDataError, match="lacks column"):
         (tmp_path / "nohead.csv").write_text("a,b\n1,2\n")
         task.load(tmp_path / "nohead.csv")
-    with pytest.raises(TaskDataError, match="no such file"):
+    with pytest.raises(TaskDataError, match="does not exist"):
         task.load(tmp_path / "missing.csv")

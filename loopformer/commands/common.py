@@ -2,6 +2,9 @@
 commands take (declared once here: ``out_option``, ``overwrite_option``, ``device_option``, ...), and the
 comparison table on the console (this module is what ``loopformer --help`` loads: it must not import torch).
 
+The console survives any locale / encoding: standard output and error replace what they cannot encode
+(``PYTHONIOENCODING=ascii`` and a non-ASCII folder name print ``?``, never a ``UnicodeEncodeError``).
+
 Every command raises ordinary exceptions (``ConfigError``, ``CheckpointError``, ``TaskDataError``,
 ``KeyError`` from the registries, ``FileNotFoundError``...); ``CleanErrorGroup`` turns any of them
 into one line on stderr and exit status 1, unless ``--debug`` (or ``LOOPFORMER_DEBUG=1``) asks for
@@ -11,8 +14,10 @@ the traceback.
 from __future__ import annotations
 
 import errno
+import io
 import os
 import signal
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -30,12 +35,18 @@ _ENVIRONMENT_ERRNOS = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EROFS, err
                        errno.EMFILE, errno.ENOTEMPTY, errno.EXDEV, errno.EPIPE)
 
 
+MAX_MESSAGE = 4000  # characters of an error line; a longer one is cut in the middle
+
+
 def one_line(err: BaseException) -> str:
-    """The exception as one line: ``KeyError('x')`` -> ``x``; multi-line messages joined."""
+    """The exception as one line: ``KeyError('x')`` -> ``x``; multi-line messages joined; at most
+    ``MAX_MESSAGE`` characters (a message quoting a huge value or key is cut, its length said)."""
     if isinstance(err, KeyError) and err.args:
         text = str(err.args[0])
     else:
         text = str(err) or type(err).__name__
+    if len(text) > MAX_MESSAGE:
+        text = f"{text[: MAX_MESSAGE // 2]} [... {len(text) - MAX_MESSAGE:,} characters cut ...] {text[-MAX_MESSAGE // 2 :]}"
     text = " ".join(part.strip() for part in text.splitlines() if part.strip())
     if isinstance(err, OSError) and err.errno in _ENVIRONMENT_ERRNOS and (
         type(err).__name__ not in _USER_ERRORS
@@ -81,6 +92,9 @@ class CleanErrorGroup(WholeHelpGroup):
     """A click group that reports errors in one line (no traceback unless --debug)."""
 
     def invoke(self, ctx: click.Context) -> Any:
+        for stream in (sys.stdout, sys.stderr):  # any locale / encoding: "?" for what it cannot show, no traceback
+            if isinstance(stream, io.TextIOWrapper):
+                stream.reconfigure(errors="replace")
         previous = _catch_sigterm()
         try:
             return super().invoke(ctx)
@@ -168,19 +182,17 @@ PATH = PathParam()
 
 def parse_pairs(pairs: tuple[str, ...] | list[str], what: str) -> dict[str, Any]:
     """``("a=1", "box=[2,3]", "min-blanks=4")`` -> ``{"a": 1, "box": [2, 3], "min_blanks": 4}``: keyword
-    arguments (``-`` read as ``_``), values parsed as YAML scalars / lists."""
-    import yaml
+    arguments (``-`` read as ``_``), values read by the configuration's one parser of typed values
+    (``loopformer.config.strict.parse_value``: alias and node limits)."""
+    from loopformer.config.strict import excerpt, parse_value
 
     out: dict[str, Any] = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
         key = key.strip().replace("-", "_")
         if not sep or not key.isidentifier():
-            raise click.BadParameter(f"expected key=value, got {pair!r}", param_hint=what)
-        try:
-            out[key] = yaml.safe_load(value) if value.strip() else ""
-        except yaml.YAMLError as exc:
-            raise click.BadParameter(f"cannot parse value of {key!r}: {exc}", param_hint=what) from None
+            raise click.BadParameter(f"expected key=value, got {excerpt(pair)}", param_hint=what)
+        out[key] = parse_value(value, f"{what} {key}")
     return out
 
 
@@ -286,6 +298,12 @@ def task_option(help: str) -> Any:
                         metavar="KEY=VALUE", help=help)  # fmt: skip
 
 
+def verify_option() -> Any:
+    """``--verify``: refuse a checkpoint that has no manifest (loaded with a warning otherwise)."""
+    return click.option("--verify", is_flag=True, help="refuse a checkpoint without its manifest.json (the size "
+                        "and SHA-256 of each file), which otherwise loads with a warning that it is unverified")
+
+
 def json_option(help: str) -> Any:
     return click.option("--json", "as_json", is_flag=True, help=help)
 
@@ -312,4 +330,4 @@ def print_comparison(folder: Path) -> None:
 __all__ = ["PATH", "CleanErrorGroup", "PathParam", "WholeHelpGroup", "best_option", "budgets_option", "check_job_folder",
            "device_option", "ema_option", "json_option", "one_line", "out_option", "overwrite_option",
            "parse_int_list", "parse_pairs", "parse_variants", "print_comparison", "print_config_option",
-           "task_option"]
+           "task_option", "verify_option"]

@@ -24,6 +24,7 @@ import click
 import numpy as np
 
 from loopformer.commands.common import WholeHelpGroup, out_option, overwrite_option, parse_pairs, task_option
+from loopformer.config.strict import excerpt
 from loopformer.tasks.base import Task, TaskDataError, TokenDataset
 from loopformer.tasks.prepare import DATASETS, done_message, prepare
 
@@ -61,7 +62,7 @@ def split_options(task_cls: type[Task], options: dict[str, Any]) -> tuple[dict[s
             unknown.append(key)
     if unknown:
         known = ", ".join(sorted(init_names | gen_names)) or "none"
-        raise click.UsageError(f"unknown option(s) {unknown} for task {task_cls.name!r} (known: {known})")
+        raise click.UsageError(f"unknown option(s) {excerpt(unknown)} for task {task_cls.name!r} (known: {known})")
     return init_kw, gen_kw
 
 
@@ -79,10 +80,14 @@ def _make_task(name: str, options: dict[str, Any], path: Path | None = None) -> 
             inferred = {}
         options = {**inferred, **options}
     init_kw, gen_kw = split_options(cls, options)
+    from loopformer.config.schema import check_option_types
+
+    check_option_types(cls.__init__, init_kw, "--option")  # as train checks data.options, by annotation
+    check_option_types(cls.generate, gen_kw, "--option")
     try:
         return cls(**init_kw), gen_kw
     except (TypeError, ValueError) as exc:
-        raise click.UsageError(f"cannot build task {name!r} with {init_kw}: {exc}") from None
+        raise click.UsageError(f"cannot build task {name!r} with {excerpt(init_kw)}: {exc}") from None
 
 
 def _load(task: Task, file: Path) -> TokenDataset:
@@ -138,6 +143,9 @@ def generate_cmd(task_name: str, size: int | None, count: int, seed: int, out_di
     task, gen_kw = _make_task(task_name, options)
     if count < 0:
         raise click.BadParameter("must be >= 0", param_hint="--count")
+    from loopformer.config.memory import check_rows
+
+    check_rows("--count", count, getattr(task, "seq_len", 1))  # before any row is generated
     check_generate_target(out, fmt, split, overwrite)
     console = Console(stderr=True)
     takes_progress = "progress" in inspect.signature(task.generate).parameters

@@ -19,7 +19,7 @@ import numpy as np
 
 from loopformer.api import check_givens, format_answer, parse_puzzle
 from loopformer.api import solve as solve_puzzle
-from loopformer.commands.common import device_option, ema_option, json_option
+from loopformer.commands.common import device_option, ema_option, json_option, verify_option
 from loopformer.devices import resolve_device
 from loopformer.numerics import NumericalFaultError
 from loopformer.runs import load_run
@@ -61,6 +61,7 @@ def solve_record(**values: Any) -> dict[str, Any]:
 @json_option("print one JSON object (solution, valid, steps, ...)")
 @click.option("--max-steps", type=int, default=None, help="cap on loops (default: the run's evaluation loop)")
 @ema_option()
+@verify_option()
 @click.option("--all-loops", is_flag=True, help="print every loop, not only those where the answer changed")
 @click.option(
     "--puzzle-id",
@@ -76,6 +77,7 @@ def solve(
     as_json: bool,
     max_steps: int | None,
     ema: bool,
+    verify: bool,
     all_loops: bool,
     puzzle_id: int | None,
     device: str,
@@ -107,7 +109,7 @@ def solve(
     check_count("--max-steps", max_steps, 1)
     check_count("--puzzle-id", puzzle_id, 0)
     try:  # the run's config is checked (and its task against TASK) before the weights are read
-        run = load_run(checkpoint, use_ema=ema, device=str(resolve_device(device)), task=task_name)
+        run = load_run(checkpoint, use_ema=ema, device=str(resolve_device(device)), task=task_name, verify=verify)
     except NumericalFaultError as err:  # NaN / inf weights: refused at loading, still one JSON schema
         if as_json:
             click.echo(json.dumps(solve_record(task=task_name, puzzle=puzzle, valid=False, error=str(err))))

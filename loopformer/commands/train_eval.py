@@ -21,6 +21,7 @@ from loopformer.commands.common import (
     print_comparison,
     print_config_option,
     task_option,
+    verify_option,
 )
 from loopformer.eval.auto_solver import DEFAULT_FRACTION
 
@@ -140,6 +141,7 @@ def train(
               help="logit lens, overthinking, signal propagation, spectral radius")
 @ema_option()
 @best_option()
+@verify_option()
 @out_option("report folder (default <run>/eval-step<N>-<time>)")
 @overwrite_option("replace the report in --out (moved aside once the new one is done)")
 @click.option("--auto-solver", is_flag=True,
@@ -155,7 +157,7 @@ def train(
 @device_option()
 def evaluate_cmd(checkpoint: str, budgets: list[int], budget_mode: str, task_options: tuple[str, ...],
                  sets: tuple[str, ...], examples: int, lens_loops: int | None, analyses: bool, ema: bool, best: bool,
-                 out_dir: Path | None, overwrite: bool, auto_solver: bool, auto_solver_slice: float,
+                 verify: bool, out_dir: Path | None, overwrite: bool, auto_solver: bool, auto_solver_slice: float,
                  auto_solver_tolerance: float, variants: tuple[str, ...], device: str) -> None:  # fmt: skip
     """Evaluate CHECKPOINT (a run folder or checkpoint folder) on its held-out set; write a report.
 
@@ -183,7 +185,7 @@ def evaluate_cmd(checkpoint: str, budgets: list[int], budget_mode: str, task_opt
     ]
     options = ReportOptions(
         budgets=budgets, budget_mode=budget_mode, analyses=analyses, lens_loops=lens_loops, overrides=overrides,
-        examples=examples, ema=ema, best=best, device=device, out_dir=out_dir, overwrite=overwrite,
+        examples=examples, ema=ema, best=best, verify=verify, device=device, out_dir=out_dir, overwrite=overwrite,
         variants=parse_variants(variants),
         auto_solver=(auto_solver_slice, auto_solver_tolerance / 100) if auto_solver else None,
     )  # fmt: skip

@@ -17,7 +17,8 @@ must hold at once, each term tied to the keys that set it:
   step and sample, kept twice with compaction): ``loop_train.max_steps`` x ``train.batch_size`` when
   training, ``loop_eval.max_steps`` / ``loop_periodic.max_steps`` x ``eval.batch_size``, 16 bytes each.
   ``check_loops`` applies the same bound to a command's own loop counts (``eval --max-steps``,
-  ``--lens-loops``, ``run.budgets``, ...), naming the option.
+  ``--lens-loops``, ``run.budgets``, ...), naming the option, and ``check_rows`` to the rows
+  ``data generate --count`` asks for.
 
 The sequence length is the model's ``seq_len`` when the config sets it (a trained run's config always
 does), else what the task says (the built task's, else its class's ``seq_len``, ``size`` x ``size`` for a
@@ -214,6 +215,12 @@ def check_memory(cfg: Any, device: str | None = None, training: bool = True) -> 
     """ConfigError when ``cfg``'s lower bound (module docstring) exceeds the memory of ``device``
     (default ``cfg.device``) or the RAM; the message names the keys of the largest term."""
     _check_terms(*memory_terms(cfg, training), device or cfg.device)
+
+
+def check_rows(option: str, rows: int, seq_len: int) -> None:
+    """ConfigError naming ``option`` when ``rows`` generated rows of ``seq_len`` tokens (int64 inputs and
+    labels, as a generated data set is counted above) need far more than the RAM (``data generate --count``)."""
+    _check_terms([], [(16.0 * rows * _int(seq_len), f"{option} {rows:,} rows x sequence length {seq_len}")], "cpu")
 
 
 def check_loops(cfg: Any, option: str, loops: int, device: str | None = None) -> None:

@@ -47,14 +47,18 @@ from loopformer.config.strict import (
     RENAMED,
     ConfigError,
     Overlay,
+    excerpt,
     from_dict,
+    join,
     load_yaml,
+    parse_value,
     read_text,
     suggest,
     table_keys,
     to_dict,
     unknown_key,
 )
+from loopformer.files import read_json, regular_file
 
 log = logging.getLogger("loopformer.config")
 
@@ -76,24 +80,18 @@ def _lookup(data: dict[str, Any], key: str) -> Any:
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
-    """``'train.lr=3e-4'`` -> (['train', 'lr'], '3e-4' parsed by yaml.safe_load)."""
+    """``'train.lr=3e-4'`` -> (['train', 'lr'], '3e-4' read by ``parse_value``: alias and node limits)."""
     if "=" not in text:
-        raise ConfigError(f"override {text!r} is not of the form key=value (e.g. train.lr=3e-4)")
+        raise ConfigError(f"override {excerpt(text)} is not of the form key=value (e.g. train.lr=3e-4)")
     key, raw = text.split("=", 1)
     key = key.strip()
     if not key or any(not part for part in key.split(".")):
-        raise ConfigError(f"override {text!r} has an empty key")
+        raise ConfigError(f"override {excerpt(text)} has an empty key")
     if key in PATH_KEYS:  # a path is a path: "0001", "2024-01-01", "yes", "exp #2" stay as typed
         return key.split("."), raw
     if key == "train.resume" and raw.strip().lower() not in ("true", "false", "yes", "no", "on", "off", ""):
         return key.split("."), raw  # a checkpoint folder, as typed
-    try:
-        value = load_yaml(raw, f"override {key}") if raw.strip() else ""
-    except ConfigError as err:
-        if "is not valid YAML" not in str(err):
-            raise  # duplicate keys, alias bombs
-        value = raw
-    return key.split("."), value
+    return key.split("."), parse_value(raw, f"override {join('', key)}")
 
 
 def _check_path(parts: list[str]) -> None:
@@ -148,19 +146,20 @@ def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str,
         if prefix == "+" and "=" in text:
             key = text.split("=", 1)[0].strip()
             if _is_set(data, key.split(".")):
-                raise ConfigError(f"override {given!r}: + adds a key (as in Hydra), but {key} is already set "
-                                  f"(to {_lookup(data, key)!r}); write {text} or ++{text} to change it")  # fmt: skip
+                raise ConfigError(f"override {excerpt(given)}: + adds a key (as in Hydra), but {join('', key)} is "
+                                  f"already set (to {excerpt(_lookup(data, key))}); write it without + or with ++ "
+                                  "to change it")  # fmt: skip
         if text.startswith(DELETE):  # ~model.conv: the key goes, its default applies
             if "=" in text:
-                raise ConfigError(f"override {text!r}: {DELETE}key deletes a key and takes no value")
+                raise ConfigError(f"override {excerpt(text)}: {DELETE}key deletes a key and takes no value")
             _check_path(text[len(DELETE) :].split("."))
-            delete_key(data, text[len(DELETE) :], f"override {text!r}")
+            delete_key(data, text[len(DELETE) :], f"override {excerpt(text)}")
             continue
         parts, value = parse_override(text)
         _check_path(parts)
         if parts == ["model", "name"] and isinstance(data.get("model"), dict):
             old = data["model"].get("name", ModelSpec.name)
-            data["model"] = drop_foreign_model_keys(data["model"], old, value, f"override {text!r}")
+            data["model"] = drop_foreign_model_keys(data["model"], old, value, f"override {excerpt(text)}")
         node = data
         for part in parts[:-1]:
             child = node.get(part)
@@ -172,16 +171,16 @@ def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str,
     return data
 
 
-def find_recipe(name: str | Path) -> Path:
-    """A recipe path: as given, or ``<name>[.yaml]`` in ./recipes or the package's recipes (RECIPE_DIR)."""
-    candidates = [Path(name)]
+def find_recipe(name: str | Path, near: Sequence[Path] = (), passed: Sequence[Path] = ()) -> Path:
+    """A recipe path: ``near`` (a ``base:`` beside its recipe), as given, or ``<name>[.yaml]`` in ./recipes or
+    the package's recipes (RECIPE_DIR). A file of ``passed`` (the recipes of a ``base:`` chain, resolved) is
+    passed over, so a user recipe named like a shipped one can take the shipped one as its base."""
     stem = str(name) if str(name).endswith((".yaml", ".yml")) else f"{name}.yaml"
-    candidates += [Path("recipes") / stem, RECIPE_DIR / stem]
-    for path in candidates:
-        if path.is_file():
-            return path
+    for path in [*near, Path(name), Path("recipes") / stem, RECIPE_DIR / stem]:
+        if (path.exists() and not path.is_dir()) and path.resolve() not in passed:
+            return regular_file(path, ConfigError, "recipe")  # a FIFO or a device is named, never read
     known = sorted(p.stem for p in RECIPE_DIR.glob("*.yaml")) if RECIPE_DIR.is_dir() else []
-    raise ConfigError(f"no recipe {str(name)!r}{suggest(Path(stem).stem, known) if known else ''}")
+    raise ConfigError(f"no recipe {excerpt(str(name))}{suggest(Path(stem).stem, known) if known else ''}")
 
 
 def model_field_names(name: Any) -> set[str] | None:
@@ -215,7 +214,7 @@ def delete_key(data: dict[str, Any], dotted: str, where: str) -> None:
     """Remove ``dotted`` (``model.conv``) from the nested table ``data``; absent keys are no-ops."""
     parts = dotted.split(".")
     if not dotted or any(not p for p in parts):
-        raise ConfigError(f"{where}: {DELETE}{dotted!r} names no key (write e.g. ~model.conv)")
+        raise ConfigError(f"{where}: {DELETE}{excerpt(dotted)} names no key (write e.g. ~model.conv)")
     node: Any = data
     for part in parts[:-1]:
         node = node.get(part) if isinstance(node, dict) else None
@@ -233,7 +232,7 @@ def merge(base: Mapping[str, Any], child: Mapping[str, Any], where: str = "recip
             if value is not None:
                 raise ConfigError(
                     f"{where}: {path + '.' if path else ''}{key} deletes a key and takes no value, "
-                    f"got {value!r} (write `{key}:` with nothing after it)"
+                    f"got {excerpt(value)} (write `{key}:` with nothing after it)"
                 )
             delete_key(out, key[len(DELETE) :], where)
     for key, value in child.items():
@@ -270,14 +269,15 @@ def read_recipe(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any
     base: dict[str, Any] = {}
     if parent is not None:
         beside = Path(parent) if Path(parent).is_absolute() else path.parent / parent
-        if not beside.is_file() and beside.with_name(f"{beside.name}.yaml").is_file():
-            beside = beside.with_name(f"{beside.name}.yaml")
+        near, chain = (beside, beside.with_name(f"{beside.name}.yaml")), (*_seen, path)
         try:
-            base = read_recipe(beside if beside.is_file() else parent, (*_seen, path))
+            found = find_recipe(parent, near, chain)
         except ConfigError as err:
-            if str(err).startswith("no recipe"):
-                raise ConfigError(f"recipe {path}: base {parent!r}: {err}") from None
-            raise
+            try:
+                found = find_recipe(parent, near)  # only a recipe of the chain itself: a cycle, named below
+            except ConfigError:
+                raise ConfigError(f"recipe {path}: base {excerpt(parent)}: {err}") from None
+        base = read_recipe(found, chain)
     return merge(base, data, f"recipe {path.name}")
 
 
@@ -333,17 +333,8 @@ def load_config_file(path: str | Path, check: bool = True) -> RunConfig:
     path = Path(path)
     if path.is_dir():
         path = path / "config.json" if (path / "config.json").is_file() else path / "config.yaml"
-    if not path.is_file():
-        raise ConfigError(f"no config file at {path}")
-    text = read_text(path, "config file")
-    if path.suffix == ".json":
-        try:
-            data = json.loads(text)
-        except (json.JSONDecodeError, RecursionError) as err:
-            at = f" at line {err.lineno}, column {err.colno}" if isinstance(err, json.JSONDecodeError) else ""
-            raise ConfigError(f"{path} is not valid JSON{at}") from None
-    else:
-        data = load_yaml(text, str(path))
+    json_ = path.suffix == ".json"  # a regular file either way (loopformer.files.read_bytes)
+    data = read_json(path, ConfigError) if json_ else load_yaml(read_text(path, "config file"), str(path))
     if not isinstance(data, Mapping):
         raise ConfigError(f"{path} does not hold a config table")
     data = {k: v for k, v in data.items() if k not in CHECKPOINT_META_KEYS}

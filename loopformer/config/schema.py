@@ -280,6 +280,7 @@ class TrainConfig:
         False  # every rank leaves each loop on the same global step count (one all-reduce per step)
     )
     find_unused_parameters: bool | None = None  # None: decided by a probe forward/backward of the real loss
+    rendezvous_timeout_s: float = 300.0  # WORLD_SIZE > 1: how long a process waits for the others to join
 
     def validate(self, training: bool = True) -> None:
         """Ranges (sizes >= 1, rates in [0, 1), finite non-negative weights, a sane learning rate), the
@@ -315,6 +316,8 @@ class TrainConfig:
                 f"train.keep_best names the metric without its log prefix: {self.keep_best[5:]!r}, "
                 f"not {self.keep_best!r}"
             )
+        if not (math.isfinite(self.rendezvous_timeout_s) and self.rendezvous_timeout_s > 0):
+            raise ConfigError(f"train.rendezvous_timeout_s must be a finite number > 0, got {self.rendezvous_timeout_s}")
         if not (math.isfinite(self.eps) and 0 < self.eps < 1):
             raise ConfigError(f"train.eps must be a finite number in (0, 1), got {self.eps}")
         for i, beta in enumerate(self.betas):
@@ -586,7 +589,7 @@ def _check_options(
                 f"unknown option {prefix}.{key}: {what} takes {', '.join(names) or 'no options'}"
                 f"{suggest(key, names, prefix) if names else ''}"
             )
-    _check_option_types(fn, options, prefix)
+    check_option_types(fn, options, prefix)
 
 
 SIMPLE_TYPES = (int, float, bool, str, type(None))
@@ -607,7 +610,7 @@ def _simple(tp: Any) -> bool:
     )
 
 
-def _check_option_types(fn: Any, options: dict[str, Any], prefix: str) -> None:
+def check_option_types(fn: Any, options: dict[str, Any], prefix: str) -> None:
     """Each option against the annotation of its parameter (``size: int`` refuses ``1.5`` or ``"abc"``,
     ``box: tuple[int, int] | None`` refuses ``3``), with its key; a scalar is stored as coerced
     (``4.0`` -> ``4``). Parameters without a simple annotation (``Any``, arrays) are left to the task."""

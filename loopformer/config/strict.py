@@ -16,9 +16,14 @@
   (``Overlay.over``). ``RunConfig.loop_train`` is an ``Overlay[LoopConfig]`` over the model's default loop.
 - ``Annotated[str, Registered("module:NAME")]``: a value that must be a key of a registry dict (or a
   ``module:Class`` plug-in subclassing the registry's base).
-- ``load_yaml(text, where)``: ``yaml.safe_load`` with two more refusals: a duplicate key in a mapping and
-  documents whose aliases would expand past ``MAX_YAML_NODES`` nodes (a "billion laughs" file), each a
-  ``ConfigError`` naming the file and line; ``read_text`` reads a file as UTF-8 or names the bad byte.
+- ``load_yaml(text, where)``: ``yaml.safe_load`` with three more refusals: a duplicate key in a mapping,
+  nesting deeper than ``MAX_YAML_DEPTH`` and documents whose aliases would expand past ``MAX_YAML_NODES``
+  nodes (a "billion laughs" file), each a ``ConfigError`` naming the file and line. ``parse_value``: the one
+  parser of a value a user types (``-t`` / ``--option``, ``key=value`` overrides, ``translate`` arguments),
+  through ``load_yaml``. ``read_text`` reads a file as UTF-8 or names the bad byte (a regular file of
+  bounded size: ``loopformer.files.read_bytes``).
+- ``excerpt(value)``: what every message quoting a user's value or key quotes: its ``repr`` cut to a bounded
+  excerpt (``reprlib``), so a megabyte value or key is never echoed whole.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import difflib
 import functools
 import importlib
 import os
+import reprlib
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -40,6 +46,11 @@ import yaml
 C = TypeVar("C")
 
 MAX_YAML_NODES = 100_000
+MAX_YAML_DEPTH = 100
+MAX_EXCERPT = 60  # characters of a user's value or key a message quotes
+_EXCERPT = reprlib.Repr()
+_EXCERPT.maxstring = _EXCERPT.maxother = MAX_EXCERPT
+_EXCERPT.maxlist = _EXCERPT.maxtuple = _EXCERPT.maxdict = _EXCERPT.maxset = 6
 
 # keys of earlier versions, by the name of the dataclass whose tables held them: the old key -> the key that
 # replaced it. A recipe or an override using one is refused naming its new key; a stored run config is
@@ -71,6 +82,12 @@ class ConfigError(ValueError):
     """A bad recipe or override: the message names the dotted key and the nearest valid one."""
 
 
+def excerpt(value: Any) -> str:
+    """``repr(value)`` shortened to a bounded excerpt (long text cut in the middle, long lists and tables
+    cut after a few items): what a message quotes of a value or key a user gave."""
+    return _EXCERPT.repr(value)
+
+
 def suggest(key: str, options: Sequence[str], prefix: str = "") -> str:
     """'; did you mean 'prefix.nearest'?' or the list of valid names when nothing is close."""
     best = _nearest(key, options)
@@ -80,7 +97,10 @@ def suggest(key: str, options: Sequence[str], prefix: str = "") -> str:
 
 
 def _nearest(key: str, options: Sequence[str], cutoff: float = 0.5) -> str | None:
-    """The most similar option: difflib's ratio plus a bonus for a shared prefix ('lrate' -> 'lr')."""
+    """The most similar option: difflib's ratio plus a bonus for a shared prefix ('lrate' -> 'lr'); none for
+    a key far longer than any option."""
+    if len(key) > 4 * MAX_EXCERPT:
+        return None
 
     def score(option: str) -> float:
         shared = len(os.path.commonprefix([key, option]))
@@ -91,6 +111,9 @@ def _nearest(key: str, options: Sequence[str], cutoff: float = 0.5) -> str | Non
 
 
 def join(path: str, key: str) -> str:
+    """``path.key``: the dotted key a message names (a key longer than an excerpt shortened)."""
+    half = MAX_EXCERPT // 2
+    key = key if len(key) <= MAX_EXCERPT else f"{key[:half]}...{key[-half:]}"
     return f"{path}.{key}" if path else key
 
 
@@ -100,9 +123,9 @@ def unknown_key(cls: type, key: Any, known: Sequence[str], path: str) -> ConfigE
     new = RENAMED.get(cls.__name__, {}).get(str(key))
     if new is not None:
         return ConfigError(
-            f"config key {join(path, key)!r} was renamed: write {join(path, new)!r} (the option's table)"
+            f"config key {join(path, str(key))!r} was renamed: write {join(path, new)!r} (the option's table)"
         )
-    return ConfigError(f"unknown config key {join(path, key)!r}{suggest(str(key), known, path)}")
+    return ConfigError(f"unknown config key {join(path, str(key))!r}{suggest(str(key), known, path)}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -175,30 +198,30 @@ def coerce(value: Any, tp: Any, path: str) -> Any:
                 return coerce(value, member, path)
             except ConfigError:
                 continue  # the next member; the error below names them all
-        raise ConfigError(f"{path}: expected {_describe(tp)}, got {value!r}")
+        raise ConfigError(f"{path}: expected {_describe(tp)}, got {excerpt(value)}")
     if origin is Literal:
         if value in args:
             return value
         close = difflib.get_close_matches(str(value), [str(a) for a in args], n=1, cutoff=0.4)
         hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise ConfigError(f"{path}: {value!r} is not one of {list(args)}{hint}")
+        raise ConfigError(f"{path}: {excerpt(value)} is not one of {list(args)}{hint}")
     if origin is Overlay:
         if isinstance(value, Overlay):
             return value
         of = args[0]
         table = to_dict(value) if isinstance(value, of) else value
         if not isinstance(table, Mapping):
-            raise ConfigError(f"{path}: expected a table of {of.__name__} fields, got {value!r}")
+            raise ConfigError(f"{path}: expected a table of {of.__name__} fields, got {excerpt(value)}")
         return Overlay(of, _typed_table(of, table, path, partial=True))
     if dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
             value = to_dict(value)
         if not isinstance(value, Mapping):
-            raise ConfigError(f"{path}: expected a table of {tp.__name__} fields, got {value!r}")
+            raise ConfigError(f"{path}: expected a table of {tp.__name__} fields, got {excerpt(value)}")
         return from_dict(tp, value, path)
     if origin in (tuple, list):
         if isinstance(value, str | bytes) or not isinstance(value, Sequence):
-            raise ConfigError(f"{path}: expected a list, got {value!r}")
+            raise ConfigError(f"{path}: expected a list, got {excerpt(value)}")
         if origin is tuple and args and args[-1] is not Ellipsis:
             if len(value) != len(args):
                 raise ConfigError(f"{path}: expected {len(args)} values, got {len(value)}")
@@ -208,16 +231,16 @@ def coerce(value: Any, tp: Any, path: str) -> Any:
         return tuple(items) if origin is tuple else items
     if origin is dict or tp is dict:
         if not isinstance(value, Mapping):
-            raise ConfigError(f"{path}: expected a table, got {value!r}")
+            raise ConfigError(f"{path}: expected a table, got {excerpt(value)}")
         item = args[1] if len(args) == 2 else Any  # dict[str, X]: every value converted to X
         return {str(k): coerce(v, item, join(path, str(k))) for k, v in value.items()}
     if tp is bool:
         if isinstance(value, bool):
             return value
-        raise ConfigError(f"{path}: expected true or false, got {value!r}")
+        raise ConfigError(f"{path}: expected true or false, got {excerpt(value)}")
     if tp is int:
         if isinstance(value, bool):
-            raise ConfigError(f"{path}: expected an integer, got {value!r}")
+            raise ConfigError(f"{path}: expected an integer, got {excerpt(value)}")
         if isinstance(value, int):
             return value
         if isinstance(value, float) and value.is_integer():
@@ -227,10 +250,10 @@ def coerce(value: Any, tp: Any, path: str) -> Any:
                 return int(value)
             except ValueError:
                 pass
-        raise ConfigError(f"{path}: expected an integer, got {value!r}")
+        raise ConfigError(f"{path}: expected an integer, got {excerpt(value)}")
     if tp is float:
         if isinstance(value, bool):
-            raise ConfigError(f"{path}: expected a number, got {value!r}")
+            raise ConfigError(f"{path}: expected a number, got {excerpt(value)}")
         if isinstance(value, int | float):
             return float(value)
         if isinstance(value, str):  # YAML 1.1 reads '3e-4' as a string
@@ -238,17 +261,17 @@ def coerce(value: Any, tp: Any, path: str) -> Any:
                 return float(value)
             except ValueError:
                 pass
-        raise ConfigError(f"{path}: expected a number, got {value!r}")
+        raise ConfigError(f"{path}: expected a number, got {excerpt(value)}")
     if tp is str:
         if isinstance(value, str):
             return value
         if isinstance(value, int | float) and not isinstance(value, bool):
             return str(value)
-        raise ConfigError(f"{path}: expected a string, got {value!r}")
+        raise ConfigError(f"{path}: expected a string, got {excerpt(value)}")
     if isinstance(tp, type):
         if isinstance(value, tp):
             return value
-        raise ConfigError(f"{path}: expected {tp.__name__}, got {value!r}")
+        raise ConfigError(f"{path}: expected {tp.__name__}, got {excerpt(value)}")
     return value
 
 
@@ -333,7 +356,7 @@ def _build(cls: type, values: Mapping[str, Any], path: str) -> Any:
 def from_dict(cls: type, data: Mapping[str, Any], path: str = "") -> Any:
     """Strictly build dataclass ``cls`` from ``data``: unknown keys and bad types are errors."""
     if not isinstance(data, Mapping):
-        raise ConfigError(f"{path or cls.__name__}: expected a table of {cls.__name__} fields, got {data!r}")
+        raise ConfigError(f"{path or cls.__name__}: expected a table of {cls.__name__} fields, got {excerpt(data)}")
     values = _typed_table(cls, data, path, partial=False)
     for f in dataclasses.fields(cls):  # a field without a default must be given
         if f.name not in values and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
@@ -412,21 +435,33 @@ def _table(cls: type, values: Mapping[str, Any]) -> dict[str, Any]:
 # The strict YAML reader
 # --------------------------------------------------------------------------------------------
 def read_text(path: Path, what: str) -> str:
-    """A UTF-8 text file; ConfigError naming the file (and the first bad byte) otherwise."""
+    """A UTF-8 text file (a regular file of bounded size); ConfigError naming the file (and the first bad
+    byte) otherwise."""
+    from loopformer.files import read_bytes
+
+    data = read_bytes(path, ConfigError, what)
     try:
-        return path.read_text(encoding="utf-8")
+        return data.decode("utf-8")
     except UnicodeDecodeError as err:
-        raise ConfigError(
-            f"{what} {path} is not UTF-8 text (byte {err.start} is 0x{err.object[err.start]:02x})"
-        ) from None
-    except OSError as err:
-        raise ConfigError(f"cannot read {what} {path}: {err.strerror or type(err).__name__}") from None
+        raise ConfigError(f"{what} {path} is not UTF-8 text (byte {err.start} is 0x{data[err.start]:02x})") from None
 
 
 class StrictLoader(yaml.SafeLoader):
-    """SafeLoader refusing duplicate keys and alias expansion beyond ``MAX_YAML_NODES`` nodes."""
+    """SafeLoader refusing duplicate keys, nesting deeper than ``MAX_YAML_DEPTH`` and alias expansion beyond
+    ``MAX_YAML_NODES`` nodes."""
 
     where = "YAML"
+    depth = 0
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        self.depth += 1
+        try:
+            if self.depth > MAX_YAML_DEPTH:
+                line = self.peek_event().start_mark.line + 1
+                raise ConfigError(f"{self.where}: line {line}: nested too deeply (more than {MAX_YAML_DEPTH} levels)")
+            return super().compose_node(parent, index)
+        finally:
+            self.depth -= 1
 
     def compose_document(self) -> Any:
         node = super().compose_document()
@@ -447,7 +482,7 @@ class StrictLoader(yaml.SafeLoader):
                 ) from None
             if first is not None:
                 raise ConfigError(
-                    f"{self.where}: line {key_node.start_mark.line + 1}: duplicate key {key!r} "
+                    f"{self.where}: line {key_node.start_mark.line + 1}: duplicate key {excerpt(key)} "
                     f"(first given on line {first})"
                 )
             seen[key] = key_node.start_mark.line + 1
@@ -501,8 +536,20 @@ def load_yaml(text: str, where: str) -> Any:
         raise ConfigError(f"{where} is not valid YAML: {err.problem or err.context} at {at}") from None
     except yaml.YAMLError as err:
         raise ConfigError(f"{where} is not valid YAML ({type(err).__name__})") from None
-    except RecursionError:
-        raise ConfigError(f"{where}: nested too deeply") from None
     finally:
         if loader is not None:
             loader.dispose()
+
+
+def parse_value(text: str, where: str) -> Any:
+    """A value a user typed (``size=4``, ``train.lr=3e-4``, ``box=[2,3]``) read by ``load_yaml`` (alias and
+    node limits, duplicate keys refused); text that is no valid YAML is the text as typed, blank text "".
+    ``where`` ("override train.lr", "-t size") names it in an error."""
+    if not text.strip():
+        return ""
+    try:
+        return load_yaml(text, where)
+    except ConfigError as err:
+        if not str(err).startswith(f"{where} is not valid YAML"):
+            raise  # duplicate keys, alias bombs, nesting
+        return text

@@ -23,6 +23,7 @@ safetensors; the run folder is written by ``loopformer.runs.checkpoint.save_chec
 
 from __future__ import annotations
 
+import copy
 import importlib
 import json
 from collections.abc import Callable, Iterable
@@ -34,9 +35,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from loopformer.files import atomic_write_text
+from loopformer.config import ConfigError
+from loopformer.config.strict import excerpt
+from loopformer.files import atomic_write_text, read_json, regular_file
 from loopformer.numerics import NumericalFaultError, nonfinite_names
-from loopformer.runs.checkpoint import CheckpointError
+from loopformer.runs.checkpoint import CheckpointError, check_storage
 
 # system name -> (``module:function`` of its ``convert(state, ref_config) -> Converted``, the files holding the
 # reference's configuration that its training script writes beside a checkpoint)
@@ -134,10 +137,9 @@ def strip_prefixes(state: dict[str, Tensor], prefixes: Iterable[str]) -> dict[st
 
 
 def load_state_dict(path: str | Path) -> dict[str, Tensor]:
-    """A flat ``{name: tensor}`` from a torch checkpoint (``weights_only=True``) or a safetensors file."""
-    path = Path(path)
-    if not path.is_file():
-        raise CheckpointError(f"checkpoint {path} does not exist or is not a file")
+    """A flat ``{name: tensor}`` from a torch checkpoint (``weights_only=True``, memory-mapped: a tensor is read
+    when used, and each must hold the bytes its shape needs: ``check_storage``) or a safetensors file."""
+    path = regular_file(path, CheckpointError, "checkpoint")
     if path.suffix == ".safetensors":
         from safetensors import SafetensorError
         from safetensors.torch import load_file
@@ -147,7 +149,12 @@ def load_state_dict(path: str | Path) -> dict[str, Tensor]:
         except (SafetensorError, OSError) as err:
             raise CheckpointError(f"{path} is not a readable safetensors file: {err}") from None
     try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
+        try:
+            obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as err:  # a file of torch's legacy (not zip) format cannot be memory-mapped
+            if "mmap" not in str(err):
+                raise
+            obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # torch raises UnpicklingError, RuntimeError, EOFError...: one clear message
         raise CheckpointError(
             f"{path} is not a PyTorch state dict loadable with weights_only=True "
@@ -161,6 +168,7 @@ def load_state_dict(path: str | Path) -> dict[str, Tensor]:
         isinstance(k, str) and isinstance(v, Tensor) for k, v in obj.items()
     ):
         raise CheckpointError(f"{path} does not hold a flat state dict of tensors")
+    check_storage(obj, str(path))
     return dict(obj)
 
 
@@ -168,15 +176,11 @@ def read_reference_config(path: str | Path | None) -> dict[str, Any]:
     """The reference's configuration file (YAML or JSON) as a dict; ``{}`` without one."""
     if path is None:
         return {}
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"reference config {path} does not exist")
-    import yaml
+    from loopformer.config.strict import load_yaml, read_text
 
-    try:
-        data = json.loads(path.read_text()) if path.suffix == ".json" else yaml.safe_load(path.read_text())
-    except (yaml.YAMLError, json.JSONDecodeError) as err:
-        raise ValueError(f"reference config {path} is not valid YAML / JSON: {err}") from None
+    path = Path(path)
+    what = "reference config"
+    data = read_json(path, ConfigError) if path.suffix == ".json" else load_yaml(read_text(path, what), f"{what} {path}")
     if not isinstance(data, dict):
         raise ValueError(f"reference config {path} must be a mapping, got {type(data).__name__}")
     return data
@@ -203,6 +207,49 @@ def parse_given(overrides: Iterable[str]) -> dict[str, Any]:
     from loopformer.config import apply_overrides
 
     return apply_overrides({}, list(overrides))
+
+
+# what a key mapping, or train's checks of the run configuration it gives, raise for a value they refuse
+REFUSALS = (ValueError, TypeError, ArithmeticError, RuntimeError, KeyError, NotImplementedError)
+
+
+def refusal(system: str, state: dict[str, Tensor], ref: dict[str, Any], overrides: Iterable[str] = ()) -> Exception | None:
+    """Why converting the authors' configuration ``ref`` with ``state`` (meta tensors suffice) is refused, by
+    the key mapping or by ``train``'s checks of the run configuration it gives (``build_config``); None when it
+    goes through. ``translate`` checks every value it writes so."""
+    from loopformer.config import build_config
+
+    try:
+        build_config(converter(system)(state, copy.deepcopy(ref)).run, list(overrides))
+    except REFUSALS as err:
+        return err
+    return None
+
+
+def refused_key(system: str, state: dict[str, Tensor], ref: dict[str, Any], overrides: Iterable[str] = ()) -> str | None:
+    """The dotted key of the authors' configuration ``ref`` whose value the conversion refuses: the first
+    without which (the mapping's default in its place) it goes through; None when there is none."""
+    meta = {k: v.to("meta") for k, v in state.items()}
+    for key in flat(ref):
+        probe = copy.deepcopy(ref)
+        *parents, last = key.split(".")
+        node = probe
+        for part in parents:
+            node = node[part]
+        del node[last]
+        if refusal(system, meta, probe, overrides) is None:
+            return key
+    return None
+
+
+def flat(table: Any, prefix: str = "") -> dict[str, Any]:
+    """A nested table's leaves by dotted key (``{"arch": {"H_cycles": 3}}`` -> ``{"arch.H_cycles": 3}``)."""
+    if not isinstance(table, dict):
+        return {prefix: table}
+    out: dict[str, Any] = {}
+    for k, v in table.items():
+        out.update(flat(v, f"{prefix}.{k}" if prefix else str(k)))
+    return out
 
 
 def converter(system: str) -> Callable[[dict[str, Tensor], dict[str, Any]], Converted]:
@@ -285,12 +332,21 @@ def convert_checkpoint(
             f"most checkpoints' (e.g. TRM's evaluation loop length). Pass --config FILE (the training "
             f"script's config), or --allow-defaults to convert with the defaults (listed in the notes)"
         )
+    ref = read_reference_config(config_file)
     token = _GIVEN.set(given_values)
     try:
         try:
-            converted = fn(state, read_reference_config(config_file))
+            converted = fn(state, copy.deepcopy(ref))
+            converted.run["out_dir"] = str(out_dir)
+            config, model = build_converted(converted, overrides)
         except CheckpointError as err:  # the mapping names the system ("TRM checkpoint"): name the file too
             raise CheckpointError(f"{checkpoint}: {err}") from None
+        except REFUSALS as err:  # the value refused, by the name the reference's config file gives it
+            key = None if config_file is None else refused_key(system, state, ref, overrides)
+            if key is None:
+                raise
+            value = excerpt(flat(ref)[key])
+            raise ConfigError(f"{config_file}: {key}: {value} is refused ({err})") from None
     except (CheckpointError, ValueError, NotImplementedError) as err:
         if config_file is not None:
             raise
@@ -303,10 +359,7 @@ def convert_checkpoint(
         _GIVEN.reset(token)
     if config_file is None:
         converted.notes.append(f"no reference config: the {system} reference's defaults were assumed (--allow-defaults)")
-    out = Path(out_dir)
-    converted.run["out_dir"] = str(out)
-    config, model = build_converted(converted, overrides)
-    out = out if write_to is None else Path(write_to)
+    out = Path(out_dir) if write_to is None else Path(write_to)
     out.mkdir(parents=True, exist_ok=True)
     save_config(config, out)
     folder = save_checkpoint(out / "checkpoints", 0, model, config)

@@ -27,7 +27,6 @@ TRM specifics (``models/recursive_reasoning/trm.py``): one ``L_level`` net used 
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
@@ -36,6 +35,7 @@ import torch
 from torch import Tensor
 
 from loopformer.convert import Converted, KeyMap, given, strip_prefixes
+from loopformer.files import read_json
 from loopformer.runs.checkpoint import CheckpointError
 
 PREFIXES = ("_orig_mod.", "model.", "inner.")
@@ -213,7 +213,7 @@ def dataset_meta(ref: dict[str, Any]) -> dict[str, Any]:
     if not paths:
         return {}
     meta = Path(paths[0]) / "train" / "dataset.json"
-    return json.loads(meta.read_text()) if meta.is_file() else {}
+    return read_json(meta) if meta.exists() else {}
 
 
 def task_section(ref: dict[str, Any], seq_len: int) -> dict[str, Any]:

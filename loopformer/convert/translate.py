@@ -8,16 +8,23 @@ configuration (the authors' defaults for SYSTEM, ``REFERENCE``) is converted wit
 changed, on a state dict of the shapes that configuration implies (meta tensors: no memory), and the
 loopformer keys whose values move are the key's translation, printed with the values the user's setting
 gives. A key that moves nothing is one the conversion does not read (``epochs``, ``eval_interval``,
-``project_name``...); it is listed so, never dropped silently.
+``project_name``...); it is listed so, never dropped silently. Every value is checked before anything is
+printed: each against the kind of the authors' default (``_check_kind``), then the translation must convert
+and give a run configuration ``train`` accepts (``loopformer.convert.refusal``); when it does not, a
+``ConfigError`` names the authors' key as typed, the first refused on its own (``global_batch_size=0 is
+refused: train.batch_size must be >= 1, got 0``).
 """
 
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from loopformer.convert import converter
+from loopformer.config import ConfigError
+from loopformer.config.strict import coerce, excerpt
+from loopformer.convert import REFUSALS, converter, flat, refusal
 from loopformer.convert.export import reference_state
 from loopformer.convert.recursive import TRAIN_DEFAULTS
 
@@ -72,19 +79,34 @@ def _yaml(value: Any) -> str:
     return text if not any(c in text for c in " []{},") else f"'{text}'"
 
 
-def _flat(table: Any, prefix: str = "") -> dict[str, Any]:
-    if not isinstance(table, dict):
-        return {prefix: table}
-    out: dict[str, Any] = {}
-    for k, v in table.items():
-        out.update(_flat(v, f"{prefix}.{k}" if prefix else str(k)))
-    return out
-
-
 def converted_config(system: str, ref: dict[str, Any]) -> dict[str, Any]:
     """``loopformer convert``'s run configuration for the authors' configuration ``ref``, flattened."""
     run = converter(system)(reference_state(system, ref), copy.deepcopy(ref)).run
-    return _flat(run)
+    return flat(run)
+
+
+def refused(system: str, ref: dict[str, Any]) -> str | None:
+    """Why converting the authors' configuration ``ref`` is refused, by the key mapping (a value it cannot
+    use) or by ``train``'s checks of the run configuration it gives; None when it goes through."""
+    try:
+        err = refusal(system, reference_state(system, ref), ref)
+    except REFUSALS as error:  # the shapes of the authors' model cannot be built from these sizes
+        err = error
+    if err is None or isinstance(err, ConfigError):
+        return None if err is None else str(err)
+    return f"the {system} model cannot be built with it ({type(err).__name__}: {err})"
+
+
+def _check_kind(key: str, value: Any, default: Any) -> None:
+    """ConfigError naming ``key`` when ``value`` is not of the kind of the authors' default: true / false, or a
+    number (finite where the default is an integer: a size, a count); ranges are train's checks."""
+    where = f"{key}={excerpt(value)}: the authors' {key}"
+    if isinstance(default, bool):
+        coerce(value, bool, where)
+    elif isinstance(default, int | float):
+        number = coerce(value, float, where)
+        if isinstance(default, int) and not math.isfinite(number):
+            raise ConfigError(f"{where}: expected a finite number, got {excerpt(value)}")
 
 
 def _set(ref: dict[str, Any], key: str, value: Any) -> None:
@@ -162,9 +184,18 @@ def translate(system: str, words: list[str]) -> Translation:
     ref = copy.deepcopy(REFERENCE[system])
     for mode, key, value in parsed:
         if mode == "+" and _get(ref, key) is not None:
-            raise ValueError(f"+{key}={value}: Hydra's + adds a key, but the authors' config already has {key} "
-                             f"({_get(ref, key)!r}); write {key}={value} or ++{key}={value}")  # fmt: skip
+            raise ValueError(f"+{key}={excerpt(value)}: Hydra's + adds a key, but the authors' config already has {key} "
+                             f"({excerpt(_get(ref, key))}); write it without + or with ++")  # fmt: skip
+        _check_kind(key, value, _get(REFERENCE[system], key))
         _set(ref, key, value)
+    if (why := refused(system, ref)) is not None:  # named by the key typed: the first refused on its own
+        for _, key, value in parsed:
+            alone = copy.deepcopy(REFERENCE[system])
+            _set(alone, key, value)
+            if (reason := refused(system, alone)) is not None:
+                raise ConfigError(f"{key}={excerpt(value)} is refused: {reason}")
+        typed = " ".join(f"{key}={excerpt(value)}" for _, key, value in parsed)
+        raise ConfigError(f"{typed or system}: refused together: {why}")
     base = converted_config(system, ref)
     result.recipe = recipe_for(system, result.overrides, base)
     for _, key, value in parsed:

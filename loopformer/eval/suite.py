@@ -87,6 +87,7 @@ class ReportOptions:
     overwrite: bool = False
     variants: list[tuple[str, list[str]]] = field(default_factory=list)
     auto_solver: tuple[float, float] | None = None
+    verify: bool = False  # refuse a checkpoint without its manifest (loopformer.runs.checkpoint.verified)
 
     def loops(self, train_depth: int | None) -> tuple[int, int]:
         """(logit-lens loops, signal-propagation loops): 0 without analyses."""

@@ -85,7 +85,7 @@ import numpy as np
 import torch
 import torch.distributed as tdist
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from loopformer.config import ConfigError, RunConfig, config_to_json, from_dict, load_config_file
@@ -101,6 +101,7 @@ from loopformer.files import (
     exchange_folders,
     fsync_dir,
     read_json,
+    regular_file,
 )
 from loopformer.numerics import check_weights_finite, nonfinite_names
 from loopformer.plugins import check_recorded, reading_data
@@ -251,26 +252,59 @@ def save_tensors(tensors: dict[str, Tensor], path: Path, metadata: dict[str, str
             raise WriteError(number, os.strerror(number) if code else str(err), str(path)) from None
 
 
-def load_weights(path: str | Path) -> dict[str, Tensor]:
-    """Tensors of a safetensors file (aliases restored); CheckpointError naming a bad file."""
-    path = Path(path)
-    if not path.is_file():
-        raise CheckpointError(f"checkpoint file {path} does not exist")
-    try:
-        from safetensors import safe_open
+def load_weights(path: str | Path, model: nn.Module | None = None, subset: bool = False) -> dict[str, Tensor]:
+    """Tensors of a safetensors file (aliases restored); CheckpointError naming a bad file. An alias only adds a
+    name for a stored tensor (a tied weight): one naming a stored tensor, or a tensor the file does not hold, is
+    refused. ``model``: the names and shapes the file's header declares (safetensors checks them against the
+    bytes it holds) are checked against ``model`` (``check_weights``; ``subset``: an EMA table) before any
+    tensor is read; their dtypes once read (a float64 file makes a float64 model: ``load_stored_weights``)."""
+    from safetensors import safe_open
 
-        tensors = load_file(str(path))
+    path = regular_file(path, CheckpointError, "checkpoint file")
+    try:
         with safe_open(str(path), framework="pt") as handle:
-            meta = handle.metadata() or {}
+            names = list(handle.keys())
+            aliases = _aliases((handle.metadata() or {}).get("aliases", "{}"), names, path)
+            if model is not None:
+                shapes = {n: torch.empty(handle.get_slice(n).get_shape(), device="meta") for n in names}
+                shapes.update({alias: shapes[target] for alias, target in aliases.items()})
+                check_weights(shapes, model, str(path), subset, dtypes=False)
+            tensors = {n: handle.get_tensor(n) for n in names}
+    except CheckpointError:
+        raise
     except (SafetensorError, OSError, ValueError, RuntimeError) as err:
         raise CheckpointError(f"checkpoint file {path} is corrupt or truncated: {err}") from None
+    return {**tensors, **{alias: tensors[target] for alias, target in aliases.items()}}
+
+
+def _aliases(text: str, stored: list[str], path: Path) -> dict[str, str]:
+    """The ``aliases`` metadata of a safetensors file (alias -> the stored tensor it names), checked."""
     try:
-        aliases = json.loads(meta.get("aliases", "{}"))
-        for alias, target in aliases.items():
-            tensors[str(alias)] = tensors[target]
-    except (ValueError, KeyError, TypeError, AttributeError):
-        raise CheckpointError(f"checkpoint file {path} has corrupt alias metadata") from None
-    return tensors
+        aliases = json.loads(text)
+    except (ValueError, RecursionError):
+        aliases = None
+    if not isinstance(aliases, dict) or not all(isinstance(v, str) for v in aliases.values()):
+        raise CheckpointError(f"checkpoint file {path} has corrupt alias metadata")
+    for alias, target in aliases.items():
+        if alias in stored or target not in stored:
+            why = "is a stored tensor itself" if alias in stored else f"names {target!r}, which the file does not hold"
+            raise CheckpointError(f"checkpoint file {path}: the alias {alias!r} {why}; an alias only names a tied "
+                                  "weight stored once (a crafted or damaged file)")  # fmt: skip
+    return aliases
+
+
+def check_storage(state: dict[str, Tensor], source: str) -> None:
+    """Every tensor of ``state`` (``torch.load``-ed, memory-mapped: not read yet) holds the bytes its shape
+    needs in its own storage; a view that does not (``zeros(1).expand(10**5, 10**6)``: 400 GB from 4 bytes,
+    stride 0) is refused naming the key before any operation materialises it."""
+    for name, t in state.items():
+        have = t.untyped_storage().nbytes() - t.storage_offset() * t.element_size()
+        if t.numel() * t.element_size() > have:
+            raise CheckpointError(
+                f"{source}: tensor {name!r} of shape {tuple(t.shape)} needs {t.numel() * t.element_size():,} bytes "
+                f"but its storage holds {max(have, 0):,} (a strided or expanded view, stride {tuple(t.stride())}); "
+                f"refusing to materialise it: save the tensor itself (.contiguous())"
+            )
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -297,9 +331,10 @@ def dtype_problem(name: str, stored: Tensor, target: Tensor) -> str | None:
     return None
 
 
-def check_weights(weights: dict[str, Tensor], model: nn.Module, source: str, subset: bool = False) -> None:
-    """Names, shapes and dtypes of ``weights`` against ``model.state_dict()``; CheckpointError on mismatch.
-    ``subset``: an EMA table, which holds parameters only (every entry must be a parameter of the model)."""
+def check_weights(weights: dict[str, Tensor], model: nn.Module, source: str, subset: bool = False,
+                  dtypes: bool = True) -> None:  # fmt: skip
+    """Names, shapes and (``dtypes``) dtypes of ``weights`` against ``model.state_dict()``; CheckpointError on
+    mismatch. ``subset``: an EMA table, which holds parameters only (every entry must be a parameter)."""
     expected = dict(model.named_parameters()) if subset else dict(model.state_dict())
     missing = [] if subset else [k for k in expected if k not in weights]
     unexpected = [k for k in weights if k not in expected]
@@ -316,7 +351,7 @@ def check_weights(weights: dict[str, Tensor], model: nn.Module, source: str, sub
                 f"{source}: parameter {name!r} has shape {tuple(t.shape)} in the checkpoint "
                 f"but {tuple(expected[name].shape)} in the model"
             )
-        if (problem := dtype_problem(name, t, expected[name])) is not None:
+        if dtypes and (problem := dtype_problem(name, t, expected[name])) is not None:
             raise CheckpointError(f"{source}: {problem}")
 
 
@@ -423,9 +458,9 @@ def write_manifest(folder: Path) -> None:
 
 def _json_ok(path: Path) -> str | None:
     try:
-        json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as err:
-        return f"{path.name} is not valid UTF-8 JSON ({type(err).__name__})"
+        read_json(path)
+    except ValueError as err:
+        return f"{path.name} is not valid UTF-8 JSON ({str(err).removeprefix(str(path)).lstrip(': ')})"
     return None
 
 
@@ -439,16 +474,17 @@ def verify_checkpoint(folder: Path, hashes: bool = True) -> str | None:
         if not (folder / name).is_file():
             return f"{name} is missing"
     manifest = folder / MANIFEST
-    if not manifest.is_file():
+    if not (manifest.exists() or manifest.is_symlink()):
         for name in ("config.json", "state.json"):
             if (folder / name).is_file() and (why := _json_ok(folder / name)):
                 return why
         return None
     try:
-        data = json.loads(manifest.read_text(encoding="utf-8"))
-        files = data["files"]
+        files = read_json(manifest)["files"]
         entries = [(str(name), int(spec["size"]), str(spec["sha256"])) for name, spec in files.items()]
-    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as err:
+    except ValueError as err:  # unreadable, not JSON, nested too deeply (loopformer.files.read_json)
+        return f"{MANIFEST} is corrupt ({str(err).removeprefix(str(manifest)).lstrip(': ')})"
+    except (KeyError, TypeError, AttributeError) as err:
         return f"{MANIFEST} is corrupt ({type(err).__name__})"
     for name, size, digest in entries:
         if Path(name).name != name or name in ("", ".", ".."):
@@ -464,13 +500,21 @@ def verify_checkpoint(folder: Path, hashes: bool = True) -> str | None:
     return None
 
 
-def verified(folder: Path) -> Path:
-    """``folder`` after checking it against its manifest; CheckpointError naming what is wrong."""
+def verified(folder: Path, require_manifest: bool = False) -> Path:
+    """``folder`` after checking it against its manifest; CheckpointError naming what is wrong. A folder without
+    a manifest (written before manifests, or its manifest removed) cannot be verified: a warning says so, or a
+    CheckpointError when ``require_manifest`` (``--verify``)."""
     why = verify_checkpoint(folder)
     if why is not None:
         name = why.split(" ", 1)[0]
         where = folder / name if (folder / name).exists() else folder
         raise CheckpointError(f"checkpoint file {where} is corrupt or truncated: {why}")
+    if not ((folder / MANIFEST).exists() or (folder / MANIFEST).is_symlink()):
+        if require_manifest:
+            raise CheckpointError(f"checkpoint {folder} has no {MANIFEST}, so its files cannot be verified "
+                                  "(--verify / verify=True refuses it)")  # fmt: skip
+        log.warning("checkpoint %s has no %s: its files are UNVERIFIED (written before manifests, or the manifest "
+                    "was removed); --verify refuses such a checkpoint", folder, MANIFEST)  # fmt: skip
     return folder
 
 
@@ -777,8 +821,6 @@ def read_checkpoint_config(path: str | Path, check: bool = False) -> tuple[RunCo
     imported, and a ``module:Class`` name in it resolves only against imported modules."""
     folder = resolve_checkpoint(path)
     cfg_path = folder / "config.json"
-    if not cfg_path.is_file():
-        raise CheckpointError(f"checkpoint {folder} has no config.json")
     raw = read_json(cfg_path, CheckpointError)
     if not isinstance(raw, dict):
         raise CheckpointError(f"{cfg_path} does not hold a config object")
@@ -842,7 +884,7 @@ def load_stored_weights(
     """Load a verified checkpoint folder's weights into ``model`` (moved to ``device``; float64 kept for a
     float64 checkpoint), the EMA weights when ``use_ema`` and the checkpoint keeps them; returns (the EMA
     table or None, which weights the model holds: "model" | "ema")."""
-    weights_file, ema_state = stored_weights(folder)  # a full or a sharded checkpoint
+    weights_file, ema_state = stored_weights(folder, model)  # a full or a sharded checkpoint
     floats = [t.dtype for t in weights_file.values() if t.is_floating_point()]
     if floats and all(d == torch.float64 for d in floats):
         model.to(torch.float64)  # a float64 checkpoint (a converted one) is not rounded on load
@@ -862,21 +904,21 @@ def load_stored_weights(
     return ema_state, weights
 
 
-def stored_weights(folder: Path) -> tuple[dict[str, Tensor], dict[str, Tensor] | None]:
-    """(the model weights, the EMA weights or None) of a checkpoint folder, full or sharded."""
+def stored_weights(folder: Path, model: nn.Module | None = None) -> tuple[dict[str, Tensor], dict[str, Tensor] | None]:
+    """(the model weights, the EMA weights or None) of a checkpoint folder, full or sharded; ``model``: the
+    model they must fit, checked before a tensor is read (``load_weights``)."""
     if is_sharded(folder):
         full = read_full(folder)
         return full["model"], full["ema"] or None
     ema = folder / "ema.safetensors"
-    return load_weights(folder / "model.safetensors"), load_weights(ema) if ema.is_file() else None
+    weights = load_weights(folder / "model.safetensors", model)
+    return weights, load_weights(ema, model, subset=True) if ema.exists() else None
 
 
 def load_training_state(path: str | Path) -> dict[str, Any]:
     """The nested training state saved by ``save_checkpoint`` (tensors on CPU)."""
     folder = verified(resolve_checkpoint(path))
     json_path, tensor_path = folder / "state.json", folder / "state.safetensors"
-    if not json_path.is_file():
-        raise CheckpointError(f"checkpoint {folder} has no state.json (not a training checkpoint?)")
     skeleton = check_record(read_json(json_path, CheckpointError), StateRecord, json_path, CheckpointError)
     tensors = load_weights(tensor_path) if tensor_path.is_file() else {}
     try:
@@ -1228,17 +1270,23 @@ def read_full(folder: str | Path) -> dict[str, dict[str, Tensor]]:
     folder = Path(folder)
     try:
         meta = _reader(folder).read_metadata().state_dict_metadata
+        need = sum(math.prod(m.size) * m.properties.dtype.itemsize for m in meta.values())
+        have = sum(p.stat().st_size for p in folder.glob(f"{SHARD_PREFIX}*{SHARD_SUFFIX}"))
+        if need > have:  # checked against the bytes the shards hold before the full tensors are allocated
+            raise CheckpointError(f"sharded checkpoint {folder}: its tensors need {need:,} bytes but its shards "
+                                  f"hold {have:,} (crafted or damaged headers)")  # fmt: skip
         table = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in meta.items()}
         dcp_load(table, storage_reader=_reader(folder), no_dist=True)
+    except CheckpointError:
+        raise
     except (RuntimeError, ValueError, KeyError, OSError, AssertionError) as err:
         raise CheckpointError(f"sharded checkpoint {folder} is unreadable: {err}") from None
     aliases = (load_training_state(folder).get("sharded") or {}).get("aliases", {})
     for alias, target in aliases.items():
-        if target not in table:
-            raise CheckpointError(
-                f"{folder / 'state.json'}: 'sharded.aliases.{alias}' names the tensor {target!r}, which the "
-                f"shards of {folder} do not hold"
-            )
+        if target not in table or alias in table:  # an alias only names a tied weight stored once
+            why = ("is a stored tensor itself" if alias in table
+                   else f"names the tensor {target!r}, which the shards of {folder} do not hold")  # fmt: skip
+            raise CheckpointError(f"{folder / 'state.json'}: 'sharded.aliases.{alias}' {why}")
         table[alias] = table[target]
     out: dict[str, dict[str, Tensor]] = {"model": {}, "ema": {}, "optim": {}}
     for key, t in table.items():

@@ -91,6 +91,7 @@ import secrets
 import shlex
 import shutil
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -119,6 +120,7 @@ from loopformer.files import (
     fsync_dir,
     missing_parts,
     read_json,
+    regular_file,
     remove_empty,
 )
 from loopformer.loop import LoopConfig
@@ -274,6 +276,8 @@ class RunLock:
         """True when ``fd`` is now locked and holds our record; False to retry with a new file (the
         caller closes ``fd`` then, and when this raises)."""
         st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):  # a FIFO or a device where the lock file belongs: named, never read
+            regular_file(self.path, RunFolderError)
         key = (st.st_dev, st.st_ino)
         own = _HELD.get(key)
         if own is not None and own is not self and own._pid == os.getpid():

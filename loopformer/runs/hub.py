@@ -18,13 +18,12 @@ by huggingface_hub; ``HF_HUB_OFFLINE=1`` reads the cache only).
 
 from __future__ import annotations
 
-import json
 import re
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from loopformer.files import atomic_copy, atomic_write_text
+from loopformer.files import atomic_copy, atomic_write_text, read_json
 
 HUB_ID = re.compile(r"^(?:hf://)?(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:@(?P<rev>[\w./-]+))?$")
 PUSHED_FILES = ("model.safetensors", "ema.safetensors", "config.json")
@@ -310,10 +309,10 @@ def stage_run(run: str | Path, folder: Path, repo_id: str | None = None,
 
 def _stage(ckpt: Path, run: str | Path, folder: Path, repo_id: str | None,
            license: str = DEFAULT_LICENSE) -> dict[str, Any]:  # fmt: skip
-    from loopformer.runs.checkpoint import read_checkpoint_config
+    from loopformer.runs.checkpoint import CheckpointError, read_checkpoint_config
 
     read_checkpoint_config(ckpt)  # config.json parses (CheckpointError naming it otherwise)
-    raw = json.loads((ckpt / "config.json").read_text(encoding="utf-8"))
+    raw = read_json(ckpt / "config.json", CheckpointError)
     files = []
     from loopformer.runs.checkpoint import is_sharded, save_weights, stored_weights
 

@@ -179,10 +179,12 @@ def load_run(
     best: bool = False,
     task: str | None = None,
     check: Callable[[RunConfig], None] | None = None,
+    verify: bool = False,
 ) -> LoadedRun:
     """Load a checkpoint (a checkpoint folder, a ``checkpoints/`` root, a run folder or a hub id) and its task,
     with the EMA weights when ``use_ema`` and the checkpoint keeps an EMA. ``best``: the run's best
-    checkpoint (``checkpoints/best``, ``train.keep_best``) instead of its latest.
+    checkpoint (``checkpoints/best``, ``train.keep_best``) instead of its latest. ``verify``: refuse a
+    checkpoint without its manifest (``verified``; loaded with a warning that it is unverified otherwise).
 
     One straight path: read the folder (resolve it, verify its manifest before anything in it is used, read
     ``config.json``: the plug-in modules it names must already be imported by the user) -> read and validate
@@ -194,7 +196,7 @@ def load_run(
     from loopformer.runs.hub import resolve_source  # huggingface_hub only where a hub id is read
 
     folder = resolve_source(path)  # a hub id (owner/name) is downloaded, a local path kept
-    folder = verified(find_best(folder)[0] if best else resolve_checkpoint(folder))
+    folder = verified(find_best(folder)[0] if best else resolve_checkpoint(folder), require_manifest=verify)
     stored, family, step = read_checkpoint_config(folder)
     config = run_config_for(stored, config_overrides, device=device, task=task)
     if check is not None:

@@ -76,7 +76,7 @@ from typing import Any
 
 import numpy as np
 
-from loopformer.files import read_json
+from loopformer.files import read_json, regular_file
 from loopformer.tasks.base import IGNORE_INDEX, Task, TaskDataError, TokenDataset
 from loopformer.tasks.formats import load_npz, save_npz
 
@@ -204,9 +204,7 @@ def load_folder(path: str | Path, split: str | None = None) -> list[ArcPuzzle]:
 
 def load_kaggle(challenges: str | Path, solutions: str | Path | None = None) -> list[ArcPuzzle]:
     """A Kaggle challenges file (id -> task) with an optional solutions file (id -> test outputs)."""
-    challenges = Path(challenges)
-    if not challenges.is_file():
-        raise TaskDataError(f"{challenges}: no such challenges file")
+    challenges = regular_file(challenges, TaskDataError, "challenges file")
     if solutions is None and "challenges" in challenges.name:
         guess = challenges.with_name(challenges.name.replace("challenges", "solutions"))
         solutions = guess if guess.is_file() else None
@@ -660,8 +658,9 @@ class ArcTask(Task):
             return super().parse_grid(text, what)
         try:
             grid = json.loads(text)
-        except json.JSONDecodeError as err:
-            raise TaskDataError(f"the {what} is not a JSON grid ({err.msg} at character {err.pos})") from None
+        except (json.JSONDecodeError, RecursionError) as err:
+            why = f"{err.msg} at character {err.pos}" if isinstance(err, json.JSONDecodeError) else "nested too deeply"
+            raise TaskDataError(f"the {what} is not a JSON grid ({why})") from None
         return encode_grid(validate_grid(grid, f"the {what}"))
 
     def format_grid(self, tokens: np.ndarray) -> str:

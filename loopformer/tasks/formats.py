@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from loopformer.files import atomic_write_json, atomic_writer, read_json, save_npy
+from loopformer.files import atomic_write_json, atomic_writer, read_json, regular_file, save_npy
 from loopformer.tasks.base import IGNORE_INDEX, TaskDataError, TokenDataset
 
 if TYPE_CHECKING:
@@ -197,8 +197,7 @@ def confined_file(folder: Path, name: str) -> Path:
 
 def _load_npy(path: Path) -> np.ndarray:
     """A .npy file, memory-mapped (nothing is read until used); numeric dtypes only (no pickles)."""
-    if not path.is_file():
-        raise TaskDataError(f"{path}: missing file")
+    regular_file(path, TaskDataError)
     try:
         arr = np.load(path, mmap_mode="r", allow_pickle=False)
     except (ValueError, OSError, EOFError, SyntaxError, tokenize.TokenError) as exc:  # a corrupt header
@@ -326,8 +325,6 @@ def load_hrm_folder(path: str | Path, split: str = "train", task: Task | None = 
     if not folder.is_dir():
         raise TaskDataError(f"{folder}: missing split folder (expected {Path(path)}/{{train,test}})")
     meta_path = folder / "dataset.json"
-    if not meta_path.is_file():
-        raise TaskDataError(f"{meta_path}: missing file")
     meta = read_dataset_json(confined_file(folder, meta_path.name))
     vocab_size = int(meta["vocab_size"])
     if task is not None and task.vocab_size:  # a folder prepared for a larger vocabulary: the task's bounds
@@ -422,8 +419,8 @@ def write_hrm_index(path: str | Path, split: str, seq_len: int, puzzle_ids: np.n
     identifiers_path = Path(path) / "identifiers.json"
     names = ["<blank>"] + [str(i) for i in range(1, int(num_ids))]
     try:
-        existing = json.loads(identifiers_path.read_text()) if identifiers_path.exists() else []
-    except (json.JSONDecodeError, UnicodeDecodeError):
+        existing = read_json(identifiers_path) if identifiers_path.exists() else []
+    except ValueError:  # unreadable: written anew
         existing = []
     if not isinstance(existing, list) or len(existing) < len(names):
         atomic_write_json(identifiers_path, names, root=path)
@@ -491,9 +488,7 @@ def _npz_meta(arr: Any, path: Path) -> dict[str, Any]:
 def load_npz(path: str | Path, vocab_size: int = 0) -> TokenDataset:
     """Read and check a dataset written by :func:`save_npz` (see the module docstring); ``vocab_size``
     (0: unchecked) bounds the tokens."""
-    path = Path(path)
-    if not path.is_file():
-        raise TaskDataError(f"{path}: no such dataset file")
+    path = regular_file(path, TaskDataError, "dataset file")
     # random bytes, a pickle, a truncated archive, a member that does not decompress, a header whose shape
     # does not match its data or claims more than memory
     unreadable = (ValueError, OSError, EOFError, KeyError, zipfile.BadZipFile, zlib.error, NotImplementedError,

@@ -45,8 +45,6 @@ PRED_POS = ("answer", "last")
 
 def _read_json(path: Path) -> Any:
     """A UTF-8 JSON file; TaskDataError naming the file and position (never quoting its contents)."""
-    if not path.is_file():
-        raise TaskDataError(f"{path} does not exist")
     return read_json(path, TaskDataError)
 
 
@@ -107,7 +105,7 @@ class KGFilesTask(Task):
     def records(self, path: str | Path, numbered: bool = False) -> list[Any]:
         """(query ids, answer id, type) per record of ``path`` (a name inside the folder or a path); with
         ``numbered``, (record number in the file, query ids, answer id, type)."""
-        file = Path(path) if Path(path).is_file() else self.root / path
+        file = Path(path) if Path(path).exists() else self.root / path
         data = _read_json(file)
         if not isinstance(data, list):
             raise TaskDataError(f"{file} must hold a JSON list of records, got {type(data).__name__}")

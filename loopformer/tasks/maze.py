@@ -29,6 +29,7 @@ from loopformer.tasks.base import Task, TaskDataError, TokenDataset
 from loopformer.tasks.puzzle_csv import first_question, read_puzzle_csv, write_puzzle_csv
 
 CHARSET = "# SGo"
+MAX_SIZE = 100
 WALL, OPEN, START, GOAL, PATH = 1, 2, 3, 4, 5
 
 
@@ -96,8 +97,8 @@ class MazeTask(Task):
     vocab_size = 6
 
     def __init__(self, size: int = 30) -> None:
-        if size < 3:
-            raise ValueError(f"maze size must be >= 3, got {size}")
+        if not 3 <= size <= MAX_SIZE:  # a larger maze takes minutes to generate (Maze-Hard's are 30 x 30)
+            raise ValueError(f"maze size must be in [3, {MAX_SIZE}], got {size}")
         self.size = size
         self.seq_len = size * size
 

@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from loopformer.files import regular_file
 from loopformer.tasks.base import TaskDataError, TokenDataset
 
 PUZZLE_CSV_COLUMNS = ("source", "question", "answer", "rating")
@@ -60,8 +61,9 @@ class FastRows:
 
 
 def _blocks(path: Path, chunk_bytes: int, max_line: int) -> Iterator[tuple[int, bytes, bool]]:
-    """(first line number, block, terminated): blocks of whole lines; the last may lack its line break."""
-    with open(path, "rb") as fh:
+    """(first line number, block, terminated): blocks of whole lines; the last may lack its line break. ``path``
+    must be a regular file (``loopformer.files.regular_file``: a FIFO or a device is named, never read)."""
+    with open(regular_file(path, TaskDataError), "rb") as fh:
         carry, line = b"", 1
         while True:
             data = fh.read(chunk_bytes)
@@ -347,8 +349,6 @@ def read_puzzle_csv(
     row) and ``difficulty = "rating"``.  ``progress(n_bytes)`` is called after every block.
     """
     path = Path(path)
-    if not path.is_file():
-        raise TaskDataError(f"{path}: no such file")
     reader: _Reader | None = None
     parts: list[tuple[np.ndarray, np.ndarray, np.ndarray, list[str]]] = []
     for first_line, block, terminated in _blocks(path, chunk_bytes, max_line_bytes):
@@ -390,11 +390,14 @@ def _assemble(path: Path, parts: list[Any], seq_len: int, meta: dict[str, Any]) 
 
 
 def first_question(path: str | Path) -> str:
-    """The first row's ``question`` of a puzzle CSV ('' without one): what a task reads its size off."""
-    with open(path, newline="") as fh:
-        for row in csv.DictReader(fh):
-            return row.get("question") or ""
-    return ""
+    """The first row's ``question`` of a puzzle CSV ('' without one): what a task reads its size off, read in
+    blocks of whole lines as ``read_puzzle_csv`` reads (a line past ``MAX_LINE_BYTES`` is an error)."""
+    lines: list[str] = []
+    for _, block, _ in _blocks(Path(path), 1 << 16, MAX_LINE_BYTES):
+        lines += block.decode("utf-8", errors="replace").splitlines()
+        if len(lines) >= 2:
+            break
+    return next(csv.DictReader(lines[:2]), {}).get("question") or ""
 
 
 def write_puzzle_csv(

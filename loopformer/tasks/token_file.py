@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from loopformer.files import atomic_write_json, atomic_writer, read_json
+from loopformer.files import atomic_write_json, atomic_writer, read_json, regular_file
 from loopformer.tasks.base import TaskDataError
 
 TOKENS_BIN = "tokens.bin"
@@ -99,8 +99,7 @@ def open_token_file(folder: str | Path) -> TokenFile:
     if Path(meta["file"]).name != meta["file"]:
         raise TaskDataError(f"{folder / TOKENS_JSON}: file {meta['file']!r} must be a name inside the folder")
     path, dtype, n = folder / meta["file"], np.dtype(meta["dtype"]).newbyteorder("<"), int(meta["tokens"])
-    if not path.is_file():
-        raise TaskDataError(f"{path}: missing file")
+    regular_file(path, TaskDataError)
     if n < 1 or path.stat().st_size != n * dtype.itemsize or int(meta["bytes"]) != path.stat().st_size:
         raise TaskDataError(
             f"{path}: {path.stat().st_size:,} bytes, but {TOKENS_JSON} records {n:,} tokens of {dtype.name} "
@@ -135,7 +134,7 @@ def _folder_files(folder: Path) -> list[Path]:
 
 
 def _file_pieces(path: Path) -> Iterator[bytes]:
-    with open(path, "rb") as fh:
+    with open(regular_file(path, TaskDataError), "rb") as fh:
         while piece := fh.read(CHUNK):
             yield piece
 
@@ -220,9 +219,7 @@ def _id_chunks(ids: np.ndarray) -> Iterator[np.ndarray]:
 def read_ids(path: str | Path, vocab_size: int | None = None) -> tuple[np.ndarray, int]:
     """A memory-mapped 1-D integer array of token ids (a ``.npy``) and its vocabulary size (``vocab_size``,
     by default the largest id + 1); TaskDataError naming the problem."""
-    path = Path(path)
-    if not path.is_file():
-        raise TaskDataError(f"{path}: no such file")
+    path = regular_file(path, TaskDataError)
     try:
         ids = np.load(path, mmap_mode="r", allow_pickle=False)
     except (ValueError, OSError) as error:

@@ -7,7 +7,9 @@ gets ``DistEnv(rank=0, world_size=1)`` and every helper is then a no-op or the i
   torchrun environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
   ``MASTER_ADDR`` / ``MASTER_PORT``); backend ``nccl`` on CUDA (device ``cuda:LOCAL_RANK``, passed as
   ``init_process_group(device_id=)``), ``gloo`` on CPU; ``shutdown`` destroys the process group the trainer
-  created.
+  created. Joining never waits in silence: the process says how many processes it waits for and where, and
+  gives up after ``train.rendezvous_timeout_s`` (a ``TCPStore`` rendezvous bounded apart from the collectives'
+  timeout) with one line naming the variables (a ``WORLD_SIZE`` left in the environment by another job).
 - ``all_reduce_mean`` (metrics), ``all_reduce_max``, ``all_gather_rows`` (the deep-supervision
   carry, gathered to one global carry for the checkpoint), ``barrier``.
 - ``shard``: rank ``r`` of ``w`` takes rows ``[r * B / w, (r + 1) * B / w)`` of each global
@@ -61,6 +63,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import gc
+import logging
 import os
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -77,6 +80,8 @@ from loopformer.devices import resolve_device
 from loopformer.eval.evaluate import EvalComm
 from loopformer.runs.checkpoint import CheckpointError, check_weights
 from loopformer.train.optim import clip_grad_norm
+
+log = logging.getLogger("loopformer.train")
 
 
 @dataclass(frozen=True)
@@ -134,12 +139,13 @@ def current_env() -> DistEnv:
     return env
 
 
-def setup(device: str = "auto", timeout_s: float = 600.0) -> tuple[DistEnv, torch.device, bool]:
+def setup(device: str = "auto", timeout_s: float = 600.0, rendezvous_s: float = 300.0) -> tuple[DistEnv, torch.device, bool]:
     """Join the job: ``(env, device, created)``; ``created`` says this call made the process group.
 
     ``device``: "auto" | "cpu" | "cuda". Under torchrun with CUDA the device is
     ``cuda:LOCAL_RANK`` and the backend ``nccl``; on CPU the backend is ``gloo``. A process
-    group that already exists (tests that spawn workers themselves) is used as it is.
+    group that already exists (tests that spawn workers themselves) is used as it is. ``rendezvous_s``: how
+    long to wait for the other processes (``rendezvous``); ``timeout_s``: the collectives' timeout.
     """
     env = env_from_environ()
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
@@ -159,6 +165,7 @@ def setup(device: str = "auto", timeout_s: float = 600.0) -> tuple[DistEnv, torc
             raise RuntimeError("WORLD_SIZE > 1 but this PyTorch build has no torch.distributed")
         dist.init_process_group(
             backend="nccl" if use_cuda else "gloo",
+            store=rendezvous(env, rendezvous_s),
             rank=env.rank,
             world_size=env.world_size,
             timeout=datetime.timedelta(seconds=timeout_s),
@@ -167,6 +174,27 @@ def setup(device: str = "auto", timeout_s: float = 600.0) -> tuple[DistEnv, torc
         )
         created = True
     return env, dev, created
+
+
+def rendezvous(env: DistEnv, timeout_s: float, environ: Mapping[str, str] | None = None) -> Any:
+    """The job's ``TCPStore`` at ``MASTER_ADDR:MASTER_PORT`` (rank 0 serves it) once all ``WORLD_SIZE``
+    processes joined; says what it waits for, and gives up after ``timeout_s`` with a ValueError naming the
+    variables."""
+    environ = os.environ if environ is None else environ
+    addr, port = environ["MASTER_ADDR"], _int_env(environ, "MASTER_PORT", 0)
+    names = f"WORLD_SIZE={env.world_size} RANK={env.rank} MASTER_ADDR={addr} MASTER_PORT={port}"
+    log.info("rank %d: waiting up to %g s for %d processes at %s:%d (%s; train.rendezvous_timeout_s)",
+             env.rank, timeout_s, env.world_size, addr, port, names)  # fmt: skip
+    try:
+        agent = environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun's agent serves the store
+        return dist.TCPStore(addr, port, env.world_size, is_master=env.rank == 0 and not agent, multi_tenant=True,
+                             timeout=datetime.timedelta(seconds=timeout_s))  # fmt: skip
+    except (RuntimeError, OSError, ValueError) as err:  # DistStoreError / DistNetworkError: a timeout, a refusal
+        raise ValueError(
+            f"no distributed job formed within {timeout_s:g} s ({names} in the environment; "
+            f"{' '.join(str(err).split())[:200]}): start the other processes (torchrun), raise "
+            f"train.rendezvous_timeout_s, or unset WORLD_SIZE to train in one process"
+        ) from None
 
 
 def shutdown(sync: bool = True) -> None:
@@ -698,7 +726,7 @@ def make_strategy(tc: TrainConfig, device_name: str) -> Strategy:
     (device ``resolve_device(device_name)``), else ``STRATEGIES[train.strategy]`` on the rank's device."""
     if tc.strategy not in STRATEGIES:
         raise ValueError(f"unknown train.strategy {tc.strategy!r}; expected one of {tuple(STRATEGIES)}")
-    env, device, created = setup(device_name)
+    env, device, created = setup(device_name, rendezvous_s=tc.rendezvous_timeout_s)
     if not env.enabled:
         return Strategy(env, resolve_device(device_name), tc.sync_halting, created)
     return STRATEGIES[tc.strategy](env, device, tc.sync_halting, created)

@@ -48,7 +48,7 @@ import torch
 from torch import Tensor
 
 from loopformer.config import RunConfig, save_config
-from loopformer.files import append_line, atomic_write_json, atomic_write_text
+from loopformer.files import append_line, atomic_write_json, atomic_write_text, read_bytes
 from loopformer.models.base import ModelOutput
 
 
@@ -215,7 +215,7 @@ class RunLog:
         its killed predecessor wrote past ``step``; open the trackers (TensorBoard, W&B) ``config`` asks for."""
         if not self.enabled:
             return
-        from loopformer.runs.folder import append_record, collect
+        from loopformer.runs.folder import RunFolderError, append_record, collect
         from loopformer.train.tracking import open_trackers
 
         run_dir = self.run_dir
@@ -223,8 +223,9 @@ class RunLog:
         save_config(config, run_dir)
         append_record(run_dir, collect(device if device is not None else config.device, step, resumed))
         metrics = run_dir / "metrics.jsonl"
-        if resumed and metrics.is_file():  # drop lines the killed run wrote after it
-            kept = [line for line in metrics.read_text(errors="replace").splitlines() if _step_of(line) <= step]
+        if resumed and (metrics.exists() or metrics.is_symlink()):  # drop lines the killed run wrote after it
+            text = read_bytes(metrics, RunFolderError).decode("utf-8", errors="replace")  # a FIFO is named, never read
+            kept = [line for line in text.splitlines() if _step_of(line) <= step]
             # a new file renamed over the old one: a failed write (disk full) leaves the old log whole
             atomic_write_text(metrics, "".join(line + "\n" for line in kept), root=run_dir)
         # a fresh run never deletes anything: loopformer.runs.folder refused a folder holding a run
@@ -247,8 +248,10 @@ class RunLog:
         evaluates again: still one record per step; the file is rewritten whole, atomically), else append."""
         if not self.enabled:
             return
+        from loopformer.runs.folder import RunFolderError
+
         path = self.run_dir / "metrics.jsonl"
-        lines = path.read_text(errors="replace").splitlines() if path.is_file() else []
+        lines = read_bytes(path, RunFolderError).decode("utf-8", errors="replace").splitlines() if path.exists() else []
         if not lines or _step_of(lines[-1]) != step:
             self.write(record, step)
             return
