@@ -98,14 +98,17 @@ def flops_per_step(cfg: RunConfig, steps: int = 3, out_dir: str | Path = "runs/f
     probe = probe_config(cfg, out_dir)
     torch.set_num_threads(1)
     trainer = Trainer(probe)
-    trainer.train_step()
-    trainer.step += 1
-    total = 0
-    for _ in range(steps):
-        with FlopCounterMode(display=False) as counter:
-            trainer.train_step()
+    try:
+        trainer.train_step()
         trainer.step += 1
-        total += counter.get_total_flops()
+        total = 0
+        for _ in range(steps):
+            with FlopCounterMode(display=False) as counter:
+                trainer.train_step()
+            trainer.step += 1
+            total += counter.get_total_flops()
+    finally:
+        trainer.folder.close()  # the probe's run-folder lock, which fit() would release
     return total / steps
 
 
