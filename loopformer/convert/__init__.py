@@ -243,6 +243,22 @@ def build_converted(
     return config, model
 
 
+def restore_experiment(converted: Converted, ref: dict[str, Any]) -> None:
+    """A checkpoint ``loopformer export`` wrote carries its run's experiment (``loopformer_data.run``: every config
+    section but the run folder, and which weights): the converted run takes it whole, so its data spec, held-out
+    set, evaluation protocol and training are the original's, with the model fields the weights give over the
+    original's. Nothing changes for the authors' own checkpoints."""
+    from loopformer.config.recipes import merge
+
+    data = ref.get("loopformer_data")
+    record = data.get("run") if isinstance(data, dict) else None
+    if not isinstance(record, dict) or not isinstance(record.get("config"), dict):
+        return
+    converted.run = merge(record["config"], {"model": converted.run["model"]}, "loopformer_data.run")
+    converted.notes.append(f"the experiment of {record.get('checkpoint') or 'the exported run'} restored: its data, "
+                           f"held-out set, evaluation and training settings ({record.get('weights', '?')} weights)")  # fmt: skip
+
+
 def convert_checkpoint(
     system: str,
     checkpoint: str | Path,
@@ -285,10 +301,11 @@ def convert_checkpoint(
             f"most checkpoints' (e.g. TRM's evaluation loop length). Pass --config FILE (the training "
             f"script's config), or --allow-defaults to convert with the defaults (listed in the notes)"
         )
+    ref = read_reference_config(config_file)
     token = _GIVEN.set(given_values)
     try:
         try:
-            converted = fn(state, read_reference_config(config_file))
+            converted = fn(state, ref)
         except CheckpointError as err:  # the mapping names the system ("TRM checkpoint"): name the file too
             raise CheckpointError(f"{checkpoint}: {err}") from None
     except (CheckpointError, ValueError, NotImplementedError) as err:
@@ -303,6 +320,7 @@ def convert_checkpoint(
         _GIVEN.reset(token)
     if config_file is None:
         converted.notes.append(f"no reference config: the {system} reference's defaults were assumed (--allow-defaults)")
+    restore_experiment(converted, ref)
     out = Path(out_dir)
     converted.run["out_dir"] = str(out)
     config, model = build_converted(converted, overrides)
