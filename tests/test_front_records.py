@@ -135,3 +135,28 @@ def test_translate_names_every_key_it_did_not_translate() -> None:
     for key in ("data_path", "epochs", "eval_interval"):
         assert key in untranslated
     assert "train.lr=0.0001" in text and "model.n_inner=4" in text
+
+
+def test_data_writes_parquet_the_datasets_library_reads(tmp_path: Path) -> None:
+    """``loopformer data sudoku --format parquet``: one row per example, the generated set's tokens as they are
+    (pyarrow's reader; ``datasets.load_dataset("parquet")`` too where the library is installed)."""
+    import importlib.util
+
+    import numpy as np
+
+    pq = pytest.importorskip("pyarrow.parquet")
+    from loopformer.tasks.sudoku import SudokuTask
+
+    out = tmp_path / "sudoku.parquet"
+    invoke("data", "sudoku", "--size", "4", "--count", "5", "--seed", "3", "--format", "parquet", "-o", out)
+    expected = SudokuTask(4).generate(5, seed=3)
+    table = pq.read_table(out)
+    assert table.column_names == ["inputs", "labels", "difficulty"] and table.num_rows == 5
+    assert np.array_equal(np.array(table.column("inputs").to_pylist()), expected.inputs)
+    assert np.array_equal(np.array(table.column("labels").to_pylist()), expected.labels)
+    assert json.loads(table.schema.metadata[b"loopformer"])["task"] == expected.meta["task"]
+    if importlib.util.find_spec("datasets") is not None:
+        import datasets
+
+        rows = datasets.load_dataset("parquet", data_files=str(out), split="train")
+        assert rows[0]["inputs"] == expected.inputs[0].tolist()
