@@ -385,13 +385,52 @@ def compare_reports(out: str | Path, folders: Sequence[Path], title: str = "", o
     )
     from loopformer.runs.folder import staged_output
 
-    entries = load_entries(folders, names)
+    entries = load_entries(folders, names, read=read_evaluation)
     check_kinds(entries)  # bits per byte beside accuracy first: no held-out set makes those compare
     title = f"{title or comparison_title(entries, len(folders))} · {heldout_line(entries, allow_heldout)}"
     notes = [f"No report (not in the table): {', '.join(missing)}."] if missing else []
     with staged_output(out, "compare", overwrite, "--out", root=root) as staging:
         write_comparison(staging, entries, title, notes)
     return Path(out)
+
+
+# a trained run's final evaluation (summary.json ``eval``) -> the names a report's metrics.json gives its results
+_SUMMARY_RESULT = {"n": "n", "valid_acc": "valid_accuracy", "exact_acc": "exact_accuracy", "token_acc": "token_accuracy",
+                   "loop_steps": "mean_steps", "blocks": "mean_blocks", "converged": "converged_fraction",
+                   "bits_per_byte": "bits_per_byte", "loss": "loss"}  # fmt: skip
+
+
+def read_evaluation(folder: Path) -> dict[str, Any]:
+    """What ``compare`` reads of a folder: a report's ``metrics.json``, or for a run folder without a report its
+    final evaluation at the end of training (``summary.json``) in that shape: its results, the trainer's
+    evaluation loop (loop_periodic over loop_eval), parameters, blocks per loop step, the held-out set the
+    final checkpoint recorded, and ``evaluation_label`` naming it. ValueError when the run recorded none."""
+    from loopformer.config import load_config_file
+    from loopformer.eval.compare import METRICS, read_metrics
+    from loopformer.runs.checkpoint import StateRecord, read_record, step_name
+    from loopformer.runs.folder import read_summary
+
+    if (folder / METRICS).is_file():
+        return read_metrics(folder)
+    summary = read_summary(folder) or {}
+    ev = summary.get("eval") or {}
+    if "n" not in ev:
+        raise ValueError(f"{folder} holds no evaluation report and its training recorded no final evaluation "
+                         f"(data.eval_size 0?): run `loopformer eval {folder}` first")  # fmt: skip
+    config = load_config_file(folder)
+    loop = config.loop_config(config.model_config().loop, "periodic")
+    result = {long: ev[short] for short, long in _SUMMARY_RESULT.items() if short in ev}
+    steps, blocks = result.get("mean_steps"), result.get("mean_blocks")
+    state = folder / "checkpoints" / step_name(int(summary.get("steps") or 0)) / "state.json"
+    held = (read_record(state, StateRecord).get("data") or {}).get("eval") if state.is_file() else None
+    parameters = summary.get("parameters")
+    return {"results": {config.model.name: result},
+            "models": {config.model.name: {"loop": dataclasses.asdict(loop), "baseline": loop.max_steps <= 1,
+                                           "parameters": parameters if isinstance(parameters, int) else None,
+                                           "blocks": blocks / steps if blocks is not None and steps else None}},
+            "heldout": None if not held else {"task": config.data.task, "options": dict(config.data.options),
+                                              "rows": held.get("rows"), "sha256": held.get("sha256")},
+            "evaluation_label": f"end of training, step {summary.get('steps')} ({ev.get('weights', '?')} weights)"}  # fmt: skip
 
 
 def safe_name(text: str) -> str:

@@ -219,6 +219,13 @@ def test_model_card_fits_the_hub(tmp_path: Path, monkeypatch) -> None:
     )
     meta = yaml.safe_load(plain.split("---")[1])
     assert "arXiv" not in plain and "looped-transformer" not in meta["tags"] and "datasets" not in meta
+    # the Hub's own reader: generated data names no Hub dataset (no owner/name that does not exist)
+    from huggingface_hub import ModelCard
+
+    parsed = ModelCard(model_card({"data": {"task": "sudoku"}, "model": {"name": "fprm"}}, summary, "fprm", 1,
+                                  "me/g")).data  # fmt: skip
+    assert parsed.datasets is None and {r.dataset_type for r in parsed.eval_results} == {"sudoku"}
+    assert {r.metric_value for r in parsed.eval_results} >= {62.5, 50.0}
 
     (tmp_path / "my_card_plugin.py").write_text("VALUE = 1\n")
     monkeypatch.syspath_prepend(str(tmp_path))

@@ -141,6 +141,9 @@ class _AnswersOnItsSecondSegment(torch.nn.Module):
             target = torch.as_tensor(np.stack([self.answers[x.numpy().tobytes()] for x in inputs]))
         return ModelOutput(logits=F.one_hot(target, 12).float(), state=torch.ones(len(inputs), 1), loop=None)
 
+    def blocks_per_step(self) -> int:
+        return 1
+
 
 def test_arc_pass_at_k_chains_segments(tmp_path: Path) -> None:
     write_tasks(tmp_path / "tasks")

@@ -87,6 +87,9 @@ class _Uniform(torch.nn.Module):
         logits = torch.zeros(*inputs.shape, self.vocab) + 0 * self.dummy
         return ModelOutput(logits=logits, state=torch.zeros(len(inputs), 1), loop=None)
 
+    def blocks_per_step(self) -> int:
+        return 1
+
 
 def test_evaluate_lm_closed_form_and_validator_detection() -> None:
     task = TextTask(seq_len=8)
@@ -179,6 +182,9 @@ class _ArcOracle(torch.nn.Module):
         rows = [self.answers.get(x.numpy().tobytes(), np.zeros(x.shape[0], dtype=np.int64)) for x in inputs]
         target = torch.as_tensor(np.stack(rows))
         return ModelOutput(logits=F.one_hot(target, 12).float(), state=torch.zeros(len(inputs), 1), loop=None)
+
+    def blocks_per_step(self) -> int:
+        return 1
 
 
 def test_arc_pass_at_2_votes_over_augmentations(tmp_path) -> None:

@@ -1,7 +1,7 @@
 """``loopformer compare RUN_OR_REPORT... -o FOLDER``: one table and overlay plots across evaluations.
 
 Each argument is a report folder (``loopformer eval`` / ``run`` output: it holds ``metrics.json``), a
-run folder (its newest ``eval-*`` report), an ``eval --variant`` report (its variants) or a sweep
+run folder (its newest ``eval-*`` report, else the final evaluation ``train`` recorded in ``summary.json``), an ``eval --variant`` report (its variants) or a sweep
 folder (its points); see ``loopformer.eval.compare``. The output folder (``loopformer.api.compare_reports``)
 follows the rules of ``loopformer.runs.folder.staged_output``: refused when it holds something unless
 ``--overwrite``, built aside and swapped in whole. Reports are compared only when they were evaluated on the same task,
@@ -30,7 +30,8 @@ def compare(sources: tuple[str, ...], out_dir: Path | None, overwrite: bool, tit
             allow_different_heldout: bool = False) -> None:  # fmt: skip
     """Compare evaluations: accuracy, loops, converged, time, parameters; overlay plots.
 
-    RUN_OR_REPORT: a report folder (loopformer eval / run), a run folder (its newest eval-* report), an
+    RUN_OR_REPORT: a report folder (loopformer eval / run), a run folder (its newest eval-* report, else its
+    final evaluation at the end of training), an
     eval --variant report or a sweep folder. Writes comparison.md, comparison.json and plots/ into --out.
     Reports evaluated on different tasks or held-out sets are refused unless --allow-different-heldout;
     sweep points without a report are named.

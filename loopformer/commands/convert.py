@@ -143,7 +143,7 @@ def export_cmd(system: str, run: str, out_dir: Path, ema: bool, best: bool, comp
     out = Path(out_dir)
     check_export_out(out, overwrite)
     loaded = load_run(run, use_ema=ema, device="cpu", best=best)
-    exported = export_weights(system, loaded.config, loaded.model.state_dict(), checkpoint=loaded.path)
+    exported = export_weights(system, loaded.config, loaded.model.state_dict(), loaded.path, loaded.weights)
     path, config = write_export(exported, out, compiled=compiled_keys)
     click.echo(f"wrote {path} ({len(exported.state)} tensors, {loaded.weights} weights of {loaded.path}) and {config}; "
                f"read back by: loopformer convert {system} {path} -o DIR")  # fmt: skip

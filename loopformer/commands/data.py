@@ -9,7 +9,8 @@
 ``--size`` and ``--option key=value`` go to the task's constructor when it takes that keyword, else to
 ``task.generate`` (values parsed as YAML scalars / lists: ``--option box=[2,3]``, ``--option loops=0.1``);
 unknown keys are errors.  The file is written with ``task.save`` (Sudoku / maze: the Sudoku-Extreme /
-Maze-Hard CSV), or as an HRM folder with ``--format hrm``.  ``show`` / ``stats`` infer constructor options
+Maze-Hard CSV), as an HRM folder with ``--format hrm``, or as Parquet with ``--format parquet`` (the
+``datasets`` library reads it; needs pyarrow).  ``show`` / ``stats`` infer constructor options
 such as the grid size from the file (``Task.infer_options(path)``; none for most tasks).
 """
 
@@ -121,10 +122,11 @@ def data() -> None:
 @click.option(
     "--format",
     "fmt",
-    type=click.Choice(["native", "hrm"]),
+    type=click.Choice(["native", "hrm", "parquet"]),
     default="native",
     show_default=True,
-    help="native: the task's own file format (task.save); hrm: an HRM/TRM folder.",
+    help="native: the task's own file format (task.save); hrm: an HRM/TRM folder; parquet: one row per example "
+    "(inputs, labels, difficulty), read by datasets.load_dataset('parquet', data_files=OUT); needs pyarrow.",
 )
 @click.option("--split", default="train", show_default=True, help="Split folder for --format hrm.")
 @overwrite_option("replace an existing OUT file (--format hrm: the split folder)")
@@ -202,6 +204,11 @@ def write_generated(task: Task, ds: TokenDataset, out: Path, fmt: str, split: st
     created = not folder.exists()
     try:
         with RunLock(folder, "generate"):  # data prepare -o and other generates into this folder wait
+            if fmt == "parquet":
+                from loopformer.tasks.formats import save_parquet
+
+                save_parquet(ds, out)
+                return
             if fmt != "hrm":
                 task.save(ds, out)
                 return

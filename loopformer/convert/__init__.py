@@ -290,6 +290,22 @@ def build_converted(
     return config, model
 
 
+def restore_experiment(converted: Converted, ref: dict[str, Any]) -> None:
+    """A checkpoint ``loopformer export`` wrote carries its run's experiment (``loopformer_data.run``: every config
+    section but the run folder, and which weights): the converted run takes it whole, so its data spec, held-out
+    set, evaluation protocol and training are the original's, with the model fields the weights give over the
+    original's. Nothing changes for the authors' own checkpoints."""
+    from loopformer.config.recipes import merge
+
+    data = ref.get("loopformer_data")
+    record = data.get("run") if isinstance(data, dict) else None
+    if not isinstance(record, dict) or not isinstance(record.get("config"), dict):
+        return
+    converted.run = merge(record["config"], {"model": converted.run["model"]}, "loopformer_data.run")
+    converted.notes.append(f"the experiment of {record.get('checkpoint') or 'the exported run'} restored: its data, "
+                           f"held-out set, evaluation and training settings ({record.get('weights', '?')} weights)")  # fmt: skip
+
+
 def convert_checkpoint(
     system: str,
     checkpoint: str | Path,
@@ -337,6 +353,7 @@ def convert_checkpoint(
     try:
         try:
             converted = fn(state, copy.deepcopy(ref))
+            restore_experiment(converted, ref)  # the run's data, held-out set and protocol, where export kept them
             converted.run["out_dir"] = str(out_dir)
             config, model = build_converted(converted, overrides)
         except CheckpointError as err:  # the mapping names the system ("TRM checkpoint"): name the file too

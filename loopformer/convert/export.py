@@ -23,7 +23,9 @@ state and config back, and its weights must equal the run's bit for bit and its 
 ``all_config.yaml`` holds every field the authors' ``PretrainConfig`` requires (``epochs`` included; HRM reads
 ``data_path``, TRM and FPRM ``data_paths``). A TRM / HRM ``arch`` leaves out what their ``create_model`` passes
 from the data's ``dataset.json`` (seq_len, vocab_size, num_puzzle_identifiers: given twice, a TypeError); those
-go under ``loopformer_data``, which their config ignores and ``loopformer convert`` reads. ``forward_dtype`` is
+go under ``loopformer_data``, which their config ignores and ``loopformer convert`` reads, as it reads
+``loopformer_data.run``: the run's experiment (data spec, held-out set, evaluation protocol and loops, training)
+and which weights were exported, so ``export`` then ``convert`` gives back the run. ``forward_dtype`` is
 the dtype the run trained in (``trained_dtype``: float32 unless it ran under bf16 autocast). Checked against
 the authors' own classes by ``tools/parity/export_authors.py`` / ``tests/test_export_authors.py``.
 """
@@ -43,7 +45,9 @@ from torch import Tensor
 from loopformer.convert import converter
 from loopformer.runs.checkpoint import CheckpointError
 
-DATA_KEY = "loopformer_data"  # all_config.yaml: the data the model was built for (the authors ignore it)
+# all_config.yaml: the data the model was built for and, under its ``run`` key, the run's own experiment, which
+# ``loopformer convert`` restores (the authors' code ignores the section)
+DATA_KEY = "loopformer_data"
 COMPILED_PREFIX = "_orig_mod.model.inner."  # a torch.compile'd ACTLossHead, as pretrain.py saves it
 PLAIN_PREFIX = "model.inner."
 Q_CONTINUE_BIAS = -5.0  # the authors' q_head init: weight 0, bias -5 (TRM / HRM / FPRM)
@@ -342,11 +346,15 @@ def check_round_trip(exported: Exported, cfg: Any, weights: dict[str, Tensor]) -
                                   f"this run has {mine!r}; it cannot be exported as it is")  # fmt: skip
 
 
-def export_weights(
-    system: str, cfg: Any, weights: dict[str, Tensor], checkpoint: str | Path | None = None
-) -> Exported:
-    """The authors' checkpoint of a run (its ``RunConfig`` and weights), checked by the round trip;
-    ``checkpoint`` (the run's checkpoint folder) tells ``trained_dtype`` the device it trained on."""
+def export_weights(system: str, cfg: Any, weights: dict[str, Tensor], checkpoint: str | Path | None = None,
+                   label: str = "model") -> Exported:  # fmt: skip
+    """The authors' checkpoint of a run (its ``RunConfig`` and weights, ``label``: ``ema`` or ``model``), checked by
+    the round trip; ``checkpoint`` (the run's checkpoint folder) tells ``trained_dtype`` the device it trained on.
+    ``DATA_KEY``'s ``run`` carries the run's experiment (every config section but the run folder: data spec and
+    held-out set, evaluation protocol and loops, training) and which weights were exported, for ``loopformer
+    convert``."""
+    from loopformer.config import to_dict
+
     if system not in EXPORTERS:
         raise KeyError(f"no export for {system!r} (available: {', '.join(sorted(EXPORTERS))})")
     if cfg.model.name != system:
@@ -355,8 +363,10 @@ def export_weights(
     forward_dtype, why = trained_dtype(cfg, checkpoint)
     train, notes = _training(cfg, system)
     config = {"arch": EXPORTERS[system](system, cfg.model.fields, cfg, forward_dtype), **train}
+    experiment = {k: v for k, v in to_dict(cfg).items() if k != "out_dir"}
+    config[DATA_KEY] = {**(_data_metadata(cfg.model.fields) if system in ("trm", "hrm") else {}), "run": {
+        "config": experiment, "weights": label, "checkpoint": None if checkpoint is None else str(checkpoint)}}
     if system in ("trm", "hrm"):
-        config[DATA_KEY] = _data_metadata(cfg.model.fields)
         if not config["arch"]["puzzle_emb_ndim"]:  # their code reads model.model.puzzle_emb unconditionally
             notes.append("no puzzle embedding: " + (
                 "TRM's load_checkpoint reads model.model.puzzle_emb before loading (AttributeError); load with "
@@ -385,5 +395,5 @@ def write_export(exported: Exported, path: str | Path, compiled: bool = True) ->
     return path, config
 
 
-__all__ = ["EXPORTERS", "Exported", "authors_state", "check_round_trip", "export_weights", "reference_state",
+__all__ = ["DATA_KEY", "EXPORTERS", "Exported", "authors_state", "check_round_trip", "export_weights", "reference_state",
            "trained_dtype", "unpermute_rows", "write_export"]

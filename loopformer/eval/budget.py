@@ -5,7 +5,8 @@
   own halting rule capped at ``b`` (FPRM halts at a fixed point or at the cap). Each point is one
   ``loopformer.eval.evaluate.evaluate`` pass (validator accuracy, ``BudgetPoint``), or one
   ``evaluate_lm`` pass for a task without a validator (bits per byte, ``LMBudgetPoint``: the curve of
-  a looped language model).
+  a looped language model). ``clip_budgets``: ``capped`` budgets above the model's cap give way to
+  the cap, with a note.
 - ``steps_vs_difficulty``: mean steps per difficulty bucket and the Spearman rank correlation
   between difficulty and steps (FPRM: "more iterations for puzzles with more blanks").
 - ``easy_hard_steps``: mean steps on the easier and the harder half of a dataset.
@@ -77,6 +78,19 @@ class BudgetCurve:
 
     def to_dict(self) -> dict[str, Any]:
         return {"mode": self.mode, "points": [dataclasses.asdict(p) for p in self.points]}
+
+
+def clip_budgets(budgets: Sequence[int], mode: str, cap: int) -> tuple[list[int], str | None]:
+    """(the budgets a curve evaluates, the note saying which were clipped): under ``capped`` a budget above
+    the evaluation loop's own cap is no budget of that model, so those give way to the cap itself; ``fixed``
+    budgets (exactly b loops: the overthinking curve) are kept as they are."""
+    kept = sorted({int(b) for b in budgets})
+    above = [b for b in kept if b > cap]
+    if mode != "capped" or not above:
+        return kept, None
+    note = (f"Step budgets {', '.join(map(str, above))} exceed the evaluation loop's cap ({cap} steps): the "
+            "budget table stops at the cap (raise loop_eval.max_steps, or --budget-mode fixed, to go past it).")  # fmt: skip
+    return sorted({b for b in kept if b <= cap} | {int(cap)}), note
 
 
 def budget_curve(

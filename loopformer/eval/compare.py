@@ -7,7 +7,8 @@ works on reports from ``loopformer eval``, ``loopformer run`` and ``loopformer s
 - ``report_folders(path)``: the report folders a command-line argument names: a report folder
   itself (it holds ``metrics.json``), an ``eval --variant`` report (its ``variants/*``), a sweep folder
   (its points' reports, ``sweep_reports``: each path ``sweep.json`` lists must lie inside the sweep
-  folder, and the points without a report are named) or a run folder (its newest ``eval-*`` report).
+  folder, and the points without a report are named) or a run folder (its newest ``eval-*`` report, else
+  the run folder itself: its final evaluation at the end of training, which ``load_entries``' reader reads).
 - ``load_entries(folders)``: one ``Entry`` per model of each report (a ``loopformer run`` report
   holds the looped model and its baseline); each ``metrics.json`` (and ``sweep.json``) is read through
   its record (``MetricsRecord``, ``SweepRecord``: dataclasses checked by ``loopformer.config.from_dict``), so a malformed one is one line
@@ -16,8 +17,8 @@ works on reports from ``loopformer eval``, ``loopformer run`` and ``loopformer s
   task options, the held-out set's fingerprint); reports that differ there are refused unless
   ``allow``, and the comparison's title says what they were evaluated on, or that it differs.
 - ``write_comparison(out, entries, title)``: ``comparison.md`` and ``comparison.json`` (accuracy,
-  mean loops, converged fraction, time per example, parameters, test-time compute = mean loops x
-  blocks per loop step) and ``plots/accuracy_vs_budget.png`` (log2 x-axis with a tick at every power
+  mean loops, converged fraction, time per example, parameters, test-time compute = transformer blocks
+  per example as the model counts them, which evaluation each row is) and ``plots/accuracy_vs_budget.png`` (log2 x-axis with a tick at every power
   of two; a run without a budget curve is one point at its mean loops; a baseline, a model without a
   loop ("one pass"), is a horizontal line) and ``plots/loops_vs_difficulty.png`` (when some model has
   more than one difficulty value); every file through ``loopformer.files``. Language-model reports
@@ -29,7 +30,7 @@ works on reports from ``loopformer eval``, ``loopformer run`` and ``loopformer s
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -41,6 +42,7 @@ from loopformer.files import JSONInt, JSONNumber, JSONStr, atomic_write_text, ch
 
 METRICS = "metrics.json"
 SWEEP_FILE = "sweep.json"
+RUN_SUMMARY = "summary.json"  # a trained run's record, its final held-out evaluation included
 
 
 class _Read:
@@ -56,6 +58,7 @@ class _Result(_Read):
     valid_accuracy: JSONNumber | None = None
     exact_accuracy: JSONNumber | None = None
     mean_steps: JSONNumber | None = None
+    mean_blocks: JSONNumber | None = None  # test-time compute: transformer blocks per example
     converged_fraction: JSONNumber | None = None
     loop: dict | None = None
     bits_per_byte: JSONNumber | None = None  # this and the next two: language-model reports
@@ -67,7 +70,7 @@ class _Result(_Read):
 class _Model(_Read):
     loop: dict | None = None
     parameters: JSONInt | None = None
-    blocks: JSONInt | None = None
+    blocks: JSONNumber | None = None  # transformer blocks per loop step, as the evaluation counted them
     seconds_per_example: JSONNumber | None = None
     baseline: bool = False
 
@@ -113,6 +116,8 @@ class MetricsRecord(_Read):
     budget: dict[str, _Budget | None] = field(default_factory=dict)
     difficulty: dict[str, _Difficulty | None] = field(default_factory=dict)
     heldout: _Heldout | None = None
+    evaluation_label: JSONStr | None = None  # which evaluation this is (a run's final one: "end of training ...")
+    checkpoint: dict | JSONStr | None = None  # what `loopformer eval` evaluated (its label: "latest (step 3)")
 
 
 @dataclass
@@ -159,6 +164,7 @@ class Entry:
     budget: dict[str, Any] | None = None
     difficulty: dict[str, Any] | None = None
     heldout: dict[str, Any] | None = None  # what the report was evaluated on (task, options, fingerprint)
+    evaluation: str = ""  # which evaluation the row comes from (an eval report, a training's final evaluation)
 
     @property
     def loop(self) -> dict[str, Any]:
@@ -181,9 +187,10 @@ class Entry:
         return float(valid if valid is not None else self.result.get("exact_accuracy") or math.nan)
 
     def row(self) -> dict[str, Any]:
-        mean_steps = self.result.get("mean_steps")
-        blocks = self.model.get("blocks")
-        compute = mean_steps * blocks if isinstance(blocks, int) and mean_steps is not None else None
+        mean_steps, blocks = self.result.get("mean_steps"), self.model.get("blocks")
+        compute = self.result.get("mean_blocks")  # counted by the model; reports before it: loops x blocks
+        if compute is None and blocks is not None and mean_steps is not None:
+            compute = mean_steps * blocks
         seconds = self.model.get("seconds_per_example")
         return {
             "name": self.name,
@@ -200,7 +207,8 @@ class Entry:
             "ms_per_example": None if seconds is None else 1000 * seconds,
             "parameters": self.model.get("parameters"),
             "blocks": blocks,
-            "test_time_compute": compute,  # mean loops x blocks per loop step
+            "test_time_compute": compute,  # transformer blocks per example (loops x blocks per loop step)
+            "evaluation": self.evaluation,
             "source": str(self.source),
         }
 
@@ -228,8 +236,10 @@ def report_folders(path: str | Path) -> list[Path]:
     evals = sorted((p for p in path.glob("eval-*") if _is_report(p)), key=lambda p: p.stat().st_mtime)
     if evals:
         return [evals[-1]]
+    if (path / RUN_SUMMARY).is_file():  # a run straight out of training: its final evaluation (read_entries' reader)
+        return [path]
     raise FileNotFoundError(
-        f"{path} holds no evaluation report (metrics.json): run `loopformer eval {path}` first"
+        f"{path} holds no evaluation report (metrics.json) and no training summary: run `loopformer eval {path}` first"
     )
 
 
@@ -270,11 +280,23 @@ def _source_name(folder: Path) -> str:
     return folder.name
 
 
-def load_entries(folders: Sequence[Path], names: Sequence[str] | None = None) -> list[Entry]:
-    """One ``Entry`` per model in each report folder; ``names`` (one per folder) replaces the folder names."""
+def _evaluation_label(folder: Path, metrics: dict[str, Any]) -> str:
+    """Which evaluation a report is: the label it was given, else ``eval report NAME of CHECKPOINT``."""
+    if metrics.get("evaluation_label"):
+        return str(metrics["evaluation_label"])
+    checkpoint = metrics.get("checkpoint")
+    label = checkpoint.get("label") if isinstance(checkpoint, dict) else metrics.get("label")
+    return f"eval report {folder.name}" + (f" of {label}" if label else "")
+
+
+def load_entries(folders: Sequence[Path], names: Sequence[str] | None = None,
+                 read: Callable[[Path], dict[str, Any]] = read_metrics) -> list[Entry]:  # fmt: skip
+    """One ``Entry`` per model in each report folder; ``names`` (one per folder) replaces the folder names.
+    ``read``: a folder -> what its ``metrics.json`` holds (``loopformer.api.compare_reports`` also reads a
+    trained run's final evaluation into that shape, ``evaluation_label`` naming it)."""
     entries: list[Entry] = []
     for i, folder in enumerate(folders):
-        metrics = read_metrics(folder)
+        metrics = read(folder)
         results = metrics.get("results") or {}
         if not results:
             raise ValueError(f"the report {folder} holds no held-out results (a language-model report?)")
@@ -289,6 +311,7 @@ def load_entries(folders: Sequence[Path], names: Sequence[str] | None = None) ->
                     budget=(metrics.get("budget") or {}).get(label),
                     difficulty=(metrics.get("difficulty") or {}).get(label),
                     heldout=metrics.get("heldout"),
+                    evaluation=_evaluation_label(folder, metrics),
                 )
             )
     seen: dict[str, int] = {}
@@ -424,12 +447,12 @@ def plot_loops_vs_difficulty(entries: Sequence[Entry], title: str = "") -> Any:
 
 
 COLUMNS = ("run", "loop", "valid", "exact", "mean loops", "converged", "ms / example", "parameters",
-           "test-time compute")  # fmt: skip
+           "test-time compute", "evaluation")  # fmt: skip
 
 
 # the columns of a comparison of language models (bits per byte instead of validator accuracy)
 LM_COLUMNS = ("run", "loop", "bits per byte", "loss", "token", "mean loops", "ms / example", "parameters",
-              "test-time compute")  # fmt: skip
+              "test-time compute", "evaluation")  # fmt: skip
 
 
 def columns_for(rows: Sequence[dict[str, Any]]) -> tuple[str, ...]:
@@ -452,6 +475,7 @@ def row_cells(r: dict[str, Any], columns: Sequence[str] = COLUMNS) -> list[str]:
         "ms / example": num(r["ms_per_example"], digits=3),
         "parameters": "-" if r["parameters"] is None else f"{r['parameters']:,}",
         "test-time compute": num(r["test_time_compute"], digits=1),
+        "evaluation": r.get("evaluation") or "-",
     }
     return [cells[c] for c in columns]
 
@@ -464,8 +488,10 @@ def comparison_markdown(title: str, rows: list[dict[str, Any]], plot_paths: dict
     scored = ("`bits per byte`: held-out cross-entropy in bits per byte (lower is better)."
               if header == list(LM_COLUMNS) else "`valid`: the task's independent validator.")  # fmt: skip
     lines += [
-        f"{scored} `ms / example`: wall time of the evaluation pass per "
-        "held-out example. `test-time compute`: mean loops x transformer blocks per loop step.",
+        f"{scored} `ms / example`: wall time of the evaluation pass per held-out example. `test-time compute`: "
+        "transformer blocks applied per example, each loop step counted by its model (a TRM cycle (n_inner + 1) "
+        "x n_layers, an HRM cycle l_cycles x l_layers + n_layers, an inner solve as many evaluations as it "
+        "made). `evaluation`: the report a row comes from, or a run's final evaluation at the end of training.",
         "",
     ]
     for note in notes:  # e.g. the sweep points without a report
@@ -508,7 +534,7 @@ def comparison_table(rows: Sequence[dict[str, Any]], title: str) -> Any:
     """The comparison as a rich table for the console (the markdown table's columns but exact accuracy and
     loss)."""
     shown = [col for col in columns_for(rows) if col not in ("exact", "loss")]
-    return console_table(title, shown, [row_cells(r, shown) for r in rows], left=("run", "loop"))
+    return console_table(title, shown, [row_cells(r, shown) for r in rows], left=("run", "loop", "evaluation"))
 
 
 def missing_points(sources: Sequence[str | Path]) -> list[str]:

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from loopformer.loop import LoopConfig
+from loopformer.loop import HALTINGS, LoopConfig
 from loopformer.models.base import LoopedModel, ModelOutput
 from loopformer.nn import autocast
 from loopformer.numerics import check_output
@@ -57,6 +57,7 @@ class ExampleRecord:
     exact: bool  # every labelled position equals the label
     valid: bool  # the task's independent validator accepts the prediction (False when not checked)
     token_accuracy: float  # labelled positions right / labelled positions (nan when none)
+    blocks: float = math.nan  # transformer blocks applied: each forward call's steps x the model's blocks_per_step()
 
 
 @dataclass
@@ -70,9 +71,10 @@ class EvalResult:
     valid_accuracy: float  # NaN when the validator was not run
     mean_steps: float
     steps_histogram: dict[int, int]
-    converged_fraction: float
+    converged_fraction: float  # NaN under a halting rule that never stops early (fixed): nothing converges
     loop: dict[str, Any]
     records: list[ExampleRecord] = field(default_factory=list)
+    mean_blocks: float = math.nan  # test-time compute: transformer blocks per example (ExampleRecord.blocks)
 
     @property
     def steps(self) -> np.ndarray:
@@ -98,6 +100,7 @@ class EvalResult:
             "exact_accuracy": self.exact_accuracy,
             "token_accuracy": self.token_accuracy,
             "mean_steps": self.mean_steps,
+            "mean_blocks": self.mean_blocks,
             "converged_fraction": self.converged_fraction,
             "steps_histogram": {str(k): v for k, v in sorted(self.steps_histogram.items())},
             "loop": self.loop,
@@ -116,7 +119,9 @@ class EvalResult:
         if not math.isnan(self.valid_accuracy):
             out["valid_acc"] = self.valid_accuracy
         out["loop_steps"] = self.mean_steps
-        out["converged"] = self.converged_fraction
+        out["blocks"] = self.mean_blocks
+        if not math.isnan(self.converged_fraction):
+            out["converged"] = self.converged_fraction
         return out
 
 
@@ -239,6 +244,7 @@ class EvalBatch:
     out: ModelOutput
     steps: np.ndarray  # [B] int64
     converged: np.ndarray  # [B] bool
+    blocks: np.ndarray  # [B] float64: transformer blocks applied (steps x blocks_per_step, summed over segments)
 
 
 class _EvalPass:
@@ -322,17 +328,20 @@ class _EvalPass:
         state = None
         steps = np.zeros(len(index), dtype=np.int64)
         converged = np.zeros(len(index), dtype=bool)
+        blocks = np.zeros(len(index), dtype=np.float64)
         for _ in range(max(1, segments)):
             inputs, labels, out = self.forward(index, state, lockstep.callback if lockstep else None, bf16)
             if lockstep is not None:
                 lockstep.drain()
             state = out.state
             if out.loop is None:  # a model that bypasses the engine: one pass
-                steps += 1
+                these = np.ones(len(index), dtype=np.int64)
             else:
-                steps += out.loop.steps.detach().cpu().numpy().reshape(-1)
+                these = out.loop.steps.detach().cpu().numpy().reshape(-1)
                 converged = out.loop.converged.detach().cpu().numpy().reshape(-1).astype(bool)
-        return EvalBatch(index, inputs, labels, out, steps, converged)
+            steps += these
+            blocks += these * float(self.model.blocks_per_step())  # the model counts its own (this call's) blocks
+        return EvalBatch(index, inputs, labels, out, steps, converged, blocks)
 
 
 @torch.no_grad()
@@ -392,6 +401,7 @@ def _records(
             difficulty=float(dataset.difficulty[i]),
             steps=int(b.steps[j]),
             converged=bool(b.converged[j]),
+            blocks=float(b.blocks[j]),
             exact=bool(exact[j]),
             valid=bool(valid[j]),
             token_accuracy=float(right[j] / count[j]) if count[j] else float("nan"),
@@ -416,9 +426,11 @@ def _result(
         count,
         sum(r.steps for r in records),
         sum(r.converged for r in records),
+        sum(r.blocks for r in records),
     ]
-    n, exact, valid, right_all, count_all, steps, converged = run.comm.sum([float(x) for x in local])
+    n, exact, valid, right_all, count_all, steps, converged, blocks = run.comm.sum([float(x) for x in local])
     n_ = max(n, 1.0)
+    stops = HALTINGS.get(str(run.cfg.halting)).stops_early  # a fixed count of loops converges nowhere
     return EvalResult(
         task=name,
         n=int(n),
@@ -427,9 +439,10 @@ def _result(
         valid_accuracy=valid / n_ if checked else float("nan"),
         mean_steps=steps / n_,
         steps_histogram=dict(sorted(Counter(r.steps for r in records).items())),
-        converged_fraction=converged / n_,
+        converged_fraction=converged / n_ if stops else math.nan,
         loop=loop,
         records=records,
+        mean_blocks=blocks / n_,
     )
 
 
@@ -442,10 +455,10 @@ class LMEvalResult:
     tokens: int  # labelled tokens scored
     loss: float  # nats per token
     bits_per_byte: float
-    token_accuracy: float
-    exact_accuracy: float
+    token_accuracy: float  # no exact accuracy: a whole window predicted right is no measure of a language model
     mean_steps: float
     loop: dict[str, Any]
+    mean_blocks: float = math.nan  # test-time compute: transformer blocks per window
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -457,8 +470,8 @@ class LMEvalResult:
             "loss": self.loss,
             "bits_per_byte": self.bits_per_byte,
             "token_acc": self.token_accuracy,
-            "exact_acc": self.exact_accuracy,
             "loop_steps": self.mean_steps,
+            "blocks": self.mean_blocks,
         }
 
 
@@ -484,7 +497,7 @@ def evaluate_lm(
 
     if len(dataset) == 0:
         raise ValueError("cannot evaluate on an empty dataset")
-    nll = right = count = exact = steps = n = 0.0
+    nll = right = count = steps = blocks = n = 0.0
     with _EvalPass(model, dataset, loop, device, seed, comm) as run:
         total = math.ceil(len(dataset) / max(batch_size, 1))
         for b in _progress(run.batches(batch_size, max_batches, segments, bf16), progress, total, f"eval {task.name}"):
@@ -500,10 +513,10 @@ def evaluate_lm(
             hit = (logits.argmax(-1) == labels) & mask
             right += float(hit.sum())
             count += float(mask.sum())
-            exact += float((hit.sum(1) == mask.sum(1)).sum())
             steps += float(b.steps.sum())
+            blocks += float(b.blocks.sum())
             n += len(b.rows)
-    nll, right, count, exact, steps, n = run.comm.sum([nll, right, count, exact, steps, n])
+    nll, right, count, steps, blocks, n = run.comm.sum([nll, right, count, steps, blocks, n])
     loss = nll / count if count else float("nan")
     return LMEvalResult(
         task=task.name,
@@ -512,9 +525,9 @@ def evaluate_lm(
         loss=loss,
         bits_per_byte=bits_per_byte(loss, float(task.tokens_per_byte)),
         token_accuracy=right / count if count else float("nan"),
-        exact_accuracy=exact / max(n, 1),
         mean_steps=steps / max(n, 1),
         loop=loop_summary(run.cfg),
+        mean_blocks=blocks / max(n, 1),
     )
 
 

@@ -44,6 +44,7 @@ from loopformer.eval.budget import (
     BudgetCurve,
     DifficultyStats,
     budget_curve,
+    clip_budgets,
     easy_hard_steps,
     steps_vs_difficulty,
 )
@@ -152,7 +153,7 @@ def run_suite(
         r = score(m.model, task, dataset, loop=m.loop, batch_size=opts.batch_size, progress=opts.progress,
                   seed=m.seed, segments=m.segments)  # fmt: skip
         results[m.label] = r
-        models[m.label] = model_info(m, (time.perf_counter() - t0) / max(len(dataset), 1), m is not main)
+        models[m.label] = model_info(m, r, (time.perf_counter() - t0) / max(len(dataset), 1), m is not main)
         if isinstance(r, EvalResult):
             difficulty[m.label] = steps_vs_difficulty(r.difficulty, r.steps, r.valid)
     plot_paths: dict[str, Path] = {}
@@ -173,9 +174,13 @@ def run_suite(
 
     budget: dict[str, BudgetCurve] = {}
     if opts.budgets:
-        log(f"  {'bits per byte vs loop' if lm else 'accuracy vs step'} budget {opts.budgets} ({opts.budget_mode})")
+        budgets, clipped = clip_budgets(opts.budgets, opts.budget_mode, int(main.loop.max_steps))
+        if clipped:
+            notes = [*(notes or []), clipped]
+            log(f"  {clipped}")
+        log(f"  {'bits per byte vs loop' if lm else 'accuracy vs step'} budget {budgets} ({opts.budget_mode})")
         # the accuracy curve has always drawn its initial iterates with seed 0 (kept: reports stay comparable)
-        budget[main.label] = budget_curve(main.model, task, dataset, opts.budgets, mode=opts.budget_mode,
+        budget[main.label] = budget_curve(main.model, task, dataset, budgets, mode=opts.budget_mode,
                                           loop=main.loop, batch_size=opts.batch_size, seed=main.seed if lm else 0)  # fmt: skip
         caption, file = ("bits per byte vs loop budget", "bpb_vs_budget.png") if lm else (
             "accuracy vs step budget", "accuracy_vs_budget.png")  # fmt: skip
@@ -187,7 +192,7 @@ def run_suite(
         else:
             skipped.append(
                 f"No {'bits-per-byte' if lm else 'accuracy'}-vs-budget plot: one {'loop' if lm else 'step'} budget "
-                f"({opts.budgets[0]}) was asked for; the table above has {'it' if lm else 'its accuracy'} (give "
+                f"({budgets[0]}) was evaluated; the table above has {'it' if lm else 'its accuracy'} (give "
                 "several, e.g. --max-steps 1,2,4,8)."
             )
     lens_loops, signal_loops = opts.loops(main.train_depth)
@@ -341,14 +346,17 @@ def run_job_references(checkpoint: str | Path, same_heldout: bool) -> dict[str, 
     return {}
 
 
-def model_info(m: ModelUnderTest, seconds_per_example: float, baseline: bool) -> dict[str, Any]:
-    """What ``loopformer compare`` needs of a model beside its accuracy (``metrics.json["models"]``)."""
-    blocks = getattr(m.model.config, "n_layers", None)
+def model_info(m: ModelUnderTest, result: EvalResult | LMEvalResult, seconds_per_example: float,
+               baseline: bool) -> dict[str, Any]:  # fmt: skip
+    """What ``loopformer compare`` needs of a model beside its accuracy (``metrics.json["models"]``); its
+    test-time compute is the result's ``mean_blocks``, counted by the model (``LoopedModel.blocks_per_step``)."""
+    measured = result.mean_steps > 0 and math.isfinite(result.mean_blocks)
     return {
         "loop": dataclasses.asdict(m.loop),
         "loop_description": describe_loop(m.loop),
         "parameters": m.model.num_parameters(),
-        "blocks": int(blocks) if isinstance(blocks, int) else None,  # transformer blocks per loop step
+        # transformer blocks per loop step as the evaluation counted them (an inner solve's vary)
+        "blocks": result.mean_blocks / result.mean_steps if measured else float(m.model.blocks_per_step()),
         "segments": m.segments,
         "seconds_per_example": seconds_per_example,
         # no loop to speak of: a single pass (the plain transformer baseline)

@@ -145,6 +145,7 @@ class AttractorPuzzle(TRM):
         self._jac: Tensor | None = None
         self._generator: torch.Generator | None = None
         self.last_inner: LoopResult | None = None  # the latest inner solve (steps, residuals)
+        self.inner_steps: list[Tensor] = []  # map evaluations per row of each inner solve of the latest eval forward
         self.jacobian_probe: Tensor | None = None  # tests: a fixed probe v instead of a random one
 
     # -- the inner solve ------------------------------------------------------------------------
@@ -154,6 +155,8 @@ class AttractorPuzzle(TRM):
         with torch.no_grad():
             res = run_loop(self.net, latent.detach(), loop, ctx=(injection,))
         self.last_inner = res
+        if not self.training:  # what blocks_per_step reports: the evaluations this solve made, per row
+            self.inner_steps.append(res.steps)
         out = run_loop(self.net, res.state.detach(), self.phantom_loop, ctx=(injection,))
         z = out.state
         if torch.is_grad_enabled() and self.training and self.config.jacobian_samples > 0:
@@ -189,10 +192,17 @@ class AttractorPuzzle(TRM):
     def aux_loss(self, result: LoopResult) -> Tensor | None:
         return self._jac
 
+    def blocks_per_step(self) -> float:
+        """Blocks an outer step applies, as measured: the inner solve's map evaluations (the engine's steps per
+        row, averaged over the latest evaluation forward's solves), the K phantom applications and the
+        answer update, each through the ``n_layers``-block net; the solve at its cap before any."""
+        inner = float(torch.cat(self.inner_steps).double().mean()) if self.inner_steps else self.solve_loop.max_steps
+        return (inner + self.config.bptt_through + 1) * self.config.n_layers
+
     def forward(
         self, inputs: Tensor, *args, generator: torch.Generator | None = None, **kwargs
     ) -> ModelOutput:
-        self._jac, self._generator = None, generator
+        self._jac, self._generator, self.inner_steps = None, generator, []
         try:
             return super().forward(inputs, *args, generator=generator, **kwargs)
         finally:

@@ -134,10 +134,12 @@ class LoopedModel(nn.Module):
             aux_loss=self.aux_loss(res),
         )
 
-    def blocks_per_step(self) -> int:
+    def blocks_per_step(self) -> float:
         """Transformer blocks one loop step applies to a sample: the unit of test-time compute that ``compare``,
-        ``eval`` reports and the head-to-head count (a step of a looped stack of ``n_layers`` blocks by
-        default; a model whose step applies its net more than once says so)."""
+        ``eval`` reports and the head-to-head count (``evaluate`` multiplies each forward call's loop steps by
+        it). A step of a looped stack of ``n_layers`` blocks by default; a model whose step applies its net
+        more than once says so, and one whose step varies (an inner solve) reports what its latest forward
+        call measured."""
         return int(self.config.n_layers)
 
     def num_parameters(self, exclude_puzzle_embedding: bool = True) -> int:

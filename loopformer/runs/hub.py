@@ -3,8 +3,8 @@
 ``loopformer push RUN REPO_ID`` uploads what evaluation needs from the run's latest checkpoint:
 ``model.safetensors``, ``ema.safetensors`` (when the run keeps an EMA) and ``config.json`` (the resolved
 run configuration), plus the run's ``summary.json`` and a model card ``README.md`` generated from it: Hub
-metadata (``license``, ``datasets`` when the run read a Hub dataset's files, ``model-index`` with the
-held-out results), the task, accuracy, steps vs difficulty, the recipe and the model family's own paper.
+metadata through ``huggingface_hub.ModelCardData`` / ``EvalResult`` (``license``, ``datasets`` when the run
+read a Hub dataset's files, ``model-index`` with the held-out results), the task, accuracy, steps vs difficulty, the recipe and the model family's own paper.
 A plug-in model's module, when it is one file of the user's, is pushed beside the weights and the card
 says how to use it (on ``PYTHONPATH``, with ``--import``); a module from a package names what to install.
 loopformer never imports a module because a downloaded model names it (docs/extending.md).  The optimiser / data-stream state is not
@@ -129,29 +129,26 @@ def _dataset(data: dict[str, Any]) -> tuple[str | None, str]:
 def _front_matter(
     config: dict[str, Any], summary: dict[str, Any], name: str, hub_id: str, license: str
 ) -> str:
-    """The card's YAML metadata: licence, library, tags, the training dataset, the evaluation as
-    ``model-index`` (what the Hub shows as results)."""
-    import yaml
-
+    """The card's YAML metadata, built and validated by ``huggingface_hub``'s ``ModelCardData`` /
+    ``EvalResult`` (what the Hub reads): licence, library, tags, the training dataset when it is one on the
+    Hub, the evaluation as ``model-index``. Generated data names no Hub dataset: the results' dataset is
+    the task's name and its description."""
+    hub = _hub()
     data = config.get("data", {})
+    task = str(data.get("task", "?"))
     dataset_id, description = _dataset(data)
     looped = name != "transformer"
-    meta: dict[str, Any] = {
-        "license": license,
-        "library_name": "loopformer",
-        "tags": [*(["looped-transformer"] if looped else []), name, str(data.get("task", "?"))],
-    }
-    if dataset_id:
-        meta["datasets"] = [dataset_id]
-    metrics = [{"type": kind, "name": label, "value": round(100 * v, 2) if kind in ("accuracy", "exact_match") else
-                round(v, 4)} for label, kind, v in _metrics(summary) if label != "baseline accuracy"]  # fmt: skip
-    if metrics:
-        meta["model-index"] = [{"name": hub_id.split("/")[-1], "results": [{
-            "task": {"type": "text-generation" if data.get("task") == "text" else "other",
-                     "name": str(data.get("task", "?"))},
-            "dataset": {"type": dataset_id or f"loopformer/{data.get('task', '?')}", "name": description},
-            "metrics": metrics}]}]  # fmt: skip
-    return "---\n" + yaml.safe_dump(meta, sort_keys=False) + "---"
+    results = [hub.EvalResult(
+        task_type="text-generation" if task == "text" else "other", task_name=task,
+        dataset_type=dataset_id or task, dataset_name=description, metric_type=kind, metric_name=label,
+        metric_value=round(100 * v, 2) if kind in ("accuracy", "exact_match") else round(v, 4),
+    ) for label, kind, v in _metrics(summary) if label != "baseline accuracy"]  # fmt: skip
+    meta = hub.ModelCardData(
+        license=license, library_name="loopformer", tags=[*(["looped-transformer"] if looped else []), name, task],
+        datasets=[dataset_id] if dataset_id else None, model_name=hub_id.split("/")[-1] if results else None,
+        eval_results=results or None,
+    )  # fmt: skip
+    return "---\n" + meta.to_yaml() + "\n---"
 
 
 def _plugin_lines(plugins: list[str], hub_id: str, shipped: list[str]) -> list[str]:

@@ -1,5 +1,6 @@
 """The numpy dataset files: HRM / TRM folders (with their ``dataset.json``) and the ``.npz`` of the generated
-tasks, read into and written from TokenDataset, every field checked on reading.
+tasks, read into and written from TokenDataset, every field checked on reading; ``save_parquet`` writes a
+generated set as Parquet for the Hugging Face ``datasets`` library (``loopformer data --format parquet``).
 
 **HRM / TRM folder** (HRM's dataset builders, arXiv 2506.21734)::
 
@@ -439,6 +440,28 @@ def save_npz(dataset: TokenDataset, path: str | Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_writer(path, "wb") as handle:  # a file handle keeps numpy from appending ".npz"
         np.savez_compressed(handle, **arrays)
+
+
+def save_parquet(dataset: TokenDataset, path: str | Path) -> None:
+    """Write a TokenDataset as Parquet, one row per example (``inputs`` / ``labels``: lists of token ids,
+    ``difficulty``, ``puzzle_id`` when the set has them; the meta as the schema's ``loopformer`` metadata),
+    which ``datasets.load_dataset("parquet", data_files=PATH)`` and ``pyarrow.parquet.read_table`` read."""
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise RuntimeError("writing Parquet needs pyarrow: pip install 'loopformer[parquet]' (or use the native / hrm "
+                           "format)") from None
+    columns = {"inputs": pa.array(dataset.inputs.tolist(), pa.list_(pa.int64())),
+               "labels": pa.array(dataset.labels.tolist(), pa.list_(pa.int64())),
+               "difficulty": pa.array(dataset.difficulty, pa.float64())}  # fmt: skip
+    if dataset.puzzle_ids is not None:
+        columns["puzzle_id"] = pa.array(dataset.puzzle_ids, pa.int64())
+    table = pa.table(columns).replace_schema_metadata({"loopformer": json.dumps(dataset.meta, default=_json_default)})
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_writer(path, "wb") as handle:
+        pq.write_table(table, handle)
 
 
 def _json_default(value: Any) -> Any:

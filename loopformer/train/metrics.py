@@ -286,8 +286,8 @@ def step_text(m: dict[str, Any]) -> str:
     parts = []
     if "loss" in m:
         parts.append(f"loss {m['loss']:.4f}")
-    if "token_acc" in m and "exact_acc" in m:
-        parts.append(f"acc {m['token_acc']:.3f}/{m['exact_acc']:.3f}")
+    if "token_acc" in m:  # token / exact; a language model has no exact accuracy
+        parts.append(f"acc {m['token_acc']:.3f}" + (f"/{m['exact_acc']:.3f}" if "exact_acc" in m else ""))
     if "loop_steps" in m:
         parts.append(f"loops {m['loop_steps']:.1f}")
     if "level" in m:
