@@ -172,14 +172,25 @@ def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str,
     return data
 
 
+# shipped recipes an earlier version named otherwise: the old name is refused naming the new one (as
+# ``strict.RENAMED`` does for config keys)
+RENAMED_RECIPES: dict[str, str] = {
+    "fprm_sudoku4": "default_800steps",  # read as the reverse of sudoku4_fprm, a different recipe
+}
+
+
 def find_recipe(name: str | Path) -> Path:
-    """A recipe path: as given, or ``<name>[.yaml]`` in ./recipes or the package's recipes (RECIPE_DIR)."""
+    """A recipe path: as given, or ``<name>[.yaml]`` in ./recipes or the package's recipes (RECIPE_DIR); a
+    renamed recipe's old name (``RENAMED_RECIPES``) is refused naming the new one."""
     candidates = [Path(name)]
     stem = str(name) if str(name).endswith((".yaml", ".yml")) else f"{name}.yaml"
     candidates += [Path("recipes") / stem, RECIPE_DIR / stem]
     for path in candidates:
         if path.is_file():
             return path
+    new = RENAMED_RECIPES.get(Path(stem).stem)
+    if new is not None:
+        raise ConfigError(f"recipe {str(name)!r} was renamed: use {new!r} ({str(find_recipe(new))})")
     known = sorted(p.stem for p in RECIPE_DIR.glob("*.yaml")) if RECIPE_DIR.is_dir() else []
     raise ConfigError(f"no recipe {str(name)!r}{suggest(Path(stem).stem, known) if known else ''}")
 
