@@ -305,7 +305,7 @@ def prepare_cmd(name: str, out_dir: Path, from_dir: Path | None, subset: int | N
     from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
 
     from loopformer.config.checks import check_count
-    from loopformer.runs.outputs import staged_output
+    from loopformer.runs.folder import staged_output
 
     out = out_dir
     for option, value in (("--subset", subset), ("--augment", augment), ("--seed", seed)):

@@ -306,7 +306,7 @@ def _evaluate_job(out: Path, configs: list[Any], trained: list[dict[str, Any]], 
     from loopformer.eval.report import accuracy_table, describe_loop, write_json
     from loopformer.eval.suite import ModelUnderTest, ReportOptions, run_suite, spearman_text
     from loopformer.runs import eval_dataset, load_run, training_depth
-    from loopformer.runs.fingerprint import heldout_record
+    from loopformer.runs.folder import heldout_record
 
     runs = [load_run(summary["checkpoint"], use_ema=cfg.eval.use_ema, device=str(dev))
             for cfg, summary in zip(configs, trained)]  # fmt: skip
