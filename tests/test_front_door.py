@@ -36,6 +36,16 @@ def test_the_readme_and_results_headline_the_recorded_default_job() -> None:
     assert fprm in quick and base in quick and f"{minutes} min {seconds} s" in quick and "load" in quick
     first = (ROOT / "recipes" / "default.yaml").read_text().splitlines()[0]
     assert fprm in first and base in first and RECORD["overrides"] == []
+    header = " ".join(line[1:].strip() for line in (ROOT / "recipes" / "default.yaml").read_text().splitlines()
+                      if line.startswith("#"))  # the recipe's whole text quotes the same run  # fmt: skip
+    assert f"FPRM {fprm}" in header and f"transformer {base}" in header and f"{minutes} min {seconds} s" in header
+
+
+def test_the_readme_quick_check_names_test_files_that_exist() -> None:
+    command = re.search(r'python -m pytest -q -m "not slow[^"]*" ([^\n]+)', README)
+    assert command, "the README's quick subset of the tests"
+    for pattern in command.group(1).split():
+        assert list(ROOT.glob(pattern)), pattern
 
 
 def test_the_readme_solve_example_is_a_held_out_puzzle_of_the_default_job(tmp_path: Path) -> None:
