@@ -154,6 +154,8 @@ def fmt(value: float | None, unit: str) -> str:
         return f"{value:.3f}"
     if unit == "bytes":
         return f"{value / 2**20:.2f} MiB"
+    if unit in ("lines", "modules"):
+        return f"{value:,.0f}"
     return f"{value:.4g}"
 
 

@@ -58,7 +58,7 @@ def main() -> None:
     if args.quick:  # train a throwaway model so the dry run needs no earlier experiment
         from fprm_common import make_config, train
 
-        cfg = make_config(REPO / "recipes" / "fprm_sudoku4.yaml",
+        cfg = make_config(REPO / "recipes" / "default_800steps.yaml",
                           ["train.steps=2", "data.train_size=32", "data.eval_size=16", "train.batch_size=8",
                            f"out_dir={args.runs / 'quick_model'}"])
         train(cfg)

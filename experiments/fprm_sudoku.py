@@ -4,7 +4,7 @@ Reproduces, at CPU scale, arXiv 2606.18206's Sudoku claims (issue 7, item 2):
 - exact accuracy on held-out puzzles, judged by the task's independent validator (``SudokuTask.check``
   re-checks every row / column / box and the givens, without the label), against the baselines of
   TRM arXiv 2510.04871, HRM arXiv 2506.21734 at (nearly) equal parameter counts;
-- *equal training compute = equal training FLOPs*: FPRM trains ``recipes/fprm_sudoku4.yaml``'s step count;
+- *equal training compute = equal training FLOPs*: FPRM trains ``recipes/default_800steps.yaml``'s step count;
   every baseline's step count is FPRM's total training FLOPs divided by the baseline's FLOPs per step, both
   counted by ``torch.utils.flop_counter.FlopCounterMode`` over real training steps (forward + backward);
 - adaptive compute: loop steps to convergence vs the number of blanks (Spearman rho and p-value);
@@ -43,7 +43,7 @@ from fprm_common import (
 
 from loopformer.eval.budget import easy_hard_steps, steps_vs_difficulty
 
-RECIPE = REPO / "recipes" / "fprm_sudoku4.yaml"
+RECIPE = REPO / "recipes" / "default_800steps.yaml"
 SHARED = "d_model: 64, n_heads: 4, n_layers: 2"
 # baselines: the FPRM recipe with the model table replaced (equal width / heads / layers -> equal parameters)
 BASELINES: dict[str, list[str]] = {

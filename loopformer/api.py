@@ -6,6 +6,7 @@ into a report and compare reports, as ``loopformer eval`` / ``compare`` do.
     sol = loopformer.solve(run, "5...27..9..41......1..5.3...")
     sol.answer, sol.valid, sol.steps, sol.trajectory
     sol.to_dict()                                   # exactly the fields of `loopformer solve --json`
+    parse_puzzle(run.task, "2..3......3..42.")      # a puzzle's input tokens [T] (the task's notation, checked)
     from loopformer.api import evaluate_checkpoint, ReportOptions
     evaluate_checkpoint("runs/sudoku", ReportOptions(budgets=[1, 2, 4, 8]))   # the report folder
 

@@ -164,13 +164,13 @@ def setup_logging(quiet: bool = False) -> None:
     info and up, or warnings and up with ``-q``."""
     import logging
 
-    from rich.console import Console
-    from rich.logging import RichHandler
-
     logger = logging.getLogger("loopformer")
     if not any(getattr(h, "_loopformer", False) for h in logger.handlers):
         handler: logging.Handler
-        if sys.stderr.isatty():
+        if sys.stderr.isatty():  # rich only for a terminal (its import is a tenth of a second)
+            from rich.console import Console
+            from rich.logging import RichHandler
+
             handler = RichHandler(console=Console(stderr=True), show_path=False, show_time=False)
         else:  # a log file (nohup, SLURM, torchrun): one plain line per message, never wrapped at 80 columns
             handler = _plain_stderr_handler()

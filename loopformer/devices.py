@@ -10,14 +10,14 @@ every device, the CPU included) is evaluated under the same bf16 autocast (``loo
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections import Counter
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
+if TYPE_CHECKING:  # torch is imported where it is used: the commands read DEVICE_HELP before any torch work
+    import torch
 
 DEVICE_HELP = "auto (CUDA when present, else CPU), cpu, cuda or cuda:N"
 # train.threads: 0 (auto) gives models below SMALL_MODEL_PARAMETERS one CPU thread: at the CPU recipes' sizes
@@ -58,6 +58,8 @@ def set_cpu_threads(threads: int, device: torch.device, model: torch.nn.Module, 
     """Set (on the CPU) and log the thread count ``cpu_threads`` chooses for ``model``; returns it. ``dist``:
     the process's place in a distributed job (``local_world_size``, ``is_main``: only the main rank logs);
     None for one process."""
+    import torch
+
     if device.type != "cpu":
         return torch.get_num_threads()
     parameters = sum(p.numel() for p in model.parameters())
@@ -70,6 +72,8 @@ def set_cpu_threads(threads: int, device: torch.device, model: torch.nn.Module, 
 
 def resolve_device(spec: str | torch.device | None) -> torch.device:
     """``auto`` / None -> CUDA when available, else CPU; ``cpu``; ``cuda``; ``cuda:N`` (checked)."""
+    import torch
+
     if isinstance(spec, torch.device):
         spec = str(spec)
     if spec is not None and not isinstance(spec, str):
@@ -106,28 +110,35 @@ HOST_READ_OPS = frozenset(
 HOST_READ_METHODS = frozenset({"tolist", "numpy", "cpu"})
 
 
-class _Ops(TorchDispatchMode):
-    def __init__(self, counts: Counter) -> None:
-        super().__init__()
-        self.counts = counts
+@functools.cache
+def _counting_modes() -> tuple[type, type]:
+    """The two torch modes ``HostReads`` enters: aten ops (dispatch) and Tensor methods (torch function)."""
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._python_dispatch import TorchDispatchMode
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        name = func.overloadpacket.__name__
-        if name in HOST_READ_OPS and not (name == "repeat_interleave" and (kwargs or {}).get("output_size")):
-            self.counts[name] += 1
-        return func(*args, **(kwargs or {}))
+    class Ops(TorchDispatchMode):
+        def __init__(self, counts: Counter) -> None:
+            super().__init__()
+            self.counts = counts
 
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            name = func.overloadpacket.__name__
+            if name in HOST_READ_OPS and not (name == "repeat_interleave" and (kwargs or {}).get("output_size")):
+                self.counts[name] += 1
+            return func(*args, **(kwargs or {}))
 
-class _Methods(TorchFunctionMode):
-    def __init__(self, counts: Counter) -> None:
-        super().__init__()
-        self.counts = counts
+    class Methods(TorchFunctionMode):
+        def __init__(self, counts: Counter) -> None:
+            super().__init__()
+            self.counts = counts
 
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        name = getattr(func, "__name__", "")
-        if name in HOST_READ_METHODS:
-            self.counts[f"Tensor.{name}"] += 1
-        return func(*args, **(kwargs or {}))
+        def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            name = getattr(func, "__name__", "")
+            if name in HOST_READ_METHODS:
+                self.counts[f"Tensor.{name}"] += 1
+            return func(*args, **(kwargs or {}))
+
+    return Ops, Methods
 
 
 class HostReads:
@@ -140,7 +151,7 @@ class HostReads:
 
     def __init__(self) -> None:
         self.counts: Counter = Counter()
-        self._modes = (_Ops(self.counts), _Methods(self.counts))
+        self._modes = tuple(mode(self.counts) for mode in _counting_modes())
 
     @property
     def total(self) -> int:

@@ -222,3 +222,16 @@ def test_run_evaluates_with_the_configured_segments(tiny_recipe: Path, tmp_path:
     assert metrics["token_accuracy"] == pytest.approx(by_hand[3].token_accuracy)
     assert metrics["mean_steps"] == pytest.approx(by_hand[3].mean_steps)
     assert by_hand[3].mean_steps != pytest.approx(by_hand[1].mean_steps)  # the check can fail
+
+
+def test_train_prints_whole_plain_lines_in_a_log(tiny_recipe: Path, tmp_path: Path) -> None:
+    """Not a terminal (a log file, a pipe): progress as plain lines, result lines never wrapped at 80 columns."""
+    out = tmp_path / ("a_run_folder_whose_path_is_longer_than_eighty_columns_" * 2)
+    result = CliRunner().invoke(cli, ["train", str(tiny_recipe), "train.steps=2", "train.progress=true",
+                                      "-o", str(out)])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert any(line.startswith("step 2/2  loss ") for line in lines), result.output
+    assert any(line.startswith("held-out, ") and "mean steps" in line for line in lines), result.output
+    assert any(line.startswith("checkpoint: ") and str(out) in line for line in lines), result.output
+    assert "\x1b[" not in result.output  # no terminal styling in a log

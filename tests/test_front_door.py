@@ -36,6 +36,16 @@ def test_the_readme_and_results_headline_the_recorded_default_job() -> None:
     assert fprm in quick and base in quick and f"{minutes} min {seconds} s" in quick and "load" in quick
     first = (ROOT / "recipes" / "default.yaml").read_text().splitlines()[0]
     assert fprm in first and base in first and RECORD["overrides"] == []
+    header = " ".join(line[1:].strip() for line in (ROOT / "recipes" / "default.yaml").read_text().splitlines()
+                      if line.startswith("#"))  # the recipe's whole text quotes the same run  # fmt: skip
+    assert f"FPRM {fprm}" in header and f"transformer {base}" in header and f"{minutes} min {seconds} s" in header
+
+
+def test_the_readme_quick_check_names_test_files_that_exist() -> None:
+    command = re.search(r'python -m pytest -q -m "not slow[^"]*" ([^\n]+)', README)
+    assert command, "the README's quick subset of the tests"
+    for pattern in command.group(1).split():
+        assert list(ROOT.glob(pattern)), pattern
 
 
 def test_the_readme_solve_example_is_a_held_out_puzzle_of_the_default_job(tmp_path: Path) -> None:
@@ -80,3 +90,27 @@ def test_the_readme_solve_example_is_solved_by_a_trained_default_model(tmp_path:
     assert solved.exit_code == 0, solved.output
     record = json.loads(solved.output)
     assert record["valid"] is True, record
+
+
+def test_every_readme_python_snippet_runs_as_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each ```python block of the README, executed unchanged; ``runs/<run>`` is a tiny 4x4 Sudoku run
+    trained here (a run folder of that very name, so the text needs no substitution)."""
+    from loopformer.config import build_config
+    from loopformer.train.trainer import Trainer
+
+    snippets = re.findall(r"```python\n(.*?)```", README, flags=re.S)
+    assert len(snippets) >= 2, "the README's Python examples"
+    monkeypatch.chdir(tmp_path)
+    Trainer(build_config({
+        "model": {"name": "fprm", "d_model": 16, "n_heads": 2, "n_layers": 1, "conv": "grid2d"},
+        "data": {"task": "sudoku", "options": {"size": 4}, "train_size": 16, "eval_size": 4},
+        "train": {"mode": "simple", "steps": 1, "batch_size": 8, "progress": False, "threads": 1},
+        "loop_eval": {"max_steps": 4}, "out_dir": "runs/<run>",
+    })).fit()  # fmt: skip
+    for i, code in enumerate(snippets):
+        scope: dict = {}
+        exec(compile(code, f"README.md python snippet {i + 1}", "exec"), scope)
+        if "sol" in scope:  # the solve example: an answer of the puzzle's size, one entry per loop
+            assert len(scope["sol"].trajectory) >= 1 and scope["sol"].steps >= 1
+        if "out" in scope:  # the loop-engine example: logits of its 16 cells
+            assert tuple(scope["out"].logits.shape[:2]) == (1, 16)

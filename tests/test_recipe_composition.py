@@ -125,3 +125,28 @@ def test_print_config_says_why_a_task_could_not_be_built(tmp_path: Path) -> None
     note = next(line for line in result.output.splitlines() if "not built here" in line)
     assert "task 'arc'" in note and "no_such_arc" in note
     assert "vocab_size" not in yaml.safe_load(result.output)["model"]
+
+
+def test_a_renamed_recipe_is_refused_naming_its_new_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from loopformer.config import RECIPE_DIR
+    from loopformer.config.recipes import RENAMED_RECIPES, find_recipe
+
+    monkeypatch.chdir(tmp_path)
+    for old, new in RENAMED_RECIPES.items():
+        assert not (RECIPE_DIR / f"{old}.yaml").exists() and (RECIPE_DIR / f"{new}.yaml").is_file()
+        with pytest.raises(ConfigError, match=rf"recipe '{old}' was renamed: use '{new}'"):
+            find_recipe(old)
+    result = CliRunner().invoke(cli, ["train", "fprm_sudoku4", "--print-config"])
+    assert result.exit_code == 1 and "use 'default_800steps'" in result.output
+    child = _write(tmp_path, "child.yaml", {"base": "fprm_sudoku4"})  # in a base: too
+    with pytest.raises(ConfigError, match="renamed: use 'default_800steps'"):
+        read_recipe(child)
+
+
+def test_no_shipped_recipe_silences_its_progress() -> None:
+    """A 3,000-step CPU run prints its plain progress lines in a log (loopformer.train.metrics.TrainProgress)."""
+    from loopformer.config import RECIPE_DIR
+
+    silent = [p.stem for p in sorted(RECIPE_DIR.glob("*.yaml"))
+              if read_recipe(p).get("train", {}).get("progress") is False]  # fmt: skip
+    assert silent == []

@@ -1,6 +1,7 @@
 """Start-up of the ``loopformer`` command (issue 25): ``--help`` and ``recipes`` import no torch, scipy or
 matplotlib (the behaviour; the CPU time is the ``startup`` benchmark's row, benchmarks/bench_startup.py),
-and the lazily loaded subcommands' summaries agree with the commands themselves."""
+``train --print-config`` and a refused key or value are answered before the trainer, Dynamo or SciPy is
+imported (issue 49), and the lazily loaded subcommands' summaries agree with the commands themselves."""
 
 from __future__ import annotations
 
@@ -24,22 +25,22 @@ try:
     main()
 except SystemExit as stop:
     code = stop.code
-heavy = sorted({m.split(".")[0] for m in sys.modules} & watch)
+heavy = sorted(name for name in watch if name in sys.modules)
 print("HEAVY=" + json.dumps(heavy), file=sys.stderr)
 """
 
 
-def heavy_imports(args: list[str]) -> tuple[list[str], str]:
-    """(the heavy top-level packages imported by ``loopformer ARGS``, its stdout)."""
+def heavy_imports(args: list[str], watch: tuple[str, ...] = HEAVY) -> tuple[list[str], str]:
+    """(the modules of ``watch`` imported by ``loopformer ARGS``, its stdout and stderr)."""
     proc = subprocess.run(
-        [sys.executable, "-c", PROBE, json.dumps(args), json.dumps(HEAVY)],
+        [sys.executable, "-c", PROBE, json.dumps(args), json.dumps(watch)],
         capture_output=True,
         text=True,
         timeout=300,
     )
     lines = [line for line in proc.stderr.splitlines() if line.startswith("HEAVY=")]
     assert lines, proc.stderr
-    return json.loads(lines[-1].removeprefix("HEAVY=")), proc.stdout
+    return json.loads(lines[-1].removeprefix("HEAVY=")), proc.stdout + proc.stderr
 
 
 @pytest.mark.parametrize("args", [["--help"], ["recipes"], ["-h"]])
@@ -47,6 +48,22 @@ def test_help_and_recipes_import_no_heavy_package(args: list[str]) -> None:
     heavy, out = heavy_imports(args)
     assert heavy == [], f"loopformer {' '.join(args)} imported {heavy}"
     assert ("sudoku4_fprm" in out) if args == ["recipes"] else ("train" in out and "solve" in out)
+
+
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["--print-config"], "n_inner: 3"),
+        (["train.stpes=10"], "did you mean 'train.steps'"),
+        (["train.steps=-1"], "train.steps"),
+    ],
+)
+def test_configuration_answers_come_before_the_trainer(args: list[str], says: str) -> None:
+    """Answered from the configuration alone: the trainer, Dynamo (torch.compile) and SciPy are not loaded."""
+    proc_args = ["train", "sudoku4_trm", *args]
+    heavy, out = heavy_imports(proc_args, ("loopformer.train.trainer", "torch._dynamo", "scipy", "matplotlib"))
+    assert heavy == [], f"loopformer {' '.join(proc_args)} imported {heavy}"
+    assert says in out, out
 
 
 def test_the_probe_sees_a_command_that_does_import_torch() -> None:

@@ -117,7 +117,7 @@ def test_parse_memory_units() -> None:
 
 def test_cli_prints_the_plan_and_a_micro_batch(tmp_path) -> None:
     result = CliRunner().invoke(
-        cli, ["train", "fprm_sudoku4", "--plan", "--gpu-memory", "2GB", "--gpus", "2"]
+        cli, ["train", "default_800steps", "--plan", "--gpu-memory", "2GB", "--gpus", "2"]
     )
     assert result.exit_code == 0, result.output
     assert "saved activations" in result.output and "per example" in result.output

@@ -260,7 +260,7 @@ def run(recipe: str, out_dir: Path | None, overwrite: bool, resume: bool, overri
     from loopformer.nn import autocast
     from loopformer.train.stop import TrainingInterrupted
 
-    console = Console(highlight=False)
+    console = Console(highlight=False, soft_wrap=True)  # whole lines in a log file
     given = overrides
     if overwrite:
         overrides = (*overrides, "train.overwrite=true")

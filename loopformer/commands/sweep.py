@@ -323,7 +323,7 @@ def _sweep(recipe: str, grid: tuple[str, ...], folder: Path, axes: dict[str, Any
                 click.echo(f"{point.name}: report {report} was written {why}; evaluating again")
             options = ReportOptions(budgets=budgets, analyses=analyses, overrides=point.evaluate, device=device,
                                     out_dir=report, overwrite=True)  # fmt: skip
-            evaluate_checkpoint(run, options, log=Console(highlight=False).print)
+            evaluate_checkpoint(run, options, log=Console(highlight=False, soft_wrap=True).print)
         reports = [folder / p.run / p.report for p in points]
         compare_reports(folder / "compare", reports, f"sweep of {recipe}: {', '.join(axes)}", True,
                         [p.name for p in points], root=folder)  # fmt: skip

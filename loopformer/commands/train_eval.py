@@ -23,7 +23,6 @@ from loopformer.commands.common import (
     task_option,
     verify_option,
 )
-from loopformer.eval.auto_solver import DEFAULT_FRACTION
 
 
 @click.command("train")
@@ -56,7 +55,6 @@ def train(
 
     from loopformer.commands.run import training_config
     from loopformer.config.checks import check_unique
-    from loopformer.train.trainer import Trainer
 
     check_unique(overrides)
     extra = list(overrides)
@@ -81,8 +79,11 @@ def train(
         for line in describe(the_plan, cfg, source):
             click.echo(f"  {line}")
         return
+    from loopformer.train.trainer import Trainer  # after the configuration is read and checked
+
     trainer = Trainer(cfg)
-    console = Console(highlight=False, quiet=not trainer.strategy.is_main)  # rank 0 speaks under torchrun
+    # rank 0 speaks; soft_wrap: whole lines in a log file, never wrapped at 80 columns
+    console = Console(highlight=False, soft_wrap=True, quiet=not trainer.strategy.is_main)
     where = f" (resumed from {trainer.resumed_from}, step {trainer.step})" if trainer.resumed_from else ""
     console.print(f"training {cfg.model.name} ({trainer.model.num_parameters():,} parameters) on {cfg.data.task}"
                   f" for {cfg.train.steps} steps -> {cfg.out_dir}{where}")
@@ -147,8 +148,9 @@ def train(
 @click.option("--auto-solver", is_flag=True,
               help="search the registered solvers x tolerances on a held-out slice for the fewest map evaluations "
               "at the trained solver's accuracy, then evaluate the other rows with it (loopformer.eval.auto_solver)")
-@click.option("--auto-solver-slice", type=float, default=DEFAULT_FRACTION, show_default=True,
-              help="share of the held-out set the search uses (seeded; the report covers the rest)")
+@click.option("--auto-solver-slice", type=float, default=None,
+              help="share of the held-out set the search uses (seeded; the report covers the rest; default "
+              "loopformer.eval.auto_solver.DEFAULT_FRACTION, 0.25)")
 @click.option("--auto-solver-tolerance", type=float, default=0.0, show_default=True,
               help="accuracy points a candidate may lose against the trained solver on the slice")
 @click.option("--variant", "variants", multiple=True, metavar="'KEY=VALUE ...'",
@@ -157,7 +159,7 @@ def train(
 @device_option()
 def evaluate_cmd(checkpoint: str, budgets: list[int], budget_mode: str, task_options: tuple[str, ...],
                  sets: tuple[str, ...], examples: int, lens_loops: int | None, analyses: bool, ema: bool, best: bool,
-                 verify: bool, out_dir: Path | None, overwrite: bool, auto_solver: bool, auto_solver_slice: float,
+                 verify: bool, out_dir: Path | None, overwrite: bool, auto_solver: bool, auto_solver_slice: float | None,
                  auto_solver_tolerance: float, variants: tuple[str, ...], device: str) -> None:  # fmt: skip
     """Evaluate CHECKPOINT (a run folder or checkpoint folder) on its held-out set; write a report.
 
@@ -176,6 +178,10 @@ def evaluate_cmd(checkpoint: str, budgets: list[int], budget_mode: str, task_opt
 
     check_count("--examples", examples, 0)
     check_count("--lens-loops", lens_loops, 0)
+    if auto_solver_slice is None:
+        from loopformer.eval.auto_solver import DEFAULT_FRACTION
+
+        auto_solver_slice = DEFAULT_FRACTION
     check_fraction("--auto-solver-slice", auto_solver_slice, 0.0, 1.0)
     check_fraction("--auto-solver-tolerance", auto_solver_tolerance, 0.0, 100.0, closed=True)
     if auto_solver and variants:
@@ -189,7 +195,7 @@ def evaluate_cmd(checkpoint: str, budgets: list[int], budget_mode: str, task_opt
         variants=parse_variants(variants),
         auto_solver=(auto_solver_slice, auto_solver_tolerance / 100) if auto_solver else None,
     )  # fmt: skip
-    folder = evaluate_checkpoint(checkpoint, options, log=Console(highlight=False).print)
+    folder = evaluate_checkpoint(checkpoint, options, log=Console(highlight=False, soft_wrap=True).print)
     if variants:
         print_comparison(folder)
         click.echo(f"comparison: {folder / 'comparison.md'}")

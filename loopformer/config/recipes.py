@@ -171,14 +171,25 @@ def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str,
     return data
 
 
+# shipped recipes an earlier version named otherwise: the old name is refused naming the new one (as
+# ``strict.RENAMED`` does for config keys)
+RENAMED_RECIPES: dict[str, str] = {
+    "fprm_sudoku4": "default_800steps",  # read as the reverse of sudoku4_fprm, a different recipe
+}
+
+
 def find_recipe(name: str | Path, near: Sequence[Path] = (), passed: Sequence[Path] = ()) -> Path:
     """A recipe path: ``near`` (a ``base:`` beside its recipe), as given, or ``<name>[.yaml]`` in ./recipes or
     the package's recipes (RECIPE_DIR). A file of ``passed`` (the recipes of a ``base:`` chain, resolved) is
-    passed over, so a user recipe named like a shipped one can take the shipped one as its base."""
+    passed over, so a user recipe named like a shipped one can take the shipped one as its base; a renamed
+    recipe's old name (``RENAMED_RECIPES``) is refused naming the new one."""
     stem = str(name) if str(name).endswith((".yaml", ".yml")) else f"{name}.yaml"
     for path in [*near, Path(name), Path("recipes") / stem, RECIPE_DIR / stem]:
         if (path.exists() and not path.is_dir()) and path.resolve() not in passed:
             return regular_file(path, ConfigError, "recipe")  # a FIFO or a device is named, never read
+    new = RENAMED_RECIPES.get(Path(stem).stem)
+    if new is not None:
+        raise ConfigError(f"recipe {excerpt(str(name))} was renamed: use {new!r} ({str(find_recipe(new))})")
     known = sorted(p.stem for p in RECIPE_DIR.glob("*.yaml")) if RECIPE_DIR.is_dir() else []
     raise ConfigError(f"no recipe {excerpt(str(name))}{suggest(Path(stem).stem, known) if known else ''}")
 
