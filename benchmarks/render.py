@@ -254,6 +254,22 @@ def _details(r: dict[str, Any]) -> list[str]:
             + f"; chosen {s['chosen']['label']}."
         )
         lines.append("")
+    elif r["benchmark"] == "solvers" and "seeds" in d:
+        lines.append(
+            f"**{name}** (d {d['d']}, batch {d['batch']}): Broyden's map evaluations per sample, and the distance "
+            "||z - z*|| / ||z*|| at the stop and after exactly K map evaluations (K = TorchDEQ's forward count):"
+        )
+        lines.append("")
+        lines.append("| seed | loopformer evals | TorchDEQ evals | ratio | distance at stop (lf / TorchDEQ) | K "
+                     "| distance at K (lf / TorchDEQ) |")  # fmt: skip
+        lines.append("|---|---|---|---|---|---|---|")
+        for seed, row in d["seeds"].items():
+            lf, tdq, at_k = row["loopformer"], row["torchdeq"], row["distance_at_k"]
+            lines.append(
+                f"| {seed} | {lf['map_evals']:g} | {tdq['map_evals']:g} | {row['ratio']:.3f} | {lf['distance']:.1e} / "
+                f"{tdq['distance']:.1e} | {row['k']} | {at_k['loopformer']:.1e} / {at_k['torchdeq']:.1e} |"
+            )
+        lines.append("")
     elif r["benchmark"] == "solvers" and "solvers" in d:
         lines.append(f"**{d['problem']}** (tol {d['tol']}):")
         lines.append("")
