@@ -447,25 +447,25 @@ def _comb(c: Tensor, a: Tensor) -> Tensor:
     return torch.bmm(c.unsqueeze(1), a).squeeze(1)
 
 
-def _cos(a: Tensor, b: Tensor) -> Tensor:
-    """Per-sample |cosine| of two [B, D] vectors (0 for a zero vector, NaN for a non-finite one)."""
-    norms = torch.linalg.vector_norm(a, dim=1) * torch.linalg.vector_norm(b, dim=1)
-    return ((a * b).sum(1) / norms.clamp_min(torch.finfo(a.dtype).tiny)).abs()
+@functools.lru_cache(maxsize=64)
+def _age_order(n: int, newest: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+    """For a ring of n slots whose newest entry is in slot ``newest``: the slots oldest first, the inverse
+    permutation, and the identity [n, n] (the unused slots' block)."""
+    order = (torch.arange(n, device=device) + newest + 1) % n
+    return order, torch.argsort(order), torch.eye(n, dtype=torch.bool, device=device)
 
 
 def _solve_lower(pq: Tensor, valid: Tensor, rhs: Tensor, newest: int) -> Tensor:
     """``M^-1 rhs`` [B, n] over the valid slots (0 on the others) for the Galerkin matrix ``M_ij = p_i . q_j``,
     lower triangular in the pairs' age order (``p_i . q_j = 0`` for j newer than i: the conjugation), the newest
-    pair in ring slot ``newest``: one triangular solve with the slots rolled oldest first. A sample whose
+    pair in ring slot ``newest``: one triangular solve with the slots permuted oldest first. A sample whose
     solution is not finite gets zeros (its step is a Picard step)."""
-    vm = valid.to(rhs.dtype)
-    a = pq * (vm.unsqueeze(2) * vm.unsqueeze(1))
-    a.diagonal(dim1=1, dim2=2).add_(1 - vm)  # identity on the unused slots: coefficient 0
-    shift = newest + 1
-    a = torch.roll(a, (-shift, -shift), (1, 2))
-    x = torch.linalg.solve_triangular(a, torch.roll(rhs * vm, -shift, 1).unsqueeze(-1), upper=False)
-    x = torch.roll(x.squeeze(-1), shift, 1) * vm
-    return torch.where(torch.isfinite(x).all(1, keepdim=True), x, torch.zeros_like(x))
+    order, back, eye = _age_order(pq.shape[1], newest, pq.device)
+    both = valid.unsqueeze(2) & valid.unsqueeze(1)
+    a = torch.where(both, pq, eye.to(pq.dtype)).index_select(1, order).index_select(2, order)  # identity: unused
+    r = torch.where(valid, rhs, 0.0).index_select(1, order).unsqueeze(-1)
+    x = torch.linalg.solve_triangular(a, r, upper=False).squeeze(-1).index_select(1, back)
+    return torch.where(valid & torch.isfinite(x).all(1, keepdim=True), x, 0.0)
 
 
 @SOLVERS.register
@@ -529,20 +529,25 @@ class Broyden(Solver):
         pq[:, :, k] = 0
         gamma = _solve_lower(pq, valid, pg - state["pg"], (k - 1) % pq.shape[1])
         p, q = s - _comb(gamma, p_buf), y - _comb(gamma, q_buf)
-        vnorm, cut = torch.linalg.vector_norm, torch.finfo(s.dtype).eps ** 0.5
-        restart = ~(_cos(p, q) >= (opts.consistency * _cos(s, y)).clamp_min(opts.pivot))  # NaN restarts too
-        restart |= ~(vnorm(p, dim=1) >= cut * vnorm(s, dim=1)) | ~(vnorm(q, dim=1) >= cut * vnorm(y, dim=1))
+        # |cos| of the raw and the conjugated pair; a NaN fails every test below (restart, then not kept)
+        vnorm, tiny, cut = torch.linalg.vector_norm, torch.finfo(s.dtype).tiny, torch.finfo(s.dtype).eps ** 0.5
+        ns, ny, np_, nq = vnorm(s, dim=1), vnorm(y, dim=1), vnorm(p, dim=1), vnorm(q, dim=1)
+        cos_sy = ((s * y).sum(1) / (ns * ny).clamp_min(tiny)).abs()
+        cos_pq = ((p * q).sum(1) / (np_ * nq).clamp_min(tiny)).abs()
+        restart = ~(cos_pq >= (opts.consistency * cos_sy).clamp_min(opts.pivot))
+        restart |= ~(np_ >= cut * ns) | ~(nq >= cut * ny)
         valid.masked_fill_(restart.unsqueeze(1), False)
-        p, q = torch.where(restart.unsqueeze(1), s, p), torch.where(restart.unsqueeze(1), y, q)
+        rows = restart.unsqueeze(1)
+        p, q = torch.where(rows, s, p), torch.where(rows, y, q)
+        nrm, cos = torch.where(restart, ns, np_), torch.where(restart, cos_sy, cos_pq)
         # kept when finite with a pivot p . q that is not negligible (|cos| > sqrt(eps), the rank-one test)
-        nrm = vnorm(p, dim=1, keepdim=True)
-        ok = (nrm.squeeze(1) < float("inf")) & (nrm.squeeze(1) > torch.finfo(s.dtype).tiny) & (_cos(p, q) > cut)
-        scale = torch.where(ok.unsqueeze(1), 1 / nrm, 0.0)
-        p_buf[:, k] = torch.nan_to_num(p * scale, nan=0.0, posinf=0.0, neginf=0.0)
-        q_buf[:, k] = torch.nan_to_num(q * scale, nan=0.0, posinf=0.0, neginf=0.0)
-        pq[:, k, :] = _mv(q_buf, p_buf[:, k])  # p . q_j; the column p_i . q stays 0 (conjugated)
-        valid[:, k] = ok
-        pg[:, k] = (p_buf[:, k] * g).sum(1)
+        ok = ((nrm < float("inf")) & (nrm > tiny) & (cos > cut)).unsqueeze(1)
+        inv = 1 / nrm.clamp_min(tiny).unsqueeze(1)
+        p_buf[:, k] = p = torch.where(ok, p * inv, 0.0).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+        q_buf[:, k] = torch.where(ok, q * inv, 0.0).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+        pq[:, k, :] = _mv(q_buf, p)  # p . q_j; the column p_i . q stays 0 (conjugated)
+        valid[:, k] = ok.squeeze(1)
+        pg[:, k] = (p * g).sum(1)
         c = _solve_lower(pq, valid, pg, k)
         return _comb(c, p_buf) + _comb(c, q_buf), {**state, "pg": pg, "k": (k + 1) % self.opts.m}
 
