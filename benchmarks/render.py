@@ -103,7 +103,7 @@ METHODS = {
         "A trained FPRM evaluated on the same held-out puzzles two ways: the FPRM authors' evaluation (damped "
         "solver, batch-wide halting at residual 0.1, rel. sup norm; loopformer's `batch_residual` emulation, not "
         "their code) vs loopformer's per-sample halting with the solver and tolerance `--auto-solver`'s search "
-        "picks on other puzzles (fewest map evaluations at >= the authors' accuracy there). "
+        "picks on other puzzles (the fastest by measured time at >= the authors' accuracy there). "
         "`inference.fprm_vs_reference.seed<N>`: the 9x9 FPRMs of the FPRM vs TRM head-to-head (runs/sudoku9/"
         "seed<N>, 60 CPU-minutes, made by experiments/sudoku9_cpu.py) under their authors' protocol (gamma 0.997, "
         "patience 10, cap 1000, 250 a batch), 250 timed puzzles, 100 for the search; "
