@@ -107,7 +107,7 @@ METHODS = {
         "A trained FPRM evaluated on the same held-out puzzles two ways: the FPRM authors' evaluation (damped "
         "solver, batch-wide halting at residual 0.1, rel. sup norm; loopformer's `batch_residual` emulation, not "
         "their code) vs loopformer's per-sample halting with the solver and tolerance `--auto-solver`'s search "
-        "picks on other puzzles (fewest map evaluations at >= the authors' accuracy there). "
+        "picks on other puzzles (the fastest by measured time at >= the authors' accuracy there). "
         "`inference.fprm_vs_reference.seed<N>`: the 9x9 FPRMs of the FPRM vs TRM head-to-head (runs/sudoku9/"
         "seed<N>, 60 CPU-minutes, made by experiments/sudoku9_cpu.py) under their authors' protocol (gamma 0.997, "
         "patience 10, cap 1000, 250 a batch), 250 timed puzzles, 100 for the search; "
@@ -257,6 +257,22 @@ def _details(r: dict[str, Any]) -> list[str]:
             + ", ".join(f"{c['label']} {c['map_evals']:.2f}" for c in s["candidates"] if c["qualifies"])
             + f"; chosen {s['chosen']['label']}."
         )
+        lines.append("")
+    elif r["benchmark"] == "solvers" and "seeds" in d:
+        lines.append(
+            f"**{name}** (d {d['d']}, batch {d['batch']}): Broyden's map evaluations per sample, and the distance "
+            "||z - z*|| / ||z*|| at the stop and after exactly K map evaluations (K = TorchDEQ's forward count):"
+        )
+        lines.append("")
+        lines.append("| seed | loopformer evals | TorchDEQ evals | ratio | distance at stop (lf / TorchDEQ) | K "
+                     "| distance at K (lf / TorchDEQ) |")  # fmt: skip
+        lines.append("|---|---|---|---|---|---|---|")
+        for seed, row in d["seeds"].items():
+            lf, tdq, at_k = row["loopformer"], row["torchdeq"], row["distance_at_k"]
+            lines.append(
+                f"| {seed} | {lf['map_evals']:g} | {tdq['map_evals']:g} | {row['ratio']:.3f} | {lf['distance']:.1e} / "
+                f"{tdq['distance']:.1e} | {row['k']} | {at_k['loopformer']:.1e} / {at_k['torchdeq']:.1e} |"
+            )
         lines.append("")
     elif r["benchmark"] == "solvers" and "solvers" in d:
         lines.append(f"**{d['problem']}** (tol {d['tol']}):")

@@ -20,20 +20,20 @@ the solver's name (``LoopConfig(solver="anderson", plugins={"anderson": {"m": 5}
   ``(G / s + lam I) w = 1``, ``a = w / sum w``, G the Gram matrix of the g_i and s = trace(G) / n.
   The regulariser is *relative* to the Gram matrix: an absolute one dominates once residuals are
   small and makes Anderson slower than Picard. Next iterate ``sum a_i (beta f(X_i) + (1 - beta) X_i)``.
-- ``broyden``: limited-memory "good" Broyden on g(z) = f(z) - z with inverse-Jacobian estimate
-  ``H = -I + sum_i u_i v_i^T``, at most ``m`` rank-one terms; when the memory is full it restarts
-  from ``H = -I`` and forms the new term against it, so the secant condition ``H dg = dx`` holds after
-  the restart too (bounded memory; dropping only the oldest term diverges).
-Mixing coefficients (Anderson a_i, Broyden u_i v_i, damping eta) are constants for autograd:
+- ``broyden``: limited-memory multisecant "good" Broyden on g(z) = f(z) - z: the inverse-Jacobian
+  estimate ``H = -I + (P + Q)^T (P Q^T)^-1 P`` satisfies the secant equations of its last ``m``
+  (conjugated) secant pairs; on a symmetric contractive linear map its iterates are conjugate
+  gradient's followed by a Picard step (``Broyden``'s docstring).
+Mixing coefficients (Anderson a_i, Broyden's correction, damping eta) are constants for autograd:
 under ``grad="bptt"`` gradients flow through the iterates, not through the coefficients.
 
 Anderson and Broyden keep their history in preallocated batch-first buffers, written in place one slot per
 iteration (no re-stacking): Anderson a ring of the last m f(X_i) and residuals g_i with the Gram
 matrix G_ij = g_i . g_j updated by one new row per step (O(m D) instead of O(m^2 D), as the row
 vector g_k^T G^T: ``_dots``), the whole update in one no_grad region without autocast bookkeeping
-outside autocast (the per-step cost beside the map: benchmarks/bench_solvers.py); Broyden
-the rank-one terms u_i, v_i of its inverse-Jacobian estimate, applied with two batched matrix
-products. Every sample has its own history, so samples converge (and leave the batch) one by one.
+outside autocast (the per-step cost beside the map: benchmarks/bench_solvers.py); Broyden a ring
+of its secant pairs p_i, q_i with the Galerkin matrix P Q^T, one new row per step. Every sample
+has its own history, so samples converge (and leave the batch) one by one.
 """
 
 from __future__ import annotations
@@ -232,32 +232,6 @@ class Damped(Solver):
 # --------------------------------------------------------------------------------------------
 # Quasi-Newton: Anderson acceleration and limited-memory Broyden
 # --------------------------------------------------------------------------------------------
-class Terms:
-    """A batch-first buffer [B, m, D] of which the first ``n`` slots hold terms; ``len()`` is n.
-
-    The engine compacts it through ``select_rows`` (any state value may define it).
-    """
-
-    def __init__(self, buf: Tensor, n: int = 0) -> None:
-        self.buf, self.n = buf, n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def select_rows(self, rows: Tensor) -> Terms:
-        return Terms(self.buf.index_select(0, rows), self.n)
-
-    def grown(self, limit: int) -> Terms:
-        """The same terms in a buffer with twice the slots (at most ``limit``)."""
-        extra = min(self.buf.shape[1], limit - self.buf.shape[1])
-        pad = self.buf.new_zeros((self.buf.shape[0], extra, self.buf.shape[2]))
-        return Terms(torch.cat([self.buf, pad], dim=1), self.n)
-
-    @property
-    def active(self) -> Tensor:
-        return self.buf[:, : self.n]
-
-
 def _dots(terms: Tensor, y: Tensor) -> Tensor:
     """``terms @ y`` per sample, [B, n], for terms [B, n, D] and y [B, D], computed as the row vector
     ``y^T terms^T``: on CPU the matrix-vector form ``bmm(terms, y[..., None])`` is ~10x slower."""
@@ -445,66 +419,141 @@ class Anderson(Solver):
 
 @dataclass(frozen=True)
 class BroydenOptions:
-    """Limited-memory good Broyden: at most m rank-one terms, then a restart from H = -I."""
+    """Multisecant good Broyden: at most ``m`` conjugated secant pairs (the oldest is dropped when the memory is
+    full); a new pair whose conjugation leaves ``|cos(p, q)| < max(pivot, consistency |cos(s, y)|)`` restarts the
+    sample's memory from that raw pair alone."""
 
     m: int = 16
+    consistency: float = 0.3
+    pivot: float = 1e-2
 
     def __post_init__(self) -> None:
         if not isinstance(self.m, int) or isinstance(self.m, bool) or self.m < 1:
             raise option_error("broyden", "m", f"must be an integer >= 1, got {self.m!r}")
+        for name in ("consistency", "pivot"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+                raise option_error("broyden", name, f"must be in [0, 1), got {value!r}")
 
 
-def _uvy(u: Tensor, v: Tensor, y: Tensor) -> Tensor:
-    """U^T (V y) for flat y [B, D] and terms u, v [B, n, D]. (The row-vector form of ``_dots`` would
-    be faster on CPU, but Broyden's last steps at tight tolerances amplify its different rounding.)"""
-    return torch.bmm(u.transpose(1, 2), torch.bmm(v, y.unsqueeze(-1))).squeeze(-1)
+def _mv(a: Tensor, y: Tensor) -> Tensor:
+    """``a @ y`` per sample, [B, n], for a [B, n, D] and y [B, D]. In float64 (the tight tolerances) as a matrix-vector
+    product: ``_dots``'s row-vector form rounds differently and Broyden's last steps amplify it. Below float64
+    ``_dots``, much faster on one CPU thread at 4x4 Sudoku's evaluation batch (B 200, n 16, D 1024), where the
+    matrix-vector form made Broyden's update cost as much as the map (``inference.fprm_vs_reference_sudoku4``)."""
+    if a.dtype == torch.float64:
+        return torch.bmm(a, y.unsqueeze(-1)).squeeze(-1)
+    return _dots(a, y)
 
 
-def _hv(u: Tensor, v: Tensor, y: Tensor) -> Tensor:
-    """H y = -y + U^T (V y)."""
-    return -y if u.shape[1] == 0 else _uvy(u, v, y) - y
+def _comb(c: Tensor, a: Tensor) -> Tensor:
+    """``sum_i c_i a_i`` per sample, [B, D], for c [B, n] and a [B, n, D]."""
+    return torch.bmm(c.unsqueeze(1), a).squeeze(1)
 
 
-def _yh(u: Tensor, v: Tensor, y: Tensor) -> Tensor:
-    """y^T H = -y + V^T (U y) for flat y [B, D] and terms u, v [B, n, D]."""
-    return _hv(v, u, y)
+@functools.lru_cache(maxsize=64)
+def _age_order(n: int, newest: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+    """For a ring of n slots whose newest entry is in slot ``newest``: the slots oldest first, the inverse
+    permutation, and the identity [n, n] (the unused slots' block)."""
+    order = (torch.arange(n, device=device) + newest + 1) % n
+    return order, torch.argsort(order), torch.eye(n, dtype=torch.bool, device=device)
+
+
+def _solve_lower(pq: Tensor, valid: Tensor, rhs: Tensor, newest: int) -> Tensor:
+    """``M^-1 rhs`` [B, n] over the valid slots (0 on the others) for the Galerkin matrix ``M_ij = p_i . q_j``,
+    lower triangular in the pairs' age order (``p_i . q_j = 0`` for j newer than i: the conjugation), the newest
+    pair in ring slot ``newest``: one triangular solve with the slots permuted oldest first. A sample whose
+    solution is not finite gets zeros (its step is a Picard step)."""
+    order, back, eye = _age_order(pq.shape[1], newest, pq.device)
+    both = valid.unsqueeze(2) & valid.unsqueeze(1)
+    a = torch.where(both, pq, eye.to(pq.dtype)).index_select(1, order).index_select(2, order)  # identity: unused
+    r = torch.where(valid, rhs, 0.0).index_select(1, order).unsqueeze(-1)
+    x = torch.linalg.solve_triangular(a, r, upper=False).squeeze(-1).index_select(1, back)
+    return torch.where(valid & torch.isfinite(x).all(1, keepdim=True), x, 0.0)
 
 
 @SOLVERS.register
 class Broyden(Solver):
-    """Limited-memory good Broyden on g(z) = f(z) - z (H = -I + U^T V, at most m terms)."""
+    """Limited-memory multisecant good Broyden on g(z) = f(z) - z with a conjugated secant basis.
+
+    ``H ~ (dg/dz)^-1`` starts at -I (the first step is a Picard step) and satisfies the secant equations
+    ``H q_i = p_i`` of every pair it keeps, not only the last: ``H = -I + (P + Q)^T M^-1 P``, ``M = P Q^T``
+    (projected / multisecant Broyden: Gay & Schnabel 1978; "generalized Broyden's first method" of Fang &
+    Saad 2009 with H0 = -I). The step ``z - H g`` is a Galerkin projection followed by a Picard step:
+    ``c = -M^-1 P g`` and ``z_next = f(z) + (P + Q)^T c``. Each new pair ``(s, y) = (dz, dg)`` is first made
+    conjugate to the kept ones, ``(p, q) = (s, y) - sum_i gamma_i (p_i, q_i)`` with ``p_i . q = 0``, and
+    scaled to ``||p|| = 1``: M is then lower triangular in age order (two triangular solves a step), H does
+    not change (it depends on the pairs' span only), and the raw secant equation ``H dg = dz`` holds after
+    every update, also when the memory is full and the oldest conjugated pair is dropped. On a linear map
+    with symmetric W and spectral radius < 1 the iterates are, in exact arithmetic, conjugate gradient's on
+    ``(I - W) z = x`` each followed by a Picard step, for any m >= 3 (the Lanczos short recurrence keeps a new
+    pair conjugate to the dropped ones): fewer map evaluations than TorchDEQ's full-memory rank-one Broyden,
+    and closer to the fixed point at equal evaluations (benchmarks/bench_solvers.py).
+    A nonlinear map can make the kept pairs contradict the new one; the conjugated pair's curvature
+    ``|cos(p, q)|`` then collapses against the raw ``|cos(s, y)|`` a step or two before the residual rises, so
+    a sample whose pair fails ``|cos(p, q)| >= max(pivot, consistency |cos(s, y)|)`` (or shrinks to rounding,
+    ``||p|| < sqrt(eps) ||s||``) restarts from the raw pair alone (a measured rule, not a proven one).
+    Memory per sample: 2 m D numbers for the pairs and m^2 for M (the buffers grow on demand up to m).
+    """
 
     name = "broyden"
     Options = BroydenOptions
 
     def init(self, z: Tensor) -> State:
-        return {"u": Terms(torch.empty(0)), "v": Terms(torch.empty(0)), "z_prev": None, "g_prev": None}
+        return {"z_prev": None, "g_prev": None}
 
-    @torch.no_grad()
-    def _add_term(self, state: State, dx: Tensor, dg: Tensor) -> tuple[Terms, Terms]:
-        """The good-Broyden rank-one update from the last step. On a full memory the terms are dropped
-        first and the new term is formed against H = -I, so the restarted estimate satisfies the
-        secant condition ``H dg = dx``. (Forming it against the full H and then keeping it alone on
-        -I, as before, broke that condition: every restart's next step went astray, and at rho 0.99
-        the solve needed twice TorchDEQ's map evaluations.)"""
-        us, vs = state["u"], state["v"]
-        if us.buf.dim() != 3:  # first update: allocate the term buffers (grown on demand up to m)
-            shape = (dx.shape[0], min(self.opts.m, 16), dx.shape[1])
-            us = Terms(torch.zeros(shape, dtype=dx.dtype, device=dx.device))
-            vs = Terms(torch.zeros(shape, dtype=dx.dtype, device=dx.device))
-        elif us.n == us.buf.shape[1] < self.opts.m:
-            us, vs = us.grown(self.opts.m), vs.grown(self.opts.m)
-        if us.n >= self.opts.m:  # memory full: restart from H = -I *before* forming the new term
-            us, vs = Terms(us.buf, 0), Terms(vs.buf, 0)
-        vt = _yh(us.active, vs.active, dx)
-        denom = (vt * dg).sum(1, keepdim=True)
-        ok = torch.isfinite(denom) & (denom.abs() > torch.finfo(dx.dtype).tiny ** 0.5)
-        u = torch.where(ok, (dx - _hv(us.active, vs.active, dg)) / torch.where(ok, denom, 1.0), 0.0)
-        u = torch.nan_to_num(u, nan=0.0, posinf=0.0, neginf=0.0)
-        n = us.n
-        us.buf[:, n] = u
-        vs.buf[:, n] = vt
-        return Terms(us.buf, n + 1), Terms(vs.buf, n + 1)
+    def _grown(self, state: State, b: int, d: int, like: Tensor) -> State:
+        """The buffers with twice the slots (at most m; 16 to start); the ring fills slots in order before it wraps."""
+        n = state["p"].shape[1] if "p" in state else 0
+        extra = min(max(n, 16), self.opts.m - n)
+        new = {
+            "p": like.new_zeros((b, extra, d)),
+            "q": like.new_zeros((b, extra, d)),
+            "pg": like.new_zeros((b, extra)),  # p_i . g at the last step: P y = P g - P g_prev
+            "valid": torch.zeros((b, extra), dtype=torch.bool, device=like.device),
+        }
+        if not n:
+            return {**state, **new, "pq": like.new_zeros((b, extra, extra)), "k": 0}  # pq[:, i, j] = p_i . q_j
+        grown = {key: torch.cat([state[key], new[key]], 1) for key in new}
+        return {**state, **grown, "pq": torch.nn.functional.pad(state["pq"], (0, extra, 0, extra))}
+
+    def _step(self, state: State, s: Tensor, y: Tensor, g: Tensor) -> tuple[Tensor, State]:
+        """Keep the pair (s, y) and return the correction ``(P + Q)^T c`` for the residual g (in place, under
+        the caller's no_grad). About 6 m D multiply-adds: P g (P y is P g less the last step's P g_prev), the
+        conjugation, the new row Q p of M and the correction; and two m x m triangular solves."""
+        opts, k = self.opts, state.get("k", 0)
+        if "p" not in state or k == state["p"].shape[1]:
+            state = self._grown(state, s.shape[0], s.shape[1], s)
+        p_buf, q_buf, pq, valid = state["p"], state["q"], state["pq"], state["valid"]
+        pg = _mv(p_buf, g)
+        # forget slot k (the oldest pair once the memory is full) before conjugating against the others, so
+        # that the raw secant equation H y = s holds after the update
+        valid[:, k] = False
+        pq[:, k, :] = 0
+        pq[:, :, k] = 0
+        gamma = _solve_lower(pq, valid, pg - state["pg"], (k - 1) % pq.shape[1])
+        p, q = s - _comb(gamma, p_buf), y - _comb(gamma, q_buf)
+        # |cos| of the raw and the conjugated pair; a NaN fails every test below (restart, then not kept)
+        vnorm, tiny, cut = torch.linalg.vector_norm, torch.finfo(s.dtype).tiny, torch.finfo(s.dtype).eps ** 0.5
+        ns, ny, np_, nq = vnorm(s, dim=1), vnorm(y, dim=1), vnorm(p, dim=1), vnorm(q, dim=1)
+        cos_sy = ((s * y).sum(1) / (ns * ny).clamp_min(tiny)).abs()
+        cos_pq = ((p * q).sum(1) / (np_ * nq).clamp_min(tiny)).abs()
+        restart = ~(cos_pq >= (opts.consistency * cos_sy).clamp_min(opts.pivot))
+        restart |= ~(np_ >= cut * ns) | ~(nq >= cut * ny)
+        valid.masked_fill_(restart.unsqueeze(1), False)
+        rows = restart.unsqueeze(1)
+        p, q = torch.where(rows, s, p), torch.where(rows, y, q)
+        nrm, cos = torch.where(restart, ns, np_), torch.where(restart, cos_sy, cos_pq)
+        # kept when finite with a pivot p . q that is not negligible (|cos| > sqrt(eps), the rank-one test)
+        ok = ((nrm < float("inf")) & (nrm > tiny) & (cos > cut)).unsqueeze(1)
+        inv = 1 / nrm.clamp_min(tiny).unsqueeze(1)
+        p_buf[:, k] = p = torch.where(ok, p * inv, 0.0).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+        q_buf[:, k] = torch.where(ok, q * inv, 0.0).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+        pq[:, k, :] = _mv(q_buf, p)  # p . q_j; the column p_i . q stays 0 (conjugated)
+        valid[:, k] = ok.squeeze(1)
+        pg[:, k] = (p * g).sum(1)
+        c = _solve_lower(pq, valid, pg, k)
+        return _comb(c, p_buf) + _comb(c, q_buf), {**state, "pg": pg, "k": (k + 1) % self.opts.m}
 
     def update(self, z: Tensor, fz: Tensor, res: Tensor | None, state: State) -> tuple[Tensor, State, Info]:
         b = z.shape[0]
@@ -512,13 +561,12 @@ class Broyden(Solver):
             dtype = torch.promote_types(z.dtype, torch.float32)
             zf = z.detach().reshape(b, -1).to(dtype)
             gf = (fz.detach() - z.detach()).reshape(b, -1).to(dtype)
-            us, vs = state["u"], state["v"]
-            if state["z_prev"] is not None:
-                us, vs = self._add_term(state, zf - state["z_prev"], gf - state["g_prev"])
-            # z_next = z - H g = z + g - U^T (V g); the correction is a constant for autograd
-            corr = _uvy(us.active, vs.active, gf) if us.n else torch.zeros_like(gf)
-            corr = torch.nan_to_num(corr).reshape(z.shape).to(z.dtype)
-        return fz - corr, {"u": us, "v": vs, "z_prev": zf, "g_prev": gf}, {}
+            if state["z_prev"] is None:  # H = -I: a Picard step
+                return fz, {**state, "z_prev": zf, "g_prev": gf}, {}
+            corr, state = self._step(state, zf - state["z_prev"], gf - state["g_prev"], gf)
+            # z_next = z - H g = f(z) - (P + Q)^T M^-1 P g; the correction is a constant for autograd
+            corr = torch.nan_to_num(corr, nan=0.0, posinf=0.0, neginf=0.0).reshape(z.shape).to(z.dtype)
+        return fz - corr, {**state, "z_prev": zf, "g_prev": gf}, {}
 
 
 @dataclass(frozen=True)
