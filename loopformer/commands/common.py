@@ -313,6 +313,14 @@ def print_config_option(help: str = "print the resolved configuration, every mod
     return click.option("--print-config", is_flag=True, help=help)
 
 
+def plain_console(stderr: bool = False, quiet: bool = False) -> Any:
+    """The console every command prints through: whole lines (``soft_wrap``: a long path or result line is never
+    broken at 80 columns in a log file), no highlighting, characters the output's encoding lacks replaced by rich."""
+    from rich.console import Console
+
+    return Console(highlight=False, soft_wrap=True, stderr=stderr, quiet=quiet)
+
+
 def print_comparison(folder: Path) -> None:
     """The comparison in ``folder`` (its ``comparison.json``) as a table on the console, at 160 columns so a
     row stays one line; its notes (the sweep points without a report) on stderr."""

@@ -24,7 +24,14 @@ from typing import Any
 import click
 import numpy as np
 
-from loopformer.commands.common import WholeHelpGroup, out_option, overwrite_option, parse_pairs, task_option
+from loopformer.commands.common import (
+    WholeHelpGroup,
+    out_option,
+    overwrite_option,
+    parse_pairs,
+    plain_console,
+    task_option,
+)
 from loopformer.config.strict import excerpt
 from loopformer.tasks.base import Task, TaskDataError, TokenDataset
 from loopformer.tasks.prepare import DATASETS, done_message, prepare
@@ -133,7 +140,6 @@ def data() -> None:
 def generate_cmd(task_name: str, size: int | None, count: int, seed: int, out_dir: Path, task_options: tuple[str, ...],
                  fmt: str, split: str, overwrite: bool) -> None:  # fmt: skip
     """Generate COUNT examples of TASK with SEED and write them to OUT."""
-    from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     out = out_dir
@@ -149,7 +155,7 @@ def generate_cmd(task_name: str, size: int | None, count: int, seed: int, out_di
 
     check_rows("--count", count, getattr(task, "seq_len", 1))  # before any row is generated
     check_generate_target(out, fmt, split, overwrite)
-    console = Console(stderr=True)
+    console = plain_console(stderr=True)
     takes_progress = "progress" in inspect.signature(task.generate).parameters
     with Progress(
         TextColumn(f"[bold]{task_name}[/bold]"),
@@ -230,13 +236,12 @@ def write_generated(task: Task, ds: TokenDataset, out: Path, fmt: str, split: st
 @click.option("--plain", is_flag=True, help="No colour markup.")
 def show_cmd(task_name: str, file: Path, index: int, task_options: tuple[str, ...], plain: bool) -> None:
     """Render example INDEX of FILE: the input, then the label."""
-    from rich.console import Console
 
     task, _ = _make_task(task_name, parse_pairs(task_options, "--option"), file)
     ds = _load(task, file)
     if not -len(ds) <= index < len(ds):
         raise click.BadParameter(f"{index} is out of range for {len(ds)} examples", param_hint="--index")
-    console = Console(highlight=False, soft_wrap=True)  # long paths must not break lines
+    console = plain_console()  # long paths must not break lines
     x, y = ds.inputs[index], ds.labels[index]
     label = np.where(y == -100, x, y)
 
@@ -259,12 +264,11 @@ def show_cmd(task_name: str, file: Path, index: int, task_options: tuple[str, ..
 @click.option("--bins", type=int, default=10, show_default=True, help="Histogram bins (fewer if few values).")
 def stats_cmd(task_name: str, file: Path, task_options: tuple[str, ...], bins: int) -> None:
     """Print the example count and a difficulty histogram of FILE."""
-    from rich.console import Console
     from rich.table import Table
 
     task, _ = _make_task(task_name, parse_pairs(task_options, "--option"), file)
     ds = _load(task, file)
-    console = Console(highlight=False, soft_wrap=True)  # long paths must not break lines
+    console = plain_console()  # long paths must not break lines
     d = ds.difficulty
     console.print(f"{task_name} {file}: {len(ds)} examples, seq_len {ds.inputs.shape[1]}")
     if len(ds) == 0:
@@ -316,7 +320,6 @@ def prepare_cmd(name: str, out_dir: Path, from_dir: Path | None, subset: int | N
     loopformer data prepare text --from /data/fineweb-edu --shuffle --out data/fineweb-bytes
     (a memory-mapped token file the text task streams: data.options.path=data/fineweb-bytes)
     """
-    from rich.console import Console
     from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
 
     from loopformer.config.checks import check_count
@@ -325,7 +328,7 @@ def prepare_cmd(name: str, out_dir: Path, from_dir: Path | None, subset: int | N
     out = out_dir
     for option, value in (("--subset", subset), ("--augment", augment), ("--seed", seed)):
         check_count(option, value, 0)  # before the output folder is claimed
-    console = Console(stderr=True)
+    console = plain_console(stderr=True)
     with Progress(TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(), TimeRemainingColumn(),
                   console=console, transient=True) as bar:  # fmt: skip
         bars: dict[str, Any] = {}
@@ -342,7 +345,7 @@ def prepare_cmd(name: str, out_dir: Path, from_dir: Path | None, subset: int | N
             raise click.UsageError(f"--shuffle, --vocab-size and --tokens-per-byte apply to text, not {name}")
         with staged_output(out, "prepare", overwrite, "--out") as tmp:
             record = prepare(name, tmp, from_dir, subset, augment, seed, progress, cache_dir, text)
-    console = Console(stderr=True, soft_wrap=True)
+    console = plain_console(stderr=True)
     if name == "text":
         console.print(f"wrote {record['rows']['tokens']:,} tokens ({record['dtype']}, vocabulary {record['vocab_size']}, "
                       f"{record['bytes']:,} bytes, sha256 {record['sha256'][:12]}...) to {out}; train with "

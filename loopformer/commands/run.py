@@ -37,7 +37,13 @@ from typing import Any
 
 import click
 
-from loopformer.commands.common import device_option, out_option, overwrite_option, print_config_option
+from loopformer.commands.common import (
+    device_option,
+    out_option,
+    overwrite_option,
+    plain_console,
+    print_config_option,
+)
 from loopformer.devices import resolve_device
 
 DEFAULT_RECIPE = "default"
@@ -253,14 +259,13 @@ def run(recipe: str, out_dir: Path | None, overwrite: bool, resume: bool, overri
         if base_cfg is not None:
             click.echo("---\n# the baseline\n" + print_config_yaml(base_cfg), nl=False)
         return
-    from rich.console import Console
 
     from loopformer.commands.common import resume_hint
     from loopformer.files import check_inside
     from loopformer.nn import autocast
     from loopformer.train.stop import TrainingInterrupted
 
-    console = Console(highlight=False, soft_wrap=True)  # whole lines in a log file
+    console = plain_console()  # whole lines in a log file
     given = overrides
     if overwrite:
         overrides = (*overrides, "train.overwrite=true")

@@ -19,7 +19,7 @@ import numpy as np
 
 from loopformer.api import check_givens, format_answer, parse_puzzle
 from loopformer.api import solve as solve_puzzle
-from loopformer.commands.common import device_option, ema_option, json_option, verify_option
+from loopformer.commands.common import device_option, ema_option, json_option, plain_console, verify_option
 from loopformer.devices import resolve_device
 from loopformer.numerics import NumericalFaultError
 from loopformer.runs import load_run
@@ -138,9 +138,8 @@ def solve(
     if as_json:
         click.echo(json.dumps(solve_record(**{**solution.to_dict(), **common, "valid": valid})))
         return
-    from rich.console import Console
 
-    console = Console(highlight=False)
+    console = plain_console()
     render = _renderer(task, console.is_terminal)
     console.print(f"[bold]{task.name}[/bold] puzzle, checkpoint {run.path} ({run.weights} weights)")
     console.print(render(tokens, None))

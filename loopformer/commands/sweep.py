@@ -35,7 +35,7 @@ from typing import Any
 
 import click
 
-from loopformer.commands.common import budgets_option, device_option, out_option
+from loopformer.commands.common import budgets_option, device_option, out_option, plain_console
 
 EVAL_PREFIXES = ("loop_eval.", "eval.")
 
@@ -282,7 +282,6 @@ def sweep(recipe: str, grid: tuple[str, ...], out_dir: Path, budgets: list[int],
 def _sweep(recipe: str, grid: tuple[str, ...], folder: Path, axes: dict[str, Any], fixed: list[str],
            points: list[Point], budgets: list[int], max_steps: str | None, analyses: bool, device: str) -> None:  # fmt: skip
     """The sweep itself, in its locked folder (see the module docstring)."""
-    from rich.console import Console
 
     from loopformer.api import compare_reports, evaluate_checkpoint
     from loopformer.commands.common import print_comparison, resume_hint
@@ -323,7 +322,7 @@ def _sweep(recipe: str, grid: tuple[str, ...], folder: Path, axes: dict[str, Any
                 click.echo(f"{point.name}: report {report} was written {why}; evaluating again")
             options = ReportOptions(budgets=budgets, analyses=analyses, overrides=point.evaluate, device=device,
                                     out_dir=report, overwrite=True)  # fmt: skip
-            evaluate_checkpoint(run, options, log=Console(highlight=False, soft_wrap=True).print)
+            evaluate_checkpoint(run, options, log=plain_console().print)
         reports = [folder / p.run / p.report for p in points]
         compare_reports(folder / "compare", reports, f"sweep of {recipe}: {', '.join(axes)}", True,
                         [p.name for p in points], root=folder)  # fmt: skip

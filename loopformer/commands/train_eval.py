@@ -18,6 +18,7 @@ from loopformer.commands.common import (
     overwrite_option,
     parse_pairs,
     parse_variants,
+    plain_console,
     print_comparison,
     print_config_option,
     task_option,
@@ -51,7 +52,6 @@ def train(
     gpus: int,
 ) -> None:
     """Train the model of RECIPE (a name in recipes/ or a path); OVERRIDES are key=value pairs."""
-    from rich.console import Console
 
     from loopformer.commands.run import training_config
     from loopformer.config.checks import check_unique
@@ -83,7 +83,7 @@ def train(
 
     trainer = Trainer(cfg)
     # rank 0 speaks; soft_wrap: whole lines in a log file, never wrapped at 80 columns
-    console = Console(highlight=False, soft_wrap=True, quiet=not trainer.strategy.is_main)
+    console = plain_console(quiet=not trainer.strategy.is_main)
     where = f" (resumed from {trainer.resumed_from}, step {trainer.step})" if trainer.resumed_from else ""
     console.print(f"training {cfg.model.name} ({trainer.model.num_parameters():,} parameters) on {cfg.data.task}"
                   f" for {cfg.train.steps} steps -> {cfg.out_dir}{where}")
@@ -170,7 +170,6 @@ def evaluate_cmd(checkpoint: str, budgets: list[int], budget_mode: str, task_opt
     with the chosen solver. With --variant the report holds one sub-report per loop (variants/NAME/) and
     their comparison table and overlay plots, as loopformer compare writes them.
     """
-    from rich.console import Console
 
     from loopformer.api import evaluate_checkpoint
     from loopformer.config.checks import check_count, check_fraction
@@ -195,7 +194,7 @@ def evaluate_cmd(checkpoint: str, budgets: list[int], budget_mode: str, task_opt
         variants=parse_variants(variants),
         auto_solver=(auto_solver_slice, auto_solver_tolerance / 100) if auto_solver else None,
     )  # fmt: skip
-    folder = evaluate_checkpoint(checkpoint, options, log=Console(highlight=False, soft_wrap=True).print)
+    folder = evaluate_checkpoint(checkpoint, options, log=plain_console().print)
     if variants:
         print_comparison(folder)
         click.echo(f"comparison: {folder / 'comparison.md'}")
