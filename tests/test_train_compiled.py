@@ -114,7 +114,7 @@ FAMILIES = [
     ("trm", []),
     pytest.param("fprm", [], marks=pytest.mark.slow),
     pytest.param("hrm", [], marks=pytest.mark.slow),
-    pytest.param("attractor_puzzle", [], marks=pytest.mark.slow),
+    pytest.param("attractor_puzzle", ["model.jacobian_samples=2"], marks=pytest.mark.slow),  # the CPU recipe's term
     pytest.param("ltg_recurrent", ["train.loop_sampler=fixed"], marks=pytest.mark.slow),
     pytest.param("lm_transformer", [], marks=pytest.mark.slow),
 ]

@@ -212,8 +212,8 @@ class AttractorPuzzle(TRM):
         self._jac, self._probes = None, probes
         try:
             return super().forward(inputs, *args, generator=generator, **kwargs)
-        finally:
-            self._probes = None
+        finally:  # nothing of this forward kept (a compiled step would return the term held here)
+            self._jac, self._probes = None, None
 
 
 def paper_config() -> AttractorPuzzleConfig:
