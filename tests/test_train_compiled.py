@@ -125,11 +125,12 @@ def test_a_compiled_training_runs_through_its_warm_up_without_recompiling(family
     """12 compiled steps inside a 20-step warm-up (the rate changes every step; so do the step, the EMA weight
     and MuonAdamW's momentum): at most one recompilation (dynamo's graph count), no fallback, and every step's
     loss, the weights and the EMA equal the eager run's. In float64 (the default dtype while the trainers are
-    built): in float32 a halting decision or a sign-SGD row flips on a rounding difference within a few steps
+    built; no bf16 autocast): in float32 a halting decision or a sign-SGD row flips on a rounding difference within a few steps
     and the runs part (TRM: step 7), so the comparison is made where rounding cannot decide it. ``aot_eager``:
     Dynamo and AOT autograd as inductor sees them, without generating C++ (``..._with_inductor``: the real
     backend)."""
-    over = ["train.warmup_steps=20", "train.ema_warmup=true", *extra]
+    over = ["train.warmup_steps=20", "train.ema_warmup=true", "bf16=false", "loop_train.state_dtype=auto",
+            "loop_eval.state_dtype=auto", *extra]
     before = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
     try:
