@@ -5,6 +5,7 @@ C++ (seconds instead of minutes on this machine); the inductor run is ``slow``."
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
@@ -163,4 +164,32 @@ def test_a_compiled_training_runs_through_its_warm_up_without_recompiling(family
     finally:
         eager.folder.close()
         compiled.folder.close()
+        torch._dynamo.reset()
+
+
+def test_the_recompile_limit_falls_back_to_the_eager_step(tmp_path: Path, monkeypatch, caplog) -> None:
+    """A recompile-limit failure (``FailOnRecompileLimitHit``: fullgraph's hard failure, not a dynamo exception)
+    falls back like any compile failure: logged once with its reason, the run steps eagerly with the optimiser's
+    state as the compiled steps left it. A new clipping norm after the first step (a constant of the graph)
+    recompiles; a limit of 1 makes that recompilation fail."""
+    tr = small_trainer("trm", tmp_path / "run", "compile=true", "train.warmup_steps=20")
+    tr.compiled = CompiledStep(tr, backend="eager")
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)  # the fallback's looped body, uncompiled here
+    torch._dynamo.reset()
+    try:
+        with caplog.at_level("WARNING", logger="loopformer"):
+            losses = []
+            for _ in range(3):
+                losses.append(tr.train_step()["loss"])
+                tr.step += 1
+                tr.config.train.grad_clip += 0.5
+        assert tr.compiled is None and all(math.isfinite(v) for v in losses)
+        said = [r.getMessage() for r in caplog.records if "torch.compile of the whole step failed" in r.getMessage()]
+        assert len(said) == 1 and "FailOnRecompileLimitHit" in said[0], said
+        opt = tr.optimizer
+        counts = {float(st["step"]) for st in opt.state.values() if "step" in st}
+        assert counts == {3.0}, counts  # one compiled step, then two eager ones, each counted once
+    finally:
+        tr.folder.close()
         torch._dynamo.reset()
