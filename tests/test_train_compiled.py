@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch._dynamo
-
 from torch._dynamo.utils import counters
 
 from loopformer.config import load_config
