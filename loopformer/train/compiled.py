@@ -84,7 +84,7 @@ class CompiledStep:
         model's random draws from the step's generator."""
         tr, opt = self.tr, self.tr.optimizer
         if self._state != (id(opt.state), len(opt.state)):  # first call, a load or a reset optimiser
-            self.groups = tensor_groups(opt)
+            self.groups = tensor_groups(opt, tr.params)
             self._state = (id(opt.state), len(opt.state))
         muon = opt.advance_schedules() if isinstance(opt, MuonAdamW) else []
         scalars = torch.tensor([lr, step, ema_weight, *muon], dtype=torch.float64).to(tr.device, non_blocking=True)

@@ -800,13 +800,17 @@ class TensorGroup:
     muon: int = -1  # this Muon group's (momentum, weight decay) at muon, muon + 1 of the per-step values
 
 
-def tensor_groups(opt: torch.optim.Optimizer) -> list[TensorGroup]:
+def tensor_groups(opt: torch.optim.Optimizer, params: list[Tensor]) -> list[TensorGroup]:
     """``opt``'s groups (AdamW, AdamWSignSGD, AdamATan2, MuonAdamW) as a compiled step reads them, made on the host:
-    missing state created, step counts float32 on the parameters' device. A compiled region reads these, never
+    missing state created, step counts float32 on the parameters' device, each parameter's position in ``params``
+    (the list the step differentiates: its gradients come in that order). A compiled region reads these, never
     ``param_groups``: Dynamo guards every value it reads there, and the rate changes every step of a warm-up."""
     if isinstance(opt, MuonAdamW):
         opt.init_states(every=True)
-    position = {id(p): i for i, p in enumerate(p for g in opt.param_groups for p in g["params"])}
+    position = {id(p): i for i, p in enumerate(params)}
+    missing = [i for i, p in enumerate(p for g in opt.param_groups for p in g["params"]) if id(p) not in position]
+    if missing:
+        raise ValueError(f"tensor_groups: the optimiser's parameters {missing[:5]} are not among the {len(params)} given")
     out, muon = [], 0
     for group in opt.param_groups:
         kind = "sign_sgd" if group.get("sign_sgd") else group.get("kind", "atan2" if isinstance(opt, AdamATan2) else "adam")
