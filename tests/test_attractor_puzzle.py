@@ -102,6 +102,47 @@ def test_jacobian_term_equals_the_explicit_jacobian() -> None:
     assert any(gr is not None and float(gr.abs().sum()) > 0 for gr in grads)  # differentiable in the weights
 
 
+def test_jacobian_term_has_the_double_backward_value_and_gradient() -> None:
+    """The ``torch.func.vjp`` form (traceable by torch.compile) against the reference's form, double backward at
+    ``z.detach().requires_grad_()``: the same value and the same gradient in the weights and the injection
+    (float64)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    model = _tiny(jacobian_samples=1)
+    model.train()
+    g = torch.Generator().manual_seed(5)
+    z, inj, v = (torch.randn(2, 6, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    inj.requires_grad_(True)
+    model.jacobian_probe = v
+    weights = [p for p in model.parameters() if p.requires_grad]
+    new = model.jacobian_term(z, inj)
+    z_in = z.detach().requires_grad_(True)
+    with sdpa_kernel(SDPBackend.MATH):
+        (jtv,) = torch.autograd.grad((v * model.net(z_in, inj)).sum(), z_in, create_graph=True)
+    old = jtv.pow(2).mean()
+    torch.testing.assert_close(new.double(), old, rtol=1e-12, atol=0)
+    for a, b in zip(torch.autograd.grad(new, [*weights, inj], allow_unused=True),
+                    torch.autograd.grad(old, [*weights, inj], allow_unused=True)):  # fmt: skip
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-14)
+
+
+def test_compiled_step_draws_the_probes_the_eager_step_draws() -> None:
+    """``training_draws`` from the step's generator gives the probes an eager forward draws from it."""
+    model = _tiny(jacobian_samples=2).float()
+    model.train()
+    tokens = torch.randint(0, 5, (3, 6))
+    drawn = model.training_draws(tokens, torch.Generator().manual_seed(7))["probes"]
+    seen = []
+    term = model.jacobian_term
+    model.jacobian_term = lambda z, inj: (seen.append(model._probes), term(z, inj))[1]  # type: ignore[method-assign]
+    model(tokens, generator=torch.Generator().manual_seed(7))
+    assert drawn.shape == (2, 3, 6, 8) and torch.equal(seen[0], drawn)
+    model.eval()
+    assert model.training_draws(tokens, None) == {}
+
+
 def test_aux_loss_only_in_training_mode() -> None:
     model = _tiny(jacobian_samples=1)
     tokens = torch.randint(0, 5, (2, 6))

@@ -34,7 +34,8 @@ evaluation).
   the reference their *value* is kept (``net^K(z*)``, not ``z*``), also in the no-gradient cycles.
 - Jacobian regulariser (Bai, Koltun and Kolter 2021; reference ``_InnerDEQ.forward``): at the
   returned ``z_L`` of the differentiable cycle, ``mean((J^T v)^2)`` with ``v ~ N(0, 1/d)``, ``J``
-  the Jacobian of ``f`` (double backward, ``create_graph``), averaged over ``jacobian_samples``
+  the Jacobian of ``f`` (``torch.func.vjp``: the reference's double backward in a form ``torch.compile`` traces;
+  the probes drawn ahead, ``training_draws``, in a compiled step), averaged over ``jacobian_samples``
   probes. It is ``ModelOutput.aux_loss``, weighted by ``train.ponder_weight``: the reference adds
   ``lambda * jac`` to a loss it sums over the batch and divides by the global batch, so the weight
   here is ``lambda / global_batch`` (1e-3 / 768 in the paper recipes). Computed in training mode
@@ -143,7 +144,7 @@ class AttractorPuzzle(TRM):
             solver="picard", halting="fixed", max_steps=config.bptt_through, grad="bptt", trace=False
         )
         self._jac: Tensor | None = None
-        self._generator: torch.Generator | None = None
+        self._probes: Tensor | None = None  # this forward's Jacobian probes (training_draws)
         self.last_inner: LoopResult | None = None  # the latest inner solve (steps, residuals)
         self.inner_steps: list[Tensor] = []  # map evaluations per row of each inner solve of the latest eval forward
         self.jacobian_probe: Tensor | None = None  # tests: a fixed probe v instead of a random one
@@ -164,22 +165,34 @@ class AttractorPuzzle(TRM):
         return z
 
     def jacobian_term(self, z: Tensor, injection: Tensor) -> Tensor:
-        """``mean((J^T v)^2)`` at ``z`` (reference ``_InnerDEQ``), differentiable in the parameters."""
-        d = z.shape[-1]
-        total = z.new_zeros((), dtype=torch.float32)
-        for _ in range(self.config.jacobian_samples):
-            if self.jacobian_probe is not None:
-                v = self.jacobian_probe.to(z.dtype)
-            else:
-                noise = torch.randn(z.shape, generator=self._generator, device=z.device, dtype=z.dtype)
-                v = noise / math.sqrt(d)
-            z_in = z.detach().requires_grad_(True)
-            # the math kernel: the fused (flash) attention kernels have no double backward
-            with torch.enable_grad(), sdpa_kernel(SDPBackend.MATH):
-                fz = self.net(z_in, injection)
-                (jtv,) = torch.autograd.grad((v * fz).sum(), z_in, create_graph=True)
-            total = total + jtv.float().pow(2).mean()
-        return total / self.config.jacobian_samples
+        """``mean((J^T v)^2)`` at ``z`` (reference ``_InnerDEQ``), differentiable in the parameters and the injection.
+        ``J^T v`` by ``torch.func.vjp`` of the net at the detached ``z``: the reference's double backward
+        (``autograd.grad(..., create_graph=True)`` at ``z.detach().requires_grad_()``) written as a function
+        transform, which ``torch.compile`` traces into the training step's graph (the same value and gradient:
+        tests/test_attractor_puzzle.py, float64)."""
+        if self.jacobian_probe is not None:
+            probes = [self.jacobian_probe]
+        else:
+            probes = self._probes if self._probes is not None else self.draw_probes(z.shape, None, z.device)
+        # the math kernel: the fused (flash) attention kernels have no double backward
+        with torch.enable_grad(), sdpa_kernel(SDPBackend.MATH):
+            _, vjp = torch.func.vjp(lambda t: self.net(t, injection), z.detach())
+            wide = torch.promote_types(z.dtype, torch.float32)  # bfloat16 squared in float32
+            total = sum(vjp(v.to(z.dtype))[0].to(wide).pow(2).mean() for v in probes)
+        return total / len(probes)
+
+    def draw_probes(self, shape: torch.Size | tuple[int, ...], generator: torch.Generator | None,
+                    device: torch.device) -> Tensor:  # fmt: skip
+        """The Jacobian term's ``jacobian_samples`` probes ``v ~ N(0, 1/d)`` of ``shape`` (float32), drawn in turn."""
+        draw = [torch.randn(shape, generator=generator, device=device) for _ in range(self.config.jacobian_samples)]
+        return torch.stack(draw) / math.sqrt(shape[-1])
+
+    def training_draws(self, inputs: Tensor, generator: torch.Generator | None) -> dict[str, Tensor]:
+        c = self.config
+        if not (self.training and c.jacobian_samples > 0 and self.jacobian_probe is None):
+            return {}
+        return {"probes": self.draw_probes((inputs.shape[0], inputs.shape[1] + c.puzzle_emb_len, c.d_model),
+                                           generator, inputs.device)}  # fmt: skip
 
     # -- the model contract ---------------------------------------------------------------------
     def step(self, z: Tensor, *ctx: Tensor) -> Tensor:
@@ -200,13 +213,17 @@ class AttractorPuzzle(TRM):
         return (inner + self.config.bptt_through + 1) * self.config.n_layers
 
     def forward(
-        self, inputs: Tensor, *args, generator: torch.Generator | None = None, **kwargs
-    ) -> ModelOutput:
-        self._jac, self._generator, self.inner_steps = None, generator, []
+        self, inputs: Tensor, *args, generator: torch.Generator | None = None, probes: Tensor | None = None,
+        **kwargs,
+    ) -> ModelOutput:  # fmt: skip
+        """``probes``: the Jacobian term's, drawn ahead (``training_draws``; a compiled step), else drawn here."""
+        if probes is None and torch.is_grad_enabled():
+            probes = self.training_draws(inputs, generator).get("probes")
+        self._jac, self._probes, self.inner_steps = None, probes, []
         try:
             return super().forward(inputs, *args, generator=generator, **kwargs)
-        finally:
-            self._generator = None
+        finally:  # nothing of this forward kept (a compiled step would return the term held here)
+            self._jac, self._probes = None, None
 
 
 def paper_config() -> AttractorPuzzleConfig:

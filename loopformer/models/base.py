@@ -97,6 +97,11 @@ class LoopedModel(nn.Module):
         """Extra training loss from the loop (e.g. ponder cost); None by default."""
         return None
 
+    def training_draws(self, inputs: Tensor, generator: torch.Generator | None) -> dict[str, Tensor]:
+        """The random tensors a training forward on ``inputs`` draws from its generator after ``init_state``, drawn
+        ahead: ``forward``'s keyword arguments for a compiled step, which takes no generator (none by default)."""
+        return {}
+
     # -- the engine call --------------------------------------------------------------------------
     def forward(
         self,

@@ -71,6 +71,8 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -178,7 +180,6 @@ class AdamATan2(torch.optim.Optimizer):
     def _adam_atan2(
         self, params: list[Tensor], lr: float, wd: float, betas: tuple[float, float], skip: Tensor | None
     ) -> None:
-        b1, b2 = betas
         states = [self.state[p] for p in params]
         for p, state in zip(params, states):
             if not state:
@@ -188,27 +189,45 @@ class AdamATan2(torch.optim.Optimizer):
         # group the parameters by their step count (one in practice): each subgroup shares its scalars
         for t, idx in self._steps.advance(params, states).items():
             ps = [params[i] for i in idx]
-            ms, vs = [states[i]["exp_avg"] for i in idx], [states[i]["exp_avg_sq"] for i in idx]
-            gs = [p.grad for p in ps]
-            olds = (ps, ms, vs)
-            if skip is not None:  # the update works on copies; a skipped step keeps the originals
-                ps, ms, vs = (torch._foreach_mul(x, 1.0) for x in olds)
-            torch._foreach_mul_(ps, 1 - lr * wd)
-            torch._foreach_lerp_(ms, gs, 1 - b1)
-            torch._foreach_mul_(vs, b2)
-            torch._foreach_addcmul_(vs, gs, gs, value=1 - b2)
-            denom = torch._foreach_sqrt(vs)
-            torch._foreach_div_(denom, math.sqrt(1 - b2**t))
-            updates = [torch.atan2(m, d) for m, d in zip(ms, denom)]
-            torch._foreach_add_(ps, updates, alpha=-lr / (1 - b1**t))
-            if skip is not None:
-                for old_list, new_list in zip(olds, (ps, ms, vs)):
-                    for old, new in zip(old_list, new_list):
-                        torch.where(skip, old, new, out=old)
+            adam_(ps, [p.grad for p in ps], [states[i]["exp_avg"] for i in idx],
+                  [states[i]["exp_avg_sq"] for i in idx], lr, t, betas, wd, None, skip)  # fmt: skip
+
+
+def adam_(
+    params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
+    lr: float | Tensor, t: float | Tensor, betas: tuple[float, float], weight_decay: float | Tensor,
+    eps: float | None, skip: Tensor | None = None,
+) -> None:  # fmt: skip
+    """One Adam step of ``params`` in place, over every tensor at once (``torch._foreach_*``): ``torch.optim.AdamW``'s
+    ``p <- p (1 - lr wd) - lr / (1 - b1^t) m / (sqrt(v / (1 - b2^t)) + eps)``, or with ``eps`` None AdamATan2's
+    ``atan2(m, sqrt(v / (1 - b2^t)))`` in place of the quotient. The one Adam update of every optimiser here, eager
+    and compiled: ``lr``, ``weight_decay`` and the step count after this step ``t`` are numbers (eager) or 0-dim
+    tensors (a compiled step: a new value does not recompile). ``skip`` (a 0-dim bool tensor): where true, every
+    tensor keeps its value."""
+    b1, b2 = betas
+    olds = (params, exp_avgs, exp_avg_sqs)
+    ps, ms, vs = olds if skip is None else (torch._foreach_mul(x, 1.0) for x in olds)  # a skip: work on copies
+    torch._foreach_mul_(ps, 1 - lr * weight_decay)
+    torch._foreach_lerp_(ms, grads, 1 - b1)
+    torch._foreach_mul_(vs, b2)
+    torch._foreach_addcmul_(vs, grads, grads, value=1 - b2)
+    denom = torch._foreach_sqrt(vs)
+    torch._foreach_div_(denom, (1 - b2**t) ** 0.5)
+    if eps is None:
+        steps = [torch.atan2(m, d) for m, d in zip(ms, denom)]
+    else:
+        torch._foreach_add_(denom, eps)
+        steps = torch._foreach_div(ms, denom)
+    torch._foreach_mul_(steps, -lr / (1 - b1**t))
+    torch._foreach_add_(ps, steps)
+    if skip is not None:
+        for old_list, new_list in zip(olds, (ps, ms, vs)):
+            for old, new in zip(old_list, new_list):
+                old.copy_(torch.where(skip, old, new))
 
 
 def sign_sgd_rows_(
-    p: Tensor, grad: Tensor, lr: float, weight_decay: float, skip: Tensor | None = None
+    p: Tensor, grad: Tensor, lr: float | Tensor, weight_decay: float, skip: Tensor | None = None
 ) -> None:
     """TRM / HRM's sparse-embedding step on the rows with a gradient: decay them, step by ``-lr sign(g)``.
     The rows are chosen with ``torch.where`` over the whole table (no host read to find them); ``skip``
@@ -216,7 +235,7 @@ def sign_sgd_rows_(
     rows = grad.reshape(grad.shape[0], -1).ne(0).any(-1) if grad.dim() > 1 else grad.ne(0)
     if skip is not None:
         rows = rows & ~skip
-    stepped = p.mul(1 - lr * weight_decay).add_(grad.sign(), alpha=-lr)
+    stepped = p * (1 - lr * weight_decay) - lr * grad.sign()  # lr: a number, or a 0-dim tensor (compiled)
     p.copy_(torch.where(rows.view(-1, *([1] * (p.dim() - 1))), stepped, p))
 
 
@@ -538,14 +557,19 @@ def polar_express(g: Tensor, steps: int = 5, dtype: torch.dtype = torch.bfloat16
     return x
 
 
-def _as(value: float, dtype: torch.dtype) -> Tensor:
-    """A scalar as the reference passes it: a float32 tensor cast to ``dtype``."""
-    return torch.tensor(value, dtype=torch.float32).to(dtype)
+def _as(value: float | Tensor, dtype: torch.dtype) -> Tensor:
+    """A scalar as the reference passes it: a float32 tensor cast to ``dtype`` (a tensor: float64 from the host)."""
+    return (value if isinstance(value, Tensor) else torch.tensor(value)).to(torch.float32).to(dtype)
 
 
-def muon_update_(p: Tensor, grad: Tensor, m: Tensor, v: Tensor, group: dict, chunks: int) -> None:
-    """One Muon step of ``p`` in place (momentum ``m``, second moments ``v``: ``chunks`` stacked)."""
-    mom = _as(group["momentum"], grad.dtype)
+def muon_update_(
+    p: Tensor, grad: Tensor, m: Tensor, v: Tensor, group: dict, chunks: int,
+    step: tuple[float | Tensor, float | Tensor, float | Tensor] | None = None,
+) -> None:  # fmt: skip
+    """One Muon step of ``p`` in place (momentum ``m``, second moments ``v``: ``chunks`` stacked); ``step``: this
+    step's (lr, momentum, weight decay), 0-dim float64 tensors in a compiled step (default: the group's)."""
+    lr, momentum, weight_decay = step if step is not None else (group["lr"], group["momentum"], group["weight_decay"])
+    mom = _as(momentum, grad.dtype)
     m.lerp_(grad, 1 - mom)
     u = grad.lerp(m, mom).reshape(chunks, p.shape[0] // chunks, *p.shape[1:])
     rows, cols = u.shape[-2], u.shape[-1]
@@ -559,29 +583,10 @@ def muon_update_(p: Tensor, grad: Tensor, m: Tensor, v: Tensor, group: dict, chu
     scale = v.clamp_min(1e-10).rsqrt()
     after = ((sq * n) * scale.to(acc).square()).sum(dim=(-2, -1), keepdim=True).sqrt()
     x = (x * (scale * (before / after.clamp_min(1e-10))).to(x.dtype)).reshape(p.shape)
-    lr = _as(group["lr"] * max(1.0, rows / cols) ** 0.5, x.dtype)
-    wd = _as(group["weight_decay"], x.dtype)
+    lr = _as(lr * max(1.0, rows / cols) ** 0.5, x.dtype)
+    wd = _as(weight_decay, x.dtype)
     mask = (x * p) >= 0
     p.sub_(lr * x + lr * wd * p * mask)
-
-
-def adamw_update_(p: Tensor, state: dict, group: dict, t: float | None = None) -> None:
-    """``torch.optim.AdamW``'s update of ``p`` (state ``step``, ``exp_avg``, ``exp_avg_sq``); ``t``: the step
-    count after this step when the caller keeps it on the host (else it is read from the state)."""
-    if not state:
-        state["step"] = torch.zeros((), dtype=torch.float32)
-        state["exp_avg"] = torch.zeros_like(p)
-        state["exp_avg_sq"] = torch.zeros_like(p)
-    (b1, b2), lr = group["betas"], group["lr"]
-    if t is None:
-        state["step"] += 1
-        t = float(state["step"])
-    m, v, g = state["exp_avg"], state["exp_avg_sq"], p.grad
-    p.mul_(1 - lr * group["weight_decay"])
-    m.lerp_(g, 1 - b1)
-    v.lerp_(g.square(), 1 - b2)
-    denom = (v / (1 - b2**t)).sqrt().add_(group["eps"])
-    p.addcdiv_(m, denom, value=-lr / (1 - b1**t))
 
 
 class MuonAdamW(torch.optim.Optimizer):
@@ -605,6 +610,10 @@ class MuonAdamW(torch.optim.Optimizer):
         super().load_state_dict(state_dict)
         self._steps = HostSteps()
 
+    def reread_step_counts(self) -> None:
+        """See ``AdamATan2.reread_step_counts``."""
+        self._steps = HostSteps()
+
     @staticmethod
     def schedule_(group: dict) -> None:
         """Set a Muon group's momentum and weight decay for its step ``t`` (``scripts/train.py``)."""
@@ -622,32 +631,45 @@ class MuonAdamW(torch.optim.Optimizer):
         if closure is not None:
             raise ValueError("MuonAdamW.step takes no closure")
         skip = None if self.found_inf is None else self.found_inf.bool()
-        self._init_states()
+        self.init_states()
         saved = self._snapshot() if skip is not None else []
+        self.advance_schedules()
         for group in self.param_groups:
             if group["kind"] == "adamw":
                 params = [p for p in group["params"] if p.grad is not None]
                 states = [self.state[p] for p in params]
                 for t, idx in self._steps.advance(params, states).items():
-                    for i in idx:
-                        adamw_update_(params[i], states[i], group, t)
+                    ps = [params[i] for i in idx]
+                    adam_(ps, [p.grad for p in ps], [states[i]["exp_avg"] for i in idx],
+                          [states[i]["exp_avg_sq"] for i in idx], group["lr"], t, group["betas"],
+                          group["weight_decay"], group["eps"])  # fmt: skip
                 continue
-            self.schedule_(group)
             for p, chunks in zip(group["params"], group["chunks"]):
                 self._muon(p, group, chunks)
-            group["t"] += 1
         for old, new in saved:  # a skipped step: every weight and moment keeps its value (on the device)
             torch.where(skip, old, new, out=new)
 
-    def _init_states(self) -> None:
-        """The state of every parameter this step updates for the first time (before any snapshot)."""
+    def advance_schedules(self) -> list[float]:
+        """Set each Muon group's momentum and weight decay for this step and count the step (``schedule_``);
+        ``[momentum, weight decay]`` of each Muon group in turn (a compiled step takes them as tensors)."""
+        out = []
+        for group in self.param_groups:
+            if group["kind"] == "muon":
+                self.schedule_(group)
+                group["t"] += 1
+                out += [group["momentum"], group["weight_decay"]]
+        return out
+
+    def init_states(self, every: bool = False) -> None:
+        """The state of every parameter this step updates for the first time (before any snapshot); ``every``:
+        of the AdamW groups' parameters without a gradient too (a compiled step keeps no ``.grad``)."""
         for group in self.param_groups:
             for p, chunks in zip(group["params"], group.get("chunks", [1] * len(group["params"]))):
                 state = self.state[p]
                 if state:
                     continue
                 if group["kind"] == "adamw":
-                    if p.grad is not None:
+                    if p.grad is not None or every:
                         state["step"] = torch.zeros((), dtype=torch.float32)
                         state["exp_avg"], state["exp_avg_sq"] = torch.zeros_like(p), torch.zeros_like(p)
                     continue
@@ -669,7 +691,7 @@ class MuonAdamW(torch.optim.Optimizer):
         return out
 
     def _muon(self, p: Tensor, group: dict, chunks: int) -> None:
-        state = self.state[p]  # made by _init_states
+        state = self.state[p]  # made by init_states
         grad = p.grad if p.grad is not None else torch.zeros_like(p)  # the reference: None as zeros
         muon_update_(p, grad, state["momentum_buffer"], state["row_var"], group, chunks)
 
@@ -760,3 +782,86 @@ class HostSteps:
             state["step"] += 1
             groups.setdefault(t, []).append(i)
         return groups
+
+
+# --------------------------------------------------------------------------------------------
+# The update of a compiled step: every per-step value a tensor
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TensorGroup:
+    """One parameter group as a compiled step updates it (``tensor_groups``): the positions of its parameters in
+    the optimiser's list, their state tensors, its constant settings; the per-step values enter as tensors."""
+
+    kind: str  # adam | atan2 | sign_sgd | muon
+    index: tuple[int, ...]
+    state: tuple[tuple[Tensor, ...], ...]  # per parameter: (exp_avg, exp_avg_sq, step) | (momentum_buffer, row_var)
+    rate: float  # the group's multiple of the scheduled rate (lr_mult, lr_scale)
+    settings: dict[str, Any]  # betas, eps, weight_decay | beta2, ns_steps, ns_dtype; chunks per parameter
+    muon: int = -1  # this Muon group's (momentum, weight decay) at muon, muon + 1 of the per-step values
+
+
+def tensor_groups(opt: torch.optim.Optimizer, params: list[Tensor]) -> list[TensorGroup]:
+    """``opt``'s groups (AdamW, AdamWSignSGD, AdamATan2, MuonAdamW) as a compiled step reads them, made on the host:
+    missing state created, step counts float32 on the parameters' device, each parameter's position in ``params``
+    (the list the step differentiates: its gradients come in that order). A compiled region reads these, never
+    ``param_groups``: Dynamo guards every value it reads there, and the rate changes every step of a warm-up."""
+    if isinstance(opt, MuonAdamW):
+        opt.init_states(every=True)
+    position = {id(p): i for i, p in enumerate(params)}
+    missing = [i for i, p in enumerate(p for g in opt.param_groups for p in g["params"]) if id(p) not in position]
+    if missing:
+        raise ValueError(f"tensor_groups: the optimiser's parameters {missing[:5]} are not among the {len(params)} given")
+    out, muon = [], 0
+    for group in opt.param_groups:
+        kind = "sign_sgd" if group.get("sign_sgd") else group.get("kind", "atan2" if isinstance(opt, AdamATan2) else "adam")
+        kind = "adam" if kind == "adamw" else kind
+        params, state = group["params"], []
+        for p in params if kind in ("adam", "atan2") else ():
+            st = opt.state[p]
+            if not st:
+                st["exp_avg"], st["exp_avg_sq"] = torch.zeros_like(p), torch.zeros_like(p)
+                st["step"] = torch.zeros((), dtype=torch.float32)
+            st["step"] = st["step"].to(device=p.device, dtype=torch.float32)
+            state.append((st["exp_avg"], st["exp_avg_sq"], st["step"]))
+        state += [(opt.state[p]["momentum_buffer"], opt.state[p]["row_var"]) for p in params if kind == "muon"]
+        keys = ("betas", "eps", "weight_decay", "beta2", "ns_steps", "ns_dtype", "chunks")
+        out.append(TensorGroup(kind, tuple(position[id(p)] for p in params), tuple(state),
+                               group.get("lr_mult", 1.0) * group.get("lr_scale", 1.0),
+                               {k: group[k] for k in keys if k in group}, muon if kind == "muon" else -1))  # fmt: skip
+        muon += 2 * (kind == "muon")
+    if isinstance(opt, AdamATan2 | MuonAdamW):
+        opt.reread_step_counts()  # the eager step re-reads the (moved) counts if it runs again
+    return out
+
+
+def tensor_update_(
+    groups: list[TensorGroup], params: list[Tensor], grads: list[Tensor | None], lr: Tensor, muon: Tensor,
+    skip: Tensor,
+) -> None:  # fmt: skip
+    """The optimiser step of ``tensor_groups`` in a compiled region, with the same updates as the eager step
+    (``adam_``, ``sign_sgd_rows_``, ``muon_update_``): ``grads[i]`` of ``params[i]`` (None: no gradient), the
+    scheduled rate ``lr`` and the Muon groups' (momentum, weight decay) ``muon`` as float64 tensors; where ``skip``,
+    every tensor keeps its value. Each step count advances unless skipped."""
+    keep = ~skip
+    for group in groups:
+        rate, s = lr * group.rate, group.settings
+        for j, i in enumerate(group.index):
+            p, g = params[i], grads[i]
+            if group.kind == "sign_sgd":
+                if g is not None:
+                    sign_sgd_rows_(p, g, rate, s["weight_decay"], skip)
+            elif group.kind == "muon":
+                m, v = group.state[j]
+                olds = [t.clone() for t in (p, m, v)]
+                muon_update_(p, torch.zeros_like(p) if g is None else g, m, v, s, s["chunks"][j],
+                             (rate, muon[group.muon], muon[group.muon + 1]))  # fmt: skip
+                for old, new in zip(olds, (p, m, v)):
+                    new.copy_(torch.where(skip, old, new))
+            elif g is not None:
+                m, v, t = group.state[j]
+                t.add_(keep.to(t.dtype))
+                eps = s["eps"] if group.kind == "adam" else None
+                # the count is float32 (exact to 2^24; a float64 0-dim input loses its in-place update under AOT
+                # autograd, torch 2.13), its bias corrections in the parameter's precision where that is wider
+                wide = t.to(torch.promote_types(p.dtype, t.dtype))
+                adam_([p], [g], [m], [v], rate, wide, s["betas"], s["weight_decay"], eps, skip)

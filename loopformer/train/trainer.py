@@ -586,10 +586,11 @@ class Trainer:
         try:
             weight = 0.0 if self.ema is None else 1.0 - self.ema.decay_at(self.step)
             res = self.compiled(batch, lr, self.step, weight)
-        except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.BackendCompilerFailed) as err:
-            # tracing failed (nothing ran): this run steps eagerly from here on, its looped body compiled
-            log.warning("torch.compile of the whole step failed (%s); compiling the looped body only",
-                        str(err).strip().splitlines()[0])  # fmt: skip
+        except self.compiled.FAILURES as err:
+            # tracing, code generation or the recompile limit failed (nothing ran): this run steps eagerly from
+            # here on, its looped body compiled; said once
+            log.warning("torch.compile of the whole step failed (%s: %s); compiling the looped body only",
+                        type(err).__name__, (str(err).strip().splitlines() or [""])[0])  # fmt: skip
             self.compiled = None
             self.model.step = torch.compile(self.model.step)  # type: ignore[method-assign]
             return self._update(batch)
