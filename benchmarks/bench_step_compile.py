@@ -53,9 +53,16 @@ def _family(name: str, tmp: Path, quick: bool) -> Result:
     details["times"] = summary(times)
     ratio = paired_ratio(times, "eager", "compiled")
     what = "whole step" if details["compiled_whole"] else "looped body only"
+    # the trade: compiling costs the warm-up's time beyond its steps at the compiled rate, and each later step
+    # saves (eager - compiled); the break-even step count is their ratio (none when compiling is slower)
+    eager_s, compiled_s = details["times"]["eager"]["median_s"], details["times"]["compiled"]["median_s"]
+    details["compile_s"] = round(details["warmup_s"] - (2 if quick else 4) * compiled_s, 1)
+    saved = eager_s - compiled_s
+    details["break_even_steps"] = round(details["compile_s"] / saved) if saved > 0 else None
+    pays = (f"pays after {details['break_even_steps']:,} steps" if saved > 0 else "never pays (compiled is slower)")
     return Result("step_compile", f"step_compile.{name}", ratio, "x", None, None,
-                  f"informational: eager / compiled ({what}, inductor) step time, CPU, small size; machine loaded",
-                  details)  # fmt: skip
+                  f"informational: eager / compiled ({what}, inductor) step CPU time, small size; compiling took "
+                  f"{details['compile_s']:.0f} s of wall time and {pays}", details)  # fmt: skip
 
 
 def run(quick: bool = False) -> list[Result]:
