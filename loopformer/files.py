@@ -41,6 +41,11 @@ read ARC / knowledge-graph JSON with it, run storage (``loopformer.runs``) write
 - ``exchange_folders(a, b)``: two folders swapped in one atomic step (Linux ``renameat2(RENAME_EXCHANGE)``),
   False where the OS or file system cannot (run storage then falls back to two renames).
 
+- ``resolve_source(path_or_id, patterns)``: a local path as it is, or a hub id (``owner/name``,
+  ``hf://owner/name``, ``@revision``) downloaded with huggingface_hub's ``snapshot_download`` (its cache;
+  ``HF_HUB_OFFLINE=1`` reads the cache only); ``hub_library()`` imports huggingface_hub or says how to install
+  it. Run loading (``loopformer.runs``) and ``LoopedModel.from_pretrained`` read hub ids through it.
+
 The only file written in place is the run lock (``loopformer.runs.folder``): an OS lock lives
 on one inode, so that file must never be replaced.
 """
@@ -51,6 +56,7 @@ import ctypes
 import errno
 import json
 import os
+import re
 import secrets
 import shutil
 import stat
@@ -437,3 +443,54 @@ def reserved_memmap(path: Path, shape: tuple[int, int]) -> Any:
         path.unlink(missing_ok=True)
         raise OSError(err.errno, f"{path}: cannot reserve {size:,} bytes ({err.strerror or err})") from None
     return array
+
+
+# --------------------------------------------------------------------------------------------
+# Files on the Hugging Face Hub
+# --------------------------------------------------------------------------------------------
+HUB_ID = re.compile(r"^(?:hf://)?(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:@(?P<rev>[\w./-]+))?$")
+
+
+def hub_library() -> Any:
+    """The ``huggingface_hub`` module, or a RuntimeError saying how to install it."""
+    try:
+        import huggingface_hub
+    except ImportError:
+        raise RuntimeError(
+            "sharing through the Hugging Face Hub needs huggingface_hub: pip install 'loopformer[hub]'"
+        ) from None
+    return huggingface_hub
+
+
+def parse_hub_id(text: str) -> tuple[str, str | None] | None:
+    """(repo_id, revision) when ``text`` reads as a hub id, else None."""
+    match = HUB_ID.match(str(text))
+    return (match["repo"], match["rev"]) if match else None
+
+
+def resolve_source(path_or_id: str | Path, patterns: list[str], cache_dir: str | Path | None = None,
+                   what: str = "run folder") -> Path:  # fmt: skip
+    """A local path as it is; an ``owner/name`` that exists nowhere here is downloaded from the hub (the files
+    matching ``patterns``, cached). A local-looking path (``./``, ``/``, an existing first part) is never sent
+    to the hub: it comes back as it is, for the caller to report missing."""
+    path = Path(path_or_id)
+    if path.exists():
+        return path
+    parsed = parse_hub_id(str(path_or_id))
+    local_looking = str(path_or_id).startswith(("./", "../", "/", "~")) or Path(path.parts[0]).is_dir()
+    if parsed is None or local_looking:
+        return path
+    repo_id, revision = parsed
+    try:
+        hub = hub_library()
+    except RuntimeError:
+        raise FileNotFoundError(
+            f"{path_or_id}: no such {what} (to read it as a hub id, pip install 'loopformer[hub]')"
+        ) from None
+    try:
+        local = hub.snapshot_download(repo_id, revision=revision, cache_dir=cache_dir, allow_patterns=patterns)
+    except Exception as err:  # the hub's own errors (offline, not found, gated): one clear line
+        raise FileNotFoundError(
+            f"{path_or_id!r} is neither a local {what} nor a downloadable hub model: {type(err).__name__}: {err}"
+        ) from None
+    return Path(local)

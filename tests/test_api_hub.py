@@ -244,3 +244,80 @@ def test_model_card_fits_the_hub(tmp_path: Path, monkeypatch) -> None:
     assert "PYTHONPATH=m loopformer --import my_card_plugin --import numpy eval me/m" in card
     assert "Module `numpy`: install `pip install numpy`" in card
     assert "loopformer --import my_card_plugin --import numpy eval me/m --device auto" in card
+
+
+@pytest.mark.parametrize("family", sorted(__import__("loopformer.models.registry").models.registry.MODELS))
+def test_save_pretrained_then_from_pretrained(family: str, tmp_path: Path) -> None:
+    """Every family round-trips through the Hugging Face idiom: same config (a non-default loop with plug-in
+    options included), same weights, same logits."""
+    from loopformer.loop import LoopConfig
+    from loopformer.models.registry import build_model, model_classes
+
+    loop = LoopConfig(solver="anderson", max_steps=3, tol=1e-4, plugins={"anderson": {"m": 3}})
+    model = build_model(family, d_model=16, n_heads=2, n_layers=1, vocab_size=8, seq_len=16, grid=(4, 4), loop=loop)
+    model.save_pretrained(tmp_path / "m")
+    assert sorted(p.name for p in (tmp_path / "m").iterdir()) == ["config.json", "model.safetensors"]
+    back = model_classes(family)[0].from_pretrained(tmp_path / "m")
+    assert back.config == model.config and back.config.loop.options_for("anderson").m == 3
+    assert not back.training and back.state_dict().keys() == model.state_dict().keys()
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, back.state_dict()[key]), key
+    x = torch.randint(0, 8, (2, 16), generator=torch.Generator().manual_seed(1))
+    logits = []
+    for m in (model.eval(), back):
+        torch.manual_seed(0)  # families whose init_state draws noise draw the same
+        with torch.no_grad():
+            logits.append(m(x).logits)
+    assert torch.equal(*logits)
+
+
+def test_push_to_hub_then_from_pretrained_by_hub_id(tmp_path: Path, monkeypatch) -> None:
+    import huggingface_hub
+
+    from loopformer.models.fprm import FPRM
+    from loopformer.models.registry import build_model
+    from loopformer.models.trm import TRM
+
+    model = build_model("fprm", d_model=16, n_heads=2, n_layers=1, vocab_size=8, seq_len=16, grid=(4, 4))
+    api = FakeApi(tmp_path / "hub")
+    assert model.push_to_hub("me/fprm-tiny", api=api) == "abc123"
+    repo = tmp_path / "hub" / "me" / "fprm-tiny"
+    assert sorted(p.name for p in repo.iterdir()) == ["README.md", "config.json", "model.safetensors"]
+    card = huggingface_hub.ModelCard.load(repo / "README.md")
+    assert card.data.library_name == "loopformer" and "FPRM.from_pretrained('me/fprm-tiny')" in card.text
+    calls = []
+
+    def fake_snapshot(repo_id, revision=None, cache_dir=None, allow_patterns=None, **kw):
+        calls.append((repo_id, revision, tuple(allow_patterns)))
+        return str(tmp_path / "hub" / repo_id)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot)
+    monkeypatch.chdir(tmp_path)
+    back = FPRM.from_pretrained("me/fprm-tiny", revision="v1")
+    assert calls == [("me/fprm-tiny", "v1", ("config.json", "model.safetensors"))]
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), back.parameters(), strict=True))
+    with pytest.raises(TypeError, match=r"holds a FPRM; load it with FPRM.from_pretrained"):
+        TRM.from_pretrained(repo)
+    with pytest.raises(FileNotFoundError, match="does_not_exist"):  # a local-looking path never goes to the hub
+        FPRM.from_pretrained("./does_not_exist")
+
+
+def test_from_pretrained_refuses_what_it_did_not_write(tiny_run: Path, tmp_path: Path) -> None:
+    from loopformer.models.fprm import FPRM
+    from loopformer.models.registry import build_model
+    from loopformer.runs.checkpoint import resolve_checkpoint
+
+    ckpt = resolve_checkpoint(tiny_run)
+    with pytest.raises(ValueError, match=r"loopformer.load"):  # a run's checkpoint: the run loader's job
+        FPRM.from_pretrained(ckpt)
+    before = (ckpt / "config.json").read_bytes()
+    with pytest.raises(ValueError, match="save_pretrained did not write"):
+        build_model("fprm", d_model=16, n_heads=2, n_layers=1).save_pretrained(ckpt)
+    assert (ckpt / "config.json").read_bytes() == before
+    model = build_model("fprm", d_model=16, n_heads=2, n_layers=1)
+    model.save_pretrained(tmp_path / "m")
+    raw = json.loads((tmp_path / "m" / "config.json").read_text())
+    raw["config"]["d_modle"] = raw["config"].pop("d_model")
+    (tmp_path / "m" / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(KeyError, match=r"no config field 'd_modle'; did you mean 'd_model'"):
+        FPRM.from_pretrained(tmp_path / "m")

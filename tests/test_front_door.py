@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from click.testing import CliRunner
 
 from loopformer.cli import cli
@@ -112,5 +113,7 @@ def test_every_readme_python_snippet_runs_as_written(tmp_path: Path, monkeypatch
         exec(compile(code, f"README.md python snippet {i + 1}", "exec"), scope)
         if "sol" in scope:  # the solve example: an answer of the puzzle's size, one entry per loop
             assert len(scope["sol"].trajectory) >= 1 and scope["sol"].steps >= 1
+        if "same" in scope:  # the save_pretrained example: the weights came back
+            assert all(torch.equal(a, b) for a, b in zip(scope["model"].parameters(), scope["same"].parameters()))
         if "out" in scope:  # the loop-engine example: logits of its 16 cells
             assert tuple(scope["out"].logits.shape[:2]) == (1, 16)

@@ -2,19 +2,35 @@
 
 ``LoopedModel.forward`` is the only place a model meets the loop engine; no model writes its
 own iteration loop. ``ModelConfig`` holds the fields every family shares; each family's
-config dataclass extends it.
+config dataclass extends it; ``config_from_dict`` builds one from plain values (JSON), refusing unknown
+fields with the nearest name.
+
+A model also speaks the Hugging Face idiom (the API of ``huggingface_hub.PyTorchModelHubMixin``, written
+here so that importing a model never imports huggingface_hub): ``model.save_pretrained(folder)`` writes
+``config.json`` (the class and its config) and ``model.safetensors``; ``FPRM.from_pretrained(folder or
+owner/name)`` builds the model and loads them strictly; ``model.push_to_hub(owner/name)`` uploads them with
+a model card. A trained run (a checkpoint with its run configuration, ``loopformer push``) loads with
+``loopformer.load`` instead.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import difflib
+import tempfile
+import typing
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from loopformer.files import atomic_path, atomic_write_json, hub_library, read_json, resolve_source
 from loopformer.loop import LoopConfig, LoopResult, run_loop
+
+PRETRAINED_FILES = ("config.json", "model.safetensors")  # what save_pretrained writes and from_pretrained reads
 
 
 @dataclass
@@ -41,6 +57,34 @@ class ModelConfig:
 
     def replace(self, **changes: object) -> ModelConfig:
         return dataclasses.replace(self, **changes)
+
+
+def suggest(name: str, options: Any) -> str:
+    """"; did you mean 'x'?" for the option nearest to ``name``, or nothing."""
+    close = difflib.get_close_matches(name, list(options), n=1)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def _typed(hint: Any, value: Any) -> Any:
+    """``value`` as JSON holds it (a table, a list) turned into the dataclass / tuple ``hint`` names."""
+    for option in (hint, *typing.get_args(hint)):  # X | None: try each member
+        if isinstance(value, Mapping) and dataclasses.is_dataclass(option):
+            return option(**value)
+        if isinstance(value, list) and typing.get_origin(option) is tuple:
+            return tuple(value)
+    return value
+
+
+def config_from_dict(config_cls: type[ModelConfig], fields: Mapping[str, Any], where: str) -> ModelConfig:
+    """``config_cls`` with ``fields`` set; a table becomes its field's dataclass (``loop``: a ``LoopConfig``,
+    validated as it is built), a list a tuple; a field the class lacks is a KeyError naming ``where`` and the
+    nearest field."""
+    hints = typing.get_type_hints(config_cls)
+    valid = {f.name for f in dataclasses.fields(config_cls)}
+    for key in fields:
+        if key not in valid:
+            raise KeyError(f"{where} has no config field {key!r}{suggest(key, valid)}")
+    return config_cls(**{key: _typed(hints[key], value) for key, value in fields.items()})
 
 
 @dataclass
@@ -147,7 +191,84 @@ class LoopedModel(nn.Module):
         call measured."""
         return int(self.config.n_layers)
 
+    # -- the Hugging Face idiom ------------------------------------------------------------------------
+    def save_pretrained(self, folder: str | Path) -> Path:
+        """Write ``config.json`` (this class's name and its config) and ``model.safetensors`` (the weights, a
+        tied tensor once) into ``folder``, each file atomically. A ``config.json`` that ``save_pretrained`` did
+        not write (a run's checkpoint) is never replaced: ValueError."""
+        from safetensors.torch import save_model
+
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        if (folder / "config.json").exists() and _pretrained_class(folder / "config.json") is None:
+            raise ValueError(f"{folder} holds a config.json that save_pretrained did not write; choose another folder")
+        with atomic_path(folder / "model.safetensors", root=folder) as tmp:
+            save_model(getattr(self, "_orig_mod", self), str(tmp), metadata={"format": "pt"})
+        config = {"model_class": type(self).__name__, "config": dataclasses.asdict(self.config)}
+        atomic_write_json(folder / "config.json", config, root=folder, indent=2)
+        return folder
+
+    @classmethod
+    def from_pretrained(cls, source: str | Path, *, revision: str | None = None, cache_dir: str | Path | None = None,
+                        device: str | torch.device = "cpu") -> LoopedModel:  # fmt: skip
+        """The model ``save_pretrained`` / ``push_to_hub`` wrote, from a local folder or a hub id (``owner/name``,
+        ``@revision`` or ``revision=``; downloaded and cached by huggingface_hub), built from its config and
+        loaded strictly, in eval mode. Called on the class that wrote it (``FPRM.from_pretrained``)."""
+        from safetensors.torch import load_model
+
+        if revision is not None:
+            source = f"{source}@{revision}"
+        folder = resolve_source(source, list(PRETRAINED_FILES), cache_dir, what="pretrained model folder")
+        path = folder / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"{folder}: no config.json (save_pretrained writes one)")
+        saved = _pretrained_class(path)
+        if saved is None:
+            raise ValueError(f"{path} is not a save_pretrained config (a trained run's checkpoint loads with "
+                             f"loopformer.load({str(source)!r}))")  # fmt: skip
+        if saved != cls.__name__:
+            raise TypeError(f"{folder} holds a {saved}; load it with {saved}.from_pretrained, not {cls.__name__}'s")
+        config_cls = typing.get_type_hints(cls.__init__).get("config")
+        if not (isinstance(config_cls, type) and issubclass(config_cls, ModelConfig)):
+            raise TypeError(f"{cls.__name__}.__init__ does not take a config: ModelConfig")
+        try:
+            config = config_from_dict(config_cls, read_json(path)["config"], f"{path}: {cls.__name__}")
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"{path}: {err}") from None
+        model = cls(config)
+        load_model(model, str(folder / "model.safetensors"), strict=True, device=str(device))
+        return model.to(device).eval()
+
+    def push_to_hub(self, repo_id: str, *, private: bool = False, revision: str | None = None,
+                    commit_message: str | None = None, token: str | None = None, api: Any = None) -> str:  # fmt: skip
+        """Upload ``save_pretrained``'s files and a model card (``huggingface_hub.ModelCard``) to ``repo_id``
+        (created when missing); returns the commit id. ``api``: an ``HfApi``-like object (default
+        ``HfApi(token=token)``)."""
+        hub = hub_library()
+        api = api if api is not None else hub.HfApi(token=token)
+        name = type(self).__name__
+        data = hub.ModelCardData(library_name="loopformer", tags=["loopformer", "looped-transformer", name.lower()])
+        card = hub.ModelCard.from_template(data, model_id=repo_id, model_description=(
+            f"A loopformer {name} ({self.num_parameters():,} parameters). Load it with "
+            f"`{name}.from_pretrained({repo_id!r})` (`from loopformer.models.{type(self).__module__.rsplit('.', 1)[-1]}"
+            f" import {name}`)."))  # fmt: skip
+        with tempfile.TemporaryDirectory() as tmp:
+            self.save_pretrained(tmp)
+            card.save(str(Path(tmp) / "README.md"))
+            api.create_repo(repo_id, repo_type="model", private=private, exist_ok=True)
+            commit = api.upload_folder(folder_path=tmp, repo_id=repo_id, repo_type="model", revision=revision,
+                                       commit_message=commit_message or f"loopformer: {name}")  # fmt: skip
+        return str(getattr(commit, "oid", commit) or "")
+
     def num_parameters(self, exclude_puzzle_embedding: bool = True) -> int:
         """Parameter count; the per-puzzle embedding table is excluded by default (as the papers count)."""
         skip = {id(p) for n, p in self.named_parameters() if exclude_puzzle_embedding and "puzzle_emb" in n}
         return sum(p.numel() for p in self.parameters() if id(p) not in skip)
+
+
+def _pretrained_class(path: Path) -> str | None:
+    """The class name a ``save_pretrained`` config.json records, None for any other config.json."""
+    data = read_json(path)
+    if isinstance(data, dict) and isinstance(data.get("model_class"), str) and isinstance(data.get("config"), dict):
+        return data["model_class"]
+    return None

@@ -9,12 +9,10 @@ name not registered yet is looked up again after the ``loopformer.plugins`` entr
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
 import importlib
 from typing import Any
 
-from loopformer.models.base import LoopedModel, ModelConfig
+from loopformer.models.base import LoopedModel, ModelConfig, config_from_dict, suggest
 
 MODELS: dict[str, str] = {
     "transformer": "loopformer.models.transformer:Transformer:TransformerConfig",
@@ -26,11 +24,6 @@ MODELS: dict[str, str] = {
     "hrm": "loopformer.models.hrm:HRM:HRMConfig",
     "attractor_puzzle": "loopformer.models.attractor_puzzle:AttractorPuzzle:AttractorPuzzleConfig",
 }
-
-
-def _suggest(name: str, options: Any) -> str:
-    close = difflib.get_close_matches(name, list(options), n=1)
-    return f"; did you mean {close[0]!r}?" if close else ""
 
 
 def known_model(name: str) -> bool:
@@ -80,7 +73,7 @@ def _register_path(name: str) -> None:
 
 def model_classes(name: str) -> tuple[type[LoopedModel], type[ModelConfig]]:
     if not known_model(name):
-        raise KeyError(f"unknown model {name!r}{_suggest(name, MODELS)} (known: {', '.join(MODELS)})")
+        raise KeyError(f"unknown model {name!r}{suggest(name, MODELS)} (known: {', '.join(MODELS)})")
     module, model_cls, config_cls = MODELS[name].split(":")
     mod = importlib.import_module(module)
     return getattr(mod, model_cls), getattr(mod, config_cls)
@@ -88,12 +81,7 @@ def model_classes(name: str) -> tuple[type[LoopedModel], type[ModelConfig]]:
 
 def make_config(name: str, **fields: Any) -> ModelConfig:
     """The family's config with ``fields`` set; unknown fields raise with the nearest valid name."""
-    _, config_cls = model_classes(name)
-    valid = {f.name for f in dataclasses.fields(config_cls)}
-    for key in fields:
-        if key not in valid:
-            raise KeyError(f"model {name!r} has no config field {key!r}{_suggest(key, valid)}")
-    return config_cls(**fields)
+    return config_from_dict(model_classes(name)[1], fields, f"model {name!r}")
 
 
 def build_model(name: str, config: ModelConfig | None = None, **fields: Any) -> LoopedModel:

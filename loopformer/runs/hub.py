@@ -18,14 +18,13 @@ by huggingface_hub; ``HF_HUB_OFFLINE=1`` reads the cache only).
 
 from __future__ import annotations
 
-import re
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from loopformer.files import atomic_copy, atomic_write_text, read_json
+from loopformer.files import atomic_copy, atomic_write_text, hub_library, parse_hub_id, read_json
+from loopformer.files import resolve_source as resolve_hub_path
 
-HUB_ID = re.compile(r"^(?:hf://)?(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:@(?P<rev>[\w./-]+))?$")
 PUSHED_FILES = ("model.safetensors", "ema.safetensors", "config.json")
 
 # arXiv ids of the systems implemented here; a model card cites its own family's paper only
@@ -45,47 +44,10 @@ HUB_DATASETS = {"sudoku": "sapientinc/sudoku-extreme", "maze": "sapientinc/maze-
 DEFAULT_LICENSE = "mit"  # loopformer's own licence; `push --license` sets the model's
 
 
-def _hub() -> Any:
-    try:
-        import huggingface_hub
-    except ImportError:
-        raise RuntimeError(
-            "sharing through the Hugging Face Hub needs huggingface_hub: pip install 'loopformer[hub]'"
-        ) from None
-    return huggingface_hub
-
-
-def parse_hub_id(text: str) -> tuple[str, str | None] | None:
-    """(repo_id, revision) when ``text`` reads as a hub id, else None."""
-    match = HUB_ID.match(str(text))
-    return (match["repo"], match["rev"]) if match else None
-
-
 def resolve_source(path_or_id: str | Path, cache_dir: str | Path | None = None) -> Path:
-    """A local path as it is; an existing-nowhere ``owner/name`` is downloaded from the hub (cached)."""
-    path = Path(path_or_id)
-    if path.exists():
-        return path
-    parsed = parse_hub_id(str(path_or_id))
-    local_looking = str(path_or_id).startswith(("./", "../", "/", "~")) or Path(path.parts[0]).is_dir()
-    if parsed is None or local_looking:
-        return path  # let the checkpoint loader report the missing folder
-    repo_id, revision = parsed
-    try:
-        hub = _hub()
-    except RuntimeError:
-        raise FileNotFoundError(
-            f"{path_or_id}: no such run folder (to read it as a hub id, pip install 'loopformer[hub]')"
-        ) from None
-    try:
-        # a shipped plug-in module (*.py) comes along but is never imported: the user --imports it
-        local = hub.snapshot_download(repo_id, revision=revision, cache_dir=cache_dir, allow_patterns=[
-            *PUSHED_FILES, "summary.json", "README.md", "*.py"])  # fmt: skip
-    except Exception as err:  # the hub's own errors (offline, not found, gated): one clear line
-        raise FileNotFoundError(
-            f"{path_or_id!r} is neither a local run folder nor a downloadable hub model: {type(err).__name__}: {err}"
-        ) from None
-    return Path(local)
+    """A local run folder as it is; a pushed run's hub id downloaded (``loopformer.files.resolve_source``): its
+    weights, config, summary, card and a shipped plug-in module (never imported: the user --imports it)."""
+    return resolve_hub_path(path_or_id, [*PUSHED_FILES, "summary.json", "README.md", "*.py"], cache_dir)
 
 
 # ------------------------------------------------------------------------------------------- model card
@@ -133,7 +95,7 @@ def _front_matter(
     ``EvalResult`` (what the Hub reads): licence, library, tags, the training dataset when it is one on the
     Hub, the evaluation as ``model-index``. Generated data names no Hub dataset: the results' dataset is
     the task's name and its description."""
-    hub = _hub()
+    hub = hub_library()
     data = config.get("data", {})
     task = str(data.get("task", "?"))
     dataset_id, description = _dataset(data)
@@ -355,7 +317,7 @@ def push(run: str | Path, repo_id: str, private: bool = False, revision: str | N
     """
     ckpt = check_push(run, repo_id)
     if api is None:
-        api = _hub().HfApi(token=token)
+        api = hub_library().HfApi(token=token)
     with tempfile.TemporaryDirectory() as tmp:
         staged = stage_run(ckpt, Path(tmp), repo_id, license)
         api.create_repo(repo_id, repo_type="model", private=private, exist_ok=True)
