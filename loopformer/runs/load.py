@@ -31,11 +31,11 @@ from loopformer.models.base import LoopedModel
 from loopformer.runs.checkpoint import (
     CheckpointError,
     best_label,
-    best_record_for,
     build_stored_model,
     find_best,
     latest_checkpoint,
     load_stored_weights,
+    read_best,
     read_checkpoint_config,
     resolve_checkpoint,
     verified,
@@ -164,8 +164,8 @@ class LoadedRun:
 
 def checkpoint_label(folder: Path, step: int) -> tuple[str, dict[str, Any] | None]:
     """(the label reports give checkpoint ``folder``, its best record when it is the run's best)."""
-    record = best_record_for(folder)
-    if record is not None:
+    record = read_best(folder.parent)
+    if record is not None and record["checkpoint"] == folder.name:
         return best_label(record), record
     latest = latest_checkpoint(folder.parent)
     return (f"latest (step {step})" if latest == folder else f"step {step}"), None
