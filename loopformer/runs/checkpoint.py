@@ -38,7 +38,7 @@ The best checkpoint (``train.keep_best``): the FPRM authors save the EMA weights
 with the best test metric (their model card: "best test metric"); their code picks nothing itself. Here
 ``BestTracker.consider`` compares each evaluation the trainer runs with the best so far; a strictly better
 value (NaN never is) makes the trainer checkpoint that step and point ``checkpoints/best`` at it
-(``write_best``: a JSON record of the folder, metric, value, step and max / min, replaced atomically). The
+(``BestTracker.mark``: a JSON record of the folder, metric, value, step and max / min, replaced atomically). The
 record travels in every checkpoint's training state, so a resumed run keeps comparing against the same best.
 
 Sharded checkpoints (``train.strategy=fsdp``; ``train.checkpoint_format`` "auto" or "sharded"): no gathering
@@ -937,21 +937,6 @@ def best_label(record: dict[str, Any]) -> str:
     return f"best (by eval_{record['metric']}, step {record['step']})"
 
 
-def write_best(
-    root: str | Path, checkpoint: str | Path, metric: str, value: float, step: int, mode: str
-) -> Path:
-    """Point ``root/best`` at the step folder ``checkpoint`` (inside ``root``): a JSON record of the
-    folder, the metric (a key of the evaluation summary), its value, the step and max / min, replaced
-    atomically."""
-    root = Path(root)
-    name = Path(checkpoint).name
-    if not STEP_DIR.match(name) or not (root / name).is_dir():
-        raise CheckpointError(f"best checkpoint {checkpoint} is not a step folder of {root}")
-    record = {"checkpoint": name, "metric": metric, "value": float(value), "step": int(step), "mode": mode}
-    atomic_write_text(root / BEST, json.dumps(record) + "\n", root=root)  # temp file, fsync, rename, fsync the folder
-    return root / BEST
-
-
 def read_best(root: str | Path) -> dict[str, Any] | None:
     """The record ``root/best`` holds (None when there is none); a malformed record, or one naming
     a folder that is gone (e.g. quarantined after a divergence), is ignored with a warning."""
@@ -1030,9 +1015,11 @@ class BestTracker:
         does, under torchrun)."""
         if checkpoint.name != self.checkpoint:
             raise ValueError(f"the best evaluation is step {self.step}, but {checkpoint} was written")
-        if write:
+        if write:  # the record (BestRecord), replaced atomically: temp file, fsync, rename, fsync the folder
+            if not checkpoint.is_dir():
+                raise CheckpointError(f"best checkpoint {checkpoint} is not a step folder")
             log.info("best checkpoint: %s (eval_%s = %s)", checkpoint, self.metric, self.value)
-            write_best(checkpoint.parent, checkpoint, self.metric, self.value, self.step, self.mode)
+            atomic_write_text(checkpoint.parent / BEST, json.dumps(self.state_dict()) + "\n", root=checkpoint.parent)
 
     def state_dict(self) -> dict[str, Any] | None:
         """The record a checkpoint's training state carries (None until there is a best)."""

@@ -226,13 +226,13 @@ def _parse_lock(text: str, path: Path | None = None) -> dict[str, Any] | None:
         return None
 
 
-def _describe(info: dict[str, Any] | None) -> str:
-    if info is None:
-        return "another process (it is starting: its details are not written yet)"
-    return (
-        f"process {info['pid']} on {info.get('host', '?')} "
-        f"({info.get('purpose', '?')} since {info.get('time', '?')})"
-    )
+def _in_use(folder: Path, info: dict[str, Any] | None) -> RunFolderError:
+    """The refusal of a folder whose lock the process ``info`` (its lock record; None: not written yet) holds."""
+    holder = "another process (it is starting: its details are not written yet)"
+    if info is not None:
+        holder = (f"process {info['pid']} on {info.get('host') or '?'} "
+                  f"({info.get('purpose', '?')} since {info.get('time', '?')})")  # fmt: skip
+    return RunFolderError(f"run folder {folder} is in use by {holder}; wait for it to finish, or use another folder")
 
 
 class RunLock:
@@ -290,11 +290,7 @@ class RunLock:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            info = self._holder(fd)
-            raise RunFolderError(
-                f"run folder {self.folder} is in use by {_describe(info)}; wait for it to finish, "
-                f"or use another folder"
-            ) from None
+            raise _in_use(self.folder, self._holder(fd)) from None
         try:
             now = os.stat(self.path)
         except FileNotFoundError:
@@ -349,11 +345,7 @@ class RunLock:
                 f"delete {self.path}"
             )
         if info["pid"] != os.getpid() and _alive(info["pid"], info.get("started")):
-            raise RunFolderError(
-                f"run folder {self.folder} is in use by process {info['pid']} on {host} "
-                f"({info.get('purpose', '?')} since {info.get('time', '?')}); wait for it to finish, "
-                f"or use another folder"
-            )
+            raise _in_use(self.folder, info)
         if info["pid"] != os.getpid():
             log.info("lock %s was left by process %s, which is gone; it is free", self.path, info["pid"])
 
@@ -856,10 +848,10 @@ def read_records(folder: str | Path) -> list[dict[str, Any]]:
     return list(read_record(path, ProvenanceFile)["records"])
 
 
-def append_record(folder: str | Path, record: dict[str, Any]) -> Path:
-    """Add ``record`` to ``folder/provenance.json``, keeping the earlier ones (an atomic rewrite)."""
+def append_record(folder: str | Path, *added: dict[str, Any]) -> Path:
+    """Add the records ``added`` to ``folder/provenance.json``, keeping the earlier ones (an atomic rewrite)."""
     folder = Path(folder)
-    records = [*read_records(folder), record]
+    records = [*read_records(folder), *added]
     return atomic_write_json(folder / FILE, {"records": records}, root=folder, indent=2, newline=True)
 
 
@@ -1118,7 +1110,7 @@ def record_origin(run_dir: Path, folder: Path, source: Path, step: int) -> None:
             log.warning("%s; the branch's provenance starts here", err)
             earlier = []
         if earlier:
-            atomic_write_json(run_dir / FILE, {"records": earlier}, root=run_dir, indent=2, newline=True)
+            append_record(run_dir, *earlier)
 
 
 @dataclass

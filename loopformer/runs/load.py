@@ -129,13 +129,12 @@ def eval_dataset(task: Task, config: RunConfig, max_examples: int = 0) -> TokenD
     """The run's held-out set: ``data.eval_path`` or ``task.generate(eval_size, eval_seed, **eval_generate)``
     (``load_split``: a folder is HRM's format, ``eval_size`` 0 = all rows), without the rows that cannot be
     scored (``scorable``), cut to ``max_examples`` (default ``eval.max_examples``; 0 = all)."""
-    data = load_split(task, config.data, "eval")
+    data = task_dataset(task, config.data, "eval")
     if data is None or len(data) == 0:
         raise ValueError(
             f"the run has no held-out set (data.eval_size = {config.data.eval_size} gave no rows of task "
             f"{task.name!r} and there is no data.eval_path)"
         )
-    data = scorable(data, task, config.data)
     limit = max_examples or config.eval.max_examples
     if limit and limit < len(data):
         data = data.subset(slice(0, limit))
