@@ -59,8 +59,9 @@ process included); ``read_full`` rebuilds the full tensors in one process (``eva
 
 The JSON records read back here (``config.json``'s own fields, ``state.json``, ``checkpoints/best``) are
 dataclasses (``StoredConfig``, ``StateRecord``, ``BestRecord``) checked by the configuration's strict loader
-(``check_record`` / ``read_record``, also used by ``loopformer.runs.folder`` for the run folder's records), so a
-malformed or crafted file is one line naming the file and the field, never a bare key name or an internal error.
+(``loopformer.config.strict.check_record`` / ``read_record``, which also read the run folder's records and the
+reports'), so a malformed or crafted file is one line naming the file and the field, never a bare key name or an
+internal error.
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ import sys
 from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -88,7 +89,8 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
-from loopformer.config import ConfigError, RunConfig, config_to_json, from_dict, load_config_file
+from loopformer.config import ConfigError, RunConfig, config_to_json, load_config_file
+from loopformer.config.strict import Record, check_record, read_record
 from loopformer.files import (
     Count,
     JSONNumber,
@@ -138,35 +140,8 @@ def step_dirs(root: str | Path) -> list[Path]:
 
 # --------------------------------------------------------------------------------------------
 # The records run storage reads back: dataclasses checked by the configuration's strict loader
+# (loopformer.config.strict: Record, check_record, read_record)
 # --------------------------------------------------------------------------------------------
-class Record:
-    """Base of the records run storage reads back: a file may hold more than the fields read (a ``loopformer
-    run`` summary holds its report), which are not read (``loopformer.config.from_dict`` skips them)."""
-
-    other_keys_ignored: ClassVar[bool] = True
-
-
-def _json_name(value: Any) -> str:
-    return "null" if value is None else type(value).__name__
-
-
-def check_record(data: Any, cls: type, where: str | Path, error: type[Exception] = ValueError) -> Any:
-    """``data`` (a JSON file loopformer wrote) after checking it against the record dataclass ``cls`` with the
-    configuration's strict loader; ``error`` with one line naming ``where`` and the field otherwise."""
-    if not isinstance(data, dict):
-        raise error(f"{where}: the file must hold an object, got {_json_name(data)}")
-    try:
-        from_dict(cls, data)
-    except ValueError as err:  # ConfigError, or a record's own check (__post_init__)
-        raise error(f"{where}: {err}") from None
-    return data
-
-
-def read_record(path: str | Path, cls: type, error: type[Exception] = ValueError) -> dict[str, Any]:
-    """The JSON object a file loopformer wrote holds (``path``), checked against ``cls`` (``check_record``)."""
-    return check_record(read_json(Path(path), error), cls, path, error)
-
-
 @dataclass
 class BestRecord(Record):
     """``checkpoints/best``: the step folder of the best evaluation by ``train.keep_best``."""

@@ -73,7 +73,7 @@ fingerprints, what a resume checks, and the run's summary.
   that holds it, ``loopformer.files.check_inside``).
 
 Every JSON record read back here is a dataclass (``LockRecord``, ``ProvenanceFile``, ``OriginRecord``,
-``Summary``) checked by the configuration's strict loader (``loopformer.runs.checkpoint.read_record``).
+``Summary``) checked by the configuration's strict loader (``loopformer.config.strict.read_record``).
 
 ``fcntl.flock`` rather than the ``filelock`` package: it is the same system call, and not a new
 dependency. ``flock`` is POSIX-only; where ``fcntl`` is missing (Windows) locking is refused
@@ -104,7 +104,8 @@ from typing import Any
 import numpy as np
 
 from loopformer.config import DataConfig, RunConfig, config_to_json, to_dict
-from loopformer.config.recipes import stored_table
+from loopformer.config.recipes import CHECKPOINT_META_KEYS, stored_table
+from loopformer.config.strict import Record, check_record, read_record
 from loopformer.files import (
     Count,
     JSONInt,
@@ -127,12 +128,9 @@ from loopformer.loop.config import plugin_defaults
 from loopformer.runs.checkpoint import (
     STEP_DIR,
     CheckpointError,
-    Record,
     StateRecord,
     StoredConfig,
-    check_record,
     latest_good_checkpoint,
-    read_record,
     resolve_checkpoint,
     step_dirs,
     verify_checkpoint,
@@ -1051,8 +1049,8 @@ def _free(key: str, current: dict[str, Any]) -> bool:
 def config_changes(saved: dict[str, Any], current: RunConfig) -> dict[str, dict[str, Any]]:
     """``{key: {"old": ..., "new": ...}}`` for the stream-changing keys where the checkpoint's
     ``config.json`` (``saved``) and ``current`` differ; a key one side lacks compares with its default."""
-    # family / step / plugins: what the checkpoint records beside the config (loopformer.runs.checkpoint)
-    old = _flat(stored_table({k: v for k, v in saved.items() if k not in ("family", "step", "plugins")}))
+    # family / step / plugins: what the checkpoint records beside the config (StoredConfig)
+    old = _flat(stored_table({k: v for k, v in saved.items() if k not in CHECKPOINT_META_KEYS}))
     new = _flat(json.loads(config_to_json(current)))
     default = _flat(to_dict(RunConfig()))
     # the model's resolved loop: a field added since the checkpoint was written compares with its default, a
