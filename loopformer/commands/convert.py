@@ -100,14 +100,9 @@ def consolidate_cmd(checkpoint: str, out_dir: Path, overwrite: bool = False) -> 
 def check_consolidate_out(out: Path, run: Path | None) -> None:
     """Refuse an ``--out`` of ``consolidate`` that is a symbolic link, a file, or (outside the checkpoint's own
     ``run``) a folder holding another run or a dataset."""
-    from loopformer.files import UnsafePathError
-    from loopformer.runs.folder import RunFolderError, holds_dataset, nested_run
+    from loopformer.runs.folder import RunFolderError, holds_dataset, nested_run, output_folder
 
-    if out.is_symlink():
-        raise UnsafePathError(f"--out {out} is a symbolic link (to {out.readlink()}); consolidate does not write "
-                              f"through links: name the folder itself")  # fmt: skip
-    if out.exists() and not out.is_dir():
-        raise RunFolderError(f"--out {out} is a file, not a folder: name a folder to write into")
+    output_folder(out, "--out", "consolidate")
     if run is None and out.is_dir():
         nested = nested_run(out)
         if nested is not None or holds_dataset(out):

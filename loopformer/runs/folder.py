@@ -614,6 +614,18 @@ def _contents(folder: Path) -> list[Path]:
     )
 
 
+def output_folder(folder: Path, option: str, purpose: str) -> None:
+    """Refuse a folder that ``purpose`` (a command) would write whole (``option``: where the user named it)
+    when it is a symbolic link (its target would be emptied and refilled) or a file."""
+    if folder.is_symlink():
+        raise UnsafePathError(
+            f"{option} {folder} is a symbolic link (to {os.readlink(folder)}); `{purpose}` writes its output "
+            f"folder whole and never through a link: name the folder itself ({os.path.realpath(folder)})"
+        )
+    if folder.exists() and not folder.is_dir():
+        raise RunFolderError(f"{option} {folder} is a file, not a folder: name a folder to write into")
+
+
 @contextmanager
 def staged_output(
     folder: str | Path,
@@ -630,13 +642,7 @@ def staged_output(
     folder = Path(folder)
     if root is not None:
         check_inside(folder, root)
-    if folder.is_symlink():  # replaced whole: never through a link (its target would be emptied and refilled)
-        raise UnsafePathError(
-            f"{option} {folder} is a symbolic link (to {os.readlink(folder)}); `{purpose}` replaces its output "
-            f"folder whole and never through a link: name the folder itself ({os.path.realpath(folder)})"
-        )
-    if folder.exists() and not folder.is_dir():
-        raise RunFolderError(f"{option} {folder} is a file, not a folder: name a folder to write into")
+    output_folder(folder, option, purpose)
     enclosing = inside_run(folder)
     if enclosing is not None and enclosing[1]:
         raise RunFolderError(
