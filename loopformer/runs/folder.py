@@ -1203,10 +1203,10 @@ def check_resume(folder: Path, config: RunConfig, run_dir: Path, data: dict[str,
     if changes and not config.train.allow_config_change:
         listed = "; ".join(f"{k}: {v['old']!r} -> {v['new']!r}" for k, v in changes.items())
         raise CheckpointError(
-            f"resume: checkpoint {folder} was trained with another config or other data than this run has "
-            f"({listed}); a resume continues the same training on the same rows, so these must match. Resume with "
-            f"the run's config and data, or pass --allow-config-change (train.allow_config_change=true) to "
-            f"continue with the change (recorded in {run_dir / CHANGES})"
+            f"resume: this config or data differs from what checkpoint {folder} was trained with in "
+            f"{', '.join(changes)} ({listed}); a resume continues the same training on the same rows, so these must "
+            f"match. Resume with the run's config and data, or pass --allow-config-change "
+            f"(train.allow_config_change=true) to continue with the change (recorded in {run_dir / CHANGES})"
         )
     return ResumeChecks(folder, origin, changes)
 
