@@ -75,22 +75,21 @@ def consolidate_cmd(checkpoint: str, out_dir: Path, overwrite: bool = False) -> 
     written through a symbolic link, and an earlier step_N there is replaced only with --overwrite."""
     from loopformer.files import check_inside, missing_parts, remove_empty
     from loopformer.runs.checkpoint import consolidate
-    from loopformer.runs.folder import RunFolderError, RunLock, inside_run, training_run
+    from loopformer.runs.folder import RunFolderError, RunLock, run_at_or_above
 
     out = Path(out_dir)
-    source = Path(checkpoint)
-    source_run = inside_run(source) or ((source, False) if training_run(source) else None)
-    enclosing = inside_run(out) or ((out, False) if training_run(out) else None)
-    own = source_run is not None and enclosing is not None and Path(source_run[0]).resolve() == enclosing[0].resolve()
+    source_run, enclosing = run_at_or_above(checkpoint), run_at_or_above(out)
+    own = source_run is not None and enclosing is not None and source_run.resolve() == enclosing.resolve()
     if enclosing is not None and not own:
-        raise RunFolderError(f"--out {out} is or lies in the training run {enclosing[0]}, not the run of {checkpoint}: "
+        raise RunFolderError(f"--out {out} is or lies in the training run {enclosing}, not the run of {checkpoint}: "
                              f"choose a folder outside it")  # fmt: skip
-    check_consolidate_out(out, enclosing[0] if own else None)
+    run = enclosing if own else None
+    check_consolidate_out(out, run)
     created = missing_parts(out)
     try:
         # the run's own lock when writing into its checkpoints (a training there would race), else --out's
-        with RunLock(enclosing[0] if own else out, "consolidate"):
-            check_inside(out, enclosing[0] if own else out)
+        with RunLock(run or out, "consolidate"):
+            check_inside(out, run or out)
             folder = consolidate(checkpoint, out, replace=overwrite)
     except BaseException:
         remove_empty(created)
@@ -101,14 +100,9 @@ def consolidate_cmd(checkpoint: str, out_dir: Path, overwrite: bool = False) -> 
 def check_consolidate_out(out: Path, run: Path | None) -> None:
     """Refuse an ``--out`` of ``consolidate`` that is a symbolic link, a file, or (outside the checkpoint's own
     ``run``) a folder holding another run or a dataset."""
-    from loopformer.files import UnsafePathError
-    from loopformer.runs.folder import RunFolderError, holds_dataset, nested_run
+    from loopformer.runs.folder import RunFolderError, holds_dataset, nested_run, output_folder
 
-    if out.is_symlink():
-        raise UnsafePathError(f"--out {out} is a symbolic link (to {out.readlink()}); consolidate does not write "
-                              f"through links: name the folder itself")  # fmt: skip
-    if out.exists() and not out.is_dir():
-        raise RunFolderError(f"--out {out} is a file, not a folder: name a folder to write into")
+    output_folder(out, "--out", "consolidate")
     if run is None and out.is_dir():
         nested = nested_run(out)
         if nested is not None or holds_dataset(out):

@@ -204,10 +204,11 @@ def check_generate_target(out: Path, fmt: str, split: str, overwrite: bool) -> N
 def write_generated(task: Task, ds: TokenDataset, out: Path, fmt: str, split: str, overwrite: bool) -> None:
     """Write ``ds`` to ``out`` under the folder's lock: a file atomically, an HRM split folder built
     aside and swapped in whole (``loopformer.runs.folder.staged_output``)."""
+    from loopformer.files import missing_parts, remove_empty
     from loopformer.runs.folder import RunLock, staged_output
 
     folder = out if fmt == "hrm" else (out.parent if str(out.parent) else Path("."))
-    created = not folder.exists()
+    created = missing_parts(folder)
     try:
         with RunLock(folder, "generate"):  # data prepare -o and other generates into this folder wait
             if fmt == "parquet":
@@ -223,8 +224,7 @@ def write_generated(task: Task, ds: TokenDataset, out: Path, fmt: str, split: st
             with staged_output(out / split, "generate", overwrite, "--out") as tmp:
                 save_hrm_folder(ds, out, split, vocab_size=task.vocab_size or None, split_folder=tmp)
     except BaseException:
-        if created and folder.is_dir() and not any(folder.iterdir()):
-            folder.rmdir()  # the folder this command made, left empty by the failure
+        remove_empty(created)  # the folders this command made, left empty by the failure
         raise
 
 

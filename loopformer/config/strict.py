@@ -5,7 +5,8 @@
   are errors: every ``ConfigError`` names the full dotted key and suggests the nearest valid one (``difflib``
   plus a bonus for a shared prefix); a key an earlier version used (``RENAMED``) is refused naming the key
   that replaced it. The run configuration (``loopformer.config.schema``) and the records the library writes
-  itself are read by these functions.
+  itself are read by these functions: a record is a dataclass deriving ``Record`` (keys it does not name are
+  skipped), read with ``read_record`` / ``check_record`` (one line naming the file and the field).
 - A dict field with ``metadata={"beside": types}`` keeps its entries beside the dataclass's own fields in a
   table: ``types(table)`` gives each allowed key's type (``LoopConfig.plugins``: ``{solver: damped, damped:
   {gamma: 0.99}}``), or ``types`` is None and any key is kept as given (``ModelSpec.fields``: a model
@@ -39,7 +40,7 @@ import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, Generic, Literal, TypeVar
+from typing import Annotated, Any, ClassVar, Generic, Literal, TypeVar
 
 import yaml
 
@@ -362,6 +363,33 @@ def from_dict(cls: type, data: Mapping[str, Any], path: str = "") -> Any:
         if f.name not in values and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             raise ConfigError(f"the field {join(path, f.name)!r} is missing")
     return _build(cls, values, path)
+
+
+class Record:
+    """Base of the records the library reads back from the JSON files it writes itself (run storage, reports,
+    sweeps): a file may hold more than the fields read (a ``loopformer run`` summary holds its report), which
+    are skipped (``from_dict``)."""
+
+    other_keys_ignored: ClassVar[bool] = True
+
+
+def check_record(data: Any, cls: type, where: str | Path, error: type[Exception] = ValueError) -> Any:
+    """``data`` (a JSON file loopformer wrote) after checking it against the record dataclass ``cls`` with
+    ``from_dict``; ``error`` with one line naming ``where`` and the field otherwise."""
+    if not isinstance(data, dict):
+        raise error(f"{where}: the file must hold an object, got {'null' if data is None else type(data).__name__}")
+    try:
+        from_dict(cls, data)
+    except ValueError as err:  # ConfigError, or a record's own check (__post_init__)
+        raise error(f"{where}: {err}") from None
+    return data
+
+
+def read_record(path: str | Path, cls: type, error: type[Exception] = ValueError) -> dict[str, Any]:
+    """The JSON object a file loopformer wrote holds (``path``), checked against ``cls`` (``check_record``)."""
+    from loopformer.files import read_json
+
+    return check_record(read_json(Path(path), error), cls, path, error)
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ works on reports from ``loopformer eval``, ``loopformer run`` and ``loopformer s
   the run folder itself: its final evaluation at the end of training, which ``load_entries``' reader reads).
 - ``load_entries(folders)``: one ``Entry`` per model of each report (a ``loopformer run`` report
   holds the looped model and its baseline); each ``metrics.json`` (and ``sweep.json``) is read through
-  its record (``MetricsRecord``, ``SweepRecord``: dataclasses checked by ``loopformer.config.from_dict``), so a malformed one is one line
+  its record (``MetricsRecord``, ``SweepRecord``: dataclasses read by ``loopformer.config.strict.read_record``), so a malformed one is one line
   naming the file and the field.
 - ``heldout_line(entries, allow)``: what the reports were evaluated on (their ``heldout`` record: task,
   task options, the held-out set's fingerprint); reports that differ there are refused unless
@@ -33,27 +33,20 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
-from loopformer.config import from_dict
+from loopformer.config.strict import Record, read_record
 from loopformer.eval import plots
 from loopformer.eval.report import console_table, describe_loop, md_table, num, write_json
-from loopformer.files import JSONInt, JSONNumber, JSONStr, atomic_write_text, check_inside, read_json
+from loopformer.files import JSONInt, JSONNumber, JSONStr, atomic_write_text, check_inside
 
 METRICS = "metrics.json"
 SWEEP_FILE = "sweep.json"
 RUN_SUMMARY = "summary.json"  # a trained run's record, its final held-out evaluation included
 
 
-class _Read:
-    """Base of what compare reads of a report's ``metrics.json`` or a sweep's ``sweep.json``: the files hold
-    more than these fields, which are skipped (``loopformer.config.from_dict``)."""
-
-    other_keys_ignored: ClassVar[bool] = True
-
-
 @dataclass
-class _Result(_Read):
+class _Result(Record):
     n: JSONInt | None = None
     valid_accuracy: JSONNumber | None = None
     exact_accuracy: JSONNumber | None = None
@@ -67,7 +60,7 @@ class _Result(_Read):
 
 
 @dataclass
-class _Model(_Read):
+class _Model(Record):
     loop: dict | None = None
     parameters: JSONInt | None = None
     blocks: JSONNumber | None = None  # transformer blocks per loop step, as the evaluation counted them
@@ -76,31 +69,31 @@ class _Model(_Read):
 
 
 @dataclass
-class _BudgetPoint(_Read):
+class _BudgetPoint(Record):
     budget: JSONNumber
     valid_accuracy: JSONNumber | None = None
 
 
 @dataclass
-class _Budget(_Read):
+class _Budget(Record):
     mode: JSONStr = ""
     points: list[_BudgetPoint] = field(default_factory=list)
 
 
 @dataclass
-class _Bucket(_Read):
+class _Bucket(Record):
     low: JSONNumber
     high: JSONNumber
     mean_steps: JSONNumber | None = None
 
 
 @dataclass
-class _Difficulty(_Read):
+class _Difficulty(Record):
     buckets: list[_Bucket] = field(default_factory=list)
 
 
 @dataclass
-class _Heldout(_Read):
+class _Heldout(Record):
     task: JSONStr
     options: dict = field(default_factory=dict)
     rows: JSONInt = 0
@@ -108,7 +101,7 @@ class _Heldout(_Read):
 
 
 @dataclass
-class MetricsRecord(_Read):
+class MetricsRecord(Record):
     """What a report's metrics.json holds that compare reads (``loopformer.eval.suite.run_suite`` writes it)."""
 
     results: dict[str, _Result] = field(default_factory=dict)
@@ -121,14 +114,14 @@ class MetricsRecord(_Read):
 
 
 @dataclass
-class _SweepPoint(_Read):
+class _SweepPoint(Record):
     name: JSONStr
     report: JSONStr
     run: JSONStr = ""
 
 
 @dataclass
-class SweepRecord(_Read):
+class SweepRecord(Record):
     """What ``loopformer sweep`` writes (``loopformer.commands.sweep``) as sweep.json."""
 
     recipe: JSONStr | None = None
@@ -138,19 +131,6 @@ class SweepRecord(_Read):
     points: list[_SweepPoint] = field(default_factory=list)
     reports: list[JSONStr] = field(default_factory=list)
     evaluation: dict | None = None
-
-
-def _read(path: Path, record: type) -> dict[str, Any]:
-    """The JSON object ``path`` holds, checked against ``record`` by the configuration's strict loader;
-    ValueError with one line naming the file and the field otherwise."""
-    data = read_json(path)
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: the file must hold an object, got {type(data).__name__}")
-    try:
-        from_dict(record, data)
-    except ValueError as err:
-        raise ValueError(f"{path}: {err}") from None
-    return data
 
 
 @dataclass
@@ -245,7 +225,7 @@ def report_folders(path: str | Path) -> list[Path]:
 
 def read_sweep(folder: Path) -> dict[str, Any]:
     """``folder/sweep.json`` checked against ``SweepRecord`` (ValueError naming the file and the field)."""
-    return _read(Path(folder) / SWEEP_FILE, SweepRecord)
+    return read_record(Path(folder) / SWEEP_FILE, SweepRecord)
 
 
 def sweep_reports(folder: Path) -> tuple[list[Path], list[str]]:
@@ -266,7 +246,7 @@ def sweep_reports(folder: Path) -> tuple[list[Path], list[str]]:
 
 def read_metrics(folder: Path) -> dict[str, Any]:
     """A report's ``metrics.json`` checked against ``MetricsRecord`` (ValueError naming the file and field)."""
-    return _read(Path(folder) / METRICS, MetricsRecord)
+    return read_record(Path(folder) / METRICS, MetricsRecord)
 
 
 def _source_name(folder: Path) -> str:

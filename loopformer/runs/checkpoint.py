@@ -38,7 +38,7 @@ The best checkpoint (``train.keep_best``): the FPRM authors save the EMA weights
 with the best test metric (their model card: "best test metric"); their code picks nothing itself. Here
 ``BestTracker.consider`` compares each evaluation the trainer runs with the best so far; a strictly better
 value (NaN never is) makes the trainer checkpoint that step and point ``checkpoints/best`` at it
-(``write_best``: a JSON record of the folder, metric, value, step and max / min, replaced atomically). The
+(``BestTracker.mark``: a JSON record of the folder, metric, value, step and max / min, replaced atomically). The
 record travels in every checkpoint's training state, so a resumed run keeps comparing against the same best.
 
 Sharded checkpoints (``train.strategy=fsdp``; ``train.checkpoint_format`` "auto" or "sharded"): no gathering
@@ -57,10 +57,11 @@ process included); ``read_full`` rebuilds the full tensors in one process (``eva
 ``consolidate`` writes them as a full checkpoint (optimiser layout ``fsdp_full``). Needs
 ``torch.distributed.checkpoint.hf_storage`` (torch >= 2.9).
 
-The JSON records read back here (``state.json``, ``checkpoints/best``) are dataclasses (``StateRecord``,
-``BestRecord``) checked by the configuration's strict loader (``check_record`` / ``read_record``, also used by
-``loopformer.runs.folder`` for the run folder's records), so a malformed or crafted file is one line naming the
-file and the field, never a bare key name or an internal error.
+The JSON records read back here (``config.json``'s own fields, ``state.json``, ``checkpoints/best``) are
+dataclasses (``StoredConfig``, ``StateRecord``, ``BestRecord``) checked by the configuration's strict loader
+(``loopformer.config.strict.check_record`` / ``read_record``, which also read the run folder's records and the
+reports'), so a malformed or crafted file is one line naming the file and the field, never a bare key name or an
+internal error.
 """
 
 from __future__ import annotations
@@ -76,10 +77,10 @@ import random
 import re
 import shutil
 import sys
-from collections.abc import Iterator
+from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -88,7 +89,8 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
-from loopformer.config import ConfigError, RunConfig, config_to_json, from_dict, load_config_file
+from loopformer.config import ConfigError, RunConfig, config_to_json, load_config_file
+from loopformer.config.strict import Record, check_record, read_record
 from loopformer.files import (
     Count,
     JSONNumber,
@@ -138,35 +140,8 @@ def step_dirs(root: str | Path) -> list[Path]:
 
 # --------------------------------------------------------------------------------------------
 # The records run storage reads back: dataclasses checked by the configuration's strict loader
+# (loopformer.config.strict: Record, check_record, read_record)
 # --------------------------------------------------------------------------------------------
-class Record:
-    """Base of the records run storage reads back: a file may hold more than the fields read (a ``loopformer
-    run`` summary holds its report), which are not read (``loopformer.config.from_dict`` skips them)."""
-
-    other_keys_ignored: ClassVar[bool] = True
-
-
-def _json_name(value: Any) -> str:
-    return "null" if value is None else type(value).__name__
-
-
-def check_record(data: Any, cls: type, where: str | Path, error: type[Exception] = ValueError) -> Any:
-    """``data`` (a JSON file loopformer wrote) after checking it against the record dataclass ``cls`` with the
-    configuration's strict loader; ``error`` with one line naming ``where`` and the field otherwise."""
-    if not isinstance(data, dict):
-        raise error(f"{where}: the file must hold an object, got {_json_name(data)}")
-    try:
-        from_dict(cls, data)
-    except ValueError as err:  # ConfigError, or a record's own check (__post_init__)
-        raise error(f"{where}: {err}") from None
-    return data
-
-
-def read_record(path: str | Path, cls: type, error: type[Exception] = ValueError) -> dict[str, Any]:
-    """The JSON object a file loopformer wrote holds (``path``), checked against ``cls`` (``check_record``)."""
-    return check_record(read_json(Path(path), error), cls, path, error)
-
-
 @dataclass
 class BestRecord(Record):
     """``checkpoints/best``: the step folder of the best evaluation by ``train.keep_best``."""
@@ -214,6 +189,16 @@ class StateRecord(Record):
     sharded: _ShardState | None = None
 
 
+@dataclass
+class StoredConfig(Record):
+    """A checkpoint's ``config.json``: what is recorded beside the resolved ``RunConfig`` (whose sections the
+    configuration's loader reads itself)."""
+
+    family: JSONStr = ""
+    step: Count = 0
+    plugins: list[JSONStr] = field(default_factory=list)
+
+
 # --------------------------------------------------------------------------------------------
 # Tensor files
 # --------------------------------------------------------------------------------------------
@@ -225,20 +210,28 @@ def save_weights(
 ) -> None:
     """safetensors file of ``tensors``, written atomically (``loopformer.files``; ``root``: the folder it
     must stay inside); tensors sharing storage (tied weights) are stored once."""
-    unique: dict[str, Tensor] = {}
-    aliases: dict[str, str] = {}
-    seen: dict[tuple, str] = {}
-    for name, t in tensors.items():
-        key = (t.device, t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride())) if t.numel() else None
-        if key is not None and key in seen:
-            aliases[name] = seen[key]
-            continue
-        if key is not None:
-            seen[key] = name
-        unique[name] = t.detach().to("cpu", copy=True).contiguous()
+    stored, aliases = tied(tensors.items())
     meta = dict(metadata or {})
     meta["aliases"] = json.dumps(aliases)
-    save_tensors(unique, Path(path), meta, root)
+    save_tensors({n: t.detach().to("cpu", copy=True).contiguous() for n, t in stored.items()}, Path(path), meta, root)
+
+
+def tied(items: Iterable[tuple[str, Tensor]]) -> tuple[dict[str, Tensor], dict[str, str]]:
+    """(the tensors of ``items`` to store, aliases: name -> the stored name it shares storage with): a tied weight
+    (the same memory, dtype, shape and strides; a DTensor's by its local shard) is stored once."""
+    stored: dict[str, Tensor] = {}
+    aliases: dict[str, str] = {}
+    seen: dict[tuple, str] = {}
+    for name, t in items:
+        local = t.to_local() if hasattr(t, "to_local") else t
+        key = (local.device, local.data_ptr(), t.dtype, tuple(t.shape), tuple(local.stride()))
+        if t.numel() and key in seen:
+            aliases[name] = seen[key]
+            continue
+        if t.numel():
+            seen[key] = name
+        stored[name] = t
+    return stored, aliases
 
 
 def save_tensors(tensors: dict[str, Tensor], path: Path, metadata: dict[str, str] | None, root: Any) -> None:
@@ -264,7 +257,11 @@ def load_weights(path: str | Path, model: nn.Module | None = None, subset: bool 
     try:
         with safe_open(str(path), framework="pt") as handle:
             names = list(handle.keys())
-            aliases = _aliases((handle.metadata() or {}).get("aliases", "{}"), names, path)
+            try:
+                aliases = json.loads((handle.metadata() or {}).get("aliases", "{}"))
+            except (ValueError, RecursionError):
+                aliases = None
+            check_aliases(aliases, names, f"checkpoint file {path}", "the file")
             if model is not None:
                 shapes = {n: torch.empty(handle.get_slice(n).get_shape(), device="meta") for n in names}
                 shapes.update({alias: shapes[target] for alias, target in aliases.items()})
@@ -277,20 +274,17 @@ def load_weights(path: str | Path, model: nn.Module | None = None, subset: bool 
     return {**tensors, **{alias: tensors[target] for alias, target in aliases.items()}}
 
 
-def _aliases(text: str, stored: list[str], path: Path) -> dict[str, str]:
-    """The ``aliases`` metadata of a safetensors file (alias -> the stored tensor it names), checked."""
-    try:
-        aliases = json.loads(text)
-    except (ValueError, RecursionError):
-        aliases = None
+def check_aliases(aliases: Any, stored: Collection[str], where: str, holder: str) -> None:
+    """``aliases`` (the aliases metadata of a safetensors file or of a sharded checkpoint's ``state.json``: alias
+    -> the stored tensor it names) only add names for tied weights stored once: an alias that is a stored tensor
+    itself, or names one ``holder`` does not hold (``stored``), is refused naming ``where``."""
     if not isinstance(aliases, dict) or not all(isinstance(v, str) for v in aliases.values()):
-        raise CheckpointError(f"checkpoint file {path} has corrupt alias metadata")
+        raise CheckpointError(f"{where} has corrupt alias metadata")
     for alias, target in aliases.items():
         if alias in stored or target not in stored:
-            why = "is a stored tensor itself" if alias in stored else f"names {target!r}, which the file does not hold"
-            raise CheckpointError(f"checkpoint file {path}: the alias {alias!r} {why}; an alias only names a tied "
-                                  "weight stored once (a crafted or damaged file)")  # fmt: skip
-    return aliases
+            why = "is a stored tensor itself" if alias in stored else f"names {target!r}, which {holder} does not hold"
+            raise CheckpointError(f"{where}: the alias {alias!r} {why}; an alias only names a tied weight stored "
+                                  "once (a crafted or damaged file)")  # fmt: skip
 
 
 def check_storage(state: dict[str, Tensor], source: str) -> None:
@@ -636,18 +630,17 @@ def save_checkpoint(
     training_state: dict[str, Any] | None = None,
     keep: int = 0,
     weights: dict[str, Tensor] | None = None,
-    within: str | Path | None = None,
     family: str | None = None,
 ) -> Path:
     """Write ``root/step_{step:08d}`` atomically, point ``root/latest`` at it, keep the newest ``keep``.
 
     ``training_state``: what a resume restores (the trainer's ``state_dict()``). ``weights``: the tensors to
     store instead of ``model.state_dict()`` (full tensors gathered from FSDP shards). ``model`` None:
-    ``weights`` and ``family`` name what is stored. ``within``: the run folder nothing may leave through a
-    symbolic link (default: the parent of a ``checkpoints`` root, else ``root``).
+    ``weights`` and ``family`` name what is stored. Nothing leaves the run folder (the parent of a ``checkpoints``
+    root, else ``root``) through a symbolic link.
     """
     root = Path(root)
-    within = _run_root(root) if within is None else within
+    within = _run_root(root)
     check_inside(root / LATEST, within)
     name = step_name(step)
     tmp = root / f".tmp-{name}-{os.getpid()}"
@@ -687,9 +680,9 @@ def _publish(root: Path, tmp: Path, final: Path, keep: int, within: str | Path) 
     atomic_write_text(root / LATEST, final.name + "\n", root=within)
     fsync_dir(root)
     if keep > 0:
-        best = best_checkpoint(root)  # the best evaluation's folder (train.keep_best) is never pruned
+        best = read_best(root)  # the best evaluation's folder (train.keep_best) is never pruned
         for old in step_dirs(root)[:-keep]:
-            if old != final and old != best:
+            if old != final and (best is None or old.name != best["checkpoint"]):
                 shutil.rmtree(old, ignore_errors=True)
 
 
@@ -701,12 +694,7 @@ def quarantine_after(root: str | Path, step: int) -> Path | None:
     good = None
     for folder in candidate_checkpoints(root):
         m = STEP_DIR.match(folder.name)
-        if (
-            good is None
-            and int(m.group(1)) < step
-            and verify_checkpoint(folder, hashes=False) is None
-            and _nonfinite_reason(folder) is None
-        ):
+        if good is None and int(m.group(1)) < step and _unusable(folder, hashes=False) is None:
             good = folder
         elif good is None:
             os.replace(folder, folder.with_name(f"diverged_{folder.name}"))
@@ -738,16 +726,6 @@ def _pointer_target(root: Path) -> Path | None:
     return target if target.is_dir() else None
 
 
-def latest_checkpoint(root: str | Path) -> Path | None:
-    """The folder ``root/latest`` points to (or the newest step folder), None when there is none."""
-    root = Path(root)
-    target = _pointer_target(root)
-    if target is not None:
-        return target
-    dirs = step_dirs(root)
-    return dirs[-1] if dirs else None
-
-
 def candidate_checkpoints(root: str | Path) -> list[Path]:
     """Checkpoint folders under ``root``, newest first (the ``latest`` pointer's target leads)."""
     root = Path(root)
@@ -759,12 +737,17 @@ def candidate_checkpoints(root: str | Path) -> list[Path]:
     return dirs
 
 
+def latest_checkpoint(root: str | Path) -> Path | None:
+    """The folder ``root/latest`` points to (or the newest step folder), None when there is none."""
+    return next(iter(candidate_checkpoints(root)), None)
+
+
 def latest_good_checkpoint(root: str | Path) -> tuple[Path | None, list[str]]:
     """(the newest checkpoint under ``root`` that verifies and holds finite weights, the reasons the
     newer ones were skipped: "step_N: why")."""
     skipped = []
     for folder in candidate_checkpoints(root):
-        why = verify_checkpoint(folder) or _nonfinite_reason(folder)
+        why = _unusable(folder)
         if why is None:
             return folder, skipped
         named = folder / why.split(" ", 1)[0]  # the file the reason is about, when it names one
@@ -772,9 +755,10 @@ def latest_good_checkpoint(root: str | Path) -> tuple[Path | None, list[str]]:
     return None, skipped
 
 
-def _nonfinite_reason(folder: Path) -> str | None:
-    if is_sharded(folder):  # each rank checked its own shards before writing
-        return None
+def _unusable(folder: Path, hashes: bool = True) -> str | None:
+    """Why ``folder`` cannot be resumed from (``verify_checkpoint``, or its weights are not finite), or None."""
+    if (why := verify_checkpoint(folder, hashes)) is not None or is_sharded(folder):
+        return why  # a sharded one: each rank checked its own shards before writing
     try:
         bad = nonfinite_names(load_weights(folder / "model.safetensors"))
     except CheckpointError as err:
@@ -819,25 +803,16 @@ def read_checkpoint_config(path: str | Path, check: bool = False) -> tuple[RunCo
     """(RunConfig, family, step) from a checkpoint's ``config.json``. The plug-in modules it records must
     already be imported by the user (``loopformer.plugins.check_recorded``): nothing a checkpoint names is
     imported, and a ``module:Class`` name in it resolves only against imported modules."""
-    folder = resolve_checkpoint(path)
-    cfg_path = folder / "config.json"
-    raw = read_json(cfg_path, CheckpointError)
-    if not isinstance(raw, dict):
-        raise CheckpointError(f"{cfg_path} does not hold a config object")
-    step = raw.get("step", 0)
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise CheckpointError(f"{cfg_path}: 'step' must be a non-negative integer")
-    plugins = raw.get("plugins", [])
-    if not isinstance(plugins, list) or not all(isinstance(m, str) for m in plugins):
-        raise CheckpointError(f"{cfg_path}: 'plugins' must be a list of module names")
+    cfg_path = resolve_checkpoint(path) / "config.json"
+    raw = read_record(cfg_path, StoredConfig, CheckpointError)
     where = f"checkpoint {cfg_path}"
     with reading_data(where):
-        check_recorded(plugins, where)
+        check_recorded(raw.get("plugins", []), where)
         try:
             config = load_config_file(cfg_path, check=check)
         except ConfigError as err:
             raise CheckpointError(f"{cfg_path}: {err}") from None
-    return config, str(raw.get("family", "")), step
+    return config, raw.get("family", ""), raw.get("step", 0)
 
 
 def load_checkpoint(
@@ -937,21 +912,6 @@ def best_label(record: dict[str, Any]) -> str:
     return f"best (by eval_{record['metric']}, step {record['step']})"
 
 
-def write_best(
-    root: str | Path, checkpoint: str | Path, metric: str, value: float, step: int, mode: str
-) -> Path:
-    """Point ``root/best`` at the step folder ``checkpoint`` (inside ``root``): a JSON record of the
-    folder, the metric (a key of the evaluation summary), its value, the step and max / min, replaced
-    atomically."""
-    root = Path(root)
-    name = Path(checkpoint).name
-    if not STEP_DIR.match(name) or not (root / name).is_dir():
-        raise CheckpointError(f"best checkpoint {checkpoint} is not a step folder of {root}")
-    record = {"checkpoint": name, "metric": metric, "value": float(value), "step": int(step), "mode": mode}
-    atomic_write_text(root / BEST, json.dumps(record) + "\n", root=root)  # temp file, fsync, rename, fsync the folder
-    return root / BEST
-
-
 def read_best(root: str | Path) -> dict[str, Any] | None:
     """The record ``root/best`` holds (None when there is none); a malformed record, or one naming
     a folder that is gone (e.g. quarantined after a divergence), is ignored with a warning."""
@@ -969,12 +929,6 @@ def read_best(root: str | Path) -> dict[str, Any] | None:
     return record
 
 
-def best_checkpoint(root: str | Path) -> Path | None:
-    """The step folder ``root/best`` points to, None when there is none."""
-    record = read_best(root)
-    return Path(root) / record["checkpoint"] if record is not None else None
-
-
 def find_best(path: str | Path) -> tuple[Path, dict[str, Any]]:
     """(the best checkpoint folder, its record) of a run folder, a ``checkpoints/`` root or a
     ``loopformer run`` folder; CheckpointError when the run keeps none (train.keep_best unset)."""
@@ -988,13 +942,6 @@ def find_best(path: str | Path) -> tuple[Path, dict[str, Any]]:
     raise CheckpointError(
         f"{path} keeps no best checkpoint (no checkpoints/best: the run was trained without train.keep_best)"
     )
-
-
-def best_record_for(folder: str | Path) -> dict[str, Any] | None:
-    """The best record of the run holding checkpoint ``folder`` when ``folder`` is that best one."""
-    folder = Path(folder)
-    record = read_best(folder.parent)
-    return record if record is not None and record["checkpoint"] == folder.name else None
 
 
 class BestTracker:
@@ -1043,9 +990,11 @@ class BestTracker:
         does, under torchrun)."""
         if checkpoint.name != self.checkpoint:
             raise ValueError(f"the best evaluation is step {self.step}, but {checkpoint} was written")
-        if write:
+        if write:  # the record (BestRecord), replaced atomically: temp file, fsync, rename, fsync the folder
+            if not checkpoint.is_dir():
+                raise CheckpointError(f"best checkpoint {checkpoint} is not a step folder")
             log.info("best checkpoint: %s (eval_%s = %s)", checkpoint, self.metric, self.value)
-            write_best(checkpoint.parent, checkpoint, self.metric, self.value, self.step, self.mode)
+            atomic_write_text(checkpoint.parent / BEST, json.dumps(self.state_dict()) + "\n", root=checkpoint.parent)
 
     def state_dict(self) -> dict[str, Any] | None:
         """The record a checkpoint's training state carries (None until there is a best)."""
@@ -1142,11 +1091,6 @@ def _reader(folder: Path) -> Any:
     return reader
 
 
-def _tensor_key(t: Tensor) -> tuple:
-    local = t.to_local() if hasattr(t, "to_local") else t
-    return (local.device, local.data_ptr(), local.dtype, tuple(t.shape))
-
-
 def tensor_table(
     model: nn.Module, optimizer: torch.optim.Optimizer, ema: dict[str, Tensor] | None
 ) -> tuple[dict[str, Tensor], dict[str, Any], dict[str, str]]:
@@ -1155,9 +1099,6 @@ def tensor_table(
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    table: dict[str, Tensor] = {}
-    aliases: dict[str, str] = {}
-    seen: dict[tuple, str] = {}
     items = [(f"model.{k}", v) for k, v in model_sd.items()]
     items += [(f"ema.{k}", v) for k, v in (ema or {}).items()]
     scalars: dict[str, dict[str, Any]] = {}
@@ -1167,14 +1108,7 @@ def tensor_table(
                 items.append((f"optim.{name}.{k}", v))
             else:
                 scalars.setdefault(name, {})[k] = v
-    for key, t in items:
-        ident = _tensor_key(t) if t.numel() else None
-        if ident is not None and ident in seen:
-            aliases[key] = seen[ident]
-            continue
-        if ident is not None:
-            seen[ident] = key
-        table[key] = t
+    table, aliases = tied(items)
     return table, {"param_groups": optim_sd["param_groups"], "scalars": scalars}, aliases
 
 
@@ -1252,10 +1186,7 @@ def load_sharded(
     except (RuntimeError, ValueError, KeyError, AssertionError) as err:
         raise CheckpointError(f"sharded checkpoint {folder} does not fit this model / optimizer: {err}") from None
     model_sd, optim_sd = get_state_dict(model, optimizer)  # the live tensors, now holding the checkpoint
-    saved = state["optimizer"]
-    for name, extra in saved.get("scalars", {}).items():
-        optim_sd["state"].setdefault(name, {}).update(extra)
-    optim_sd["param_groups"] = saved["param_groups"]
+    optim_sd = _optimizer_state(optim_sd["state"], state["optimizer"])
     try:
         set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
     except (RuntimeError, ValueError, KeyError) as err:
@@ -1282,12 +1213,8 @@ def read_full(folder: str | Path) -> dict[str, dict[str, Tensor]]:
     except (RuntimeError, ValueError, KeyError, OSError, AssertionError) as err:
         raise CheckpointError(f"sharded checkpoint {folder} is unreadable: {err}") from None
     aliases = (load_training_state(folder).get("sharded") or {}).get("aliases", {})
-    for alias, target in aliases.items():
-        if target not in table or alias in table:  # an alias only names a tied weight stored once
-            why = ("is a stored tensor itself" if alias in table
-                   else f"names the tensor {target!r}, which the shards of {folder} do not hold")  # fmt: skip
-            raise CheckpointError(f"{folder / 'state.json'}: 'sharded.aliases.{alias}' {why}")
-        table[alias] = table[target]
+    check_aliases(aliases, table, f"{folder / 'state.json'} (sharded.aliases)", f"the sharded checkpoint {folder}")
+    table.update({alias: table[target] for alias, target in aliases.items()})
     out: dict[str, dict[str, Tensor]] = {"model": {}, "ema": {}, "optim": {}}
     for key, t in table.items():
         part, _, name = key.partition(".")
@@ -1297,16 +1224,12 @@ def read_full(folder: str | Path) -> dict[str, dict[str, Tensor]]:
     return out
 
 
-def _full_optimizer_state(full: dict[str, Tensor], saved: dict[str, Any]) -> dict[str, Any]:
-    """The optimiser state keyed by parameter name with full tensors (``fsdp_full`` layout) from
-    ``read_full(...)["optim"]`` and the non-tensor part in state.json."""
-    state: dict[str, dict[str, Any]] = {}
-    for key, t in full.items():
-        name, _, k = key.rpartition(".")
-        state.setdefault(name, {})[k] = t
+def _optimizer_state(tensors: dict[str, dict[str, Any]], saved: dict[str, Any]) -> dict[str, Any]:
+    """The optimiser state keyed by parameter name: its tensors (``tensors``: name -> key -> tensor) joined with
+    the non-tensor part a sharded checkpoint keeps in state.json (``saved``: the scalars and param_groups)."""
     for name, extra in saved.get("scalars", {}).items():
-        state.setdefault(name, {}).update(extra)
-    return {"state": state, "param_groups": saved["param_groups"]}
+        tensors.setdefault(name, {}).update(extra)
+    return {"state": tensors, "param_groups": saved["param_groups"]}
 
 
 def consolidate(src: str | Path, out: str | Path, replace: bool = False) -> Path:
@@ -1333,7 +1256,11 @@ def consolidate(src: str | Path, out: str | Path, replace: bool = False) -> Path
         )
     state.pop("step", None)
     state.pop("sharded", None)
-    state["optimizer"] = _full_optimizer_state(full["optim"], state["optimizer"])
+    tensors: dict[str, dict[str, Any]] = {}
+    for key, t in full["optim"].items():  # "name.key": the full tensors of the fsdp_full layout
+        name, _, k = key.rpartition(".")
+        tensors.setdefault(name, {})[k] = t
+    state["optimizer"] = _optimizer_state(tensors, state["optimizer"])
     state["optimizer_layout"] = "fsdp_full"
     return save_checkpoint(
         Path(out), step, None, config, ema_state=full["ema"] or None, training_state=state,

@@ -64,16 +64,16 @@ fingerprints, what a resume checks, and the run's summary.
   weights would continue under this run's step names); into a folder holding none it is a branch, recorded in
   ``origin.json`` (``check_origin``). The config must describe the same training stream (``config_changes``:
   every dotted key whose value differs, leaving out those that cannot change what is trained,
-  ``STREAM_FREE`` and ``_free``) and the data must hold the rows the checkpoint recorded (``check_data``),
-  else the resume is refused with the list, unless ``train.allow_config_change=true``
+  ``STREAM_FREE`` and ``_free``) and the data must hold the rows the checkpoint recorded (``data_changes``),
+  else the resume is refused with one list of both, unless ``train.allow_config_change=true``
   (``--allow-config-change``), which appends the change (time, step, checkpoint, each key's old and new
   value) to ``config_changes.jsonl`` and goes on.
 - The summary (``summary.json``, ``Summary``): ``read_summary``, ``finished_summary`` (its ``checkpoint``
   confined to the run's own ``checkpoints/``: a path read from a file is never followed out of the folder
-  that holds it, ``inside``).
+  that holds it, ``loopformer.files.check_inside``).
 
 Every JSON record read back here is a dataclass (``LockRecord``, ``ProvenanceFile``, ``OriginRecord``,
-``Summary``) checked by the configuration's strict loader (``loopformer.runs.checkpoint.read_record``).
+``Summary``) checked by the configuration's strict loader (``loopformer.config.strict.read_record``).
 
 ``fcntl.flock`` rather than the ``filelock`` package: it is the same system call, and not a new
 dependency. ``flock`` is POSIX-only; where ``fcntl`` is missing (Windows) locking is refused
@@ -104,7 +104,8 @@ from typing import Any
 import numpy as np
 
 from loopformer.config import DataConfig, RunConfig, config_to_json, to_dict
-from loopformer.config.recipes import stored_table
+from loopformer.config.recipes import CHECKPOINT_META_KEYS, stored_table
+from loopformer.config.strict import Record, check_record, read_record
 from loopformer.files import (
     Count,
     JSONInt,
@@ -119,7 +120,6 @@ from loopformer.files import (
     exchange_folders,
     fsync_dir,
     missing_parts,
-    read_json,
     regular_file,
     remove_empty,
 )
@@ -128,11 +128,9 @@ from loopformer.loop.config import plugin_defaults
 from loopformer.runs.checkpoint import (
     STEP_DIR,
     CheckpointError,
-    Record,
     StateRecord,
-    check_record,
+    StoredConfig,
     latest_good_checkpoint,
-    read_record,
     resolve_checkpoint,
     step_dirs,
     verify_checkpoint,
@@ -147,7 +145,6 @@ log = logging.getLogger("loopformer.train")
 
 LOCK_NAME = ".loopformer.lock"
 STAGING = ".overwrite-staging"
-RUN_MARKERS = ("metrics.jsonl", "summary.json")
 # what a run writes at its folder's top level: none of these may be a symbolic link
 RUN_FILES = ("checkpoints", "metrics.jsonl", "summary.json", "config.yaml", "config.json", "wandb_id",
              "tensorboard", "provenance.json", "origin.json", "config_changes.jsonl", STAGING, LOCK_NAME)  # fmt: skip
@@ -169,6 +166,11 @@ class LockRecord(Record):
 
 class RunFolderError(RuntimeError):
     """A run folder that is in use or holds a run this command would destroy."""
+
+
+def _now() -> str:
+    """The time now (UTC) as the run folder's records write it."""
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
 def _start_time(pid: int) -> str | None:
@@ -222,13 +224,13 @@ def _parse_lock(text: str, path: Path | None = None) -> dict[str, Any] | None:
         return None
 
 
-def _describe(info: dict[str, Any] | None) -> str:
-    if info is None:
-        return "another process (it is starting: its details are not written yet)"
-    return (
-        f"process {info['pid']} on {info.get('host', '?')} "
-        f"({info.get('purpose', '?')} since {info.get('time', '?')})"
-    )
+def _in_use(folder: Path, info: dict[str, Any] | None) -> RunFolderError:
+    """The refusal of a folder whose lock the process ``info`` (its lock record; None: not written yet) holds."""
+    holder = "another process (it is starting: its details are not written yet)"
+    if info is not None:
+        holder = (f"process {info['pid']} on {info.get('host') or '?'} "
+                  f"({info.get('purpose', '?')} since {info.get('time', '?')})")  # fmt: skip
+    return RunFolderError(f"run folder {folder} is in use by {holder}; wait for it to finish, or use another folder")
 
 
 class RunLock:
@@ -286,11 +288,7 @@ class RunLock:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            info = self._holder(fd)
-            raise RunFolderError(
-                f"run folder {self.folder} is in use by {_describe(info)}; wait for it to finish, "
-                f"or use another folder"
-            ) from None
+            raise _in_use(self.folder, self._holder(fd)) from None
         try:
             now = os.stat(self.path)
         except FileNotFoundError:
@@ -308,7 +306,7 @@ class RunLock:
             "purpose": self.purpose,
             "token": self.token,
             "started": _start_time(pid),
-            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "time": _now(),
         }
         data = json.dumps(record).encode("utf-8")
         # the one file written in place: an OS lock lives on its inode, which a rename would replace
@@ -345,11 +343,7 @@ class RunLock:
                 f"delete {self.path}"
             )
         if info["pid"] != os.getpid() and _alive(info["pid"], info.get("started")):
-            raise RunFolderError(
-                f"run folder {self.folder} is in use by process {info['pid']} on {host} "
-                f"({info.get('purpose', '?')} since {info.get('time', '?')}); wait for it to finish, "
-                f"or use another folder"
-            )
+            raise _in_use(self.folder, info)
         if info["pid"] != os.getpid():
             log.info("lock %s was left by process %s, which is gone; it is free", self.path, info["pid"])
 
@@ -404,17 +398,11 @@ def overwrite_staging(folder: str | Path) -> Path:
     return target.parent / f".{target.name}.staging-train-overwrite"
 
 
-def _replaced_name(target: Path) -> str:
-    return f".{target.name}.replaced-train-overwrite"  # where the fallback's first rename puts the old run
-
-
 def holds_run(folder: str | Path) -> bool:
-    """Whether ``folder`` holds a training run: checkpoints, ``metrics.jsonl`` or ``summary.json``."""
+    """Whether ``folder`` holds a training run: its own files (``training_run``), ``summary.json`` or a
+    ``checkpoints/latest`` pointer."""
     folder = Path(folder)
-    if any((folder / name).is_file() for name in RUN_MARKERS):
-        return True
-    ckpt = folder / "checkpoints"
-    return ckpt.is_dir() and any(p.name == "latest" or p.name.startswith("step_") for p in ckpt.iterdir())
+    return training_run(folder) or (folder / "summary.json").is_file() or os.path.lexists(folder / "checkpoints" / "latest")
 
 
 def training_run(folder: Path) -> bool:
@@ -499,7 +487,7 @@ class RunFolder:
                 self.lock.release()
                 raise
             try:
-                self._clear_leftovers()
+                clear_leftovers(self.folder)
             except BaseException:
                 self.lock.release()
                 raise
@@ -515,14 +503,6 @@ class RunFolder:
             self.staging = overwrite_staging(self.folder)
             if is_main:
                 self._start_staging()
-
-    def _clear_leftovers(self) -> None:
-        """Remove what a killed overwrite left (we hold the folder's lock, which it needed)."""
-        target = Path(os.path.realpath(self.folder))
-        shutil.rmtree(self.folder / STAGING, ignore_errors=True)  # the in-folder staging of older versions
-        for name in (overwrite_staging(self.folder).name, _replaced_name(target)):
-            if (target.parent / name).is_dir():
-                shutil.rmtree(target.parent / name, ignore_errors=True)
 
     def _start_staging(self) -> None:
         """Create and lock the folder the new run is built in, beside the old one."""
@@ -613,14 +593,15 @@ def holds_dataset(folder: str | Path) -> bool:
     return any((child / "dataset.json").is_file() for child in children)
 
 
-def refuse_inside_checkpoints(path: str | Path, option: str) -> None:
-    """RunFolderError when ``path`` lies inside a run's ``checkpoints/`` folder."""
-    found = inside_run(path)
-    if found is not None and found[1]:
-        raise RunFolderError(
-            f"{option} {path} is inside the checkpoints of the run {found[0]}: nothing but that run's "
-            f"training writes there; choose a folder outside {found[0] / 'checkpoints'}"
-        )
+def clear_leftovers(folder: Path) -> None:
+    """Remove what a killed command left of its work on ``folder`` (the caller holds the folder's lock, which
+    that command held too): the staging and replaced folders beside it (beside its target when it is a link:
+    ``staged_output``, ``train --overwrite``) and, from older versions, inside it."""
+    target = Path(os.path.realpath(folder))
+    for stale in [folder / STAGING, *folder.glob(f"{STAGING_PREFIX}*"), *folder.glob(f"{REPLACED_PREFIX}*"),
+                  *target.parent.glob(f".{target.name}{STAGING_PREFIX}*"),
+                  *target.parent.glob(f".{target.name}{REPLACED_PREFIX}*")]:  # fmt: skip
+        shutil.rmtree(stale, ignore_errors=True)
 
 
 def _contents(folder: Path) -> list[Path]:
@@ -631,6 +612,18 @@ def _contents(folder: Path) -> list[Path]:
         for p in folder.iterdir()
         if p.name not in skip and not p.name.startswith((STAGING_PREFIX, REPLACED_PREFIX))
     )
+
+
+def output_folder(folder: Path, option: str, purpose: str) -> None:
+    """Refuse a folder that ``purpose`` (a command) would write whole (``option``: where the user named it)
+    when it is a symbolic link (its target would be emptied and refilled) or a file."""
+    if folder.is_symlink():
+        raise UnsafePathError(
+            f"{option} {folder} is a symbolic link (to {os.readlink(folder)}); `{purpose}` writes its output "
+            f"folder whole and never through a link: name the folder itself ({os.path.realpath(folder)})"
+        )
+    if folder.exists() and not folder.is_dir():
+        raise RunFolderError(f"{option} {folder} is a file, not a folder: name a folder to write into")
 
 
 @contextmanager
@@ -649,15 +642,13 @@ def staged_output(
     folder = Path(folder)
     if root is not None:
         check_inside(folder, root)
-    if folder.is_symlink():  # replaced whole: never through a link (its target would be emptied and refilled)
-        raise UnsafePathError(
-            f"{option} {folder} is a symbolic link (to {os.readlink(folder)}); `{purpose}` replaces its output "
-            f"folder whole and never through a link: name the folder itself ({os.path.realpath(folder)})"
-        )
-    if folder.exists() and not folder.is_dir():
-        raise RunFolderError(f"{option} {folder} is a file, not a folder: name a folder to write into")
-    refuse_inside_checkpoints(folder, option)
+    output_folder(folder, option, purpose)
     enclosing = inside_run(folder)
+    if enclosing is not None and enclosing[1]:
+        raise RunFolderError(
+            f"{option} {folder} is inside the checkpoints of the run {enclosing[0]}: nothing but that run's "
+            f"training writes there; choose a folder outside {enclosing[0] / 'checkpoints'}"
+        )
     if enclosing is not None:  # a report inside a run: not through a link there (nor out of the run)
         check_inside(folder, enclosing[0])
     if protect_runs and purpose not in DATASET_WRITERS and holds_dataset(folder):
@@ -668,11 +659,8 @@ def staged_output(
     created = missing_parts(folder)  # the folders this command creates, removed again on a failure
     try:
         with RunLock(folder, purpose):
+            clear_leftovers(folder)
             target = Path(os.path.realpath(folder))  # a folder may be a link (a scratch disk): build beside its target
-            for stale in [*folder.glob(f"{STAGING_PREFIX}*"), *folder.glob(f"{REPLACED_PREFIX}*"),
-                          *target.parent.glob(f".{target.name}{STAGING_PREFIX}*"),
-                          *target.parent.glob(f".{target.name}{REPLACED_PREFIX}*")]:  # fmt: skip
-                shutil.rmtree(stale, ignore_errors=True)  # a killed command's leftovers: we hold the lock
             old = _contents(folder)
             if old and protect_runs and training_run(folder):
                 raise RunFolderError(
@@ -830,7 +818,7 @@ def collect(device: Any = None, step: int = 0, resumed: bool = False) -> dict[st
     if device is not None and getattr(device, "type", str(device)) == "cuda" and torch.cuda.is_available():
         device_name = f"{device} ({torch.cuda.get_device_name(device)})"
     return {
-        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "started": _now(),
         "step": int(step),
         "resumed": bool(resumed),
         "loopformer": _version("loopformer"),
@@ -864,10 +852,10 @@ def read_records(folder: str | Path) -> list[dict[str, Any]]:
     return list(read_record(path, ProvenanceFile)["records"])
 
 
-def append_record(folder: str | Path, record: dict[str, Any]) -> Path:
-    """Add ``record`` to ``folder/provenance.json``, keeping the earlier ones (an atomic rewrite)."""
+def append_record(folder: str | Path, *added: dict[str, Any]) -> Path:
+    """Add the records ``added`` to ``folder/provenance.json``, keeping the earlier ones (an atomic rewrite)."""
     folder = Path(folder)
-    records = [*read_records(folder), record]
+    records = [*read_records(folder), *added]
     return atomic_write_json(folder / FILE, {"records": records}, root=folder, indent=2, newline=True)
 
 
@@ -1067,8 +1055,8 @@ def _free(key: str, current: dict[str, Any]) -> bool:
 def config_changes(saved: dict[str, Any], current: RunConfig) -> dict[str, dict[str, Any]]:
     """``{key: {"old": ..., "new": ...}}`` for the stream-changing keys where the checkpoint's
     ``config.json`` (``saved``) and ``current`` differ; a key one side lacks compares with its default."""
-    # family / step / plugins: what the checkpoint records beside the config (loopformer.runs.checkpoint)
-    old = _flat(stored_table({k: v for k, v in saved.items() if k not in ("family", "step", "plugins")}))
+    # family / step / plugins: what the checkpoint records beside the config (StoredConfig)
+    old = _flat(stored_table({k: v for k, v in saved.items() if k not in CHECKPOINT_META_KEYS}))
     new = _flat(json.loads(config_to_json(current)))
     default = _flat(to_dict(RunConfig()))
     # the model's resolved loop: a field added since the checkpoint was written compares with its default, a
@@ -1080,43 +1068,6 @@ def config_changes(saved: dict[str, Any], current: RunConfig) -> dict[str, dict[
         a, b = old.get(key, default.get(key, _MISSING)), new.get(key, default.get(key, _MISSING))
         if a != b and not _free(key, new):
             changes[key] = {"old": None if a is _MISSING else a, "new": None if b is _MISSING else b}
-    return changes
-
-
-def check_config(config: RunConfig, folder: Path, run_dir: Path) -> dict[str, dict[str, Any]]:
-    """The stream-changing differences between ``config`` and the checkpoint ``folder``'s; refused
-    (CheckpointError listing them) unless ``train.allow_config_change`` (``record_changes`` then
-    writes them once the checkpoint is loaded)."""
-    saved = read_json(folder / "config.json", CheckpointError)
-    if not isinstance(saved, dict):
-        raise CheckpointError(f"{folder / 'config.json'} does not hold a config object")
-    changes = config_changes(saved, config)
-    if changes and not config.train.allow_config_change:
-        listed = "; ".join(f"{k}: {v['old']!r} -> {v['new']!r}" for k, v in changes.items())
-        raise CheckpointError(
-            f"resume: this config differs from the one checkpoint {folder} was trained with in "
-            f"{', '.join(changes)} ({listed}); a resume continues the same training, so these must match. "
-            f"Resume with the run's config, or pass --allow-config-change (train.allow_config_change=true) "
-            f"to continue with the change (recorded in {run_dir / CHANGES})"
-        )
-    return changes
-
-
-def check_data(config: RunConfig, folder: Path, run_dir: Path, current: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """The data sets whose rows differ between the checkpoint ``folder``'s record (``state.json`` ``data``,
-    ``data_fingerprint``) and this run's (``current``): a data file regenerated or replaced since.
-    Refused (CheckpointError naming them) unless ``train.allow_config_change``; a checkpoint written before
-    data was recorded has nothing to compare."""
-    path = folder / "state.json"
-    saved = read_record(path, StateRecord, CheckpointError).get("data") if path.is_file() else None
-    changes = data_changes(saved, current)
-    if changes and not config.train.allow_config_change:
-        listed = "; ".join(f"{k}: {v['old']} -> {v['new']}" for k, v in changes.items())
-        raise CheckpointError(
-            f"resume: checkpoint {folder} was trained on other data than this run reads ({listed}); a resume "
-            f"continues the same training on the same rows. Restore the data, or pass --allow-config-change "
-            f"(train.allow_config_change=true) to continue on the new rows (recorded in {run_dir / CHANGES})"
-        )
     return changes
 
 
@@ -1163,7 +1114,7 @@ def record_origin(run_dir: Path, folder: Path, source: Path, step: int) -> None:
             log.warning("%s; the branch's provenance starts here", err)
             earlier = []
         if earlier:
-            atomic_write_json(run_dir / FILE, {"records": earlier}, root=run_dir, indent=2, newline=True)
+            append_record(run_dir, *earlier)
 
 
 @dataclass
@@ -1205,18 +1156,6 @@ def branch_origin(run_dir: Path) -> Path | None:
     )
 
 
-def _no_good_checkpoint(ckpt_dir: Path, skipped: list[str]) -> CheckpointError:
-    """The error of a ``train.resume=true`` whose every checkpoint is unusable (``skipped``: why)."""
-    return CheckpointError(
-        f"resume: no usable checkpoint in {ckpt_dir}; every one is corrupt: {'; '.join(skipped)}. "
-        f"Nothing was loaded or overwritten; repair or remove them (or start afresh with --overwrite, without --resume)"
-    )
-
-
-def _now() -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-
-
 def resume_folder(resume: bool | str, ckpt_dir: Path) -> Path | None:
     """The checkpoint ``train.resume`` asks for: None (a fresh run), the run's newest good one (``true``: by
     its manifest and finite weights; a branch without a checkpoint of its own: where it branched from), or
@@ -1226,8 +1165,11 @@ def resume_folder(resume: bool | str, ckpt_dir: Path) -> Path | None:
     if resume is not True:
         return resolve_checkpoint(resume)
     folder, skipped = latest_good_checkpoint(ckpt_dir)
-    if folder is None and skipped:
-        raise _no_good_checkpoint(ckpt_dir, skipped)
+    if folder is None and skipped:  # every checkpoint is unusable
+        raise CheckpointError(
+            f"resume: no usable checkpoint in {ckpt_dir}; every one is corrupt: {'; '.join(skipped)}. Nothing was "
+            f"loaded or overwritten; repair or remove them (or start afresh with --overwrite, without --resume)"
+        )
     for reason in skipped:
         log.warning("resume: skipped %s", reason)
     if folder is None:  # a branch killed before its first checkpoint goes on from where it branched
@@ -1248,11 +1190,24 @@ class ResumeChecks:
 
 def check_resume(folder: Path, config: RunConfig, run_dir: Path, data: dict[str, Any]) -> ResumeChecks:
     """Before loading ``folder`` into the run in ``run_dir``: it is this run's checkpoint (or this run is a new
-    branch of it, ``check_origin``), ``config`` trains the same stream (``check_config``) and the data holds
-    the rows it recorded (``check_data``; ``data``: this run's ``training_data``), or the change is allowed."""
+    branch of it, ``check_origin``), ``config`` trains the same stream as the checkpoint's ``config.json``
+    (``config_changes``) and the data holds the rows its ``state.json`` recorded (``data_changes``; ``data``: this
+    run's ``training_data``; a checkpoint written before data was recorded has nothing to compare). A difference
+    is refused (CheckpointError listing each) unless ``train.allow_config_change`` (``record_resume`` then
+    writes it once the checkpoint is loaded)."""
     origin = check_origin(folder, run_dir / "checkpoints", run_dir)
-    changes = check_config(config, folder, run_dir)
-    changes.update(check_data(config, folder, run_dir, data))
+    changes = config_changes(read_record(folder / "config.json", StoredConfig, CheckpointError), config)
+    state = folder / "state.json"
+    saved = read_record(state, StateRecord, CheckpointError).get("data") if state.is_file() else None
+    changes.update(data_changes(saved, data))
+    if changes and not config.train.allow_config_change:
+        listed = "; ".join(f"{k}: {v['old']!r} -> {v['new']!r}" for k, v in changes.items())
+        raise CheckpointError(
+            f"resume: this config or data differs from what checkpoint {folder} was trained with in "
+            f"{', '.join(changes)} ({listed}); a resume continues the same training on the same rows, so these must "
+            f"match. Resume with the run's config and data, or pass --allow-config-change "
+            f"(train.allow_config_change=true) to continue with the change (recorded in {run_dir / CHANGES})"
+        )
     return ResumeChecks(folder, origin, changes)
 
 
@@ -1307,20 +1262,6 @@ def read_summary(run: str | Path) -> dict[str, Any] | None:
     return read_record(path, Summary)
 
 
-def inside(folder: str | Path, relative: str, where: str) -> Path:
-    """``folder / relative`` for a path read from a file in ``folder`` (``where`` names the file and field):
-    a relative path without ``..`` that resolves inside ``folder``; UnsafePathError otherwise."""
-    folder = Path(folder)
-    rel = Path(relative)
-    if rel.is_absolute() or ".." in rel.parts or not rel.parts:
-        raise UnsafePathError(f"{where} names {relative!r}, which is not a path inside {folder}")
-    path = folder / rel
-    real_folder, real = os.path.realpath(folder), os.path.realpath(path)
-    if os.path.commonpath([real_folder, real]) != real_folder:
-        raise UnsafePathError(f"{where} names {relative!r}, which leads out of {folder} (a symbolic link)")
-    return path
-
-
 def finished_summary(run: str | Path, steps: int) -> dict[str, Any] | None:
     """``run``'s summary when its training reached ``steps`` and wrote a checkpoint, else None; its
     ``checkpoint`` is this run's own ``checkpoints/<step folder>`` (the recorded path is read as a name,
@@ -1335,7 +1276,7 @@ def finished_summary(run: str | Path, steps: int) -> dict[str, Any] | None:
         raise CheckpointError(
             f"{where} names {summary['checkpoint']!r}, which is not a step_N checkpoint folder"
         )
-    folder = inside(run, f"checkpoints/{name}", where)
+    folder = check_inside(run / "checkpoints" / name, run)  # never through a link out of the run folder
     if not folder.is_dir():
         return None  # pruned or removed: the run is not finished as far as this command can see
     return {**summary, "checkpoint": str(folder)}

@@ -31,11 +31,11 @@ from loopformer.models.base import LoopedModel
 from loopformer.runs.checkpoint import (
     CheckpointError,
     best_label,
-    best_record_for,
     build_stored_model,
     find_best,
     latest_checkpoint,
     load_stored_weights,
+    read_best,
     read_checkpoint_config,
     resolve_checkpoint,
     verified,
@@ -129,13 +129,12 @@ def eval_dataset(task: Task, config: RunConfig, max_examples: int = 0) -> TokenD
     """The run's held-out set: ``data.eval_path`` or ``task.generate(eval_size, eval_seed, **eval_generate)``
     (``load_split``: a folder is HRM's format, ``eval_size`` 0 = all rows), without the rows that cannot be
     scored (``scorable``), cut to ``max_examples`` (default ``eval.max_examples``; 0 = all)."""
-    data = load_split(task, config.data, "eval")
+    data = task_dataset(task, config.data, "eval")
     if data is None or len(data) == 0:
         raise ValueError(
             f"the run has no held-out set (data.eval_size = {config.data.eval_size} gave no rows of task "
             f"{task.name!r} and there is no data.eval_path)"
         )
-    data = scorable(data, task, config.data)
     limit = max_examples or config.eval.max_examples
     if limit and limit < len(data):
         data = data.subset(slice(0, limit))
@@ -164,8 +163,8 @@ class LoadedRun:
 
 def checkpoint_label(folder: Path, step: int) -> tuple[str, dict[str, Any] | None]:
     """(the label reports give checkpoint ``folder``, its best record when it is the run's best)."""
-    record = best_record_for(folder)
-    if record is not None:
+    record = read_best(folder.parent)
+    if record is not None and record["checkpoint"] == folder.name:
         return best_label(record), record
     latest = latest_checkpoint(folder.parent)
     return (f"latest (step {step})" if latest == folder else f"step {step}"), None
