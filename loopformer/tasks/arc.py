@@ -77,7 +77,14 @@ from typing import Any
 import numpy as np
 
 from loopformer.files import read_json, regular_file
-from loopformer.tasks.base import IGNORE_INDEX, Task, TaskDataError, TokenDataset
+from loopformer.tasks.base import (
+    DIHEDRAL_INVERSE,
+    IGNORE_INDEX,
+    Task,
+    TaskDataError,
+    TokenDataset,
+    square_symmetry,
+)
 from loopformer.tasks.formats import load_npz, save_npz
 
 MAX_GRID = 30
@@ -373,29 +380,18 @@ DIHEDRAL_NAMES = (
     "flip_ud",
     "anti_transpose",
 )
-_DIHEDRAL_INVERSE = (0, 3, 2, 1, 4, 5, 6, 7)
+_ROTATE_THEN_MIRROR = (0, 1, 2, 3, 7, 4, 6, 5)  # DIHEDRAL_NAMES[k] is square_symmetry's _ROTATE_THEN_MIRROR[k]
 
 
 def dihedral(grid: np.ndarray, k: int) -> np.ndarray:
     """The k-th of the 8 symmetries of the square (see DIHEDRAL_NAMES; rotations are counter-clockwise)."""
-    grid = np.asarray(grid)
-    if k == 0:
-        return grid.copy()
-    if k in (1, 2, 3):
-        return np.rot90(grid, k).copy()
-    if k == 4:
-        return grid.T.copy()
-    if k == 5:
-        return grid[:, ::-1].copy()
-    if k == 6:
-        return grid[::-1, :].copy()
-    if k == 7:
-        return np.rot90(grid, 2).T.copy()
-    raise TaskDataError(f"dihedral transform index must be 0..7, got {k}")
+    if not 0 <= k < 8:
+        raise TaskDataError(f"dihedral transform index must be 0..7, got {k}")
+    return square_symmetry(grid, _ROTATE_THEN_MIRROR[k])
 
 
 def inverse_dihedral(grid: np.ndarray, k: int) -> np.ndarray:
-    return dihedral(grid, _DIHEDRAL_INVERSE[k])
+    return dihedral(grid, DIHEDRAL_INVERSE[k])  # the same table in both numberings: 1 and 3 swap, the rest undo themselves
 
 
 @dataclass(frozen=True)

@@ -227,6 +227,20 @@ def splitmix64(x: np.ndarray) -> np.ndarray:
         return x ^ (x >> np.uint64(31))
 
 
+def square_symmetry(grid: np.ndarray, k: int) -> np.ndarray:
+    """Symmetry ``k`` (0..7) of the square on the last two axes of ``grid`` (one board or a stack of them): a
+    rotation by 90 * (k % 4) degrees counter-clockwise, then, for k >= 4, a mirror left-right; a copy.
+    The maze's transforms and the prepared datasets' use this numbering; ARC numbers the same eight by name
+    (``loopformer.tasks.arc.DIHEDRAL_NAMES``). ``DIHEDRAL_INVERSE[k]`` undoes ``k``."""
+    if not 0 <= k < 8:
+        raise TaskDataError(f"dihedral transform index must be 0..7, got {k}")
+    g = np.rot90(np.asarray(grid), k % 4, axes=(-2, -1))
+    return (g[..., ::-1] if k >= 4 else g).copy()
+
+
+DIHEDRAL_INVERSE = (0, 3, 2, 1, 4, 5, 6, 7)  # rotations by 90 / 270 degrees undo each other; reflections themselves
+
+
 def task_model_fields(task: Task) -> dict[str, Any]:
     """Model fields ``task`` fixes before any data is read: ``vocab_size`` (when the task has a fixed
     vocabulary), ``causal``, ``num_puzzle_ids`` (with one prepended puzzle token when non-zero) and

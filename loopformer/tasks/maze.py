@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from loopformer.tasks.base import Task, TaskDataError, TokenDataset
+from loopformer.tasks.base import DIHEDRAL_INVERSE, Task, TaskDataError, TokenDataset, square_symmetry
 from loopformer.tasks.puzzle_csv import first_question, read_puzzle_csv, write_puzzle_csv
 
 CHARSET = "# SGo"
@@ -273,22 +273,13 @@ class MazeTask(Task):
 
     # ---------------------------------------------------------------- augmentation
     def apply_transform(self, grid: np.ndarray, transform: int) -> np.ndarray:
-        """Dihedral transform 0..7: rotate by 90 * (t % 4) degrees, then mirror left-right if t >= 4."""
-        if not 0 <= transform < 8:
-            raise ValueError(f"dihedral transform must be in 0..7, got {transform}")
+        """Dihedral transform 0..7 (``square_symmetry``): rotate by 90 * (t % 4) degrees, then mirror left-right
+        if t >= 4; a board [T] or [size, size], or rows [N, T] (each row its own board), in the same shape."""
         arr = np.asarray(grid)
-        g = np.rot90(arr.reshape(self.size, self.size), transform % 4)
-        if transform >= 4:
-            g = np.fliplr(g)
-        return np.ascontiguousarray(g).reshape(arr.shape)
+        return square_symmetry(arr.reshape(-1, self.size, self.size), transform).reshape(arr.shape)
 
     def invert(self, grid: np.ndarray, transform: int) -> np.ndarray:
-        arr = np.asarray(grid)
-        g = arr.reshape(self.size, self.size)
-        if transform >= 4:
-            g = np.fliplr(g)
-        g = np.rot90(g, -(transform % 4))
-        return np.ascontiguousarray(g).reshape(arr.shape)
+        return self.apply_transform(grid, DIHEDRAL_INVERSE[transform])
 
     def augment(self, grid: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, int]:
         transform = int(rng.integers(8))

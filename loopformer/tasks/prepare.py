@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 
 from loopformer.files import atomic_write_json, reserved_memmap
-from loopformer.tasks.base import TaskDataError, TokenDataset
+from loopformer.tasks.base import TaskDataError, TokenDataset, square_symmetry
 
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
 
@@ -147,10 +147,7 @@ def sudoku_augment(inputs: np.ndarray, labels: np.ndarray, box: tuple[int, int],
 
 def dihedral_rows(grid: np.ndarray, side: int, k: int) -> np.ndarray:
     """Dihedral transform ``k`` (0..7: rotate 90 * (k % 4) degrees, then mirror if k >= 4) of each row."""
-    g = np.rot90(np.asarray(grid).reshape(-1, side, side), k % 4, axes=(1, 2))
-    if k >= 4:
-        g = g[:, :, ::-1]
-    return np.ascontiguousarray(g).reshape(len(grid), side * side)
+    return square_symmetry(np.asarray(grid).reshape(-1, side, side), k).reshape(len(grid), side * side)
 
 
 def _subsample(ds: TokenDataset, subset: int, seed: int, where: str) -> TokenDataset:
