@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import random
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -320,13 +321,13 @@ class MazeTask(Task):
         side = int(round(len(q) ** 0.5))
         return {"size": side} if side * side == len(q) and side >= 3 else {}
 
-    def load(self, path: str | Path) -> TokenDataset:
+    def load(self, path: str | Path, progress: Callable[[int], None] | None = None) -> TokenDataset:
         """Read a Maze-Hard CSV (``source,question,answer,rating``); every row is validated (length,
         characters, one S and one G, the answer a valid shortest path of the question); difficulty =
-        rating (the BFS length when the rating is empty).  Errors name the file and line."""
-        return read_puzzle_csv(
-            path, self._parse_csv_row, self.seq_len, {"task": self.name, "size": self.size}
-        )
+        rating (the BFS length when the rating is empty).  Errors name the file and line; ``progress(n_bytes)``
+        is called as blocks are read (``read_puzzle_csv``)."""
+        meta = {"task": self.name, "size": self.size}
+        return read_puzzle_csv(path, self._parse_csv_row, self.seq_len, meta, progress=progress)
 
     def _parse_csv_row(self, where: str, question: str, answer: str) -> tuple[np.ndarray, np.ndarray, float]:
         q = self.parse_grid(question, f"{where}: question", allow_path=False)

@@ -209,20 +209,12 @@ def prepare_csv(name: str, out: Path, sources: dict[str, Path], subset: int, aug
             seen[0] += n
             progress(f"parse {split}", seen[0], total)
 
-        ds = _read_csv(task, path, advance)
+        ds = task.load(path, progress=advance)
         if split == "train":
             ds = _augment_csv(task, _subsample(ds, subset, seed, str(path)), augment, seed, progress)
         save_hrm_folder(ds, out, split, vocab_size=task.vocab_size)
         counts[split] = len(ds)
     return {"task": spec.task, "options": cls.infer_options(sources["train"]), "rows": counts}
-
-
-def _read_csv(task: Any, path: Path, advance: Callable[[int], None]) -> TokenDataset:
-    from loopformer.tasks.puzzle_csv import read_puzzle_csv, sudoku_fast_rows
-
-    meta = {"task": task.name, "size": task.size}
-    fast = sudoku_fast_rows(task.geometry.units, task.size, task.symbols) if task.name == "sudoku" else None
-    return read_puzzle_csv(path, task._parse_csv_row, task.seq_len, meta, fast=fast, progress=advance)
 
 
 def _arc_puzzles(name: str, from_dir: Path | None) -> tuple[list[Any], list[Any]]:

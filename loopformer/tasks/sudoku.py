@@ -19,6 +19,7 @@ shuffles, transpose) have exact inverses; transpose is only offered for square b
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -86,6 +87,7 @@ class SudokuTask(Task):
         self.vocab_size = size + 2
         self.seq_len = size * size
         self.symbols = SYMBOLS[:size]
+        self._fast_rows = sudoku_fast_rows(self.geometry.units, size, self.symbols)
 
     # ---------------------------------------------------------------- conversions
     def _digits(self, grid: np.ndarray | list[int], what: str = "grid") -> list[int]:
@@ -317,28 +319,12 @@ class SudokuTask(Task):
 
     # ---------------------------------------------------------------- validity, difficulty, render
     def check(self, inputs: np.ndarray, prediction: np.ndarray) -> bool:
-        """A complete valid grid that keeps every given of ``inputs`` (the labels are not consulted)."""
-        pred = np.asarray(prediction).reshape(-1)
-        given = np.asarray(inputs).reshape(-1)
-        if pred.shape != (self.seq_len,) or given.shape != (self.seq_len,):
+        """A complete valid grid that keeps every given of ``inputs`` (the labels are not consulted): the one
+        row check (``rows_agree``) on this row; False for a row of the wrong length or non-integer tokens."""
+        rows = [np.asarray(a).reshape(1, -1) for a in (inputs, prediction)]
+        if any(r.shape != (1, self.seq_len) or (r != r.astype(np.int64)).any() for r in rows):
             return False
-        if pred.min() < 2 or pred.max() > self.size + 1:
-            return False
-        mask = given >= 2
-        if not np.array_equal(pred[mask], given[mask]):
-            return False
-        g = pred.reshape(self.size, self.size)
-        box_r, box_c = self.box
-        units = np.concatenate(
-            [
-                g,
-                g.T,
-                g.reshape(self.size // box_r, box_r, self.size // box_c, box_c)
-                .transpose(0, 2, 1, 3)
-                .reshape(self.size, self.size),
-            ]
-        )
-        return bool((np.sort(units, axis=1) == np.arange(2, self.size + 2)).all())
+        return bool(self.rows_agree(rows[0].astype(np.int64), rows[1].astype(np.int64))[0])
 
     def difficulty(self, inputs: np.ndarray) -> float:
         """Number of blank cells."""
@@ -355,7 +341,7 @@ class SudokuTask(Task):
 
     def fast_rows(self) -> FastRows:
         """The vectorised CSV path and row check of this board (``loopformer.tasks.puzzle_csv``)."""
-        return sudoku_fast_rows(self.geometry.units, self.size, self.symbols)
+        return self._fast_rows
 
     def render(self, inputs: np.ndarray, prediction: np.ndarray | None = None, markup: bool = False) -> str:
         """A boxed grid.  Givens plain, filled-in cells in parentheses ``(5)`` (or cyan with rich markup;
@@ -402,15 +388,16 @@ class SudokuTask(Task):
         side = int(round(len(q) ** 0.5))
         return {"size": side} if side * side == len(q) and side in DEFAULT_BOXES else {}
 
-    def load(self, path: str | Path) -> TokenDataset:
+    def load(self, path: str | Path, progress: Callable[[int], None] | None = None) -> TokenDataset:
         """Read a Sudoku-Extreme CSV (``source,question,answer,rating``); difficulty = rating column.
 
         Every row is validated: length, characters, contradictory clues, the answer a complete valid grid
         agreeing with the question.  An empty answer is filled in by the solver (the puzzle must then have a
-        unique solution); an empty rating becomes the blank count.  Errors name the file and line.
+        unique solution); an empty rating becomes the blank count.  Errors name the file and line;
+        ``progress(n_bytes)`` is called as blocks are read (``read_puzzle_csv``).
         """
         meta = {"task": self.name, "size": self.size, "box": list(self.box)}
-        return read_puzzle_csv(path, self._parse_csv_row, self.seq_len, meta, fast=self.fast_rows())
+        return read_puzzle_csv(path, self._parse_csv_row, self.seq_len, meta, fast=self.fast_rows(), progress=progress)
 
     def _parse_csv_row(self, where: str, question: str, answer: str) -> tuple[np.ndarray, np.ndarray, float]:
         q = self.parse_grid(question, f"{where}: question")
