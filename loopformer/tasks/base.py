@@ -227,6 +227,13 @@ def splitmix64(x: np.ndarray) -> np.ndarray:
         return x ^ (x >> np.uint64(31))
 
 
+def sub_seed(seed: int, index: int, attempt: int) -> int:
+    """A 64-bit seed for draw ``attempt`` of row ``index`` of a generation seeded by ``seed`` (``SeedSequence``):
+    each row of a generated set depends on its own index only, so a pool of workers changes nothing."""
+    state = np.random.SeedSequence([seed, index, attempt]).generate_state(2, dtype=np.uint32)
+    return int(state[0]) << 32 | int(state[1])
+
+
 def square_symmetry(grid: np.ndarray, k: int) -> np.ndarray:
     """Symmetry ``k`` (0..7) of the square on the last two axes of ``grid`` (one board or a stack of them): a
     rotation by 90 * (k % 4) degrees counter-clockwise, then, for k >= 4, a mirror left-right; a copy.

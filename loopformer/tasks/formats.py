@@ -363,13 +363,8 @@ def save_hrm_folder(
         vocab_size = int(dataset.meta.get("vocab_size", 0)) or int(
             max(inputs.max(initial=0), labels.max(initial=0)) + 1
         )
-    if inputs.size and (inputs.min() < 0 or inputs.max() >= vocab_size):
-        raise TaskDataError(f"inputs have tokens outside [0, vocab_size={vocab_size})")
-    real = labels[labels != IGNORE_INDEX]
-    if real.size and (real.min() < 0 or real.max() >= vocab_size):
-        raise TaskDataError(
-            f"labels have tokens outside [0, vocab_size={vocab_size}) other than IGNORE_INDEX"
-        )
+    check_tokens(inputs, "inputs", vocab_size)
+    check_tokens(labels, "labels", vocab_size, labels=True)
     dtype = np.uint8 if vocab_size <= 256 else np.int32
     folder = Path(split_folder) if split_folder is not None else Path(path) / split
     root = folder if split_folder is not None else path

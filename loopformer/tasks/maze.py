@@ -26,7 +26,14 @@ from typing import Any
 
 import numpy as np
 
-from loopformer.tasks.base import DIHEDRAL_INVERSE, Task, TaskDataError, TokenDataset, square_symmetry
+from loopformer.tasks.base import (
+    DIHEDRAL_INVERSE,
+    Task,
+    TaskDataError,
+    TokenDataset,
+    square_symmetry,
+    sub_seed,
+)
 from loopformer.tasks.puzzle_csv import first_question, read_puzzle_csv, write_puzzle_csv
 
 CHARSET = "# SGo"
@@ -190,8 +197,7 @@ class MazeTask(Task):
         seen: set[bytes] = set()
         for i in range(n):
             for attempt in range(20):
-                state = np.random.SeedSequence([seed, i, attempt]).generate_state(2, dtype=np.uint32)
-                x, y, length = self._one(int(state[0]) << 32 | int(state[1]), int(min_path), float(loops))
+                x, y, length = self._one(sub_seed(seed, i, attempt), int(min_path), float(loops))
                 key = x.astype(np.uint8).tobytes()
                 if key not in seen:
                     break

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from loopformer.tasks.base import Task, TaskDataError, TokenDataset
+from loopformer.tasks.base import Task, TaskDataError, TokenDataset, sub_seed
 from loopformer.tasks.puzzle_csv import (
     FastRows,
     first_question,
@@ -62,11 +62,6 @@ class SudokuTransform:
 # ----------------------------------------------------------------------------------------------------
 # the task
 # ----------------------------------------------------------------------------------------------------
-
-
-def _sub_seed(seed: int, index: int, attempt: int) -> int:
-    state = np.random.SeedSequence([seed, index, attempt]).generate_state(2, dtype=np.uint32)
-    return int(state[0]) << 32 | int(state[1])
 
 
 class SudokuTask(Task):
@@ -203,7 +198,7 @@ class SudokuTask(Task):
         try:
             while todo:
                 jobs = [
-                    (self.size, self.box, _sub_seed(seed, i, attempts[i]), lo, hi, int(min_backtracks))
+                    (self.size, self.box, sub_seed(seed, i, attempts[i]), lo, hi, int(min_backtracks))
                     for i in todo
                 ]
                 if pool is not None:
