@@ -80,12 +80,11 @@ from loopformer.files import read_json, regular_file
 from loopformer.tasks.base import (
     DIHEDRAL_INVERSE,
     IGNORE_INDEX,
-    Task,
     TaskDataError,
     TokenDataset,
     square_symmetry,
 )
-from loopformer.tasks.formats import load_npz, save_npz
+from loopformer.tasks.formats import NpzTask
 
 MAX_GRID = 30
 NUM_COLOURS = 10
@@ -519,7 +518,7 @@ def _colour_map_consistent(src: np.ndarray, dst: np.ndarray) -> bool:
 # ----------------------------------------------------------------------------- the task
 
 
-class ArcTask(Task):
+class ArcTask(NpzTask):
     """ARC-AGI puzzles as 900-token canvases; ``generate(n, seed, part="train" | "test" | "all")``.
 
     ``part="train"``: the demonstration pairs of every task (translated when ``translate``);
@@ -782,9 +781,3 @@ class ArcTask(Task):
         if grid is None:
             return "<invalid ARC canvas>"
         return "\n".join(" ".join(str(int(c)) for c in row) for row in grid)
-
-    def save(self, dataset: TokenDataset, path: str | Path) -> None:
-        save_npz(dataset, path)
-
-    def load(self, path: str | Path) -> TokenDataset:
-        return load_npz(path, self.vocab_size)

@@ -37,6 +37,7 @@ row and column where there is one) and the reason: a file that is no ``.npz`` ar
 random or truncated bytes), pickled object arrays, a missing array, arrays of the wrong shape or kind (float
 tokens such as ``1.5`` are never truncated to ``1``), tokens outside ``[0, vocab_size)`` (labels may also
 hold ``IGNORE_INDEX``), non-finite difficulties, negative puzzle ids and a ``meta`` that is no JSON object.
+``NpzTask`` is a task whose ``load`` / ``save`` are these, ``load`` bounding the tokens by its vocabulary.
 
 The Sudoku-Extreme / Maze-Hard CSV is ``loopformer.tasks.puzzle_csv``'s.
 """
@@ -51,15 +52,12 @@ import tokenize
 import zipfile
 import zlib
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from loopformer.files import atomic_write_json, atomic_writer, read_json, regular_file, save_npy
-from loopformer.tasks.base import IGNORE_INDEX, TaskDataError, TokenDataset
-
-if TYPE_CHECKING:
-    from loopformer.tasks.base import Task
+from loopformer.tasks.base import IGNORE_INDEX, Task, TaskDataError, TokenDataset
 
 METADATA_FIELDS = (
     "pad_id",
@@ -553,3 +551,14 @@ def load_npz(path: str | Path, vocab_size: int = 0) -> TokenDataset:
                 f"{path}: array 'puzzle_ids': row {row}: id {int(puzzle_ids[row])} is negative"
             )
     return TokenDataset(inputs, labels, difficulty, puzzle_ids, _npz_meta(arrays.get("meta"), path))
+
+
+class NpzTask(Task):
+    """A task whose files are ``.npz`` archives (module docstring): ``load_npz`` bounded by the task's vocabulary
+    and ``save_npz``."""
+
+    def load(self, path: str | Path) -> TokenDataset:
+        return load_npz(path, self.vocab_size)
+
+    def save(self, dataset: TokenDataset, path: str | Path) -> None:
+        save_npz(dataset, path)

@@ -25,13 +25,12 @@ from __future__ import annotations
 import itertools
 import re
 from functools import cached_property
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from loopformer.tasks.base import IGNORE_INDEX, Task, TaskDataError, TokenDataset
-from loopformer.tasks.formats import load_npz, save_npz
+from loopformer.tasks.base import IGNORE_INDEX, TaskDataError, TokenDataset
+from loopformer.tasks.formats import NpzTask
 
 Perm = tuple[int, ...]
 
@@ -124,7 +123,7 @@ def group_elements(name: str) -> list[Perm]:
     return perms
 
 
-class GroupTask(Task):
+class GroupTask(NpzTask):
     """Running products of random words over a finite permutation group (causal).
 
     ``GroupTask(group="S5", length=32)``; ``generate(n, seed, length=128)`` makes longer test words.
@@ -240,9 +239,3 @@ class GroupTask(Task):
             else "?"
             for t in np.asarray(tokens).reshape(-1)
         )
-
-    def save(self, dataset: TokenDataset, path: str | Path) -> None:
-        save_npz(dataset, path)
-
-    def load(self, path: str | Path) -> TokenDataset:
-        return load_npz(path, self.vocab_size)

@@ -30,16 +30,15 @@ Files: ``.npz`` (``loopformer.tasks.formats``).
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from loopformer.tasks.base import IGNORE_INDEX, Task, TaskDataError, TokenDataset, splitmix64
-from loopformer.tasks.formats import load_npz, save_npz
+from loopformer.tasks.base import IGNORE_INDEX, TaskDataError, TokenDataset, splitmix64
+from loopformer.tasks.formats import NpzTask
 
 
-class _KGQueryTask(Task):
+class _KGQueryTask(NpzTask):
     """Shared query encoding, decoding and checking over a dictionary of atomic facts."""
 
     causal = True
@@ -130,12 +129,6 @@ class _KGQueryTask(Task):
         if prediction is not None:
             text += " -> " + name(int(np.asarray(prediction).reshape(-1)[self.answer_position(inputs)]))
         return text
-
-    def save(self, dataset: TokenDataset, path: str | Path) -> None:
-        save_npz(dataset, path)
-
-    def load(self, path: str | Path) -> TokenDataset:
-        return load_npz(path, self.vocab_size)
 
 
 class KGDepthTask(_KGQueryTask):

@@ -47,8 +47,8 @@ from typing import Any
 
 import numpy as np
 
-from loopformer.tasks.base import Task, TaskDataError, TokenDataset, splitmix64
-from loopformer.tasks.formats import load_npz, save_npz
+from loopformer.tasks.base import TaskDataError, TokenDataset, splitmix64
+from loopformer.tasks.formats import NpzTask
 from loopformer.tasks.token_file import (
     TEXT_SUFFIXES,
     builtin_corpus_topics,
@@ -75,7 +75,7 @@ def uniform_draws(seed: int, counters: np.ndarray, total: int) -> np.ndarray:
     return (h % np.uint64(total)).astype(np.int64)
 
 
-class TextTask(Task):
+class TextTask(NpzTask):
     """Causal LM windows of bytes (or of a tokenized corpus' ids): ``generate`` / ``stream`` (module docstring)."""
 
     name = "text"
@@ -273,12 +273,6 @@ class TextTask(Task):
         if self.vocab_size != 256:  # token ids: no tokenizer here to decode them
             return " ".join(str(int(t)) for t in tokens)
         return bytes(int(t) & 0xFF for t in tokens).decode("utf-8", errors="replace")
-
-    def save(self, dataset: TokenDataset, path: str | Path) -> None:
-        save_npz(dataset, path)
-
-    def load(self, path: str | Path) -> TokenDataset:
-        return load_npz(path, self.vocab_size)
 
 
 class WindowColumn:
