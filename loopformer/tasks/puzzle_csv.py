@@ -249,24 +249,17 @@ class _Reader:
 
 
 def _decode_fields(arr: np.ndarray, s: np.ndarray, e: np.ndarray) -> np.ndarray:
-    """The byte fields [s, e) as str: distinct values decoded once (sources repeat across rows)."""
-    n = len(s)
-    if n == 0:
-        return np.empty(0, dtype=object)
+    """The byte fields [s, e) as str: distinct values decoded once (sources repeat across rows), found by
+    ``np.unique`` over each field's bytes (zero-padded to the longest) and length."""
     width = e - s
     W = int(width.max(initial=0))
-    if W > 256:
+    if len(s) == 0 or W > 256:
         return np.asarray([arr[a:b].tobytes().decode("utf-8") for a, b in zip(s, e)], dtype=object)
-    last = len(arr) - 1
-    columns = [np.where(j < width, arr[np.minimum(s + j, last)], 0) for j in range(W)]
-    h = width.astype(np.uint64)
-    with np.errstate(over="ignore"):
-        for col in columns:
-            h = h * np.uint64(1099511628211) + col.astype(np.uint64)
-    _, first, inverse = np.unique(h, return_index=True, return_inverse=True)
-    rep = first[inverse.reshape(-1)]
-    if any((col != col[rep]).any() for col in columns) or (width != width[rep]).any():  # a hash collision
-        return np.asarray([arr[a:b].tobytes().decode("utf-8") for a, b in zip(s, e)], dtype=object)
+    windows = np.lib.stride_tricks.sliding_window_view(np.concatenate([arr, np.zeros(W, np.uint8)]), W)[s]
+    keys = np.concatenate([np.where(np.arange(W) < width[:, None], windows, 0).astype(np.uint8),
+                           width[:, None].astype("<u2").view(np.uint8)], axis=1)  # fmt: skip
+    _, first, inverse = np.unique(keys.view(np.dtype((np.void, W + 2))).ravel(), return_index=True,
+                                  return_inverse=True)  # fmt: skip
     names = np.asarray([arr[s[i] : e[i]].tobytes().decode("utf-8") for i in first], dtype=object)
     return names[inverse.reshape(-1)]
 
