@@ -273,16 +273,12 @@ class SudokuTask(Task):
         return self._token_map(transform.digit_map)[g].reshape(arr.shape)
 
     def invert(self, grid: np.ndarray, transform: SudokuTransform) -> np.ndarray:
-        """Exact inverse of ``apply_transform``."""
-        arr = np.asarray(grid, dtype=np.int64)
-        inverse = np.empty(self.size + 2, dtype=np.int64)
-        inverse[self._token_map(transform.digit_map)] = np.arange(self.size + 2)
-        g = inverse[arr.reshape(self.size, self.size)]
+        """Exact inverse of ``apply_transform``: the transform of the inverted permutations (after a transpose the
+        row and column orders swap, as transpose(g[rows][:, cols]) = transpose(g)[cols][:, rows])."""
+        digits, rows, cols = (tuple(int(i) for i in np.argsort(p)) for p in (transform.digit_map, transform.rows, transform.cols))
         if transform.transpose:
-            g = g.T
-        out = np.empty_like(g)
-        out[np.ix_(transform.rows, transform.cols)] = g
-        return out.reshape(arr.shape)
+            rows, cols = cols, rows
+        return self.apply_transform(grid, SudokuTransform(tuple(d + 1 for d in digits), rows, cols, transform.transpose))
 
     def augment(self, grid: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, SudokuTransform]:
         """A random validity-preserving transform of ``grid``; apply the same transform to its label."""
