@@ -481,7 +481,7 @@ class KGSystematicTask(_KGQueryTask):
         rels = np.stack([self.atomic_relations[first], self.atomic_relations[second]], axis=1)
         x, y = self.encode(heads, rels, self.atomic_tails[second], 3)
         meta = self._meta(split)
-        # row-aligned when created; after subset() use bridges(inputs), which recomputes it
+        # row-aligned (TokenDataset.subset keeps it so); bridges(inputs) recomputes it from the queries
         meta["bridge"] = self.atomic_tails[first].tolist()
         return TokenDataset(x, y, np.full(len(x), 2.0), meta=meta)
 
@@ -534,7 +534,6 @@ class KGSystematicTask(_KGQueryTask):
         if n > len(full):
             raise TaskDataError(f"split {split!r} has {len(full)} rows, {n} requested")
         pick = rng.permutation(len(full)) if n <= 0 else rng.choice(len(full), size=n, replace=False)
-        out = full.subset(pick)
-        out.meta["bridge"] = [full.meta["bridge"][i] for i in pick]
+        out = full.subset(pick)  # meta["bridge"] is row-aligned: subset picks its entries too
         out.meta["seed"] = seed
         return out
