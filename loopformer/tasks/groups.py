@@ -50,37 +50,29 @@ def inverse(a: Perm) -> Perm:
     return tuple(out)
 
 
-def is_even(p: Perm) -> bool:
-    """Parity from the cycle decomposition: a k-cycle is a product of k - 1 transpositions."""
+def cycles(p: Perm) -> list[list[int]]:
+    """The cycle decomposition of ``p``, fixed points included, each cycle from its smallest point."""
     seen = [False] * len(p)
-    transpositions = 0
+    out = []
     for start in range(len(p)):
-        length = 0
-        x = start
+        cycle, x = [], start
         while not seen[x]:
             seen[x] = True
+            cycle.append(x)
             x = p[x]
-            length += 1
-        transpositions += max(length - 1, 0)
-    return transpositions % 2 == 0
+        if cycle:
+            out.append(cycle)
+    return out
+
+
+def is_even(p: Perm) -> bool:
+    """Parity from the cycle decomposition: a k-cycle is a product of k - 1 transpositions."""
+    return sum(len(c) - 1 for c in cycles(p)) % 2 == 0
 
 
 def cycle_notation(p: Perm) -> str:
     """Cycle notation with points numbered from 1, e.g. ``(1 2 3)(4 5)``; the identity is ``e``."""
-    seen = [False] * len(p)
-    cycles = []
-    for start in range(len(p)):
-        if seen[start] or p[start] == start:
-            seen[start] = True
-            continue
-        cycle = []
-        x = start
-        while not seen[x]:
-            seen[x] = True
-            cycle.append(x + 1)
-            x = p[x]
-        cycles.append("(" + " ".join(map(str, cycle)) + ")")
-    return "".join(cycles) or "e"
+    return "".join("(" + " ".join(str(x + 1) for x in c) + ")" for c in cycles(p) if len(c) > 1) or "e"
 
 
 def _closure(generators: list[Perm], degree: int) -> list[Perm]:
