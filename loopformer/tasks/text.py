@@ -253,14 +253,8 @@ class TextTask(NpzTask):
         stride = self.seq_len if stride is None else int(stride)
         if stride < 1:
             raise TaskDataError(f"stride must be >= 1, got {stride}")
-        offsets = [
-            np.arange(s, e - self.seq_len, stride, dtype=np.int64)
-            for s, e in self._regions(split)
-            if e - s > self.seq_len
-        ]
-        if not offsets:
-            self._window_starts(split)  # raises the "too little" error
-        return self._windows(np.concatenate(offsets), split)
+        starts, counts = self._window_starts(split, stride)  # raises the "too little" error
+        return self._windows(np.concatenate([s + stride * np.arange(c) for s, c in zip(starts, counts)]), split)
 
     def check(self, inputs: np.ndarray, prediction: np.ndarray) -> bool:
         raise NotImplementedError(
