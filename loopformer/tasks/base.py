@@ -1,4 +1,5 @@
-"""The task interface every task module implements, and the token dataset they produce.
+"""The task interface every task module implements, the token dataset they produce, and the helpers they share
+(``splitmix64``: keyed draws; ``sub_seed``: a generated row's seed; ``square_symmetry``: the dihedral transforms).
 
 A task owns its truth: ``check`` decides whether a prediction is valid from the puzzle's
 own rules (Sudoku constraints, shortest-path validity, group products, graph lookups),

@@ -17,7 +17,7 @@ Tokens: element id e (0-based, in that order) is token e + 1; token 0 is PAD (vo
 61 for A5, 121 for S5, as in FPRM). Labels use the same element tokens; PAD positions carry
 IGNORE_INDEX. The task is causal: the label at i depends on inputs 0..i only. ``generate(..., pad_to=W)``
 stores words at W positions (PAD after the word), as FPRM's training words are stored at the test length.
-Difficulty is the word length. Files: ``.npz`` (see :func:`save_npz`).
+Difficulty is the word length. Files: ``.npz`` (``loopformer.tasks.formats.NpzTask``).
 """
 
 from __future__ import annotations
