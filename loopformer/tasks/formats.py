@@ -127,10 +127,6 @@ def _no_duplicates(path: Path) -> Any:
     return hook
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def check_set_name(name: Any, where: str) -> str:
     """``name`` when it is a plain set name (module docstring), else TaskDataError naming ``where``."""
     if not isinstance(name, str):
@@ -157,7 +153,7 @@ def read_dataset_json(path: str | Path) -> dict[str, Any]:
         if field not in meta or (nullable and meta[field] is None):
             continue
         value = meta[field]
-        if not _is_int(value):
+        if not isinstance(value, int) or isinstance(value, bool):
             kind = "null" if value is None else type(value).__name__
             raise TaskDataError(f"{path}: field {field!r} must be an integer, got {kind} {value!r}")
         if value < low:
