@@ -286,7 +286,7 @@ class MazeTask(Task):
         return square_symmetry(arr.reshape(-1, self.size, self.size), transform).reshape(arr.shape)
 
     def invert(self, grid: np.ndarray, transform: int) -> np.ndarray:
-        return self.apply_transform(grid, DIHEDRAL_INVERSE[transform])
+        return self.apply_transform(grid, DIHEDRAL_INVERSE[transform] if 0 <= transform < 8 else transform)
 
     def augment(self, grid: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, int]:
         transform = int(rng.integers(8))
