@@ -274,12 +274,9 @@ def sudoku_fast_rows(units: list[tuple[int, ...]], size: int, symbols: str) -> F
     def check(q: np.ndarray, a: np.ndarray) -> np.ndarray:
         ok = ((a >= 2) & (a <= size + 1)).all(axis=1) & ((q < 2) | (q == a)).all(axis=1)
         ok &= ((q >= 1) & (q <= size + 1)).all(axis=1)
-        for start in range(0, len(a), 65536):
-            bits = bit[np.clip(a[start : start + 65536], 0, size + 1)]
-            seen = bits[:, unit_index[:, 0]]
-            for k in range(1, size):
-                seen |= bits[:, unit_index[:, k]]
-            ok[start : start + 65536] &= (seen == full).all(axis=1)
+        for start in range(0, len(a), 16384):  # [rows, units, size] bits at a time: at most 25 MB (16 x 16)
+            bits = bit[np.clip(a[start : start + 16384], 0, size + 1)][:, unit_index]
+            ok[start : start + 16384] &= (np.bitwise_or.reduce(bits, axis=2) == full).all(axis=1)
         return ok
 
     def blanks(q: np.ndarray) -> np.ndarray:
