@@ -272,8 +272,7 @@ def sudoku_fast_rows(units: list[tuple[int, ...]], size: int, symbols: str) -> F
     bit[2 : size + 2] = 1 << np.arange(size)  # token d + 2 -> bit d
 
     def check(q: np.ndarray, a: np.ndarray) -> np.ndarray:
-        ok = ((a >= 2) & (a <= size + 1)).all(axis=1) & ((q < 2) | (q == a)).all(axis=1)
-        ok &= ((q >= 1) & (q <= size + 1)).all(axis=1)
+        ok = ((a >= 2) & (a <= size + 1) & (q >= 1) & (q <= size + 1) & ((q < 2) | (q == a))).all(axis=1)
         for start in range(0, len(a), 16384):  # [rows, units, size] bits at a time: at most 25 MB (16 x 16)
             bits = bit[np.clip(a[start : start + 16384], 0, size + 1)][:, unit_index]
             ok[start : start + 16384] &= (np.bitwise_or.reduce(bits, axis=2) == full).all(axis=1)
