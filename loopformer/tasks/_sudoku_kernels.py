@@ -13,24 +13,10 @@ word: the caller passes ``random.Random(seed).getstate()`` and the kernel draws 
 
 from __future__ import annotations
 
-import warnings
-
+import numba  # a dependency of loopformer (pyproject.toml); NUMBA_DISABLE_JIT=1 runs the kernels as plain Python
 import numpy as np
 
-try:
-    import numba
-except ImportError:  # an environment installed before numba became a dependency: slow but correct
-    warnings.warn(
-        "numba is not installed: the Sudoku solver runs its kernels as plain Python (hundreds of times slower); "
-        "pip install numba",
-        RuntimeWarning,
-        stacklevel=2,
-    )
-
-    def _jit(fn):  # type: ignore[no-untyped-def]
-        return fn
-else:
-    _jit = numba.njit(cache=True, nogil=True)
+_jit = numba.njit(cache=True, nogil=True)
 
 _N = 624
 _M = 397

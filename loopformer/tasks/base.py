@@ -1,4 +1,5 @@
-"""The task interface every task module implements, and the token dataset they produce.
+"""The task interface every task module implements, the token dataset they produce, and the helpers they share
+(``splitmix64``: keyed draws; ``sub_seed``: a generated row's seed; ``square_symmetry``: the dihedral transforms).
 
 A task owns its truth: ``check`` decides whether a prediction is valid from the puzzle's
 own rules (Sudoku constraints, shortest-path validity, group products, graph lookups),
@@ -225,6 +226,27 @@ def splitmix64(x: np.ndarray) -> np.ndarray:
         x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
         x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
         return x ^ (x >> np.uint64(31))
+
+
+def sub_seed(seed: int, index: int, attempt: int) -> int:
+    """A 64-bit seed for draw ``attempt`` of row ``index`` of a generation seeded by ``seed`` (``SeedSequence``):
+    each row of a generated set depends on its own index only, so a pool of workers changes nothing."""
+    state = np.random.SeedSequence([seed, index, attempt]).generate_state(2, dtype=np.uint32)
+    return int(state[0]) << 32 | int(state[1])
+
+
+def square_symmetry(grid: np.ndarray, k: int) -> np.ndarray:
+    """Symmetry ``k`` (0..7) of the square on the last two axes of ``grid`` (one board or a stack of them): a
+    rotation by 90 * (k % 4) degrees counter-clockwise, then, for k >= 4, a mirror left-right; a copy.
+    The maze's transforms and the prepared datasets' use this numbering; ARC numbers the same eight by name
+    (``loopformer.tasks.arc.DIHEDRAL_NAMES``). ``DIHEDRAL_INVERSE[k]`` undoes ``k``."""
+    if not 0 <= k < 8:
+        raise TaskDataError(f"dihedral transform index must be 0..7, got {k}")
+    g = np.rot90(np.asarray(grid), k % 4, axes=(-2, -1))
+    return (g[..., ::-1] if k >= 4 else g).copy()
+
+
+DIHEDRAL_INVERSE = (0, 3, 2, 1, 4, 5, 6, 7)  # rotations by 90 / 270 degrees undo each other; reflections themselves
 
 
 def task_model_fields(task: Task) -> dict[str, Any]:

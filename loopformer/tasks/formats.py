@@ -37,6 +37,7 @@ row and column where there is one) and the reason: a file that is no ``.npz`` ar
 random or truncated bytes), pickled object arrays, a missing array, arrays of the wrong shape or kind (float
 tokens such as ``1.5`` are never truncated to ``1``), tokens outside ``[0, vocab_size)`` (labels may also
 hold ``IGNORE_INDEX``), non-finite difficulties, negative puzzle ids and a ``meta`` that is no JSON object.
+``NpzTask`` is a task whose ``load`` / ``save`` are these, ``load`` bounding the tokens by its vocabulary.
 
 The Sudoku-Extreme / Maze-Hard CSV is ``loopformer.tasks.puzzle_csv``'s.
 """
@@ -51,15 +52,12 @@ import tokenize
 import zipfile
 import zlib
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from loopformer.files import atomic_write_json, atomic_writer, read_json, regular_file, save_npy
-from loopformer.tasks.base import IGNORE_INDEX, TaskDataError, TokenDataset
-
-if TYPE_CHECKING:
-    from loopformer.tasks.base import Task
+from loopformer.tasks.base import IGNORE_INDEX, Task, TaskDataError, TokenDataset
 
 METADATA_FIELDS = (
     "pad_id",
@@ -129,10 +127,6 @@ def _no_duplicates(path: Path) -> Any:
     return hook
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def check_set_name(name: Any, where: str) -> str:
     """``name`` when it is a plain set name (module docstring), else TaskDataError naming ``where``."""
     if not isinstance(name, str):
@@ -159,7 +153,7 @@ def read_dataset_json(path: str | Path) -> dict[str, Any]:
         if field not in meta or (nullable and meta[field] is None):
             continue
         value = meta[field]
-        if not _is_int(value):
+        if not isinstance(value, int) or isinstance(value, bool):
             kind = "null" if value is None else type(value).__name__
             raise TaskDataError(f"{path}: field {field!r} must be an integer, got {kind} {value!r}")
         if value < low:
@@ -363,13 +357,8 @@ def save_hrm_folder(
         vocab_size = int(dataset.meta.get("vocab_size", 0)) or int(
             max(inputs.max(initial=0), labels.max(initial=0)) + 1
         )
-    if inputs.size and (inputs.min() < 0 or inputs.max() >= vocab_size):
-        raise TaskDataError(f"inputs have tokens outside [0, vocab_size={vocab_size})")
-    real = labels[labels != IGNORE_INDEX]
-    if real.size and (real.min() < 0 or real.max() >= vocab_size):
-        raise TaskDataError(
-            f"labels have tokens outside [0, vocab_size={vocab_size}) other than IGNORE_INDEX"
-        )
+    check_tokens(inputs, "inputs", vocab_size)
+    check_tokens(labels, "labels", vocab_size, labels=True)
     dtype = np.uint8 if vocab_size <= 256 else np.int32
     folder = Path(split_folder) if split_folder is not None else Path(path) / split
     root = folder if split_folder is not None else path
@@ -558,3 +547,14 @@ def load_npz(path: str | Path, vocab_size: int = 0) -> TokenDataset:
                 f"{path}: array 'puzzle_ids': row {row}: id {int(puzzle_ids[row])} is negative"
             )
     return TokenDataset(inputs, labels, difficulty, puzzle_ids, _npz_meta(arrays.get("meta"), path))
+
+
+class NpzTask(Task):
+    """A task whose files are ``.npz`` archives (module docstring): ``load_npz`` bounded by the task's vocabulary
+    and ``save_npz``."""
+
+    def load(self, path: str | Path) -> TokenDataset:
+        return load_npz(path, self.vocab_size)
+
+    def save(self, dataset: TokenDataset, path: str | Path) -> None:
+        save_npz(dataset, path)

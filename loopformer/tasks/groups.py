@@ -17,7 +17,7 @@ Tokens: element id e (0-based, in that order) is token e + 1; token 0 is PAD (vo
 61 for A5, 121 for S5, as in FPRM). Labels use the same element tokens; PAD positions carry
 IGNORE_INDEX. The task is causal: the label at i depends on inputs 0..i only. ``generate(..., pad_to=W)``
 stores words at W positions (PAD after the word), as FPRM's training words are stored at the test length.
-Difficulty is the word length. Files: ``.npz`` (see :func:`save_npz`).
+Difficulty is the word length. Files: ``.npz`` (``loopformer.tasks.formats.NpzTask``).
 """
 
 from __future__ import annotations
@@ -25,13 +25,12 @@ from __future__ import annotations
 import itertools
 import re
 from functools import cached_property
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from loopformer.tasks.base import IGNORE_INDEX, Task, TaskDataError, TokenDataset
-from loopformer.tasks.formats import load_npz, save_npz
+from loopformer.tasks.base import IGNORE_INDEX, TaskDataError, TokenDataset
+from loopformer.tasks.formats import NpzTask
 
 Perm = tuple[int, ...]
 
@@ -51,37 +50,29 @@ def inverse(a: Perm) -> Perm:
     return tuple(out)
 
 
-def is_even(p: Perm) -> bool:
-    """Parity from the cycle decomposition: a k-cycle is a product of k - 1 transpositions."""
+def cycles(p: Perm) -> list[list[int]]:
+    """The cycle decomposition of ``p``, fixed points included, each cycle from its smallest point."""
     seen = [False] * len(p)
-    transpositions = 0
+    out = []
     for start in range(len(p)):
-        length = 0
-        x = start
+        cycle, x = [], start
         while not seen[x]:
             seen[x] = True
+            cycle.append(x)
             x = p[x]
-            length += 1
-        transpositions += max(length - 1, 0)
-    return transpositions % 2 == 0
+        if cycle:
+            out.append(cycle)
+    return out
+
+
+def is_even(p: Perm) -> bool:
+    """Parity from the cycle decomposition: a k-cycle is a product of k - 1 transpositions."""
+    return sum(len(c) - 1 for c in cycles(p)) % 2 == 0
 
 
 def cycle_notation(p: Perm) -> str:
     """Cycle notation with points numbered from 1, e.g. ``(1 2 3)(4 5)``; the identity is ``e``."""
-    seen = [False] * len(p)
-    cycles = []
-    for start in range(len(p)):
-        if seen[start] or p[start] == start:
-            seen[start] = True
-            continue
-        cycle = []
-        x = start
-        while not seen[x]:
-            seen[x] = True
-            cycle.append(x + 1)
-            x = p[x]
-        cycles.append("(" + " ".join(map(str, cycle)) + ")")
-    return "".join(cycles) or "e"
+    return "".join("(" + " ".join(str(x + 1) for x in c) + ")" for c in cycles(p) if len(c) > 1) or "e"
 
 
 def _closure(generators: list[Perm], degree: int) -> list[Perm]:
@@ -124,7 +115,7 @@ def group_elements(name: str) -> list[Perm]:
     return perms
 
 
-class GroupTask(Task):
+class GroupTask(NpzTask):
     """Running products of random words over a finite permutation group (causal).
 
     ``GroupTask(group="S5", length=32)``; ``generate(n, seed, length=128)`` makes longer test words.
@@ -240,9 +231,3 @@ class GroupTask(Task):
             else "?"
             for t in np.asarray(tokens).reshape(-1)
         )
-
-    def save(self, dataset: TokenDataset, path: str | Path) -> None:
-        save_npz(dataset, path)
-
-    def load(self, path: str | Path) -> TokenDataset:
-        return load_npz(path, self.vocab_size)

@@ -30,16 +30,15 @@ Files: ``.npz`` (``loopformer.tasks.formats``).
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from loopformer.tasks.base import IGNORE_INDEX, Task, TaskDataError, TokenDataset, splitmix64
-from loopformer.tasks.formats import load_npz, save_npz
+from loopformer.tasks.base import IGNORE_INDEX, TaskDataError, TokenDataset, splitmix64
+from loopformer.tasks.formats import NpzTask
 
 
-class _KGQueryTask(Task):
+class _KGQueryTask(NpzTask):
     """Shared query encoding, decoding and checking over a dictionary of atomic facts."""
 
     causal = True
@@ -130,12 +129,6 @@ class _KGQueryTask(Task):
         if prediction is not None:
             text += " -> " + name(int(np.asarray(prediction).reshape(-1)[self.answer_position(inputs)]))
         return text
-
-    def save(self, dataset: TokenDataset, path: str | Path) -> None:
-        save_npz(dataset, path)
-
-    def load(self, path: str | Path) -> TokenDataset:
-        return load_npz(path, self.vocab_size)
 
 
 class KGDepthTask(_KGQueryTask):
@@ -488,7 +481,7 @@ class KGSystematicTask(_KGQueryTask):
         rels = np.stack([self.atomic_relations[first], self.atomic_relations[second]], axis=1)
         x, y = self.encode(heads, rels, self.atomic_tails[second], 3)
         meta = self._meta(split)
-        # row-aligned when created; after subset() use bridges(inputs), which recomputes it
+        # row-aligned (TokenDataset.subset keeps it so); bridges(inputs) recomputes it from the queries
         meta["bridge"] = self.atomic_tails[first].tolist()
         return TokenDataset(x, y, np.full(len(x), 2.0), meta=meta)
 
@@ -541,7 +534,6 @@ class KGSystematicTask(_KGQueryTask):
         if n > len(full):
             raise TaskDataError(f"split {split!r} has {len(full)} rows, {n} requested")
         pick = rng.permutation(len(full)) if n <= 0 else rng.choice(len(full), size=n, replace=False)
-        out = full.subset(pick)
-        out.meta["bridge"] = [full.meta["bridge"][i] for i in pick]
+        out = full.subset(pick)  # meta["bridge"] is row-aligned: subset picks its entries too
         out.meta["seed"] = seed
         return out

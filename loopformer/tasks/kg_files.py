@@ -43,14 +43,9 @@ PAD, END = "<pad>", "</a>"
 PRED_POS = ("answer", "last")
 
 
-def _read_json(path: Path) -> Any:
-    """A UTF-8 JSON file; TaskDataError naming the file and position (never quoting its contents)."""
-    return read_json(path, TaskDataError)
-
-
 def _vocabulary(path: Path) -> list[str]:
     """vocab.json's tokens: a JSON list of distinct ``<...>`` strings (``<pad>`` put first when missing)."""
-    tokens = _read_json(path)
+    tokens = read_json(path, TaskDataError)
     if not isinstance(tokens, list):
         raise TaskDataError(f"{path} must be a JSON list of token strings, got {type(tokens).__name__}")
     seen: dict[str, int] = {}
@@ -106,7 +101,7 @@ class KGFilesTask(Task):
         """(query ids, answer id, type) per record of ``path`` (a name inside the folder or a path); with
         ``numbered``, (record number in the file, query ids, answer id, type)."""
         file = Path(path) if Path(path).exists() else self.root / path
-        data = _read_json(file)
+        data = read_json(file, TaskDataError)
         if not isinstance(data, list):
             raise TaskDataError(f"{file} must hold a JSON list of records, got {type(data).__name__}")
         out = []

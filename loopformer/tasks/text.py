@@ -47,8 +47,8 @@ from typing import Any
 
 import numpy as np
 
-from loopformer.tasks.base import Task, TaskDataError, TokenDataset, splitmix64
-from loopformer.tasks.formats import load_npz, save_npz
+from loopformer.tasks.base import TaskDataError, TokenDataset, splitmix64
+from loopformer.tasks.formats import NpzTask
 from loopformer.tasks.token_file import (
     TEXT_SUFFIXES,
     builtin_corpus_topics,
@@ -75,7 +75,7 @@ def uniform_draws(seed: int, counters: np.ndarray, total: int) -> np.ndarray:
     return (h % np.uint64(total)).astype(np.int64)
 
 
-class TextTask(Task):
+class TextTask(NpzTask):
     """Causal LM windows of bytes (or of a tokenized corpus' ids): ``generate`` / ``stream`` (module docstring)."""
 
     name = "text"
@@ -253,14 +253,8 @@ class TextTask(Task):
         stride = self.seq_len if stride is None else int(stride)
         if stride < 1:
             raise TaskDataError(f"stride must be >= 1, got {stride}")
-        offsets = [
-            np.arange(s, e - self.seq_len, stride, dtype=np.int64)
-            for s, e in self._regions(split)
-            if e - s > self.seq_len
-        ]
-        if not offsets:
-            self._window_starts(split)  # raises the "too little" error
-        return self._windows(np.concatenate(offsets), split)
+        starts, counts = self._window_starts(split, stride)  # raises the "too little" error
+        return self._windows(np.concatenate([s + stride * np.arange(c) for s, c in zip(starts, counts)]), split)
 
     def check(self, inputs: np.ndarray, prediction: np.ndarray) -> bool:
         raise NotImplementedError(
@@ -273,12 +267,6 @@ class TextTask(Task):
         if self.vocab_size != 256:  # token ids: no tokenizer here to decode them
             return " ".join(str(int(t)) for t in tokens)
         return bytes(int(t) & 0xFF for t in tokens).decode("utf-8", errors="replace")
-
-    def save(self, dataset: TokenDataset, path: str | Path) -> None:
-        save_npz(dataset, path)
-
-    def load(self, path: str | Path) -> TokenDataset:
-        return load_npz(path, self.vocab_size)
 
 
 class WindowColumn:
