@@ -115,6 +115,19 @@ METHODS = {
         "search. Ratio = wall time loopformer / authors, median "
         "of interleaved pairs; runs repeat until two agree within 10%.",
     ),
+    "step_compile": (
+        "14. The whole step compiled on the CPU: compile time, break-even, share of the matmul rate",
+        "One row per CPU recipe family (benchmarks/bench_step_compile.py: the CPU recipes at their model size and "
+        "batch, 256 generated training rows; HRM, which has no CPU recipe, is `paper_sudoku_extreme_hrm` at d 64, "
+        "batch 64, 4x4 Sudoku; `kg_depth_recurrent` at a fixed 4 loops instead of its Poisson draw of 2-8). Eager vs "
+        "`compile=true` trainers from the same weights: compile CPU seconds (the first 3 compiled steps, tracing and "
+        "C++ compilation in this process, a fresh inductor cache, less 3 steps at the compiled rate; the wall time "
+        "and load beside it), then interleaved steps (process CPU time, one thread). Break-even = compile CPU s / "
+        "(eager - compiled) step, beside the recipe's `train.steps`. `matmul_share.*`: at `sudoku4_fprm`'s size, "
+        "the step's FLOP/s over the FLOP/s of the same dense calls (every matmul / convolution of one eager step, "
+        "recorded with its arguments and replayed alone), eager, compiled and replay interleaved; runs repeat until "
+        "two agree within 10%.",
+    ),
     "contraction": (
         "17. The contraction term's cost (loopformer's addition)",
         "A training step of the 9x9 head-to-head's FPRM (`experiments/sudoku9_cpu.py`: `fprm_authors`) with "
@@ -146,6 +159,25 @@ def _details(r: dict[str, Any]) -> list[str]:
             f"  GFLOP a step {d.get('gflop_per_step')} (ratio {d.get('flops_ratio')}); mean loop iterations a "
             f"step {d.get('loop_steps_mean')}"
         )
+    if r["benchmark"] == "step_compile" and "break_even_steps" in d:
+        be = d["break_even_steps"]
+        lines.append(
+            f"| {name.split('.', 1)[1]} | {d['recipe']} | {d.get('d_model')} | {d['batch_size']} | {d['graphs']} | "
+            f"{d['compile_cpu_s']:.0f} | {d['compile_s']:.0f} ({d['load_average_while_compiling']}) | "
+            f"{_ms(times['eager']['median_s'])} | {_ms(times['compiled']['median_s'])} | {r['value']:.2f} | "
+            f"{'never' if be is None else f'{be:,}'} | {d['recipe_steps']:,} |"
+        )
+        return lines
+    if r["benchmark"] == "step_compile" and "dense_calls" in d:
+        gf = d["gflops_per_s"]
+        lines.append(
+            f"- `{name}`: {d['recipe']}, {d['step_flops'] / 1e9:.2f} GFLOP a step; eager {gf['eager']:.1f}, compiled "
+            f"{gf['compiled']:.1f}, the same dense calls alone {gf['dense_calls']:.1f} GFLOP/s ({d['clock']}); "
+            f"dense calls {d['dense_calls']}; runs "
+            + ", ".join(f"eager {x['eager']:.3f} / compiled {x['compiled']:.3f}" for x in d["runs"])
+            + f" (stable within 10%: {d['stable_within_10pct']})"
+        )
+        return lines
     if r["benchmark"] in ("engine", "compile", "flops") and times:
         lines.append(f"- `{name}`: median times {parts}")
         if "loss_abs_diff" in d:
@@ -369,13 +401,24 @@ def render(results: list[dict[str, Any]], info: dict[str, Any]) -> str:
         if not rows:
             continue
         out += [f"### {title}", "", method, ""]
+        if bench == "step_compile":
+            out += [
+                "| family | recipe | d | batch | graphs | compile (CPU s) | compile (wall s, load) | eager (ms) | "
+                "compiled (ms) | eager / compiled | break-even steps | recipe steps |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|",
+            ]
         if bench == "memory":
             loops = rows[0]["details"].get("loops", [4, 16, 64])
             out += [
                 "| gradient mode | " + " | ".join(f"MiB at {n} loops" for n in loops) + " | growth |",
                 "|---|" + "---|" * len(loops) + "---|",
             ]
-        for r in rows:
+        if bench == "step_compile":  # the table's rows first, then the matmul-share lines below it
+            rows = sorted(rows, key=lambda r: "break_even_steps" not in r.get("details", {}))
+        for i, r in enumerate(rows):
+            in_table = "break_even_steps" in r.get("details", {})
+            if bench == "step_compile" and i and not in_table and "break_even_steps" in rows[i - 1].get("details", {}):
+                out.append("")  # the table ends
             out += _details(r)
         out.append("")
 
