@@ -350,7 +350,7 @@ def render(results: list[dict[str, Any]], info: dict[str, Any]) -> str:
         "LOOPFORMER_REFS=/path/to/checkouts python -m benchmarks --only reference   # vs the authors' code",
         "python -m benchmarks --quick         # tiniest sizes (what tests/test_benchmarks_smoke.py runs)",
         "pip install -c constraints.txt torchdeq==0.1.0   # for the TorchDEQ comparison (else it is skipped)",
-        "python benchmarks/gpu.py             # CUDA only: paper-size FPRM throughput and MFU",
+        "python benchmarks/gpu.py             # CUDA: the paper recipes' compiled step, throughput, MFU, memory",
         "```",
         "",
         "Every figure is a ratio of variants measured side by side in one run: repetitions are interleaved "
@@ -425,14 +425,17 @@ def render(results: list[dict[str, Any]], info: dict[str, Any]) -> str:
     out += [
         "## GPU benchmark",
         "",
-        "`benchmarks/gpu.py` measures a paper-size FPRM (d 512, 8 heads, 2 blocks, about 6.4M parameters, "
-        "Sudoku length 81, batch 768) training step on CUDA with bf16 autocast, SDPA flash attention and "
-        "`torch.compile`, and reports tokens/s and model FLOP utilisation against the H200's bf16 dense "
-        "peak (989 TFLOP/s; `--peak-tflops` for other GPUs). It writes `benchmarks/gpu.json`. It was not run "
-        "here: this machine has no GPU. On a machine without CUDA it exits with status 2 and a one-line message.",
+        "`benchmarks/gpu.py` times the paper recipes' real training step (`Trainer.train_step`, paper size, batch "
+        "768, bf16 autocast, the whole step compiled) on CUDA in phases, each printed as it ends: the compile time "
+        "(the first step), the warm-up, the timed steps (tokens/s), the FLOPs of one step (MFU against the card's "
+        "bf16 dense peak: 989 TFLOP/s for an H100 / H200; `--peak-tflops` for others) and the peak memory beside "
+        "`--plan`'s estimate; `--max-seconds` bounds it and its JSON (`benchmarks/gpu.json`) holds whatever was "
+        "measured. It has not run on a GPU since issue 47 (none was lent); `--device cpu --tiny` runs its phases "
+        "on the CPU for its tests. Without CUDA (and no `--device cpu`) it exits with status 2 and a one-line "
+        "message.",
         "",
         "```",
-        "python benchmarks/gpu.py --steps 20          # or: python -m benchmarks.gpu",
+        "python benchmarks/gpu.py --steps 50 --max-seconds 600   # or: python -m benchmarks.gpu",
         "```",
         "",
         "What one GPU holds for each paper recipe (`loopformer train RECIPE --plan`, gradient accumulation) "
