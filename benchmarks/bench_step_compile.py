@@ -15,7 +15,10 @@ through the loop engine, loss, gradients, clipping, divergence check, optimiser 
   those steps at the compiled rate; the wall time beside it, with the load average (this machine is shared);
 - *step times*: the two trainers take interleaved steps, one thread, process CPU time per step; figure = eager /
   compiled (above 1: compiling helps), median of the per-round ratios;
-- *break-even*: compile CPU time / (eager - compiled step CPU time) steps, beside the recipe's own ``train.steps``.
+- *warm cache*: a third trainer's first compiled step once the graph is in inductor's on-disk cache (a second run of
+  the same recipe on the same machine: Dynamo traces again, the compiled code is read back), less one compiled step;
+- *break-even*: compile CPU time / (eager - compiled step CPU time) steps, cold and warm, beside the recipe's own
+  ``train.steps``.
 
 ``matmul_share.*`` (issue 47): at ``sudoku4_fprm``'s recipe size, a step's FLOPs (``torch.utils.flop_counter``'s
 formulas: matmuls, convolutions) over its time, divided by the FLOP/s of the same dense calls alone: every call with
@@ -98,6 +101,22 @@ def inductor_start_up() -> float:
     with fresh_cache():
         torch.compile(lambda x: (x * 2).sum())(torch.ones(4))
     return time.perf_counter() - start
+
+
+def warm_cache_first_step(family: str, tmp: Path, quick: bool) -> float:
+    """CPU seconds of a new compiled trainer's first step once the family's graph is in inductor's on-disk cache (a
+    second run of the same recipe on the same machine): Dynamo traces again, the compiled code is read back."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    again = trainer(family, tmp / "again", quick, "compile=true")
+    try:
+        cpu = cpu_seconds()
+        _stepper(again)()
+        return cpu_seconds() - cpu
+    finally:
+        again.folder.close()
+        torch._dynamo.reset()
 
 
 class DenseCalls:
@@ -215,6 +234,7 @@ def _family(name: str, tmp: Path, quick: bool, start_up_s: float | None) -> list
                              warmup=1, clock=time.process_time)  # fmt: skip
         if name == "fprm":
             rows += matmul_share(eager, compiled, quick)
+        details["warm_cache_first_step_cpu_s"] = round(warm_cache_first_step(name, tmp, quick), 1)
     finally:
         eager.folder.close()
         compiled.folder.close()
@@ -226,8 +246,10 @@ def _family(name: str, tmp: Path, quick: bool, start_up_s: float | None) -> list
     eager_s, compiled_s = details["times"]["eager"]["median_s"], details["times"]["compiled"]["median_s"]
     details["compile_s"] = round(details["warmup_s"] - WARMUP * compiled_s, 1)  # wall: the machine's load in it
     details["compile_cpu_s"] = round(details["warmup_cpu_s"] - WARMUP * compiled_s, 1)
+    details["compile_warm_cpu_s"] = round(details["warm_cache_first_step_cpu_s"] - compiled_s, 1)
     saved = eager_s - compiled_s
     details["break_even_steps"] = round(details["compile_cpu_s"] / saved) if saved > 0 else None
+    details["break_even_steps_warm_cache"] = round(details["compile_warm_cpu_s"] / saved) if saved > 0 else None
     pays = (f"pays after {details['break_even_steps']:,} steps (the recipe trains {tc.steps:,})" if saved > 0
             else "never pays (compiled is slower)")  # fmt: skip
     row = Result("step_compile", f"step_compile.{name}", ratio, "x", None, None,

@@ -123,7 +123,8 @@ METHODS = {
         "`compile=true` trainers from the same weights: compile CPU seconds (the first 3 compiled steps, tracing and "
         "C++ compilation in this process, a fresh inductor cache, less 3 steps at the compiled rate; the wall time "
         "and load beside it), then interleaved steps (process CPU time, one thread). Break-even = compile CPU s / "
-        "(eager - compiled) step, beside the recipe's `train.steps`. `matmul_share.*`: at `sudoku4_fprm`'s size, "
+        "(eager - compiled) step, beside the recipe's `train.steps`; warm cache: a new compiled trainer's first step "
+        "once the graph is in inductor's on-disk cache (a second run of the recipe on the machine). `matmul_share.*`: at `sudoku4_fprm`'s size, "
         "the step's FLOP/s over the FLOP/s of the same dense calls (every matmul / convolution of one eager step, "
         "recorded with its arguments and replayed alone), eager, compiled and replay interleaved; runs repeat until "
         "two agree within 10%.",
@@ -160,12 +161,13 @@ def _details(r: dict[str, Any]) -> list[str]:
             f"step {d.get('loop_steps_mean')}"
         )
     if r["benchmark"] == "step_compile" and "break_even_steps" in d:
-        be = d["break_even_steps"]
+        be, bw = d["break_even_steps"], d.get("break_even_steps_warm_cache")
+        warm = "-" if "compile_warm_cpu_s" not in d else f"{d['compile_warm_cpu_s']:.0f} / {'never' if bw is None else f'{bw:,}'}"
         lines.append(
             f"| {name.split('.', 1)[1]} | {d['recipe']} | {d.get('d_model')} | {d['batch_size']} | {d['graphs']} | "
             f"{d['compile_cpu_s']:.0f} | {d['compile_s']:.0f} ({d['load_average_while_compiling']}) | "
             f"{_ms(times['eager']['median_s'])} | {_ms(times['compiled']['median_s'])} | {r['value']:.2f} | "
-            f"{'never' if be is None else f'{be:,}'} | {d['recipe_steps']:,} |"
+            f"{'never' if be is None else f'{be:,}'} | {d['recipe_steps']:,} | {warm} |"
         )
         return lines
     if r["benchmark"] == "step_compile" and "dense_calls" in d:
@@ -404,8 +406,9 @@ def render(results: list[dict[str, Any]], info: dict[str, Any]) -> str:
         if bench == "step_compile":
             out += [
                 "| family | recipe | d | batch | graphs | compile (CPU s) | compile (wall s, load) | eager (ms) | "
-                "compiled (ms) | eager / compiled | break-even steps | recipe steps |",
-                "|---|---|---|---|---|---|---|---|---|---|---|---|",
+                "compiled (ms) | eager / compiled | break-even steps | recipe steps | warm cache: compile (CPU s) / "
+                "break-even |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
             ]
         if bench == "memory":
             loops = rows[0]["details"].get("loops", [4, 16, 64])
