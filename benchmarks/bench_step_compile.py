@@ -24,7 +24,9 @@ through the loop engine, loss, gradients, clipping, divergence check, optimiser 
 formulas: matmuls, convolutions) over its time, divided by the FLOP/s of the same dense calls alone: every call with
 a FLOP formula in one eager step (shapes, strides and operator as the step made them) is recorded and replayed
 back to back. As FLOPs are equal, the share is replay time / step time. Eager step, compiled step and replay are
-interleaved; runs repeat until two agree within 10% (``bench_flops.stable_runs``).
+interleaved; runs repeat until two agree within 10% (``bench_flops.stable_runs``). Where the rest goes: the
+attention calls (CPU flash attention, which has no FLOP formula) replayed alone the same way, and the compiled
+region's own time (the rest of the compiled step is the trainer's host work around it).
 """
 
 from __future__ import annotations
@@ -123,9 +125,10 @@ class DenseCalls:
     """Every call with a FLOP formula (``torch.utils.flop_counter.flop_registry``) in a region, recorded with copies
     of its arguments so it can be replayed alone: the step's dense work on its own shapes."""
 
-    def __init__(self) -> None:
+    def __init__(self, select: Any = None) -> None:
         self.calls: list[tuple[Any, list[Any], dict[str, Any]]] = []
         self.flops = 0
+        self.select = select  # op name -> bool: record these calls instead (their FLOPs are not summed)
 
     def record(self, fn: Any) -> DenseCalls:
         from torch.utils._python_dispatch import TorchDispatchMode
@@ -138,7 +141,9 @@ class DenseCalls:
                 kwargs = kwargs or {}
                 out = func(*args, **kwargs)
                 formula = flop_registry.get(func._overloadpacket)
-                if formula is not None:
+                if owner.select is not None and owner.select(str(func._overloadpacket)):
+                    owner.calls.append((func, [a.detach().clone() if hasattr(a, "detach") else a for a in args], kwargs))
+                elif owner.select is None and formula is not None:
                     owner.flops += int(formula(*args, **kwargs, out_val=out))
                     owner.calls.append((func, [a.detach().clone() if hasattr(a, "detach") else a for a in args],
                                         kwargs))  # fmt: skip
@@ -169,24 +174,39 @@ def matmul_share(eager: Any, compiled: Any, quick: bool) -> list[Result]:
 
     step_e, step_c = _stepper(eager), _stepper(compiled)
     dense = DenseCalls().record(step_e)
+    attention = DenseCalls(lambda op: "attention" in op).record(step_e)  # no FLOP formula on the CPU: not counted
     with FlopCounterMode(display=False) as counter:
         step_e()
     flops = int(counter.get_total_flops())
-    variants = {"eager": step_e, "compiled": step_c, "dense_calls": dense.replay}
+    graph = compiled.compiled
+    inside: list[float] = []
+    fn = graph.fn
+
+    def timed_graph(*args: Any) -> Any:  # the compiled region's own CPU time (the rest of the step is host work)
+        start = time.process_time()
+        try:
+            return fn(*args)
+        finally:
+            inside.append(time.process_time() - start)
+
+    graph.fn = timed_graph
+    variants = {"eager": step_e, "compiled": step_c, "dense_calls": dense.replay, "attention_calls": attention.replay}
 
     def figures(times: dict[str, list[float]]) -> dict[str, float]:
         rows = list(zip(times["eager"], times["compiled"], times["dense_calls"]))
         return {"eager": median(d / e for e, _, d in rows), "compiled": median(d / c for _, c, d in rows)}
 
     runs, times = stable_runs(variants, figures, repeats=2 if quick else 5, budget_s=60 if quick else 600)
+    graph.fn = fn
     last = runs[-1]
     stable = len(runs) >= 2 and all(abs(last[k] / runs[-2][k] - 1) <= AGREE for k in last)
     med = summary(times)
     details = {
         "recipe": "sudoku4_fprm" + (" (quick size)" if quick else ""), "clock": "process CPU time", "threads": 1,
         "step_flops": flops, "dense_call_flops": dense.flops, "dense_calls": dense.ops(),
-        "gflops_per_s": {k: round(flops / v["median_s"] / 1e9, 2) for k, v in med.items()},
+        "gflops_per_s": {k: round(flops / med[k]["median_s"] / 1e9, 2) for k in ("eager", "compiled", "dense_calls")},
         "runs": runs, "stable_within_10pct": stable, "times": med, "compiled_whole": compiled.compiled is not None,
+        "attention_calls": attention.ops(), "compiled_graph_call_median_s": round(median(inside), 6),
     }  # fmt: skip
     unstable = "" if stable else f"; runs did not agree within 10% ({runs})"
     gf = details["gflops_per_s"]

@@ -179,6 +179,14 @@ def _details(r: dict[str, Any]) -> list[str]:
             + ", ".join(f"eager {x['eager']:.3f} / compiled {x['compiled']:.3f}" for x in d["runs"])
             + f" (stable within 10%: {d['stable_within_10pct']})"
         )
+        if "attention_calls" in d:
+            t = d["times"]
+            lines.append(
+                f"  compiled step {_ms(t['compiled']['median_s'])} ms: the compiled region "
+                f"{_ms(d['compiled_graph_call_median_s'])} ms (host work around it the rest), the dense calls alone "
+                f"{_ms(t['dense_calls']['median_s'])} ms, the attention calls alone {_ms(t['attention_calls']['median_s'])}"
+                f" ms ({d['attention_calls']}, not in the FLOP count)"
+            )
         return lines
     if r["benchmark"] in ("engine", "compile", "flops") and times:
         lines.append(f"- `{name}`: median times {parts}")
