@@ -46,11 +46,11 @@ def test_gpu_benchmark_exits_2_without_cuda() -> None:
     assert proc.returncode == 2 and "needs a CUDA GPU" in proc.stderr
 
 
-def _gpu_py(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
+def _gpu_py(tmp_path: Path, *args: str, timeout: float = 500) -> tuple[subprocess.CompletedProcess, dict]:
     out = tmp_path / "gpu.json"
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu.py"), "--device", "cpu", "--tiny",
                            "--recipes", "paper_sudoku_extreme_fprm", "--out", str(out), *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=500)  # fmt: skip
+                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
     printed = json.loads(proc.stdout.strip().splitlines()[-1])
     assert json.loads(out.read_text()) == printed  # the file holds what was printed
     return proc, printed
@@ -86,10 +86,11 @@ def test_gpu_benchmark_reports_what_it_measured_within_its_budget(tmp_path: Path
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2400)
 def test_gpu_benchmark_compiles_the_whole_step_on_the_cpu(tmp_path: Path) -> None:
-    """The compiled path (inductor on the CPU; minutes here): the whole step compiled, at most one recompilation
-    in the warm-up, the compile time far above a steady step's."""
-    proc, report = _gpu_py(tmp_path, "--steps", "2", "--warmup", "2", "--set", "compile=true")
+    """The compiled path (inductor on the CPU; 8-15 minutes on the loaded 2-core machine): the whole step compiled,
+    at most one recompilation in the warm-up, the compile time far above a steady step's."""
+    proc, report = _gpu_py(tmp_path, "--steps", "2", "--warmup", "2", "--set", "compile=true", timeout=2300)
     assert proc.returncode == 0, proc.stderr
     (row,) = report["recipes"]
     assert row["compiled_whole_step"] and row["graphs"] <= 2 and row["complete"], row
