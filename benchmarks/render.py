@@ -115,6 +115,20 @@ METHODS = {
         "search. Ratio = wall time loopformer / authors, median "
         "of interleaved pairs; runs repeat until two agree within 10%.",
     ),
+    "step_compile": (
+        "14. The whole step compiled on the CPU: compile time, break-even, share of the matmul rate",
+        "One row per CPU recipe family (benchmarks/bench_step_compile.py: the CPU recipes at their model size and "
+        "batch, 256 generated training rows; HRM, which has no CPU recipe, is `paper_sudoku_extreme_hrm` at d 64, "
+        "batch 64, 4x4 Sudoku; `kg_depth_recurrent` at a fixed 4 loops instead of its Poisson draw of 2-8). Eager vs "
+        "`compile=true` trainers from the same weights: compile CPU seconds (the first 3 compiled steps, tracing and "
+        "C++ compilation in this process, a fresh inductor cache, less 3 steps at the compiled rate; the wall time "
+        "and load beside it), then interleaved steps (process CPU time, one thread). Break-even = compile CPU s / "
+        "(eager - compiled) step, beside the recipe's `train.steps`; warm cache: a new compiled trainer's first step "
+        "once the graph is in inductor's on-disk cache (a second run of the recipe on the machine). `matmul_share.*`: at `sudoku4_fprm`'s size, "
+        "the step's FLOP/s over the FLOP/s of the same dense calls (every matmul / convolution of one eager step, "
+        "recorded with its arguments and replayed alone), eager, compiled and replay interleaved; runs repeat until "
+        "two agree within 10%.",
+    ),
     "contraction": (
         "17. The contraction term's cost (loopformer's addition)",
         "A training step of the 9x9 head-to-head's FPRM (`experiments/sudoku9_cpu.py`: `fprm_authors`) with "
@@ -146,6 +160,34 @@ def _details(r: dict[str, Any]) -> list[str]:
             f"  GFLOP a step {d.get('gflop_per_step')} (ratio {d.get('flops_ratio')}); mean loop iterations a "
             f"step {d.get('loop_steps_mean')}"
         )
+    if r["benchmark"] == "step_compile" and "break_even_steps" in d:
+        be, bw = d["break_even_steps"], d.get("break_even_steps_warm_cache")
+        warm = "-" if "compile_warm_cpu_s" not in d else f"{d['compile_warm_cpu_s']:.0f} / {'never' if bw is None else f'{bw:,}'}"
+        lines.append(
+            f"| {name.split('.', 1)[1]} | {d['recipe']} | {d.get('d_model')} | {d['batch_size']} | {d['graphs']} | "
+            f"{d['compile_cpu_s']:.0f} | {d['compile_s']:.0f} ({d['load_average_while_compiling']}) | "
+            f"{_ms(times['eager']['median_s'])} | {_ms(times['compiled']['median_s'])} | {r['value']:.2f} | "
+            f"{'never' if be is None else f'{be:,}'} | {d['recipe_steps']:,} | {warm} |"
+        )
+        return lines
+    if r["benchmark"] == "step_compile" and "dense_calls" in d:
+        gf = d["gflops_per_s"]
+        lines.append(
+            f"- `{name}`: {d['recipe']}, {d['step_flops'] / 1e9:.2f} GFLOP a step; eager {gf['eager']:.1f}, compiled "
+            f"{gf['compiled']:.1f}, the same dense calls alone {gf['dense_calls']:.1f} GFLOP/s ({d['clock']}); "
+            f"dense calls {d['dense_calls']}; runs "
+            + ", ".join(f"eager {x['eager']:.3f} / compiled {x['compiled']:.3f}" for x in d["runs"])
+            + f" (stable within 10%: {d['stable_within_10pct']})"
+        )
+        if "attention_calls" in d:
+            t = d["times"]
+            lines.append(
+                f"  compiled step {_ms(t['compiled']['median_s'])} ms: the compiled region "
+                f"{_ms(d['compiled_graph_call_median_s'])} ms (host work around it the rest), the dense calls alone "
+                f"{_ms(t['dense_calls']['median_s'])} ms, the attention calls alone {_ms(t['attention_calls']['median_s'])}"
+                f" ms ({d['attention_calls']}, not in the FLOP count)"
+            )
+        return lines
     if r["benchmark"] in ("engine", "compile", "flops") and times:
         lines.append(f"- `{name}`: median times {parts}")
         if "loss_abs_diff" in d:
@@ -318,7 +360,7 @@ def render(results: list[dict[str, Any]], info: dict[str, Any]) -> str:
         "LOOPFORMER_REFS=/path/to/checkouts python -m benchmarks --only reference   # vs the authors' code",
         "python -m benchmarks --quick         # tiniest sizes (what tests/test_benchmarks_smoke.py runs)",
         "pip install -c constraints.txt torchdeq==0.1.0   # for the TorchDEQ comparison (else it is skipped)",
-        "python benchmarks/gpu.py             # CUDA only: paper-size FPRM throughput and MFU",
+        "python benchmarks/gpu.py             # CUDA: the paper recipes' compiled step, throughput, MFU, memory",
         "```",
         "",
         "Every figure is a ratio of variants measured side by side in one run: repetitions are interleaved "
@@ -369,27 +411,42 @@ def render(results: list[dict[str, Any]], info: dict[str, Any]) -> str:
         if not rows:
             continue
         out += [f"### {title}", "", method, ""]
+        if bench == "step_compile":
+            out += [
+                "| family | recipe | d | batch | graphs | compile (CPU s) | compile (wall s, load) | eager (ms) | "
+                "compiled (ms) | eager / compiled | break-even steps | recipe steps | warm cache: compile (CPU s) / "
+                "break-even |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+            ]
         if bench == "memory":
             loops = rows[0]["details"].get("loops", [4, 16, 64])
             out += [
                 "| gradient mode | " + " | ".join(f"MiB at {n} loops" for n in loops) + " | growth |",
                 "|---|" + "---|" * len(loops) + "---|",
             ]
-        for r in rows:
+        if bench == "step_compile":  # the table's rows first, then the matmul-share lines below it
+            rows = sorted(rows, key=lambda r: "break_even_steps" not in r.get("details", {}))
+        for i, r in enumerate(rows):
+            in_table = "break_even_steps" in r.get("details", {})
+            if bench == "step_compile" and i and not in_table and "break_even_steps" in rows[i - 1].get("details", {}):
+                out.append("")  # the table ends
             out += _details(r)
         out.append("")
 
     out += [
         "## GPU benchmark",
         "",
-        "`benchmarks/gpu.py` measures a paper-size FPRM (d 512, 8 heads, 2 blocks, about 6.4M parameters, "
-        "Sudoku length 81, batch 768) training step on CUDA with bf16 autocast, SDPA flash attention and "
-        "`torch.compile`, and reports tokens/s and model FLOP utilisation against the H200's bf16 dense "
-        "peak (989 TFLOP/s; `--peak-tflops` for other GPUs). It writes `benchmarks/gpu.json`. It was not run "
-        "here: this machine has no GPU. On a machine without CUDA it exits with status 2 and a one-line message.",
+        "`benchmarks/gpu.py` times the paper recipes' real training step (`Trainer.train_step`, paper size, batch "
+        "768, bf16 autocast, the whole step compiled) on CUDA in phases, each printed as it ends: the compile time "
+        "(the first step), the warm-up, the timed steps (tokens/s), the FLOPs of one step (MFU against the card's "
+        "bf16 dense peak: 989 TFLOP/s for an H100 / H200; `--peak-tflops` for others) and the peak memory beside "
+        "`--plan`'s estimate; `--max-seconds` bounds it and its JSON (`benchmarks/gpu.json`) holds whatever was "
+        "measured. It has not run on a GPU since issue 47 (none was lent); `--device cpu --tiny` runs its phases "
+        "on the CPU for its tests. Without CUDA (and no `--device cpu`) it exits with status 2 and a one-line "
+        "message.",
         "",
         "```",
-        "python benchmarks/gpu.py --steps 20          # or: python -m benchmarks.gpu",
+        "python benchmarks/gpu.py --steps 50 --max-seconds 600   # or: python -m benchmarks.gpu",
         "```",
         "",
         "What one GPU holds for each paper recipe (`loopformer train RECIPE --plan`, gradient accumulation) "

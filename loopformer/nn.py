@@ -99,11 +99,14 @@ class Rotary(nn.Module):
         self._cis: dict[tuple[int, torch.device, torch.dtype], Tensor] = {}
 
     def cos_sin(self, T: int, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """cos / sin tables [T, Dh / 2], computed once per (length, device, dtype)."""
+        """cos / sin tables [T, Dh / 2], computed once per (length, device, dtype); in traced code, in the graph
+        (a guard on the cache's contents would recompile the graph once the cache fills)."""
         key = (T, device, dtype)
-        if key not in self._cache:
+        if torch.compiler.is_compiling() or key not in self._cache:
             t = torch.arange(T, device=device, dtype=torch.float32)
             freqs = torch.outer(t, self.inv_freq.to(device))
+            if torch.compiler.is_compiling():
+                return freqs.cos().to(dtype), freqs.sin().to(dtype)
             self._cache[key] = (freqs.cos().to(dtype), freqs.sin().to(dtype))
         return self._cache[key]
 

@@ -178,6 +178,27 @@ def test_a_compiled_training_runs_through_its_warm_up_without_recompiling(
         torch._dynamo.reset()
 
 
+def test_an_eager_evaluation_between_compiled_steps_does_not_recompile(tmp_path: Path) -> None:
+    """An evaluation (eager) fills the model's caches, e.g. the rotary tables; the compiled step must not have
+    guarded on them (it did: the first trace saw the table missing, the second call recompiled)."""
+    tr = small_trainer("sudoku4_trm", tmp_path / "run", "compile=true")  # attention with rotary positions
+    tr.compiled = CompiledStep(tr, backend="eager")
+    rotary = next(m for m in tr.model.modules() if type(m).__name__ == "Rotary")
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        for i in range(3):
+            tr.meter.add(tr.train_step())
+            tr.step += 1
+            if i == 0:
+                tr.evaluate()
+                assert rotary._cache, "the evaluation did not fill the rotary tables"
+        assert tr.compiled is not None and counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    finally:
+        tr.folder.close()
+        torch._dynamo.reset()
+
+
 def test_the_recompile_limit_falls_back_to_the_eager_step(tmp_path: Path, monkeypatch, caplog) -> None:
     """A recompile-limit failure (``FailOnRecompileLimitHit``: fullgraph's hard failure, not a dynamo exception)
     falls back like any compile failure: logged once with its reason, the run steps eagerly with the optimiser's
